@@ -1,0 +1,27 @@
+"""thdpack: compact THD (packed, padding-free) training batches for LLMs and VLMs.
+
+Data flows one way::
+
+    samples -> plan_packs (lengths only) -> build_thd_batch -> consumer
+"""
+
+from thdpack.align import cp_pad_multiple
+from thdpack.batch import ThdBatch
+from thdpack.build import build_thd_batch
+from thdpack.collate import PackedBatches, ThdCollator
+from thdpack.plan import PackPlan, PackStats, plan_packs
+from thdpack.sampler import TokenBudgetBatchSampler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PackPlan",
+    "PackStats",
+    "PackedBatches",
+    "ThdBatch",
+    "ThdCollator",
+    "TokenBudgetBatchSampler",
+    "build_thd_batch",
+    "cp_pad_multiple",
+    "plan_packs",
+]

@@ -1,0 +1,62 @@
+"""Per-sample alignment multiples for context / tensor / sequence parallelism and FP8."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_FP8_MULTIPLES = {"fp8": 16, "mxfp8": 32}
+
+
+def cp_pad_multiple(
+    cp_size: int = 1,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    fp8: bool | str | None = None,
+) -> int:
+    """The least multiple every sample's padded length must be a multiple of.
+
+    ``lcm(2·cp if cp > 1 else 1, tp·cp if sequence_parallel and tp > 1 else 1)``,
+    and additionally a multiple of 16 for FP8 (``fp8=True`` or ``"fp8"``) or 32
+    for MXFP8 (``fp8="mxfp8"``). Never larger than needed: every extra pad slot
+    costs compute on every layer.
+    """
+    _check_positive_int(cp_size, "cp_size")
+    _check_positive_int(tp_size, "tp_size")
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    if sequence_parallel and tp_size > 1:
+        multiple = math.lcm(multiple, tp_size * cp_size)
+    if fp8:
+        key = "fp8" if fp8 is True else str(fp8).lower()
+        if key not in _FP8_MULTIPLES:
+            raise ValueError(f"fp8 must be True, 'fp8' or 'mxfp8', got {fp8!r}")
+        multiple = math.lcm(multiple, _FP8_MULTIPLES[key])
+    return multiple
+
+
+def resolve_pad_multiple(
+    cp_size: int = 1,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    pad_multiple: int | None = None,
+) -> int:
+    """The multiple a builder pads to: the parallelism requirement, combined (lcm)
+    with an explicit ``pad_multiple`` when one is given."""
+    multiple = cp_pad_multiple(cp_size, tp_size, sequence_parallel)
+    if pad_multiple is not None:
+        _check_positive_int(pad_multiple, "pad_multiple")
+        multiple = math.lcm(multiple, int(pad_multiple))
+    return multiple
+
+
+def round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
+    """``lengths`` rounded up to ``multiple`` (int64 array in, int64 array out)."""
+    if multiple == 1:
+        return lengths
+    return -(-lengths // multiple) * multiple
+
+
+def _check_positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,85 @@
+"""``collate_fn`` for a PyTorch DataLoader: a list of samples in, THD batches out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from thdpack.align import resolve_pad_multiple
+from thdpack.batch import ThdBatch
+from thdpack.build import build_thd_batch
+from thdpack.plan import PackStats, plan_packs
+from thdpack.samples import get_field, to_int_array
+
+
+class PackedBatches(list):
+    """A list of :class:`ThdBatch` (one per pack) with the plan's ``stats``
+    (what was truncated, split or dropped to make the packs fit)."""
+
+    def __init__(self, batches, stats: PackStats):
+        super().__init__(batches)
+        self.stats = stats
+
+
+class ThdCollator:
+    """Turn a list of samples into a :class:`ThdBatch`.
+
+    Use as ``DataLoader(dataset, batch_size=8, collate_fn=ThdCollator())`` or with
+    :class:`thdpack.TokenBudgetBatchSampler` as ``batch_sampler`` (then each batch
+    is already one pack).
+
+    Args:
+        pad_token_id, ignore_index, cp_size, tp_size, sequence_parallel,
+        pad_multiple, max_length: as in :func:`thdpack.build_thd_batch`.
+        pack_size: if given, the samples of a call are planned into packs of at
+            most ``pack_size`` tokens (after alignment) and the call returns a
+            :class:`PackedBatches` list, one batch per pack.
+        algorithm, overflow, max_samples_per_pack: planning options used with
+            ``pack_size`` (see :func:`thdpack.plan_packs`).
+    """
+
+    def __init__(
+        self,
+        *,
+        pad_token_id: int = 0,
+        ignore_index: int = -100,
+        cp_size: int = 1,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        pad_multiple: int | None = None,
+        max_length: int | None = None,
+        pack_size: int | None = None,
+        algorithm: str = "bfd",
+        overflow: str = "error",
+        max_samples_per_pack: int | None = None,
+    ):
+        self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
+        self.build_kwargs = dict(
+            pad_token_id=pad_token_id,
+            ignore_index=ignore_index,
+            pad_multiple=self.pad_multiple,
+            max_length=max_length,
+        )
+        self.pack_size = pack_size
+        self.max_length = max_length
+        self.plan_kwargs = dict(algorithm=algorithm, overflow=overflow, max_samples_per_pack=max_samples_per_pack)
+        if pack_size is not None:  # validate planning options now rather than in a worker
+            plan_packs([1], pack_size, align=self.pad_multiple, **self.plan_kwargs)
+
+    def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
+        if self.pack_size is None:
+            return build_thd_batch(samples, **self.build_kwargs)
+        samples = list(samples)
+        lengths = np.array(
+            [to_int_array(get_field(s, "input_ids", i, required=True), sample=i, field="input_ids").size for i, s in enumerate(samples)],
+            dtype=np.int64,
+        )
+        if self.max_length is not None:
+            lengths = np.minimum(lengths, self.max_length)
+        plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs)
+        batches = [
+            build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs)
+            for k in range(len(plan))
+        ]
+        return PackedBatches(batches, plan.stats)

@@ -1,0 +1,293 @@
+"""Pack planning: which samples go in which pack, computed from lengths only.
+
+Planning knows nothing of tensors. A plan is a flat list of *pieces*
+(``sample_index``, ``start``, ``length``: a token range of one input sample)
+grouped into packs by ``pack_offsets`` (CSR layout). Without truncation or
+splitting every piece is a whole sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from thdpack import _binpack
+from thdpack.align import round_up
+
+ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
+OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """Summary of a plan. Token counts are real (unpadded) tokens unless named ``aligned``."""
+
+    num_packs: int
+    num_samples: int  # input samples given to the planner
+    num_pieces: int  # entries placed in packs (a split sample gives several)
+    lower_bound: int  # ceil(sum of aligned lengths / pack_size): no plan can use fewer packs
+    pack_size: int
+    real_tokens: int  # tokens placed in packs
+    aligned_tokens: int  # tokens placed, each piece rounded up to ``align``
+    efficiency: float  # real_tokens / (num_packs * pack_size)
+    packing_factor: float  # pieces per pack, on average
+    max_samples_per_pack: int
+    min_pack_fill: float  # smallest real-token fill of a pack, as a fraction of pack_size
+    max_pack_fill: float
+    samples_truncated: int
+    tokens_truncated: int
+    samples_dropped: int
+    tokens_dropped: int
+    samples_split: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        lines = [
+            f"packs            {self.num_packs} (lower bound {self.lower_bound})",
+            f"samples          {self.num_samples} -> {self.num_pieces} pieces",
+            f"real tokens      {self.real_tokens} (aligned {self.aligned_tokens})",
+            f"efficiency       {self.efficiency:.4f}",
+            f"packing factor   {self.packing_factor:.2f} samples/pack (max {self.max_samples_per_pack})",
+            f"pack fill        {self.min_pack_fill:.3f} .. {self.max_pack_fill:.3f}",
+            f"truncated        {self.samples_truncated} samples, {self.tokens_truncated} tokens",
+            f"dropped          {self.samples_dropped} samples, {self.tokens_dropped} tokens",
+            f"split            {self.samples_split} samples",
+        ]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Which token ranges of which samples go in which pack.
+
+    Attributes (all int64 numpy arrays):
+        sample_index: ``[m]`` input row of each piece.
+        start: ``[m]`` first token of the piece within its sample.
+        length: ``[m]`` real tokens of the piece.
+        pack_offsets: ``[num_packs + 1]`` pieces of pack k are ``pack_offsets[k]:pack_offsets[k+1]``.
+        dropped: ``[d]`` input rows dropped by ``overflow="drop"``.
+    """
+
+    sample_index: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    pack_offsets: np.ndarray
+    dropped: np.ndarray
+    pack_size: int
+    align: int
+    algorithm: str
+    overflow: str
+    seed: int
+    stats: PackStats = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    @cached_property
+    def packs(self) -> list[np.ndarray]:
+        """One int64 array of input sample indices per pack."""
+        return np.split(self.sample_index, self.pack_offsets[1:-1])
+
+    def pack(self, k: int) -> np.ndarray:
+        """Input sample indices of pack ``k`` (int64 ``[n_k]``)."""
+        return self.sample_index[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+
+    def pieces(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sample_index, start, length)`` of the pieces in pack ``k``."""
+        sl = slice(self.pack_offsets[k], self.pack_offsets[k + 1])
+        return self.sample_index[sl], self.start[sl], self.length[sl]
+
+    def pack_lengths(self, k: int) -> np.ndarray:
+        """Real lengths of the pieces in pack ``k`` (int64 ``[n_k]``)."""
+        return self.length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+
+    @property
+    def is_whole_samples(self) -> bool:
+        """True when every piece is a whole, untruncated sample."""
+        return self.stats.samples_truncated == 0 and self.stats.samples_split == 0
+
+    def gather(self, samples, k: int) -> list:
+        """The samples of pack ``k`` from an indexable ``samples``, cut to their pieces."""
+        from thdpack.samples import slice_sample
+
+        idx, start, length = self.pieces(k)
+        if self.is_whole_samples:
+            return [samples[i] for i in idx.tolist()]
+        return [slice_sample(samples[i], a, a + n) for i, a, n in zip(idx.tolist(), start.tolist(), length.tolist())]
+
+
+def validate_lengths(lengths) -> np.ndarray:
+    """``lengths`` as a 1-D int64 array; ``ValueError`` naming the first bad sample."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind != "f":
+            raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+        non_integral = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if non_integral.size:
+            i = int(non_integral[0])
+            raise ValueError(f"lengths must be integers; sample {i} has length {arr[i]!r}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        i = int(bad[0])
+        what = "is empty (length 0)" if arr[i] == 0 else f"has negative length {int(arr[i])}"
+        raise ValueError(f"sample {i} {what}; every sample needs at least one token ({bad.size} such samples)")
+    return arr
+
+
+def plan_packs(
+    lengths: Sequence[int] | np.ndarray,
+    pack_size: int,
+    *,
+    algorithm: str = "bfd",
+    align: int = 1,
+    overflow: str = "error",
+    max_samples_per_pack: int | None = None,
+    seed: int = 0,
+) -> PackPlan:
+    """Plan packs of at most ``pack_size`` tokens from sample lengths.
+
+    Args:
+        lengths: ``[n]`` integer token counts, each >= 1.
+        pack_size: token budget of a pack (after each piece is rounded up to ``align``).
+        algorithm: ``"bfd"`` best-fit decreasing over the whole input (global, not
+            windowed); ``"ffd"`` first-fit decreasing; ``"first_fit_shuffle"`` first fit
+            in an order randomised by ``seed`` (for curricula that must not sort);
+            ``"sequential"`` next fit in input order (streams).
+        align: each length is rounded up to a multiple of this before fitting, so
+            that per-sample CP/TP padding (see :func:`thdpack.cp_pad_multiple`) still fits.
+        overflow: what to do with a sample whose aligned length exceeds ``pack_size``:
+            ``"error"`` (ValueError naming it), ``"truncate"`` (keep its first tokens),
+            ``"split"`` (cut into pack-size pieces, all kept) or ``"drop"``. Truncated,
+            split and dropped tokens are counted in ``plan.stats``.
+        max_samples_per_pack: optional cap on pieces per pack.
+        seed: randomness for ``"first_fit_shuffle"``. Plans are deterministic.
+
+    Returns:
+        A :class:`PackPlan`. Within a pack, pieces are ordered by input index
+        (then by start, for split samples).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    _check_int(pack_size, "pack_size", 1)
+    _check_int(align, "align", 1)
+    if max_samples_per_pack is not None:
+        _check_int(max_samples_per_pack, "max_samples_per_pack", 1)
+    limit = pack_size // align * align  # longest real length whose aligned length fits
+    if limit == 0:
+        raise ValueError(f"pack_size ({pack_size}) is smaller than align ({align}); nothing can fit")
+
+    lengths = validate_lengths(lengths)
+    n = lengths.size
+    over = lengths > limit
+    n_over = int(over.sum())
+    sample_index = np.arange(n, dtype=np.int64)
+    start = np.zeros(n, dtype=np.int64)
+    length = lengths
+    dropped = np.zeros(0, dtype=np.int64)
+    samples_truncated = tokens_truncated = tokens_dropped = samples_split = 0
+
+    if n_over:
+        if overflow == "error":
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(
+                f"sample {i} has {int(lengths[i])} tokens"
+                + (f" ({int(round_up(lengths[i:i+1], align)[0])} after aligning to {align})" if align > 1 else "")
+                + f", more than pack_size={pack_size}; {n_over} sample(s) are too long. "
+                "Use overflow='truncate', 'split' or 'drop', or raise pack_size."
+            )
+        if overflow == "truncate":
+            samples_truncated = n_over
+            tokens_truncated = int((lengths[over] - limit).sum())
+            length = np.minimum(lengths, limit)
+        elif overflow == "drop":
+            dropped = np.flatnonzero(over)
+            tokens_dropped = int(lengths[over].sum())
+            keep = ~over
+            sample_index, start, length = sample_index[keep], start[keep], lengths[keep]
+        else:  # split
+            samples_split = n_over
+            n_pieces = -(-lengths // limit)
+            sample_index = np.repeat(sample_index, n_pieces)
+            first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+            start = (np.arange(sample_index.size, dtype=np.int64) - first_piece) * limit
+            length = np.minimum(limit, lengths[sample_index] - start)
+
+    sizes = round_up(length, align)
+    order = _placement_order(sizes, algorithm, seed)
+    kernel = {
+        "bfd": _binpack.best_fit,
+        "ffd": _binpack.first_fit,
+        "first_fit_shuffle": _binpack.first_fit,
+        "sequential": _binpack.next_fit,
+    }[algorithm]
+    bin_sorted, num_packs = kernel(
+        np.ascontiguousarray(sizes[order]), int(pack_size), int(max_samples_per_pack or 0)
+    )
+    pack_of = np.empty_like(bin_sorted)
+    pack_of[order] = bin_sorted
+    # pieces were created in (sample, start) order, so a stable sort by pack keeps it within packs
+    by_pack = np.argsort(pack_of, kind="stable")
+    counts = np.bincount(pack_of, minlength=num_packs)
+    pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
+    np.cumsum(counts, out=pack_offsets[1:])
+    sample_index, start, length = sample_index[by_pack], start[by_pack], length[by_pack]
+
+    fill = np.add.reduceat(length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+    real_tokens = int(length.sum())
+    aligned_tokens = int(sizes.sum())
+    stats = PackStats(
+        num_packs=int(num_packs),
+        num_samples=int(n),
+        num_pieces=int(length.size),
+        lower_bound=int(math.ceil(aligned_tokens / pack_size)),
+        pack_size=int(pack_size),
+        real_tokens=real_tokens,
+        aligned_tokens=aligned_tokens,
+        efficiency=real_tokens / (num_packs * pack_size) if num_packs else 0.0,
+        packing_factor=length.size / num_packs if num_packs else 0.0,
+        max_samples_per_pack=int(counts.max()) if num_packs else 0,
+        min_pack_fill=float(fill.min() / pack_size) if num_packs else 0.0,
+        max_pack_fill=float(fill.max() / pack_size) if num_packs else 0.0,
+        samples_truncated=samples_truncated,
+        tokens_truncated=tokens_truncated,
+        samples_dropped=int(dropped.size),
+        tokens_dropped=tokens_dropped,
+        samples_split=samples_split,
+    )
+    return PackPlan(
+        sample_index=sample_index,
+        start=start,
+        length=length,
+        pack_offsets=pack_offsets,
+        dropped=dropped,
+        pack_size=int(pack_size),
+        align=int(align),
+        algorithm=algorithm,
+        overflow=overflow,
+        seed=int(seed),
+        stats=stats,
+    )
+
+
+def _placement_order(sizes: np.ndarray, algorithm: str, seed: int) -> np.ndarray:
+    if algorithm in ("bfd", "ffd"):
+        return np.argsort(-sizes, kind="stable")  # decreasing; ties by input order
+    if algorithm == "first_fit_shuffle":
+        return np.random.default_rng(seed).permutation(sizes.size)
+    return np.arange(sizes.size)
+
+
+def _check_int(value, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

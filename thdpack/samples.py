@@ -1,0 +1,86 @@
+"""Reading sample fields: lists, numpy arrays, torch tensors and Arrow values
+become 1-D numpy integer arrays, with errors that name the sample and field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
+
+
+def to_int_array(value, *, sample: int, field: str) -> np.ndarray:
+    """One per-token field as a 1-D numpy array of integers (or bools).
+
+    Accepts Python sequences, numpy arrays, torch tensors (any device), and
+    Arrow values (``pyarrow`` arrays and list scalars). A leading axis of size 1
+    (what a tokenizer returns with ``return_tensors=...``) is dropped. The result
+    may be a view of the input: callers must not write to it.
+    """
+    arr = _as_numpy(value, sample=sample, field=field)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"sample {sample}: field '{field}' must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iub":
+        if arr.size == 0:
+            return arr.astype(np.int64)
+        raise ValueError(
+            f"sample {sample}: field '{field}' must hold integers, got dtype {arr.dtype}"
+            + (f" (first value {arr[0]!r})" if arr.size else "")
+        )
+    return arr
+
+
+def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        try:
+            arr = np.asarray(value)
+        except ValueError as exc:  # ragged nested lists
+            raise ValueError(f"sample {sample}: field '{field}' is not a flat sequence of integers ({exc})") from None
+        if arr.dtype == object:
+            raise ValueError(f"sample {sample}: field '{field}' must hold integers, got {type(value[0]).__name__} values")
+        return arr
+    module = type(value).__module__
+    if module.startswith("torch"):
+        return value.detach().cpu().numpy()
+    if module.startswith("pyarrow"):
+        values = getattr(value, "values", None)  # ListScalar -> its child array
+        if values is not None and hasattr(values, "to_numpy"):
+            value = values
+        return value.to_numpy(zero_copy_only=False)
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # pragma: no cover - depends on exotic input types
+        raise ValueError(f"sample {sample}: cannot read field '{field}' of type {type(value).__name__}: {exc}") from None
+    if arr.dtype == object:
+        raise ValueError(f"sample {sample}: field '{field}' of type {type(value).__name__} is not an integer sequence")
+    return arr
+
+
+def get_field(sample, field: str, index: int, *, required: bool = False):
+    """``sample[field]`` or None; a clear error when ``sample`` is not a mapping."""
+    if not isinstance(sample, Mapping) and not hasattr(sample, "keys"):
+        raise ValueError(
+            f"sample {index} is a {type(sample).__name__}; expected a mapping with 'input_ids' "
+            "(and optionally 'labels' or 'loss_mask')"
+        )
+    try:
+        value = sample[field]
+    except KeyError:
+        if required:
+            raise ValueError(f"sample {index} has no '{field}' field (fields: {sorted(sample.keys())})") from None
+        return None
+    return value
+
+
+def slice_sample(sample, start: int, stop: int) -> dict:
+    """A copy of ``sample`` whose per-token fields keep tokens ``[start, stop)``."""
+    out = dict(sample)
+    for key in TOKEN_FIELDS:
+        if key in out and out[key] is not None:
+            out[key] = to_int_array(out[key], sample=-1, field=key)[start:stop]
+    return out
