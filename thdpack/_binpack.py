@@ -142,3 +142,24 @@ def next_fit(sizes, capacity, max_items):
         cnt += 1
         bin_of[j] = b
     return bin_of, b + 1
+
+
+@njit
+def bucket_order(keys, num_keys, descending):
+    """Stable permutation sorting non-negative integer ``keys < num_keys``.
+
+    A counting sort: O(n + num_keys), several times faster than ``np.argsort``
+    for the bounded keys planning sorts by (lengths, pack ids).
+    """
+    counts = np.zeros(num_keys + 1, np.int64)
+    for k in keys:
+        counts[(num_keys - 1 - k if descending else k) + 1] += 1
+    for i in range(num_keys):
+        counts[i + 1] += counts[i]
+    order = np.empty(keys.shape[0], np.int64)
+    for j in range(keys.shape[0]):
+        k = keys[j]
+        slot = num_keys - 1 - k if descending else k
+        order[counts[slot]] = j
+        counts[slot] += 1
+    return order

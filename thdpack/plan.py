@@ -224,7 +224,7 @@ def plan_packs(
             length = np.minimum(limit, lengths[sample_index] - start)
 
     sizes = round_up(length, align)
-    order = _placement_order(sizes, algorithm, seed)
+    order = _placement_order(sizes, algorithm, seed, pack_size)
     kernel = {
         "bfd": _binpack.best_fit,
         "ffd": _binpack.first_fit,
@@ -237,7 +237,7 @@ def plan_packs(
     pack_of = np.empty_like(bin_sorted)
     pack_of[order] = bin_sorted
     # pieces were created in (sample, start) order, so a stable sort by pack keeps it within packs
-    by_pack = np.argsort(pack_of, kind="stable")
+    by_pack = _binpack.bucket_order(pack_of, num_packs, False)
     counts = np.bincount(pack_of, minlength=num_packs)
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(counts, out=pack_offsets[1:])
@@ -280,9 +280,9 @@ def plan_packs(
     )
 
 
-def _placement_order(sizes: np.ndarray, algorithm: str, seed: int) -> np.ndarray:
-    if algorithm in ("bfd", "ffd"):
-        return np.argsort(-sizes, kind="stable")  # decreasing; ties by input order
+def _placement_order(sizes: np.ndarray, algorithm: str, seed: int, pack_size: int) -> np.ndarray:
+    if algorithm in ("bfd", "ffd"):  # decreasing size; ties in input order
+        return _binpack.bucket_order(sizes, pack_size + 1, True)
     if algorithm == "first_fit_shuffle":
         return np.random.default_rng(seed).permutation(sizes.size)
     return np.arange(sizes.size)
