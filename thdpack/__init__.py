@@ -9,6 +9,7 @@ from thdpack.align import cp_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch
 from thdpack.collate import PackedBatches, ThdCollator
+from thdpack.cp import local_seq_lens, shard_for_cp, thd_partition_indices
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
 
@@ -23,5 +24,8 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "build_thd_batch",
     "cp_pad_multiple",
+    "local_seq_lens",
+    "shard_for_cp",
+    "thd_partition_indices",
     "plan_packs",
 ]

@@ -33,7 +33,18 @@ class ThdBatch:
         pad_multiple: every padded length is a multiple of this.
         ignore_index: the label value that carries no loss.
         tokens_truncated: tokens cut off the input samples to build this batch.
-        extras: room for per-batch data added by later stages.
+        token_extras: more per-token tensors, token axis last (``[..., T]``), e.g.
+            mRoPE rows; CP sharding indexes them like ``input_ids``.
+        extras: other per-batch data added by later stages.
+        cp_size, cp_rank: ``1, 0`` for a whole batch; set on a CP shard
+            (:func:`thdpack.shard_for_cp`), whose per-token tensors are then the
+            rank's ``T / cp_size`` tokens while ``cu_seqlens``,
+            ``cu_seqlens_padded`` and ``max_seqlen`` stay global.
+        local_cu_seqlens_padded: shard only, int32 ``[n+1]``,
+            ``cu_seqlens_padded // cp_size`` (the local layout).
+        local_seq_lens: shard only, int32 ``[n]`` real tokens of each sample on this rank.
+        partition_indices: shard only, int64 ``[T / cp_size]`` position of each
+            local token in the global stream.
     """
 
     input_ids: torch.Tensor
@@ -48,7 +59,13 @@ class ThdBatch:
     pad_multiple: int = 1
     ignore_index: int = -100
     tokens_truncated: int = 0
+    token_extras: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)
+    cp_size: int = 1
+    cp_rank: int = 0
+    local_cu_seqlens_padded: torch.Tensor | None = None
+    local_seq_lens: torch.Tensor | None = None
+    partition_indices: torch.Tensor | None = None
 
     # ---- sizes -----------------------------------------------------------
     @property
@@ -62,8 +79,18 @@ class ThdBatch:
 
     @property
     def num_padded_tokens(self) -> int:
-        """Stream length ``T``, alignment padding included."""
+        """Length of the (local, for a shard) stream, alignment padding included."""
         return int(self.input_ids.numel())
+
+    @property
+    def is_shard(self) -> bool:
+        return self.local_cu_seqlens_padded is not None
+
+    def shard(self, cp_size: int, cp_rank: int) -> "ThdBatch":
+        """This batch's CP shard for ``cp_rank`` (see :func:`thdpack.shard_for_cp`)."""
+        from thdpack.cp import shard_for_cp
+
+        return shard_for_cp(self, cp_size, cp_rank)
 
     @property
     def seq_lens_padded(self) -> torch.Tensor:
@@ -86,7 +113,8 @@ class ThdBatch:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        changes["extras"] = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
+        for name in ("token_extras", "extras"):
+            changes[name] = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in getattr(self, name).items()}
         return dataclasses.replace(self, **changes)
 
     def to(self, device, non_blocking: bool = False) -> "ThdBatch":
@@ -111,21 +139,34 @@ class ThdBatch:
         Tensors get a batch axis of 1. ``position_ids`` let sdpa / eager attention
         find the sample boundaries; ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
         padded layout) drive flash-attention varlen kernels.
+
+        On a CP shard the tensors are the rank's local tokens, ``cu_seq_lens_q/k``
+        the local layout, and the targets go in ``shift_labels`` (transformers'
+        loss uses them as they are; a one-token shift would cross the chunk
+        seams). transformers models do not attend across ranks by themselves: a
+        shard is for attention implementations that do (ring / all-gather CP).
         """
+        cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
+        max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
         kw = {
             "input_ids": self.input_ids.unsqueeze(0),
             "position_ids": self.position_ids.unsqueeze(0),
-            "cu_seq_lens_q": self.cu_seqlens_padded,
-            "cu_seq_lens_k": self.cu_seqlens_padded,
-            "max_length_q": self.max_seqlen,
-            "max_length_k": self.max_seqlen,
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
         }
         if include_labels:
-            kw["labels"] = self.hf_labels().unsqueeze(0)
+            if self.is_shard:
+                kw["labels"] = self.labels.unsqueeze(0)
+                kw["shift_labels"] = self.labels.unsqueeze(0)
+            else:
+                kw["labels"] = self.hf_labels().unsqueeze(0)
         return kw
 
     def packed_seq_params_dict(self) -> dict:
-        """Megatron-core ``PackedSeqParams`` fields as a dict."""
+        """Megatron-core ``PackedSeqParams`` fields as a dict (global metadata, also on
+        a CP shard: TransformerEngine derives the per-rank layout itself)."""
         return {
             "qkv_format": "thd",
             "cu_seqlens_q": self.cu_seqlens,

@@ -25,6 +25,7 @@ def build_thd_batch(
     sequence_parallel: bool = False,
     pad_multiple: int | None = None,
     max_length: int | None = None,
+    pad_to: int | None = None,
     sample_index: Sequence[int] | None = None,
 ) -> ThdBatch:
     """Pack ``samples`` into one :class:`ThdBatch`.
@@ -42,6 +43,10 @@ def build_thd_batch(
         pad_multiple: an extra multiple (e.g. 16 for FP8), combined by lcm.
         max_length: truncate each sample to its first ``max_length`` tokens
             (counted in ``batch.tokens_truncated``).
+        pad_to: pad the whole stream to exactly this many tokens (static shapes,
+            CUDA graphs) by extending the last sample's padded span; must be a
+            multiple of the pad multiple and at least the aligned total. Real
+            ``cu_seqlens`` are unchanged.
         sample_index: ``[n]`` input row of each sample, recorded in the batch
             (defaults to ``0..n-1``).
 
@@ -63,6 +68,8 @@ def build_thd_batch(
     cu = np.zeros(len(seq_lens) + 1, dtype=np.int64)
     np.cumsum(seq_lens, out=cu[1:])
     padded = round_up(seq_lens, multiple)
+    if pad_to is not None:
+        padded = _extend_last(padded, pad_to, multiple)
     cu_padded = np.zeros_like(cu)
     np.cumsum(padded, out=cu_padded[1:])
     total = int(cu_padded[-1])
@@ -148,6 +155,17 @@ def _read_samples(samples, max_length):
     if any_mask:
         mask_parts = [np.ones(ids.size, bool) if m is None else m for m, ids in zip(mask_parts, ids_parts)]
     return ids_parts, label_parts if any_labels else None, mask_parts if any_mask else None, truncated
+
+
+def _extend_last(padded: np.ndarray, pad_to, multiple: int) -> np.ndarray:
+    aligned_total = int(padded.sum())
+    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to % multiple:
+        raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
+    if pad_to < aligned_total:
+        raise ValueError(f"pad_to={pad_to} is shorter than the pack ({aligned_total} tokens after alignment)")
+    padded = padded.copy()
+    padded[-1] += pad_to - aligned_total
+    return padded
 
 
 def _same_length(arr: np.ndarray, ids: np.ndarray, index: int, field: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import numpy as np
 from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch
+from thdpack.cp import check_cp_args, shard_for_cp
 from thdpack.plan import PackStats, plan_packs
 from thdpack.samples import get_field, to_int_array
 
@@ -31,7 +32,12 @@ class ThdCollator:
 
     Args:
         pad_token_id, ignore_index, cp_size, tp_size, sequence_parallel,
-        pad_multiple, max_length: as in :func:`thdpack.build_thd_batch`.
+        pad_multiple, max_length, pad_to: as in :func:`thdpack.build_thd_batch`.
+        cp_rank: with ``cp_size > 1``, return this rank's CP shard
+            (:func:`thdpack.shard_for_cp`) instead of the whole batch.
+        cp_group: a ``torch.distributed`` process group of the CP ranks; when given
+            and ``cp_rank`` is None, the rank is this process's rank in it.
+            Without either, the whole (CP-padded) batch is returned.
         pack_size: if given, the samples of a call are planned into packs of at
             most ``pack_size`` tokens (after alignment) and the call returns a
             :class:`PackedBatches` list, one batch per pack.
@@ -49,6 +55,9 @@ class ThdCollator:
         sequence_parallel: bool = False,
         pad_multiple: int | None = None,
         max_length: int | None = None,
+        pad_to: int | None = None,
+        cp_rank: int | None = None,
+        cp_group=None,
         pack_size: int | None = None,
         algorithm: str = "bfd",
         overflow: str = "error",
@@ -60,7 +69,18 @@ class ThdCollator:
             ignore_index=ignore_index,
             pad_multiple=self.pad_multiple,
             max_length=max_length,
+            pad_to=pad_to,
         )
+        if cp_rank is None and cp_group is not None:
+            import torch.distributed as dist
+
+            cp_rank = dist.get_rank(group=cp_group)
+            if dist.get_world_size(group=cp_group) != cp_size:
+                raise ValueError(f"cp_group has {dist.get_world_size(group=cp_group)} ranks but cp_size={cp_size}")
+        if cp_rank is not None:
+            check_cp_args(cp_size, cp_rank)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
         self.pack_size = pack_size
         self.max_length = max_length
         self.plan_kwargs = dict(algorithm=algorithm, overflow=overflow, max_samples_per_pack=max_samples_per_pack)
@@ -69,7 +89,7 @@ class ThdCollator:
 
     def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
         if self.pack_size is None:
-            return build_thd_batch(samples, **self.build_kwargs)
+            return self._local(build_thd_batch(samples, **self.build_kwargs))
         samples = list(samples)
         lengths = np.array(
             [to_int_array(get_field(s, "input_ids", i, required=True), sample=i, field="input_ids").size for i, s in enumerate(samples)],
@@ -79,7 +99,12 @@ class ThdCollator:
             lengths = np.minimum(lengths, self.max_length)
         plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs)
         batches = [
-            build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs)
+            self._local(build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs))
             for k in range(len(plan))
         ]
         return PackedBatches(batches, plan.stats)
+
+    def _local(self, batch: ThdBatch) -> ThdBatch:
+        if self.cp_rank is None or self.cp_size == 1:
+            return batch
+        return shard_for_cp(batch, self.cp_size, self.cp_rank)
