@@ -6,16 +6,22 @@ Data flows one way::
 """
 
 from thdpack.align import cp_pad_multiple
+from thdpack.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch
 from thdpack.collate import PackedBatches, ThdCollator
 from thdpack.cp import local_seq_lens, shard_for_cp, thd_partition_indices
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
+from thdpack.stream import StreamingPacker
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BalancedPlan",
+    "CostModel",
+    "StreamingPacker",
+    "plan_balanced",
     "PackPlan",
     "PackStats",
     "PackedBatches",

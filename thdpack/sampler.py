@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
+from thdpack.balance import CostModel, plan_balanced
 from thdpack.plan import PackPlan, plan_packs, validate_lengths
 
 
@@ -54,6 +55,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         seed: base seed; epoch e uses ``seed + e``.
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
         drop_last: drop the packs that do not fill a step on every rank.
+        balance: ``None`` (deal packs round-robin) or ``"compute"``: plan with
+            :func:`thdpack.balance.plan_balanced` so that in every step the
+            ranks' costs (``cost``: ``a·Σs + b·Σs²``) are as equal as possible.
+            Each step then gives every rank ``micro_batches`` consecutive packs.
+        micro_batches: packs per rank per optimizer step (used with ``balance``).
+        cost: a :class:`thdpack.balance.CostModel` or ``(a, b)``.
     """
 
     def __init__(
@@ -70,7 +77,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
+        balance: str | None = None,
+        micro_batches: int = 1,
+        cost: CostModel | tuple[float, float] = CostModel(),
     ):
+        if balance not in (None, "compute"):
+            raise ValueError(f"balance must be None or 'compute', got {balance!r}")
         if overflow == "split":
             raise ValueError(
                 "TokenBudgetBatchSampler yields whole dataset rows, so overflow='split' is not possible here; "
@@ -85,6 +97,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.seed = int(seed)
         self.num_replicas, self.rank = _distributed_default(num_replicas, rank)
         self.drop_last = drop_last
+        self.balance = balance
+        self.micro_batches = micro_batches
+        self.cost = cost if isinstance(cost, CostModel) else CostModel(*cost)
         self.epoch = 0
         self._start_step = 0
         self._yielded = 0
@@ -93,38 +108,41 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     # ---- planning -------------------------------------------------------
     def _plan_for_epoch(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
+        """The epoch's plan and this rank's pack ids in the order it runs them."""
         if self._cached is None or self._cached[0] != epoch:
-            plan = plan_packs(self.lengths, self.pack_size, seed=self.seed + epoch, **self.plan_kwargs)
-            order = np.arange(len(plan))
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(plan))
-            if len(plan) < self.num_replicas and self.drop_last:
-                raise ValueError(f"only {len(plan)} packs for {self.num_replicas} replicas with drop_last=True")
-            self._cached = (epoch, plan, order)
+            if self.balance == "compute":
+                balanced = plan_balanced(
+                    self.lengths, self.pack_size, num_replicas=self.num_replicas, micro_batches=self.micro_batches,
+                    cost=self.cost, seed=self.seed + epoch, shuffle_steps=self.shuffle, **self.plan_kwargs,
+                )
+                plan, schedule = balanced.plan, balanced.rank_packs(self.rank).reshape(-1)
+            else:
+                plan = plan_packs(self.lengths, self.pack_size, seed=self.seed + epoch, **self.plan_kwargs)
+                order = np.arange(len(plan))
+                if self.shuffle:
+                    order = np.random.default_rng([self.seed, epoch]).permutation(len(plan))
+                if len(plan) < self.num_replicas and self.drop_last:
+                    raise ValueError(f"only {len(plan)} packs for {self.num_replicas} replicas with drop_last=True")
+                steps = len(plan) // self.num_replicas if self.drop_last else -(-len(plan) // self.num_replicas)
+                # round-robin; without drop_last the first packs are repeated to fill the last step
+                schedule = order[(np.arange(steps) * self.num_replicas + self.rank) % len(plan)]
+            self._cached = (epoch, plan, schedule)
         return self._cached[1], self._cached[2]
-
-    def _steps(self, num_packs: int) -> int:
-        if self.drop_last:
-            return num_packs // self.num_replicas
-        return -(-num_packs // self.num_replicas)
 
     def plan(self, epoch: int | None = None) -> PackPlan:
         """The pack plan of ``epoch`` (default: the current one)."""
         return self._plan_for_epoch(self.epoch if epoch is None else epoch)[0]
 
     def __len__(self) -> int:
-        plan, _ = self._plan_for_epoch(self.epoch)
-        return self._steps(len(plan))
+        return len(self._plan_for_epoch(self.epoch)[1])
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
-        plan, order = self._plan_for_epoch(epoch)
-        steps = self._steps(len(plan))
+        plan, schedule = self._plan_for_epoch(epoch)
         start, self._start_step = self._start_step, 0
-        for step in range(start, steps):
-            k = int(order[(step * self.num_replicas + self.rank) % len(plan)])
+        for step in range(start, len(schedule)):
             self._yielded = step + 1
-            yield plan.pack(k).tolist()
+            yield plan.pack(int(schedule[step])).tolist()
         if self.epoch == epoch:  # unless set_epoch was called meanwhile, move on
             self.epoch = epoch + 1
             self._yielded = 0
@@ -138,7 +156,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     # ---- resume ---------------------------------------------------------
     def _fingerprint(self) -> str:
         h = hashlib.sha1(self.lengths.tobytes())
-        h.update(repr((self.pack_size, sorted(self.plan_kwargs.items()), self.shuffle, self.num_replicas)).encode())
+        settings = (self.pack_size, sorted(self.plan_kwargs.items()), self.shuffle, self.num_replicas, self.drop_last,
+                    self.balance, self.micro_batches, self.cost)
+        h.update(repr(settings).encode())
         return h.hexdigest()
 
     def state_dict(self, step: int | None = None) -> dict:

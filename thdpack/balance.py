@@ -1,0 +1,215 @@
+"""Compute-balanced data-parallel planning.
+
+A training step waits for its slowest data-parallel rank, and packs with equal
+token counts are not equal work: attention costs ``Σ sᵢ²``. This module plans
+packs that respect the token budget (best-fit decreasing, so efficiency is
+unchanged) and then deals them to ``R`` ranks × ``M`` micro-batches per step so
+the largest per-rank cost of each step is as close as possible to the step mean.
+
+Cost of a pack: ``a·Σ sᵢ + b·Σ sᵢ²`` (FLOPs when ``a``, ``b`` come from
+:func:`thdpack.flops.model_flops`; any consistent unit otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from thdpack.plan import PackPlan, plan_packs
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``cost(pack) = linear · Σ sᵢ + quadratic · Σ sᵢ²``."""
+
+    linear: float = 1.0
+    quadratic: float = 0.0
+
+    @classmethod
+    def from_config(cls, config) -> "CostModel":
+        """Training FLOPs per token and per unit of ``Σ sᵢ²`` of a model config
+        (a transformers config or dict), from :func:`thdpack.flops.model_flops`."""
+        from thdpack.flops import model_flops
+
+        linear = float(model_flops(config, num_tokens=1, seqlen_squared_sum=0))
+        quadratic = float(model_flops(config, num_tokens=0, seqlen_squared_sum=1))
+        return cls(linear, quadratic)
+
+    def pack_costs(self, plan: PackPlan) -> np.ndarray:
+        """float64 ``[num_packs]`` cost of every pack of ``plan`` (real lengths)."""
+        lengths = plan.length.astype(np.float64)
+        if len(plan) == 0:
+            return np.zeros(0)
+        starts = plan.pack_offsets[:-1]
+        return self.linear * np.add.reduceat(lengths, starts) + self.quadratic * np.add.reduceat(lengths * lengths, starts)
+
+
+@dataclass(frozen=True)
+class BalancedPlan:
+    """Packs and which rank runs which, step by step.
+
+    Attributes:
+        plan: the underlying :class:`PackPlan` (every pack within ``pack_size``).
+        steps: int64 ``[num_steps, num_replicas, micro_batches]`` pack ids; rank r
+            runs ``plan.pack(steps[s, r, m])`` as micro-batch m of step s.
+        costs: float64 ``[num_packs]`` pack costs.
+        step_straggler: float64 ``[num_steps]`` max over ranks / mean over ranks of
+            the per-rank cost (1.0 is perfect balance).
+        repeated_packs: packs scheduled twice to fill the last step (only when the
+            packs could not be split to a multiple of ``R·M``).
+    """
+
+    plan: PackPlan
+    steps: np.ndarray
+    costs: np.ndarray
+    step_straggler: np.ndarray
+    repeated_packs: int
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.steps.shape[0])
+
+    @property
+    def straggler_ratio(self) -> float:
+        """Mean over steps of max/mean per-rank cost."""
+        return float(self.step_straggler.mean()) if self.step_straggler.size else 1.0
+
+    def rank_packs(self, rank: int) -> np.ndarray:
+        """int64 ``[num_steps, micro_batches]`` pack ids of ``rank``."""
+        return self.steps[:, rank, :]
+
+
+def rank_costs(steps: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """float64 ``[num_steps, R]`` per-rank cost of each step."""
+    return costs[steps].sum(axis=2)
+
+
+def straggler_per_step(steps: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    per_rank = rank_costs(steps, costs)
+    mean = per_rank.mean(axis=1)
+    return np.divide(per_rank.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+def plan_balanced(
+    lengths,
+    pack_size: int,
+    *,
+    num_replicas: int,
+    micro_batches: int = 1,
+    cost: CostModel | tuple[float, float] = CostModel(),
+    algorithm: str = "bfd",
+    align: int = 1,
+    overflow: str = "error",
+    max_samples_per_pack: int | None = None,
+    seed: int = 0,
+    shuffle_steps: bool = True,
+) -> BalancedPlan:
+    """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
+
+    1. Packs are planned by :func:`thdpack.plan_packs` (token budget kept).
+    2. If the number of packs is not a multiple of ``R·M``, the packs with the most
+       samples are split in two until it is (a few packs more; nothing repeated).
+    3. Packs are sorted by cost and cut into steps of ``R·M`` consecutive packs, so a
+       step holds packs of similar cost; inside a step, packs are dealt to ranks
+       greedily (largest first, to the least-loaded rank with room).
+    4. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
+
+    Args:
+        lengths, pack_size, algorithm, align, overflow, max_samples_per_pack, seed:
+            as in :func:`thdpack.plan_packs`.
+        num_replicas: data-parallel ranks ``R``.
+        micro_batches: packs per rank per step ``M``.
+        cost: a :class:`CostModel` or ``(linear, quadratic)``.
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if not isinstance(cost, CostModel):
+        cost = CostModel(*cost)
+    plan = plan_packs(
+        lengths, pack_size, algorithm=algorithm, align=align, overflow=overflow,
+        max_samples_per_pack=max_samples_per_pack, seed=seed,
+    )
+    per_step = num_replicas * micro_batches
+    plan = _split_to_multiple(plan, per_step)
+    costs = cost.pack_costs(plan)
+    num_packs = len(plan)
+    order = np.argsort(-costs, kind="stable")
+    repeated = (-num_packs) % per_step  # only when splitting could not reach a multiple
+    if repeated:
+        order = np.concatenate([order, order[:repeated]])
+    groups = order.reshape(-1, per_step)
+    steps = np.stack([_deal(g, costs, num_replicas, micro_batches) for g in groups]) if groups.size else np.zeros(
+        (0, num_replicas, micro_batches), np.int64
+    )
+    if shuffle_steps and len(steps):
+        steps = steps[np.random.default_rng(seed).permutation(len(steps))]
+    return BalancedPlan(
+        plan=plan,
+        steps=steps,
+        costs=costs,
+        step_straggler=straggler_per_step(steps, costs),
+        repeated_packs=int(repeated),
+    )
+
+
+def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches: int) -> np.ndarray:
+    """Deal ``R·M`` packs (sorted by decreasing cost) to ranks, M each, least-loaded first."""
+    out = np.empty((num_replicas, micro_batches), np.int64)
+    if micro_batches == 1:
+        out[:, 0] = group
+        return out
+    load = np.zeros(num_replicas)
+    filled = np.zeros(num_replicas, np.int64)
+    for k in group:  # R·M is small (hundreds at most): a Python loop is fine here
+        candidates = np.flatnonzero(filled < micro_batches)
+        r = candidates[np.argmin(load[candidates])]
+        out[r, filled[r]] = k
+        filled[r] += 1
+        load[r] += costs[k]
+    return out
+
+
+def _split_to_multiple(plan: PackPlan, multiple: int) -> PackPlan:
+    """Split the packs with most pieces in two until ``len(plan)`` is a multiple of ``multiple``."""
+    missing = (-len(plan)) % multiple
+    if missing == 0:
+        return plan
+    counts = np.diff(plan.pack_offsets)
+    splittable = np.flatnonzero(counts >= 2)
+    if splittable.size == 0:
+        return plan
+    chosen = splittable[np.argsort(-counts[splittable], kind="stable")[:missing]]
+    # new pack id for every piece: packs keep their id, the second half of a chosen pack moves to a new one
+    pack_of = np.repeat(np.arange(len(plan)), counts)
+    new_id = len(plan)
+    for k in chosen.tolist():
+        a, b = plan.pack_offsets[k], plan.pack_offsets[k + 1]
+        pack_of[a + (b - a) // 2 : b] = new_id
+        new_id += 1
+    by_pack = np.argsort(pack_of, kind="stable")
+    offsets = np.zeros(new_id + 1, np.int64)
+    np.cumsum(np.bincount(pack_of, minlength=new_id), out=offsets[1:])
+    stats = plan.stats
+    fill = np.add.reduceat(plan.length[by_pack], offsets[:-1])
+    from dataclasses import replace
+
+    new_stats = replace(
+        stats,
+        num_packs=new_id,
+        efficiency=stats.real_tokens / (new_id * stats.pack_size),
+        packing_factor=stats.num_pieces / new_id,
+        max_samples_per_pack=int(np.diff(offsets).max()),
+        min_pack_fill=float(fill.min() / stats.pack_size),
+        max_pack_fill=float(fill.max() / stats.pack_size),
+    )
+    return replace(
+        plan,
+        sample_index=plan.sample_index[by_pack],
+        start=plan.start[by_pack],
+        length=plan.length[by_pack],
+        pack_offsets=offsets,
+        stats=new_stats,
+    )
