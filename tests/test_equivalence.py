@@ -421,9 +421,11 @@ def test_truncated_and_split_samples(family, attn):
     model = tiny_model(family, attn)
     base = prompt_masked_samples(MIXED_LENGTHS, MIXED_PROMPTS, seed=11)
 
+    # max_length bounds the padded length: with cp_size=2 (multiple 4), max_length=6 keeps 4 tokens
     batch = build_thd_batch(base, max_length=6, cp_size=2)
-    assert batch.tokens_truncated == sum(max(n - 6, 0) for n in MIXED_LENGTHS)
-    assert_equivalent(model, batch, [_piece(s, 0, 6) for s in base])
+    assert batch.tokens_truncated == sum(max(n - 4, 0) for n in MIXED_LENGTHS)
+    assert batch.max_seqlen <= 6
+    assert_equivalent(model, batch, [_piece(s, 0, 4) for s in base])
 
     pack_size = 12
     batches = ThdCollator(pack_size=pack_size, overflow="split")(base)

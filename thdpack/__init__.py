@@ -10,6 +10,7 @@ from thdpack.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch
 from thdpack.collate import PackedBatches, ThdCollator
+from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
 from thdpack.cp import local_seq_lens, shard_for_cp, thd_partition_indices
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
@@ -20,6 +21,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BalancedPlan",
     "CostModel",
+    "FlopsAccumulator",
+    "FlopsMeter",
+    "model_flops",
+    "overcount_report",
+    "seqlen_squared_sum",
+    "throughput",
     "StreamingPacker",
     "plan_balanced",
     "PackPlan",

@@ -22,8 +22,8 @@ def cp_pad_multiple(
     for MXFP8 (``fp8="mxfp8"``). Never larger than needed: every extra pad slot
     costs compute on every layer.
     """
-    _check_positive_int(cp_size, "cp_size")
-    _check_positive_int(tp_size, "tp_size")
+    check_positive_int(cp_size, "cp_size")
+    check_positive_int(tp_size, "tp_size")
     multiple = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         multiple = math.lcm(multiple, tp_size * cp_size)
@@ -45,7 +45,7 @@ def resolve_pad_multiple(
     with an explicit ``pad_multiple`` when one is given."""
     multiple = cp_pad_multiple(cp_size, tp_size, sequence_parallel)
     if pad_multiple is not None:
-        _check_positive_int(pad_multiple, "pad_multiple")
+        check_positive_int(pad_multiple, "pad_multiple")
         multiple = math.lcm(multiple, int(pad_multiple))
     return multiple
 
@@ -57,6 +57,6 @@ def round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
     return -(-lengths // multiple) * multiple
 
 
-def _check_positive_int(value, name: str) -> None:
+def check_positive_int(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

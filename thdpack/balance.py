@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack.align import check_positive_int
 from thdpack.plan import PackPlan, plan_packs
 
 
@@ -122,10 +123,9 @@ def plan_balanced(
         micro_batches: packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
     """
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    check_positive_int(num_replicas, "num_replicas")
+    check_positive_int(micro_batches, "micro_batches")
+    num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     if not isinstance(cost, CostModel):
         cost = CostModel(*cost)
     plan = plan_packs(
@@ -139,7 +139,7 @@ def plan_balanced(
     order = np.argsort(-costs, kind="stable")
     repeated = (-num_packs) % per_step  # only when splitting could not reach a multiple
     if repeated:
-        order = np.concatenate([order, order[:repeated]])
+        order = np.concatenate([order, order[np.arange(repeated) % num_packs]])
     groups = order.reshape(-1, per_step)
     steps = np.stack([_deal(g, costs, num_replicas, micro_batches) for g in groups]) if groups.size else np.zeros(
         (0, num_replicas, micro_batches), np.int64

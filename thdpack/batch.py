@@ -145,6 +145,15 @@ class ThdBatch:
         loss uses them as they are; a one-token shift would cross the chunk
         seams). transformers models do not attend across ranks by themselves: a
         shard is for attention implementations that do (ring / all-gather CP).
+
+        A VLM batch (built with ``model_config``) gives ``position_ids`` as
+        ``[4, 1, T]`` (the text positions, then the 3 mRoPE rows: the text row is
+        what lets transformers keep packed samples apart), ``mm_token_type_ids``
+        ``[1, T]``, and the pack's pixel values, grids (and ``second_per_grid_ts``).
+        Vision inputs are the whole pack's, also on a CP shard (see
+        :mod:`thdpack.vlm.shard`). With a flash-attention *vision* tower, drop
+        ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
+        ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
         """
         cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
         max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
@@ -156,6 +165,13 @@ class ThdBatch:
             "max_length_q": max_len,
             "max_length_k": max_len,
         }
+        mrope = self.token_extras.get("mrope_position_ids")
+        if mrope is not None:  # VLM batch (thdpack.vlm)
+            from thdpack.vlm import HF_VISION_KEYS
+
+            kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
+            kw["mm_token_type_ids"] = self.token_extras["mm_token_type_ids"].unsqueeze(0)
+            kw.update({k: self.extras[k] for k in HF_VISION_KEYS if self.extras.get(k) is not None})
         if include_labels:
             if self.is_shard:
                 kw["labels"] = self.labels.unsqueeze(0)

@@ -8,8 +8,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from thdpack.align import resolve_pad_multiple, round_up
+from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
+from thdpack.align import check_positive_int, resolve_pad_multiple, round_up
 from thdpack.batch import ThdBatch
+from thdpack.cp import check_cp_args, shard_for_cp
 from thdpack.samples import get_field, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -26,7 +28,9 @@ def build_thd_batch(
     pad_multiple: int | None = None,
     max_length: int | None = None,
     pad_to: int | None = None,
+    cp_rank: int | None = None,
     sample_index: Sequence[int] | None = None,
+    model_config=None,
 ) -> ThdBatch:
     """Pack ``samples`` into one :class:`ThdBatch`.
 
@@ -41,14 +45,23 @@ def build_thd_batch(
         cp_size, tp_size, sequence_parallel: each sample is padded to the least
             multiple these need (:func:`thdpack.cp_pad_multiple`).
         pad_multiple: an extra multiple (e.g. 16 for FP8), combined by lcm.
-        max_length: truncate each sample to its first ``max_length`` tokens
-            (counted in ``batch.tokens_truncated``).
+        max_length: bound on each sample's *padded* length: a sample keeps its
+            first ``max_length // m · m`` tokens, ``m`` the pad multiple (so
+            ``max_length=pack_size`` cuts exactly where ``plan_packs(...,
+            overflow="truncate")`` does). Cut tokens are counted in
+            ``batch.tokens_truncated``.
+        cp_rank: with ``cp_size > 1``, return only this rank's CP shard (as
+            :func:`thdpack.shard_for_cp` would), assembled directly without the
+            whole stream.
         pad_to: pad the whole stream to exactly this many tokens (static shapes,
             CUDA graphs) by extending the last sample's padded span; must be a
             multiple of the pad multiple and at least the aligned total. Real
             ``cu_seqlens`` are unchanged.
         sample_index: ``[n]`` input row of each sample, recorded in the batch
             (defaults to ``0..n-1``).
+        model_config: for VLM samples, the transformers config (or its dict) of a
+            supported family (see :mod:`thdpack.vlm`): adds the concatenated vision
+            inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
 
     Returns:
         A :class:`ThdBatch` on the CPU.
@@ -59,47 +72,37 @@ def build_thd_batch(
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
     multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
-    if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
-        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    if max_length is not None:
+        check_positive_int(max_length, "max_length")
+        if max_length < multiple:
+            raise ValueError(f"max_length={max_length} is smaller than the pad multiple {multiple}; nothing fits")
+        max_length = max_length // multiple * multiple
 
     ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, max_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
-
-    cu = np.zeros(len(seq_lens) + 1, dtype=np.int64)
-    np.cumsum(seq_lens, out=cu[1:])
     padded = round_up(seq_lens, multiple)
     if pad_to is not None:
         padded = _extend_last(padded, pad_to, multiple)
-    cu_padded = np.zeros_like(cu)
-    np.cumsum(padded, out=cu_padded[1:])
-    total = int(cu_padded[-1])
+    total = int(padded.sum())
     if total > _INT32_MAX:
         raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
 
     ids = _concat(ids_parts)
-    _check_ids(ids, cu)
-    source = ids if label_parts is None else _concat(label_parts)
-    if label_parts is not None:
-        _check_labels(source, cu, ignore_index)
-    if mask_parts is not None:
-        mask = _concat(mask_parts)
-        _check_mask(mask, cu)
-        source = np.where(mask.astype(bool), source, ignore_index)
-
-    # targets: token t predicts token t+1 of the same sample; a sample's last token predicts nothing
-    targets = np.empty(ids.size, dtype=np.int64)
-    targets[:-1] = source[1:]
-    targets[cu[1:] - 1] = ignore_index
-
-    if multiple == 1:
-        input_ids, labels = ids, targets
+    source = _concat(label_parts) if label_parts is not None else _EMPTY
+    mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
+    direct_shard = cp_rank is not None and model_config is None
+    if cp_rank is not None:
+        check_cp_args(cp_size, cp_rank)
+    args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
+            int(pad_token_id), int(ignore_index))
+    if direct_shard:
+        status, token, input_ids, labels, position_ids, cu, cu_padded, partition, local_lens = assemble_shard(
+            *args, cp_size, cp_rank
+        )
     else:
-        dest = np.arange(ids.size, dtype=np.int64) + np.repeat(cu_padded[:-1] - cu[:-1], seq_lens)
-        input_ids = np.full(total, pad_token_id, dtype=np.int64)
-        input_ids[dest] = ids
-        labels = np.full(total, ignore_index, dtype=np.int64)
-        labels[dest] = targets
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_padded[:-1], padded)
+        status, token, input_ids, labels, position_ids, cu, cu_padded = assemble_stream(*args)
+    if status != OK:
+        _raise_bad_value(status, token, ids, source, mask, cu, ignore_index)
 
     if sample_index is None:
         index = torch.arange(len(samples), dtype=torch.int64)
@@ -108,13 +111,14 @@ def build_thd_batch(
         if index.numel() != len(samples):
             raise ValueError(f"sample_index has {index.numel()} entries for {len(samples)} samples")
     labels_t = torch.from_numpy(labels)
-    return ThdBatch(
+    cu_padded_t = torch.from_numpy(cu_padded.astype(np.int32))
+    batch = ThdBatch(
         input_ids=torch.from_numpy(input_ids),
         labels=labels_t,
         loss_mask=labels_t != ignore_index,
         position_ids=torch.from_numpy(position_ids),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        cu_seqlens_padded=torch.from_numpy(cu_padded.astype(np.int32)),
+        cu_seqlens_padded=cu_padded_t,
         max_seqlen=int(padded.max()),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
         sample_index=index,
@@ -122,6 +126,18 @@ def build_thd_batch(
         ignore_index=ignore_index,
         tokens_truncated=tokens_truncated,
     )
+    if direct_shard:
+        batch.cp_size, batch.cp_rank = cp_size, cp_rank
+        batch.local_cu_seqlens_padded = cu_padded_t // cp_size
+        batch.local_seq_lens = torch.from_numpy(local_lens.astype(np.int32))
+        batch.partition_indices = torch.from_numpy(partition)
+    if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
+        from thdpack.vlm import attach_vision
+
+        attach_vision(batch, samples, model_config)
+        if cp_rank is not None:
+            batch = shard_for_cp(batch, cp_size, cp_rank)
+    return batch
 
 
 def _read_samples(samples, max_length):
@@ -140,7 +156,7 @@ def _read_samples(samples, max_length):
             labels = _same_length(to_int_array(labels, sample=i, field="labels"), ids, i, "labels")
             any_labels = True
         if mask is not None:
-            mask = _same_length(to_int_array(mask, sample=i, field="loss_mask"), ids, i, "loss_mask")
+            mask = _same_length(to_int_array(mask, sample=i, field="loss_mask", allow_bool=True), ids, i, "loss_mask")
             any_mask = True
         if max_length is not None and ids.size > max_length:
             truncated += ids.size - max_length
@@ -175,35 +191,23 @@ def _same_length(arr: np.ndarray, ids: np.ndarray, index: int, field: str) -> np
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return out.astype(np.int64, copy=len(parts) == 1)
+    """int64 ``[S]``: the parts end to end (read only by the kernels, so a view is fine)."""
+    if len(parts) == 1:
+        return parts[0].astype(np.int64, copy=False)
+    return np.concatenate(parts, dtype=np.int64, casting="unsafe")  # never via float64 for mixed int kinds
 
 
-def _sample_of(position: int, cu: np.ndarray) -> int:
-    return int(np.searchsorted(cu, position, side="right") - 1)
+_EMPTY = np.zeros(0, np.int64)
 
 
-def _check_ids(ids: np.ndarray, cu: np.ndarray) -> None:
-    if ids.min() < 0:
-        t = int(np.argmax(ids < 0))
-        i = _sample_of(t, cu)
-        raise ValueError(f"sample {i}: 'input_ids' has negative id {int(ids[t])} at token {t - int(cu[i])}")
-
-
-def _check_labels(labels: np.ndarray, cu: np.ndarray, ignore_index: int) -> None:
-    bad = (labels < 0) & (labels != ignore_index)
-    if bad.any():
-        t = int(np.argmax(bad))
-        i = _sample_of(t, cu)
+def _raise_bad_value(status, token, ids, source, mask, cu, ignore_index) -> None:
+    i = int(np.searchsorted(cu, token, side="right") - 1)
+    at = f"at token {token - int(cu[i])}"
+    if status == NEGATIVE_ID:
+        raise ValueError(f"sample {i}: 'input_ids' has negative id {int(ids[token])} {at}")
+    if status == BAD_LABEL:
         raise ValueError(
-            f"sample {i}: 'labels' has {int(labels[t])} at token {t - int(cu[i])}; "
+            f"sample {i}: 'labels' has {int(source[token])} {at}; "
             f"labels must be token ids >= 0 or ignore_index ({ignore_index})"
         )
-
-
-def _check_mask(mask: np.ndarray, cu: np.ndarray) -> None:
-    bad = (mask != 0) & (mask != 1)
-    if bad.any():
-        t = int(np.argmax(bad))
-        i = _sample_of(t, cu)
-        raise ValueError(f"sample {i}: 'loss_mask' has {mask[t]!r} at token {t - int(cu[i])}; expected 0 or 1")
+    raise ValueError(f"sample {i}: 'loss_mask' has {mask[token]!r} {at}; expected 0 or 1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from thdpack.batch import ThdBatch
@@ -24,17 +25,18 @@ def check_cp_args(cp_size, cp_rank) -> None:
         raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}")
 
 
-def _padded_lengths(cu_seqlens_padded, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cu = torch.as_tensor(cu_seqlens_padded)
-    if cu.ndim != 1 or cu.numel() < 1:
+def _padded_lengths(cu_seqlens_padded, cp_size: int):
+    """``(cu, lengths)`` as int64 (numpy for host data, torch for device tensors), validated."""
+    cu = _as_int64(cu_seqlens_padded)
+    if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens_padded must be 1-D with at least one entry, got shape {tuple(cu.shape)}")
-    cu = cu.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
         raise ValueError("cu_seqlens_padded must start at 0 and be non-decreasing")
     if cp_size > 1:
-        bad = torch.nonzero(lengths % (2 * cp_size)).flatten()
-        if bad.numel():
+        bad = (lengths % (2 * cp_size)).nonzero()
+        bad = bad[0] if isinstance(bad, tuple) else bad.flatten()
+        if bad.shape[0]:
             i = int(bad[0])
             raise ValueError(
                 f"sample {i} has padded length {int(lengths[i])}, not a multiple of 2·cp = {2 * cp_size}; "
@@ -43,33 +45,89 @@ def _padded_lengths(cu_seqlens_padded, cp_size: int) -> tuple[torch.Tensor, torc
     return cu, lengths
 
 
+def dual_chunk_offsets(padded_lengths, cp_size: int, cp_rank: int):
+    """Where rank ``cp_rank``'s tokens sit inside their samples.
+
+    Args:
+        padded_lengths: int64 ``[n]`` numpy array or torch tensor of padded lengths
+            (multiples of ``2·cp_size`` when ``cp_size > 1``).
+
+    Returns:
+        ``(sample, offset)``, both int64 ``[Σ P / cp_size]`` of the input's kind:
+        the sample of every local token and its offset inside that sample's padded
+        span (chunk ``r`` first, then chunk ``2·cp − 1 − r``).
+    """
+    xp = _ArrayOps(padded_lengths)
+    n = padded_lengths.shape[0]
+    if cp_size == 1:
+        chunk_len, chunk_first, chunk_sample = padded_lengths, padded_lengths * 0, xp.arange(n)
+    else:
+        h = padded_lengths // (2 * cp_size)
+        chunk_len = xp.repeat(h, 2)
+        chunk_first = xp.stack_interleave(h * cp_rank, h * (2 * cp_size - 1 - cp_rank))
+        chunk_sample = xp.repeat(xp.arange(n), 2)
+    local_total = int(chunk_len.sum())
+    chunk_local_start = xp.cumsum(chunk_len) - chunk_len
+    offset = xp.arange(local_total) + xp.repeat(chunk_first - chunk_local_start, chunk_len, local_total)
+    return xp.repeat(chunk_sample, chunk_len, local_total), offset
+
+
+class _ArrayOps:
+    """The few array operations the partition needs, for numpy arrays and torch tensors alike."""
+
+    def __init__(self, like):
+        self.torch = isinstance(like, torch.Tensor)
+        self.device = like.device if self.torch else None
+
+    def arange(self, n):
+        return torch.arange(n, dtype=torch.int64, device=self.device) if self.torch else np.arange(n, dtype=np.int64)
+
+    def repeat(self, values, counts, total=None):
+        if self.torch:
+            return torch.repeat_interleave(values, counts, output_size=total)
+        return np.repeat(values, counts)
+
+    def cumsum(self, values):
+        return torch.cumsum(values, 0) if self.torch else np.cumsum(values)
+
+    def stack_interleave(self, a, b):
+        return torch.stack([a, b], 1).reshape(-1) if self.torch else np.stack([a, b], 1).reshape(-1)
+
+
+def _as_int64(cu_seqlens_padded):
+    """numpy int64 for host data (fast), torch int64 for device tensors."""
+    if isinstance(cu_seqlens_padded, torch.Tensor) and cu_seqlens_padded.device.type != "cpu":
+        return cu_seqlens_padded.to(torch.int64)
+    if isinstance(cu_seqlens_padded, torch.Tensor):
+        return cu_seqlens_padded.numpy().astype(np.int64)
+    return np.asarray(cu_seqlens_padded, dtype=np.int64)
+
+
+def partition_indices(cu_seqlens_padded, cp_size: int, cp_rank: int):
+    """:func:`thd_partition_indices` without the torch wrapping: numpy in, numpy out
+    (or torch in, torch out for device tensors)."""
+    check_cp_args(cp_size, cp_rank)
+    cu, lengths = _padded_lengths(cu_seqlens_padded, cp_size)
+    sample, offset = dual_chunk_offsets(lengths, cp_size, cp_rank)
+    return cu[:-1][sample] + offset
+
+
 def thd_partition_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Stream positions that CP rank ``cp_rank`` keeps, equal to TransformerEngine's
     ``thd_get_partitioned_indices``.
 
     Args:
-        cu_seqlens_padded: int ``[n+1]`` cumulative padded lengths (any device);
-            every padded length must be a multiple of ``2·cp_size``.
+        cu_seqlens_padded: int ``[n+1]`` cumulative padded lengths (list, numpy, or a
+            torch tensor on any device); every padded length must be a multiple of
+            ``2·cp_size``.
         cp_size: number of CP ranks (1 gives the identity).
         cp_rank: this rank.
 
     Returns:
-        int64 ``[cu_seqlens_padded[-1] / cp_size]`` on the device of the input.
+        int64 ``[cu_seqlens_padded[-1] / cp_size]``, on the input's device.
     """
-    check_cp_args(cp_size, cp_rank)
-    cu, lengths = _padded_lengths(cu_seqlens_padded, cp_size)
-    total = int(cu[-1])
-    if cp_size == 1:
-        return torch.arange(total, dtype=torch.int64, device=cu.device)
-    local_lengths = lengths // cp_size
-    local_total = total // cp_size
-    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), local_lengths, output_size=local_total)
-    local_start = torch.cumsum(local_lengths, 0) - local_lengths
-    index = torch.arange(local_total, dtype=torch.int64, device=cu.device) - local_start[sample]
-    half = (local_lengths // 2)[sample]
-    # first half of the local span is chunk r, second half chunk 2cp-1-r: shift by h·r or h·(2cp-2-r)
-    chunk_shift = torch.where(index < half, cp_rank, 2 * cp_size - 2 - cp_rank)
-    return cu[:-1][sample] + index + half * chunk_shift
+    out = partition_indices(cu_seqlens_padded, cp_size, cp_rank)
+    return out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
 
 
 def local_seq_lens(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -77,14 +135,23 @@ def local_seq_lens(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int) -> t
 
     TransformerEngine's rule: ``clamp(s − r·h, 0, h) + clamp(s − (2cp−1−r)·h, 0, h)``
     with ``h = P / (2·cp)``, since real tokens sit at the start of each padded span.
+    With one rank it is ``seq_lens`` itself.
     """
     check_cp_args(cp_size, cp_rank)
     _, lengths = _padded_lengths(cu_seqlens_padded, cp_size)
-    s = torch.as_tensor(seq_lens, device=lengths.device).to(torch.int64)
-    h = lengths // (2 * cp_size)
-    first = (s - cp_rank * h).clamp(min=0)
-    second = (s - (2 * cp_size - 1 - cp_rank) * h).clamp(min=0)
-    return (torch.minimum(first, h) + torch.minimum(second, h)).to(torch.int32)
+    s = _as_int64(seq_lens)
+    if isinstance(lengths, torch.Tensor):
+        s = torch.as_tensor(s, device=lengths.device)
+    if cp_size == 1:
+        out = s
+    else:
+        h = lengths // (2 * cp_size)
+        first = (s - cp_rank * h).clip(0)
+        second = (s - (2 * cp_size - 1 - cp_rank) * h).clip(0)
+        out = first.clip(None, h) + second.clip(None, h) if not isinstance(h, torch.Tensor) else (
+            torch.minimum(first, h) + torch.minimum(second, h)
+        )
+    return out.to(torch.int32) if isinstance(out, torch.Tensor) else torch.from_numpy(out.astype(np.int32))
 
 
 def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
@@ -96,6 +163,12 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     ``local_cu_seqlens_padded`` (``cu_seqlens_padded // cp_size``: the local
     layout), ``local_seq_lens`` (real tokens per sample on this rank) and
     ``partition_indices`` (where each local token sits in the global stream).
+
+    VLM batches: ``mrope_position_ids`` and ``mm_token_type_ids`` (token extras) are
+    sharded with the same indices; vision inputs stay whole (vision embeddings are
+    scattered into the global stream before the CP split) and the shard's extras add
+    ``vision_token_positions``, ``image_embed_index`` and ``video_embed_index``
+    (:func:`thdpack.vlm.vision_shard_extras`).
     """
     check_cp_args(cp_size, cp_rank)
     if batch.cp_size != 1:
@@ -103,7 +176,7 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     if cp_size > 1 and batch.pad_multiple % (2 * cp_size):
         _padded_lengths(batch.cu_seqlens_padded, cp_size)  # raises, naming the sample, if the layout is unusable
     index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
-    return dataclasses.replace(
+    shard = dataclasses.replace(
         batch,
         input_ids=batch.input_ids[index],
         labels=batch.labels[index],
@@ -116,3 +189,8 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
         local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
         partition_indices=index,
     )
+    if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
+        from thdpack.vlm.shard import vision_shard_extras
+
+        shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}
+    return shard

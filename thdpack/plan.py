@@ -43,6 +43,10 @@ class PackStats:
     samples_dropped: int
     tokens_dropped: int
     samples_split: int
+    # with a vision budget (plan_packs(vision_lengths=..., vision_budget=...)); 0 without
+    vision_budget: int = 0
+    vision_patches: int = 0  # vision patches placed in packs
+    max_pack_vision: int = 0  # most vision patches in one pack
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -59,6 +63,10 @@ class PackStats:
             f"dropped          {self.samples_dropped} samples, {self.tokens_dropped} tokens",
             f"split            {self.samples_split} samples",
         ]
+        if self.vision_budget:
+            lines.append(
+                f"vision patches   {self.vision_patches} (most in a pack {self.max_pack_vision} of {self.vision_budget})"
+            )
         return "\n".join(lines)
 
 
@@ -72,6 +80,8 @@ class PackPlan:
         length: ``[m]`` real tokens of the piece.
         pack_offsets: ``[num_packs + 1]`` pieces of pack k are ``pack_offsets[k]:pack_offsets[k+1]``.
         dropped: ``[d]`` input rows dropped by ``overflow="drop"``.
+        vision_length: ``[m]`` vision patches of each piece, or None when planned
+            without a vision budget.
     """
 
     sample_index: np.ndarray
@@ -85,6 +95,8 @@ class PackPlan:
     overflow: str
     seed: int
     stats: PackStats = field(repr=False)
+    vision_length: np.ndarray | None = field(default=None, repr=False)
+    vision_budget: int | None = None
 
     def __len__(self) -> int:
         return len(self.pack_offsets) - 1
@@ -92,6 +104,8 @@ class PackPlan:
     @cached_property
     def packs(self) -> list[np.ndarray]:
         """One int64 array of input sample indices per pack."""
+        if len(self) == 0:
+            return []
         return np.split(self.sample_index, self.pack_offsets[1:-1])
 
     def pack(self, k: int) -> np.ndarray:
@@ -102,6 +116,12 @@ class PackPlan:
         """``(sample_index, start, length)`` of the pieces in pack ``k``."""
         sl = slice(self.pack_offsets[k], self.pack_offsets[k + 1])
         return self.sample_index[sl], self.start[sl], self.length[sl]
+
+    def pack_vision(self, k: int) -> np.ndarray:
+        """Vision patches of the pieces in pack ``k`` (int64 ``[n_k]``; zeros without a vision budget)."""
+        if self.vision_length is None:
+            return np.zeros(int(self.pack_offsets[k + 1] - self.pack_offsets[k]), np.int64)
+        return self.vision_length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
 
     def pack_lengths(self, k: int) -> np.ndarray:
         """Real lengths of the pieces in pack ``k`` (int64 ``[n_k]``)."""
@@ -133,7 +153,7 @@ def validate_lengths(lengths) -> np.ndarray:
         non_integral = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
         if non_integral.size:
             i = int(non_integral[0])
-            raise ValueError(f"lengths must be integers; sample {i} has length {arr[i]!r}")
+            raise ValueError(f"lengths must be integers; sample {i} has length {arr[i].item()!r}")
     arr = arr.astype(np.int64, copy=False)
     bad = np.flatnonzero(arr < 1)
     if bad.size:
@@ -152,6 +172,8 @@ def plan_packs(
     overflow: str = "error",
     max_samples_per_pack: int | None = None,
     seed: int = 0,
+    vision_lengths: Sequence[int] | np.ndarray | None = None,
+    vision_budget: int | None = None,
 ) -> PackPlan:
     """Plan packs of at most ``pack_size`` tokens from sample lengths.
 
@@ -170,6 +192,15 @@ def plan_packs(
             split and dropped tokens are counted in ``plan.stats``.
         max_samples_per_pack: optional cap on pieces per pack.
         seed: randomness for ``"first_fit_shuffle"``. Plans are deterministic.
+        vision_lengths, vision_budget: a second budget for VLMs: ``[n]`` vision
+            patches per sample (>= 0; :func:`thdpack.vlm.vision_lengths`) and the
+            most patches a pack may hold (the ViT's memory and time scale with
+            patches, not text tokens). Each pack then stays within both budgets
+            (2-D variants of the same algorithms; ``"bfd"``/``"ffd"`` place samples
+            by decreasing larger share of either budget). A sample with vision
+            patches is never truncated or split (its placeholders must match its
+            grids): if it is too long, or has more patches than ``vision_budget``,
+            only ``overflow="drop"`` applies; other policies raise.
 
     Returns:
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
@@ -183,6 +214,11 @@ def plan_packs(
     _check_int(align, "align", 1)
     if max_samples_per_pack is not None:
         _check_int(max_samples_per_pack, "max_samples_per_pack", 1)
+    if algorithm == "bfd" and pack_size > _BEST_FIT_MAX_PACK_SIZE:
+        raise ValueError(
+            f"pack_size={pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
+            f"limit {_BEST_FIT_MAX_PACK_SIZE}); use algorithm='ffd'"
+        )
     limit = pack_size // align * align  # longest real length whose aligned length fits
     if limit == 0:
         raise ValueError(f"pack_size ({pack_size}) is smaller than align ({align}); nothing can fit")
@@ -190,6 +226,9 @@ def plan_packs(
     lengths = validate_lengths(lengths)
     n = lengths.size
     over = lengths > limit
+    vision = _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
+    if vision is not None and overflow == "drop":
+        over = over | (vision > vision_budget)
     n_over = int(over.sum())
     sample_index = np.arange(n, dtype=np.int64)
     start = np.zeros(n, dtype=np.int64)
@@ -224,16 +263,33 @@ def plan_packs(
             length = np.minimum(limit, lengths[sample_index] - start)
 
     sizes = round_up(length, align)
-    order = _placement_order(sizes, algorithm, seed, pack_size)
-    kernel = {
-        "bfd": _binpack.best_fit,
-        "ffd": _binpack.first_fit,
-        "first_fit_shuffle": _binpack.first_fit,
-        "sequential": _binpack.next_fit,
-    }[algorithm]
-    bin_sorted, num_packs = kernel(
-        np.ascontiguousarray(sizes[order]), int(pack_size), int(max_samples_per_pack or 0)
-    )
+    if vision is None:
+        order = _placement_order(sizes, algorithm, seed, pack_size)
+        kernel = {
+            "bfd": _binpack.best_fit,
+            "ffd": _binpack.first_fit,
+            "first_fit_shuffle": _binpack.first_fit,
+            "sequential": _binpack.next_fit,
+        }[algorithm]
+        bin_sorted, num_packs = kernel(
+            np.ascontiguousarray(sizes[order]), int(pack_size), int(max_samples_per_pack or 0)
+        )
+    else:  # two budgets: tokens and vision patches (pieces of split / truncated samples have none)
+        vsizes = vision[sample_index]
+        order = _placement_order_2d(sizes, vsizes, algorithm, seed, pack_size, vision_budget)
+        kernel = {
+            "bfd": _binpack.best_fit_2d,
+            "ffd": _binpack.first_fit_2d,
+            "first_fit_shuffle": _binpack.first_fit_2d,
+            "sequential": _binpack.next_fit_2d,
+        }[algorithm]
+        bin_sorted, num_packs = kernel(
+            np.ascontiguousarray(sizes[order]),
+            np.ascontiguousarray(vsizes[order]),
+            int(pack_size),
+            int(vision_budget),
+            int(max_samples_per_pack or 0),
+        )
     pack_of = np.empty_like(bin_sorted)
     pack_of[order] = bin_sorted
     # pieces were created in (sample, start) order, so a stable sort by pack keeps it within packs
@@ -242,15 +298,27 @@ def plan_packs(
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(counts, out=pack_offsets[1:])
     sample_index, start, length = sample_index[by_pack], start[by_pack], length[by_pack]
+    vision_length = None if vision is None else vsizes[by_pack]
 
     fill = np.add.reduceat(length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
     real_tokens = int(length.sum())
     aligned_tokens = int(sizes.sum())
+    lower_bound = int(math.ceil(aligned_tokens / pack_size))
+    vision_stats = {}
+    if vision is not None:
+        vision_patches = int(vision_length.sum())
+        lower_bound = max(lower_bound, -(-vision_patches // int(vision_budget)))
+        vfill = np.add.reduceat(vision_length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+        vision_stats = dict(
+            vision_budget=int(vision_budget),
+            vision_patches=vision_patches,
+            max_pack_vision=int(vfill.max()) if num_packs else 0,
+        )
     stats = PackStats(
         num_packs=int(num_packs),
         num_samples=int(n),
         num_pieces=int(length.size),
-        lower_bound=int(math.ceil(aligned_tokens / pack_size)),
+        lower_bound=lower_bound,
         pack_size=int(pack_size),
         real_tokens=real_tokens,
         aligned_tokens=aligned_tokens,
@@ -264,6 +332,7 @@ def plan_packs(
         samples_dropped=int(dropped.size),
         tokens_dropped=tokens_dropped,
         samples_split=samples_split,
+        **vision_stats,
     )
     return PackPlan(
         sample_index=sample_index,
@@ -277,15 +346,69 @@ def plan_packs(
         overflow=overflow,
         seed=int(seed),
         stats=stats,
+        vision_length=vision_length,
+        vision_budget=None if vision is None else int(vision_budget),
     )
+
+
+# counting sorts and the best-fit room index take O(pack_size) memory; beyond this, sort / refuse
+_BUCKET_SORT_MAX_KEYS = 1 << 24
+_BEST_FIT_MAX_PACK_SIZE = 1 << 26
 
 
 def _placement_order(sizes: np.ndarray, algorithm: str, seed: int, pack_size: int) -> np.ndarray:
     if algorithm in ("bfd", "ffd"):  # decreasing size; ties in input order
-        return _binpack.bucket_order(sizes, pack_size + 1, True)
+        if pack_size <= _BUCKET_SORT_MAX_KEYS:
+            return _binpack.bucket_order(sizes, pack_size + 1, True)
+        return np.argsort(-sizes, kind="stable")
     if algorithm == "first_fit_shuffle":
         return np.random.default_rng(seed).permutation(sizes.size)
     return np.arange(sizes.size)
+
+
+def _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size) -> np.ndarray | None:
+    """Checked ``[n]`` int64 vision patches (None without a vision budget); raises for
+    samples that break the vision budget, or that would have to be cut, unless dropped."""
+    if (vision_lengths is None) != (vision_budget is None):
+        raise ValueError("vision_lengths and vision_budget go together: pass both or neither")
+    if vision_lengths is None:
+        return None
+    _check_int(vision_budget, "vision_budget", 1)
+    vision = np.asarray(vision_lengths)
+    if vision.ndim != 1 or vision.size != lengths.size:
+        raise ValueError(f"vision_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {vision.shape}")
+    if vision.size and vision.dtype.kind not in "iu":
+        raise ValueError(f"vision_lengths must be integers, got dtype {vision.dtype}")
+    vision = vision.astype(np.int64, copy=False)
+    bad = np.flatnonzero(vision < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sample {i} has negative vision length {int(vision[i])}")
+    if overflow == "drop":
+        return vision
+    too_many = np.flatnonzero(vision > vision_budget)
+    if too_many.size:
+        i = int(too_many[0])
+        raise ValueError(
+            f"sample {i} has {int(vision[i])} vision patches, more than vision_budget={vision_budget}; "
+            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise vision_budget."
+        )
+    cut = np.flatnonzero(over & (vision > 0))
+    if cut.size and overflow in ("truncate", "split"):
+        i = int(cut[0])
+        raise ValueError(
+            f"sample {i} has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(vision[i])} "
+            f"vision patches: a VLM sample cannot be {overflow} (its placeholders must match its grids). "
+            "Use overflow='drop' or raise pack_size."
+        )
+    return vision
+
+
+def _placement_order_2d(sizes, vsizes, algorithm: str, seed: int, pack_size: int, vision_budget: int) -> np.ndarray:
+    if algorithm in ("bfd", "ffd"):  # decreasing larger share of either budget; ties in input order
+        key = np.maximum(sizes * int(vision_budget), vsizes * int(pack_size))
+        return np.argsort(-key, kind="stable")
+    return _placement_order(sizes, algorithm, seed, pack_size)
 
 
 def _check_int(value, name: str, minimum: int) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
 
+from thdpack.align import check_positive_int
 from thdpack.balance import CostModel, plan_balanced
 from thdpack.plan import PackPlan, plan_packs, validate_lengths
 
@@ -20,11 +22,10 @@ def _distributed_default(num_replicas, rank) -> tuple[int, int]:
         num_replicas = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if not (isinstance(num_replicas, int) and num_replicas >= 1):
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
-    if not (isinstance(rank, int) and 0 <= rank < num_replicas):
+    check_positive_int(num_replicas, "num_replicas")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be in [0, {num_replicas}), got {rank!r}")
-    return num_replicas, rank
+    return int(num_replicas), int(rank)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -36,9 +37,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     number of steps (``drop_last=True`` drops the remainder, otherwise the first
     packs of the epoch are repeated to fill the last step).
 
-    Pair it with a :class:`thdpack.ThdCollator` (``max_length=pack_size`` when
-    ``overflow="truncate"``):
-    ``DataLoader(ds, batch_sampler=sampler, collate_fn=ThdCollator(...))``.
+    Pair it with a :class:`thdpack.ThdCollator`; with ``overflow="truncate"`` give
+    the collator ``max_length=pack_size`` (it cuts rows where the plan did,
+    ``sampler.max_length`` tokens, once alignment is accounted for): ``DataLoader(ds, batch_sampler=sampler, collate_fn=ThdCollator(...))``.
 
     Resuming: ``state_dict()`` records the epoch and the number of steps this
     sampler has yielded in it; ``load_state_dict()`` continues with exactly the
@@ -106,6 +107,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._cached: tuple[int, PackPlan, np.ndarray] | None = None
         self._plan_for_epoch(0)  # validate now: errors surface at construction, not in the loop
 
+    @property
+    def max_length(self) -> int:
+        """Longest row the plan keeps whole: ``pack_size`` rounded down to ``align``
+        (what a collator must truncate to with ``overflow="truncate"``)."""
+        align = self.plan_kwargs["align"]
+        return self.pack_size // align * align
+
     # ---- planning -------------------------------------------------------
     def _plan_for_epoch(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
         """The epoch's plan and this rank's pack ids in the order it runs them."""
@@ -122,7 +130,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 if self.shuffle:
                     order = np.random.default_rng([self.seed, epoch]).permutation(len(plan))
                 if len(plan) < self.num_replicas and self.drop_last:
-                    raise ValueError(f"only {len(plan)} packs for {self.num_replicas} replicas with drop_last=True")
+                    message = f"epoch {epoch}: only {len(plan)} packs for {self.num_replicas} replicas with drop_last=True"
+                    if epoch == 0 and self._cached is None:
+                        raise ValueError(message)
+                    warnings.warn(message + "; the epoch has no steps")
                 steps = len(plan) // self.num_replicas if self.drop_last else -(-len(plan) // self.num_replicas)
                 # round-robin; without drop_last the first packs are repeated to fill the last step
                 schedule = order[(np.arange(steps) * self.num_replicas + self.rank) % len(plan)]

@@ -10,7 +10,7 @@ import numpy as np
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 
 
-def to_int_array(value, *, sample: int, field: str) -> np.ndarray:
+def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) -> np.ndarray:
     """One per-token field as a 1-D numpy array of integers (or bools).
 
     Accepts Python sequences, numpy arrays, torch tensors (any device), and
@@ -23,12 +23,12 @@ def to_int_array(value, *, sample: int, field: str) -> np.ndarray:
         arr = arr[0]
     if arr.ndim != 1:
         raise ValueError(f"sample {sample}: field '{field}' must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.dtype.kind not in "iub":
+    if arr.dtype.kind not in ("iub" if allow_bool else "iu"):
         if arr.size == 0:
             return arr.astype(np.int64)
         raise ValueError(
             f"sample {sample}: field '{field}' must hold integers, got dtype {arr.dtype}"
-            + (f" (first value {arr[0]!r})" if arr.size else "")
+            + (f" (first value {arr[0].item()!r})" if arr.size else "")
         )
     return arr
 
@@ -82,5 +82,5 @@ def slice_sample(sample, start: int, stop: int) -> dict:
     out = dict(sample)
     for key in TOKEN_FIELDS:
         if key in out and out[key] is not None:
-            out[key] = to_int_array(out[key], sample=-1, field=key)[start:stop]
+            out[key] = to_int_array(out[key], sample=-1, field=key, allow_bool=key == "loss_mask")[start:stop]
     return out

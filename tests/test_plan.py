@@ -1,0 +1,476 @@
+"""Property tests for pack planning (``plan_packs``) and the bin-packing kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thdpack import _binpack
+from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES, PackPlan, plan_packs
+
+SETTINGS = settings(max_examples=80, deadline=None)
+
+
+def aligned(x, align):
+    return -(-np.asarray(x, dtype=np.int64) // align) * align
+
+
+# --------------------------------------------------------------------------
+# tiny pure-Python references of the kernels
+# --------------------------------------------------------------------------
+def ref_first_fit(sizes, capacity, max_items):
+    """Each item into the lowest-numbered bin with room (and item slots) for it."""
+    rooms, counts, bin_of = [], [], []
+    for s in sizes:
+        for b in range(len(rooms)):
+            if rooms[b] >= s and (max_items <= 0 or counts[b] < max_items):
+                break
+        else:
+            b = len(rooms)
+            rooms.append(capacity)
+            counts.append(0)
+        rooms[b] -= s
+        counts[b] += 1
+        bin_of.append(b)
+    return bin_of, len(rooms)
+
+
+def ref_next_fit(sizes, capacity, max_items):
+    """Only the most recently opened bin is open."""
+    rooms, counts, bin_of = [], [], []
+    for s in sizes:
+        if not rooms or rooms[-1] < s or (max_items > 0 and counts[-1] >= max_items):
+            rooms.append(capacity)
+            counts.append(0)
+        rooms[-1] -= s
+        counts[-1] += 1
+        bin_of.append(len(rooms) - 1)
+    return bin_of, len(rooms)
+
+
+def ref_best_fit(sizes, capacity, max_items):
+    """Each item into the open bin with the least room that holds it (ties: lowest number)."""
+    rooms, counts, bin_of = [], [], []
+    for s in sizes:
+        feasible = [b for b in range(len(rooms)) if rooms[b] >= s and (max_items <= 0 or counts[b] < max_items)]
+        if feasible:
+            b = min(feasible, key=lambda k: (rooms[k], k))
+        else:
+            b = len(rooms)
+            rooms.append(capacity)
+            counts.append(0)
+        rooms[b] -= s
+        counts[b] += 1
+        bin_of.append(b)
+    return bin_of, len(rooms)
+
+
+def assert_best_fit_choices(sizes, capacity, max_items, bin_of, nbins):
+    """Replay an assignment: every item went to a feasible open bin of minimum room,
+    or to a new bin (numbered in opening order) only when no open bin could take it."""
+    rooms, counts = [], []
+    for j, s in enumerate(sizes):
+        s = int(s)
+        b = int(bin_of[j])
+        feasible = [k for k in range(len(rooms)) if rooms[k] >= s and (max_items <= 0 or counts[k] < max_items)]
+        if b == len(rooms):
+            assert not feasible, f"item {j} (size {s}) opened bin {b} although bins {feasible} could hold it"
+            rooms.append(capacity)
+            counts.append(0)
+        else:
+            assert 0 <= b < len(rooms), f"item {j} went to bin {b}, not open and not the next new bin"
+            assert b in feasible, f"item {j} (size {s}) went to bin {b} with room {rooms[b]}"
+            best = min(rooms[k] for k in feasible)
+            assert rooms[b] == best, f"item {j} (size {s}) went to room {rooms[b]}, best feasible room was {best}"
+        rooms[b] -= s
+        counts[b] += 1
+    assert nbins == len(rooms)
+    assert all(r >= 0 for r in rooms)
+    if max_items > 0:
+        assert all(c <= max_items for c in counts)
+
+
+# --------------------------------------------------------------------------
+# kernels against the references
+# --------------------------------------------------------------------------
+@st.composite
+def kernel_inputs(draw):
+    capacity = draw(st.integers(1, 64))
+    small = st.integers(1, max(1, capacity // 3))
+    sizes = draw(st.lists(st.one_of(small, st.integers(1, capacity)), max_size=80))
+    max_items = draw(st.sampled_from([0, 0, 1, 2, 3, 5]))
+    return np.array(sizes, dtype=np.int64), capacity, max_items
+
+
+@SETTINGS
+@given(kernel_inputs())
+def test_first_fit_kernel_matches_reference(args):
+    sizes, capacity, max_items = args
+    bin_of, nbins = _binpack.first_fit(sizes, capacity, max_items)
+    ref_bins, ref_n = ref_first_fit(sizes.tolist(), capacity, max_items)
+    assert int(nbins) == ref_n
+    assert bin_of.tolist() == ref_bins
+
+
+@SETTINGS
+@given(kernel_inputs())
+def test_next_fit_kernel_matches_reference(args):
+    sizes, capacity, max_items = args
+    bin_of, nbins = _binpack.next_fit(sizes, capacity, max_items)
+    ref_bins, ref_n = ref_next_fit(sizes.tolist(), capacity, max_items)
+    assert int(nbins) == ref_n
+    assert bin_of.tolist() == ref_bins
+
+
+@SETTINGS
+@given(kernel_inputs())
+def test_best_fit_kernel_picks_min_feasible_room(args):
+    sizes, capacity, max_items = args
+    bin_of, nbins = _binpack.best_fit(sizes, capacity, max_items)
+    assert bin_of.shape == sizes.shape
+    assert_best_fit_choices(sizes.tolist(), capacity, max_items, bin_of.tolist(), int(nbins))
+    _, ref_n = ref_best_fit(sizes.tolist(), capacity, max_items)
+    if max_items == 0:
+        # without an item cap the state is the multiset of rooms: tie-breaking cannot matter
+        assert int(nbins) == ref_n
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 20), max_size=60), st.booleans())
+def test_bucket_order_is_a_stable_sort(keys, descending):
+    keys = np.array(keys, dtype=np.int64)
+    order = _binpack.bucket_order(keys, 21, descending)
+    expected = np.argsort(-keys if descending else keys, kind="stable")
+    assert order.tolist() == expected.tolist()
+
+
+# --------------------------------------------------------------------------
+# plan_packs properties
+# --------------------------------------------------------------------------
+@st.composite
+def plan_inputs(draw):
+    align = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+    pack_size = draw(st.integers(align, 160))
+    overflow = draw(st.sampled_from(OVERFLOW_POLICIES))
+    limit = pack_size // align * align
+    max_len = limit if overflow == "error" else 2 * pack_size + 5
+    small = st.integers(1, max(1, max_len // 4))
+    lengths = draw(st.lists(st.one_of(small, st.integers(1, max_len)), max_size=60))
+    algorithm = draw(st.sampled_from(ALGORITHMS))
+    max_spp = draw(st.one_of(st.none(), st.integers(1, 6)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    as_numpy = draw(st.booleans())
+    return dict(
+        lengths=np.array(lengths, dtype=np.int64) if as_numpy else lengths,
+        pack_size=pack_size,
+        align=align,
+        overflow=overflow,
+        algorithm=algorithm,
+        max_samples_per_pack=max_spp,
+        seed=seed,
+    )
+
+
+def run_plan(kw) -> PackPlan:
+    kw = dict(kw)
+    return plan_packs(kw.pop("lengths"), kw.pop("pack_size"), **kw)
+
+
+def pieces_in_creation_order(plan: PackPlan):
+    """(sample, start, length, pack) of every piece, sorted by (sample, start)."""
+    pack_of = np.repeat(np.arange(len(plan)), np.diff(plan.pack_offsets))
+    rows = sorted(
+        zip(plan.sample_index.tolist(), plan.start.tolist(), plan.length.tolist(), pack_of.tolist())
+    )
+    return rows
+
+
+def check_plan(plan: PackPlan, lengths, pack_size, align, overflow, max_spp):
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = lengths.size
+    limit = pack_size // align * align
+    over = lengths > limit
+
+    # ---- layout ---------------------------------------------------------
+    for arr in (plan.sample_index, plan.start, plan.length, plan.pack_offsets, plan.dropped):
+        assert arr.dtype == np.int64
+    m = plan.sample_index.size
+    assert plan.start.size == m and plan.length.size == m
+    assert plan.pack_offsets[0] == 0 and plan.pack_offsets[-1] == m
+    counts = np.diff(plan.pack_offsets)
+    assert (counts >= 1).all(), "empty pack"
+    num_packs = len(plan)
+    assert num_packs == len(plan.pack_offsets) - 1 == len(plan.packs)
+    assert (plan.length >= 1).all()
+    assert (plan.start >= 0).all()
+    assert (plan.start + plan.length <= lengths[plan.sample_index]).all()
+
+    # ---- capacity ---------------------------------------------------------
+    sizes = aligned(plan.length, align)
+    fills_aligned = np.array([sizes[a:b].sum() for a, b in zip(plan.pack_offsets[:-1], plan.pack_offsets[1:])], dtype=np.int64)
+    fills_real = np.array([plan.length[a:b].sum() for a, b in zip(plan.pack_offsets[:-1], plan.pack_offsets[1:])], dtype=np.int64)
+    assert (fills_aligned <= pack_size).all(), f"pack over budget: {fills_aligned.max()} > {pack_size}"
+    if max_spp is not None:
+        assert (counts <= max_spp).all()
+
+    # ---- accessors agree --------------------------------------------------
+    for k in range(num_packs):
+        idx, st_, ln = plan.pieces(k)
+        assert plan.pack(k).tolist() == idx.tolist() == plan.packs[k].tolist()
+        assert plan.pack_lengths(k).tolist() == ln.tolist()
+        # pieces in a pack are ordered by (input index, start)
+        keys = list(zip(idx.tolist(), st_.tolist()))
+        assert keys == sorted(keys) and len(set(keys)) == len(keys)
+
+    # ---- coverage -----------------------------------------------------------
+    by_sample: dict[int, list[tuple[int, int]]] = {}
+    for i, a, ln in zip(plan.sample_index.tolist(), plan.start.tolist(), plan.length.tolist()):
+        by_sample.setdefault(i, []).append((a, ln))
+    dropped = set(plan.dropped.tolist())
+    for i in range(n):
+        L = int(lengths[i])
+        if overflow == "drop" and over[i]:
+            assert i in dropped
+            assert i not in by_sample, f"dropped sample {i} placed"
+            continue
+        assert i not in dropped
+        pieces = sorted(by_sample.get(i, []))
+        assert pieces, f"sample {i} not placed"
+        if overflow == "split":
+            pos = 0
+            for a, ln in pieces:
+                assert a == pos, f"sample {i}: pieces {pieces} leave a gap or overlap"
+                pos += ln
+            assert pos == L, f"sample {i}: pieces {pieces} cover {pos} of {L} tokens"
+            if not over[i]:
+                assert pieces == [(0, L)]
+            else:
+                assert len(pieces) >= 2
+        elif overflow == "truncate":
+            assert pieces == [(0, min(L, limit))]
+        else:
+            assert pieces == [(0, L)]
+    assert set(by_sample) <= set(range(n))
+    if overflow == "drop":
+        assert plan.dropped.tolist() == np.flatnonzero(over).tolist()
+    else:
+        assert plan.dropped.size == 0
+
+    # ---- stats --------------------------------------------------------------
+    s = plan.stats
+    assert s.num_packs == num_packs
+    assert s.num_samples == n
+    assert s.num_pieces == m
+    assert s.pack_size == pack_size
+    assert s.real_tokens == int(plan.length.sum())
+    assert s.aligned_tokens == int(sizes.sum())
+    assert s.lower_bound == -(-int(sizes.sum()) // pack_size)
+    assert s.lower_bound <= s.num_packs
+    if num_packs:
+        assert s.efficiency == pytest.approx(s.real_tokens / (num_packs * pack_size))
+        assert 0 < s.efficiency <= 1
+        assert s.packing_factor == pytest.approx(m / num_packs)
+        assert s.max_samples_per_pack == int(counts.max())
+        assert s.min_pack_fill == pytest.approx(fills_real.min() / pack_size)
+        assert s.max_pack_fill == pytest.approx(fills_real.max() / pack_size)
+        assert 0 < s.min_pack_fill <= s.max_pack_fill <= 1
+    else:
+        assert m == 0
+        assert s.efficiency == 0 and s.packing_factor == 0
+    n_over = int(over.sum())
+    over_tokens = int(lengths[over].sum())
+    assert s.samples_truncated == (n_over if overflow == "truncate" else 0)
+    assert s.tokens_truncated == (over_tokens - n_over * limit if overflow == "truncate" else 0)
+    assert s.samples_dropped == (n_over if overflow == "drop" else 0)
+    assert s.tokens_dropped == (over_tokens if overflow == "drop" else 0)
+    assert s.samples_split == (n_over if overflow == "split" else 0)
+    # every input token is placed, truncated or dropped
+    assert s.real_tokens + s.tokens_truncated + s.tokens_dropped == int(lengths.sum())
+    assert plan.is_whole_samples == (s.samples_truncated == 0 and s.samples_split == 0)
+    assert s.as_dict()["num_packs"] == num_packs
+    assert "packs" in str(s)
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_plan_invariants(kw):
+    plan = run_plan(kw)
+    assert plan.pack_size == kw["pack_size"] and plan.align == kw["align"]
+    assert plan.algorithm == kw["algorithm"] and plan.overflow == kw["overflow"]
+    check_plan(plan, kw["lengths"], kw["pack_size"], kw["align"], kw["overflow"], kw["max_samples_per_pack"])
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_plan_is_deterministic(kw):
+    a, b = run_plan(kw), run_plan(kw)
+    for name in ("sample_index", "start", "length", "pack_offsets", "dropped"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.stats == b.stats
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_plan_matches_reference_kernels(kw):
+    """ffd / sequential give exactly what the references give on the documented
+    placement order; bfd makes best-fit choices in decreasing-size order."""
+    plan = run_plan(kw)
+    rows = pieces_in_creation_order(plan)
+    if not rows:
+        return
+    align, pack_size = kw["align"], kw["pack_size"]
+    max_items = kw["max_samples_per_pack"] or 0
+    sizes = aligned([r[2] for r in rows], align)
+    actual_bins = np.array([r[3] for r in rows])
+    algorithm = kw["algorithm"]
+    if algorithm in ("ffd", "bfd"):
+        order = np.argsort(-sizes, kind="stable")  # decreasing size, ties in input order
+    elif algorithm == "sequential":
+        order = np.arange(len(rows))
+    else:
+        order = None
+    if algorithm == "ffd":
+        ref, _ = ref_first_fit(sizes[order].tolist(), pack_size, max_items)
+        expected = np.empty(len(rows), dtype=np.int64)
+        expected[order] = ref
+        assert actual_bins.tolist() == expected.tolist()
+    elif algorithm == "sequential":
+        ref, _ = ref_next_fit(sizes.tolist(), pack_size, max_items)
+        assert actual_bins.tolist() == ref
+    elif algorithm == "bfd":
+        assert_best_fit_choices(sizes[order].tolist(), pack_size, max_items, actual_bins[order].tolist(), len(plan))
+        if max_items == 0:
+            _, ref_n = ref_best_fit(sizes[order].tolist(), pack_size, 0)
+            assert len(plan) == ref_n
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_any_fit_packs_are_pairwise_over_half_full(kw):
+    """First fit / best fit (in any order) never leave two packs that could be merged;
+    next fit never leaves two *consecutive* packs that could be merged."""
+    if kw["max_samples_per_pack"] is not None:
+        return
+    plan = run_plan(kw)
+    if len(plan) < 2:
+        return
+    sizes = aligned(plan.length, kw["align"])
+    fills = np.add.reduceat(sizes, plan.pack_offsets[:-1])
+    pack_size = kw["pack_size"]
+    if kw["algorithm"] == "sequential":
+        assert (fills[:-1] + fills[1:] > pack_size).all()
+    else:
+        two_smallest = np.sort(fills)[:2]
+        assert two_smallest.sum() > pack_size
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_sequential_keeps_input_order(kw):
+    kw = dict(kw, algorithm="sequential")
+    plan = run_plan(kw)
+    keys = list(zip(plan.sample_index.tolist(), plan.start.tolist()))
+    assert keys == sorted(keys), "sequential plan reordered samples across packs"
+    # next fit: a pack is closed only when the next piece does not fit (or the cap is hit)
+    sizes = aligned(plan.length, kw["align"])
+    cap = kw["max_samples_per_pack"]
+    for k in range(len(plan) - 1):
+        a, b = plan.pack_offsets[k], plan.pack_offsets[k + 1]
+        fits = sizes[a:b].sum() + sizes[b] <= kw["pack_size"]
+        cap_hit = cap is not None and b - a >= cap
+        assert not fits or cap_hit, f"pack {k} closed although piece {b} fit"
+
+
+@SETTINGS
+@given(plan_inputs())
+def test_max_samples_per_pack_one(kw):
+    kw = dict(kw, max_samples_per_pack=1)
+    plan = run_plan(kw)
+    assert (np.diff(plan.pack_offsets) == 1).all()
+    assert len(plan) == plan.stats.num_pieces
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=20, max_size=60), st.integers(0, 2**31), st.integers(0, 2**31))
+def test_first_fit_shuffle_seed(lengths, seed_a, seed_b):
+    a = plan_packs(lengths, 64, algorithm="first_fit_shuffle", seed=seed_a)
+    a2 = plan_packs(lengths, 64, algorithm="first_fit_shuffle", seed=seed_a)
+    assert np.array_equal(a.sample_index, a2.sample_index) and np.array_equal(a.pack_offsets, a2.pack_offsets)
+    assert a.seed == seed_a
+    check_plan(a, lengths, 64, 1, "error", None)
+    b = plan_packs(lengths, 64, algorithm="first_fit_shuffle", seed=seed_b)
+    check_plan(b, lengths, 64, 1, "error", None)
+
+
+def test_first_fit_shuffle_seed_changes_plan():
+    lengths = np.random.default_rng(0).integers(1, 200, size=300)
+    plans = {plan_packs(lengths, 512, algorithm="first_fit_shuffle", seed=s).sample_index.tobytes() for s in range(5)}
+    assert len(plans) > 1, "the seed has no effect on first_fit_shuffle"
+
+
+def test_empty_lengths_give_empty_plan():
+    for algorithm in ALGORITHMS:
+        plan = plan_packs([], 16, algorithm=algorithm)
+        assert len(plan) == 0 and plan.stats.num_samples == 0 and plan.stats.lower_bound == 0
+        assert plan.stats.num_packs == 0 and plan.stats.efficiency == 0.0
+        assert [p.tolist() for p in plan.packs] == [], "an empty plan must have no packs"
+
+
+def test_all_dropped():
+    plan = plan_packs([20, 30], 16, overflow="drop")
+    assert len(plan) == 0
+    assert plan.dropped.tolist() == [0, 1]
+    assert plan.stats.samples_dropped == 2 and plan.stats.tokens_dropped == 50
+    assert [p.tolist() for p in plan.packs] == [], "a plan with every sample dropped must have no packs"
+
+
+def test_split_example():
+    plan = plan_packs([5, 10], 4, overflow="split", algorithm="sequential")
+    check_plan(plan, [5, 10], 4, 1, "split", None)
+    pieces = pieces_in_creation_order(plan)
+    assert [(i, a, n) for i, a, n, _ in pieces] == [(0, 0, 4), (0, 4, 1), (1, 0, 4), (1, 4, 4), (1, 8, 2)]
+    assert plan.stats.samples_split == 2
+
+
+def test_truncate_with_align_example():
+    # pack_size 10, align 4: the longest real length whose aligned length fits is 8
+    plan = plan_packs([9, 3, 10], 10, align=4, overflow="truncate")
+    check_plan(plan, [9, 3, 10], 10, 4, "truncate", None)
+    got = {i: n for i, n in zip(plan.sample_index.tolist(), plan.length.tolist())}
+    assert got == {0: 8, 1: 3, 2: 8}
+    assert plan.stats.tokens_truncated == 1 + 2
+
+
+def _lognormal_lengths(n, seed, pack_size):
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(mean=np.log(500), sigma=1.0, size=n)), 1, pack_size).astype(np.int64)
+
+
+@pytest.mark.parametrize("align", [1, 8])
+def test_bfd_quality_on_lognormal(align):
+    pack_size = 4096
+    lengths = _lognormal_lengths(20_000, 1234, pack_size)
+    lengths = np.minimum(lengths, pack_size // align * align)
+    bfd = plan_packs(lengths, pack_size, algorithm="bfd", align=align)
+    ffd = plan_packs(lengths, pack_size, algorithm="ffd", align=align)
+    seq = plan_packs(lengths, pack_size, algorithm="sequential", align=align)
+    for p in (bfd, ffd, seq):
+        check_plan(p, lengths, pack_size, align, "error", None)
+    lb = bfd.stats.lower_bound
+    assert bfd.stats.num_packs <= ffd.stats.num_packs + max(1, ffd.stats.num_packs // 200)
+    assert bfd.stats.num_packs <= lb + 3, (bfd.stats.num_packs, lb)
+    assert bfd.stats.num_packs < seq.stats.num_packs
+
+
+def test_plans_large_input_quickly():
+    import time
+
+    lengths = _lognormal_lengths(200_000, 7, 8192)
+    plan_packs(lengths[:10], 8192)  # compile
+    t0 = time.perf_counter()
+    plan = plan_packs(lengths, 8192, algorithm="bfd")
+    elapsed = time.perf_counter() - t0
+    assert plan.stats.num_packs <= plan.stats.lower_bound + 3
+    assert elapsed < 5.0
