@@ -52,25 +52,34 @@ def _fill_targets(out, dst, ids, source, has_source, mask, has_mask, src, s, ign
 
 
 @njit
-def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, pad_token_id, ignore_index):
-    """The whole stream.
-
-    Returns ``(status, token, input_ids, labels, position_ids, cu, cu_padded)``:
-    int64 ``[T]`` ×3 and int64 ``[n+1]`` ×2.
-    """
-    status, token = _validate(ids, source, has_source, mask, has_mask, ignore_index)
+def _cumulative(seq_lens, padded):
+    """int32 ``[n+1]`` cumulative real and padded lengths."""
     n = seq_lens.shape[0]
-    cu = np.zeros(n + 1, np.int64)
-    cu_padded = np.zeros(n + 1, np.int64)
+    cu = np.zeros(n + 1, np.int32)
+    cu_padded = np.zeros(n + 1, np.int32)
     for i in range(n):
         cu[i + 1] = cu[i] + seq_lens[i]
         cu_padded[i + 1] = cu_padded[i] + padded[i]
+    return cu, cu_padded
+
+
+@njit
+def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, pad_token_id, ignore_index):
+    """The whole stream.
+
+    Returns ``(status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded)``:
+    int64 ``[T]`` (bool for the mask) and int32 ``[n+1]`` ×2.
+    """
+    status, token = _validate(ids, source, has_source, mask, has_mask, ignore_index)
+    cu, cu_padded = _cumulative(seq_lens, padded)
+    n = seq_lens.shape[0]
     total = cu_padded[n]
     input_ids = np.empty(total, np.int64)
     labels = np.empty(total, np.int64)
     position_ids = np.empty(total, np.int64)
+    loss_mask = np.empty(total, np.bool_)
     if status != OK:
-        return status, token, input_ids, labels, position_ids, cu, cu_padded
+        return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded
     for i in range(n):
         src, dst, s, p = cu[i], cu_padded[i], seq_lens[i], padded[i]
         for j in range(s):
@@ -81,7 +90,9 @@ def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, p
             labels[dst + j] = ignore_index
         for j in range(p):
             position_ids[dst + j] = j  # pad slots continue their sample's count
-    return status, token, input_ids, labels, position_ids, cu, cu_padded
+    for t in range(total):
+        loss_mask[t] = labels[t] != ignore_index
+    return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded
 
 
 @njit
@@ -91,24 +102,22 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
     Each padded span ``P`` is cut into ``2·cp`` chunks of ``h = P / (2·cp)``; the
     rank keeps chunk ``r`` then chunk ``2·cp − 1 − r`` (TransformerEngine's split).
 
-    Returns ``(status, token, input_ids, labels, position_ids, cu, cu_padded,
-    partition_indices, local_seq_lens)``; per-token arrays are ``[T / cp]``.
+    Returns ``(status, token, input_ids, labels, loss_mask, position_ids, cu,
+    cu_padded, partition_indices, local_seq_lens)``; per-token arrays are
+    ``[T / cp]``, cumulative lengths int32 and global.
     """
     status, token = _validate(ids, source, has_source, mask, has_mask, ignore_index)
+    cu, cu_padded = _cumulative(seq_lens, padded)
     n = seq_lens.shape[0]
-    cu = np.zeros(n + 1, np.int64)
-    cu_padded = np.zeros(n + 1, np.int64)
-    for i in range(n):
-        cu[i + 1] = cu[i] + seq_lens[i]
-        cu_padded[i + 1] = cu_padded[i] + padded[i]
     local_total = cu_padded[n] // cp_size
     input_ids = np.empty(local_total, np.int64)
     labels = np.empty(local_total, np.int64)
     position_ids = np.empty(local_total, np.int64)
+    loss_mask = np.empty(local_total, np.bool_)
     partition = np.empty(local_total, np.int64)
-    local_lens = np.zeros(n, np.int64)
+    local_lens = np.zeros(n, np.int32)
     if status != OK:
-        return status, token, input_ids, labels, position_ids, cu, cu_padded, partition, local_lens
+        return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens
     longest = 0
     for i in range(n):
         longest = max(longest, seq_lens[i])
@@ -132,4 +141,6 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
                 labels[out + j] = ignore_index
             local_lens[i] += real
             out += h
-    return status, token, input_ids, labels, position_ids, cu, cu_padded, partition, local_lens
+    for t in range(local_total):
+        loss_mask[t] = labels[t] != ignore_index
+    return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens

@@ -43,6 +43,8 @@ def resolve_pad_multiple(
 ) -> int:
     """The multiple a builder pads to: the parallelism requirement, combined (lcm)
     with an explicit ``pad_multiple`` when one is given."""
+    if type(cp_size) is int and type(tp_size) is int and cp_size == tp_size == 1 and pad_multiple is None:
+        return 1  # the common case, checked cheaply
     multiple = cp_pad_multiple(cp_size, tp_size, sequence_parallel)
     if pad_multiple is not None:
         check_positive_int(pad_multiple, "pad_multiple")

@@ -96,32 +96,31 @@ def build_thd_batch(
     args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
             int(pad_token_id), int(ignore_index))
     if direct_shard:
-        status, token, input_ids, labels, position_ids, cu, cu_padded, partition, local_lens = assemble_shard(
-            *args, cp_size, cp_rank
+        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
+            assemble_shard(*args, cp_size, cp_rank)
         )
     else:
-        status, token, input_ids, labels, position_ids, cu, cu_padded = assemble_stream(*args)
+        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded = assemble_stream(*args)
     if status != OK:
         _raise_bad_value(status, token, ids, source, mask, cu, ignore_index)
 
     if sample_index is None:
-        index = torch.arange(len(samples), dtype=torch.int64)
+        index = np.arange(len(samples), dtype=np.int64)
     else:
-        index = torch.as_tensor(np.asarray(sample_index, dtype=np.int64))
-        if index.numel() != len(samples):
-            raise ValueError(f"sample_index has {index.numel()} entries for {len(samples)} samples")
-    labels_t = torch.from_numpy(labels)
-    cu_padded_t = torch.from_numpy(cu_padded.astype(np.int32))
+        index = np.asarray(sample_index, dtype=np.int64)
+        if index.size != len(samples):
+            raise ValueError(f"sample_index has {index.size} entries for {len(samples)} samples")
+    cu_padded_t = torch.from_numpy(cu_padded)
     batch = ThdBatch(
         input_ids=torch.from_numpy(input_ids),
-        labels=labels_t,
-        loss_mask=labels_t != ignore_index,
+        labels=torch.from_numpy(labels),
+        loss_mask=torch.from_numpy(loss_mask),
         position_ids=torch.from_numpy(position_ids),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        cu_seqlens=torch.from_numpy(cu),
         cu_seqlens_padded=cu_padded_t,
         max_seqlen=int(padded.max()),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        sample_index=index,
+        seq_lens=torch.from_numpy(cu[1:] - cu[:-1]),
+        sample_index=torch.from_numpy(index),
         pad_multiple=multiple,
         ignore_index=ignore_index,
         tokens_truncated=tokens_truncated,
@@ -129,7 +128,7 @@ def build_thd_batch(
     if direct_shard:
         batch.cp_size, batch.cp_rank = cp_size, cp_rank
         batch.local_cu_seqlens_padded = cu_padded_t // cp_size
-        batch.local_seq_lens = torch.from_numpy(local_lens.astype(np.int32))
+        batch.local_seq_lens = torch.from_numpy(local_lens)
         batch.partition_indices = torch.from_numpy(partition)
     if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
         from thdpack.vlm import attach_vision

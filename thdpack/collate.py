@@ -9,7 +9,7 @@ import numpy as np
 from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch
-from thdpack.cp import check_cp_args, shard_for_cp
+from thdpack.cp import check_cp_args
 from thdpack.plan import PackStats, plan_packs
 from thdpack.samples import get_field, to_int_array
 
@@ -67,7 +67,7 @@ class ThdCollator:
         self.build_kwargs = dict(
             pad_token_id=pad_token_id,
             ignore_index=ignore_index,
-            pad_multiple=self.pad_multiple,
+            pad_multiple=self.pad_multiple if self.pad_multiple > 1 else None,
             max_length=max_length,
             pad_to=pad_to,
         )
@@ -81,6 +81,8 @@ class ThdCollator:
             check_cp_args(cp_size, cp_rank)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
+        if cp_rank is not None and cp_size > 1:  # each call assembles only this rank's shard
+            self.build_kwargs.update(cp_size=cp_size, cp_rank=cp_rank)
         self.pack_size = pack_size
         self.max_length = max_length
         self.plan_kwargs = dict(algorithm=algorithm, overflow=overflow, max_samples_per_pack=max_samples_per_pack)
@@ -89,7 +91,7 @@ class ThdCollator:
 
     def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
         if self.pack_size is None:
-            return self._local(build_thd_batch(samples, **self.build_kwargs))
+            return build_thd_batch(samples, **self.build_kwargs)
         samples = list(samples)
         lengths = np.array(
             [to_int_array(get_field(s, "input_ids", i, required=True), sample=i, field="input_ids").size for i, s in enumerate(samples)],
@@ -99,12 +101,7 @@ class ThdCollator:
             lengths = np.minimum(lengths, self.max_length)
         plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs)
         batches = [
-            self._local(build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs))
+            build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs)
             for k in range(len(plan))
         ]
         return PackedBatches(batches, plan.stats)
-
-    def _local(self, batch: ThdBatch) -> ThdBatch:
-        if self.cp_rank is None or self.cp_size == 1:
-            return batch
-        return shard_for_cp(batch, self.cp_size, self.cp_rank)

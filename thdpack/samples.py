@@ -17,7 +17,18 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     Arrow values (``pyarrow`` arrays and list scalars). A leading axis of size 1
     (what a tokenizer returns with ``return_tensors=...``) is dropped. The result
     may be a view of the input: callers must not write to it.
+
+    Lists of Python ints (first and last element checked) take a fast typed
+    conversion; a list mixing ints with floats in its middle is truncated rather
+    than rejected: pass arrays or tensors when that must be caught.
     """
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
+        return value  # the common case, without further dispatch
+    if type(value) is list and value and type(value[0]) is int and type(value[-1]) is int:
+        try:
+            return np.array(value, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            pass  # fall through to the checked path and its error message
     arr = _as_numpy(value, sample=sample, field=field)
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
@@ -48,9 +59,9 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
     if module.startswith("torch"):
         return value.detach().cpu().numpy()
     if module.startswith("pyarrow"):
-        values = getattr(value, "values", None)  # ListScalar -> its child array
-        if values is not None and hasattr(values, "to_numpy"):
-            value = values
+        to_numpy = getattr(type(value), "to_numpy", None)
+        if to_numpy is None:  # ListScalar: read its child array
+            value = value.values
         return value.to_numpy(zero_copy_only=False)
     try:
         arr = np.asarray(value)
@@ -63,17 +74,20 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
 
 def get_field(sample, field: str, index: int, *, required: bool = False):
     """``sample[field]`` or None; a clear error when ``sample`` is not a mapping."""
-    if not isinstance(sample, Mapping) and not hasattr(sample, "keys"):
+    if type(sample) is dict:  # fast path: no abc isinstance check
+        value = sample.get(field)
+    elif isinstance(sample, Mapping) or hasattr(sample, "keys"):
+        try:
+            value = sample[field]
+        except KeyError:
+            value = None
+    else:
         raise ValueError(
             f"sample {index} is a {type(sample).__name__}; expected a mapping with 'input_ids' "
             "(and optionally 'labels' or 'loss_mask')"
         )
-    try:
-        value = sample[field]
-    except KeyError:
-        if required:
-            raise ValueError(f"sample {index} has no '{field}' field (fields: {sorted(sample.keys())})") from None
-        return None
+    if value is None and required:
+        raise ValueError(f"sample {index} has no '{field}' field (fields: {sorted(sample.keys())})")
     return value
 
 
