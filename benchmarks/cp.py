@@ -9,8 +9,10 @@ round-robin after a warm-up):
 
 * ``build``                 ``build_thd_batch(samples)`` (no CP)
 * ``build cp``              ``build_thd_batch(samples, cp_size=cp)``
-* ``build cp + shard 1``    the same, then ``shard_for_cp(batch, cp, 0)``
-                            (what one rank's collator does)
+* ``build cp + shard 1``    the same, then ``shard_for_cp(batch, cp, 0)`` (sharding a
+                            whole batch that already exists)
+* ``build cp, cp_rank``     ``build_thd_batch(pack, cp_size=cp, cp_rank=0)``: the rank's
+                            shard assembled directly (what ``ThdCollator(cp_rank=...)`` does)
 * ``build cp + shard all``  the same, then all ``cp`` shards
 
 each with samples given as numpy arrays and as Python lists. The ratio column is
@@ -90,6 +92,9 @@ def timing_table(packs_by_kind: dict, cp: int, repeats: int) -> list[dict]:
     def build_shard_one(pack):
         return shard_for_cp(build_thd_batch(pack, cp_size=cp), cp, 0)
 
+    def build_direct(pack):  # what ThdCollator(cp_size, cp_rank) does: only this rank's tokens
+        return build_thd_batch(pack, cp_size=cp, cp_rank=0)
+
     def build_shard_all(pack):
         batch = build_thd_batch(pack, cp_size=cp)
         return [shard_for_cp(batch, cp, r) for r in range(cp)]
@@ -98,6 +103,7 @@ def timing_table(packs_by_kind: dict, cp: int, repeats: int) -> list[dict]:
         ("build", build),
         (f"build cp={cp}", build_cp),
         (f"build cp={cp} + shard 1 rank", build_shard_one),
+        (f"build cp={cp}, cp_rank=0 (direct)", build_direct),
         (f"build cp={cp} + shard all {cp} ranks", build_shard_all),
     ]
     rows = []
