@@ -109,21 +109,44 @@ def test_balanced_plan_invariants(case):
     if len(plan):
         assert math.isclose(plan.stats.efficiency, plan.length.sum() / (len(plan) * ps))
 
-    # packs are the BFD packs, some split in two halves
+    # packs are the BFD packs, except the cheapest ones, whose pieces were re-packed
+    # into fresh packs to fill the last step
     base = plan_packs(case["lengths"], ps, align=align, overflow=case["overflow"],
                       max_samples_per_pack=case["max_samples_per_pack"], seed=case["seed"])
-    base_pack = {}
+    base_sets = {}
     for k in range(len(base)):
         idx, start, _ = base.pieces(k)
-        for key in zip(idx.tolist(), start.tolist()):
-            base_pack[key] = k
-    parents = Counter()
+        base_sets[frozenset(zip(idx.tolist(), start.tolist()))] = k
+    untouched, fresh_keys = set(), set()
     for k in range(len(plan)):
         idx, start, _ = plan.pieces(k)
-        owners = {base_pack[key] for key in zip(idx.tolist(), start.tolist())}
-        assert len(owners) == 1, "a balanced pack mixes pieces of two BFD packs"
-        parents[owners.pop()] += 1
-    assert max(parents.values(), default=1) <= 2
+        keys = frozenset(zip(idx.tolist(), start.tolist()))
+        if keys in base_sets and base_sets[keys] not in untouched:
+            untouched.add(base_sets[keys])
+        else:
+            fresh_keys |= keys
+    emptied = [k for k in range(len(base)) if k not in untouched]
+    emptied_keys = set()
+    for k in emptied:
+        idx, start, _ = base.pieces(k)
+        emptied_keys |= set(zip(idx.tolist(), start.tolist()))
+    assert fresh_keys == emptied_keys, "fresh packs hold exactly the pieces of the emptied BFD packs"
+    missing = len(plan) - len(base)
+    if emptied and missing > 0:
+        # the re-packed packs are the T cheapest, T the least count of the form k·R·M − missing
+        # whose pieces can give each of the T + missing fresh packs at least one
+        base_cost = CostModel(*case["cost"]).pack_costs(base)
+        per_step = case["num_replicas"] * case["micro_batches"]
+        counts_by_cost = np.diff(base.pack_offsets)[np.argsort(base_cost, kind="stable")]
+        T = per_step - missing
+        while counts_by_cost[:T].sum() < T + missing:
+            T += per_step
+        assert base_cost[emptied].max() <= np.sort(base_cost)[T - 1] * (1 + 1e-12), "only the cheapest packs are re-packed"
+    fresh = len(plan) - len(untouched)
+    assert fresh >= len(emptied)
+    if fresh:
+        per_step = case["num_replicas"] * case["micro_batches"]
+        assert len(plan) % per_step == 0, "re-packing only happens to make the packs fill whole steps"
 
     # steps: [S, R, M], S = whole steps needed for the BFD packs; nothing lost, repeats counted
     S = -(-len(base) // (R * M))

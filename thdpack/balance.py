@@ -12,7 +12,7 @@ Cost of a pack: ``a·Σ sᵢ + b·Σ sᵢ²`` (FLOPs when ``a``, ``b`` come from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -109,8 +109,9 @@ def plan_balanced(
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
     1. Packs are planned by :func:`thdpack.plan_packs` (token budget kept).
-    2. If the number of packs is not a multiple of ``R·M``, the packs with the most
-       samples are split in two until it is (a few packs more; nothing repeated).
+    2. If the number of packs is not a multiple of ``R·M``, the cheapest packs are
+       re-packed into one full step of ``R·M`` balanced packs (a few packs more;
+       nothing repeated; see :func:`_fill_last_step`).
     3. Packs are sorted by cost and cut into steps of ``R·M`` consecutive packs, so a
        step holds packs of similar cost; inside a step, packs are dealt to ranks
        greedily (largest first, to the least-loaded rank with room).
@@ -133,7 +134,7 @@ def plan_balanced(
         max_samples_per_pack=max_samples_per_pack, seed=seed,
     )
     per_step = num_replicas * micro_batches
-    plan = _split_to_multiple(plan, per_step)
+    plan = _fill_last_step(plan, per_step, cost, max_samples_per_pack)
     costs = cost.pack_costs(plan)
     num_packs = len(plan)
     order = np.argsort(-costs, kind="stable")
@@ -172,44 +173,74 @@ def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches
     return out
 
 
-def _split_to_multiple(plan: PackPlan, multiple: int) -> PackPlan:
-    """Split the packs with most pieces in two until ``len(plan)`` is a multiple of ``multiple``."""
-    missing = (-len(plan)) % multiple
+def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: int | None) -> PackPlan:
+    """Re-pack the cheapest packs so that ``len(plan)`` becomes a multiple of ``multiple``.
+
+    The ``len(plan) % multiple`` cheapest packs (more if they hold too few
+    samples) are emptied and their pieces dealt largest-cost-first to
+    ``multiple`` (or ``2·multiple`` …) fresh packs, each to the least-loaded pack
+    with room: the step they form is balanced like the others, and no sample is
+    repeated. Returns ``plan`` unchanged when that is impossible (fewer pieces
+    than slots).
+    """
+    num_packs = len(plan)
+    missing = (-num_packs) % multiple
     if missing == 0:
         return plan
     counts = np.diff(plan.pack_offsets)
-    splittable = np.flatnonzero(counts >= 2)
-    if splittable.size == 0:
+    by_cost = np.argsort(cost.pack_costs(plan), kind="stable")
+    taken = multiple - missing  # packs to empty: the rest is then a multiple
+    while taken <= num_packs and counts[by_cost[:taken]].sum() < taken + missing:
+        taken += multiple
+    if taken > num_packs:
         return plan
-    chosen = splittable[np.argsort(-counts[splittable], kind="stable")[:missing]]
-    # new pack id for every piece: packs keep their id, the second half of a chosen pack moves to a new one
-    pack_of = np.repeat(np.arange(len(plan)), counts)
-    new_id = len(plan)
-    for k in chosen.tolist():
-        a, b = plan.pack_offsets[k], plan.pack_offsets[k + 1]
-        pack_of[a + (b - a) // 2 : b] = new_id
-        new_id += 1
-    by_pack = np.argsort(pack_of, kind="stable")
-    offsets = np.zeros(new_id + 1, np.int64)
-    np.cumsum(np.bincount(pack_of, minlength=new_id), out=offsets[1:])
+    new_count = taken + missing
+    emptied = np.zeros(num_packs, bool)
+    emptied[by_cost[:taken]] = True
+    piece_pack = np.repeat(np.arange(num_packs), counts)
+    moved = np.flatnonzero(emptied[piece_pack])
+    lengths = plan.length[moved].astype(np.float64)
+    piece_cost = cost.linear * lengths + cost.quadratic * lengths * lengths
+    sizes = -(-plan.length[moved] // plan.align) * plan.align
+    load = np.zeros(new_count)
+    room = np.full(new_count, plan.pack_size, np.int64)
+    slots = np.full(new_count, max_items or moved.size, np.int64)
+    target = np.empty(moved.size, np.int64)
+    for j in np.argsort(-piece_cost, kind="stable"):  # a few hundred pieces at most
+        fits = np.flatnonzero((room >= sizes[j]) & (slots > 0))
+        if fits.size == 0:
+            return plan
+        b = fits[np.argmin(load[fits])]
+        target[j] = b
+        load[b] += piece_cost[j]
+        room[b] -= sizes[j]
+        slots[b] -= 1
+    # keep the untouched packs in order (renumbered), then the fresh ones
+    keep_id = np.cumsum(~emptied) - 1
+    pack_of = keep_id[piece_pack]
+    pack_of[moved] = (num_packs - taken) + target
+    total = num_packs - taken + new_count
+    by_pack = np.argsort(pack_of, kind="stable")  # within a pack: input order, as plan_packs gives
+    offsets = np.zeros(total + 1, np.int64)
+    np.cumsum(np.bincount(pack_of, minlength=total), out=offsets[1:])
+    sample_index = plan.sample_index[by_pack]
+    start = plan.start[by_pack]
+    length = plan.length[by_pack]
+    order = np.lexsort((start, sample_index, pack_of[by_pack]))
+    sample_index, start, length = sample_index[order], start[order], length[order]
+    fill = np.add.reduceat(length, offsets[:-1])
     stats = plan.stats
-    fill = np.add.reduceat(plan.length[by_pack], offsets[:-1])
-    from dataclasses import replace
-
     new_stats = replace(
         stats,
-        num_packs=new_id,
-        efficiency=stats.real_tokens / (new_id * stats.pack_size),
-        packing_factor=stats.num_pieces / new_id,
+        num_packs=total,
+        efficiency=stats.real_tokens / (total * stats.pack_size),
+        packing_factor=stats.num_pieces / total,
         max_samples_per_pack=int(np.diff(offsets).max()),
         min_pack_fill=float(fill.min() / stats.pack_size),
         max_pack_fill=float(fill.max() / stats.pack_size),
     )
+    vision = None if plan.vision_length is None else plan.vision_length[by_pack][order]
     return replace(
-        plan,
-        sample_index=plan.sample_index[by_pack],
-        start=plan.start[by_pack],
-        length=plan.length[by_pack],
-        pack_offsets=offsets,
-        stats=new_stats,
+        plan, sample_index=sample_index, start=start, length=length, pack_offsets=offsets,
+        stats=new_stats, vision_length=vision,
     )
