@@ -275,7 +275,7 @@ def print_table(rows, R, M, pack_size):
     bal = next(r for r in rows if r["method"] == "thdpack balanced")
     bfd = next(r for r in rows if r["method"] == "BFD (unscheduled)")
     print(f"  balanced efficiency vs unscheduled BFD: {100 * (bal['efficiency'] - bfd['efficiency']):+.3f} points "
-          f"({bal['distinct_packs'] - bfd['packs']} packs split to fill whole steps)")
+          f"({bal['distinct_packs'] - bfd['packs']} extra packs to fill whole steps)")
 
 
 def print_stream(rows, pack_size):
