@@ -318,10 +318,11 @@ def first_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
     ``y >= Y``, which implies ``min(x, r·y) >= min(X, r·Y)`` for every ratio ``r``;
     max trees of that *balanced room* for the grid ratios ``r = 2**k`` either side of
     ``X / Y`` prune bins full in one budget, which max trees of each room alone
-    cannot see (any ratio gives a necessary condition, so the search stays exact). Exact
-    first fit; worst case O(bins) per item when many bins nearly fit (``"bfd"`` has
-    no such case and is the faster 2-D algorithm). Text-only items (``Y = 0``) need
-    only the token-room tree, which is exact for them: O(log bins).
+    cannot see (any ratio gives a necessary condition, so the search stays exact).
+    Worst case O(bins) per item when many bins nearly fit; typically O(log bins)
+    (1M items in ~1.5 s; ``best_fit_2d`` is faster). Text-only items (``Y = 0``) need
+    only the token-room tree, which is exact for them. Needs
+    ``capacity · vcapacity < 2**56`` (int64 headroom for the ratios).
     """
     n = sizes.shape[0]
     nk = 2 * _RATIO_STEPS + 1

@@ -374,6 +374,8 @@ def _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pac
     if vision_lengths is None:
         return None
     _check_int(vision_budget, "vision_budget", 1)
+    if int(pack_size) * int(vision_budget) >= 2**56:
+        raise ValueError(f"pack_size · vision_budget must be < 2**56, got {pack_size} · {vision_budget}")
     vision = np.asarray(vision_lengths)
     if vision.ndim != 1 or vision.size != lengths.size:
         raise ValueError(f"vision_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {vision.shape}")

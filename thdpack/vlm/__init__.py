@@ -1,0 +1,38 @@
+"""VLM in-batch packing for the Qwen-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5).
+
+``build_thd_batch(samples, model_config=cfg)`` packs processor outputs (placeholders
+already expanded, ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
+``video_grid_thw``, ``second_per_grid_ts``) into one THD batch with
+``mm_token_type_ids`` and ``mrope_position_ids`` per token, computed on the stream
+directly from the grids (no model call, no ``[B, S]`` copy). ``cfg`` is a
+transformers config or its dict; nothing here imports transformers.
+
+Layout: one file per family (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``,
+``qwen3_5.py``) behind :class:`VlmFamily`, registered by ``model_type``; the shared
+vectorised mRoPE in ``mrope.py``; reading and checking samples in ``pack.py``; CP
+positions of vision tokens in ``shard.py``.
+"""
+
+from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
+from thdpack.vlm.mrope import mrope_for_stream
+from thdpack.vlm.pack import attach_vision, vision_lengths, vision_patch_count
+from thdpack.vlm.registry import get_family, register_family, supported_model_types
+from thdpack.vlm.shard import vision_shard_extras
+
+# keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
+HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+__all__ = [
+    "HF_VISION_KEYS",
+    "QwenVLFamily",
+    "RopeItems",
+    "VlmFamily",
+    "attach_vision",
+    "get_family",
+    "mrope_for_stream",
+    "register_family",
+    "supported_model_types",
+    "vision_lengths",
+    "vision_patch_count",
+    "vision_shard_extras",
+]

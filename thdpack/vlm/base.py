@@ -1,0 +1,272 @@
+"""The interface a VLM family implements, and the Qwen-VL base the four families share.
+
+A family answers three questions, from its config alone:
+
+1. **Constants**: ``image_token_id``, ``video_token_id`` (``None``: no video),
+   ``vision_start_token_id``, ``spatial_merge_size``.
+2. **Placeholders**: how the placeholder tokens of a sample split into *items*,
+   one contiguous run of placeholder tokens per item. Qwen2-VL / Qwen2.5-VL:
+   one item per image and per video. Qwen3-VL / Qwen3.5: one item per image and
+   per video *frame* (frames are separated by timestamp text). Each item has
+   ``t·h·w / merge²`` tokens.
+3. **mRoPE of an item**: its LLM grid ``(t, h/merge, w/merge)`` and the spacing of
+   its temporal positions (Qwen2.5-VL: ``tokens_per_second · second_per_grid_ts``
+   for videos; 1 otherwise).
+
+Everything else (matching runs to items, the positions themselves) is shared
+and vectorised over the whole THD stream in :mod:`thdpack.vlm.mrope`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from thdpack.vlm.config import config_first, config_get
+
+# how an item's temporal positions ``trunc(k · interval)`` are computed, mirroring torch's
+# type promotion in the family's get_rope_index: integer, float32 or float64 arithmetic
+MODE_INT, MODE_F32, MODE_F64 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RopeItems:
+    """Vision items of one kind (images or videos) of one sample, in placeholder order.
+
+    All arrays are ``[k]`` (``grid`` is ``[k, 3]``):
+        source: index of the image / video the item comes from (a row of the grid
+            it was made from; :func:`thdpack.vlm.pack.attach_vision` renumbers it
+            within each sample for error messages).
+        grid: the source's ``(t, h, w)`` patch grid as given (for error messages).
+        frame: frame (temporal patch) of the video the item is, or -1 for a whole image / video.
+        t, h, w: LLM grid of the item (``t`` temporal patches, ``h, w`` after spatial merge).
+        interval: float64 spacing of the temporal positions.
+        mode: ``MODE_INT`` / ``MODE_F32`` / ``MODE_F64`` arithmetic for ``trunc(k · interval)``.
+    """
+
+    source: np.ndarray
+    grid: np.ndarray
+    frame: np.ndarray
+    t: np.ndarray
+    h: np.ndarray
+    w: np.ndarray
+    interval: np.ndarray
+    mode: np.ndarray
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64 ``[k]`` placeholder tokens of each item."""
+        return self.t * self.h * self.w
+
+    def __len__(self) -> int:
+        return int(self.source.size)
+
+
+@runtime_checkable
+class VlmFamily(Protocol):
+    """What :func:`thdpack.build_thd_batch` needs from a model family (one file per family)."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    spatial_merge_size: int
+
+    @classmethod
+    def from_config(cls, config) -> "VlmFamily":
+        """The family's constants from a transformers config or its dict."""
+
+    def placeholder_tokens(self, grid_thw: np.ndarray) -> np.ndarray:
+        """int64 ``[k]`` placeholder tokens of each image / video of ``grid_thw`` ``[k, 3]``."""
+
+    def image_items(self, grid_thw: np.ndarray) -> RopeItems:
+        """The items of images ``grid_thw`` ``[k, 3]`` (one per image), in order."""
+
+    def time_intervals(self, second_per_grid_ts, n_videos: int, *, sample: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Per-video temporal spacing and arithmetic mode of one sample's videos."""
+
+    def video_items(self, grid_thw: np.ndarray, interval=None, mode=None) -> RopeItems:
+        """The items the placeholders of videos ``grid_thw`` split into, in order."""
+
+    def vit_segments(self, grid_thw: np.ndarray) -> np.ndarray:
+        """int64 patch counts of the ViT's attention segments, in patch order."""
+
+
+@dataclass(frozen=True)
+class QwenVLFamily:
+    """Shared implementation of the Qwen-VL families; subclasses set the class
+    variables below and register themselves (see :mod:`thdpack.vlm.registry`)."""
+
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    # transformers' defaults for the family, used when a config dict lacks a key
+    DEFAULT_IMAGE_TOKEN_ID: ClassVar[int] = 151655
+    DEFAULT_VIDEO_TOKEN_ID: ClassVar[int] = 151656
+    DEFAULT_VISION_START_TOKEN_ID: ClassVar[int] = 151652
+    # Qwen3-VL / Qwen3.5: every video frame is its own placeholder run (timestamps separate frames)
+    VIDEO_FRAMES_ARE_ITEMS: ClassVar[bool] = False
+    # Qwen2.5-VL: video temporal positions spaced by tokens_per_second * second_per_grid_ts
+    USES_SECOND_PER_GRID_TS: ClassVar[bool] = False
+    DEFAULT_TOKENS_PER_SECOND: ClassVar[float] = 4
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    spatial_merge_size: int
+    tokens_per_second: float | int = 1
+
+    # ---- constants ---------------------------------------------------------
+    @classmethod
+    def from_config(cls, config) -> "QwenVLFamily":
+        model_type = config_get(config, "model_type")
+        # the token ids sit at the top level; some exports keep them in text_config
+        image = config_first(config, ("image_token_id", "text_config.image_token_id"), cls.DEFAULT_IMAGE_TOKEN_ID)
+        if _has_key(config, "video_token_id") and config_get(config, "video_token_id", None) is None:
+            video = None  # explicitly no video
+        else:
+            video = config_first(config, ("video_token_id", "text_config.video_token_id"), cls.DEFAULT_VIDEO_TOKEN_ID)
+        start = config_first(
+            config, ("vision_start_token_id", "text_config.vision_start_token_id"), cls.DEFAULT_VISION_START_TOKEN_ID
+        )
+        merge = config_get(config, "vision_config.spatial_merge_size", 2)
+        tps = config_get(config, "vision_config.tokens_per_second", cls.DEFAULT_TOKENS_PER_SECOND)
+        family = cls(
+            model_type=model_type,
+            image_token_id=int(image),
+            video_token_id=None if video is None else int(video),
+            vision_start_token_id=None if start is None else int(start),
+            spatial_merge_size=int(merge),
+            tokens_per_second=tps if cls.USES_SECOND_PER_GRID_TS else 1,
+        )
+        if family.spatial_merge_size < 1:
+            raise ValueError(f"{model_type}: vision_config.spatial_merge_size must be >= 1, got {merge!r}")
+        if family.video_token_id is not None and family.video_token_id == family.image_token_id:
+            raise ValueError(f"{model_type}: image_token_id and video_token_id are both {family.image_token_id}")
+        return family
+
+    @property
+    def supports_video(self) -> bool:
+        return self.video_token_id is not None
+
+    # ---- placeholders -------------------------------------------------------
+    def placeholder_tokens(self, grid_thw: np.ndarray) -> np.ndarray:
+        grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        return grid.prod(axis=1) // (self.spatial_merge_size**2)
+
+    def _llm_grid(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        m = self.spatial_merge_size
+        return grid[:, 0].copy(), grid[:, 1] // m, grid[:, 2] // m
+
+    def image_items(self, grid_thw: np.ndarray) -> RopeItems:
+        grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        t, h, w = self._llm_grid(grid)
+        k = grid.shape[0]
+        return RopeItems(
+            source=np.arange(k, dtype=np.int64),
+            grid=grid,
+            frame=np.full(k, -1, np.int64),
+            t=t,
+            h=h,
+            w=w,
+            interval=np.ones(k, np.float64),
+            mode=np.full(k, MODE_INT, np.int8),
+        )
+
+    def time_intervals(self, second_per_grid_ts, n_videos: int, *, sample: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        if not self.USES_SECOND_PER_GRID_TS:
+            return np.ones(n_videos, np.float64), np.full(n_videos, MODE_INT, np.int8)
+        return time_intervals(second_per_grid_ts, n_videos, self.tokens_per_second, sample=sample)
+
+    def video_items(self, grid_thw: np.ndarray, interval=None, mode=None) -> RopeItems:
+        grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        t, h, w = self._llm_grid(grid)
+        k = grid.shape[0]
+        if interval is None:
+            interval, mode = self.time_intervals(None, k)
+        if not self.VIDEO_FRAMES_ARE_ITEMS:
+            return RopeItems(np.arange(k, dtype=np.int64), grid, np.full(k, -1, np.int64), t, h, w, interval, mode)
+        # one item per frame: get_rope_index repeats each grid t times with t = 1
+        frames = grid[:, 0]
+        source = np.repeat(np.arange(k, dtype=np.int64), frames)
+        first = np.repeat(np.cumsum(frames) - frames, frames)
+        frame = np.arange(source.size, dtype=np.int64) - first
+        return RopeItems(
+            source=source,
+            grid=grid[source],
+            frame=frame,
+            t=np.ones(source.size, np.int64),
+            h=h[source],
+            w=w[source],
+            interval=interval[source],
+            mode=mode[source],
+        )
+
+    # ---- vision encoder -----------------------------------------------------
+    def vit_segments(self, grid_thw: np.ndarray) -> np.ndarray:
+        """Every family here attends each image and each video frame on its own
+        (``h·w`` patches per frame; Qwen2.5-VL additionally windows inside a frame
+        on its non-full-attention blocks, which it computes itself)."""
+        grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        return np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+
+    # ---- per-sample reference-style API ---------------------------------------
+    def mrope_positions(self, input_ids, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None) -> np.ndarray:
+        """int64 ``[3, s]`` mRoPE position ids of one sample, as the family's own
+        ``get_rope_index`` gives for that sample alone (via the vectorised THD path)."""
+        from thdpack.vlm.mrope import mrope_for_stream
+
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        image_grid = np.zeros((0, 3)) if image_grid_thw is None else np.asarray(image_grid_thw)
+        video_grid = np.asarray(video_grid_thw).reshape(-1, 3) if video_grid_thw is not None else np.zeros((0, 3))
+        images = self.image_items(image_grid)
+        videos = self.video_items(video_grid, *self.time_intervals(second_per_grid_ts, video_grid.shape[0]))
+        cu = np.array([0, ids.size], dtype=np.int64)
+        one = np.ones(1, np.int64)
+        out = mrope_for_stream(self, ids, cu, cu[1:], images, one * len(images), videos, one * len(videos))
+        return out.positions
+
+
+def _has_key(config, key: str) -> bool:
+    if isinstance(config, dict):
+        return key in config
+    return hasattr(config, key)
+
+
+def time_intervals(second_per_grid_ts, n_videos: int, tokens_per_second, *, sample: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-video temporal spacing ``tokens_per_second · second_per_grid_ts[k]`` and the
+    arithmetic Qwen2.5-VL's ``get_rope_index`` does it in.
+
+    torch's promotion there: ``arange(t) * (tokens_per_second * s)`` is integer when
+    both factors are integers, float64 when ``s`` is a float64 tensor, and float32
+    otherwise (Python / numpy floats and float32 tensors). Without
+    ``second_per_grid_ts`` the model uses ``s = 1``. Half-precision tensors are
+    computed in float32 (not bit-exact to torch's bf16 arithmetic).
+    """
+    integral_tps = isinstance(tokens_per_second, (int, np.integer)) and not isinstance(tokens_per_second, bool)
+    if second_per_grid_ts is None:
+        mode = MODE_INT if integral_tps else MODE_F32
+        return np.full(n_videos, float(tokens_per_second)), np.full(n_videos, mode, np.int8)
+    if isinstance(second_per_grid_ts, torch.Tensor):
+        values = second_per_grid_ts.detach().cpu().to(torch.float64).numpy().reshape(-1)
+        if second_per_grid_ts.dtype == torch.float64:
+            mode = MODE_F64
+        elif second_per_grid_ts.is_floating_point():
+            mode = MODE_F32
+        else:
+            mode = MODE_INT if integral_tps else MODE_F32
+    else:
+        arr = np.asarray(second_per_grid_ts)
+        if arr.dtype == object or arr.dtype.kind not in "iuf":
+            raise ValueError(f"sample {sample}: 'second_per_grid_ts' must be numbers, got {arr.dtype}")
+        values = arr.astype(np.float64).reshape(-1)
+        mode = MODE_INT if (arr.dtype.kind in "iu" and integral_tps) else MODE_F32
+    if values.size != n_videos:
+        raise ValueError(
+            f"sample {sample}: 'second_per_grid_ts' has {values.size} values but 'video_grid_thw' has {n_videos} videos"
+        )
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(f"sample {sample}: 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}")
+    return float(tokens_per_second) * values, np.full(n_videos, mode, np.int8)

@@ -1,0 +1,39 @@
+"""Families by ``model_type``: adding a family is adding a file that calls :func:`register_family`."""
+
+from __future__ import annotations
+
+from thdpack.vlm.config import model_type_of
+
+_FAMILIES: dict[str, type] = {}
+
+
+def register_family(cls: type) -> type:
+    """Class decorator: register ``cls`` under each of its ``MODEL_TYPES``."""
+    for model_type in cls.MODEL_TYPES:
+        _FAMILIES[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(sorted(_FAMILIES))
+
+
+def get_family(model_config):
+    """The :class:`~thdpack.vlm.VlmFamily` of ``model_config`` (a transformers config, its
+    dict, or an already-built family); ``ValueError`` for an unknown ``model_type``."""
+    if hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions"):
+        return model_config  # already a family
+    model_type = model_type_of(model_config)
+    _load_builtin()
+    cls = _FAMILIES.get(model_type)
+    if cls is None:
+        raise ValueError(
+            f"unknown VLM model_type {model_type!r}; thdpack.vlm supports {', '.join(sorted(_FAMILIES))}"
+        )
+    return cls.from_config(model_config)
+
+
+def _load_builtin() -> None:
+    # importing the family modules registers them
+    from thdpack.vlm import qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl  # noqa: F401
