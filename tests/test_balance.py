@@ -501,3 +501,54 @@ def test_counts_validated_like_plan_packs():
     a = plan_balanced([3, 4, 5, 6], 8, num_replicas=np.int64(2), micro_batches=np.int64(1))
     b = plan_balanced([3, 4, 5, 6], 8, num_replicas=2, micro_batches=1)
     np.testing.assert_array_equal(a.steps, b.steps)
+
+
+# --------------------------------------------------------------------------
+# vision budget (VLM): balanced plans and the sampler keep both budgets
+# --------------------------------------------------------------------------
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(0, 200)), min_size=1, max_size=120),
+    st.integers(1, 6),
+    st.integers(1, 2),
+)
+def test_balanced_plan_keeps_the_vision_budget(rows, replicas, micro):
+    lengths = [r[0] for r in rows]
+    patches = [r[1] for r in rows]
+    bp = plan_balanced(lengths, 512, num_replicas=replicas, micro_batches=micro,
+                       vision_lengths=patches, vision_budget=256, cost=(1.0, 0.01, 3.0))
+    plan = bp.plan
+    assert sorted(plan.sample_index.tolist()) == list(range(len(rows)))
+    for k in range(len(plan)):
+        idx = plan.pack(k)
+        assert sum(lengths[i] for i in idx) <= 512
+        assert sum(patches[i] for i in idx) <= 256
+        assert plan.pack_vision(k).tolist() == [patches[i] for i in idx]
+    # the vision term is part of each pack's cost
+    for k in range(len(plan)):
+        idx = plan.pack(k)
+        expected = sum(lengths[i] + 0.01 * lengths[i] ** 2 + 3.0 * patches[i] for i in idx)
+        assert math.isclose(bp.costs[k], expected, rel_tol=1e-9)
+
+
+def test_sampler_with_vision_budget_covers_every_row_within_both_budgets():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 400, 500)
+    patches = rng.integers(0, 300, 500)
+    seen = []
+    for rank in range(3):
+        for balance in (None,):
+            sampler = TokenBudgetBatchSampler(lengths, 1024, num_replicas=3, rank=rank, drop_last=True,
+                                              vision_lengths=patches, vision_budget=600, balance=balance)
+            for batch in sampler:
+                assert lengths[batch].sum() <= 1024 and patches[batch].sum() <= 600
+                seen += batch
+    balanced_seen = []
+    for rank in range(3):
+        sampler = TokenBudgetBatchSampler(lengths, 1024, num_replicas=3, rank=rank, balance="compute",
+                                          vision_lengths=patches, vision_budget=600)
+        for batch in sampler:
+            assert lengths[batch].sum() <= 1024 and patches[batch].sum() <= 600
+            balanced_seen += batch
+    assert sorted(balanced_seen) == list(range(500))
+    assert len(seen) == len(set(seen))

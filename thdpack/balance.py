@@ -22,10 +22,15 @@ from thdpack.plan import PackPlan, plan_packs
 
 @dataclass(frozen=True)
 class CostModel:
-    """``cost(pack) = linear · Σ sᵢ + quadratic · Σ sᵢ²``."""
+    """``cost(pack) = linear · Σ sᵢ + quadratic · Σ sᵢ² + vision · Σ patchesᵢ``.
+
+    ``vision`` is the cost of one ViT patch (e.g. FLOPs per patch of the vision
+    tower); it applies to plans made with a vision budget.
+    """
 
     linear: float = 1.0
     quadratic: float = 0.0
+    vision: float = 0.0
 
     @classmethod
     def from_config(cls, config) -> "CostModel":
@@ -43,7 +48,10 @@ class CostModel:
         if len(plan) == 0:
             return np.zeros(0)
         starts = plan.pack_offsets[:-1]
-        return self.linear * np.add.reduceat(lengths, starts) + self.quadratic * np.add.reduceat(lengths * lengths, starts)
+        cost = self.linear * np.add.reduceat(lengths, starts) + self.quadratic * np.add.reduceat(lengths * lengths, starts)
+        if self.vision and plan.vision_length is not None:
+            cost += self.vision * np.add.reduceat(plan.vision_length.astype(np.float64), starts)
+        return cost
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ def plan_balanced(
     max_samples_per_pack: int | None = None,
     seed: int = 0,
     shuffle_steps: bool = True,
+    vision_lengths=None,
+    vision_budget: int | None = None,
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
@@ -118,8 +128,8 @@ def plan_balanced(
     4. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
 
     Args:
-        lengths, pack_size, algorithm, align, overflow, max_samples_per_pack, seed:
-            as in :func:`thdpack.plan_packs`.
+        lengths, pack_size, algorithm, align, overflow, max_samples_per_pack, seed,
+        vision_lengths, vision_budget: as in :func:`thdpack.plan_packs`.
         num_replicas: data-parallel ranks ``R``.
         micro_batches: packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
@@ -132,6 +142,7 @@ def plan_balanced(
     plan = plan_packs(
         lengths, pack_size, algorithm=algorithm, align=align, overflow=overflow,
         max_samples_per_pack=max_samples_per_pack, seed=seed,
+        vision_lengths=vision_lengths, vision_budget=vision_budget,
     )
     per_step = num_replicas * micro_batches
     plan = _fill_last_step(plan, per_step, cost, max_samples_per_pack)
@@ -205,16 +216,24 @@ def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: i
     load = np.zeros(new_count)
     room = np.full(new_count, plan.pack_size, np.int64)
     slots = np.full(new_count, max_items or moved.size, np.int64)
+    has_vision = plan.vision_length is not None
+    patches = plan.vision_length[moved] if has_vision else np.zeros(moved.size, np.int64)
+    piece_cost = piece_cost + cost.vision * patches
+    vision_room = np.full(new_count, plan.vision_budget if has_vision else 0, np.int64)
     target = np.empty(moved.size, np.int64)
-    for j in np.argsort(-piece_cost, kind="stable"):  # a few hundred pieces at most
-        fits = np.flatnonzero((room >= sizes[j]) & (slots > 0))
-        if fits.size == 0:
-            return plan
-        b = fits[np.argmin(load[fits])]
+    for rank, j in enumerate(np.argsort(-piece_cost, kind="stable")):  # a few hundred pieces at most
+        if rank < new_count:  # the costliest pieces open the fresh packs, one each: none stays empty
+            b = rank
+        else:
+            fits = np.flatnonzero((room >= sizes[j]) & (slots > 0) & (vision_room >= patches[j]))
+            if fits.size == 0:
+                return plan
+            b = fits[np.argmin(load[fits])]
         target[j] = b
         load[b] += piece_cost[j]
         room[b] -= sizes[j]
         slots[b] -= 1
+        vision_room[b] -= patches[j]
     # keep the untouched packs in order (renumbered), then the fresh ones
     keep_id = np.cumsum(~emptied) - 1
     pack_of = keep_id[piece_pack]

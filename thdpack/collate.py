@@ -43,6 +43,10 @@ class ThdCollator:
             :class:`PackedBatches` list, one batch per pack.
         algorithm, overflow, max_samples_per_pack: planning options used with
             ``pack_size`` (see :func:`thdpack.plan_packs`).
+        model_config: for VLM samples, the model's transformers config (or dict):
+            see :func:`thdpack.build_thd_batch`.
+        vision_budget: with ``pack_size``, also keep each pack under this many
+            vision patches (``plan_packs(vision_budget=...)``).
     """
 
     def __init__(
@@ -62,6 +66,8 @@ class ThdCollator:
         algorithm: str = "bfd",
         overflow: str = "error",
         max_samples_per_pack: int | None = None,
+        model_config=None,
+        vision_budget: int | None = None,
     ):
         self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
         self.build_kwargs = dict(
@@ -70,7 +76,9 @@ class ThdCollator:
             pad_multiple=self.pad_multiple if self.pad_multiple > 1 else None,
             max_length=max_length,
             pad_to=pad_to,
+            model_config=model_config,
         )
+        self.vision_budget = vision_budget
         if cp_rank is None and cp_group is not None:
             import torch.distributed as dist
 
@@ -99,7 +107,12 @@ class ThdCollator:
         )
         if self.max_length is not None:
             lengths = np.minimum(lengths, self.max_length)
-        plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs)
+        vision = {}
+        if self.vision_budget is not None:
+            from thdpack.vlm import vision_lengths
+
+            vision = dict(vision_lengths=vision_lengths(samples), vision_budget=self.vision_budget)
+        plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs, **vision)
         batches = [
             build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs)
             for k in range(len(plan))

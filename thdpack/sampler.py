@@ -62,6 +62,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             Each step then gives every rank ``micro_batches`` consecutive packs.
         micro_batches: packs per rank per optimizer step (used with ``balance``).
         cost: a :class:`thdpack.balance.CostModel` or ``(a, b)``.
+        vision_lengths, vision_budget: VLM second budget: ``[n]`` vision patches
+            per row (:func:`thdpack.vlm.vision_lengths`) and the most per pack.
     """
 
     def __init__(
@@ -81,6 +83,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         balance: str | None = None,
         micro_batches: int = 1,
         cost: CostModel | tuple[float, float] = CostModel(),
+        vision_lengths: Sequence[int] | np.ndarray | None = None,
+        vision_budget: int | None = None,
     ):
         if balance not in (None, "compute"):
             raise ValueError(f"balance must be None or 'compute', got {balance!r}")
@@ -94,6 +98,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.plan_kwargs = dict(
             algorithm=algorithm, align=align, overflow=overflow, max_samples_per_pack=max_samples_per_pack
         )
+        if vision_budget is not None:
+            self.plan_kwargs.update(vision_lengths=np.asarray(vision_lengths, dtype=np.int64), vision_budget=vision_budget)
         self.shuffle = shuffle
         self.seed = int(seed)
         self.num_replicas, self.rank = _distributed_default(num_replicas, rank)
@@ -167,7 +173,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     # ---- resume ---------------------------------------------------------
     def _fingerprint(self) -> str:
         h = hashlib.sha1(self.lengths.tobytes())
-        settings = (self.pack_size, sorted(self.plan_kwargs.items()), self.shuffle, self.num_replicas, self.drop_last,
+        kwargs = {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in self.plan_kwargs.items()}
+        settings = (self.pack_size, sorted(kwargs.items()), self.shuffle, self.num_replicas, self.drop_last,
                     self.balance, self.micro_batches, self.cost)
         h.update(repr(settings).encode())
         return h.hexdigest()
