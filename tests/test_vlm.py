@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
+from thdpack import ThdCollator, build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
 from thdpack import _binpack  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
 
@@ -711,3 +711,30 @@ def test_bad_config_and_video_support():
     s = make_sample("qwen2_5_vl", [("video", (2, 2, 2))], np.random.default_rng(0), spg=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"sample 0: 'second_per_grid_ts' has 2 values but 'video_grid_thw' has 1 videos"):
         build_thd_batch([s], model_config=tiny_config("qwen2_5_vl"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_collator_with_model_config(family):
+    """ThdCollator(model_config=...) gives the same VLM batch as build_thd_batch, also as a
+    CP shard (cp_rank) and when planning packs under a vision budget."""
+    model = tiny_model(family)
+    samples = mixed_samples(family, seed=5)
+    whole = build_thd_batch(samples, model_config=model.config, cp_size=2)
+    batch = ThdCollator(model_config=model.config, cp_size=2)(samples)
+    for key in ("input_ids", "labels", "position_ids", "cu_seqlens_padded"):
+        assert torch.equal(getattr(batch, key), getattr(whole, key))
+    for key, value in whole.token_extras.items():
+        assert torch.equal(batch.token_extras[key], value)
+    shard = ThdCollator(model_config=model.config, cp_size=2, cp_rank=1)(samples)
+    expected = shard_for_cp(whole, 2, 1)
+    assert torch.equal(shard.input_ids, expected.input_ids)
+    assert torch.equal(shard.token_extras["mrope_position_ids"], expected.token_extras["mrope_position_ids"])
+    assert torch.equal(shard.extras["vision_token_positions"], expected.extras["vision_token_positions"])
+
+    patches = vision_lengths(samples)
+    budget = int(patches.max())
+    packs = ThdCollator(model_config=model.config, pack_size=4096, vision_budget=budget)(samples)
+    assert sorted(i for b in packs for i in b.sample_index.tolist()) == list(range(len(samples)))
+    for b in packs:
+        assert int(patches[b.sample_index.numpy()].sum()) <= budget
+        assert_equivalent(model, b, [samples[i] for i in b.sample_index.tolist()])
