@@ -42,3 +42,15 @@ __all__ = [
     "thd_partition_indices",
     "plan_packs",
 ]
+
+
+# Offline packed datasets, imported on first use: `import thdpack` stays free of pyarrow/datasets.
+_LAZY = {"load_packed": "thdpack.offline", "PackedDataset": "thdpack.offline", "PackedRowCollator": "thdpack.offline"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'thdpack' has no attribute {name!r}")

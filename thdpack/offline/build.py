@@ -1,0 +1,342 @@
+"""``thdpack build`` as a function: read -> tokenize -> plan -> write, atomically.
+
+The output is written into a hidden temporary directory next to it
+(``.NAME.tmp-PID-RAND``) and renamed into place only once every shard and, last,
+``metadata.json`` are written and synced. An interrupted build (Ctrl-C, SIGTERM, an
+exception) removes its temporary directory; one killed outright leaves only that
+hidden directory, never a directory at the output path, and never one with
+``metadata.json`` that :func:`load_packed` would accept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.errors import InputError, OutputExistsError, require_hf
+from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+from thdpack.offline.sources import Source, read_source
+from thdpack.offline.stats import nemo_fields, summarize
+from thdpack.offline.tokenize import Tokenized, tokenize_source
+from thdpack.plan import PackPlan, plan_packs
+
+MAX_ERRORS_SHOWN = 5
+MAX_ERRORS_RECORDED = 20
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Prepared:
+    """Everything before writing: rows read, tokenized, planned."""
+
+    source: Source
+    tokenized: Tokenized
+    plan: PackPlan
+    sample_rows: np.ndarray  # int64 [num_samples]: input row of each planned sample
+    skipped: list[tuple[int, str]]  # (input row, reason)
+    target_counts: np.ndarray  # int64 [rows]: target tokens of each tokenized row
+    timings: dict = field(default_factory=dict)
+
+    def counts(self) -> dict:
+        st = self.plan.stats
+        valid_targets = self.target_counts[self.sample_rows]
+        return {
+            "input_rows": self.source.num_rows,
+            "skipped_rows": len(self.skipped),
+            "samples": int(self.sample_rows.size),
+            "pieces": st.num_pieces,
+            "samples_without_targets": int((valid_targets == 0).sum()),
+            "truncated": {"samples": st.samples_truncated, "tokens": st.tokens_truncated},
+            "dropped": {"samples": st.samples_dropped, "tokens": st.tokens_dropped},
+            "split": {"samples": st.samples_split},
+        }
+
+    def summary(self, eval_multiple: int | None = None) -> dict:
+        counts = self.counts()
+        extra = {k: counts[k] for k in ("truncated", "dropped", "split", "samples_without_targets")}
+        extra["skipped_rows"] = counts["skipped_rows"]
+        return summarize(
+            self.plan.length,
+            self.plan.pack_offsets,
+            self.plan.pack_size,
+            self.plan.align,
+            eval_multiple=eval_multiple,
+            input_lengths=self.tokenized.lengths[self.sample_rows],
+            counts=extra,
+        )
+
+    def skipped_examples(self) -> list[dict]:
+        return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
+
+
+def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_stderr) -> Prepared:
+    """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``)."""
+    require_hf("thdpack build")
+    cfg.validate()
+    t = {}
+    t0 = time.perf_counter()
+    source = read_source(cfg, progress=progress)
+    t["read"] = time.perf_counter() - t0
+    if source.num_rows == 0:
+        raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
+    if log:
+        log(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
+
+    t0 = time.perf_counter()
+    tokenized = tokenize_source(cfg, source, work_dir, progress=progress)
+    t["tokenize"] = time.perf_counter() - t0
+    if log:
+        what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
+        log(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
+
+    skipped = list(tokenized.errors)
+    lengths = tokenized.lengths
+    usable = np.ones(lengths.size, dtype=bool)
+    usable[[r for r, _ in skipped]] = False
+    limit = cfg.pack_size // cfg.align * cfg.align
+    too_long = np.flatnonzero(usable & (lengths > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
+    if too_long.size and not cfg.skip_bad_rows:
+        shown = ", ".join(f"{source.where(r)} ({int(lengths[r])} tokens)" for r in too_long[:MAX_ERRORS_SHOWN].tolist())
+        more = f" and {too_long.size - MAX_ERRORS_SHOWN} more" if too_long.size > MAX_ERRORS_SHOWN else ""
+        raise InputError(
+            f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
+            + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
+            + f": {shown}{more}. Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows."
+        )
+    for r in too_long.tolist():
+        skipped.append((r, f"{int(lengths[r])} tokens, more than pack_size={cfg.pack_size} allows (overflow=error)"))
+    usable[too_long] = False
+    skipped.sort()
+    if skipped and not cfg.skip_bad_rows:
+        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
+        more = f" (and {len(skipped) - MAX_ERRORS_SHOWN} more)" if len(skipped) > MAX_ERRORS_SHOWN else ""
+        raise InputError(
+            f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
+        )
+    sample_rows = np.flatnonzero(usable).astype(np.int64)
+    if sample_rows.size == 0:
+        raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
+
+    t0 = time.perf_counter()
+    plan = plan_packs(
+        lengths[sample_rows],
+        cfg.pack_size,
+        algorithm=cfg.algorithm,
+        align=cfg.align,
+        overflow=cfg.overflow,
+        max_samples_per_pack=cfg.max_samples_per_pack,
+        seed=cfg.seed,
+    )
+    t["plan"] = time.perf_counter() - t0
+    if log:
+        log(
+            f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
+            f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s"
+        )
+    return Prepared(source, tokenized, plan, sample_rows, skipped, _target_counts(tokenized, cfg.targets), t)
+
+
+def _target_counts(tokenized: Tokenized, targets: str) -> np.ndarray:
+    """Target tokens of every tokenized row (a row's first token is never a target)."""
+    col = tokenized.dataset.data.table.column(targets)
+    out = []
+    for chunk in col.chunks:
+        offs = np.asarray(chunk.offsets).astype(np.int64)
+        vals = chunk.values.to_numpy(zero_copy_only=False)
+        is_t = vals if targets == "loss_mask" else vals != -100
+        c = np.zeros(is_t.size + 1, dtype=np.int64)
+        np.cumsum(is_t, out=c[1:])
+        n = c[offs[1:]] - c[offs[:-1]]
+        nonempty = offs[1:] > offs[:-1]
+        n[nonempty] -= is_t[offs[:-1][nonempty]]
+        out.append(n)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+# ---------------------------------------------------------------------------- build
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    metadata: dict
+    timings: dict
+    summary: dict
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return  # nothing there, or an empty directory: nothing to lose
+    if not overwrite:
+        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it")
+    if not output.is_dir():
+        raise OutputExistsError(f"output {output} exists and is not a directory; not replacing it")
+    if any(output.iterdir()) and not (output / METADATA_FILE).is_file():
+        raise OutputExistsError(
+            f"output {output} exists and is not a thdpack packed dataset (no {METADATA_FILE}); "
+            "not replacing it, even with --overwrite. Remove it yourself if it is yours to delete."
+        )
+
+
+def build_packed(
+    cfg: BuildConfig,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    log=_stderr,
+) -> BuildResult:
+    """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring)."""
+    from thdpack import __version__
+    from thdpack.offline.writer import write_packs
+
+    require_hf("thdpack build")  # import the heavy libraries before touching the file system
+    cfg.validate()
+    output = Path(output)
+    _check_output(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
+    if stale and log:
+        log(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
+            f"(e.g. {stale[0]}); they are not datasets and can be deleted")
+    t_start = time.perf_counter()
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        work = tmp / "_work"
+        work.mkdir()
+        prep = prepare(cfg, work, progress=progress, log=log)
+        plan = prep.plan
+        t0 = time.perf_counter()
+        order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
+                 else np.arange(len(plan)))
+        written = write_packs(
+            tmp,
+            prep.tokenized.dataset.data.table,
+            cfg.targets,
+            plan,
+            prep.sample_rows,
+            order,
+            file_format=cfg.output_format,
+            shard_size_mb=cfg.shard_size_mb,
+            progress=progress,
+        )
+        tok_info = prep.tokenized.tokenizer_info
+        if tok_info is not None:
+            tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
+            if cfg.save_tokenizer:
+                prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        prep.timings["write"] = time.perf_counter() - t0
+
+        summary = prep.summary()
+        counts = prep.counts()
+        counts["tokens"] = summary["real_tokens"]
+        counts["target_tokens"] = written["target_tokens"]
+        summary["target_tokens"] = written["target_tokens"]
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "complete": True,
+            "thdpack_version": __version__,
+            "file_format": cfg.output_format,
+            "targets": cfg.targets,
+            "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
+            "num_packs": len(plan),
+            "pack_size": cfg.pack_size,
+            "align": cfg.align,
+            "cp_size": cfg.cp_size,
+            "tp_size": cfg.tp_size,
+            "sequence_parallel": cfg.sequence_parallel,
+            "pad_multiple": cfg.pad_multiple,
+            "algorithm": cfg.algorithm,
+            "overflow": cfg.overflow,
+            "max_samples_per_pack": cfg.max_samples_per_pack,
+            "seed": cfg.seed,
+            "shuffle_packs": cfg.shuffle_packs,
+            **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
+            "counts": counts,
+            "source": {
+                "format": prep.tokenized.fmt,
+                "fingerprint": prep.source.fingerprint,
+                "files": [f.describe() for f in prep.source.files],
+            },
+            "tokenizer": tok_info,
+            "files": written["files"],
+            "stats": summary,
+            "skipped_examples": prep.skipped_examples(),
+            "config": cfg.as_dict(recorded=True),
+        }
+        # release the memory-mapped work files before removing them
+        timings = prep.timings
+        del prep
+        shutil.rmtree(work)
+        for f in written["files"]:
+            _fsync(tmp / f["path"])
+        meta_tmp = tmp / (METADATA_FILE + ".partial")
+        meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        _fsync(meta_tmp)
+        os.replace(meta_tmp, tmp / METADATA_FILE)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    timings["total"] = time.perf_counter() - t_start
+    if log:
+        size = sum(f["num_bytes"] for f in written["files"])
+        log(f"wrote     {output}: {len(written['files'])} {cfg.output_format} shard(s), {size / 1e6:.1f} MB "
+            f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
+    return BuildResult(output, meta, timings, summary)
+
+
+def _move_into_place(tmp: Path, output: Path) -> None:
+    if output.exists():  # empty, or --overwrite of a thdpack dataset (checked by _check_output)
+        old = output.parent / f".{output.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(output, old)
+        os.rename(tmp, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, output)
+    _fsync_dir(output.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+
+
+# ---------------------------------------------------------------------------- raw stats
+
+
+def analyze(cfg: BuildConfig, *, eval_multiple: int | None = None, progress: bool = True, log=_stderr) -> dict:
+    """Statistics of planning ``cfg`` without writing anything (``thdpack stats`` on raw data)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="thdpack-stats-") as d:
+        prep = prepare(cfg, Path(d), progress=progress, log=log)
+        summary = prep.summary(eval_multiple)
+        summary["skipped_examples"] = prep.skipped_examples()
+        del prep
+    return summary

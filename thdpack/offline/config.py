@@ -1,0 +1,188 @@
+"""The build configuration: one dataclass, read from YAML and overridden by flags.
+
+Every field is a YAML key and a ``thdpack build`` flag (``pack_size`` ->
+``--pack-size``); the field's ``help`` is the flag's help. Relative paths in a
+YAML file (``input``, ``tokenizer``) are relative to the file's directory;
+relative paths given as flags are relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thdpack.offline.errors import ConfigError
+from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES
+
+FORMATS = ("auto", "chat", "text", "tokenized")
+LOSS_MODES = ("assistant", "last_assistant", "all")
+TARGETS = ("loss_mask", "labels")
+OUTPUT_FORMATS = ("arrow", "parquet")
+EXECUTION_ONLY = ("num_proc", "map_batch_size")  # options that never change the output
+
+
+def _opt(default, help: str, choices=None, flag_type=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "type": flag_type})
+
+
+@dataclass
+class BuildConfig:
+    """What ``thdpack build`` reads, how it tokenizes, plans and writes."""
+
+    # ---- input
+    input: Any = _opt(
+        None,
+        "input file(s): .jsonl/.jsonl.gz/.json, .parquet, .arrow, a directory saved with "
+        "datasets' save_to_disk, a directory or glob of such files; in YAML also a list, "
+        "or {demo: {num_samples, seed, kind}} for the bundled synthetic rows",
+        flag_type=str,
+    )
+    split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
+    max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
+    format: str = _opt("auto", "row format: chat (messages), text, tokenized (input_ids [+labels|loss_mask]); "
+                       "auto picks from the fields present", FORMATS)
+    text_field: str = _opt("text", "field holding the text of a text row")
+    messages_field: str = _opt("messages", "field holding the messages of a chat row")
+    loss: str = _opt("assistant", "chat rows: which tokens are trained on", LOSS_MODES)
+    append_eos: bool = _opt(True, "text rows: append the tokenizer's EOS token to every row")
+    # ---- tokenizer
+    tokenizer: str | None = _opt(
+        None, "tokenizer: a local directory or a name in the local Hugging Face cache (never downloaded)"
+    )
+    targets: str = _opt("loss_mask", "what the packs store besides token ids: loss_mask (1 bit/token; labels "
+                        "are the ids) or labels (int32, for labels that are not the ids)", TARGETS)
+    # ---- planning
+    pack_size: int = _opt(4096, "token budget of a pack (after per-sample alignment padding)")
+    algorithm: str = _opt("bfd", "packing algorithm", ALGORITHMS)
+    overflow: str = _opt("error", "samples longer than a pack: error, truncate, split or drop", OVERFLOW_POLICIES)
+    max_samples_per_pack: int | None = _opt(None, "cap on samples per pack")
+    seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order")
+    shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
+    cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")
+    tp_size: int = _opt(1, "tensor parallel size (matters with sequence_parallel)")
+    sequence_parallel: bool = _opt(False, "sequence parallelism: pad samples to a multiple of tp*cp too")
+    pad_multiple: int | None = _opt(None, "extra per-sample multiple, e.g. 16 for FP8 (lcm with the above)")
+    # ---- output and execution
+    output_format: str = _opt("arrow", "shard format: arrow (memory-mapped, zero-copy loading) or parquet", OUTPUT_FORMATS)
+    shard_size_mb: float = _opt(512, "approximate size of an output shard in MB", flag_type=float)
+    num_proc: int = _opt(1, "processes for parsing and tokenization (datasets.map)")
+    map_batch_size: int = _opt(1000, "rows per tokenization batch")
+    skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
+                               "overflow=error, ...) and report them, instead of stopping")
+    save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
+
+    # where relative paths in the YAML file are resolved (not a config key)
+    base_dir: Path = field(default_factory=Path.cwd, repr=False, compare=False, metadata={"internal": True})
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+    @classmethod
+    def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
+        unknown = [k for k in data if k not in cls.keys()]
+        if unknown:
+            k = unknown[0]
+            close = difflib.get_close_matches(k, cls.keys(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{origin}: unknown option '{k}'{hint}; options: {', '.join(cls.keys())}")
+        cfg = cls(**data)
+        if base_dir is not None:
+            cfg.base_dir = Path(base_dir)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "BuildConfig":
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError("reading a YAML config needs pyyaml: pip install pyyaml (or 'thdpack[hf]')") from None
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        return cls.from_dict(data, base_dir=path.resolve().parent, origin=str(path))
+
+    def override(self, **changes) -> "BuildConfig":
+        """A copy with ``changes`` applied (``None`` values are ignored). Paths given
+        here are relative to the working directory."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        unknown = [k for k in changes if k not in self.keys()]
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}")
+        # paths given here are cwd-relative: make them absolute so that base_dir does not apply
+        if "input" in changes:
+            paths = changes["input"] if isinstance(changes["input"], (list, tuple)) else [changes["input"]]
+            if all(isinstance(p, str) for p in paths):
+                paths = [str(Path(p).expanduser().absolute()) for p in paths]
+                changes["input"] = paths[0] if len(paths) == 1 else paths
+        if "tokenizer" in changes and Path(changes["tokenizer"]).expanduser().exists():
+            changes["tokenizer"] = str(Path(changes["tokenizer"]).expanduser().absolute())
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, *, need_tokenizer: bool | None = None) -> "BuildConfig":
+        """Raise :class:`ConfigError` on the first invalid option; returns ``self``."""
+        if self.input is None:
+            raise ConfigError("no input: give --input PATH or 'input:' in the config")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        if isinstance(self.shard_size_mb, bool) or not isinstance(self.shard_size_mb, (int, float)) or not self.shard_size_mb > 0:
+            raise ConfigError(f"shard_size_mb must be a positive number, got {self.shard_size_mb!r}")
+        for name in ("pack_size", "cp_size", "tp_size", "num_proc", "map_batch_size"):
+            _positive_int(getattr(self, name), name)
+        for name in ("max_samples_per_pack", "pad_multiple", "max_rows"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("append_eos", "shuffle_packs", "sequence_parallel", "skip_bad_rows", "save_tokenizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("text_field", "messages_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be a non-empty string")
+        if need_tokenizer and not self.tokenizer:
+            raise ConfigError(f"format '{self.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
+        if self.pack_size < self.align:
+            raise ConfigError(f"pack_size ({self.pack_size}) is smaller than the alignment multiple ({self.align})")
+        return self
+
+    @property
+    def align(self) -> int:
+        """The per-sample alignment multiple the plan and the loader use."""
+        from thdpack.align import resolve_pad_multiple
+
+        try:
+            return resolve_pad_multiple(self.cp_size, self.tp_size, self.sequence_parallel, self.pad_multiple)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    # ------------------------------------------------------------------ paths
+    def resolve_path(self, value: str) -> Path:
+        """``value`` as a path: absolute, or relative to ``base_dir``."""
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else self.base_dir / p
+
+    def as_dict(self, *, recorded: bool = False) -> dict:
+        """The options, as written (paths unresolved). ``recorded=True`` leaves out the
+        options that cannot change the output (``num_proc``, ``map_batch_size``): what
+        metadata.json records, so a build is byte-identical however it was parallelised."""
+        return {k: getattr(self, k) for k in self.keys() if not (recorded and k in EXECUTION_ONLY)}
+
+
+def _positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+

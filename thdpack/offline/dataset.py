@@ -1,0 +1,343 @@
+"""Loading a packed dataset and turning its rows (packs) into :class:`thdpack.ThdBatch` es.
+
+::
+
+    ds = thdpack.offline.load_packed("out/demo")        # one row per pack
+    loader = DataLoader(ds, batch_size=None, shuffle=True, num_workers=2,
+                        collate_fn=ds.collator(cp_rank=rank))   # CP/TP/pad id from metadata
+    for batch in loader:                                  # ThdBatch, one pack
+        ...
+
+Arrow shards are memory-mapped: opening is instant, rows are numpy views of the
+mapped file, and DataLoader workers share the pages. Parquet shards are decoded
+into memory when opened. Needs ``pyarrow`` only (not ``datasets``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from thdpack.align import resolve_pad_multiple
+from thdpack.batch import ThdBatch
+from thdpack.collate import ThdCollator
+from thdpack.offline.errors import NotPackedError, require_pyarrow
+from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+
+_TOKEN_FIELDS = ("loss_mask", "labels")
+
+
+# ---------------------------------------------------------------------------- rows -> samples
+
+
+def unpack_row(row: Mapping) -> list[dict]:
+    """The samples of one packed row: ``[{"input_ids": [s_i], "loss_mask" | "labels": [s_i]}, ...]``.
+
+    ``row`` needs ``input_ids`` and ``seq_lens`` (and carries ``loss_mask`` or
+    ``labels``); values may be numpy arrays, lists, tensors or Arrow values. The
+    returned arrays are views of the row's arrays.
+    """
+    ids = _as_array(row["input_ids"], "input_ids")
+    lens = _as_array(row["seq_lens"], "seq_lens").astype(np.int64)
+    if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
+        raise ValueError(f"packed row: seq_lens {lens.tolist()[:8]}... sum to {int(lens.sum())} but input_ids has {ids.size} tokens")
+    cuts = np.cumsum(lens)[:-1]
+    fields = {"input_ids": np.split(ids, cuts)}
+    for name in _TOKEN_FIELDS:
+        if name in row and row[name] is not None:
+            arr = _as_array(row[name], name)
+            if arr.size != ids.size:
+                raise ValueError(f"packed row: '{name}' has {arr.size} values but input_ids has {ids.size}")
+            fields[name] = np.split(arr, cuts)
+    return [{k: v[i] for k, v in fields.items()} for i in range(lens.size)]
+
+
+def _as_array(value, name: str) -> np.ndarray:
+    """A packed row's list field as a 1-D numpy array (numpy, list, tensor or Arrow value)."""
+    if not isinstance(value, np.ndarray):
+        module = type(value).__module__
+        if module.startswith("torch"):
+            value = value.detach().cpu().numpy()
+        elif module.startswith("pyarrow"):
+            value = getattr(value, "values", value)  # a ListScalar's child array
+            value = value.to_numpy(zero_copy_only=False)
+        else:
+            value = np.asarray(value)
+    if value.ndim != 1 or (value.size and value.dtype.kind not in "iub"):
+        raise ValueError(f"packed row: '{name}' must be a flat list of integers, got {value.dtype} {value.shape}")
+    return value
+
+
+class PackedRowCollator:
+    """``collate_fn`` for rows of :func:`load_packed`: each row is a pack of several samples.
+
+    A row (``DataLoader(batch_size=None)``) gives the :class:`ThdBatch` of that pack;
+    a list of rows (``batch_size=k``) gives one :class:`ThdBatch` holding all their
+    samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
+    holds the input rows of the samples. The arguments are those of
+    :class:`thdpack.ThdCollator` without the planning ones (the packs are planned):
+    the rows' samples go through a ``ThdCollator`` built with them.
+    """
+
+    def __init__(
+        self,
+        *,
+        pad_token_id: int = 0,
+        ignore_index: int = -100,
+        cp_size: int = 1,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        pad_multiple: int | None = None,
+        pad_to: int | None = None,
+        cp_rank: int | None = None,
+        cp_group=None,
+    ):
+        self.collator = ThdCollator(
+            pad_token_id=pad_token_id,
+            ignore_index=ignore_index,
+            cp_size=cp_size,
+            tp_size=tp_size,
+            sequence_parallel=sequence_parallel,
+            pad_multiple=pad_multiple,
+            pad_to=pad_to,
+            cp_rank=cp_rank,
+            cp_group=cp_group,
+        )
+
+    def __call__(self, rows) -> ThdBatch:
+        if isinstance(rows, Mapping):
+            rows = [rows]
+        samples, index = [], []
+        for row in rows:
+            samples.extend(unpack_row(row))
+            index.append(_as_array(row["sample_index"], "sample_index").astype(np.int64))
+        batch = self.collator(samples)
+        return dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
+
+
+# ---------------------------------------------------------------------------- the dataset
+
+
+def _is_bool(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_boolean(arrow_type)
+
+
+def read_metadata(path: str | Path) -> dict:
+    """``metadata.json`` of a packed dataset; :class:`NotPackedError` if ``path`` is not a complete one."""
+    path = Path(path)
+    meta_path = path / METADATA_FILE
+    if not path.is_dir():
+        raise NotPackedError(f"{path} is not a directory (a packed dataset is a directory with {METADATA_FILE})")
+    if not meta_path.is_file():
+        raise NotPackedError(
+            f"{path} has no {METADATA_FILE}: it is not a thdpack packed dataset, or its build did not complete "
+            "(metadata.json is written last)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
+    if meta.get("format") != FORMAT_NAME or not meta.get("complete"):
+        raise NotPackedError(f"{meta_path} does not describe a complete {FORMAT_NAME} dataset")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise NotPackedError(
+            f"{path} has format version {meta['format_version']}; this thdpack reads up to {FORMAT_VERSION}"
+        )
+    return meta
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """A packed dataset on disk: ``ds[k]`` is pack ``k`` as a dict of numpy arrays.
+
+    Row fields: ``input_ids`` (int32 ``[T_k]``), ``loss_mask`` (bool ``[T_k]``) or
+    ``labels`` (int32 ``[T_k]``), ``seq_lens`` (int32 ``[n_k]``), ``sample_index``
+    (int64 ``[n_k]``), ``sample_start`` (int32 ``[n_k]``). Arrays of Arrow shards are
+    read-only views of the memory-mapped files.
+
+    Picklable (workers reopen the files). Use :meth:`collator` for the ``collate_fn``.
+    """
+
+    def __init__(self, path: str | Path, *, verify: bool = False):
+        self.path = Path(path)
+        self.verify = verify
+        self.metadata = read_metadata(self.path)
+        self._open()
+
+    # ---- opening
+    def _open(self) -> None:
+        pa = require_pyarrow("load_packed")
+        import pyarrow.parquet as pq
+
+        batches = []
+        for f in self.metadata["files"]:
+            p = self.path / f["path"]
+            if not p.is_file():
+                raise NotPackedError(f"{self.path}: shard {f['path']} listed in {METADATA_FILE} is missing")
+            if p.stat().st_size != f["num_bytes"]:
+                raise NotPackedError(
+                    f"{self.path}: shard {f['path']} has {p.stat().st_size} bytes, metadata says {f['num_bytes']} "
+                    "(modified or truncated)"
+                )
+            if self.verify:
+                from thdpack.offline.writer import _sha256
+
+                if _sha256(p) != f["sha256"]:
+                    raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
+            if p.suffix == ".parquet":
+                table = pq.read_table(p, memory_map=True)
+            else:
+                table = pa.ipc.open_stream(pa.memory_map(str(p))).read_all()
+            if table.num_rows != f["num_packs"]:
+                raise NotPackedError(f"{self.path}: shard {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
+            batches.extend(b for b in table.to_batches() if b.num_rows)
+        self._batches = batches
+        self._starts = np.cumsum([0] + [b.num_rows for b in batches])
+        self.columns = list(batches[0].schema.names) if batches else []
+        self._views: dict = {}
+
+    def __getstate__(self):
+        return {"path": self.path, "verify": False, "metadata": self.metadata}
+
+    def __setstate__(self, state):
+        self.path, self.verify, self.metadata = state["path"], state["verify"], state["metadata"]
+        self._open()
+
+    # ---- access
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _column(self, b: int, name: str):
+        key = (b, name)
+        view = self._views.get(key)
+        if view is None:
+            col = self._batches[b].column(name)
+            offsets = np.asarray(col.offsets)
+            values = col.values
+            if not _is_bool(values.type):  # a zero-copy numpy view
+                values = values.to_numpy()
+            view = self._views[key] = (offsets, values)
+        return view
+
+    def __getitem__(self, k: int) -> dict:
+        n = len(self)
+        if isinstance(k, (np.integer,)):
+            k = int(k)
+        if not isinstance(k, int):
+            raise TypeError(f"pack index must be an integer, got {type(k).__name__}")
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(f"pack {k} out of range for {n} packs")
+        b = int(np.searchsorted(self._starts, k, side="right") - 1)
+        i = k - int(self._starts[b])
+        row = {}
+        for name in self.columns:
+            offsets, values = self._column(b, name)
+            a, e = int(offsets[i]), int(offsets[i + 1])
+            if isinstance(values, np.ndarray):
+                row[name] = values[a:e]
+            else:  # Arrow booleans are bit-packed: unpack this row only
+                row[name] = values.slice(a, e - a).to_numpy(zero_copy_only=False)
+        return row
+
+    def __iter__(self):
+        for k in range(len(self)):
+            yield self[k]
+
+    def samples(self, k: int) -> list[dict]:
+        """The samples of pack ``k`` (see :func:`unpack_row`)."""
+        return unpack_row(self[k])
+
+    # ---- whole-dataset views
+    def pack_num_tokens(self) -> np.ndarray:
+        """int64 ``[num_packs]`` real tokens of every pack."""
+        parts = [np.diff(self._column(b, "input_ids")[0]) for b in range(len(self._batches))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    def all_seq_lens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(seq_lens, pack_offsets)``: every sample's length, pack after pack, and the
+        ``[num_packs + 1]`` offsets of each pack's samples in it."""
+        lens, counts = [], []
+        for b in range(len(self._batches)):
+            offsets, values = self._column(b, "seq_lens")
+            lens.append(np.asarray(values[offsets[0] : offsets[-1]], dtype=np.int64))
+            counts.append(np.diff(offsets))
+        lens_all = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+        off = np.zeros(len(self) + 1, dtype=np.int64)
+        if counts:
+            np.cumsum(np.concatenate(counts), out=off[1:])
+        return lens_all, off
+
+    @property
+    def pack_size(self) -> int:
+        return int(self.metadata["pack_size"])
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer copy saved with the dataset, if any."""
+        p = self.path / TOKENIZER_DIR
+        return p if p.is_dir() else None
+
+    def collator(self, **overrides) -> PackedRowCollator:
+        """A :class:`PackedRowCollator` set up from the metadata: the pad token id and the
+        CP/TP/SP/pad multiple the packs were planned for. Override any argument (e.g.
+        ``cp_rank=rank``). A larger alignment multiple than the plan's may push a pack past
+        ``pack_size`` (a warning says so)."""
+        meta = self.metadata
+        tok = meta.get("tokenizer") or {}
+        kwargs = dict(
+            pad_token_id=tok.get("pad_token_id") or 0,
+            cp_size=meta.get("cp_size", 1),
+            tp_size=meta.get("tp_size", 1),
+            sequence_parallel=meta.get("sequence_parallel", False),
+            pad_multiple=meta.get("pad_multiple"),
+        )
+        kwargs.update(overrides)
+        multiple = resolve_pad_multiple(
+            kwargs["cp_size"], kwargs["tp_size"], kwargs["sequence_parallel"], kwargs["pad_multiple"]
+        )
+        if meta["align"] % multiple:
+            warnings.warn(
+                f"collating with pad multiple {multiple}, but the packs were planned for multiple {meta['align']}: "
+                f"packs may exceed pack_size={meta['pack_size']} after padding. Rebuild with the CP/TP settings you train with.",
+                stacklevel=2,
+            )
+        return PackedRowCollator(**kwargs)
+
+    def to_hf(self):
+        """The packs as a ``datasets.Dataset`` (memory-mapped for Arrow shards)."""
+        import datasets
+
+        files = [str(self.path / f["path"]) for f in self.metadata["files"]]
+        if self.metadata["file_format"] == "parquet":
+            import pyarrow.parquet as pq
+            from datasets.table import InMemoryTable
+
+            return datasets.Dataset(InMemoryTable(pq.read_table(files)))  # a list of files reads as one table
+        return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
+
+    def __repr__(self) -> str:
+        m = self.metadata
+        return (
+            f"PackedDataset({str(self.path)!r}: {len(self)} packs of {m['pack_size']} tokens, "
+            f"{m['counts']['samples']} samples, {m['file_format']}, targets={m['targets']})"
+        )
+
+
+def load_packed(path: str | Path, *, verify: bool = False) -> PackedDataset:
+    """Open a packed dataset written by ``thdpack build``.
+
+    Checks that the build completed (``metadata.json`` is written last) and that every
+    shard is present with the recorded size; ``verify=True`` also checks the shards'
+    sha256. Returns a :class:`PackedDataset` (one row per pack).
+    """
+    return PackedDataset(path, verify=verify)

@@ -1,0 +1,217 @@
+"""Statistics of a plan or a packed dataset: lengths, packing, padding, attention FLOPs.
+
+Everything is computed from integers: the per-sample lengths in each pack
+(``seq_lens`` and pack offsets), the pack size and an alignment multiple.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from thdpack.align import round_up
+
+
+def attention_overcount(seq_lens: np.ndarray, num_packs: int, pack_size: int) -> float:
+    """``num_packs · pack_size² / Σ sᵢ²``: how much a FLOPs count that treats every pack
+    as one ``pack_size``-token sequence over-states causal attention work (whose true
+    size is ``Σ sᵢ²`` over the real sub-sequence lengths). 1.0 means exact."""
+    s = np.asarray(seq_lens, dtype=np.int64)
+    sum_sq = int((s * s).sum())  # int64: no int32 overflow
+    return num_packs * pack_size**2 / sum_sq if sum_sq else float("nan")
+
+
+def log2_histogram(lengths: np.ndarray) -> list[list[int]]:
+    """``[[lo, hi, count], ...]`` over buckets ``[2^k, 2^(k+1))`` from the shortest to the longest length."""
+    x = np.asarray(lengths, dtype=np.int64)
+    x = x[x > 0]
+    if x.size == 0:
+        return []
+    k = np.floor(np.log2(x)).astype(np.int64)
+    lo, hi = int(k.min()), int(k.max())
+    counts = np.bincount(k - lo, minlength=hi - lo + 1)
+    return [[1 << (lo + i), (1 << (lo + i + 1)) - 1, int(c)] for i, c in enumerate(counts)]
+
+
+def summarize(
+    seq_lens: np.ndarray,
+    pack_offsets: np.ndarray,
+    pack_size: int,
+    align: int,
+    *,
+    eval_multiple: int | None = None,
+    input_lengths: np.ndarray | None = None,
+    counts: dict | None = None,
+) -> dict:
+    """A JSON-able summary.
+
+    Args:
+        seq_lens: ``[m]`` real length of every sample (piece) in packs, pack after pack.
+        pack_offsets: ``[num_packs + 1]`` samples of pack k are ``pack_offsets[k]:pack_offsets[k+1]``.
+        pack_size, align: the plan's budget and the multiple it reserved room for.
+        eval_multiple: alignment multiple to evaluate padding at (default ``align``).
+        input_lengths: lengths of the input samples before truncation/splitting
+            (for the histogram); defaults to ``seq_lens``.
+        counts: extra counters to carry (truncated, dropped, skipped, ...).
+    """
+    s = np.asarray(seq_lens, dtype=np.int64)
+    off = np.asarray(pack_offsets, dtype=np.int64)
+    num_packs = int(off.size - 1)
+    m = eval_multiple or align
+    lengths = s if input_lengths is None else np.asarray(input_lengths, dtype=np.int64)
+    per_pack = np.add.reduceat(s, off[:-1]) if num_packs else np.zeros(0, np.int64)
+    samples_per_pack = np.diff(off)
+    real = int(s.sum())
+    aligned_plan = int(round_up(s, align).sum())
+    padded = round_up(s, m)
+    padded_per_pack = np.add.reduceat(padded, off[:-1]) if num_packs else np.zeros(0, np.int64)
+    stream = int(padded.sum())
+    fill = per_pack / pack_size if num_packs else np.zeros(0)
+    pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
+    sum_sq = int((s * s).sum())
+    out = {
+        "samples": int(s.size),
+        "packs": num_packs,
+        "pack_size": int(pack_size),
+        "align": int(align),
+        "lower_bound": int(math.ceil(aligned_plan / pack_size)) if pack_size else 0,
+        "real_tokens": real,
+        "max_seqlen": int(s.max()) if s.size else 0,  # longest sample in a pack
+        "min_pack_tokens": int(per_pack.min()) if num_packs else 0,
+        "efficiency": real / (num_packs * pack_size) if num_packs else 0.0,
+        "packing_factor": s.size / num_packs if num_packs else 0.0,
+        "max_samples_per_pack": int(samples_per_pack.max()) if num_packs else 0,
+        "pack_fill": {
+            "min": float(fill.min()) if num_packs else 0.0,
+            "mean": float(fill.mean()) if num_packs else 0.0,
+            "max": float(fill.max()) if num_packs else 0.0,
+            "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
+        },
+        "lengths": {
+            "of": "input samples" if input_lengths is not None else "packed samples",
+            "count": int(lengths.size),
+            "min": int(lengths.min()) if lengths.size else 0,
+            "p50": pct(50),
+            "p90": pct(90),
+            "p99": pct(99),
+            "max": int(lengths.max()) if lengths.size else 0,
+            "mean": float(lengths.mean()) if lengths.size else 0.0,
+            "histogram": log2_histogram(lengths),
+        },
+        "padding": {
+            "multiple": int(m),
+            "pad_tokens": stream - real,
+            "stream_tokens": stream,
+            "fraction": (stream - real) / stream if stream else 0.0,
+            "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
+            "static_fraction": 1 - real / (num_packs * pack_size) if num_packs else 0.0,
+        },
+        "attention_flops": {
+            "sum_seqlen_squared": sum_sq,
+            "pack_len_count": num_packs * pack_size**2,
+            "overcount": attention_overcount(s, num_packs, pack_size),
+            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else float("nan"),
+        },
+    }
+    out.update(counts or {})
+    return out
+
+
+def nemo_fields(summary: dict) -> dict:
+    """NeMo / Megatron-Bridge packed-sequence metadata fields (``packing_efficiency`` in percent)."""
+    s = summary
+    return {
+        "dataset_max_seqlen": s["max_seqlen"],
+        "max_samples_per_bin": s["max_samples_per_pack"],
+        "packing_factor": round(s["packing_factor"], 2),
+        "packing_efficiency": round(100 * s["efficiency"], 2),
+        "pack_size": s["pack_size"],
+        "min_packed_seqlen": s["min_pack_tokens"],
+    }
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def _bar(count: int, top: int, width: int = 40) -> str:
+    n = 0 if top == 0 else max(1 if count else 0, round(width * count / top))
+    return "█" * n
+
+
+def format_summary(s: dict, *, title: str | None = None) -> str:
+    """Human-readable report of a :func:`summarize` result."""
+    lines = []
+    if title:
+        lines.append(title)
+    L = s["lengths"]
+    lines.append(
+        f"lengths ({L['of']}): n={L['count']}  min {L['min']}  p50 {L['p50']}  p90 {L['p90']}  "
+        f"p99 {L['p99']}  max {L['max']}  mean {L['mean']:.1f}"
+    )
+    top = max((c for _, _, c in L["histogram"]), default=0)
+    for lo, hi, c in L["histogram"]:
+        lines.append(f"  {lo:>7} – {hi:<7} {c:>8}  {_bar(c, top)}")
+    lines.append(f"packs            {s['packs']} of {s['pack_size']} tokens (lower bound {s['lower_bound']} at align {s['align']})")
+    lines.append(f"samples          {s['samples']} in packs; {s['packing_factor']:.2f} per pack (max {s['max_samples_per_pack']})")
+    lines.append(f"real tokens      {s['real_tokens']:,}" + (f"; {s['target_tokens']:,} are loss targets" if "target_tokens" in s else ""))
+    lines.append(f"efficiency       {s['efficiency']:.4f}  (real tokens / (packs · pack_size))")
+    f = s["pack_fill"]
+    lines.append(f"pack fill        min {f['min']:.3f}  mean {f['mean']:.3f}  max {f['max']:.3f}")
+    if f["histogram"]:
+        top = max(f["histogram"])
+        for i, c in enumerate(f["histogram"]):
+            if c:
+                lines.append(f"  {i / 10:.1f} – {(i + 1) / 10:.1f}     {c:>8}  {_bar(c, top)}")
+    p = s["padding"]
+    lines.append(
+        f"pad fraction     {p['fraction']:.4f} at multiple {p['multiple']}: {p['pad_tokens']:,} pad tokens in a "
+        f"{p['stream_tokens']:,}-token stream" + (
+            f"; {p['packs_over_pack_size']} packs would exceed pack_size at this multiple"
+            if p["packs_over_pack_size"] else "")
+    )
+    lines.append(f"                 {p['static_fraction']:.4f} when every pack is padded to pack_size (static shapes)")
+    for key, label in (("truncated", "truncated"), ("dropped", "dropped"), ("split", "split")):
+        if key in s and (key == "truncated" or s[key]["samples"]):
+            v = s[key]
+            lines.append(f"{label:<16} {v['samples']} samples" + (f", {v['tokens']:,} tokens" if "tokens" in v else ""))
+    if s.get("skipped_rows"):
+        lines.append(f"skipped rows     {s['skipped_rows']}")
+    if "samples_without_targets" in s and s["samples_without_targets"]:
+        lines.append(f"no-loss samples  {s['samples_without_targets']} (no target token: they train nothing)")
+    a = s["attention_flops"]
+    lines.append(
+        f"attention FLOPs  counting each pack as one {s['pack_size']}-token sequence over-counts by "
+        f"{a['overcount']:.2f}x  (n_packs·pack_size²/Σsᵢ²; {a['overcount_at_fill']:.2f}x at each pack's filled length)"
+    )
+    return "\n".join(lines)
+
+
+def plot_summary(s: dict, path: str) -> None:
+    """Length histogram and pack-fill histogram to an image (needs matplotlib: the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from thdpack.offline.errors import OfflineError
+
+        raise OfflineError("--plot needs matplotlib: pip install 'thdpack[plot]'") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    hist = s["lengths"]["histogram"]
+    labels = [f"{lo}" for lo, _, _ in hist]
+    ax1.bar(range(len(hist)), [c for _, _, c in hist], color="#4477aa")
+    ax1.set_xticks(range(len(hist)), labels, rotation=45)
+    ax1.set_xlabel("length (tokens, log2 buckets: lower edge)")
+    ax1.set_ylabel("samples")
+    ax1.set_title(f"{s['lengths']['of']} (n={s['lengths']['count']})")
+    fills = s["pack_fill"]["histogram"]
+    ax2.bar([i / 10 + 0.05 for i in range(10)], fills, width=0.09, color="#228833")
+    ax2.set_xlim(0, 1)
+    ax2.set_xlabel("pack fill (real tokens / pack_size)")
+    ax2.set_ylabel("packs")
+    ax2.set_title(f"{s['packs']} packs, efficiency {s['efficiency']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,448 @@
+"""Rows to token ids and targets: text, chat (Hugging Face chat templates) or already tokenized.
+
+:func:`tokenize_source` runs :class:`RowTokenizer` over the raw rows with
+``datasets.map`` (batched, ``num_proc`` processes, results memory-mapped in a work
+directory). Every input row gives one output row with
+
+- ``input_ids``: int32 token ids;
+- ``loss_mask`` (bool, 1 = the token is a target) or ``labels`` (int32, HF style,
+  -100 = no loss), as ``targets`` says;
+- ``__error__``: null, or why the row could not be used (its tokens are then empty).
+
+A failing row never stops the batch: errors are collected per row and reported
+with the row's file and line by the caller.
+
+Chat rows: the loss covers the assistant turns (``loss="assistant"``), only the last
+one (``"last_assistant"``) or everything (``"all"``). Assistant tokens are found
+exactly when the template marks them with ``{% generation %}``; otherwise each
+assistant turn is located by rendering the conversation up to it (the template
+must render a conversation's prefix as a prefix of the whole, as ChatML-style
+templates do; the row fails with a clear message if not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.sources import JSON_COLUMN, Source
+
+ERROR_COLUMN = "__error__"
+IGNORE_INDEX = -100
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(cfg: BuildConfig):
+    """``AutoTokenizer`` for ``cfg.tokenizer``, from a local directory or the local HF cache only."""
+    from transformers import AutoTokenizer
+
+    spec = cfg.tokenizer
+    local = cfg.resolve_path(spec)
+    target = str(local) if local.exists() else spec
+    if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise InputError(f"tokenizer {spec!r}: no such directory ({local})")
+    try:
+        return AutoTokenizer.from_pretrained(target, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        if local.exists():
+            raise InputError(f"tokenizer {spec!r}: cannot load {local} ({exc})") from None
+        raise InputError(
+            f"tokenizer {spec!r} was not found offline: it is not a local directory "
+            f"(relative paths in a config file are relative to the file) and not in the Hugging Face "
+            f"cache ({HF_HUB_CACHE}). thdpack never downloads; fetch it once with "
+            f"`hf download {spec}` or give a local path."
+        ) from None
+
+
+def tokenizer_info(tok, spec: str) -> dict:
+    """What metadata.json records about the tokenizer (a content fingerprint, not a path)."""
+    h = hashlib.sha256()
+    backend = getattr(tok, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))).encode())
+    template = getattr(tok, "chat_template", None)
+    h.update(repr(template).encode())
+    return {
+        "name_or_path": spec,
+        "fingerprint": h.hexdigest(),
+        "vocab_size": len(tok),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        "chat_template_has_generation_markers": bool(template and isinstance(template, str) and _GENERATION_TAG.search(template)),
+    }
+
+
+# ---------------------------------------------------------------------------- format
+
+
+def resolve_format(cfg: BuildConfig, source: Source) -> str:
+    """The row format: ``cfg.format`` or, for ``auto``, the first of chat / tokenized / text
+    whose field is present."""
+    if cfg.format != "auto":
+        return cfg.format
+    cols = set(source.columns)
+    if cfg.messages_field in cols:
+        return "chat"
+    if "input_ids" in cols:
+        return "tokenized"
+    if cfg.text_field in cols:
+        return "text"
+    raise InputError(
+        f"{source.files[0].path}: cannot tell the row format from the fields {sorted(cols)}; expected "
+        f"'{cfg.messages_field}' (chat), 'input_ids' (tokenized) or '{cfg.text_field}' (text). "
+        "Set --format and --messages-field / --text-field."
+    )
+
+
+def required_columns(fmt: str, cfg: BuildConfig) -> list[str]:
+    return {"chat": [cfg.messages_field], "text": [cfg.text_field], "tokenized": ["input_ids"]}[fmt]
+
+
+# ---------------------------------------------------------------------------- the map function
+
+
+class RowTokenizer:
+    """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors."""
+
+    def __init__(self, fmt: str, cfg: BuildConfig, tokenizer, columns: list[str]):
+        self.fmt = fmt
+        self.tok = tokenizer
+        self.json_rows = columns == [JSON_COLUMN]
+        self.field = {"chat": cfg.messages_field, "text": cfg.text_field, "tokenized": "input_ids"}[fmt]
+        self.loss = cfg.loss
+        self.append_eos = cfg.append_eos
+        self.targets = cfg.targets
+        self.vocab_size = len(tokenizer) if tokenizer is not None else None
+        self.has_generation = False
+        if fmt == "chat":
+            template = getattr(tokenizer, "chat_template", None)
+            if not template:
+                raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
+            self.has_generation = isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+        if fmt == "text" and cfg.append_eos and tokenizer.eos_token_id is None:
+            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
+
+    # ---- entry point
+    def __call__(self, table):
+        n = table.num_rows
+        values, errors = self._extract(table)
+        ids: list = [None] * n
+        targets: list = [None] * n
+        ok = [i for i in range(n) if errors[i] is None]
+        if ok:
+            try:
+                results = self._encode_many([values[i] for i in ok])
+            except Exception:  # one row broke the batch: redo row by row to blame it
+                results = []
+                for i in ok:
+                    try:
+                        results.append(self._encode_many([values[i]])[0])
+                    except Exception as exc:  # noqa: BLE001 - reported as a row error
+                        results.append(_row_error(exc))
+            for i, res in zip(ok, results):
+                if isinstance(res, str):
+                    errors[i] = res
+                    continue
+                ids[i], targets[i] = res
+                if ids[i].size == 0:
+                    errors[i] = "tokenizes to 0 tokens"
+        return self._to_table(ids, targets, errors)
+
+    # ---- 1. field values out of the rows
+    def _extract(self, table):
+        n = table.num_rows
+        errors: list = [None] * n
+        if self.json_rows:
+            raw = table.column(JSON_COLUMN).to_pylist()
+            rows = []
+            for i, line in enumerate(raw):
+                try:
+                    obj = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    errors[i] = f"invalid JSON ({exc})"
+                    rows.append(None)
+                    continue
+                if not isinstance(obj, dict):
+                    errors[i] = f"expected a JSON object, got {type(obj).__name__}"
+                    rows.append(None)
+                    continue
+                rows.append(obj)
+            values = []
+            for i, obj in enumerate(rows):
+                if obj is None:
+                    values.append(None)
+                elif self.field not in obj:
+                    errors[i] = f"no '{self.field}' field (fields: {sorted(obj)})"
+                    values.append(None)
+                else:
+                    values.append(obj if self.fmt == "tokenized" else obj[self.field])
+        else:
+            if self.field not in table.column_names:
+                raise InputError(f"the input has no '{self.field}' column (columns: {table.column_names})")
+            if self.fmt == "tokenized":
+                names = [c for c in ("input_ids", "labels", "loss_mask") if c in table.column_names]
+                cols = {c: table.column(c).to_pylist() for c in names}
+                values = [{c: cols[c][i] for c in names} for i in range(n)]
+            else:
+                values = table.column(self.field).to_pylist()
+        for i, v in enumerate(values):
+            if errors[i] is None:
+                msg = self._check_value(v)
+                if msg:
+                    errors[i] = msg
+        return values, errors
+
+    def _check_value(self, v) -> str | None:
+        if self.fmt == "text":
+            if not isinstance(v, str):
+                return f"'{self.field}' must be a string, got {type(v).__name__}"
+            if not v:
+                return f"'{self.field}' is empty"
+        elif self.fmt == "chat":
+            if not isinstance(v, list) or not v:
+                return f"'{self.field}' must be a non-empty list of messages, got {_brief(v)}"
+            for j, m in enumerate(v):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    return f"message {j} must be an object with a 'role' string, got {_brief(m)}"
+        else:
+            if v.get("input_ids") is None:
+                return "'input_ids' is null"
+        return None
+
+    # ---- 2. encode
+    def _encode_many(self, values: list) -> list:
+        if self.fmt == "text":
+            return self._encode_text(values)
+        if self.fmt == "chat":
+            return self._encode_chat(values)
+        return [self._encode_tokenized(v) for v in values]
+
+    def _encode_text(self, texts):
+        enc = self.tok(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        eos = self.tok.eos_token_id
+        out = []
+        for ids in enc:
+            if self.append_eos and (not ids or ids[-1] != eos):
+                ids = list(ids) + [eos]
+            arr = np.asarray(ids, dtype=np.int32)
+            out.append((arr, np.ones(arr.size, dtype=bool)))
+        return out
+
+    def _encode_chat(self, convs):
+        if self.loss == "all":
+            enc = self.tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
+            return [(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)) for ids in enc]
+        if self.has_generation:
+            enc = self.tok.apply_chat_template(
+                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            out = []
+            for ids, mask in zip(enc["input_ids"], enc["assistant_masks"]):
+                mask = np.asarray(mask, dtype=bool)
+                if self.loss == "last_assistant":
+                    mask = _last_run(mask)
+                out.append((np.asarray(ids, dtype=np.int32), mask))
+            return out
+        return [self._encode_chat_by_prefix(c) for c in convs]
+
+    def _encode_chat_by_prefix(self, conv):
+        render = self.tok.apply_chat_template
+        full = render(conv, tokenize=False)
+        spans = []
+        for k, m in enumerate(conv):
+            if m.get("role") != "assistant":
+                continue
+            before = render(conv[:k], tokenize=False, add_generation_prompt=True) if k else ""
+            upto = render(conv[: k + 1], tokenize=False)
+            if not (upto.startswith(before) and full.startswith(upto)):
+                return (
+                    f"the chat template does not render message {k}'s prefix as a prefix of the conversation, so "
+                    "assistant tokens cannot be located; use a template with {% generation %} markers or loss: all"
+                )
+            # the separator the template puts after a turn (ChatML's "\n") is not part of the answer
+            spans.append((len(before), max(len(before), len(upto.rstrip()))))
+        if self.loss == "last_assistant":
+            spans = spans[-1:]
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(ids.size, dtype=bool)
+        for a, b in spans:  # a token is a target when it overlaps an assistant span
+            mask |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+        return ids, mask
+
+    def _encode_tokenized(self, row):
+        try:
+            ids = np.asarray(row["input_ids"])
+        except (ValueError, TypeError) as exc:
+            return f"'input_ids' is not a list of integers ({exc})"
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            return f"'input_ids' must be a flat list of integers, got {_brief(row['input_ids'])}"
+        ids = ids.astype(np.int64)
+        if ids.size and ids.min() < 0:
+            return f"'input_ids' has negative id {int(ids.min())}"
+        if self.vocab_size is not None and ids.size and ids.max() >= self.vocab_size:
+            return f"'input_ids' has id {int(ids.max())}, outside the tokenizer's vocabulary ({self.vocab_size})"
+        labels, mask = row.get("labels"), row.get("loss_mask")
+        if labels is not None and mask is not None:
+            return "has both 'labels' and 'loss_mask'; keep one"
+        if labels is not None:
+            lab = np.asarray(labels)
+            if lab.shape != ids.shape or (lab.size and lab.dtype.kind not in "iu"):
+                return f"'labels' must be {ids.size} integers like 'input_ids', got {_brief(labels)}"
+            bad = (lab != IGNORE_INDEX) & (lab < 0)
+            if bad.any():
+                return f"'labels' has {int(lab[bad][0])} at token {int(np.argmax(bad))}; use token ids or -100"
+            target = lab != IGNORE_INDEX
+            if self.targets == "loss_mask":
+                differs = target & (lab != ids)
+                if differs.any():
+                    t = int(np.argmax(differs))
+                    return (
+                        f"'labels' differ from 'input_ids' at token {t} ({int(lab[t])} vs {int(ids[t])}); "
+                        "a loss mask cannot store that: set targets: labels"
+                    )
+            return ids.astype(np.int32), (target if self.targets == "loss_mask" else lab.astype(np.int32))
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.shape != ids.shape or (m.size and not np.isin(m, (0, 1)).all()):
+                return f"'loss_mask' must be {ids.size} values of 0/1 like 'input_ids', got {_brief(mask)}"
+            return ids.astype(np.int32), m.astype(bool)
+        return ids.astype(np.int32), np.ones(ids.size, dtype=bool)
+
+    # ---- 3. Arrow output
+    def _to_table(self, ids, targets, errors):
+        import pyarrow as pa
+
+        good = [i for i, e in enumerate(errors) if e is None]
+        lengths = np.zeros(len(ids), dtype=np.int64)
+        lengths[good] = [ids[i].size for i in good]
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        flat_ids = np.concatenate([np.zeros(0, np.int32)] + [ids[i] for i in good])
+        if self.targets == "loss_mask":
+            parts = [np.asarray(targets[i], dtype=bool) for i in good]
+            flat_t, arrow_type = np.concatenate([np.zeros(0, bool)] + parts), pa.bool_()
+        else:  # labels: from a mask (text, chat, tokenized loss_mask), labels are the ids where it is set
+            parts = [np.where(targets[i], ids[i], IGNORE_INDEX) if targets[i].dtype == bool else targets[i] for i in good]
+            flat_t, arrow_type = np.concatenate([np.zeros(0, np.int32)] + parts).astype(np.int32), pa.int32()
+        return pa.table(
+            {
+                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat_ids, pa.int32())),
+                self.targets: pa.ListArray.from_arrays(offsets, pa.array(flat_t, arrow_type)),
+                ERROR_COLUMN: pa.array(errors, pa.string()),
+            }
+        )
+
+
+def _last_run(mask: np.ndarray) -> np.ndarray:
+    """Only the last contiguous run of True (the last assistant turn)."""
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return mask
+    end = idx[-1]
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    out = np.zeros_like(mask)
+    out[start : end + 1] = True
+    return out
+
+
+def _row_error(exc: Exception) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}"[:500]
+
+
+def _brief(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+@dataclass
+class Tokenized:
+    """Tokenized rows (one per input row) and what went wrong."""
+
+    dataset: object  # datasets.Dataset: input_ids, loss_mask|labels, __error__
+    lengths: np.ndarray  # int64 [rows]; 0 for failed rows
+    errors: list[tuple[int, str]]  # (row, message) of failed rows
+    fmt: str
+    tokenizer: object | None
+    tokenizer_info: dict | None
+
+
+def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True) -> Tokenized:
+    """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``."""
+    import datasets
+
+    fmt = resolve_format(cfg, source)
+    if not source.is_json:
+        missing = [c for c in required_columns(fmt, cfg) if c not in source.columns]
+        if missing:
+            raise InputError(
+                f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
+            )
+    tok = None
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg)
+    elif fmt != "tokenized":
+        raise ConfigError(f"format '{fmt}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
+
+    ds = source.dataset
+    keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
+        required_columns(fmt, cfg) + (["labels", "loss_mask"] if fmt == "tokenized" else []))]
+    if keep != ds.column_names:
+        ds = ds.select_columns(keep)
+    fn = RowTokenizer(fmt, cfg, tok, ds.column_names)
+    target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            cfg.targets: datasets.List(target_type),
+            ERROR_COLUMN: datasets.Value("string"),
+        }
+    )
+    fingerprint = hashlib.sha256(
+        json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
+                   sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
+    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, cfg.map_batch_size))) if cfg.num_proc > 1 else None
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        out = ds.with_format("arrow").map(
+            fn,
+            batched=True,
+            batch_size=cfg.map_batch_size,
+            num_proc=num_proc,
+            remove_columns=ds.column_names,
+            features=features,
+            cache_file_name=str(work_dir / "tokenized.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=fingerprint,
+            desc=f"Tokenizing ({fmt})",
+        ).with_format(None)
+    finally:
+        if not progress:
+            datasets.enable_progress_bars()
+    col = out.data.table.column("input_ids")
+    lengths = np.concatenate(
+        [np.diff(np.asarray(c.offsets)).astype(np.int64) for c in col.chunks] or [np.zeros(0, np.int64)]
+    )
+    err_col = out.data.table.column(ERROR_COLUMN)
+    bad = np.flatnonzero(np.asarray(err_col.is_valid()))
+    errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
+    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, cfg.tokenizer) if tok else None)

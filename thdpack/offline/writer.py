@@ -1,0 +1,166 @@
+"""Writing planned packs as Arrow or Parquet shards, a chunk of packs at a time.
+
+For each chunk the pieces of its packs are gathered from the tokenized rows with
+one Arrow ``take`` and one numpy fancy index per column: no per-sample Python loop,
+and memory bounded by the chunk, not the dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.format import shard_name
+from thdpack.plan import PackPlan
+
+IGNORE_INDEX = -100
+CHUNK_TOKENS = 1 << 22  # tokens per record batch / row group
+
+
+def schema(targets: str):
+    import pyarrow as pa
+
+    target_type = pa.bool_() if targets == "loss_mask" else pa.int32()
+    return pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int32())),
+            (targets, pa.list_(target_type)),
+            ("seq_lens", pa.list_(pa.int32())),
+            ("sample_index", pa.list_(pa.int64())),
+            ("sample_start", pa.list_(pa.int32())),
+        ]
+    )
+
+
+def _cuts(tokens: np.ndarray, budget: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` splitting consecutive items into groups of about ``budget`` tokens."""
+    if tokens.size == 0:
+        return [0, 0]
+    group = (np.cumsum(tokens) - 1) // max(1, budget)
+    starts = np.flatnonzero(np.diff(group)) + 1
+    return [0] + starts.tolist() + [int(tokens.size)]
+
+
+def write_packs(
+    out_dir: Path,
+    token_table,
+    targets: str,
+    plan: PackPlan,
+    sample_rows: np.ndarray,
+    order: np.ndarray,
+    *,
+    file_format: str = "arrow",
+    shard_size_mb: int = 512,
+    progress: bool = True,
+) -> dict:
+    """Write the packs of ``plan`` in ``order`` to ``out_dir``.
+
+    Args:
+        token_table: ``pyarrow.Table`` with ``input_ids`` and ``targets`` list columns,
+            one row per input row.
+        sample_rows: ``[num_samples]`` input row of each planned sample
+            (``plan.sample_index`` indexes it).
+        order: ``[num_packs]`` the plan's pack indices in output order.
+
+    Returns:
+        ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    num_packs = len(plan)
+    fill = np.add.reduceat(plan.length, plan.pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+    fill = fill[order]
+    bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
+    shard_cuts = _cuts(fill, int(shard_size_mb * 1e6 / bytes_per_token))
+    n_shards = len(shard_cuts) - 1
+    sch = schema(targets)
+    files, target_tokens = [], 0
+    bar = tqdm(total=num_packs, desc="Writing packs", unit="pack", disable=not progress, leave=False)
+    for s in range(n_shards):
+        a, b = shard_cuts[s], shard_cuts[s + 1]
+        name = shard_name(s, n_shards, file_format)
+        path = out_dir / name
+        if file_format == "arrow":
+            sink = pa.OSFile(str(path), "wb")
+            writer = pa.ipc.new_stream(sink, sch)
+        else:
+            sink = None
+            writer = pq.ParquetWriter(str(path), sch, compression="zstd")
+        try:
+            chunk_cuts = _cuts(fill[a:b], CHUNK_TOKENS)
+            for c in range(len(chunk_cuts) - 1):
+                ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
+                batch, n_targets = _chunk(token_table, targets, plan, sample_rows, ks, sch)
+                target_tokens += n_targets
+                if file_format == "arrow":
+                    writer.write_batch(batch)
+                else:
+                    writer.write_table(pa.Table.from_batches([batch], sch))
+                bar.update(len(ks))
+        finally:
+            writer.close()
+            if sink is not None:
+                sink.close()
+        files.append(
+            {
+                "path": name,
+                "num_packs": int(b - a),
+                "num_tokens": int(fill[a:b].sum()),
+                "num_bytes": path.stat().st_size,
+                "sha256": _sha256(path),
+            }
+        )
+    bar.close()
+    return {"files": files, "target_tokens": int(target_tokens)}
+
+
+def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch):
+    """One record batch holding packs ``ks``; also its number of target tokens."""
+    import pyarrow as pa
+
+    starts = plan.pack_offsets[ks]
+    counts = plan.pack_offsets[ks + 1] - starts
+    n_pieces = int(counts.sum())
+    first_piece = np.cumsum(counts) - counts  # first piece of each pack, within the chunk
+    piece = np.repeat(starts, counts) + (np.arange(n_pieces) - np.repeat(first_piece, counts))
+    rows = sample_rows[plan.sample_index[piece]]
+    pstart = plan.start[piece]
+    plen = plan.length[piece]
+
+    taken = token_table.select(["input_ids", targets]).take(pa.array(rows, pa.int64()))
+    piece_first = np.cumsum(plen) - plen  # first token of each piece in the output stream
+    out = {}
+    for name in ("input_ids", targets):
+        col = taken.column(name).combine_chunks()
+        offs = np.asarray(col.offsets).astype(np.int64)
+        src = np.repeat(offs[:-1] + pstart - piece_first, plen) + np.arange(int(plen.sum()))
+        out[name] = col.values.to_numpy(zero_copy_only=False)[src]
+    tgt = out[targets]
+    is_target = tgt if targets == "loss_mask" else tgt != IGNORE_INDEX
+    n_targets = int(is_target.sum()) - int(is_target[piece_first].sum())  # a sample's first token is never a target
+
+    pack_tokens = np.add.reduceat(plen, first_piece) if len(ks) else np.zeros(0, np.int64)
+    tok_offsets = np.zeros(len(ks) + 1, dtype=np.int32)
+    np.cumsum(pack_tokens, out=tok_offsets[1:])
+    smp_offsets = np.zeros(len(ks) + 1, dtype=np.int32)
+    np.cumsum(counts, out=smp_offsets[1:])
+    arrays = [
+        pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(out["input_ids"], pa.int32())),
+        pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(tgt, sch.field(targets).type.value_type)),
+        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(plen.astype(np.int32))),
+        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(rows.astype(np.int64))),
+        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(pstart.astype(np.int32))),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
