@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import thdpack
+from thdpack.demo.models import tiny_qwen3
 
 
 def demo_samples(num_samples: int, vocab_size: int, seed: int = 0) -> list[dict]:
@@ -37,24 +38,6 @@ def demo_samples(num_samples: int, vocab_size: int, seed: int = 0) -> list[dict]
         labels[:p] = -100  # no loss on the prompt
         samples.append({"input_ids": ids, "labels": labels})
     return samples
-
-
-def tiny_qwen3(vocab_size: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
 
 
 def main() -> None:

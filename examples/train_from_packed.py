@@ -20,27 +20,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from thdpack.demo.models import tiny_qwen3
 from thdpack.offline import load_packed
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_qwen3(vocab_size: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32768,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
 
 
 def main(argv=None) -> None:
