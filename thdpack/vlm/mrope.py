@@ -9,10 +9,9 @@ the sample's tokens into runs of equal ``mm_token_type_ids`` (0 text, 1 image,
   ``(t, h, w)`` gets, for its ``k``-th token (``k = (ti·h + hi)·w + wi``),
   rows ``(p + trunc(ti·interval), p + hi, p + wi)``; then ``p += max(h, w)``.
 
-Here the same is one pass over the whole pack, with no per-sample loop: a token's
-``p`` is the within-sample exclusive cumulative sum of an *advance* vector (1 per
-text token, ``max(h, w)`` on the last token of each vision run, 0 on the other
-vision tokens), and the in-run offsets come from ``k`` by integer division.
+Here the same is one compiled pass over the whole pack (numba): the runs are found
+once on the stream, checked against the grids, and each sample's positions are
+written in place; no per-sample Python work and no padded copy.
 
 Pad slots (alignment padding after a sample's real tokens) advance like text:
 pad ``j`` of a sample gets ``P + j`` on all three rows, where ``P`` is the
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack._jit import njit
 from thdpack.vlm.base import MODE_F32, MODE_F64, RopeItems
 
 
@@ -74,45 +74,20 @@ def mrope_for_stream(
         ValueError naming the sample and image / video index when the placeholder
         runs do not match the items (count of runs, or tokens per run).
     """
-    ids = np.asarray(input_ids, dtype=np.int64)
-    cu = np.asarray(cu_seqlens_padded, dtype=np.int64)
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+    cu = np.ascontiguousarray(cu_seqlens_padded, dtype=np.int64)
+    seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
     n = seq_lens.size
-    total = ids.size
-    padded = cu[1:] - cu[:-1]
-    starts_of_sample = cu[:-1]
-    sample_of = np.repeat(np.arange(n, dtype=np.int64), padded)
-    offset = np.arange(total, dtype=np.int64) - starts_of_sample[sample_of]
-    real = offset < seq_lens[sample_of]
-
-    vision_ids = [v for v in (family.image_token_id, family.video_token_id) if v is not None]
-    pad_vision = ~real & np.isin(ids, vision_ids)
-    if pad_vision.any():
-        t = int(np.flatnonzero(pad_vision)[0])
+    video_id = -1 if family.video_token_id is None else int(family.video_token_id)
+    token_type, run_start, run_len, run_sample, bad_pad = _find_runs(ids, cu, seq_lens, int(family.image_token_id), video_id)
+    if bad_pad >= 0:
+        sample = int(np.searchsorted(cu, bad_pad, side="right") - 1)
         raise ValueError(
-            f"pad slot {t} (after sample {int(sample_of[t])}) holds vision token id {int(ids[t])}: the model "
+            f"pad slot {bad_pad} (after sample {sample}) holds vision token id {int(ids[bad_pad])}: the model "
             "would take it for a placeholder; use a pad_token_id that is not the image or video token id"
         )
-    token_type = np.zeros(total, dtype=np.int8)
-    token_type[(ids == family.image_token_id) & real] = 1
-    if family.video_token_id is not None:
-        token_type[(ids == family.video_token_id) & real] = 2
-
-    # runs of equal non-zero type, never crossing a sample boundary
-    boundary = np.zeros(total + 1, dtype=bool)
-    boundary[starts_of_sample] = True
-    boundary[total] = True
-    change = np.ones(total + 1, dtype=bool)
-    change[1:total] = token_type[1:] != token_type[:-1]
-    change |= boundary
-    vision = token_type != 0
-    run_start = np.flatnonzero(vision & change[:-1])
-    run_end = np.flatnonzero(vision & change[1:]) + 1
-    run_len = run_end - run_start
     run_kind = token_type[run_start]
-    run_sample = sample_of[run_start]
     num_runs = run_start.size
-
     run_h = np.zeros(num_runs, np.int64)
     run_w = np.zeros(num_runs, np.int64)
     run_interval = np.ones(num_runs, np.float64)
@@ -122,45 +97,95 @@ def mrope_for_stream(
         _check_runs(family, kind, name, counts, items, run_sample[sel], run_len[sel], n, hint)
         run_h[sel], run_w[sel] = items.h, items.w
         run_interval[sel], run_mode[sel] = items.interval, items.mode
-
-    # running position p: exclusive cumsum of the advance, restarted per sample
-    advance = (~vision).astype(np.int64)
-    advance[run_end - 1] += np.maximum(run_h, run_w)
-    excl = np.cumsum(advance) - advance
-    base = excl - excl[starts_of_sample][sample_of]
-    positions = np.empty((3, total), dtype=np.int64)
-    positions[:] = base
-
-    if num_runs:
-        tokens = np.flatnonzero(vision)  # runs in stream order, so tokens[j] lies in run run_of[j]
-        run_of = np.repeat(np.arange(num_runs, dtype=np.int64), run_len)
-        k = tokens - run_start[run_of]
-        h, w = run_h[run_of], run_w[run_of]
-        ti = k // (h * w)
-        positions[0, tokens] += _temporal(ti, run_of, run_interval, run_mode)
-        positions[1, tokens] += (k // w) % h
-        positions[2, tokens] += k % w
-
-    # get_rope_index's second output: max position over the sample's real tokens + 1 - s
-    masked = np.where(real, positions.max(axis=0), np.iinfo(np.int64).min)
-    rope_deltas = np.maximum.reduceat(masked, starts_of_sample) + 1 - seq_lens if n else np.zeros(0, np.int64)
+    positions, rope_deltas = _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode)
     return StreamRope(positions=positions, token_type=token_type, rope_deltas=rope_deltas)
 
 
-def _temporal(ti: np.ndarray, run_of: np.ndarray, interval: np.ndarray, mode: np.ndarray) -> np.ndarray:
+@njit
+def _find_runs(ids, cu, seq_lens, image_id, video_id):
+    """Token types and the runs of equal vision type (never crossing a sample), in
+    stream order: ``(token_type int8 [T], run_start, run_len, run_sample, bad_pad)``;
+    ``bad_pad`` is the first pad slot holding a vision id, else -1."""
+    total = ids.shape[0]
+    n = seq_lens.shape[0]
+    token_type = np.zeros(total, np.int8)
+    run_start = np.empty(total, np.int64)
+    run_len = np.empty(total, np.int64)
+    run_sample = np.empty(total, np.int64)
+    runs = 0
+    bad_pad = -1
+    for i in range(n):
+        a, real_end, end = cu[i], cu[i] + seq_lens[i], cu[i + 1]
+        prev = 0
+        for t in range(a, real_end):
+            kind = 1 if ids[t] == image_id else (2 if ids[t] == video_id else 0)
+            token_type[t] = kind
+            if kind != 0 and kind != prev:
+                run_start[runs] = t
+                run_len[runs] = 0
+                run_sample[runs] = i
+                runs += 1
+            if kind != 0:
+                run_len[runs - 1] += 1
+            prev = kind
+        for t in range(real_end, end):
+            if bad_pad < 0 and (ids[t] == image_id or ids[t] == video_id):
+                bad_pad = t
+    return token_type, run_start[:runs].copy(), run_len[:runs].copy(), run_sample[:runs].copy(), bad_pad
+
+
+@njit
+def _temporal_offset(ti, interval, mode):
     """``trunc(ti · interval)`` in the arithmetic torch uses in ``get_rope_index``."""
-    if not mode.any() and np.all(interval == 1.0):
-        return ti
-    iv = interval[run_of]
-    md = mode[run_of]
-    out = ti * iv.astype(np.int64)  # MODE_INT: interval is an integer
-    f32 = md == MODE_F32
-    if f32.any():
-        out[f32] = (ti[f32].astype(np.float32) * iv[f32].astype(np.float32)).astype(np.int64)
-    f64 = md == MODE_F64
-    if f64.any():
-        out[f64] = (ti[f64].astype(np.float64) * iv[f64]).astype(np.int64)
-    return out
+    if mode == MODE_F32:
+        return np.int64(np.float32(ti) * np.float32(interval))
+    if mode == MODE_F64:
+        return np.int64(np.float64(ti) * interval)
+    return ti * np.int64(interval)
+
+
+@njit
+def _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode):
+    """One pass per sample: int64 ``[3, T]`` rows and ``[n]`` rope deltas."""
+    total = cu[cu.shape[0] - 1]
+    n = seq_lens.shape[0]
+    positions = np.empty((3, total), np.int64)
+    deltas = np.zeros(n, np.int64)
+    r = 0
+    for i in range(n):
+        p = 0
+        top = -1
+        t = cu[i]
+        real_end = cu[i] + seq_lens[i]
+        while t < real_end:
+            if r < run_start.shape[0] and run_start[r] == t:
+                h, w, length = run_h[r], run_w[r], run_len[r]
+                for k in range(length):
+                    ti = k // (h * w)
+                    row = p + _temporal_offset(ti, run_interval[r], run_mode[r])
+                    hi = p + (k // w) % h
+                    wi = p + k % w
+                    positions[0, t + k] = row
+                    positions[1, t + k] = hi
+                    positions[2, t + k] = wi
+                    top = max(top, max(row, max(hi, wi)))
+                t += length
+                p += max(h, w)
+                r += 1
+            else:  # text
+                positions[0, t] = p
+                positions[1, t] = p
+                positions[2, t] = p
+                top = max(top, p)
+                p += 1
+                t += 1
+        deltas[i] = top + 1 - seq_lens[i]
+        for t in range(real_end, cu[i + 1]):  # pad slots advance like text
+            positions[0, t] = p
+            positions[1, t] = p
+            positions[2, t] = p
+            p += 1
+    return positions, deltas
 
 
 def _check_runs(family, kind, name, counts, items, run_sample, run_len, n, hint) -> None:
