@@ -3,6 +3,7 @@ become 1-D numpy integer arrays, with errors that name the sample and field."""
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping
 
 import numpy as np
@@ -18,17 +19,21 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     (what a tokenizer returns with ``return_tensors=...``) is dropped. The result
     may be a view of the input: callers must not write to it.
 
-    Lists of Python ints (first and last element checked) take a fast typed
-    conversion; a list mixing ints with floats in its middle is truncated rather
-    than rejected: pass arrays or tensors when that must be caught.
+    Lists take a fast typed conversion (``array.array("q")``, which rejects
+    floats and other non-integers) before the general path.
     """
     if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
         return value  # the common case, without further dispatch
-    if type(value) is list and value and type(value[0]) is int and type(value[-1]) is int:
+    reader = _READERS.get(type(value))
+    if reader is not None:  # a type seen before (Arrow arrays): skip the dispatch below
+        arr = reader(value)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            return arr
+    if type(value) is list and value:
         try:
-            return np.array(value, dtype=np.int64)
+            return np.frombuffer(array.array("q", value), dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
-            pass  # fall through to the checked path and its error message
+            pass  # not all ints: the checked path below gives the error message
     arr = _as_numpy(value, sample=sample, field=field)
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
@@ -42,6 +47,18 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
             + (f" (first value {arr[0].item()!r})" if arr.size else "")
         )
     return arr
+
+
+def _arrow_array(value) -> np.ndarray:
+    return value.to_numpy(zero_copy_only=False)
+
+
+def _arrow_list_scalar(value) -> np.ndarray:
+    return value.values.to_numpy(zero_copy_only=False)
+
+
+# readers for value types met before, by exact type (filled as Arrow types are met)
+_READERS: dict = {}
 
 
 def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
@@ -59,10 +76,11 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
     if module.startswith("torch"):
         return value.detach().cpu().numpy()
     if module.startswith("pyarrow"):
-        to_numpy = getattr(type(value), "to_numpy", None)
-        if to_numpy is None:  # ListScalar: read its child array
-            value = value.values
-        return value.to_numpy(zero_copy_only=False)
+        if getattr(type(value), "to_numpy", None) is None:  # ListScalar: read its child array
+            _READERS[type(value)] = _arrow_list_scalar
+            return _arrow_list_scalar(value)
+        _READERS[type(value)] = _arrow_array
+        return _arrow_array(value)
     try:
         arr = np.asarray(value)
     except Exception as exc:  # pragma: no cover - depends on exotic input types
