@@ -85,6 +85,18 @@ def best_fit(sizes, capacity, max_items):
 
 
 @njit
+def _max_tree_set(tree, leaves, leaf, value):
+    i = leaf + leaves
+    tree[i] = value
+    i >>= 1
+    while i >= 1:
+        left = tree[2 * i]
+        right = tree[2 * i + 1]
+        tree[i] = left if left > right else right
+        i >>= 1
+
+
+@njit
 def first_fit(sizes, capacity, max_items):
     """First fit: each item goes to the lowest-numbered bin that holds it.
 
@@ -111,13 +123,7 @@ def first_fit(sizes, capacity, max_items):
         rem = tree[i] - s
         if max_items > 0 and count[b] >= max_items:
             rem = -1
-        tree[i] = rem
-        i >>= 1
-        while i >= 1:
-            left = tree[2 * i]
-            right = tree[2 * i + 1]
-            tree[i] = left if left > right else right
-            i >>= 1
+        _max_tree_set(tree, leaves, b, rem)
         bin_of[j] = b
         if b >= nbins:
             nbins = b + 1
@@ -170,18 +176,6 @@ def bucket_order(keys, num_keys, descending):
 # The 2-D kernels take a second size per item (``vsizes``, >= 0, e.g. ViT patches)
 # and a second capacity; an item fits a bin only when both fit. The 1-D kernels
 # above are unchanged.
-
-
-@njit
-def _max_tree_set(tree, leaves, leaf, value):
-    i = leaf + leaves
-    tree[i] = value
-    i >>= 1
-    while i >= 1:
-        left = tree[2 * i]
-        right = tree[2 * i + 1]
-        tree[i] = left if left > right else right
-        i >>= 1
 
 
 @njit
