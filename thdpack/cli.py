@@ -6,6 +6,8 @@
     thdpack stats out/demo                       # a packed dataset
     thdpack stats data.jsonl --tokenizer DIR --pack-size 4096   # or raw data: plan without writing
     thdpack inspect out/demo --pack 0
+    thdpack build --config C.yaml --shard 3/8 --output out/parts/{shard}   # one shard of 8 (or --shard auto)
+    thdpack merge out/full out/parts/*           # combine the shards (thdpack/offline/merge.py)
 
 Every build option is a YAML key of ``--config`` and a flag that overrides it
 (``pack_size`` / ``--pack-size``). Nothing is downloaded: the tokenizer is a local
@@ -76,8 +78,14 @@ def cmd_build(args) -> int:
     cfg = _config(args)
     if not args.output:
         raise OfflineError("give the output directory: --output DIR")
-    result = build_packed(cfg, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                          log=None if args.quiet else _stderr)
+    shard, output = None, args.output
+    if getattr(args, "shard", None):  # one shard of the input rows (thdpack/offline/shard.py)
+        from thdpack.offline.shard import parse_shard
+
+        shard = parse_shard(args.shard)
+        output = shard.format_output(args.output)
+    result = build_packed(cfg, output, overwrite=args.overwrite, progress=not args.quiet,
+                          log=None if args.quiet else _stderr, shard=shard)
     meta = result.metadata
     skipped = meta["counts"]["skipped_rows"]
     if skipped:
@@ -111,7 +119,10 @@ def cmd_stats(args) -> int:
         stored = meta.get("stats", {})
         counts = {k: stored[k] for k in ("truncated", "dropped", "split", "skipped_rows",
                                          "samples_without_targets", "target_tokens") if k in stored}
-        summary = summarize(seq_lens, offsets, meta["pack_size"], meta["align"], eval_multiple=eval_multiple, counts=counts)
+        from thdpack.offline.model import packed_model_config
+
+        summary = summarize(seq_lens, offsets, meta["pack_size"], meta["align"], eval_multiple=eval_multiple, counts=counts,
+                            **packed_model_config(ds, args.model_config))
         if "lengths" in stored:  # the input-length histogram recorded at build time
             summary["lengths"] = stored["lengths"]
         title = (f"{path}: packed dataset, {len(ds)} packs in {len(meta['files'])} {meta['file_format']} shard(s); "
@@ -213,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge}")
 
     b = sub.add_parser(
         "build",
@@ -224,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", "-o", help="output directory (written atomically)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing packed dataset at --output")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars, stage lines or summary (errors and skipped rows still print)")
+    b.add_argument("--shard", metavar="I/N|auto",
+                   help="build only shard I of N (contiguous input rows; merge the shards with thdpack merge); "
+                   "auto: from torchrun's RANK/WORLD_SIZE or a Slurm array. --output may contain {shard}")
     _add_config_flags(b)
     b.set_defaults(func=cmd_build)
 
@@ -231,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stats",
         help="statistics of a packed dataset, or of planning a raw one",
         description="Length histogram, packs, lower bound, efficiency, pad fraction at a CP/TP alignment, "
-        "truncated/dropped tokens and the attention-FLOPs over-count of counting packs as single sequences. "
+        "truncated/dropped tokens and the attention-FLOPs over-count of counting packs as single sequences "
+        "(and the whole-model one with --model-config; a packed dataset uses the copy saved with it). "
         "PATH is a packed dataset, or raw input (then give --tokenizer/--pack-size or a --config).",
     )
     s.add_argument("path", help="packed dataset directory, or raw input file/directory")
@@ -251,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-tokens", type=int, default=None, metavar="N", help="show at most N tokens per sample")
     i.add_argument("--ids", action="store_true", help="show token ids instead of text")
     i.set_defaults(func=cmd_inspect)
+
+    from thdpack.offline.merge import add_merge_parser
+
+    add_merge_parser(sub)  # thdpack merge OUT SHARD...
     return parser
 
 

@@ -24,6 +24,8 @@ import numpy as np
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import InputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
+from thdpack.offline.vlm import vlm_build
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, tokenize_source
@@ -48,6 +50,8 @@ class Prepared:
     skipped: list[tuple[int, str]]  # (input row, reason)
     target_counts: np.ndarray  # int64 [rows]: target tokens of each tokenized row
     timings: dict = field(default_factory=dict)
+    model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/model.py)
+    vlm: object = None  # a thdpack.offline.vlm.VlmBuild for rows with images, else None
 
     def counts(self) -> dict:
         st = self.plan.stats
@@ -75,16 +79,21 @@ class Prepared:
             eval_multiple=eval_multiple,
             input_lengths=self.tokenized.lengths[self.sample_rows],
             counts=extra,
+            model_config=self.model_config,
+            vision_grid_thw=None if self.vlm is None else self.vlm.packed_grids(
+                self.tokenized.dataset.data.table, self.sample_rows[self.plan.sample_index]),
         )
 
     def skipped_examples(self) -> list[dict]:
         return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
 
 
-def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_stderr) -> Prepared:
-    """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``)."""
+def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_stderr, shard=None) -> Prepared:
+    """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
+    with ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard's rows."""
     require_hf("thdpack build")
     cfg.validate()
+    model_config = load_model_config(cfg)  # before the long steps: a bad path fails fast
     t = {}
     t0 = time.perf_counter()
     source = read_source(cfg, progress=progress)
@@ -93,9 +102,12 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
     if log:
         log(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
+    if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
+        source = shard.select(source, log=log)
+    vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
-    tokenized = tokenize_source(cfg, source, work_dir, progress=progress)
+    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm)
     t["tokenize"] = time.perf_counter() - t0
     if log:
         what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
@@ -118,6 +130,10 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     for r in too_long.tolist():
         skipped.append((r, f"{int(lengths[r])} tokens, more than pack_size={cfg.pack_size} allows (overflow=error)"))
     usable[too_long] = False
+    if vlm is not None:  # vision budget, and rows with images that cannot be cut
+        patches, bad = vlm.plan_checks(cfg, tokenized, usable)
+        skipped.extend(bad)
+        usable[[r for r, _ in bad]] = False
     skipped.sort()
     if skipped and not cfg.skip_bad_rows:
         shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
@@ -138,6 +154,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         overflow=cfg.overflow,
         max_samples_per_pack=cfg.max_samples_per_pack,
         seed=cfg.seed,
+        **(vlm.plan_kwargs(patches, sample_rows) if vlm is not None else {}),
     )
     t["plan"] = time.perf_counter() - t0
     if log:
@@ -145,7 +162,8 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
             f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
             f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s"
         )
-    return Prepared(source, tokenized, plan, sample_rows, skipped, _target_counts(tokenized, cfg.targets), t)
+    return Prepared(source, tokenized, plan, sample_rows, skipped, _target_counts(tokenized, cfg.targets), t,
+                    model_config, vlm)
 
 
 def _target_counts(tokenized: Tokenized, targets: str) -> np.ndarray:
@@ -197,8 +215,10 @@ def build_packed(
     overwrite: bool = False,
     progress: bool = True,
     log=_stderr,
+    shard=None,
 ) -> BuildResult:
-    """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring)."""
+    """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
+    ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard of the input rows."""
     from thdpack import __version__
     from thdpack.offline.writer import write_packs
 
@@ -217,7 +237,7 @@ def build_packed(
     try:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare(cfg, work, progress=progress, log=log)
+        prep = prepare(cfg, work, progress=progress, log=log, shard=shard)
         plan = prep.plan
         t0 = time.perf_counter()
         order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
@@ -232,12 +252,16 @@ def build_packed(
             file_format=cfg.output_format,
             shard_size_mb=cfg.shard_size_mb,
             progress=progress,
+            row_offset=prep.source.row_start if shard is not None else 0,
+            extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
         )
         tok_info = prep.tokenized.tokenizer_info
         if tok_info is not None:
             tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
             if cfg.save_tokenizer:
                 prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        if prep.model_config is not None:
+            (tmp / MODEL_CONFIG_FILE).write_text(canonical_json(prep.model_config), encoding="utf-8")
         prep.timings["write"] = time.perf_counter() - t0
 
         summary = prep.summary()
@@ -273,11 +297,18 @@ def build_packed(
                 "files": [f.describe() for f in prep.source.files],
             },
             "tokenizer": tok_info,
+            "model": None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
             "files": written["files"],
             "stats": summary,
             "skipped_examples": prep.skipped_examples(),
             "config": cfg.as_dict(recorded=True),
         }
+        if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vlm.py)
+            prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
+        if shard is not None:  # row range + input lengths, for thdpack merge
+            from thdpack.offline.shard import SHARD_KEY, record_shard
+
+            meta[SHARD_KEY] = record_shard(tmp, prep.source, prep.tokenized.lengths[prep.sample_rows])
         # release the memory-mapped work files before removing them
         timings = prep.timings
         del prep

@@ -73,6 +73,22 @@ class BuildConfig:
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
+    # ---- model: FLOPs report, VLM rows (thdpack/offline/model.py, thdpack/offline/vlm.py)
+    model_config: Any = _opt(
+        None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
+        "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",
+        flag_type=str,
+    )
+    image_processor: Any = _opt(
+        None, "VLM rows: a local image processor directory (preprocessor_config.json); in YAML also a mapping of "
+        "keyword arguments for the family's image processor (patch/merge sizes default to model_config's)",
+        flag_type=str,
+    )
+    images_field: str = _opt("images", "VLM rows: field holding each row's list of image paths")
+    image_placeholder: str = _opt("<image>", "VLM rows: marker in the text where each image goes, in order")
+    image_dir: str | None = _opt(None, "VLM rows: directory relative image paths are resolved against "
+                                 "(default: the directory of the row's input file)")
+    vision_budget: int | None = _opt(None, "VLM rows: most vision patches in a pack (a second planning budget)")
 
     # where relative paths in the YAML file are resolved (not a config key)
     base_dir: Path = field(default_factory=Path.cwd, repr=False, compare=False, metadata={"internal": True})
@@ -127,6 +143,9 @@ class BuildConfig:
                 changes["input"] = paths[0] if len(paths) == 1 else paths
         if "tokenizer" in changes and Path(changes["tokenizer"]).expanduser().exists():
             changes["tokenizer"] = str(Path(changes["tokenizer"]).expanduser().absolute())
+        for key in ("model_config", "image_processor", "image_dir"):
+            if isinstance(changes.get(key), str) and Path(changes[key]).expanduser().exists():
+                changes[key] = str(Path(changes[key]).expanduser().absolute())
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ checks
@@ -142,7 +161,7 @@ class BuildConfig:
             raise ConfigError(f"shard_size_mb must be a positive number, got {self.shard_size_mb!r}")
         for name in ("pack_size", "cp_size", "tp_size", "num_proc", "map_batch_size"):
             _positive_int(getattr(self, name), name)
-        for name in ("max_samples_per_pack", "pad_multiple", "max_rows"):
+        for name in ("max_samples_per_pack", "pad_multiple", "max_rows", "vision_budget"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -150,7 +169,11 @@ class BuildConfig:
         for name in ("append_eos", "shuffle_packs", "sequence_parallel", "skip_bad_rows", "save_tokenizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("text_field", "messages_field"):
+        for name, kinds in (("model_config", (str, dict)), ("image_processor", (str, dict)), ("image_dir", (str,))):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kinds):
+                raise ConfigError(f"{name} must be a path{' or a mapping' if dict in kinds else ''}, got {value!r}")
+        for name in ("text_field", "messages_field", "images_field", "image_placeholder"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a non-empty string")
         if need_tokenizer and not self.tokenizer:

@@ -29,7 +29,7 @@ from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.offline.errors import NotPackedError, require_pyarrow
-from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+from thdpack.offline.format import FORMAT_NAME, MAX_FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 
 _TOKEN_FIELDS = ("loss_mask", "labels")
 
@@ -38,7 +38,8 @@ _TOKEN_FIELDS = ("loss_mask", "labels")
 
 
 def unpack_row(row: Mapping) -> list[dict]:
-    """The samples of one packed row: ``[{"input_ids": [s_i], "loss_mask" | "labels": [s_i]}, ...]``.
+    """The samples of one packed row: ``[{"input_ids": [s_i], "loss_mask" | "labels": [s_i]}, ...]``
+    (VLM packs: also ``pixel_values`` and ``image_grid_thw`` of the samples with images).
 
     ``row`` needs ``input_ids`` and ``seq_lens`` (and carries ``loss_mask`` or
     ``labels``); values may be numpy arrays, lists, tensors or Arrow values. The
@@ -56,7 +57,12 @@ def unpack_row(row: Mapping) -> list[dict]:
             if arr.size != ids.size:
                 raise ValueError(f"packed row: '{name}' has {arr.size} values but input_ids has {ids.size}")
             fields[name] = np.split(arr, cuts)
-    return [{k: v[i] for k, v in fields.items()} for i in range(lens.size)]
+    samples = [{k: v[i] for k, v in fields.items()} for i in range(lens.size)]
+    if "image_counts" in row:  # a VLM pack: each sample's pixel_values / image_grid_thw
+        from thdpack.offline.vlm import add_vision
+
+        add_vision(samples, row)
+    return samples
 
 
 def _as_array(value, name: str) -> np.ndarray:
@@ -98,6 +104,7 @@ class PackedRowCollator:
         pad_to: int | None = None,
         cp_rank: int | None = None,
         cp_group=None,
+        model_config=None,
     ):
         self.collator = ThdCollator(
             pad_token_id=pad_token_id,
@@ -109,6 +116,7 @@ class PackedRowCollator:
             pad_to=pad_to,
             cp_rank=cp_rank,
             cp_group=cp_group,
+            model_config=model_config,
         )
 
     def __call__(self, rows) -> ThdBatch:
@@ -148,9 +156,9 @@ def read_metadata(path: str | Path) -> dict:
         raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
     if meta.get("format") != FORMAT_NAME or not meta.get("complete"):
         raise NotPackedError(f"{meta_path} does not describe a complete {FORMAT_NAME} dataset")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
+    if meta.get("format_version", 0) > MAX_FORMAT_VERSION:
         raise NotPackedError(
-            f"{path} has format version {meta['format_version']}; this thdpack reads up to {FORMAT_VERSION}"
+            f"{path} has format version {meta['format_version']}; this thdpack reads up to {MAX_FORMAT_VERSION}"
         )
     return meta
 
@@ -289,8 +297,8 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def collator(self, **overrides) -> PackedRowCollator:
         """A :class:`PackedRowCollator` set up from the metadata: the pad token id and the
-        CP/TP/SP/pad multiple the packs were planned for. Override any argument (e.g.
-        ``cp_rank=rank``). A larger alignment multiple than the plan's may push a pack past
+        CP/TP/SP/pad multiple the packs were planned for, and for VLM packs the saved model
+        config (``model_config=``). Override any argument (e.g. ``cp_rank=rank``). A larger alignment multiple than the plan's may push a pack past
         ``pack_size`` (a warning says so)."""
         meta = self.metadata
         tok = meta.get("tokenizer") or {}
@@ -301,6 +309,8 @@ class PackedDataset(torch.utils.data.Dataset):
             sequence_parallel=meta.get("sequence_parallel", False),
             pad_multiple=meta.get("pad_multiple"),
         )
+        if meta.get("vision") and (self.path / "model_config.json").is_file():  # VLM packs: mRoPE, vision inputs
+            kwargs["model_config"] = json.loads((self.path / "model_config.json").read_text(encoding="utf-8"))
         kwargs.update(overrides)
         multiple = resolve_pad_multiple(
             kwargs["cp_size"], kwargs["tp_size"], kwargs["sequence_parallel"], kwargs["pad_multiple"]

@@ -28,7 +28,9 @@ Arrow shards are what ``datasets`` writes too: ``datasets.Dataset.from_file`` re
 """
 
 FORMAT_NAME = "thdpack.packed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what text builds write
+VLM_FORMAT_VERSION = 2  # VLM builds: + pixel_values, image_grid_thw, image_counts (thdpack/offline/vlm.py)
+MAX_FORMAT_VERSION = 2  # what load_packed reads
 METADATA_FILE = "metadata.json"
 TOKENIZER_DIR = "tokenizer"
 LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", "sample_start")

@@ -30,6 +30,7 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.jsonl import split_lines
 
 JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")
@@ -145,7 +146,9 @@ def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
             table = pa.concat_tables(tables, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InputError(f"input files have incompatible columns: {exc}") from None
-    ds = datasets.Dataset(InMemoryTable(table))
+    # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
+    fingerprint = hashlib.sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files).encode()).hexdigest()[:16]
+    ds = datasets.Dataset(InMemoryTable(table), fingerprint=fingerprint)
     columns = _json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
     return Source(ds, files, columns)
 
@@ -221,7 +224,8 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as exc:
             raise InputError(f"{given}: not a valid gzip file ({exc})") from None
-    head = raw.lstrip()[:1]
+    start = raw[: 1 << 16]  # the first non-blank byte, without copying the whole file
+    head = start.lstrip()[:1] if start.strip() else raw.lstrip()[:1]
     if head == b"[":  # a JSON array of objects
         try:
             rows = json.loads(raw)
@@ -232,6 +236,9 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
         lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
         table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
         return table, SourceFile(given, "json", len(lines), sha)
+    split = split_lines(raw, limit)  # zero-copy (thdpack/offline/jsonl.py)
+    if split is not None:
+        return pa.table({JSON_COLUMN: split[0]}), SourceFile(given, "jsonl", len(split[0]), sha, split[1])
     parts = raw.split(b"\n")
     keep = [i for i, line in enumerate(parts) if line.strip()]
     if limit is not None:

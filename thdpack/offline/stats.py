@@ -11,15 +11,20 @@ import math
 import numpy as np
 
 from thdpack.align import round_up
+from thdpack.flops import attention_overcount_factor
 
 
 def attention_overcount(seq_lens: np.ndarray, num_packs: int, pack_size: int) -> float:
     """``num_packs · pack_size² / Σ sᵢ²``: how much a FLOPs count that treats every pack
     as one ``pack_size``-token sequence over-states causal attention work (whose true
-    size is ``Σ sᵢ²`` over the real sub-sequence lengths). 1.0 means exact."""
+    size is ``Σ sᵢ²`` over the real sub-sequence lengths). 1.0 means exact.
+    (:func:`thdpack.flops.attention_overcount_factor` of the lengths' ``Σ sᵢ²``.)"""
+    return attention_overcount_factor(num_packs, pack_size, _square_sum(seq_lens))
+
+
+def _square_sum(seq_lens) -> int:
     s = np.asarray(seq_lens, dtype=np.int64)
-    sum_sq = int((s * s).sum())  # int64: no int32 overflow
-    return num_packs * pack_size**2 / sum_sq if sum_sq else float("nan")
+    return int((s * s).sum())  # int64: no int32 overflow
 
 
 def log2_histogram(lengths: np.ndarray) -> list[list[int]]:
@@ -43,6 +48,8 @@ def summarize(
     eval_multiple: int | None = None,
     input_lengths: np.ndarray | None = None,
     counts: dict | None = None,
+    model_config=None,
+    vision_grid_thw=None,
 ) -> dict:
     """A JSON-able summary.
 
@@ -54,6 +61,10 @@ def summarize(
         input_lengths: lengths of the input samples before truncation/splitting
             (for the histogram); defaults to ``seq_lens``.
         counts: extra counters to carry (truncated, dropped, skipped, ...).
+        model_config: a model config (dict or transformers config): adds ``model_flops``,
+            the whole-model over-count (:func:`thdpack.offline.model.model_flops_summary`).
+        vision_grid_thw: ``[N, 3]`` grids of every image in the packs (VLM builds), so
+            that the model figure counts the vision tower.
     """
     s = np.asarray(seq_lens, dtype=np.int64)
     off = np.asarray(pack_offsets, dtype=np.int64)
@@ -69,7 +80,7 @@ def summarize(
     stream = int(padded.sum())
     fill = per_pack / pack_size if num_packs else np.zeros(0)
     pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
-    sum_sq = int((s * s).sum())
+    sum_sq = _square_sum(s)
     out = {
         "samples": int(s.size),
         "packs": num_packs,
@@ -110,10 +121,15 @@ def summarize(
         "attention_flops": {
             "sum_seqlen_squared": sum_sq,
             "pack_len_count": num_packs * pack_size**2,
-            "overcount": attention_overcount(s, num_packs, pack_size),
+            "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq),
             "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else float("nan"),
         },
     }
+    if model_config is not None:
+        from thdpack.offline.model import model_flops_summary
+
+        out["model_flops"] = model_flops_summary(model_config, num_packs, pack_size, real, sum_sq, int(s.size),
+                                                 vision_grid_thw)
     out.update(counts or {})
     return out
 
@@ -184,6 +200,17 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
         f"attention FLOPs  counting each pack as one {s['pack_size']}-token sequence over-counts by "
         f"{a['overcount']:.2f}x  (n_packs·pack_size²/Σsᵢ²; {a['overcount_at_fill']:.2f}x at each pack's filled length)"
     )
+    mf = s.get("model_flops")
+    if mf:
+        name = mf.get("model_type") or "model"
+        if "error" in mf:
+            lines.append(f"model FLOPs      ({name}) not computed: {mf['error']}")
+        else:
+            lines.append(
+                f"model FLOPs      ({name}{', vision tower included' if mf.get('vision_included') else ''}) the same count "
+                f"over-counts whole-model training FLOPs by {mf['overcount']:.2f}x  "
+                f"({mf['overcount_samples_at_pack_len']:.2f}x if every sample is charged a {s['pack_size']}-token sequence)"
+            )
     return "\n".join(lines)
 
 

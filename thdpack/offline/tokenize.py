@@ -31,6 +31,8 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.fastenc import encode_chat, encode_texts
+from thdpack.offline.spill import memory_mapped
 from thdpack.offline.sources import JSON_COLUMN, Source
 
 ERROR_COLUMN = "__error__"
@@ -168,7 +170,7 @@ class RowTokenizer:
             rows = []
             for i, line in enumerate(raw):
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(line.rstrip(b" \t\r\n"))  # a line's value may end in newlines (jsonl.py)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     errors[i] = f"invalid JSON ({exc})"
                     rows.append(None)
@@ -229,7 +231,7 @@ class RowTokenizer:
         return [self._encode_tokenized(v) for v in values]
 
     def _encode_text(self, texts):
-        enc = self.tok(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        enc = encode_texts(self.tok, texts)  # == self.tok(texts)["input_ids"], faster (thdpack/offline/fastenc.py)
         eos = self.tok.eos_token_id
         out = []
         for ids in enc:
@@ -244,9 +246,7 @@ class RowTokenizer:
             enc = self.tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
             return [(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)) for ids in enc]
         if self.has_generation:
-            enc = self.tok.apply_chat_template(
-                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
+            enc = encode_chat(self.tok, convs)  # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
             out = []
             for ids, mask in zip(enc["input_ids"], enc["assistant_masks"]):
                 mask = np.asarray(mask, dtype=bool)
@@ -384,8 +384,9 @@ class Tokenized:
     tokenizer_info: dict | None
 
 
-def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True) -> Tokenized:
-    """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``."""
+def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
+    """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
+    (a :class:`thdpack.offline.vlm.VlmBuild`) also process the rows' images."""
     import datasets
 
     fmt = resolve_format(cfg, source)
@@ -403,16 +404,18 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
 
     ds = source.dataset
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
-        required_columns(fmt, cfg) + (["labels", "loss_mask"] if fmt == "tokenized" else []))]
+        required_columns(fmt, cfg) + (["labels", "loss_mask"] if fmt == "tokenized" else [])
+        + (vlm.input_columns() if vlm is not None else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
-    fn = RowTokenizer(fmt, cfg, tok, ds.column_names)
+    fn = RowTokenizer(fmt, cfg, tok, ds.column_names) if vlm is None else vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source)
     target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
     features = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
             cfg.targets: datasets.List(target_type),
             ERROR_COLUMN: datasets.Value("string"),
+            **(vlm.features() if vlm is not None else {}),
         }
     )
     fingerprint = hashlib.sha256(
@@ -420,6 +423,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
                    sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
     num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, cfg.map_batch_size))) if cfg.num_proc > 1 else None
+    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (spill.py)
+        ds = memory_mapped(ds, work_dir / "rows.arrow")
     if not progress:
         datasets.disable_progress_bars()
     try:
@@ -429,6 +434,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             batch_size=cfg.map_batch_size,
             num_proc=num_proc,
             remove_columns=ds.column_names,
+            with_indices=vlm is not None,
             features=features,
             cache_file_name=str(work_dir / "tokenized.arrow"),
             load_from_cache_file=False,

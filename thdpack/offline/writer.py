@@ -54,6 +54,8 @@ def write_packs(
     file_format: str = "arrow",
     shard_size_mb: int = 512,
     progress: bool = True,
+    row_offset: int = 0,
+    extra=None,
 ) -> dict:
     """Write the packs of ``plan`` in ``order`` to ``out_dir``.
 
@@ -63,6 +65,11 @@ def write_packs(
         sample_rows: ``[num_samples]`` input row of each planned sample
             (``plan.sample_index`` indexes it).
         order: ``[num_packs]`` the plan's pack indices in output order.
+        row_offset: added to the ``sample_index`` written (a build shard's first input row),
+            so that it holds rows of the whole input while ``token_table`` holds the shard's.
+        extra: more columns per pack (VLM builds: :class:`thdpack.offline.vlm.VisionColumns`):
+            ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
+            shards and record batches) and ``columns(token_table, rows, counts)``.
 
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
@@ -76,8 +83,15 @@ def write_packs(
     fill = fill[order]
     bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
     shard_cuts = _cuts(fill, int(shard_size_mb * 1e6 / bytes_per_token))
-    n_shards = len(shard_cuts) - 1
+    chunk_weight, chunk_budget = fill, CHUNK_TOKENS
     sch = schema(targets)
+    if extra is not None:  # size shards and record batches by bytes, extra columns included
+        for f in extra.fields():
+            sch = sch.append(f)
+        chunk_weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
+        chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
+        shard_cuts = _cuts(chunk_weight, int(shard_size_mb * 1e6))
+    n_shards = len(shard_cuts) - 1
     files, target_tokens = [], 0
     bar = tqdm(total=num_packs, desc="Writing packs", unit="pack", disable=not progress, leave=False)
     for s in range(n_shards):
@@ -91,10 +105,10 @@ def write_packs(
             sink = None
             writer = pq.ParquetWriter(str(path), sch, compression="zstd")
         try:
-            chunk_cuts = _cuts(fill[a:b], CHUNK_TOKENS)
+            chunk_cuts = _cuts(chunk_weight[a:b], chunk_budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(token_table, targets, plan, sample_rows, ks, sch)
+                batch, n_targets = _chunk(token_table, targets, plan, sample_rows, ks, sch, row_offset, extra)
                 target_tokens += n_targets
                 if file_format == "arrow":
                     writer.write_batch(batch)
@@ -118,7 +132,8 @@ def write_packs(
     return {"files": files, "target_tokens": int(target_tokens)}
 
 
-def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch):
+def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch, row_offset: int = 0,
+           extra=None):
     """One record batch holding packs ``ks``; also its number of target tokens."""
     import pyarrow as pa
 
@@ -152,9 +167,11 @@ def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, k
         pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(out["input_ids"], pa.int32())),
         pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(tgt, sch.field(targets).type.value_type)),
         pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(plen.astype(np.int32))),
-        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(rows.astype(np.int64))),
+        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(rows.astype(np.int64) + row_offset)),
         pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(pstart.astype(np.int32))),
     ]
+    if extra is not None:
+        arrays += extra.columns(token_table, rows, counts)
     return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets
 
 

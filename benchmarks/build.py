@@ -1,0 +1,322 @@
+"""Benchmark: an offline packed-dataset build, ``thdpack build`` vs the equivalent TRL pipeline.
+
+    python benchmarks/build.py                          # 200k chat rows, num_proc = CPU count
+    python benchmarks/build.py --kind text chat         # both row kinds
+    python benchmarks/build.py --num-samples 20000 --json out.json
+    python benchmarks/build.py --profile                # plus where thdpack's time goes
+
+The same JSONL file (``--num-samples`` rows of thdpack's seeded demo generator,
+``thdpack/demo/synthetic.py``, written to a temporary directory) and the bundled
+tokenizer go through
+
+- **thdpack**: ``thdpack build --input data.jsonl --tokenizer DIR --pack-size 4096
+  --overflow truncate --num-proc N`` (global best-fit decreasing; Arrow shards of
+  int32 ids + a 1-bit loss mask; the tokenizer copy is not saved);
+- **trl**: ``datasets.load_dataset("json")`` -> ``Dataset.map`` tokenization with the
+  same tokenizer, batched (text: ``tokenizer(text + eos)``; chat:
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)``), a ``labels``
+  column as TRL's ``SFTTrainer`` builds it (ids, -100 outside the assistant turns)
+  -> ``trl.pack_dataset(strategy="bfd", map_kwargs={"num_proc": N})`` (TRL's BFD runs
+  per ``map`` batch of 1000 rows, as in ``SFTTrainer``) -> ``save_to_disk``.
+
+Both truncate rows longer than the pack and use the same ``num_proc``. Each run is a
+fresh subprocess with its own empty Hugging Face datasets cache, so nothing is reused;
+wall time includes interpreter start and imports for both. Peak memory is the largest
+sum of RSS over the process tree (the run and its ``num_proc`` workers), sampled
+every 50 ms with psutil (pages shared by forked workers count once per process),
+and the largest single-process RSS in that tree (``ru_maxrss`` of the children).
+
+Packs and efficiency (real tokens / (packs x pack_size)) are read back from each
+output. No assertions: the script measures and prints; the target (thdpack at
+least 2x faster at equal or better efficiency) is shown for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_SPEEDUP = 2.0
+TRL_NAMES = {"batched": "trl", "sft": "trl-sft"}
+
+
+# ---------------------------------------------------------------------------- the TRL pipeline (child process)
+
+
+def run_trl(data: str, tokenizer: str, out: str, kind: str, pack_size: int, num_proc: int, batch_size: int,
+            style: str) -> None:
+    import numpy as np
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    from trl import pack_dataset
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    ds = load_dataset("json", data_files=data, split="train")
+    procs = num_proc if num_proc > 1 else None
+    if style == "sft":
+        ds = _sft_style(ds, tok, kind, procs)
+        ds = pack_dataset(ds, pack_size, strategy="bfd", map_kwargs={"num_proc": procs})
+        ds.save_to_disk(out)
+        return
+
+    if kind == "text":
+        eos = tok.eos_token
+
+        def tokenize(batch):
+            ids = tok([t if t.endswith(eos) else t + eos for t in batch["text"]])["input_ids"]
+            return {"input_ids": ids, "labels": ids}
+    else:
+
+        def tokenize(batch):
+            enc = tok.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+            labels = [np.where(np.asarray(m, dtype=bool), ids, -100).tolist()
+                      for ids, m in zip(enc["input_ids"], enc["assistant_masks"])]
+            return {"input_ids": enc["input_ids"], "labels": labels}
+
+    ds = ds.map(tokenize, batched=True, batch_size=batch_size, num_proc=procs, remove_columns=ds.column_names,
+                desc="Tokenizing")
+    ds = pack_dataset(ds, pack_size, strategy="bfd", map_kwargs={"num_proc": procs})
+    ds.save_to_disk(out)
+
+
+def _sft_style(ds, tok, kind: str, procs):
+    """The steps of ``trl.SFTTrainer._prepare_dataset`` (packing, ``assistant_only_loss`` for
+    chat), without a model: per-example maps, as SFTTrainer runs them."""
+    eos = tok.eos_token
+    if kind == "text":
+        def add_eos(example):
+            if not example["text"].endswith(eos):
+                example["text"] = example["text"] + eos
+            return example
+
+        ds = ds.map(add_eos, num_proc=procs, desc="Adding EOS")
+
+        def tokenize_fn(example):
+            return {"input_ids": tok(text=example["text"])["input_ids"]}
+    else:
+        def tokenize_fn(example):
+            out = tok.apply_chat_template(example["messages"], tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+            return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
+
+    ds = ds.map(tokenize_fn, num_proc=procs, desc="Tokenizing")
+    mask_columns = ["assistant_masks"] if kind == "chat" else []
+
+    def build_labels(example):
+        masks = [example[c] for c in mask_columns]
+        return {"labels": [t if all(bits) else -100 for t, *bits in zip(example["input_ids"], *masks, strict=False)]}
+
+    ds = ds.map(build_labels, remove_columns=mask_columns, num_proc=procs, desc="Building labels")
+    return ds.select_columns(["input_ids", "labels"])
+
+
+# ---------------------------------------------------------------------------- measuring a child
+
+
+def measure(cmd: list[str], env: dict) -> dict:
+    """Run ``cmd``; wall time, peak tree RSS (psutil sampling) and peak single-process RSS."""
+    import psutil
+
+    log = tempfile.TemporaryFile()
+    rss_file = tempfile.NamedTemporaryFile(suffix=".rss", delete=False)
+    rss_file.close()
+    t0 = time.perf_counter()
+    proc = psutil.Popen([sys.executable, __file__, "--_wrap", rss_file.name, *cmd], env=env, stdout=log,
+                        stderr=subprocess.STDOUT)
+    peak_tree = 0
+    while proc.poll() is None:
+        try:
+            procs = [proc] + proc.children(recursive=True)
+            rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peak_tree = max(peak_tree, rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    log.seek(0)
+    output = log.read().decode(errors="replace")
+    log.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-4000:]}")
+    peak_proc_kb = int(Path(rss_file.name).read_text())
+    os.unlink(rss_file.name)
+    return {"wall_s": wall, "peak_tree_rss_mb": peak_tree / 2**20, "peak_proc_rss_mb": peak_proc_kb / 1024,
+            "output": output}
+
+
+def wrap(rss_file: str, cmd: list[str]) -> int:
+    """Run ``cmd`` and write the largest RSS (kB) of any process of its tree (``ru_maxrss``)."""
+    rc = subprocess.call(cmd)
+    Path(rss_file).write_text(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+    return rc
+
+
+def thdpack_result(out: Path, pack_size: int) -> dict:
+    meta = json.loads((out / "metadata.json").read_text())
+    tokens = meta["counts"]["tokens"]
+    return {"packs": meta["num_packs"], "tokens": tokens, "efficiency": tokens / (meta["num_packs"] * pack_size),
+            "disk_mb": sum(f["num_bytes"] for f in meta["files"]) / 1e6}
+
+
+def trl_result(out: Path, pack_size: int) -> dict:
+    import pyarrow.compute as pc
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(out))
+    tokens = int(pc.sum(pc.list_value_length(ds.data.table.column("input_ids"))).as_py())
+    disk = sum(p.stat().st_size for p in out.glob("*.arrow"))
+    return {"packs": len(ds), "tokens": tokens, "efficiency": tokens / (len(ds) * pack_size), "disk_mb": disk / 1e6}
+
+
+def stage_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(("read ", "tokenized ", "planned ", "wrote "))]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--_wrap":
+        return wrap(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-samples", type=int, default=200_000)
+    p.add_argument("--kind", nargs="+", choices=["text", "chat"], default=["chat"])
+    p.add_argument("--pack-size", type=int, default=4096)
+    p.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="same for both pipelines")
+    p.add_argument("--map-batch-size", type=int, default=1000, help="rows per tokenization batch, both pipelines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-style", nargs="+", choices=["batched", "sft"], default=["batched", "sft"],
+                   help="batched: one batched datasets.map tokenization (the fastest TRL pipeline); sft: the "
+                   "per-example maps of trl.SFTTrainer (add EOS, tokenize, build labels)")
+    p.add_argument("--workdir", help="keep the data and outputs here (default: a temporary directory, removed)")
+    p.add_argument("--profile", action="store_true", help="also profile thdpack build (single process) on the data")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--_trl", nargs=6, metavar=("DATA", "TOKENIZER", "OUT", "KIND", "PACK", "STYLE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._trl:
+        data, tok, out, kind, pack, style = args._trl
+        run_trl(data, tok, out, kind, int(pack), args.num_proc, args.map_batch_size, style)
+        return 0
+
+    from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl
+
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="thdpack-bench-build-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"num_samples": args.num_samples, "pack_size": args.pack_size, "num_proc": args.num_proc,
+               "map_batch_size": args.map_batch_size, "seed": args.seed, "cpus": os.cpu_count(),
+               "python": platform.python_version(), "runs": {}}
+    try:
+        for kind in args.kind:
+            data = work / f"{kind}-{args.num_samples}-{args.seed}.jsonl"
+            if not data.exists():
+                t0 = time.perf_counter()
+                write_jsonl(generate_rows(args.num_samples, seed=args.seed, kind=kind), data)
+                print(f"generated {data} ({data.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s",
+                      file=sys.stderr)
+            env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
+            row = {}
+            names = ["thdpack"] + [TRL_NAMES[s] for s in args.trl_style]
+            for name in names:
+                out = work / f"out-{name}-{kind}"
+                shutil.rmtree(out, ignore_errors=True)
+                cache = Path(tempfile.mkdtemp(prefix="hf-cache-", dir=work))
+                run_env = dict(env, HF_DATASETS_CACHE=str(cache))
+                if name == "thdpack":
+                    cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--tokenizer", str(TOKENIZER_DIR),
+                           "--pack-size", str(args.pack_size), "--overflow", "truncate", "--num-proc", str(args.num_proc),
+                           "--map-batch-size", str(args.map_batch_size), "--seed", str(args.seed),
+                           "--no-save-tokenizer", "--output", str(out)]
+                else:
+                    cmd = [sys.executable, __file__, "--num-proc", str(args.num_proc), "--map-batch-size",
+                           str(args.map_batch_size), "--_trl", str(data), str(TOKENIZER_DIR), str(out), kind,
+                           str(args.pack_size), name.split("-")[-1] if "-" in name else "batched"]
+                print(f"running {name} on {kind} ...", file=sys.stderr)
+                m = measure(cmd, run_env)
+                res = thdpack_result(out, args.pack_size) if name == "thdpack" else trl_result(out, args.pack_size)
+                if name == "thdpack":
+                    m["stages"] = stage_lines(m["output"])
+                m.pop("output")
+                row[name] = {**m, **res}
+                shutil.rmtree(cache, ignore_errors=True)
+                if not args.workdir:
+                    shutil.rmtree(out, ignore_errors=True)
+            for name in names[1:]:
+                row[name]["speedup"] = row[name]["wall_s"] / row["thdpack"]["wall_s"]
+                row[name]["target_met"] = (row[name]["speedup"] >= TARGET_SPEEDUP
+                                           and row["thdpack"]["efficiency"] >= row[name]["efficiency"])
+            if args.profile:
+                row["profile"] = profile_thdpack(data, args.pack_size, work)
+            results["runs"][kind] = row
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def profile_thdpack(data: Path, pack_size: int, work: Path) -> str:
+    """cProfile of a single-process ``build_packed`` on the first 20k rows: the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from thdpack.demo import TOKENIZER_DIR
+    from thdpack.offline import BuildConfig, build_packed
+
+    cfg = BuildConfig(input=str(data), max_rows=20_000, tokenizer=str(TOKENIZER_DIR), pack_size=pack_size,
+                      overflow="truncate", save_tokenizer=False)
+    pr = cProfile.Profile()
+    pr.enable()
+    res = build_packed(cfg, work / "profiled", overwrite=True, progress=False, log=None)
+    pr.disable()
+    shutil.rmtree(work / "profiled", ignore_errors=True)
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+    stages = ", ".join(f"{k} {v:.2f}s" for k, v in res.timings.items())
+    text = f"thdpack stages (20k rows, 1 process): {stages}\n" + s.getvalue()
+    print(text, file=sys.stderr)
+    return text
+
+
+def print_table(r: dict) -> None:
+    print(f"\nthdpack build vs TRL (datasets.map + pack_dataset bfd + save_to_disk): {r['num_samples']:,} rows, "
+          f"pack {r['pack_size']}, num_proc {r['num_proc']} on {r['cpus']} CPUs")
+    head = f"{'kind':<6}{'pipeline':<9}{'wall s':>8}{'peak tree RSS MB':>18}{'peak proc RSS MB':>18}{'packs':>9}{'efficiency':>12}{'disk MB':>9}"
+    print(head)
+    print("-" * len(head))
+    for kind, row in r["runs"].items():
+        names = [n for n in ("thdpack", "trl", "trl-sft") if n in row]
+        for name in names:
+            x = row[name]
+            print(f"{kind:<6}{name:<9}{x['wall_s']:>8.1f}{x['peak_tree_rss_mb']:>18.0f}{x['peak_proc_rss_mb']:>18.0f}"
+                  f"{x['packs']:>9,}{x['efficiency']:>12.4f}{x['disk_mb']:>9.0f}")
+        for name in names[1:]:
+            x = row[name]
+            verdict = "met" if x["target_met"] else "NOT met"
+            print(f"{kind:<6}{'ratio':<9}{x['speedup']:>7.2f}x  thdpack vs {name} (target >= {TARGET_SPEEDUP:.0f}x "
+                  f"at equal or better efficiency: {verdict})")
+        for line in row["thdpack"].get("stages", []):
+            print(f"        thdpack {line}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The build's fast encoders give exactly what transformers gives.
+
+``encode_texts`` must equal ``tokenizer(texts)["input_ids"]`` and ``encode_chat`` must
+equal ``apply_chat_template(..., return_assistant_tokens_mask=True)``, id for id and
+mask bit for mask bit, including non-ASCII text; tokenizers outside the fast path's
+assumptions fall back to transformers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
+from thdpack.offline import fastenc  # noqa: E402
+
+UNICODE_CHATS = [
+    [{"role": "user", "content": "Café? naïve — ünïcödé"}, {"role": "assistant", "content": "Oui, très bien 😀 ✓"}],
+    [{"role": "system", "content": "日本語で答えて"}, {"role": "user", "content": "こんにちは"},
+     {"role": "assistant", "content": "こんにちは！元気です。"}, {"role": "user", "content": "e\u0301 (decomposed)"},
+     {"role": "assistant", "content": "\u00e9 composed, Ω, ß, 🇫🇷"}],
+    [{"role": "user", "content": "empty answer next"}, {"role": "assistant", "content": ""}],
+    [{"role": "user", "content": " leading and trailing spaces "}, {"role": "assistant", "content": "  \n\tindented\n"}],
+    [{"role": "assistant", "content": "assistant first"}, {"role": "user", "content": "<|im_end|> inside text"},
+     {"role": "assistant", "content": "tokens <|im_start|> too"}],
+]
+
+
+def load(tmp_path=None, edit=None):
+    tok = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    if edit is None:
+        return tok
+    spec = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
+    edit(spec)
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    (d / "tokenizer_config.json").write_text((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    return transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+
+
+def assert_chat_equal(tok, convs):
+    got = fastenc.encode_chat(tok, convs)
+    ref = tok.apply_chat_template(convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert len(got["input_ids"]) == len(ref["input_ids"]) == len(convs)
+    for i in range(len(convs)):
+        np.testing.assert_array_equal(np.asarray(got["input_ids"][i]), np.asarray(ref["input_ids"][i]))
+        np.testing.assert_array_equal(np.asarray(got["assistant_masks"][i], bool), np.asarray(ref["assistant_masks"][i], bool))
+
+
+def test_chat_fast_path_equals_apply_chat_template():
+    tok = load()
+    convs = [r["messages"] for r in generate_rows(200, seed=11, kind="chat")] + UNICODE_CHATS
+    assert_chat_equal(tok, convs)
+    assert fastenc._chat_checked[id(tok)][1] is not None  # the fast path was taken
+    assert_chat_equal(tok, UNICODE_CHATS)  # non-ASCII rows alone (checked call already made)
+    assert any(np.asarray(m).any() for m in fastenc.encode_chat(tok, UNICODE_CHATS)["assistant_masks"])
+
+
+def test_text_fast_path_equals_tokenizer_call():
+    tok = load()
+    texts = [r["text"] for r in generate_rows(100, seed=2, kind="text")] + [c[0]["content"] for c in UNICODE_CHATS]
+    assert fastenc.encode_texts(tok, texts) == tok(texts, add_special_tokens=True)["input_ids"]
+    assert fastenc._checked[id(tok)][1]
+
+
+def test_nfc_normalizer_rows_that_are_not_nfc_fall_back(tmp_path):
+    tok = load(tmp_path, lambda spec: spec.update(normalizer={"type": "NFC"}))
+    assert fastenc._byte_lengths(tok).nfc
+    assert_chat_equal(tok, UNICODE_CHATS)  # "e\u0301" is not NFC: not checked yet, transformers' path
+    assert id(tok) not in fastenc._chat_checked
+    assert_chat_equal(tok, UNICODE_CHATS[:1] + [r["messages"] for r in generate_rows(20, seed=4, kind="chat")])
+    assert fastenc._chat_checked[id(tok)][1] is not None  # NFC rows: checked, fast
+    assert_chat_equal(tok, UNICODE_CHATS)  # a batch with a non-NFC row still falls back
+
+
+def test_ineligible_tokenizer_falls_back(tmp_path):
+    tok = load(tmp_path, lambda spec: spec.update(
+        post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}))
+    assert fastenc._byte_lengths(tok) is None
+    assert_chat_equal(tok, UNICODE_CHATS + [r["messages"] for r in generate_rows(20, seed=1, kind="chat")])

@@ -1,0 +1,289 @@
+"""Offline VLM builds: rows with image paths -> thdpack build -> load_packed -> collator.
+
+Everything is local: PNG images written here with PIL, the bundled demo tokenizer with
+Qwen-VL's vision tokens added, tiny random-weight Qwen2-VL / Qwen2.5-VL configs, and
+the family's image processor built from keyword arguments.
+
+The reference side does not use thdpack.offline: it opens the images, runs the image
+processor, expands each ``<image>`` into ``<|vision_start|>`` + n × ``<|image_pad|>`` +
+``<|vision_end|>`` (n = t·h·w / merge²) and tokenizes with transformers' chat template;
+a pack read from disk must equal ``build_thd_batch`` of those samples, and a real model
+must give, sample by sample, the logits it gives on each sample alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+from thdpack import build_thd_batch  # noqa: E402
+from thdpack.cli import main  # noqa: E402
+from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.flops import model_overcount_factor  # noqa: E402
+from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
+
+IGNORE = -100
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VS, VE, IMG, VID = 3072, 3073, 3074, 3075  # their ids after the demo tokenizer's 3072
+PATCH, TPATCH, MERGE = 2, 2, 2
+PROC_KW = {"min_pixels": 16, "max_pixels": 256}
+SIZES = [(12, 8), (8, 8), (8, 16), (20, 12), (16, 16), (10, 6), (6, 14)]  # (h, w) of the test images
+LOGIT_ATOL = 1e-4
+
+
+# --------------------------------------------------------------------------- assets
+
+
+def tiny_config(family: str):
+    text = dict(vocab_size=3080, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.2,
+                bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, num_heads=2, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                  temporal_patch_size=TPATCH, initializer_range=0.2)
+    tokens = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    else:
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=8, fullatt_block_indexes=[1])
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": "<image>Describe the picture."},
+                  {"role": "assistant", "content": "A noisy square."}], "images": ["img/0.png"]},
+    {"messages": [{"role": "user", "content": "Compare <image> and <image>, please."},
+                  {"role": "assistant", "content": "They differ in size."}], "images": ["img/1.png", "img/2.png"]},
+    {"messages": [{"role": "user", "content": "No image here."}, {"role": "assistant", "content": "Fine."}]},
+    {"messages": [{"role": "user", "content": "First."}, {"role": "assistant", "content": "Ok."},
+                  {"role": "user", "content": "Now this: <image>"}, {"role": "assistant", "content": "A tall one."}],
+     "images": ["img/3.png"]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>"},
+                  {"role": "assistant", "content": "Square."}], "images": ["img/4.png"]},
+    {"messages": [{"role": "user", "content": "Three: <image><image> <image>"},
+                  {"role": "assistant", "content": "Three pictures."}], "images": ["img/5.png", "img/6.png", "img/0.png"]},
+    {"messages": [{"role": "user", "content": "Plain text again, a bit longer this time."},
+                  {"role": "assistant", "content": "Understood, a longer answer as well."}], "images": []},
+]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vlm")
+    tok = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    tok.add_tokens(VISION_TOKENS, special_tokens=True)
+    assert tok.convert_tokens_to_ids(VISION_TOKENS) == [VS, VE, IMG, VID]
+    tok.save_pretrained(str(d / "tok"))
+    (d / "img").mkdir()
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate(SIZES):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(d / "img" / f"{i}.png")
+    with open(d / "data.jsonl", "w") as f:
+        for r in CHAT_ROWS:
+            f.write(json.dumps(r) + "\n")
+    for family in ("qwen2_vl", "qwen2_5_vl"):
+        (d / family).mkdir()
+        (d / family / "config.json").write_text(json.dumps(tiny_config(family).to_dict()))
+    return d
+
+
+def cfg(assets, family="qwen2_vl", **kw) -> BuildConfig:
+    base = dict(input=str(assets / "data.jsonl"), tokenizer=str(assets / "tok"), model_config=str(assets / family),
+                image_processor=dict(PROC_KW), pack_size=160, vision_budget=128, overflow="error")
+    base.update(kw)
+    return BuildConfig(**base)
+
+
+# --------------------------------------------------------------------------- reference (no thdpack.offline)
+
+
+def reference_samples(assets, rows, *, text_rows=False):
+    tok = transformers.AutoTokenizer.from_pretrained(str(assets / "tok"), local_files_only=True)
+    proc = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TPATCH, **PROC_KW)
+    out = []
+    for row in rows:
+        sample = {}
+        runs = []
+        if row.get("images"):
+            images = [Image.open(assets / p).convert("RGB") for p in row["images"]]
+            enc = proc(images=images, return_tensors="pt")
+            sample["pixel_values"] = enc["pixel_values"]
+            sample["image_grid_thw"] = enc["image_grid_thw"]
+            runs = ["<|vision_start|>" + "<|image_pad|>" * (int(g.prod()) // MERGE**2) + "<|vision_end|>"
+                    for g in enc["image_grid_thw"]]
+        it = iter(runs)
+
+        def sub(text):
+            parts = text.split("<image>")
+            return parts[0] + "".join(next(it) + p for p in parts[1:])
+
+        if text_rows:
+            ids = tok(sub(row["text"]))["input_ids"] + [tok.eos_token_id]
+            mask = np.ones(len(ids), bool)
+        else:
+            msgs = [dict(m, content=sub(m["content"])) for m in row["messages"]]
+            enc = tok.apply_chat_template([msgs], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = enc["input_ids"][0], np.asarray(enc["assistant_masks"][0], bool)
+        ids = np.asarray(ids)
+        assert int((ids == IMG).sum()) == sum(r.count("<|image_pad|>") for r in runs)
+        mask &= ids != IMG
+        sample["input_ids"] = torch.as_tensor(ids)
+        sample["labels"] = torch.as_tensor(np.where(mask, ids, IGNORE))
+        out.append(sample)
+    return out
+
+
+@torch.no_grad()
+def assert_model_equivalent(model, batch, samples):
+    """The packed batch's logits equal each sample's logits alone; the loss is the token-weighted mean."""
+    out = model(**batch.to_hf_kwargs(), use_cache=False)
+    ce_sum, n_sum = 0.0, 0
+    for i, s in enumerate(samples):
+        ids = s["input_ids"].reshape(1, -1)
+        labels = s["labels"].reshape(1, -1)
+        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw") if k in s}
+        types = (ids == IMG).int()
+        alone = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits[0]
+        a, n = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        torch.testing.assert_close(out.logits[0, a:a + n], alone, rtol=0, atol=LOGIT_ATOL)
+        ce = F.cross_entropy(alone[:-1], labels[0, 1:], ignore_index=IGNORE, reduction="sum")
+        ce_sum += float(ce)
+        n_sum += int((labels[0, 1:] != IGNORE).sum())
+    torch.testing.assert_close(out.loss, torch.tensor(ce_sum / n_sum), rtol=0, atol=1e-5)
+
+
+def assert_same_hf_kwargs(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path, assets, family):
+    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False, log=None)
+    meta = res.metadata
+    assert meta["format_version"] == 2 and meta["vision"]["model_type"] == family
+    assert meta["vision"]["images"] == sum(len(r.get("images", [])) for r in CHAT_ROWS)
+    ds = load_packed(res.path)
+    refs = reference_samples(assets, CHAT_ROWS)
+    model_cfg = json.loads((assets / family / "config.json").read_text())
+    torch.manual_seed(0)
+    model_cls = transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl" else transformers.Qwen2_5_VLForConditionalGeneration
+    model = model_cls(tiny_config(family)).eval()
+    collate = ds.collator()
+    seen, patches_total = [], 0
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        rows = batch.sample_index.tolist()
+        seen += rows
+        samples = [refs[r] for r in rows]
+        want = build_thd_batch(samples, model_config=model_cfg)
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), want.to_hf_kwargs())
+        for key in ("mrope_position_ids", "mm_token_type_ids"):
+            assert torch.equal(batch.token_extras[key], want.token_extras[key])
+        assert torch.equal(batch.extras["vision_cu_seqlens"], want.extras["vision_cu_seqlens"])
+        patches = int(batch.extras["sample_vision_patches"].sum())
+        assert patches <= 128 and batch.num_tokens <= 160  # both budgets
+        patches_total += patches
+        assert_model_equivalent(model, batch, samples)
+    assert sorted(seen) == list(range(len(CHAT_ROWS)))
+    assert patches_total == meta["vision"]["vision_patches"]
+
+
+def test_text_rows_cp_shards_and_processor_directory(tmp_path, assets):
+    rows = [{"text": "Only words here."},  # the first row has no images field: still a VLM build
+            {"text": "A caption: <image> then words.", "images": ["img/2.png"]},
+            {"text": "Two <image> and <image> pictures.", "images": [str(assets / "img" / "3.png"), "img/4.png"]}]
+    with open(assets / "text.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    proc = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TPATCH, **PROC_KW)
+    proc.save_pretrained(str(tmp_path / "proc"))
+    res = build_packed(cfg(assets, input=str(assets / "text.jsonl"), image_processor=str(tmp_path / "proc"), cp_size=2,
+                           image_dir=str(assets)), tmp_path / "out", progress=False, log=None)
+    assert res.metadata["source"]["format"] == "text" and res.metadata["align"] == 4
+    assert res.metadata["vision"]["images"] == 3
+    ds = load_packed(res.path)
+    refs = reference_samples(assets, rows, text_rows=True)
+    model_cfg = json.loads((assets / "qwen2_vl" / "config.json").read_text())
+    for k in range(len(ds)):
+        rows_k = ds[k]["sample_index"].tolist()
+        samples = [refs[r] for r in rows_k]
+        whole = ds.collator(cp_rank=None)(ds[k])
+        assert_same_hf_kwargs(whole.to_hf_kwargs(), build_thd_batch(samples, model_config=model_cfg, cp_size=2).to_hf_kwargs())
+        for r in range(2):  # each CP rank's shard
+            got = ds.collator(cp_rank=r)(ds[k])
+            want = build_thd_batch(samples, model_config=model_cfg, cp_size=2, cp_rank=r)
+            assert_same_hf_kwargs(got.to_hf_kwargs(), want.to_hf_kwargs())
+
+
+def test_metadata_stats_and_byte_identical_rebuild(tmp_path, assets, capsys):
+    a = build_packed(cfg(assets), tmp_path / "a", progress=False, log=None)
+    b = build_packed(cfg(assets, num_proc=2, map_batch_size=2), tmp_path / "b", progress=False, log=None)
+
+    def digest(p: Path):
+        return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(p.rglob("*")) if f.is_file()}
+
+    assert digest(a.path) == digest(b.path)
+    assert (a.path / "image_processor" / "preprocessor_config.json").is_file()
+    assert set(a.metadata["columns"]) >= {"pixel_values", "image_grid_thw", "image_counts"}
+    # the model FLOPs figure counts the vision tower the same in both counts
+    ds = load_packed(a.path)
+    lens, _ = ds.all_seq_lens()
+    lens = lens.astype(np.int64)
+    grids = np.concatenate([ds[k]["image_grid_thw"].reshape(-1, 3) for k in range(len(ds))]).astype(np.int64)
+    model_cfg = json.loads((assets / "qwen2_vl" / "config.json").read_text())
+    want = model_overcount_factor(model_cfg, len(ds), 160, int(lens.sum()), int((lens * lens).sum()), vision_grid_thw=grids)
+    mf = a.metadata["stats"]["model_flops"]
+    assert mf["vision_included"] and mf["overcount"] == pytest.approx(want, rel=1e-12)
+    assert mf["overcount"] < model_overcount_factor(model_cfg, len(ds), 160, int(lens.sum()), int((lens * lens).sum()))
+    assert main(["stats", str(a.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_flops"]["overcount"] == pytest.approx(want, rel=1e-12)
+
+
+def test_bad_rows_are_named(tmp_path, assets, capsys):
+    bad = [
+        CHAT_ROWS[0],
+        {"messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "x"}], "images": ["img/missing.png"]},
+        {"messages": [{"role": "user", "content": "<image> <image>"}, {"role": "assistant", "content": "x"}], "images": ["img/0.png"]},
+        {"messages": [{"role": "user", "content": "big <image>"}, {"role": "assistant", "content": "x"}], "images": ["img/4.png"]},
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    # img/4.png (16x16 -> 64 patches) is over a vision budget of 32
+    with pytest.raises(InputError) as exc:
+        build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=32), tmp_path / "x", progress=False, log=None)
+    msg = str(exc.value)
+    assert "3 bad row(s)" in msg and "bad.jsonl:2: image 'img/missing.png' not found" in msg
+    assert "bad.jsonl:3: 2 '<image>' marker(s) but 1 image(s)" in msg
+    assert "bad.jsonl:4: 64 vision patches, more than vision_budget=32" in msg
+    assert not (tmp_path / "x").exists()
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=32, skip_bad_rows=True),
+                       tmp_path / "y", progress=False, log=None)
+    assert res.metadata["counts"]["skipped_rows"] == 3 and res.metadata["counts"]["samples"] == 1
+    # overflow: drop drops the row over the vision budget instead of failing it
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text("".join(json.dumps(r) + "\n" for r in (bad[0], bad[3])))
+    res = build_packed(cfg(assets, input=str(ok), image_dir=str(assets), vision_budget=32, overflow="drop"),
+                       tmp_path / "z", progress=False, log=None)
+    assert res.metadata["counts"]["dropped"]["samples"] == 1 and res.metadata["counts"]["samples"] == 2
+    assert load_packed(res.path)[0]["sample_index"].tolist() == [0]

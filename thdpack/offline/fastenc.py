@@ -1,0 +1,214 @@
+"""Batched encoding straight through the Rust ``tokenizers`` backend: text rows
+(:func:`encode_texts`) and chat rows with assistant masks (:func:`encode_chat`).
+
+``tokenizer(texts)`` of a fast ``transformers`` tokenizer calls the backend's
+``encode_batch``, which also computes character offsets, type ids, attention and
+special-token masks for every token, and then converts them all to Python. Text rows
+need only the ids: ``encode_batch_fast`` (no offsets) gives the same ids about 1.5x
+faster. The first call in a process checks, on the first rows, that it gives exactly
+the ids ``tokenizer(texts)`` gives (a tokenizer class that pre-processes text in
+Python would differ); if not, every call goes through ``tokenizer(texts)``.
+"""
+
+from __future__ import annotations
+
+_CHECK_ROWS = 32
+_checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, fast path usable)
+
+
+def encode_texts(tok, texts: list[str]) -> list[list[int]]:
+    """``tok(texts, add_special_tokens=True)["input_ids"]``, through the backend when that is equal."""
+    entry = _checked.get(id(tok))
+    if entry is None or entry[0] is not tok:
+        reference = _slow(tok, texts[:_CHECK_ROWS])  # also sets the backend's truncation/padding as transformers does
+        ok = _fast(tok, texts[:_CHECK_ROWS]) == reference
+        _checked[id(tok)] = entry = (tok, ok)
+    return _fast(tok, texts) if entry[1] else _slow(tok, texts)
+
+
+def _slow(tok, texts):
+    return tok(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+
+
+def _fast(tok, texts):
+    backend = getattr(tok, "backend_tokenizer", None)
+    encode = getattr(backend, "encode_batch_fast", None)
+    if encode is None or not getattr(tok, "is_fast", False):
+        return None
+    try:
+        return [e.ids for e in encode(texts, add_special_tokens=True)]
+    except Exception:  # noqa: BLE001 - any backend failure: use the transformers path
+        return None
+
+
+# ---------------------------------------------------------------------------- chat rows with assistant masks
+#
+# ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders the template,
+# encodes with offsets, converts every token's offsets to Python and walks them in a
+# Python loop to mark the tokens overlapping the ``{% generation %}`` spans: for the
+# bundled tokenizer, the offsets cost about as much as the encoding itself. For a
+# byte-level BPE tokenizer the offsets are implied by the ids: the tokens' bytes are
+# the text's UTF-8 bytes in order, so a token's byte span is the running sum of
+# per-id byte lengths. :func:`encode_chat` renders with the same function, encodes
+# without offsets and marks the same tokens (the overlap rule of transformers' loop,
+# on byte spans). Each row is checked (its tokens' bytes must add up to its text's),
+# and the first call in a process compares its output with ``apply_chat_template``
+# on the first rows; any doubt falls back to ``apply_chat_template``.
+
+_chat_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, byte lengths by id or None)
+
+
+def encode_chat(tok, conversations: list) -> dict:
+    """``tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
+    return_assistant_tokens_mask=True)``: ``{"input_ids": [...], "assistant_masks": [...]}``
+    (numpy arrays on the fast path)."""
+    entry = _chat_checked.get(id(tok))
+    if entry is None or entry[0] is not tok:
+        table = _byte_lengths(tok)
+        if table is not None:
+            head = conversations[:_CHECK_ROWS]
+            got = _chat_fast(tok, head, table)
+            if got is None:  # these rows cannot take the fast path (e.g. not NFC): check on a later batch
+                return _chat_slow(tok, conversations)
+            if not _same(got, _chat_slow(tok, head)):
+                table = None
+        _chat_checked[id(tok)] = entry = (tok, table)
+    if entry[1] is not None:
+        got = _chat_fast(tok, conversations, entry[1])
+        if got is not None:
+            return got
+    return _chat_slow(tok, conversations)
+
+
+def _chat_slow(tok, conversations):
+    return tok.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+
+    return all(
+        len(a[k]) == len(b[k]) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a[k], b[k]))
+        for k in ("input_ids", "assistant_masks")
+    )
+
+
+def _chat_fast(tok, conversations, byte_len):
+    import unicodedata
+
+    import numpy as np
+
+    try:
+        from transformers.tokenization_utils_base import _normalize_chat_messages
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        convs = [_normalize_chat_messages(c) for c in conversations]
+        rendered, spans_all = render_jinja_template(
+            conversations=convs, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
+            return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
+            **tok.special_tokens_map,
+        )
+        encodings = tok.backend_tokenizer.encode_batch_fast(rendered, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - another transformers version, or a row it rejects: the reference path says
+        return None
+    nfc = byte_len.nfc
+    ids_out, masks_out = [], []
+    for enc, text, spans in zip(encodings, rendered, spans_all):
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        if ids.size and int(ids.max()) >= byte_len.size:
+            return None
+        ends = np.cumsum(byte_len[ids])
+        ascii_text = text.isascii()
+        if (ends[-1] if ids.size else 0) != (len(text) if ascii_text else len(text.encode("utf-8"))):
+            return None  # the tokens do not spell the text byte for byte
+        if nfc and not ascii_text and not unicodedata.is_normalized("NFC", text):
+            return None
+        mask = np.zeros(ids.size, dtype=bool)
+        if spans and ids.size:
+            if ascii_text:
+                sp = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+            else:
+                sp = np.asarray([[len(text[:a].encode("utf-8")), len(text[:b].encode("utf-8"))] for a, b in spans],
+                                dtype=np.int64)
+            starts = ends - byte_len[ids]
+            # transformers: a token is marked when it overlaps the first span ending after its start
+            k = np.searchsorted(sp[:, 1], starts, side="right")
+            inside = k < sp.shape[0]
+            mask[inside] = ends[inside] > sp[k[inside], 0]
+        ids_out.append(ids)
+        masks_out.append(mask)
+    return {"input_ids": ids_out, "assistant_masks": masks_out}
+
+
+class _ByteLengths:
+    """int64 byte length of every token id (``.size`` ids), and whether the text is NFC-normalized first."""
+
+    def __init__(self, lengths, nfc: bool):
+        self.lengths = lengths
+        self.size = lengths.size
+        self.nfc = nfc
+
+    def __getitem__(self, ids):
+        return self.lengths[ids]
+
+
+def _byte_lengths(tok):
+    """Per-id UTF-8 byte lengths when ``tok`` is a byte-level BPE whose tokens spell the
+    text byte for byte (no normalizer but NFC, byte-level pre-tokenizer, untrimmed
+    offsets, added tokens that strip nothing); else None."""
+    import json
+
+    import numpy as np
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or not getattr(tok, "is_fast", False):
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        model = spec["model"]
+        if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+            return None
+        norm = spec.get("normalizer")
+        if norm is not None and norm.get("type") != "NFC":
+            return None
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        kinds = [s.get("type") for s in steps]
+        if "ByteLevel" not in kinds or any(
+            k not in ("ByteLevel", "Split", "Digits") or (k == "Split" and s.get("behavior") == "Removed")
+            for k, s in zip(kinds, steps)
+        ):
+            return None
+        post = spec.get("post_processor")
+        posts = (post.get("processors", [post]) if post and post.get("type") == "Sequence" else [post]) if post else []
+        if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in posts):
+            return None
+        added = backend.get_added_tokens_decoder()
+        if any(a.lstrip or a.rstrip for a in added.values()):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        alphabet = set(_byte_level_alphabet())
+        lengths = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
+        for token, i in vocab.items():
+            if i in added:
+                lengths[i] = len(added[i].content.encode("utf-8"))
+            elif set(token) <= alphabet:
+                lengths[i] = len(token)  # one byte per byte-level character
+            else:
+                return None
+    except Exception:  # noqa: BLE001 - an unexpected tokenizer layout: not eligible
+        return None
+    return _ByteLengths(lengths, nfc=norm is not None)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 characters byte-level BPE writes bytes as (GPT-2's ``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]

@@ -1,0 +1,392 @@
+"""``thdpack merge``: combine the outputs of ``thdpack build --shard i/N`` into one packed dataset.
+
+The merged dataset is a normal packed dataset (:func:`load_packed`, ``thdpack stats``,
+``thdpack inspect`` read it): its packs are the shards' packs in shard order (each
+shard's in its own written order), its data files are the shards' data files, copied
+byte for byte (or hard-linked with ``link=True``) and renumbered, and ``sample_index``
+already holds rows of the whole input. ``metadata.json`` is recomputed: counts are
+summed, the statistics (lengths, efficiency, padding, FLOPs, NeMo fields) are computed
+again from every pack's ``seq_lens`` and the shards' recorded input lengths, and a
+``build_shards`` entry records the shard count and row ranges. The result is what one
+process would write if it planned each shard's rows on their own and wrote the packs
+in that order; ``tests/test_shard_merge.py`` checks this against such a build.
+
+Before writing, the shards are checked: each is a complete shard build; all have the
+same shard count, every index ``0..N-1`` exactly once; the same options, input
+(source fingerprint), tokenizer and thdpack version; row ranges that match the count;
+and every file's size and sha256 (checked while copying). The output is written like
+``thdpack build``: into a hidden temporary directory, renamed into place last, never
+replacing an existing directory without ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.dataset import read_metadata
+from thdpack.offline.errors import NotPackedError, OfflineError
+from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, shard_name
+from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
+
+MAX_ERRORS_RECORDED = 20
+# metadata entries that differ from shard to shard (recomputed); every other entry must agree
+PER_SHARD_KEYS = {
+    "num_packs", "counts", "files", "stats", "skipped_examples", SHARD_KEY,
+    "dataset_max_seqlen", "max_samples_per_bin", "packing_factor", "packing_efficiency", "min_packed_seqlen",
+}
+SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from shard 0
+
+
+class ShardMismatchError(OfflineError):
+    """The shards given to ``thdpack merge`` do not belong together."""
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class MergeResult:
+    path: Path
+    metadata: dict
+    summary: dict
+
+
+# ---------------------------------------------------------------------------- finding and checking shards
+
+
+def expand_shard_paths(specs) -> list[Path]:
+    """Shard directories from paths, globs (``out/parts/*``) and parent directories (their
+    sub-directories holding ``metadata.json``), sorted and de-duplicated."""
+    found: list[Path] = []
+    for spec in [specs] if isinstance(specs, (str, os.PathLike)) else specs:
+        text = os.fspath(spec)
+        if any(ch in text for ch in "*?["):
+            hits = sorted(Path(p) for p in glob.glob(text))
+            hits = [p for p in hits if p.is_dir()]
+            if not hits:
+                raise NotPackedError(f"shard pattern {text!r} matches no directory")
+            found.extend(hits)
+            continue
+        p = Path(text)
+        if p.is_dir() and not (p / METADATA_FILE).exists():
+            subs = sorted(c for c in p.iterdir() if c.is_dir() and (c / METADATA_FILE).is_file())
+            if subs:
+                found.extend(subs)
+                continue
+        found.append(p)
+    out, seen = [], set()
+    for p in found:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    if not out:
+        raise NotPackedError("no shard directories given")
+    return out
+
+
+def _diff_keys(a, b) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return sorted(k for k in set(a) | set(b) if a.get(k, object) != b.get(k, object))
+    return []
+
+
+def check_shards(paths) -> list[tuple[Path, dict]]:
+    """``[(path, metadata)]`` of the shards in index order; :class:`ShardMismatchError` (or
+    :class:`NotPackedError`) with a message naming the culprits when they do not form one build."""
+    shards = []
+    for p in paths:
+        meta = read_metadata(p)
+        info = meta.get(SHARD_KEY)
+        if not isinstance(info, dict):
+            raise ShardMismatchError(
+                f"{p} is a packed dataset but not a shard build (no '{SHARD_KEY}' in {METADATA_FILE}); "
+                "build shards with thdpack build --shard I/N"
+            )
+        shards.append((Path(p), meta, info))
+
+    counts: dict[int, list[Path]] = {}
+    for p, _, info in shards:
+        counts.setdefault(info["count"], []).append(p)
+    if len(counts) > 1:
+        detail = "; ".join(f"N={n}: {', '.join(map(str, ps[:3]))}{' ...' if len(ps) > 3 else ''}"
+                           for n, ps in sorted(counts.items()))
+        raise ShardMismatchError(f"the shards come from builds with different shard counts ({detail})")
+    n = next(iter(counts))
+    by_index: dict[int, list[Path]] = {}
+    for p, _, info in shards:
+        by_index.setdefault(info["index"], []).append(p)
+    dups = {i: ps for i, ps in by_index.items() if len(ps) > 1}
+    if dups:
+        detail = "; ".join(f"shard {i}/{n}: {', '.join(map(str, ps))}" for i, ps in sorted(dups.items()))
+        raise ShardMismatchError(f"shard index given more than once ({detail})")
+    missing = [i for i in range(n) if i not in by_index]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        raise ShardMismatchError(
+            f"missing {len(missing)} of {n} shards: index {shown} (got {len(shards)} shard directories); "
+            "build the missing ones (thdpack build --shard I/N) or pass all of them"
+        )
+    shards.sort(key=lambda s: s[2]["index"])
+
+    p0, m0, i0 = shards[0]
+    for p, meta, info in shards[1:]:
+        for key in sorted(set(m0) | set(meta), key=lambda k: (k != "source", k)):  # the input first
+            if key in PER_SHARD_KEYS or m0.get(key, object) == meta.get(key, object):
+                continue
+            sub = _diff_keys(m0.get(key), meta.get(key))
+            if key == "source":
+                why = ("they were built from different inputs (source fingerprint "
+                       f"{str(m0['source'].get('fingerprint'))[:12]}… vs {str(meta['source'].get('fingerprint'))[:12]}…)")
+            elif key == "config":
+                why = f"they were built with different options ({', '.join(sub)})"
+            else:
+                why = f"'{key}' differs" + (f" ({', '.join(sub)})" if sub else "")
+            raise ShardMismatchError(
+                f"shards {i0['index']} ({p0}) and {info['index']} ({p}) do not belong together: {why}; "
+                "build every shard with the same command and input"
+            )
+        if info.get("input_rows") != i0.get("input_rows"):
+            raise ShardMismatchError(
+                f"shards {i0['index']} ({p0}) and {info['index']} ({p}) saw inputs of "
+                f"{i0.get('input_rows')} and {info.get('input_rows')} rows"
+            )
+    for p, _, info in shards:
+        want = shard_rows(info["input_rows"], info["index"], n)
+        if (info["row_start"], info["row_stop"]) != want:
+            raise ShardMismatchError(
+                f"{p}: shard {info['index']}/{n} covers rows {info['row_start']}..{info['row_stop']}, "
+                f"expected {want[0]}..{want[1]} of {info['input_rows']}"
+            )
+    extra = [c for c in m0.get("columns", []) if c not in LIST_COLUMNS]
+    if extra:
+        raise ShardMismatchError(f"merging builds with columns {extra} is not supported yet (text builds only)")
+    return [(p, m) for p, m, _ in shards]
+
+
+# ---------------------------------------------------------------------------- merging
+
+
+def _copy_checked(src: Path, dst: Path, entry: dict, *, link: bool) -> None:
+    """Copy (or hard-link) ``src`` to ``dst``, checking its size and sha256 against ``entry``."""
+    if not src.is_file():
+        raise NotPackedError(f"{src} listed in {src.parent / METADATA_FILE} is missing")
+    if src.stat().st_size != entry["num_bytes"]:
+        raise NotPackedError(f"{src} has {src.stat().st_size} bytes, metadata says {entry['num_bytes']} (modified or truncated)")
+    h = hashlib.sha256()
+    if link:
+        try:
+            os.link(src, dst)
+        except OSError as exc:
+            raise OfflineError(f"cannot hard-link {src} into the output ({exc}); merge without --link to copy") from None
+        with open(dst, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    else:
+        with open(src, "rb") as fi, open(dst, "wb") as fo:
+            for block in iter(lambda: fi.read(1 << 22), b""):
+                h.update(block)
+                fo.write(block)
+            fo.flush()
+            os.fsync(fo.fileno())
+    if h.hexdigest() != entry["sha256"]:
+        raise NotPackedError(f"{src} does not match its sha256 in {METADATA_FILE} (modified or corrupt)")
+
+
+def _seq_lens(path: Path, file_format: str):
+    """``(seq_lens, samples per pack)`` of one data file, reading only that column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if file_format == "parquet":
+        col = pq.read_table(path, columns=["seq_lens"]).column("seq_lens")
+    else:
+        col = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("seq_lens")
+    col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    offsets = np.asarray(col.offsets).astype(np.int64)
+    values = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.int64)[offsets[0] : offsets[-1]]
+    return values, np.diff(offsets)
+
+
+def _sum_counts(items: list, where: str = "counts"):
+    first = items[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        if any(list(d) != keys for d in items if isinstance(d, dict)) or not all(isinstance(d, dict) for d in items):
+            raise ShardMismatchError(f"the shards record different '{where}' entries")
+        return {k: _sum_counts([d[k] for d in items], f"{where}.{k}") for k in keys}
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        return sum(items)
+    if all(v == first for v in items):
+        return first
+    raise ShardMismatchError(f"cannot merge '{where}': {items[:4]}")
+
+
+def _load_lengths(path: Path, info: dict) -> np.ndarray:
+    entry = info.get("input_lengths") or {}
+    p = path / entry.get("path", "")
+    if not entry or not p.is_file():
+        raise NotPackedError(f"{path}: the shard's input lengths file ({entry.get('path')}) is missing")
+    data = p.read_bytes()
+    if len(data) != entry["num_bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise NotPackedError(f"{p} does not match its size/sha256 in {METADATA_FILE} (modified or corrupt)")
+    return np.load(p, allow_pickle=False).astype(np.int64, copy=False)
+
+
+def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
+                    input_lengths: np.ndarray, files: list[dict], model_config=None) -> dict:
+    """The metadata of the merged dataset (see the module docstring)."""
+    from thdpack.offline.stats import nemo_fields, summarize
+
+    metas = [m for _, m in shards]
+    first = metas[0]
+    counts = _sum_counts([m["counts"] for m in metas])
+    kw = {"model_config": model_config} if model_config is not None else {}
+    summary = summarize(seq_lens, pack_offsets, first["pack_size"], first["align"], input_lengths=input_lengths, **kw)
+    for key in first.get("stats", {}):  # counters the build appends to the statistics
+        if key not in summary:
+            if key not in counts:
+                raise ShardMismatchError(f"cannot merge the per-shard statistic '{key}'")
+            summary[key] = counts[key]
+    skipped = [e for m in metas for e in m.get("skipped_examples", [])][:MAX_ERRORS_RECORDED]
+    nemo = {k: v for k, v in nemo_fields(summary).items() if k != "pack_size"}
+    meta = {}
+    for key, value in first.items():
+        if key == SHARD_KEY:
+            continue
+        if key in nemo:
+            value = nemo[key]
+        elif key == "num_packs":
+            value = int(pack_offsets.size - 1)
+        elif key == "counts":
+            value = counts
+        elif key == "files":
+            value = files
+        elif key == "stats":
+            value = summary
+        elif key == "skipped_examples":
+            value = skipped
+        meta[key] = value
+    meta[MERGED_KEY] = {
+        "count": len(metas),
+        "plan": "shard-local: each shard's rows were planned on their own; packs are in shard order",
+        "row_ranges": [[m[SHARD_KEY]["row_start"], m[SHARD_KEY]["row_stop"]] for m in metas],
+        "num_packs": [m["num_packs"] for m in metas],
+    }
+    return meta
+
+
+def merge_shards(
+    shard_paths,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    link: bool = False,
+    log=_stderr,
+) -> MergeResult:
+    """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
+    from thdpack.offline.build import (
+        _check_output,
+        _fsync,
+        _fsync_dir,
+        _move_into_place,
+    )
+
+    paths = expand_shard_paths(shard_paths)
+    shards = check_shards(paths)
+    output = Path(output)
+    for p, _ in shards:
+        if output.resolve() == p.resolve():
+            raise OfflineError(f"output {output} is one of the shards being merged")
+    _check_output(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    first_path, first = shards[0]
+    fmt = first["file_format"]
+    n_files = sum(len(m["files"]) for _, m in shards)
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        files, lens, per_pack, lengths = [], [], [], []
+        for p, meta in shards:
+            for f in meta["files"]:
+                name = shard_name(len(files), n_files, fmt)
+                _copy_checked(p / f["path"], tmp / name, f, link=link)
+                files.append(dict(f, path=name))
+                s, c = _seq_lens(tmp / name, fmt)
+                if c.size != f["num_packs"]:
+                    raise NotPackedError(f"{p / f['path']} has {c.size} packs, metadata says {f['num_packs']}")
+                lens.append(s)
+                per_pack.append(c)
+            lengths.append(_load_lengths(p, meta[SHARD_KEY]))
+        seq_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+        offsets = np.zeros(sum(c.size for c in per_pack) + 1, dtype=np.int64)
+        if per_pack:
+            np.cumsum(np.concatenate(per_pack), out=offsets[1:])
+        model_config = None
+        for key in SAVED_COPIES:
+            entry = first.get(key)
+            if isinstance(entry, dict) and entry.get("saved_copy"):
+                src = first_path / entry["saved_copy"]
+                if not src.exists():
+                    raise NotPackedError(f"{first_path}: {entry['saved_copy']} (the saved {key}) is missing")
+                (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp / entry["saved_copy"])
+                if key == "model":
+                    model_config = json.loads(src.read_text(encoding="utf-8"))
+        meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config)
+        meta_tmp = tmp / (METADATA_FILE + ".partial")
+        meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        _fsync(meta_tmp)
+        os.replace(meta_tmp, tmp / METADATA_FILE)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if log:
+        size = sum(f["num_bytes"] for f in files)
+        log(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
+            f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")
+    return MergeResult(output, meta, meta["stats"])
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def add_merge_parser(sub) -> None:
+    """The ``thdpack merge`` sub-command (called by :func:`thdpack.cli.build_parser`)."""
+    m = sub.add_parser(
+        "merge",
+        help="combine the outputs of thdpack build --shard I/N into one packed dataset",
+        description="Check that the shard builds belong together (same options and input, every index 0..N-1 "
+        "once), then write one packed dataset: the shards' packs in shard order, metadata recomputed. "
+        "Written atomically, like build.",
+    )
+    m.add_argument("output", help="merged dataset directory (written atomically)")
+    m.add_argument("shards", nargs="+", metavar="SHARD",
+                   help="shard directories, a glob such as 'out/parts/*', or their parent directory")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing packed dataset at OUTPUT")
+    m.add_argument("--link", action="store_true",
+                   help="hard-link the data files instead of copying them (same file system; checksums still checked)")
+    m.add_argument("--quiet", "-q", action="store_true", help="no summary")
+    m.set_defaults(func=cmd_merge)
+
+
+def cmd_merge(args) -> int:
+    from thdpack.offline.stats import format_summary
+
+    result = merge_shards(args.shards, args.output, overwrite=args.overwrite, link=args.link,
+                          log=None if args.quiet else _stderr)
+    if not args.quiet:
+        print(format_summary(result.summary, title=f"{result.path}: {result.metadata['num_packs']} packs"))
+    return 0

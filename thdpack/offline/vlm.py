@@ -1,0 +1,570 @@
+"""Offline VLM builds: rows with image paths, processed with the family's image processor.
+
+Rows (JSON Lines, Parquet, ...) in the common LLaMA-Factory layout::
+
+    {"messages": [{"role": "user", "content": "<image>What is this?"},
+                  {"role": "assistant", "content": "A cat."}],
+     "images": ["img/cat.png"]}
+
+(or ``{"text": "... <image> ...", "images": [...]}``). The build turns on when
+``model_config`` is a Qwen-VL family config (:func:`thdpack.vlm.supported_model_types`)
+and the rows have the ``images_field`` (or ``vision_budget`` / ``image_processor`` is
+set). Then, per row:
+
+1. every image is opened (PIL; a path relative to ``image_dir``, default the directory
+   of the row's input file; or ``{"bytes": ...}`` / ``{"path": ...}`` as ``datasets``'
+   ``Image`` feature stores it) and the row's images go through the image processor:
+   ``pixel_values`` ``[P, D]`` float32 and ``image_grid_thw`` ``[k, 3]``;
+2. the k-th ``image_placeholder`` marker in the text (messages in order) becomes
+   ``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|image_pad|>`` + ``<|vision_end|>`` (the
+   tokens of the config's ``vision_start_token_id`` / ``image_token_id`` /
+   ``vision_end_token_id``, as Qwen-VL processors expand them); markers and images must
+   match one to one;
+3. the text is tokenized as any chat / text row; the image tokens are never targets,
+   and their count must equal the grids' (a tokenizer that splits them fails the row).
+
+Planning adds the vision budget (``plan_packs(vision_lengths=..., vision_budget=...)``);
+a row with images is never truncated or split (its placeholders must match its
+grids): a too long one is a bad row, or dropped under ``overflow: drop``.
+
+Per pack, three more columns (format version 2):
+
+=================  ======================  ==========================================
+``pixel_values``   large_list<float32>     the pack's images' patches, row-major
+                                           ``[P_pack, pixel_dim]``, in sample order
+``image_grid_thw`` list<int32>             ``(t, h, w)`` of every image, 3 values each
+``image_counts``   list<int32>             images of each sample
+=================  ======================  ==========================================
+
+:func:`thdpack.offline.unpack_row` gives every sample its ``pixel_values`` /
+``image_grid_thw`` back, and ``load_packed(path).collator()`` passes the saved model
+config to :func:`thdpack.build_thd_batch`, so a batch carries the mRoPE rows, token
+types and vision inputs that ``to_hf_kwargs()`` feeds the model. The image processor
+and the model config are saved with the dataset (``image_processor/``,
+``model_config.json``).
+
+Not covered here: videos (``pixel_values_videos``), image content given as message
+parts (``[{"type": "image"}, ...]``) and the rows' image bytes in the source fingerprint.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.format import VLM_FORMAT_VERSION
+from thdpack.offline.sources import JSON_COLUMN
+from thdpack.offline.tokenize import IGNORE_INDEX, RowTokenizer, _row_error
+
+VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts")
+PROCESSOR_DIR = "image_processor"
+# the Qwen-VL families' defaults when a config dict leaves them out
+_DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
+_DEFAULT_VISION_END_ID = 151653
+_PROCESSOR_CLASS = "Qwen2VLImageProcessor"  # what every supported family's processor config names
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class VlmBuild:
+    """What a VLM build needs besides the text pipeline (made by :func:`vlm_build`)."""
+
+    model_config: dict
+    family: object  # thdpack.vlm family
+    processor: object
+    pixel_dim: int
+    image_placeholder: str
+    images_field: str
+    image_dir: Path | None
+    vision_budget: int | None
+    vision_end_token_id: int
+    row_dirs: list = field(default_factory=list)  # directory of each input file (for relative image paths)
+
+    # ---- tokenization
+    def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source) -> "VlmRowTokenizer":
+        return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source)
+
+    def features(self) -> dict:
+        import datasets
+
+        return {
+            "pixel_values": datasets.LargeList(datasets.Value("float32")),
+            "image_grid_thw": datasets.List(datasets.Value("int32")),
+        }
+
+    def input_columns(self) -> list[str]:
+        return [self.images_field]
+
+    # ---- planning
+    def plan_checks(self, cfg, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
+        """Vision patches of every row, and the usable rows that break a rule of VLM
+        planning (``(row, reason)``): more patches than ``vision_budget``, or too long
+        with images under ``overflow: truncate / split``."""
+        stats = image_stats(tokenized.dataset.data.table)
+        patches = stats.row_patches
+        bad = []
+        limit = cfg.pack_size // cfg.align * cfg.align
+        for r in np.flatnonzero(usable).tolist():
+            p = int(patches[r])
+            if not p or cfg.overflow == "drop":
+                continue
+            if self.vision_budget is not None and p > self.vision_budget:
+                bad.append((r, f"{p} vision patches, more than vision_budget={self.vision_budget} allows "
+                               f"(overflow={cfg.overflow}; use overflow: drop or a larger vision_budget)"))
+            elif cfg.overflow in ("truncate", "split") and tokenized.lengths[r] > limit:
+                bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={cfg.pack_size} allows, "
+                               f"with {int(stats.row_images[r])} image(s): a VLM row cannot be {cfg.overflow} "
+                               "(its placeholders must match its grids); use overflow: drop or a larger pack_size"))
+        return patches, bad
+
+    def plan_kwargs(self, patches: np.ndarray, sample_rows: np.ndarray) -> dict:
+        if self.vision_budget is None:
+            return {}
+        return {"vision_lengths": patches[sample_rows], "vision_budget": self.vision_budget}
+
+    # ---- writing
+    def writer(self, token_table) -> "VisionColumns":
+        return VisionColumns(self.pixel_dim, image_stats(token_table).row_patches)
+
+    def packed_grids(self, token_table, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[N, 3]`` grids of the images of ``rows`` (in order)."""
+        stats = image_stats(token_table)
+        parts = [stats.grids[stats.image_offsets[r]: stats.image_offsets[r + 1]] for r in np.asarray(rows).tolist()]
+        return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
+
+    def finish(self, out_dir: Path, meta: dict, token_table, piece_rows: np.ndarray, plan) -> None:
+        """Add the vision part of ``metadata.json`` and save the image processor."""
+        import json
+
+        self.processor.save_pretrained(str(out_dir / PROCESSOR_DIR))
+        stats = image_stats(token_table)
+        rows = np.asarray(piece_rows)
+        per_piece = stats.row_patches[rows]
+        per_pack = np.add.reduceat(per_piece, plan.pack_offsets[:-1]) if len(plan) else np.zeros(0, np.int64)
+        meta["format_version"] = VLM_FORMAT_VERSION
+        meta["columns"] = list(meta["columns"]) + list(VISION_COLUMNS)
+        meta["vision"] = {
+            "model_type": self.family.model_type,
+            "image_token_id": self.family.image_token_id,
+            "vision_start_token_id": self.family.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "spatial_merge_size": self.family.spatial_merge_size,
+            "images": int(stats.row_images[rows].sum()),
+            "vision_patches": int(per_piece.sum()),
+            "max_pack_vision_patches": int(per_pack.max()) if per_pack.size else 0,
+            "vision_budget": self.vision_budget,
+            "pixel_dim": self.pixel_dim,
+            "pixel_dtype": "float32",
+            "image_placeholder": self.image_placeholder,
+            "image_processor": json.loads(self.processor.to_json_string()),
+            "saved_processor": PROCESSOR_DIR,
+        }
+
+
+def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
+    """The :class:`VlmBuild` of ``cfg``, or None for a text build."""
+    from thdpack.vlm import get_family, supported_model_types
+    from thdpack.vlm.config import config_first
+
+    if model_config is None or model_config.get("model_type") not in supported_model_types():
+        if cfg.vision_budget is not None or cfg.image_processor is not None:
+            raise ConfigError(
+                "vision_budget / image_processor need a VLM model_config (model_type one of "
+                f"{', '.join(supported_model_types())}), got "
+                + ("none" if model_config is None else repr(model_config.get("model_type")))
+            )
+        return None
+    if (cfg.images_field not in source.columns and not _json_rows_have(source, cfg.images_field)
+            and cfg.vision_budget is None and cfg.image_processor is None):
+        return None  # a VL model's config, text rows: a text build
+    try:
+        family = get_family(model_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"model_config: {exc}") from None
+    processor = load_image_processor(cfg, model_config, family)
+    merge = int(getattr(processor, "merge_size", family.spatial_merge_size))
+    if merge != family.spatial_merge_size:
+        raise ConfigError(
+            f"image processor merge_size={merge} but model_config's vision_config.spatial_merge_size="
+            f"{family.spatial_merge_size}: the placeholders would not match the model's"
+        )
+    patch = int(processor.patch_size)
+    temporal = int(getattr(processor, "temporal_patch_size", 1) or 1)
+    pixel_dim = 3 * temporal * patch * patch
+    vc = model_config.get("vision_config") or {}
+    want = {"patch_size": vc.get("patch_size"), "temporal_patch_size": vc.get("temporal_patch_size")}
+    got = {"patch_size": patch, "temporal_patch_size": temporal}
+    for k, v in want.items():
+        if v is not None and int(v) != got[k]:
+            raise ConfigError(f"image processor {k}={got[k]} but model_config's vision_config.{k}={v}")
+    end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
+                       _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
+    row_dirs = [_file_dir(cfg, f) for f in source.files]
+    return VlmBuild(
+        model_config=model_config,
+        family=family,
+        processor=processor,
+        pixel_dim=pixel_dim,
+        image_placeholder=cfg.image_placeholder,
+        images_field=cfg.images_field,
+        image_dir=cfg.resolve_path(cfg.image_dir) if cfg.image_dir else None,
+        vision_budget=cfg.vision_budget,
+        vision_end_token_id=int(end),
+        row_dirs=row_dirs,
+    )
+
+
+def _json_rows_have(source, name: str, limit: int = 1000) -> bool:
+    """Whether one of the first ``limit`` JSON rows has field ``name`` (``source.columns``
+    holds the first row's fields only)."""
+    import json
+
+    if not source.is_json:
+        return False
+    col = source.dataset.data.column(JSON_COLUMN)
+    for i in range(min(limit, len(source.dataset))):
+        try:
+            obj = json.loads(col[i].as_py())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and name in obj:
+            return True
+    return False
+
+
+def _file_dir(cfg, source_file) -> Path:
+    if source_file.kind in ("demo",):
+        return cfg.base_dir
+    p = cfg.resolve_path(source_file.path)
+    return p if p.is_dir() else p.parent
+
+
+def load_image_processor(cfg, model_config: dict, family):
+    """The image processor: a local directory (``AutoImageProcessor``, offline), or the
+    family's processor class built from ``image_processor`` keyword arguments, with
+    ``patch_size`` / ``temporal_patch_size`` / ``merge_size`` from the model config."""
+    import transformers
+
+    spec = cfg.image_processor
+    if isinstance(spec, str):
+        path = cfg.resolve_path(spec)
+        if not path.is_dir():
+            raise ConfigError(f"image_processor {spec!r}: no such directory ({path})")
+        try:
+            return transformers.AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"image_processor {spec!r}: cannot load {path} ({exc})") from None
+    kwargs = dict(spec or {})
+    vc = model_config.get("vision_config") or {}
+    defaults = {"patch_size": vc.get("patch_size"), "temporal_patch_size": vc.get("temporal_patch_size"),
+                "merge_size": vc.get("spatial_merge_size", family.spatial_merge_size)}
+    for k, v in defaults.items():
+        if v is not None:
+            kwargs.setdefault(k, v)
+    from transformers.utils import is_torchvision_available
+
+    name = _PROCESSOR_CLASS if is_torchvision_available() else _PROCESSOR_CLASS + "Pil"
+    cls = getattr(transformers, name, None) or getattr(transformers, _PROCESSOR_CLASS)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"image_processor {kwargs}: cannot build {cls.__name__} ({exc})") from None
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+class VlmRowTokenizer(RowTokenizer):
+    """``datasets.map`` function (batched, Arrow format, ``with_indices``): the text of
+    :class:`RowTokenizer` with the row's images processed and their placeholders expanded,
+    plus ``pixel_values`` (flat float32) and ``image_grid_thw`` (flat int32) columns."""
+
+    def __init__(self, fmt, cfg, tokenizer, columns, vlm: VlmBuild, source):
+        if fmt == "tokenized":
+            raise ConfigError("rows with images must be chat or text rows: the image placeholders are expanded "
+                              "before tokenizing (already tokenized VLM rows are not supported)")
+        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c != vlm.images_field])
+        self.json_rows = columns == [JSON_COLUMN]
+        self.vlm = vlm
+        self.row_offsets = np.asarray(source.row_offsets)
+        self.row_base = int(getattr(source, "row_start", 0))  # a build shard's first row in the whole input
+        fam = vlm.family
+        self.image_id = fam.image_token_id
+        vocab = len(tokenizer)
+        strings = {}
+        for name, tid in (("image_token_id", fam.image_token_id), ("vision_start_token_id", fam.vision_start_token_id),
+                          ("vision_end_token_id", vlm.vision_end_token_id)):
+            if tid is None or not 0 <= tid < vocab:
+                raise ConfigError(f"model_config's {name}={tid} is not a token of the tokenizer ({vocab} tokens)")
+            strings[name] = tokenizer.convert_ids_to_tokens(int(tid))
+        self.image_str = strings["image_token_id"]
+        self.start_str = strings["vision_start_token_id"]
+        self.end_str = strings["vision_end_token_id"]
+        self._pending = None
+
+    def __call__(self, table, indices):
+        self._rows = [self.row_base + int(i) for i in indices]  # rows of the whole input
+        return super().__call__(table)
+
+    # ---- values: text with the placeholders expanded; images processed
+    def _extract(self, table):
+        values, errors = super()._extract(table)
+        refs = self._image_refs(table, errors)
+        n = table.num_rows
+        pixels, grids = [None] * n, [None] * n
+        for i in range(n):
+            if errors[i] is not None:
+                continue
+            try:
+                row_refs = refs[i] or []
+                if not isinstance(row_refs, list):
+                    raise ValueError(f"'{self.vlm.images_field}' must be a list of image paths, got {type(row_refs).__name__}")
+                found = self._count_markers(values[i])
+                if found != len(row_refs):
+                    raise ValueError(f"{found} '{self.vlm.image_placeholder}' marker(s) but {len(row_refs)} image(s)")
+                if row_refs:
+                    images = [self._open(r, self._rows[i]) for r in row_refs]
+                    out = self.vlm.processor(images=images, return_tensors="np")
+                    pv = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+                    grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+                    if pv.ndim != 2 or pv.shape[1] != self.vlm.pixel_dim or pv.shape[0] != int(grid.prod(1).sum()):
+                        raise ValueError(f"image processor gave pixel_values {pv.shape} for grids {grid.tolist()}")
+                    values[i] = self._expand(values[i], grid)
+                    pixels[i], grids[i] = pv, grid
+            except (ValueError, InputError) as exc:  # ours: the message says it all
+                errors[i] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the processor's: reported as a row error
+                errors[i] = _row_error(exc)
+        self._pending = (pixels, grids)
+        return values, errors
+
+    def _image_refs(self, table, errors):
+        import json
+
+        name = self.vlm.images_field
+        n = table.num_rows
+        if self.json_rows:
+            out = [None] * n
+            raw = table.column(JSON_COLUMN).to_pylist()
+            for i, line in enumerate(raw):
+                if errors[i] is None:
+                    out[i] = json.loads(line).get(name)
+            return out
+        if name not in table.column_names:
+            return [None] * n
+        return table.column(name).to_pylist()
+
+    def _count_markers(self, value) -> int:
+        mark = self.vlm.image_placeholder
+        if isinstance(value, str):
+            return value.count(mark)
+        total = 0
+        for j, m in enumerate(value):
+            content = m.get("content")
+            if content is None:
+                continue
+            if not isinstance(content, str):
+                raise ValueError(f"message {j}: rows with images need string content with "
+                                 f"'{mark}' markers (content given as parts is not supported)")
+            total += content.count(mark)
+        return total
+
+    def _expand(self, value, grid: np.ndarray):
+        m2 = self.vlm.family.spatial_merge_size ** 2
+        runs = iter([self.start_str + self.image_str * int(n) + self.end_str for n in grid.prod(1) // m2])
+        mark = self.vlm.image_placeholder
+
+        def sub(text: str) -> str:
+            parts = text.split(mark)
+            return parts[0] + "".join(next(runs) + p for p in parts[1:])
+
+        if isinstance(value, str):
+            return sub(value)
+        return [dict(m, content=sub(m["content"])) if isinstance(m.get("content"), str) else m for m in value]
+
+    def _open(self, ref, row: int):
+        from PIL import Image
+
+        if isinstance(ref, dict):
+            if ref.get("bytes") is not None:
+                return self._load(Image, io.BytesIO(ref["bytes"]), "image bytes")
+            ref = ref.get("path")
+        if not isinstance(ref, str) or not ref:
+            raise ValueError(f"an image must be a path, or {{'bytes': ...}} / {{'path': ...}}, got {ref!r}")
+        p = Path(ref).expanduser()
+        if not p.is_absolute():
+            base = self.vlm.image_dir
+            if base is None:
+                k = int(np.searchsorted(self.row_offsets, row, side="right") - 1)
+                base = self.vlm.row_dirs[k]
+            p = base / p
+        if not p.is_file():
+            raise ValueError(f"image {ref!r} not found (looked at {p})")
+        return self._load(Image, p, ref)
+
+    def _load(self, Image, src, name):
+        try:
+            with Image.open(src) as im:
+                return im.convert("RGB") if getattr(self.vlm.processor, "do_convert_rgb", True) else im.copy()
+        except OSError as exc:
+            raise ValueError(f"image {name!r} cannot be read ({exc})") from None
+
+    # ---- output: checks, image tokens out of the targets, vision columns
+    def _to_table(self, ids, targets, errors):
+        import pyarrow as pa
+
+        pixels, grids = self._pending
+        self._pending = None
+        m2 = self.vlm.family.spatial_merge_size ** 2
+        for i in range(len(ids)):
+            if errors[i] is not None or ids[i] is None:
+                continue
+            is_image = ids[i] == self.image_id
+            want = int((grids[i].prod(1) // m2).sum()) if grids[i] is not None else 0
+            if int(is_image.sum()) != want:
+                errors[i] = (f"{int(is_image.sum())} image tokens ({self.image_str!r}) after tokenizing but the "
+                             f"images need {want}: the text contains image tokens itself, or the tokenizer does "
+                             "not keep the model's image token as one token")
+                continue
+            if is_image.any():  # image placeholders are inputs, never targets
+                t = targets[i]
+                targets[i] = np.where(is_image, False, t) if t.dtype == bool else np.where(is_image, IGNORE_INDEX, t)
+        table = super()._to_table(ids, targets, errors)
+        ok = [i for i, e in enumerate(errors) if e is None and pixels[i] is not None]
+        pv_len = np.zeros(len(ids), np.int64)
+        g_len = np.zeros(len(ids), np.int64)
+        pv_len[ok] = [pixels[i].size for i in ok]
+        g_len[ok] = [grids[i].size for i in ok]
+        pv_off = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(pv_len, out=pv_off[1:])
+        g_off = np.zeros(len(ids) + 1, np.int32)
+        np.cumsum(g_len, out=g_off[1:])
+        flat_pv = np.concatenate([np.zeros(0, np.float32)] + [pixels[i].reshape(-1) for i in ok])
+        flat_g = np.concatenate([np.zeros(0, np.int32)] + [grids[i].reshape(-1).astype(np.int32) for i in ok])
+        table = table.append_column("pixel_values", pa.LargeListArray.from_arrays(pa.array(pv_off), pa.array(flat_pv)))
+        return table.append_column("image_grid_thw", pa.ListArray.from_arrays(pa.array(g_off), pa.array(flat_g)))
+
+
+# ---------------------------------------------------------------------------- per-row image statistics
+
+
+@dataclass
+class ImageStats:
+    row_images: np.ndarray  # int64 [rows] images of each row
+    row_patches: np.ndarray  # int64 [rows] vision patches (Σ t·h·w) of each row
+    image_offsets: np.ndarray  # int64 [rows + 1] images of row r are grids[image_offsets[r]:image_offsets[r+1]]
+    grids: np.ndarray  # int64 [N, 3] every image's grid, row after row
+
+
+def image_stats(table) -> ImageStats:
+    """:class:`ImageStats` of a table with a flat ``image_grid_thw`` list column (3 per image)."""
+    lens, vals = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for chunk in table.column("image_grid_thw").chunks:
+        o = np.asarray(chunk.offsets).astype(np.int64)  # a sliced chunk's offsets index its whole child array
+        lens.append(np.diff(o))
+        vals.append(chunk.values.to_numpy(zero_copy_only=False)[o[0]: o[-1]].astype(np.int64))
+    image_offsets = np.zeros(sum(x.size for x in lens) + 1, np.int64)
+    np.cumsum(np.concatenate(lens) // 3, out=image_offsets[1:])
+    grids = np.concatenate(vals).reshape(-1, 3)
+    patches = grids.prod(axis=1)
+    cum = np.zeros(patches.size + 1, np.int64)
+    np.cumsum(patches, out=cum[1:])
+    return ImageStats(np.diff(image_offsets), cum[image_offsets[1:]] - cum[image_offsets[:-1]], image_offsets, grids)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+class VisionColumns:
+    """The vision columns of :func:`thdpack.offline.writer.write_packs` (its ``extra``)."""
+
+    def __init__(self, pixel_dim: int, row_patches: np.ndarray):
+        self.pixel_dim = pixel_dim
+        self.row_patches = row_patches
+
+    def fields(self):
+        import pyarrow as pa
+
+        return [pa.field("pixel_values", pa.large_list(pa.float32())),
+                pa.field("image_grid_thw", pa.list_(pa.int32())),
+                pa.field("image_counts", pa.list_(pa.int32()))]
+
+    def pack_bytes(self, plan, sample_rows: np.ndarray) -> np.ndarray:
+        """int64 ``[num_packs]`` bytes of pixel values of every pack (plan order)."""
+        if not len(plan):
+            return np.zeros(0, np.int64)
+        per_piece = self.row_patches[sample_rows[plan.sample_index]] * (4 * self.pixel_dim)
+        return np.add.reduceat(per_piece, plan.pack_offsets[:-1])
+
+    def columns(self, token_table, rows: np.ndarray, counts: np.ndarray) -> list:
+        """The vision arrays of packs whose pieces come from input ``rows`` (pack after
+        pack, ``counts`` pieces per pack)."""
+        import pyarrow as pa
+
+        taken = token_table.select(["pixel_values", "image_grid_thw"]).take(pa.array(rows, pa.int64()))
+        pv = taken.column("pixel_values").combine_chunks()
+        g = taken.column("image_grid_thw").combine_chunks()
+        first = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=first[1:])  # first piece of each pack
+        pv_off = np.asarray(pv.offsets).astype(np.int64)
+        g_off = np.asarray(g.offsets).astype(np.int64)
+        pv_vals = pv.values.slice(int(pv_off[0]), int(pv_off[-1] - pv_off[0]))
+        g_vals = g.values.slice(int(g_off[0]), int(g_off[-1] - g_off[0]))
+        image_counts = (np.diff(g_off) // 3).astype(np.int32)
+        return [
+            pa.LargeListArray.from_arrays(pa.array(pv_off[first] - pv_off[0]), pv_vals),
+            pa.ListArray.from_arrays(pa.array((g_off[first] - g_off[0]).astype(np.int32)), g_vals),
+            pa.ListArray.from_arrays(pa.array(first.astype(np.int32)), pa.array(image_counts)),
+        ]
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def add_vision(samples: list[dict], row) -> list[dict]:
+    """Give every sample of a packed row (:func:`thdpack.offline.unpack_row`) its
+    ``pixel_values`` (float32 tensor ``[P_i, pixel_dim]``) and ``image_grid_thw`` (int64
+    tensor ``[k_i, 3]``); samples without images get neither."""
+    import torch
+
+    from thdpack.offline.dataset import _as_array
+
+    counts = _as_array(row["image_counts"], "image_counts").astype(np.int64)
+    if counts.size != len(samples):
+        raise ValueError(f"packed row: image_counts has {counts.size} entries for {len(samples)} samples")
+    if not counts.any():
+        return samples
+    grids = _as_array(row["image_grid_thw"], "image_grid_thw").astype(np.int64).reshape(-1, 3)
+    if grids.shape[0] != int(counts.sum()):
+        raise ValueError(f"packed row: image_counts sum to {int(counts.sum())} but image_grid_thw has {grids.shape[0]} images")
+    patches = grids.prod(axis=1)
+    total = int(patches.sum())
+    pv = np.asarray(row["pixel_values"])
+    if pv.dtype != np.float32 or pv.size % total:
+        raise ValueError(f"packed row: pixel_values ({pv.dtype}, {pv.size} values) do not hold {total} patches")
+    pv = torch.from_numpy(np.array(pv, copy=True).reshape(total, pv.size // total))  # one writable copy per pack
+    img = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=img[1:])
+    cum = np.zeros(patches.size + 1, np.int64)
+    np.cumsum(patches, out=cum[1:])
+    for i, s in enumerate(samples):
+        if counts[i]:
+            a, b = int(img[i]), int(img[i + 1])
+            s["image_grid_thw"] = torch.from_numpy(grids[a:b].copy())
+            s["pixel_values"] = pv[int(cum[a]): int(cum[b])]
+    return samples
+
+
+def all_image_grids(ds) -> np.ndarray:
+    """int64 ``[N, 3]`` grids of every image of packed dataset ``ds``, pack after pack."""
+    parts = []
+    for b in range(len(ds._batches)):
+        offsets, values = ds._column(b, "image_grid_thw")
+        parts.append(np.asarray(values[offsets[0]: offsets[-1]], dtype=np.int64))
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)).reshape(-1, 3)
