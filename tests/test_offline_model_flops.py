@@ -8,7 +8,6 @@ formula of Megatron-LM (per token ``6·h·(3·ffn + d_q + 2·d_kv + d_q)·L + 6�
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,7 +106,7 @@ def test_stats_cli_packed_and_raw(tmp_path, data, capsys):
 
 
 def test_yaml_mapping_and_relative_path(tmp_path, data):
-    d, jsonl = data
+    _, jsonl = data
     yaml = pytest.importorskip("yaml")
     (tmp_path / "cfgs").mkdir()
     (tmp_path / "cfgs" / "m.json").write_text(json.dumps(SMALL))
@@ -122,7 +121,7 @@ def test_yaml_mapping_and_relative_path(tmp_path, data):
 
 
 def test_bad_and_uncovered_model_configs(tmp_path, data, capsys):
-    d, jsonl = data
+    _, jsonl = data
     args = ["build", "--input", str(jsonl), "--tokenizer", str(TOKENIZER_DIR), "--pack-size", str(PACK),
             "--overflow", "truncate", "--max-rows", "30", "-q"]
     assert main(args + ["--model-config", str(tmp_path / "missing.json"), "--output", str(tmp_path / "x")]) == 2

@@ -126,7 +126,7 @@ def reference_samples(assets, rows, *, text_rows=False):
                     for g in enc["image_grid_thw"]]
         it = iter(runs)
 
-        def sub(text):
+        def sub(text, it=it):
             parts = text.split("<image>")
             return parts[0] + "".join(next(it) + p for p in parts[1:])
 

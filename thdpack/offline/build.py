@@ -25,10 +25,10 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import InputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
-from thdpack.offline.vlm import vlm_build
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, tokenize_source
+from thdpack.offline.vlm import vlm_build
 from thdpack.plan import PackPlan, plan_packs
 
 MAX_ERRORS_SHOWN = 5

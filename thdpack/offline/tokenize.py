@@ -32,8 +32,8 @@ import numpy as np
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts
-from thdpack.offline.spill import memory_mapped
 from thdpack.offline.sources import JSON_COLUMN, Source
+from thdpack.offline.spill import memory_mapped
 
 ERROR_COLUMN = "__error__"
 IGNORE_INDEX = -100
