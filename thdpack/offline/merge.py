@@ -27,12 +27,12 @@ import json
 import os
 import secrets
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline.build import _stderr
 from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
 from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, shard_name
@@ -49,10 +49,6 @@ SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" fil
 
 class ShardMismatchError(OfflineError):
     """The shards given to ``thdpack merge`` do not belong together."""
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
