@@ -57,22 +57,15 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import thdpack
 from thdpack import CostModel, StreamingPacker, plan_balanced, plan_packs
 
-QWEN3_8B = {
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "vocab_size": 151936,
-}
+# the model config the repository ships for FLOPs figures (also used by `thdpack stats --model-config`)
+QWEN3_8B = json.loads((Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-8b.json").read_text())
 
 
 # ---------------------------------------------------------------- inputs ----
