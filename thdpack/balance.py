@@ -239,14 +239,10 @@ def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: i
     pack_of = keep_id[piece_pack]
     pack_of[moved] = (num_packs - taken) + target
     total = num_packs - taken + new_count
-    by_pack = np.argsort(pack_of, kind="stable")  # within a pack: input order, as plan_packs gives
     offsets = np.zeros(total + 1, np.int64)
     np.cumsum(np.bincount(pack_of, minlength=total), out=offsets[1:])
-    sample_index = plan.sample_index[by_pack]
-    start = plan.start[by_pack]
-    length = plan.length[by_pack]
-    order = np.lexsort((start, sample_index, pack_of[by_pack]))
-    sample_index, start, length = sample_index[order], start[order], length[order]
+    order = np.lexsort((plan.start, plan.sample_index, pack_of))  # within a pack: input order, as plan_packs gives
+    sample_index, start, length = plan.sample_index[order], plan.start[order], plan.length[order]
     fill = np.add.reduceat(length, offsets[:-1])
     stats = plan.stats
     new_stats = replace(
@@ -258,7 +254,7 @@ def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: i
         min_pack_fill=float(fill.min() / stats.pack_size),
         max_pack_fill=float(fill.max() / stats.pack_size),
     )
-    vision = None if plan.vision_length is None else plan.vision_length[by_pack][order]
+    vision = None if plan.vision_length is None else plan.vision_length[order]
     return replace(
         plan, sample_index=sample_index, start=start, length=length, pack_offsets=offsets,
         stats=new_stats, vision_length=vision,
