@@ -121,8 +121,9 @@ def summarize(
         "attention_flops": {
             "sum_seqlen_squared": sum_sq,
             "pack_len_count": num_packs * pack_size**2,
-            "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq),
-            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else float("nan"),
+            # None (JSON null, not the invalid NaN) when nothing was packed
+            "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq) if sum_sq else None,
+            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else None,
         },
     }
     if model_config is not None:
@@ -196,10 +197,13 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
     if "samples_without_targets" in s and s["samples_without_targets"]:
         lines.append(f"no-loss samples  {s['samples_without_targets']} (no target token: they train nothing)")
     a = s["attention_flops"]
-    lines.append(
-        f"attention FLOPs  counting each pack as one {s['pack_size']}-token sequence over-counts by "
-        f"{a['overcount']:.2f}x  (n_packs·pack_size²/Σsᵢ²; {a['overcount_at_fill']:.2f}x at each pack's filled length)"
-    )
+    if a["overcount"] is None:
+        lines.append("attention FLOPs  no tokens packed: no over-count to report")
+    else:
+        lines.append(
+            f"attention FLOPs  counting each pack as one {s['pack_size']}-token sequence over-counts by "
+            f"{a['overcount']:.2f}x  (n_packs·pack_size²/Σsᵢ²; {a['overcount_at_fill']:.2f}x at each pack's filled length)"
+        )
     mf = s.get("model_flops")
     if mf:
         name = mf.get("model_type") or "model"
