@@ -107,7 +107,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
-    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm)
+    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm, log=log)
     t["tokenize"] = time.perf_counter() - t0
     if log:
         what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")

@@ -21,7 +21,8 @@ FORMATS = ("auto", "chat", "text", "tokenized")
 LOSS_MODES = ("assistant", "last_assistant", "all")
 TARGETS = ("loss_mask", "labels")
 OUTPUT_FORMATS = ("arrow", "parquet")
-EXECUTION_ONLY = ("num_proc", "map_batch_size")  # options that never change the output
+TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
+EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
 
 
 def _opt(default, help: str, choices=None, flag_type=None):
@@ -51,6 +52,12 @@ class BuildConfig:
     # ---- tokenizer
     tokenizer: str | None = _opt(
         None, "tokenizer: a local directory or a name in the local Hugging Face cache (never downloaded)"
+    )
+    tokenizer_backend: str = _opt(
+        "auto", "how text is encoded: tiktoken (byte-level BPE tokenizers whose merges it runs exactly, several "
+        "times faster; every process checks rows against the tokenizer and falls back on any difference), hf "
+        "(the tokenizer itself), auto (tiktoken when the tokenizer converts, else hf). Never changes the output",
+        TOKENIZER_BACKENDS,
     )
     targets: str = _opt("loss_mask", "what the packs store besides token ids: loss_mask (1 bit/token; labels "
                         "are the ids) or labels (int32, for labels that are not the ids)", TARGETS)
@@ -200,7 +207,7 @@ class BuildConfig:
 
     def as_dict(self, *, recorded: bool = False) -> dict:
         """The options, as written (paths unresolved). ``recorded=True`` leaves out the
-        options that cannot change the output (``num_proc``, ``map_batch_size``): what
+        options that cannot change the output (``num_proc``, ``map_batch_size``, ``tokenizer_backend``): what
         metadata.json records, so a build is byte-identical however it was parallelised."""
         return {k: getattr(self, k) for k in self.keys() if not (recorded and k in EXECUTION_ONLY)}
 

@@ -12,18 +12,24 @@ Python would differ); if not, every call goes through ``tokenizer(texts)``.
 
 from __future__ import annotations
 
+from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
+
 _CHECK_ROWS = 32
 _checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, fast path usable)
 
 
-def encode_texts(tok, texts: list[str]) -> list[list[int]]:
-    """``tok(texts, add_special_tokens=True)["input_ids"]``, through the backend when that is equal."""
+def encode_texts(tok, texts: list[str], bpe=None) -> list:
+    """``tok(texts, add_special_tokens=True)["input_ids"]``, through the backend when that is equal,
+    and through ``bpe`` (a :class:`~thdpack.offline.tiktoken_bpe.TiktokenBPE` of the backend,
+    int32 arrays) when given."""
     entry = _checked.get(id(tok))
     if entry is None or entry[0] is not tok:
         reference = _slow(tok, texts[:_CHECK_ROWS])  # also sets the backend's truncation/padding as transformers does
         ok = _fast(tok, texts[:_CHECK_ROWS]) == reference
         _checked[id(tok)] = entry = (tok, ok)
-    return _fast(tok, texts) if entry[1] else _slow(tok, texts)
+    if not entry[1]:
+        return _slow(tok, texts)
+    return bpe.encode(texts, add_special_tokens=True) if bpe is not None else _fast(tok, texts)
 
 
 def _slow(tok, texts):
@@ -58,7 +64,7 @@ def _fast(tok, texts):
 _chat_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, byte lengths by id or None)
 
 
-def encode_chat(tok, conversations: list) -> dict:
+def encode_chat(tok, conversations: list, bpe=None) -> dict:
     """``tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
     return_assistant_tokens_mask=True)``: ``{"input_ids": [...], "assistant_masks": [...]}``
     (numpy arrays on the fast path)."""
@@ -67,14 +73,14 @@ def encode_chat(tok, conversations: list) -> dict:
         table = _byte_lengths(tok)
         if table is not None:
             head = conversations[:_CHECK_ROWS]
-            got = _chat_fast(tok, head, table)
+            got = _chat_fast(tok, head, table, bpe)
             if got is None:  # these rows cannot take the fast path (e.g. not NFC): check on a later batch
                 return _chat_slow(tok, conversations)
             if not _same(got, _chat_slow(tok, head)):
                 table = None
         _chat_checked[id(tok)] = entry = (tok, table)
     if entry[1] is not None:
-        got = _chat_fast(tok, conversations, entry[1])
+        got = _chat_fast(tok, conversations, entry[1], bpe)
         if got is not None:
             return got
     return _chat_slow(tok, conversations)
@@ -93,7 +99,7 @@ def _same(a, b) -> bool:
     )
 
 
-def _chat_fast(tok, conversations, byte_len):
+def _chat_fast(tok, conversations, byte_len, bpe=None):
     import unicodedata
 
     import numpy as np
@@ -108,13 +114,18 @@ def _chat_fast(tok, conversations, byte_len):
             return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
             **tok.special_tokens_map,
         )
-        encodings = tok.backend_tokenizer.encode_batch_fast(rendered, add_special_tokens=False)
+        if bpe is not None:
+            encodings = bpe.encode(rendered, add_special_tokens=False)
+        else:
+            encodings = [e.ids for e in tok.backend_tokenizer.encode_batch_fast(rendered, add_special_tokens=False)]
+    except FastTokenizerMismatch:
+        raise
     except Exception:  # noqa: BLE001 - another transformers version, or a row it rejects: the reference path says
         return None
     nfc = byte_len.nfc
     ids_out, masks_out = [], []
     for enc, text, spans in zip(encodings, rendered, spans_all):
-        ids = np.asarray(enc.ids, dtype=np.int32)
+        ids = np.asarray(enc, dtype=np.int32)
         if ids.size and int(ids.max()) >= byte_len.size:
             return None
         ends = np.cumsum(byte_len[ids])
@@ -187,7 +198,7 @@ def _byte_lengths(tok):
         if any(a.lstrip or a.rstrip for a in added.values()):
             return None
         vocab = backend.get_vocab(with_added_tokens=True)
-        alphabet = set(_byte_level_alphabet())
+        alphabet = set(byte_level_alphabet())
         lengths = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
         for token, i in vocab.items():
             if i in added:
@@ -199,16 +210,3 @@ def _byte_lengths(tok):
     except Exception:  # noqa: BLE001 - an unexpected tokenizer layout: not eligible
         return None
     return _ByteLengths(lengths, nfc=norm is not None)
-
-
-def _byte_level_alphabet() -> list[str]:
-    """The 256 characters byte-level BPE writes bytes as (GPT-2's ``bytes_to_unicode``)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]

@@ -34,6 +34,7 @@ from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
+from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
 
 ERROR_COLUMN = "__error__"
 IGNORE_INDEX = -100
@@ -117,9 +118,10 @@ def required_columns(fmt: str, cfg: BuildConfig) -> list[str]:
 class RowTokenizer:
     """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors."""
 
-    def __init__(self, fmt: str, cfg: BuildConfig, tokenizer, columns: list[str]):
+    def __init__(self, fmt: str, cfg: BuildConfig, tokenizer, columns: list[str], bpe=None):
         self.fmt = fmt
         self.tok = tokenizer
+        self.bpe = bpe  # a TiktokenBPE of ``tokenizer`` (thdpack/offline/tiktoken_bpe.py), or None
         self.json_rows = columns == [JSON_COLUMN]
         self.field = {"chat": cfg.messages_field, "text": cfg.text_field, "tokenized": "input_ids"}[fmt]
         self.loss = cfg.loss
@@ -145,11 +147,15 @@ class RowTokenizer:
         if ok:
             try:
                 results = self._encode_many([values[i] for i in ok])
+            except FastTokenizerMismatch:  # not a row's fault: the build tokenizes again without tiktoken
+                raise
             except Exception:  # one row broke the batch: redo row by row to blame it
                 results = []
                 for i in ok:
                     try:
                         results.append(self._encode_many([values[i]])[0])
+                    except FastTokenizerMismatch:
+                        raise
                     except Exception as exc:  # noqa: BLE001 - reported as a row error
                         results.append(_row_error(exc))
             for i, res in zip(ok, results):
@@ -231,13 +237,13 @@ class RowTokenizer:
         return [self._encode_tokenized(v) for v in values]
 
     def _encode_text(self, texts):
-        enc = encode_texts(self.tok, texts)  # == self.tok(texts)["input_ids"], faster (thdpack/offline/fastenc.py)
+        enc = encode_texts(self.tok, texts, self.bpe)  # == self.tok(texts)["input_ids"], faster (fastenc.py)
         eos = self.tok.eos_token_id
         out = []
         for ids in enc:
-            if self.append_eos and (not ids or ids[-1] != eos):
-                ids = list(ids) + [eos]
             arr = np.asarray(ids, dtype=np.int32)
+            if self.append_eos and (not arr.size or arr[-1] != eos):
+                arr = np.append(arr, np.int32(eos))
             out.append((arr, np.ones(arr.size, dtype=bool)))
         return out
 
@@ -246,7 +252,7 @@ class RowTokenizer:
             enc = self.tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
             return [(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)) for ids in enc]
         if self.has_generation:
-            enc = encode_chat(self.tok, convs)  # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
+            enc = encode_chat(self.tok, convs, self.bpe)  # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
             out = []
             for ids, mask in zip(enc["input_ids"], enc["assistant_masks"]):
                 mask = np.asarray(mask, dtype=bool)
@@ -384,7 +390,22 @@ class Tokenized:
     tokenizer_info: dict | None
 
 
-def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
+def fast_bpe(cfg: BuildConfig, tok, fmt: str, *, log=None):
+    """The tiktoken form of ``tok`` (:mod:`thdpack.offline.tiktoken_bpe`) when
+    ``cfg.tokenizer_backend`` allows it and the tokenizer converts exactly; else None."""
+    if tok is None or fmt not in ("text", "chat") or cfg.tokenizer_backend == "hf":
+        return None
+    bpe, why = TiktokenBPE.from_tokenizer(tok)
+    if bpe is None and cfg.tokenizer_backend == "tiktoken":
+        raise ConfigError(f"tokenizer_backend: tiktoken, but tokenizer {cfg.tokenizer!r} cannot run on it: {why}")
+    if log:
+        log("tokenizer " + ("byte-level BPE through tiktoken (checked against the tokenizer on a sample of rows)"
+                            if bpe is not None else f"through transformers ({why})"))
+    return bpe
+
+
+def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None,
+                    log=None) -> Tokenized:
     """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
     (a :class:`thdpack.offline.vlm.VlmBuild`) also process the rows' images."""
     import datasets
@@ -408,7 +429,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         + (vlm.input_columns() if vlm is not None else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
-    fn = RowTokenizer(fmt, cfg, tok, ds.column_names) if vlm is None else vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source)
+    bpe = fast_bpe(cfg, tok, fmt, log=log) if vlm is None else None
     target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
     features = datasets.Features(
         {
@@ -422,13 +443,19 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
                    sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
+
+    def row_tokenizer(bpe):
+        if vlm is None:
+            return RowTokenizer(fmt, cfg, tok, ds.column_names, bpe)
+        return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source)
+
     num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, cfg.map_batch_size))) if cfg.num_proc > 1 else None
     if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (spill.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
     if not progress:
         datasets.disable_progress_bars()
-    try:
-        out = ds.with_format("arrow").map(
+    def tokenize_all(fn):
+        return ds.with_format("arrow").map(
             fn,
             batched=True,
             batch_size=cfg.map_batch_size,
@@ -441,6 +468,16 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             new_fingerprint=fingerprint,
             desc=f"Tokenizing ({fmt})",
         ).with_format(None)
+
+    try:
+        try:
+            out = tokenize_all(row_tokenizer(bpe))
+        except FastTokenizerMismatch as exc:
+            if bpe is None:
+                raise
+            if log:
+                log(f"tiktoken  {exc}; tokenizing again with the tokenizer itself")
+            out = tokenize_all(row_tokenizer(None))
     finally:
         if not progress:
             datasets.enable_progress_bars()
