@@ -287,3 +287,76 @@ def test_bad_rows_are_named(tmp_path, assets, capsys):
                        tmp_path / "z", progress=False, log=None)
     assert res.metadata["counts"]["dropped"]["samples"] == 1 and res.metadata["counts"]["samples"] == 2
     assert load_packed(res.path)[0]["sample_index"].tolist() == [0]
+
+
+def as_parts(row: dict, *, inline: bool) -> dict:
+    """``row`` with every message's content as a list of text and image parts (the
+    transformers / TRL layout); with ``inline`` the image parts name their files."""
+    images = iter(row.get("images", []))
+    messages = []
+    for m in row["messages"]:
+        pieces = m["content"].split("<image>")
+        parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            parts.append({"type": "image", "image": next(images)} if inline else {"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({"role": m["role"], "content": parts})
+    out = {"messages": messages}
+    if not inline and "images" in row:
+        out["images"] = row["images"]
+    return out
+
+
+def _pack_columns(ds) -> list[dict]:
+    return [{k: np.asarray(v) for k, v in ds[k].items()} for k in range(len(ds))]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_content_given_as_parts_packs_like_markers(tmp_path, assets, inline):
+    path = assets / f"parts-{inline}.jsonl"
+    path.write_text("".join(json.dumps(as_parts(r, inline=inline)) + "\n" for r in CHAT_ROWS))
+    assert any(isinstance(m["content"], list) for m in json.loads(path.read_text().splitlines()[1])["messages"])
+    marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False, log=None).path)
+    parts = load_packed(build_packed(cfg(assets, input=str(path)), tmp_path / "parts", progress=False, log=None).path)
+    a, b = _pack_columns(marked), _pack_columns(parts)
+    assert len(a) == len(b) == len(marked) and set(a[0]) == set(b[0])
+    for pa_, pb in zip(a, b):
+        for key in pa_:
+            np.testing.assert_array_equal(pa_[key], pb[key], err_msg=key)
+
+
+def test_bad_parts_are_named(tmp_path, assets):
+    user = {"role": "user"}
+    bad = [
+        {"messages": [dict(user, content=[{"type": "image", "image": "img/0.png"}, {"type": "image"}]),
+                      {"role": "assistant", "content": "x"}]},
+        {"messages": [dict(user, content=[{"type": "image", "image": "img/0.png"}]),
+                      {"role": "assistant", "content": "x"}], "images": ["img/1.png"]},
+        {"messages": [dict(user, content=[{"type": "video", "video": "v.mp4"}]), {"role": "assistant", "content": "x"}]},
+        {"messages": [dict(user, content=[{"type": "text"}]), {"role": "assistant", "content": "x"}]},
+        {"messages": [dict(user, content=[{"type": "image"}, {"type": "image"}]),
+                      {"role": "assistant", "content": "x"}], "images": ["img/1.png"]},
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [as_parts(CHAT_ROWS[0], inline=True)] + bad))
+    with pytest.raises(InputError) as exc:
+        build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "x", progress=False, log=None)
+    msg = str(exc.value)
+    assert "5 bad row(s)" in msg
+    assert "bad.jsonl:2: 1 image part(s) name their image and 1 do not" in msg
+    assert "bad.jsonl:3: images are named both in the image parts (1) and in 'images' (1)" in msg
+    assert "bad.jsonl:4: message 0 part 0: part type 'video' is not supported" in msg
+    assert "bad.jsonl:5: message 0 part 0: a text part needs a 'text' string" in msg
+    assert "bad.jsonl:6: 2 '<image>' marker(s) but 1 image(s)" in msg
+
+
+def test_image_parts_alone_make_a_vlm_build(tmp_path, assets):
+    path = assets / "parts-only.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "no image"}, {"role": "assistant", "content": "ok"}]},
+            as_parts(CHAT_ROWS[0], inline=True)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # no images field, vision_budget or image_processor: only the image part says it has images
+    res = build_packed(cfg(assets, input=str(path), image_processor=None, vision_budget=None, pack_size=4096),
+                       tmp_path / "out", progress=False, log=None)
+    assert res.metadata["format_version"] == 2 and res.metadata["vision"]["images"] == 1

@@ -43,8 +43,14 @@ types and vision inputs that ``to_hf_kwargs()`` feeds the model. The image proce
 and the model config are saved with the dataset (``image_processor/``,
 ``model_config.json``).
 
-Not covered here: videos (``pixel_values_videos``), image content given as message
-parts (``[{"type": "image"}, ...]``) and the rows' image bytes in the source fingerprint.
+Message content may also be a list of parts, as ``transformers`` processors and TRL
+take it: ``[{"type": "image"}, {"type": "text", "text": "What is this?"}]`` with the
+images in the images field, or ``{"type": "image", "image": "img/cat.png"}`` naming its
+own (``"path"`` / ``"url"`` work too; local files only). Each image part stands where a
+marker would.
+
+Not covered here: videos (``pixel_values_videos``) and the rows' image bytes in the
+source fingerprint.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import numpy as np
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import VLM_FORMAT_VERSION
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import IGNORE_INDEX, RowTokenizer, _row_error
+from thdpack.offline.tokenize import IGNORE_INDEX, RowTokenizer, _brief, _row_error
 
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts")
 PROCESSOR_DIR = "image_processor"
@@ -180,7 +186,7 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
                 + ("none" if model_config is None else repr(model_config.get("model_type")))
             )
         return None
-    if (cfg.images_field not in source.columns and not _json_rows_have(source, cfg.images_field)
+    if (cfg.images_field not in source.columns and not _rows_have_images(source, cfg)
             and cfg.vision_budget is None and cfg.image_processor is None):
         return None  # a VL model's config, text rows: a text build
     try:
@@ -220,22 +226,32 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
     )
 
 
-def _json_rows_have(source, name: str, limit: int = 1000) -> bool:
-    """Whether one of the first ``limit`` JSON rows has field ``name`` (``source.columns``
-    holds the first row's fields only)."""
+def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
+    """Whether one of the first ``limit`` rows has the images field or an image part in
+    its messages (``source.columns`` holds the first JSON row's fields only)."""
     import json
 
-    if not source.is_json:
+    n = min(limit, len(source.dataset))
+    if source.is_json:
+        col = source.dataset.data.column(JSON_COLUMN)
+        rows = []
+        for i in range(n):
+            try:
+                obj = json.loads(col[i].as_py())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(obj, dict):
+                if cfg.images_field in obj:
+                    return True
+                rows.append(obj.get(cfg.messages_field))
+    elif cfg.messages_field in source.columns:
+        rows = source.dataset.data.column(cfg.messages_field).slice(0, n).to_pylist()
+    else:
         return False
-    col = source.dataset.data.column(JSON_COLUMN)
-    for i in range(min(limit, len(source.dataset))):
-        try:
-            obj = json.loads(col[i].as_py())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(obj, dict) and name in obj:
-            return True
-    return False
+    return any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
+               for messages in rows if isinstance(messages, list)
+               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for part in m["content"])
 
 
 def _file_dir(cfg, source_file) -> Path:
@@ -325,6 +341,8 @@ class VlmRowTokenizer(RowTokenizer):
                 row_refs = refs[i] or []
                 if not isinstance(row_refs, list):
                     raise ValueError(f"'{self.vlm.images_field}' must be a list of image paths, got {type(row_refs).__name__}")
+                if not isinstance(values[i], str):
+                    values[i], row_refs = self._flatten_parts(values[i], row_refs)
                 found = self._count_markers(values[i])
                 if found != len(row_refs):
                     raise ValueError(f"{found} '{self.vlm.image_placeholder}' marker(s) but {len(row_refs)} image(s)")
@@ -360,6 +378,53 @@ class VlmRowTokenizer(RowTokenizer):
             return [None] * n
         return table.column(name).to_pylist()
 
+    def _flatten_parts(self, messages: list, refs: list) -> tuple[list, list]:
+        """Messages whose content is a list of parts (the ``transformers`` / TRL layout:
+        ``[{"type": "image"}, {"type": "text", "text": "..."}]``) with string content
+        instead: each image part becomes the placeholder marker, text parts are joined in
+        order. An image part may name its image (``"image"``, ``"path"`` or ``"url"``: a
+        local path, or ``{"bytes": ...}``); then every image part must, and the row's
+        images field must be empty. Returns ``(messages, image refs in marker order)``."""
+        mark = self.vlm.image_placeholder
+        inline, bare = [], 0
+        out = []
+        for j, m in enumerate(messages):
+            content = m.get("content")
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            text = []
+            for k, part in enumerate(content):
+                if isinstance(part, str):
+                    text.append(part)
+                    continue
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"message {j} part {k}: a text part needs a 'text' string, got {_brief(part)}")
+                    text.append(part["text"])
+                elif kind in ("image", "image_url"):
+                    ref = next((part[key] for key in ("image", "path", "url", "image_url") if part.get(key) is not None), None)
+                    if isinstance(ref, dict) and "url" in ref and "bytes" not in ref:  # OpenAI style {"url": ...}
+                        ref = ref["url"]
+                    if ref is None:
+                        bare += 1
+                    else:
+                        inline.append(ref)
+                    text.append(mark)
+                else:
+                    raise ValueError(f"message {j} part {k}: part type {kind!r} is not supported "
+                                     "(text and image parts are)")
+            out.append(dict(m, content="".join(text)))
+        if inline:
+            if bare:
+                raise ValueError(f"{len(inline)} image part(s) name their image and {bare} do not; name all or none")
+            if refs:
+                raise ValueError(f"images are named both in the image parts ({len(inline)}) and in "
+                                 f"'{self.vlm.images_field}' ({len(refs)}); give them in one place")
+            refs = inline
+        return out, refs
+
     def _count_markers(self, value) -> int:
         mark = self.vlm.image_placeholder
         if isinstance(value, str):
@@ -370,8 +435,7 @@ class VlmRowTokenizer(RowTokenizer):
             if content is None:
                 continue
             if not isinstance(content, str):
-                raise ValueError(f"message {j}: rows with images need string content with "
-                                 f"'{mark}' markers (content given as parts is not supported)")
+                raise ValueError(f"message {j}: content must be a string or a list of parts, got {_brief(content)}")
             total += content.count(mark)
         return total
 
