@@ -360,3 +360,45 @@ def test_image_parts_alone_make_a_vlm_build(tmp_path, assets):
     res = build_packed(cfg(assets, input=str(path), image_processor=None, vision_budget=None, pack_size=4096),
                        tmp_path / "out", progress=False, log=None)
     assert res.metadata["format_version"] == 2 and res.metadata["vision"]["images"] == 1
+
+
+def _metadata_without_shards(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k not in ("build_shards", "build_shard")}
+
+
+def test_vlm_shards_merge(tmp_path, assets):
+    from thdpack.offline.merge import merge_shards
+    from thdpack.offline.shard import Shard
+
+    c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False)
+    single = build_packed(c, tmp_path / "single", progress=False, log=None)
+    # one shard, merged: the ordinary build, statistics (vision tower FLOPs included) recomputed from the packs
+    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, shard=Shard(0, 1))
+    merged_one = merge_shards([one.path], tmp_path / "merged-one", log=None)
+    assert _metadata_without_shards(merged_one.metadata) == _metadata_without_shards(single.metadata)
+    assert "vision_included" in merged_one.metadata["stats"]["model_flops"]
+    assert (merged_one.path / "image_processor").is_dir()
+    # three shards: every row once, vision counts summed, packs equal to build_thd_batch on the rows
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 3)).path for i in range(3)]
+    merged = merge_shards(parts, tmp_path / "merged", log=None)
+    vision = merged.metadata["vision"]
+    shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
+    assert vision["images"] == sum(len(r.get("images", [])) for r in CHAT_ROWS) == sum(v["images"] for v in shard_visions)
+    assert vision["vision_patches"] == sum(v["vision_patches"] for v in shard_visions)
+    assert vision["max_pack_vision_patches"] == max(v["max_pack_vision_patches"] for v in shard_visions)
+    ds = load_packed(merged.path)
+    refs = reference_samples(assets, CHAT_ROWS)
+    model_cfg = json.loads((assets / "qwen2_5_vl" / "config.json").read_text())
+    collate = ds.collator()
+    seen = []
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        rows = batch.sample_index.tolist()
+        seen += rows
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], model_config=model_cfg).to_hf_kwargs())
+    assert sorted(seen) == list(range(len(CHAT_ROWS)))
+    # a shard of another VLM build does not merge
+    other = build_packed(cfg(assets, family="qwen2_vl", shuffle_packs=False), tmp_path / "other", progress=False, log=None,
+                         shard=Shard(1, 3))
+    with pytest.raises(Exception, match="do not belong together"):
+        merge_shards([parts[0], other.path, parts[2]], tmp_path / "bad", log=None)

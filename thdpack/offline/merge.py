@@ -9,7 +9,9 @@ summed, the statistics (lengths, efficiency, padding, FLOPs, NeMo fields) are co
 again from every pack's ``seq_lens`` and the shards' recorded input lengths, and a
 ``build_shards`` entry records the shard count and row ranges. The result is what one
 process would write if it planned each shard's rows on their own and wrote the packs
-in that order; ``tests/test_shard_merge.py`` checks this against such a build.
+in that order; ``tests/test_shard_merge.py`` checks this against such a build. VLM
+builds merge too: the vision columns travel in the data files, the ``vision`` entry's
+image and patch counts are recomputed from the packs, the image processor is copied.
 
 Before writing, the shards are checked: each is a complete shard build; all have the
 same shard count, every index ``0..N-1`` exactly once; the same options, input
@@ -37,6 +39,7 @@ from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
 from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, shard_name
 from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
+from thdpack.offline.vlm import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
 # metadata entries that differ from shard to shard (recomputed); every other entry must agree
@@ -45,6 +48,7 @@ PER_SHARD_KEYS = {
     "dataset_max_seqlen", "max_samples_per_bin", "packing_factor", "packing_efficiency", "min_packed_seqlen",
 }
 SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from shard 0
+VISION_PER_SHARD_KEYS = {"images", "vision_patches", "max_pack_vision_patches"}  # of a VLM build's "vision" entry
 
 
 class ShardMismatchError(OfflineError):
@@ -98,6 +102,14 @@ def _diff_keys(a, b) -> list[str]:
     return []
 
 
+def _shared(meta: dict, key: str):
+    """``meta[key]`` without what differs from shard to shard (the image counts of a VLM build)."""
+    value = meta.get(key, object)
+    if key == "vision" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in VISION_PER_SHARD_KEYS}
+    return value
+
+
 def check_shards(paths) -> list[tuple[Path, dict]]:
     """``[(path, metadata)]`` of the shards in index order; :class:`ShardMismatchError` (or
     :class:`NotPackedError`) with a message naming the culprits when they do not form one build."""
@@ -139,7 +151,7 @@ def check_shards(paths) -> list[tuple[Path, dict]]:
     p0, m0, i0 = shards[0]
     for p, meta, info in shards[1:]:
         for key in sorted(set(m0) | set(meta), key=lambda k: (k != "source", k)):  # the input first
-            if key in PER_SHARD_KEYS or m0.get(key, object) == meta.get(key, object):
+            if key in PER_SHARD_KEYS or _shared(m0, key) == _shared(meta, key):
                 continue
             sub = _diff_keys(m0.get(key), meta.get(key))
             if key == "source":
@@ -165,9 +177,10 @@ def check_shards(paths) -> list[tuple[Path, dict]]:
                 f"{p}: shard {info['index']}/{n} covers rows {info['row_start']}..{info['row_stop']}, "
                 f"expected {want[0]}..{want[1]} of {info['input_rows']}"
             )
-    extra = [c for c in m0.get("columns", []) if c not in LIST_COLUMNS]
+    known = LIST_COLUMNS + (VISION_COLUMNS if "vision" in m0 else ())
+    extra = [c for c in m0.get("columns", []) if c not in known]
     if extra:
-        raise ShardMismatchError(f"merging builds with columns {extra} is not supported yet (text builds only)")
+        raise ShardMismatchError(f"merging builds with columns {extra} is not supported")
     return [(p, m) for p, m, _ in shards]
 
 
@@ -200,15 +213,16 @@ def _copy_checked(src: Path, dst: Path, entry: dict, *, link: bool) -> None:
         raise NotPackedError(f"{src} does not match its sha256 in {METADATA_FILE} (modified or corrupt)")
 
 
-def _seq_lens(path: Path, file_format: str):
-    """``(seq_lens, samples per pack)`` of one data file, reading only that column."""
+def _list_column(path: Path, file_format: str, name: str = "seq_lens"):
+    """``(values, values per pack)`` of list column ``name`` of one data file (int64), reading
+    only that column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if file_format == "parquet":
-        col = pq.read_table(path, columns=["seq_lens"]).column("seq_lens")
+        col = pq.read_table(path, columns=[name]).column(name)
     else:
-        col = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("seq_lens")
+        col = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column(name)
     col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     offsets = np.asarray(col.offsets).astype(np.int64)
     values = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.int64)[offsets[0] : offsets[-1]]
@@ -241,14 +255,18 @@ def _load_lengths(path: Path, info: dict) -> np.ndarray:
 
 
 def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
-                    input_lengths: np.ndarray, files: list[dict], model_config=None) -> dict:
-    """The metadata of the merged dataset (see the module docstring)."""
+                    input_lengths: np.ndarray, files: list[dict], model_config=None, vision=None) -> dict:
+    """The metadata of the merged dataset (see the module docstring). ``vision``: for a VLM
+    build, ``(grids, pack_patches)``: int64 ``[N, 3]`` grids of every image and the vision
+    patches of every pack, in the merged pack order."""
     from thdpack.offline.stats import nemo_fields, summarize
 
     metas = [m for _, m in shards]
     first = metas[0]
     counts = _sum_counts([m["counts"] for m in metas])
     kw = {"model_config": model_config} if model_config is not None else {}
+    if model_config is not None and vision is not None:
+        kw["vision_grid_thw"] = vision[0]
     summary = summarize(seq_lens, pack_offsets, first["pack_size"], first["align"], input_lengths=input_lengths, **kw)
     for key in first.get("stats", {}):  # counters the build appends to the statistics
         if key not in summary:
@@ -273,6 +291,10 @@ def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
             value = summary
         elif key == "skipped_examples":
             value = skipped
+        elif key == "vision" and vision is not None:
+            grids, pack_patches = vision
+            value = dict(value, images=int(grids.shape[0]), vision_patches=int(grids.prod(axis=1).sum()),
+                         max_pack_vision_patches=int(pack_patches.max()) if pack_patches.size else 0)
         meta[key] = value
     meta[MERGED_KEY] = {
         "count": len(metas),
@@ -314,16 +336,22 @@ def merge_shards(
     tmp.mkdir()
     try:
         files, lens, per_pack, lengths = [], [], [], []
+        vision_entry = first.get("vision")
+        grids, per_pack_images = [], []
         for p, meta in shards:
             for f in meta["files"]:
                 name = shard_name(len(files), n_files, fmt)
                 _copy_checked(p / f["path"], tmp / name, f, link=link)
                 files.append(dict(f, path=name))
-                s, c = _seq_lens(tmp / name, fmt)
+                s, c = _list_column(tmp / name, fmt)
                 if c.size != f["num_packs"]:
                     raise NotPackedError(f"{p / f['path']} has {c.size} packs, metadata says {f['num_packs']}")
                 lens.append(s)
                 per_pack.append(c)
+                if vision_entry is not None:
+                    g, n3 = _list_column(tmp / name, fmt, "image_grid_thw")
+                    grids.append(g.reshape(-1, 3))
+                    per_pack_images.append(n3 // 3)
             lengths.append(_load_lengths(p, meta[SHARD_KEY]))
         seq_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
         offsets = np.zeros(sum(c.size for c in per_pack) + 1, dtype=np.int64)
@@ -339,7 +367,14 @@ def merge_shards(
                 (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp / entry["saved_copy"])
                 if key == "model":
                     model_config = json.loads(src.read_text(encoding="utf-8"))
-        meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config)
+        vision = None
+        if vision_entry is not None:
+            saved = vision_entry.get("saved_processor", PROCESSOR_DIR)
+            if not (first_path / saved).is_dir():
+                raise NotPackedError(f"{first_path}: {saved} (the saved image processor) is missing")
+            shutil.copytree(first_path / saved, tmp / saved)
+            vision = _vision_totals(grids, per_pack_images)
+        meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
         meta_tmp = tmp / (METADATA_FILE + ".partial")
         meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         _fsync(meta_tmp)
@@ -354,6 +389,17 @@ def merge_shards(
         log(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
             f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")
     return MergeResult(output, meta, meta["stats"])
+
+
+def _vision_totals(grids: list, per_pack_images: list) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 ``[N, 3]`` grids of every image, int64 vision patches of every pack)."""
+    g = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
+    counts = np.concatenate(per_pack_images) if per_pack_images else np.zeros(0, np.int64)
+    cum = np.zeros(g.shape[0] + 1, np.int64)
+    np.cumsum(g.prod(axis=1), out=cum[1:])
+    first = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    return g, cum[first[1:]] - cum[first[:-1]]
 
 
 # ---------------------------------------------------------------------------- command line
