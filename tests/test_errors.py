@@ -154,6 +154,17 @@ def test_collator_reports_bad_sample():
         ThdCollator(pack_size=16)([OK, {"ids": [1, 2]}])
 
 
+def test_collator_names_the_bad_sample_by_its_place_in_the_call_not_in_its_pack():
+    # one pack: the pack keeps the call order
+    bad = {"input_ids": list(range(1, 9)), "labels": [1, 2]}
+    with pytest.raises(ValueError, match=r"^sample 2: 'labels' has 2 values .*\(position 2 of pack 0\)$"):
+        ThdCollator(pack_size=16)([{"input_ids": [1, 2]}, {"input_ids": [3]}, bad])
+    # several packs (12 | 3 + 11 tokens): the bad sample is the first of the second pack
+    samples = [{"input_ids": list(range(1, 13))}, {"input_ids": [5, -1, 6]}, {"input_ids": list(range(1, 12))}]
+    with pytest.raises(ValueError, match=r"^sample 1: 'input_ids' has negative id -1 .*\(position 0 of pack 1\)$"):
+        ThdCollator(pack_size=14)(samples)
+
+
 # --------------------------------------------------------------------------
 # builder options
 # --------------------------------------------------------------------------

@@ -417,7 +417,7 @@ def test_qwen3_next_hybrid_hand_formula():
     n_full, n_lin = 12, 36  # full_attention_interval 4: layers 3, 7, ..., 47
     d_q, d_kv = 16 * 256, 2 * 256
     gate = d_q  # q_proj emits query and output gate
-    dk, dv, nv, dhk, dhv = 16 * 128, 32 * 128, 32, 128, 128
+    dk, dv, nv, dhv = 16 * 128, 32 * 128, 32, 128
     tokens, sq = 65_536, 400_000_000
     attn_proj = 6 * n_full * (h * (d_q + gate) + 2 * h * d_kv + d_q * h)
     core = 6 * n_full * d_q
@@ -478,7 +478,7 @@ def test_qwen2_5_vl_7b_vision_hand_formula():
     assert (stats.patches, stats.seqlen_squared_sum, stats.window_seqlen_squared_sum) == (patches, full_sq, win_sq)
     assert vision_seqlen_stats(grid, v) == stats  # the vision sub-config works too
 
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     vision_utils = pytest.importorskip("transformers.vision_utils")
     _, cu_win = vision_utils.get_vision_window_index(torch.tensor(grid), m, 112, 14)
     win = (cu_win[1:] - cu_win[:-1]).to(torch.int64)
@@ -496,7 +496,7 @@ def test_qwen2_5_vl_7b_vision_hand_formula():
     tokens, sq = 6000, 9_000_000
     text = model_flops_breakdown(QWEN2_5_VL_7B, tokens, sq)
     assert not any(k.startswith("vision") for k in text)
-    h, L, V, d_q, d_kv = 3584, 28, 152064, 28 * 128, 4 * 128
+    h, L, d_q, d_kv = 3584, 28, 28 * 128, 4 * 128
     assert text["attention_projections"] == 6 * L * (h * d_q + 2 * h * d_kv + d_q * h) * tokens
     assert text["mlp"] == 6 * h * 3 * 18944 * L * tokens
     full = model_flops_breakdown(QWEN2_5_VL_7B, tokens, sq, vision_grid_thw=grid)

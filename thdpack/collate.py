@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
@@ -12,6 +14,9 @@ from thdpack.build import build_thd_batch
 from thdpack.cp import check_cp_args
 from thdpack.plan import PackStats, plan_packs
 from thdpack.samples import get_field, to_int_array
+
+
+_SAMPLE_PREFIX = re.compile(r"sample (\d+)")  # how build_thd_batch's errors name a sample
 
 
 class PackedBatches(list):
@@ -101,10 +106,13 @@ class ThdCollator:
         if self.pack_size is None:
             return build_thd_batch(samples, **self.build_kwargs)
         samples = list(samples)
-        lengths = np.array(
-            [to_int_array(get_field(s, "input_ids", i, required=True), sample=i, field="input_ids").size for i, s in enumerate(samples)],
-            dtype=np.int64,
-        )
+        lengths = np.zeros(len(samples), dtype=np.int64)
+        for i, s in enumerate(samples):
+            raw = get_field(s, "input_ids", i, required=True)
+            ids = to_int_array(raw, sample=i, field="input_ids")
+            lengths[i] = ids.size
+            if isinstance(s, dict) and not isinstance(raw, (np.ndarray, torch.Tensor)):
+                samples[i] = {**s, "input_ids": ids}  # convert a list once, not again when the pack is built
         if self.max_length is not None:
             lengths = np.minimum(lengths, self.max_length)
         vision = {}
@@ -113,8 +121,17 @@ class ThdCollator:
 
             vision = dict(vision_lengths=vision_lengths(samples), vision_budget=self.vision_budget)
         plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs, **vision)
-        batches = [
-            build_thd_batch(plan.gather(samples, k), sample_index=plan.pack(k), **self.build_kwargs)
-            for k in range(len(plan))
-        ]
+        batches = [self._build_pack(plan, samples, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)
+
+    def _build_pack(self, plan, samples, k: int) -> ThdBatch:
+        index = plan.pack(k)
+        try:
+            return build_thd_batch(plan.gather(samples, k), sample_index=index, **self.build_kwargs)
+        except ValueError as exc:  # name the sample by its position in this call, not in the pack
+            found = _SAMPLE_PREFIX.match(str(exc))
+            if found is None:
+                raise
+            j = int(found.group(1))
+            where = f"sample {int(index[j])}" if 0 <= j < len(index) else found.group(0)
+            raise ValueError(f"{where}{str(exc)[found.end():]} (position {j} of pack {k})") from None
