@@ -317,7 +317,9 @@ def test_content_given_as_parts_packs_like_markers(tmp_path, assets, inline):
     path = assets / f"parts-{inline}.jsonl"
     path.write_text("".join(json.dumps(as_parts(r, inline=inline)) + "\n" for r in CHAT_ROWS))
     assert any(isinstance(m["content"], list) for m in json.loads(path.read_text().splitlines()[1])["messages"])
-    marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False, log=None).path)
+    logs = []
+    marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False, log=logs.append).path)
+    assert any("through tiktoken" in line for line in logs)  # VLM rows take the tiktoken encoder too
     parts = load_packed(build_packed(cfg(assets, input=str(path)), tmp_path / "parts", progress=False, log=None).path)
     a, b = _pack_columns(marked), _pack_columns(parts)
     assert len(a) == len(b) == len(marked) and set(a[0]) == set(b[0])

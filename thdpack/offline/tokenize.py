@@ -429,7 +429,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         + (vlm.input_columns() if vlm is not None else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
-    bpe = fast_bpe(cfg, tok, fmt, log=log) if vlm is None else None
+    bpe = fast_bpe(cfg, tok, fmt, log=log)
     target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
     features = datasets.Features(
         {
@@ -447,7 +447,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     def row_tokenizer(bpe):
         if vlm is None:
             return RowTokenizer(fmt, cfg, tok, ds.column_names, bpe)
-        return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source)
+        return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source, bpe)
 
     num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, cfg.map_batch_size))) if cfg.num_proc > 1 else None
     if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (spill.py)

@@ -93,8 +93,8 @@ class VlmBuild:
     row_dirs: list = field(default_factory=list)  # directory of each input file (for relative image paths)
 
     # ---- tokenization
-    def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source) -> "VlmRowTokenizer":
-        return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source)
+    def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> "VlmRowTokenizer":
+        return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source, bpe)
 
     def features(self) -> dict:
         import datasets
@@ -301,11 +301,11 @@ class VlmRowTokenizer(RowTokenizer):
     :class:`RowTokenizer` with the row's images processed and their placeholders expanded,
     plus ``pixel_values`` (flat float32) and ``image_grid_thw`` (flat int32) columns."""
 
-    def __init__(self, fmt, cfg, tokenizer, columns, vlm: VlmBuild, source):
+    def __init__(self, fmt, cfg, tokenizer, columns, vlm: VlmBuild, source, bpe=None):
         if fmt == "tokenized":
             raise ConfigError("rows with images must be chat or text rows: the image placeholders are expanded "
                               "before tokenizing (already tokenized VLM rows are not supported)")
-        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c != vlm.images_field])
+        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c != vlm.images_field], bpe)
         self.json_rows = columns == [JSON_COLUMN]
         self.vlm = vlm
         self.row_offsets = np.asarray(source.row_offsets)
