@@ -160,8 +160,13 @@ def _prefix_space(spec):
     spec["pre_tokenizer"]["add_prefix_space"] = True
 
 
+def _bad_regex(spec):
+    spec["pre_tokenizer"] = _split_bytelevel(r"\p{L}+|\X")  # grapheme clusters: Oniguruma has them, tiktoken's engine not
+
+
 @pytest.mark.parametrize("edit, reason", [
     (_wordpiece, "not BPE"),
+    (_bad_regex, "tiktoken cannot take it"),
     (_edit_model(dropout=0.1), "dropout"),
     (_digits, "pre-tokenizer"),
     (_prefix_special, "prefix of another"),

@@ -227,8 +227,11 @@ class TiktokenBPE:
         affix = _post_processor_affix(backend)
         if affix is None:
             return None, "the post-processor adds more than a fixed prefix and suffix"
-        return cls(backend, _pattern(spec), ranks, specials, np.asarray(rank_to_id, dtype=np.int32), *affix,
-                   nfc=spec.get("normalizer") is not None), ""
+        try:
+            return cls(backend, _pattern(spec), ranks, specials, np.asarray(rank_to_id, dtype=np.int32), *affix,
+                       nfc=spec.get("normalizer") is not None), ""
+        except Exception as exc:  # noqa: BLE001 - e.g. a split regex tiktoken's engine does not compile
+            return None, f"tiktoken cannot take it ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 def _steps(node: dict | None, kind: str) -> list[dict]:
