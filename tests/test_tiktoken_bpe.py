@@ -101,6 +101,37 @@ def test_same_ids_as_the_tokenizer(layout, batch, special):
     assert all(g.dtype == np.int32 for g in got)
 
 
+@pytest.fixture(scope="module")
+def trained_qwen_style():
+    """A BPE trained here by ``tokenizers``' own trainer with Qwen's split regex (a vocabulary
+    and merge list as a real tokenizer's are made, not the bundled one edited)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = None
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_REGEX), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [r["text"] for r in generate_rows(1500, seed=21, kind="text")] + PIECES
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=8000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+    fast, why = TiktokenBPE.from_tokenizer(tok)
+    assert fast is not None, why
+    assert len(fast.ranks) > 3000  # the trainer made thousands of merges
+    return tok, fast
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(texts, min_size=1, max_size=8))
+def test_a_trained_tokenizer_gives_the_same_ids(trained_qwen_style, batch):
+    tok, bpe = trained_qwen_style
+    got = bpe.encode(batch, add_special_tokens=False)
+    assert [g.tolist() for g in got] == [e.ids for e in tok.backend_tokenizer.encode_batch_fast(batch)]
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layouts_convert_and_match_on_demo_rows(layout):
     tok = load(layout)
