@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.format import shard_name
+from thdpack.offline.gather import RowPieces
 from thdpack.plan import PackPlan
 
 IGNORE_INDEX = -100
@@ -92,6 +93,7 @@ def write_packs(
         chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
         shard_cuts = _cuts(chunk_weight, int(shard_size_mb * 1e6))
     n_shards = len(shard_cuts) - 1
+    readers = {name: RowPieces(token_table, name) for name in ("input_ids", targets)}
     files, target_tokens = [], 0
     bar = tqdm(total=num_packs, desc="Writing packs", unit="pack", disable=not progress, leave=False)
     for s in range(n_shards):
@@ -108,7 +110,7 @@ def write_packs(
             chunk_cuts = _cuts(chunk_weight[a:b], chunk_budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(token_table, targets, plan, sample_rows, ks, sch, row_offset, extra)
+                batch, n_targets = _chunk(token_table, readers, targets, plan, sample_rows, ks, sch, row_offset, extra)
                 target_tokens += n_targets
                 if file_format == "arrow":
                     writer.write_batch(batch)
@@ -132,9 +134,10 @@ def write_packs(
     return {"files": files, "target_tokens": int(target_tokens)}
 
 
-def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch, row_offset: int = 0,
-           extra=None):
-    """One record batch holding packs ``ks``; also its number of target tokens."""
+def _chunk(token_table, readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,
+           row_offset: int = 0, extra=None):
+    """One record batch holding packs ``ks``; also its number of target tokens. ``readers``:
+    a :class:`~thdpack.offline.gather.RowPieces` of ``token_table`` per token column."""
     import pyarrow as pa
 
     starts = plan.pack_offsets[ks]
@@ -146,14 +149,8 @@ def _chunk(token_table, targets: str, plan: PackPlan, sample_rows: np.ndarray, k
     pstart = plan.start[piece]
     plen = plan.length[piece]
 
-    taken = token_table.select(["input_ids", targets]).take(pa.array(rows, pa.int64()))
     piece_first = np.cumsum(plen) - plen  # first token of each piece in the output stream
-    out = {}
-    for name in ("input_ids", targets):
-        col = taken.column(name).combine_chunks()
-        offs = np.asarray(col.offsets).astype(np.int64)
-        src = np.repeat(offs[:-1] + pstart - piece_first, plen) + np.arange(int(plen.sum()))
-        out[name] = col.values.to_numpy(zero_copy_only=False)[src]
+    out = {name: readers[name].gather(rows, pstart, plen) for name in ("input_ids", targets)}
     tgt = out[targets]
     is_target = tgt if targets == "loss_mask" else tgt != IGNORE_INDEX
     n_targets = int(is_target.sum()) - int(is_target[piece_first].sum())  # a sample's first token is never a target
