@@ -206,6 +206,16 @@ def _kind(path: Path) -> str:
 # ---------------------------------------------------------------------------- readers
 
 
+def _map_file(path: Path):
+    """The file's bytes, memory-mapped read-only (``b""`` for an empty file)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -217,18 +227,23 @@ def _sha256_file(path: Path) -> str:
 def _read_json(given: str, path: Path, kind: str, limit: int | None):
     import pyarrow as pa
 
-    raw = path.read_bytes()
-    sha = hashlib.sha256(raw).hexdigest()
     if path.name.lower().endswith(".gz"):
+        raw = path.read_bytes()
+        sha = hashlib.sha256(raw).hexdigest()
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as exc:
             raise InputError(f"{given}: not a valid gzip file ({exc})") from None
+    else:
+        # memory-mapped: the lines are views of the file's pages (page cache, shared with the
+        # tokenization workers' reads), not a private copy of a file that may be larger than RAM
+        raw = _map_file(path)
+        sha = _sha256_file(path)
     start = raw[: 1 << 16]  # the first non-blank byte, without copying the whole file
-    head = start.lstrip()[:1] if start.strip() else raw.lstrip()[:1]
+    head = start.lstrip()[:1] if start.strip() else bytes(raw).lstrip()[:1]
     if head == b"[":  # a JSON array of objects
         try:
-            rows = json.loads(raw)
+            rows = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InputError(f"{given}: invalid JSON ({exc})") from None
         if limit is not None:
@@ -239,7 +254,7 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
     split = split_lines(raw, limit)  # zero-copy (thdpack/offline/jsonl.py)
     if split is not None:
         return pa.table({JSON_COLUMN: split[0]}), SourceFile(given, "jsonl", len(split[0]), sha, split[1])
-    parts = raw.split(b"\n")
+    parts = bytes(raw).split(b"\n")
     keep = [i for i, line in enumerate(parts) if line.strip()]
     if limit is not None:
         keep = keep[:limit]
