@@ -457,3 +457,13 @@ def test_import_thdpack_stays_light():
         "assert not [m for m in ('datasets', 'transformers', 'pyarrow') if m in sys.modules]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_or_blank_jsonl_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(InputError, match=r"empty\.jsonl: no rows"):
+        build_packed(BuildConfig(input=str(path), tokenizer=str(TOKENIZER_DIR)), tmp_path / "out", progress=False,
+                     log=None)
+    assert not (tmp_path / "out").exists()
