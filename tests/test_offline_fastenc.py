@@ -83,3 +83,65 @@ def test_ineligible_tokenizer_falls_back(tmp_path):
         post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}))
     assert fastenc._byte_lengths(tok) is None
     assert_chat_equal(tok, UNICODE_CHATS + [r["messages"] for r in generate_rows(20, seed=1, kind="chat")])
+
+
+# ---------------------------------------------------------------------------- text with character spans
+
+
+def offsets_reference(tok, texts, spans):
+    """Per row: ids and the tokens whose offset_mapping overlaps a span (what the build did row by row)."""
+    out = []
+    for text, row_spans in zip(texts, spans):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(enc["input_ids"]), bool)
+        for a, b in row_spans:
+            mask |= (off[:, 1] > a) & (off[:, 0] < b)
+        out.append((np.asarray(enc["input_ids"]), mask))
+    return out
+
+
+def span_cases(tok):
+    """Rendered conversations and their assistant spans, plus spans that start or end inside
+    a multi-byte character's tokens, empty spans, and rows without spans."""
+    convs = [r["messages"] for r in generate_rows(60, seed=7, kind="chat")] + UNICODE_CHATS
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in convs]
+    rng = np.random.default_rng(3)
+    spans = []
+    for t in texts:
+        cuts = np.sort(rng.integers(0, len(t) + 1, size=2 * int(rng.integers(0, 4))))
+        spans.append([(int(a), int(b)) for a, b in cuts.reshape(-1, 2)])
+    return texts, spans
+
+
+@pytest.mark.parametrize("through_tiktoken", [False, True])
+def test_spans_fast_path_equals_offsets(through_tiktoken):
+    from thdpack.offline.tiktoken_bpe import TiktokenBPE
+
+    tok = load()
+    bpe = TiktokenBPE.from_tokenizer(tok)[0] if through_tiktoken else None
+    texts, spans = span_cases(tok)
+    assert any(not t.isascii() for t in texts) and any(not s for s in spans)
+    got = fastenc.encode_with_spans(tok, texts, spans, bpe)
+    assert fastenc._span_checked[id(tok)][1] is not None  # the fast path was taken
+    for (ids, mask), (ref_ids, ref_mask) in zip(got, offsets_reference(tok, texts, spans)):
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_array_equal(mask, ref_mask)
+    assert sum(int(m.sum()) for _, m in got) > 0
+
+
+def test_spans_rows_that_are_not_nfc_and_ineligible_tokenizers_fall_back(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    nfc = load(tmp_path / "a", lambda spec: spec.update(normalizer={"type": "NFC"}))
+    texts, spans = span_cases(nfc)
+    texts.append("cafe\u0301 and more")  # not NFC: this row goes through the offsets path
+    spans.append([(0, 6)])
+    trims = load(tmp_path / "b", lambda spec: spec.update(
+        post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}))
+    for tok, fast in ((nfc, True), (trims, False)):
+        got = fastenc.encode_with_spans(tok, texts, spans)
+        assert (fastenc._span_checked[id(tok)][1] is not None) == fast
+        for (ids, mask), (ref_ids, ref_mask) in zip(got, offsets_reference(tok, texts, spans)):
+            np.testing.assert_array_equal(ids, ref_ids)
+            np.testing.assert_array_equal(mask, ref_mask)

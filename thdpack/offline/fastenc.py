@@ -12,6 +12,8 @@ Python would differ); if not, every call goes through ``tokenizer(texts)``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
 
 _CHECK_ROWS = 32
@@ -91,8 +93,6 @@ def _chat_slow(tok, conversations):
 
 
 def _same(a, b) -> bool:
-    import numpy as np
-
     return all(
         len(a[k]) == len(b[k]) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a[k], b[k]))
         for k in ("input_ids", "assistant_masks")
@@ -100,10 +100,6 @@ def _same(a, b) -> bool:
 
 
 def _chat_fast(tok, conversations, byte_len, bpe=None):
-    import unicodedata
-
-    import numpy as np
-
     try:
         from transformers.tokenization_utils_base import _normalize_chat_messages
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -114,34 +110,20 @@ def _chat_fast(tok, conversations, byte_len, bpe=None):
             return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
             **tok.special_tokens_map,
         )
-        if bpe is not None:
-            encodings = bpe.encode(rendered, add_special_tokens=False)
-        else:
-            encodings = [e.ids for e in tok.backend_tokenizer.encode_batch_fast(rendered, add_special_tokens=False)]
+        encodings = _encode_ids(tok, rendered, bpe)
     except FastTokenizerMismatch:
         raise
     except Exception:  # noqa: BLE001 - another transformers version, or a row it rejects: the reference path says
         return None
-    nfc = byte_len.nfc
     ids_out, masks_out = [], []
-    for enc, text, spans in zip(encodings, rendered, spans_all):
-        ids = np.asarray(enc, dtype=np.int32)
-        if ids.size and int(ids.max()) >= byte_len.size:
+    for ids, text, spans in zip(encodings, rendered, spans_all):
+        bounds = _token_bytes(ids, text, byte_len)
+        if bounds is None:
             return None
-        ends = np.cumsum(byte_len[ids])
-        ascii_text = text.isascii()
-        if (ends[-1] if ids.size else 0) != (len(text) if ascii_text else len(text.encode("utf-8"))):
-            return None  # the tokens do not spell the text byte for byte
-        if nfc and not ascii_text and not unicodedata.is_normalized("NFC", text):
-            return None
+        starts, ends = bounds
         mask = np.zeros(ids.size, dtype=bool)
         if spans and ids.size:
-            if ascii_text:
-                sp = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-            else:
-                sp = np.asarray([[len(text[:a].encode("utf-8")), len(text[:b].encode("utf-8"))] for a, b in spans],
-                                dtype=np.int64)
-            starts = ends - byte_len[ids]
+            sp = _byte_spans(text, spans)
             # transformers: a token is marked when it overlaps the first span ending after its start
             k = np.searchsorted(sp[:, 1], starts, side="right")
             inside = k < sp.shape[0]
@@ -149,6 +131,107 @@ def _chat_fast(tok, conversations, byte_len, bpe=None):
         ids_out.append(ids)
         masks_out.append(mask)
     return {"input_ids": ids_out, "assistant_masks": masks_out}
+
+
+def _encode_ids(tok, texts, bpe=None) -> list:
+    """int32 ids of ``texts`` without special tokens added: through ``bpe`` or the backend."""
+    if bpe is not None:
+        return bpe.encode(texts, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int32) for e in tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def _token_bytes(ids, text: str, byte_len):
+    """int64 ``(starts, ends)``: each token's byte span in ``text``'s UTF-8, from the ids alone;
+    None when the tokens do not spell the text byte for byte (or it is not NFC under an NFC
+    normalizer): then the caller must not use them."""
+    import unicodedata
+
+    if ids.size and int(ids.max()) >= byte_len.size:
+        return None
+    ends = np.cumsum(byte_len[ids])
+    ascii_text = text.isascii()
+    if (ends[-1] if ids.size else 0) != (len(text) if ascii_text else len(text.encode("utf-8"))):
+        return None
+    if byte_len.nfc and not ascii_text and not unicodedata.is_normalized("NFC", text):
+        return None
+    return ends - byte_len[ids], ends
+
+
+def _byte_spans(text: str, spans) -> "np.ndarray":
+    """int64 ``[k, 2]``: character spans of ``text`` as UTF-8 byte spans."""
+    if text.isascii():
+        return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    return np.asarray([[len(text[:a].encode("utf-8")), len(text[:b].encode("utf-8"))] for a, b in spans],
+                      dtype=np.int64).reshape(-1, 2)
+
+
+# ---------------------------------------------------------------------------- text with character spans
+#
+# Chat templates without ``{% generation %}`` markers (Qwen's, for one): the build finds
+# each assistant turn's character span by rendering prefixes (tokenize.py), then needs
+# the ids of the whole text and which tokens overlap a span. Through transformers that
+# is one call per row with offsets; here the rows are encoded together without offsets
+# and the overlap is decided on byte spans as above, row by row checked and on the
+# first rows compared with the offsets path.
+
+_span_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, byte lengths by id or None)
+
+
+def encode_with_spans(tok, texts: list[str], spans: list, bpe=None) -> list:
+    """``[(ids, mask)]``: int32 ids of ``tok(text, add_special_tokens=False)`` and a bool mask of
+    the tokens whose character offsets overlap one of the text's ``spans`` (``[(a, b), ...]``)."""
+    entry = _span_checked.get(id(tok))
+    if entry is None or entry[0] is not tok:
+        table = _byte_lengths(tok)
+        if table is not None:
+            head = _spans_fast(tok, texts[:_CHECK_ROWS], spans[:_CHECK_ROWS], table, bpe)
+            if head is None:  # these rows cannot take the fast path: decide on a later batch
+                return _spans_slow(tok, texts, spans)
+            ref = _spans_slow(tok, texts[:_CHECK_ROWS], spans[:_CHECK_ROWS])
+            if not all(np.array_equal(a, c) and np.array_equal(b, d) for (a, b), (c, d) in zip(head, ref)):
+                table = None
+        _span_checked[id(tok)] = entry = (tok, table)
+    if entry[1] is not None:
+        got = _spans_fast(tok, texts, spans, entry[1], bpe)
+        if got is not None:
+            return got
+    return _spans_slow(tok, texts, spans)
+
+
+def _spans_fast(tok, texts, spans, byte_len, bpe=None):
+    """``encode_with_spans`` on byte spans; rows that fail the byte check go through
+    :func:`_spans_slow` one by one. None when the backend rejects the batch."""
+    try:
+        encoded = _encode_ids(tok, texts, bpe)
+    except FastTokenizerMismatch:
+        raise
+    except Exception:  # noqa: BLE001 - the reference path raises the row's own error
+        return None
+    out = []
+    for ids, text, row_spans in zip(encoded, texts, spans):
+        bounds = _token_bytes(ids, text, byte_len)
+        if bounds is None:
+            out.append(_spans_slow(tok, [text], [row_spans])[0])
+            continue
+        starts, ends = bounds
+        mask = np.zeros(ids.size, dtype=bool)
+        for a, b in (_byte_spans(text, row_spans) if row_spans else ()):
+            mask |= (ends > a) & (starts < b)
+        out.append((ids, mask))
+    return out
+
+
+def _spans_slow(tok, texts, spans):
+    out = []
+    for text, row_spans in zip(texts, spans):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(ids.size, dtype=bool)
+        for a, b in row_spans:  # a token is a target when it overlaps a span
+            mask |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+        out.append((ids, mask))
+    return out
 
 
 class _ByteLengths:
@@ -168,8 +251,6 @@ def _byte_lengths(tok):
     text byte for byte (no normalizer but NFC, byte-level pre-tokenizer, untrimmed
     offsets, added tokens that strip nothing); else None."""
     import json
-
-    import numpy as np
 
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or not getattr(tok, "is_fast", False):

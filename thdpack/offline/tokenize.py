@@ -31,7 +31,7 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.fastenc import encode_chat, encode_texts
+from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -260,9 +260,21 @@ class RowTokenizer:
                     mask = _last_run(mask)
                 out.append((np.asarray(ids, dtype=np.int32), mask))
             return out
-        return [self._encode_chat_by_prefix(c) for c in convs]
+        return self._encode_chat_by_prefix(convs)
 
-    def _encode_chat_by_prefix(self, conv):
+    def _encode_chat_by_prefix(self, convs):
+        """Templates without ``{% generation %}``: each assistant turn's character span is found
+        by rendering the conversation up to it; the tokens overlapping a span are targets."""
+        rendered = [self._assistant_spans(c) for c in convs]
+        good = [i for i, r in enumerate(rendered) if not isinstance(r, str)]
+        encoded = encode_with_spans(self.tok, [rendered[i][0] for i in good], [rendered[i][1] for i in good], self.bpe)
+        out = list(rendered)  # rows whose template breaks the prefix rule keep their error message
+        for i, res in zip(good, encoded):
+            out[i] = res
+        return out
+
+    def _assistant_spans(self, conv):
+        """``(text, [(start, end)])`` character spans of the answers, or an error message."""
         render = self.tok.apply_chat_template
         full = render(conv, tokenize=False)
         spans = []
@@ -280,13 +292,7 @@ class RowTokenizer:
             spans.append((len(before), max(len(before), len(upto.rstrip()))))
         if self.loss == "last_assistant":
             spans = spans[-1:]
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(ids.size, dtype=bool)
-        for a, b in spans:  # a token is a target when it overlaps an assistant span
-            mask |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
-        return ids, mask
+        return full, spans
 
     def _encode_tokenized(self, row):
         try:
