@@ -389,7 +389,8 @@ def test_missing_tokenizer_is_a_clear_offline_error(tmp_path, chat_jsonl):
 # ---------------------------------------------------------------------------- chat templates
 
 
-def test_prefix_fallback_matches_generation_markers(tmp_path, tok, chat_rows):
+@pytest.mark.parametrize("loss", ["assistant", "last_assistant"])
+def test_prefix_fallback_matches_generation_markers(tmp_path, tok, chat_rows, loss):
     """A template without {% generation %} finds the same assistant tokens by prefix rendering."""
     plain = tmp_path / "plain-tok"
     shutil.copytree(TOKENIZER_DIR, plain)
@@ -397,8 +398,8 @@ def test_prefix_fallback_matches_generation_markers(tmp_path, tok, chat_rows):
     conf["chat_template"] = conf["chat_template"].replace("{% generation %}", "").replace("{% endgeneration %}", "")
     (plain / "tokenizer_config.json").write_text(json.dumps(conf))
     path = write_jsonl(chat_rows[:80], tmp_path / "c.jsonl")
-    a = load_packed(build(tmp_path, "gen", input=path).path)
-    b = load_packed(build(tmp_path, "prefix", input=path, tokenizer=str(plain)).path)
+    a = load_packed(build(tmp_path, "gen", input=path, loss=loss).path)
+    b = load_packed(build(tmp_path, "prefix", input=path, tokenizer=str(plain), loss=loss).path)
     assert b.metadata["tokenizer"]["chat_template_has_generation_markers"] is False
     for k in range(len(a)):
         for key in ("input_ids", "loss_mask", "sample_index"):

@@ -165,6 +165,64 @@ def _byte_spans(text: str, spans) -> "np.ndarray":
                       dtype=np.int64).reshape(-1, 2)
 
 
+# ---------------------------------------------------------------------------- rendering many conversations
+#
+# ``apply_chat_template(conv, tokenize=False)`` per conversation spends about as long
+# normalizing the messages and setting up as rendering. ``render_chats`` renders a whole
+# list in one ``render_jinja_template`` call (what ``apply_chat_template`` calls), on
+# messages normalized once (``normalize_chats``; a prefix of a normalized conversation is
+# the normalized prefix). The first call in a process compares it with
+# ``apply_chat_template`` on the first conversations, with and without the generation
+# prompt; any difference, or another transformers version, and every call goes through
+# ``apply_chat_template``.
+
+_render_checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, batched rendering usable)
+
+
+def normalize_chats(conversations: list) -> list:
+    """The conversations as ``apply_chat_template`` normalizes them (message objects to dicts,
+    ``None`` values dropped); as given when this transformers version has no such step."""
+    try:
+        from transformers.tokenization_utils_base import _normalize_chat_messages
+    except ImportError:
+        return list(conversations)
+    return [_normalize_chat_messages(c) for c in conversations]
+
+
+def render_chats(tok, conversations: list, add_generation_prompt: bool) -> list[str]:
+    """``[tok.apply_chat_template(c, tokenize=False, add_generation_prompt=...) for c in
+    conversations]`` for conversations already through :func:`normalize_chats`."""
+    entry = _render_checked.get(id(tok))
+    if entry is None or entry[0] is not tok:
+        head = conversations[:_CHECK_ROWS]
+        ok = all(_render_fast(tok, head, flag) == _render_slow(tok, head, flag) for flag in (False, True))
+        _render_checked[id(tok)] = entry = (tok, ok)
+    if entry[1] and conversations:
+        out = _render_fast(tok, conversations, add_generation_prompt)
+        if out is not None:
+            return out
+    return _render_slow(tok, conversations, add_generation_prompt)
+
+
+def _render_fast(tok, conversations, add_generation_prompt):
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            conversations=conversations, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
+            return_assistant_tokens_mask=False, continue_final_message=False,
+            add_generation_prompt=add_generation_prompt, **tok.special_tokens_map,
+        )
+    except Exception:  # noqa: BLE001 - another transformers version, or a conversation it rejects
+        return None
+    return list(rendered)
+
+
+def _render_slow(tok, conversations, add_generation_prompt):
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations]
+
+
 # ---------------------------------------------------------------------------- text with character spans
 #
 # Chat templates without ``{% generation %}`` markers (Qwen's, for one): the build finds

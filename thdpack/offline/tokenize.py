@@ -31,7 +31,7 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans
+from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -264,35 +264,34 @@ class RowTokenizer:
 
     def _encode_chat_by_prefix(self, convs):
         """Templates without ``{% generation %}``: each assistant turn's character span is found
-        by rendering the conversation up to it; the tokens overlapping a span are targets."""
-        rendered = [self._assistant_spans(c) for c in convs]
-        good = [i for i, r in enumerate(rendered) if not isinstance(r, str)]
-        encoded = encode_with_spans(self.tok, [rendered[i][0] for i in good], [rendered[i][1] for i in good], self.bpe)
-        out = list(rendered)  # rows whose template breaks the prefix rule keep their error message
-        for i, res in zip(good, encoded):
-            out[i] = res
-        return out
-
-    def _assistant_spans(self, conv):
-        """``(text, [(start, end)])`` character spans of the answers, or an error message."""
-        render = self.tok.apply_chat_template
-        full = render(conv, tokenize=False)
-        spans = []
-        for k, m in enumerate(conv):
-            if m.get("role") != "assistant":
+        by rendering the conversation up to it (the template must render a prefix of the
+        conversation as a prefix of the text); the tokens overlapping a span are targets."""
+        convs = normalize_chats(convs)
+        turns = [(i, k) for i, conv in enumerate(convs) for k, m in enumerate(conv) if m.get("role") == "assistant"]
+        fulls = render_chats(self.tok, convs, False)
+        uptos = render_chats(self.tok, [convs[i][: k + 1] for i, k in turns], False)
+        opened = iter(render_chats(self.tok, [convs[i][:k] for i, k in turns if k], True))
+        rows: list = [(text, []) for text in fulls]
+        for (i, k), upto in zip(turns, uptos):
+            before = next(opened) if k else ""
+            if isinstance(rows[i], str):
                 continue
-            before = render(conv[:k], tokenize=False, add_generation_prompt=True) if k else ""
-            upto = render(conv[: k + 1], tokenize=False)
+            full, spans = rows[i]
             if not (upto.startswith(before) and full.startswith(upto)):
-                return (
+                rows[i] = (
                     f"the chat template does not render message {k}'s prefix as a prefix of the conversation, so "
                     "assistant tokens cannot be located; use a template with {% generation %} markers or loss: all"
                 )
+                continue
             # the separator the template puts after a turn (ChatML's "\n") is not part of the answer
             spans.append((len(before), max(len(before), len(upto.rstrip()))))
         if self.loss == "last_assistant":
-            spans = spans[-1:]
-        return full, spans
+            rows = [r if isinstance(r, str) else (r[0], r[1][-1:]) for r in rows]
+        good = [i for i, r in enumerate(rows) if not isinstance(r, str)]
+        encoded = encode_with_spans(self.tok, [rows[i][0] for i in good], [rows[i][1] for i in good], self.bpe)
+        for i, res in zip(good, encoded):
+            rows[i] = res
+        return rows
 
     def _encode_tokenized(self, row):
         try:
