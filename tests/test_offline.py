@@ -414,6 +414,13 @@ def test_loss_modes(tmp_path, tok, chat_rows):
     for loss in ("assistant", "last_assistant", "all"):
         res = build(tmp_path, loss, input=path, loss=loss, pack_size=8192)
         targets[loss] = res.metadata["counts"]["target_tokens"]
+        ds = load_packed(res.path)
+        for k in range(len(ds)):  # every mode keeps apply_chat_template's ids
+            row = ds[k]
+            for r, sample in zip(row["sample_index"].tolist(), unpack_row(row)):
+                np.testing.assert_array_equal(sample["input_ids"], refs[r][0])
+                if loss == "all":
+                    assert sample["loss_mask"].all()
     total = sum(i.size - 1 for i, _ in refs)
     assert targets["all"] == total
     assert targets["last_assistant"] < targets["assistant"] == sum(int(m[1:].sum()) for _, m in refs)

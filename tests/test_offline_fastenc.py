@@ -65,7 +65,9 @@ def test_text_fast_path_equals_tokenizer_call():
     tok = load()
     texts = [r["text"] for r in generate_rows(100, seed=2, kind="text")] + [c[0]["content"] for c in UNICODE_CHATS]
     assert fastenc.encode_texts(tok, texts) == tok(texts, add_special_tokens=True)["input_ids"]
-    assert fastenc._checked[id(tok)][1]
+    assert fastenc._checked[(id(tok), True)][1]
+    assert fastenc.encode_texts(tok, texts, add_special_tokens=False) == tok(texts, add_special_tokens=False)["input_ids"]
+    assert fastenc._checked[(id(tok), False)][1]
 
 
 def test_nfc_normalizer_rows_that_are_not_nfc_fall_back(tmp_path):

@@ -17,34 +17,39 @@ import numpy as np
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
 
 _CHECK_ROWS = 32
-_checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, fast path usable)
+# (id(tokenizer), add_special_tokens) -> (tokenizer, fast path usable)
+_checked: dict[tuple[int, bool], tuple[object, bool]] = {}
 
 
-def encode_texts(tok, texts: list[str], bpe=None) -> list:
-    """``tok(texts, add_special_tokens=True)["input_ids"]``, through the backend when that is equal,
+def encode_texts(tok, texts: list[str], bpe=None, *, add_special_tokens: bool = True) -> list:
+    """``tok(texts, add_special_tokens=...)["input_ids"]``, through the backend when that is equal,
     and through ``bpe`` (a :class:`~thdpack.offline.tiktoken_bpe.TiktokenBPE` of the backend,
     int32 arrays) when given."""
-    entry = _checked.get(id(tok))
+    key = (id(tok), add_special_tokens)
+    entry = _checked.get(key)
     if entry is None or entry[0] is not tok:
-        reference = _slow(tok, texts[:_CHECK_ROWS])  # also sets the backend's truncation/padding as transformers does
-        ok = _fast(tok, texts[:_CHECK_ROWS]) == reference
-        _checked[id(tok)] = entry = (tok, ok)
+        # (the reference call also sets the backend's truncation/padding as transformers does)
+        reference = _slow(tok, texts[:_CHECK_ROWS], add_special_tokens)
+        ok = _fast(tok, texts[:_CHECK_ROWS], add_special_tokens) == reference
+        _checked[key] = entry = (tok, ok)
     if not entry[1]:
-        return _slow(tok, texts)
-    return bpe.encode(texts, add_special_tokens=True) if bpe is not None else _fast(tok, texts)
+        return _slow(tok, texts, add_special_tokens)
+    if bpe is not None:
+        return bpe.encode(texts, add_special_tokens=add_special_tokens)
+    return _fast(tok, texts, add_special_tokens)
 
 
-def _slow(tok, texts):
-    return tok(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+def _slow(tok, texts, add_special_tokens=True):
+    return tok(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
 
 
-def _fast(tok, texts):
+def _fast(tok, texts, add_special_tokens=True):
     backend = getattr(tok, "backend_tokenizer", None)
     encode = getattr(backend, "encode_batch_fast", None)
     if encode is None or not getattr(tok, "is_fast", False):
         return None
     try:
-        return [e.ids for e in encode(texts, add_special_tokens=True)]
+        return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
     except Exception:  # noqa: BLE001 - any backend failure: use the transformers path
         return None
 

@@ -248,8 +248,9 @@ class RowTokenizer:
         return out
 
     def _encode_chat(self, convs):
-        if self.loss == "all":
-            enc = self.tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
+        if self.loss == "all":  # == apply_chat_template(convs, tokenize=True): render, then encode without specials
+            texts = render_chats(self.tok, normalize_chats(convs), False)
+            enc = encode_texts(self.tok, texts, self.bpe, add_special_tokens=False)
             return [(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)) for ids in enc]
         if self.has_generation:
             enc = encode_chat(self.tok, convs, self.bpe)  # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
