@@ -4,6 +4,7 @@
     python benchmarks/build.py --kind text chat         # both row kinds
     python benchmarks/build.py --num-samples 20000 --json out.json
     python benchmarks/build.py --profile                # plus where thdpack's time goes
+    python benchmarks/build.py --tokenizer DIR --tokenizer-backend hf   # another tokenizer; without tiktoken
 
 The same JSONL file (``--num-samples`` rows of thdpack's seeded demo generator,
 ``thdpack/demo/synthetic.py``, written to a temporary directory) and the bundled
@@ -206,6 +207,10 @@ def main() -> int:
     p.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="same for both pipelines")
     p.add_argument("--map-batch-size", type=int, default=1000, help="rows per tokenization batch, both pipelines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="a local tokenizer directory for both pipelines (default: the bundled one); "
+                   "chat rows need a template with {% generation %} markers for TRL's assistant masks")
+    p.add_argument("--tokenizer-backend", choices=["auto", "tiktoken", "hf"], default="auto",
+                   help="thdpack's encoder (hf: the tokenizer itself, to see what tiktoken adds)")
     p.add_argument("--trl-style", nargs="+", choices=["batched", "sft"], default=["batched", "sft"],
                    help="batched: one batched datasets.map tokenization (the fastest TRL pipeline); sft: the "
                    "per-example maps of trl.SFTTrainer (add EOS, tokenize, build labels)")
@@ -223,9 +228,11 @@ def main() -> int:
 
     from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl
 
+    tokenizer = str(Path(args.tokenizer).resolve()) if args.tokenizer else str(TOKENIZER_DIR)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="thdpack-bench-build-"))
     work.mkdir(parents=True, exist_ok=True)
     results = {"num_samples": args.num_samples, "pack_size": args.pack_size, "num_proc": args.num_proc,
+               "tokenizer": tokenizer, "tokenizer_backend": args.tokenizer_backend,
                "map_batch_size": args.map_batch_size, "seed": args.seed, "cpus": os.cpu_count(),
                "python": platform.python_version(), "runs": {}}
     try:
@@ -246,13 +253,14 @@ def main() -> int:
                 cache = Path(tempfile.mkdtemp(prefix="hf-cache-", dir=work))
                 run_env = dict(env, HF_DATASETS_CACHE=str(cache))
                 if name == "thdpack":
-                    cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--tokenizer", str(TOKENIZER_DIR),
+                    cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--tokenizer", tokenizer,
+                           "--tokenizer-backend", args.tokenizer_backend,
                            "--pack-size", str(args.pack_size), "--overflow", "truncate", "--num-proc", str(args.num_proc),
                            "--map-batch-size", str(args.map_batch_size), "--seed", str(args.seed),
                            "--no-save-tokenizer", "--output", str(out)]
                 else:
                     cmd = [sys.executable, __file__, "--num-proc", str(args.num_proc), "--map-batch-size",
-                           str(args.map_batch_size), "--_trl", str(data), str(TOKENIZER_DIR), str(out), kind,
+                           str(args.map_batch_size), "--_trl", str(data), tokenizer, str(out), kind,
                            str(args.pack_size), name.split("-")[-1] if "-" in name else "batched"]
                 print(f"running {name} on {kind} ...", file=sys.stderr)
                 m = measure(cmd, run_env)
@@ -279,7 +287,7 @@ def main() -> int:
                 row[name]["target_met"] = (row[name]["speedup"] >= TARGET_SPEEDUP
                                            and row["thdpack"]["efficiency"] >= row[name]["efficiency"])
             if args.profile:
-                row["profile"] = profile_thdpack(data, args.pack_size, work)
+                row["profile"] = profile_thdpack(data, args.pack_size, work, tokenizer, args.tokenizer_backend)
             results["runs"][kind] = row
     finally:
         if not args.workdir:
@@ -291,17 +299,16 @@ def main() -> int:
     return 0
 
 
-def profile_thdpack(data: Path, pack_size: int, work: Path) -> str:
+def profile_thdpack(data: Path, pack_size: int, work: Path, tokenizer: str, backend: str = "auto") -> str:
     """cProfile of a single-process ``build_packed`` on the first 20k rows: the top functions by own time."""
     import cProfile
     import io
     import pstats
 
-    from thdpack.demo import TOKENIZER_DIR
     from thdpack.offline import BuildConfig, build_packed
 
-    cfg = BuildConfig(input=str(data), max_rows=20_000, tokenizer=str(TOKENIZER_DIR), pack_size=pack_size,
-                      overflow="truncate", save_tokenizer=False)
+    cfg = BuildConfig(input=str(data), max_rows=20_000, tokenizer=tokenizer, pack_size=pack_size,
+                      overflow="truncate", save_tokenizer=False, tokenizer_backend=backend)
     pr = cProfile.Profile()
     pr.enable()
     res = build_packed(cfg, work / "profiled", overwrite=True, progress=False, log=None)
