@@ -40,7 +40,11 @@ def tables(draw):
             id_chunks.append(pa.ListArray.from_arrays(offs, pa.array(flat_ids).slice(pad)))
             mask_chunks.append(pa.ListArray.from_arrays(offs, pa.array(flat_mask).slice(pad)))
         a = b
-    table = pa.table({"input_ids": pa.chunked_array(id_chunks), "loss_mask": pa.chunked_array(mask_chunks)})
+    pixel_chunks = [  # large_list<float32>, as VLM pixel rows are stored
+        pa.LargeListArray.from_arrays(pa.array(np.asarray(c.offsets).astype(np.int64)), c.values.cast(pa.float32(), safe=False))
+        for c in id_chunks]
+    table = pa.table({"input_ids": pa.chunked_array(id_chunks), "loss_mask": pa.chunked_array(mask_chunks),
+                      "pixels": pa.chunked_array(pixel_chunks)})
     n_pieces = draw(st.integers(0, 20))
     picks = []
     for _ in range(n_pieces):
@@ -61,7 +65,11 @@ def test_pieces_equal_pyarrow_slices(case):
     got_mask = RowPieces(table, "loss_mask").gather(rows, starts, lengths)
     want_ids = np.concatenate([np.zeros(0, np.int32)] + [ids[r][s:s + n] for r, s, n in picks])
     want_mask = np.concatenate([np.zeros(0, bool)] + [mask[r][s:s + n] for r, s, n in picks])
-    assert got_ids.dtype == np.int32 and got_mask.dtype == np.bool_
+    got_pixels = RowPieces(table, "pixels").gather(rows, starts, lengths)
+    assert got_ids.dtype == np.int32 and got_mask.dtype == np.bool_ and got_pixels.dtype == np.float32
+    np.testing.assert_array_equal(got_pixels, want_ids.astype(np.float32))
+    whole = RowPieces(table, "pixels")
+    np.testing.assert_array_equal(whole.lengths, [len(x) for x in ids])
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_array_equal(got_mask, want_mask)
     # and pyarrow's own reading of the same rows agrees with the reference
@@ -71,5 +79,5 @@ def test_pieces_equal_pyarrow_slices(case):
 
 def test_other_column_types_are_refused():
     table = pa.table({"x": pa.array([[1, 2]], pa.list_(pa.int64()))})
-    with pytest.raises(TypeError, match="list<int32> or list<bool>"):
+    with pytest.raises(TypeError, match="a list of int32, float32 or bool expected"):
         RowPieces(table, "x")

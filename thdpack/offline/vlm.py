@@ -551,6 +551,7 @@ class VisionColumns:
     def __init__(self, pixel_dim: int, row_patches: np.ndarray):
         self.pixel_dim = pixel_dim
         self.row_patches = row_patches
+        self._readers = None  # (token table, RowPieces of pixel_values, of image_grid_thw)
 
     def fields(self):
         import pyarrow as pa
@@ -571,21 +572,27 @@ class VisionColumns:
         pack, ``counts`` pieces per pack)."""
         import pyarrow as pa
 
-        taken = token_table.select(["pixel_values", "image_grid_thw"]).take(pa.array(rows, pa.int64()))
-        pv = taken.column("pixel_values").combine_chunks()
-        g = taken.column("image_grid_thw").combine_chunks()
+        from thdpack.offline.gather import RowPieces
+
+        if self._readers is None or self._readers[0] is not token_table:  # once per table
+            self._readers = (token_table, RowPieces(token_table, "pixel_values"), RowPieces(token_table, "image_grid_thw"))
+        _, pixels, grids = self._readers
+        rows = np.asarray(rows, dtype=np.int64)
         first = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=first[1:])  # first piece of each pack
-        pv_off = np.asarray(pv.offsets).astype(np.int64)
-        g_off = np.asarray(g.offsets).astype(np.int64)
-        pv_vals = pv.values.slice(int(pv_off[0]), int(pv_off[-1] - pv_off[0]))
-        g_vals = g.values.slice(int(g_off[0]), int(g_off[-1] - g_off[0]))
-        image_counts = (np.diff(g_off) // 3).astype(np.int32)
-        return [
-            pa.LargeListArray.from_arrays(pa.array(pv_off[first] - pv_off[0]), pv_vals),
-            pa.ListArray.from_arrays(pa.array((g_off[first] - g_off[0]).astype(np.int32)), g_vals),
-            pa.ListArray.from_arrays(pa.array(first.astype(np.int32)), pa.array(image_counts)),
-        ]
+        columns = []
+        for reader, large in ((pixels, True), (grids, False)):
+            lengths = reader.lengths[rows]  # VLM rows are never cut: whole rows
+            values = reader.gather(rows, np.zeros(rows.size, np.int64), lengths)
+            off = np.zeros(rows.size + 1, np.int64)
+            np.cumsum(lengths, out=off[1:])
+            if large:
+                columns.append(pa.LargeListArray.from_arrays(pa.array(off[first]), pa.array(values)))
+            else:
+                columns.append(pa.ListArray.from_arrays(pa.array(off[first].astype(np.int32)), pa.array(values)))
+        image_counts = (grids.lengths[rows] // 3).astype(np.int32)
+        columns.append(pa.ListArray.from_arrays(pa.array(first.astype(np.int32)), pa.array(image_counts)))
+        return columns
 
 
 # ---------------------------------------------------------------------------- loading
