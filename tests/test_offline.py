@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import (  # noqa: E402
     BuildConfig,
+    ConfigError,
     InputError,
     NotPackedError,
     OutputExistsError,
@@ -475,3 +476,29 @@ def test_empty_or_blank_jsonl_is_a_clear_error(tmp_path, content):
         build_packed(BuildConfig(input=str(path), tokenizer=str(TOKENIZER_DIR)), tmp_path / "out", progress=False,
                      log=None)
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_template_option_replaces_the_tokenizers(tmp_path, chat_rows):
+    """A tokenizer without generation markers + a template file with them == the marked tokenizer."""
+    plain = tmp_path / "plain-tok"
+    shutil.copytree(TOKENIZER_DIR, plain)
+    conf = json.loads((plain / "tokenizer_config.json").read_text())
+    marked_template = conf["chat_template"]
+    conf["chat_template"] = marked_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (plain / "tokenizer_config.json").write_text(json.dumps(conf))
+    (tmp_path / "train.jinja").write_text(marked_template)
+    path = write_jsonl(chat_rows[:40], tmp_path / "c.jsonl")
+    a = build(tmp_path, "marked", input=path)
+    b = build(tmp_path, "override", input=path, tokenizer=str(plain), chat_template=str(tmp_path / "train.jinja"))
+    assert b.metadata["tokenizer"]["chat_template_has_generation_markers"] is True
+    assert b.metadata["tokenizer"]["fingerprint"] == a.metadata["tokenizer"]["fingerprint"]
+    assert (b.path / "tokenizer" / "chat_template.jinja").read_text() == marked_template  # the saved copy has it
+    da, db = load_packed(a.path), load_packed(b.path)
+    for k in range(len(da)):
+        for key in ("input_ids", "loss_mask", "sample_index"):
+            np.testing.assert_array_equal(da[k][key], db[k][key])
+    with pytest.raises(ConfigError, match="no such file"):
+        build(tmp_path, "missing", input=path, chat_template=str(tmp_path / "nope.jinja"))
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        build(tmp_path, "bad", input=path, chat_template=str(tmp_path / "bad.jinja"))

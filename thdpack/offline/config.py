@@ -53,6 +53,10 @@ class BuildConfig:
     tokenizer: str | None = _opt(
         None, "tokenizer: a local directory or a name in the local Hugging Face cache (never downloaded)"
     )
+    chat_template: str | None = _opt(
+        None, "chat rows: a Jinja chat template file used instead of the tokenizer's (e.g. one with "
+        "{% generation %} markers around the assistant turns); recorded in the tokenizer fingerprint and saved copy"
+    )
     tokenizer_backend: str = _opt(
         "auto", "how text is encoded: tiktoken (byte-level BPE tokenizers whose merges it runs exactly, several "
         "times faster; every process checks rows against the tokenizer and falls back on any difference), hf "

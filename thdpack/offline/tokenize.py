@@ -54,7 +54,7 @@ def load_tokenizer(cfg: BuildConfig):
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise InputError(f"tokenizer {spec!r}: no such directory ({local})")
     try:
-        return AutoTokenizer.from_pretrained(target, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     except (OSError, ValueError) as exc:
         from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -66,6 +66,30 @@ def load_tokenizer(cfg: BuildConfig):
             f"cache ({HF_HUB_CACHE}). thdpack never downloads; fetch it once with "
             f"`hf download {spec}` or give a local path."
         ) from None
+    if cfg.chat_template:
+        tok.chat_template = read_chat_template(cfg)
+    return tok
+
+
+def read_chat_template(cfg: BuildConfig) -> str:
+    """The text of ``cfg.chat_template`` (a file; relative to the config file)."""
+    path = cfg.resolve_path(cfg.chat_template)
+    if not path.is_file():
+        raise ConfigError(f"chat_template {cfg.chat_template!r}: no such file ({path})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"chat_template {cfg.chat_template!r}: cannot read {path} ({exc})") from None
+    try:
+        from jinja2 import TemplateSyntaxError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(text)
+    except ImportError:
+        pass
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"chat_template {path}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def tokenizer_info(tok, spec: str) -> dict:
