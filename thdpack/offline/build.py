@@ -27,7 +27,7 @@ from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, T
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import nemo_fields, summarize
-from thdpack.offline.tokenize import Tokenized, tokenize_source
+from thdpack.offline.tokenize import Tokenized, read_chat_template, tokenize_source
 from thdpack.offline.vlm import vlm_build
 from thdpack.plan import PackPlan, plan_packs
 
@@ -94,6 +94,8 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     require_hf("thdpack build")
     cfg.validate()
     model_config = load_model_config(cfg)  # before the long steps: a bad path fails fast
+    if cfg.chat_template:
+        read_chat_template(cfg)
     t = {}
     t0 = time.perf_counter()
     source = read_source(cfg, progress=progress)
