@@ -1,5 +1,17 @@
-"""Batched encoding straight through the Rust ``tokenizers`` backend: text rows
-(:func:`encode_texts`) and chat rows with assistant masks (:func:`encode_chat`).
+"""Fast, checked equivalents of the ``transformers`` calls the build makes:
+
+- :func:`encode_texts`: ``tokenizer(texts)["input_ids"]`` (text rows);
+- :func:`encode_chat`: ``apply_chat_template(..., return_assistant_tokens_mask=True)``
+  (chat templates with ``{% generation %}`` markers);
+- :func:`render_chats`: ``apply_chat_template(..., tokenize=False)`` for many
+  conversations at once;
+- :func:`encode_with_spans`: ids + the tokens overlapping character spans, as
+  ``return_offsets_mapping`` gives them (templates without markers).
+
+Each one checks itself against the ``transformers`` call on the first rows of a
+process (and row by row where it can) and falls back to that call on any doubt. Ids
+come from the Rust ``tokenizers`` backend or, for byte-level BPE, from the tiktoken
+form of the tokenizer (:mod:`thdpack.offline.tiktoken_bpe`).
 
 ``tokenizer(texts)`` of a fast ``transformers`` tokenizer calls the backend's
 ``encode_batch``, which also computes character offsets, type ids, attention and
