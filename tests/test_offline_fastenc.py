@@ -8,10 +8,13 @@ assumptions fall back to transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,3 +170,33 @@ def test_render_chats_that_differ_fall_back(monkeypatch):
     want = [tok.apply_chat_template(c, tokenize=False) for c in convs]
     assert fastenc.render_chats(tok, convs, False) == want
     assert fastenc._render_checked[id(tok)][1] is False
+
+
+_SPAN_PIECES = ["hello", " world", "  ", "\n", "\t", "'s", "123", " 42", "<|im_start|>", "<|im_end|>", "café",
+                "cafe\u0301", "日本語", "😀", "🇫🇷", "naïve", "ß", "x\u0300", "--", "{}"]
+
+
+@functools.lru_cache(maxsize=1)
+def _span_tokenizer():
+    return load()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_spans_equal_offsets_on_any_text(data):
+    from thdpack.offline.tiktoken_bpe import TiktokenBPE
+
+    tok = _span_tokenizer()
+    bpe = TiktokenBPE.from_tokenizer(tok)[0]
+    texts = data.draw(st.lists(st.one_of(st.lists(st.sampled_from(_SPAN_PIECES), max_size=12).map("".join),
+                                         st.text(max_size=30)), min_size=1, max_size=4))
+    spans = []
+    for t in texts:
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(t)), max_size=6)))
+        spans.append([(a, b) for a, b in zip(cuts[0::2], cuts[1::2])])
+    got = fastenc.encode_with_spans(tok, texts, spans, bpe)
+    assert fastenc._span_checked[id(tok)][1] is not None  # checked and taken: no silent fallback
+    assert fastenc._spans_fast(tok, texts, spans, fastenc._byte_lengths(tok), bpe) is not None
+    for (ids, mask), (ref_ids, ref_mask) in zip(got, offsets_reference(tok, texts, spans)):
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_array_equal(mask, ref_mask)
