@@ -29,7 +29,7 @@ from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.offline.errors import NotPackedError, require_pyarrow
-from thdpack.offline.format import FORMAT_NAME, MAX_FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+from thdpack.offline.format import FORMAT_NAME, MAX_FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR, file_sha256
 
 _TOKEN_FIELDS = ("loss_mask", "labels")
 
@@ -196,9 +196,7 @@ class PackedDataset(torch.utils.data.Dataset):
                     "(modified or truncated)"
                 )
             if self.verify:
-                from thdpack.offline.writer import _sha256
-
-                if _sha256(p) != f["sha256"]:
+                if file_sha256(p) != f["sha256"]:
                     raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
             if p.suffix == ".parquet":
                 table = pq.read_table(p, memory_map=True)

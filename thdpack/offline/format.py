@@ -27,6 +27,9 @@ multiple in use (``metadata.json`` records the multiple the plan reserved room f
 Arrow shards are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
 """
 
+import hashlib
+from pathlib import Path
+
 FORMAT_NAME = "thdpack.packed"
 FORMAT_VERSION = 1  # what text builds write
 VLM_FORMAT_VERSION = 2  # VLM builds: + pixel_values, image_grid_thw, image_counts (thdpack/offline/vlm.py)
@@ -40,3 +43,12 @@ SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
 
 def shard_name(i: int, n: int, file_format: str) -> str:
     return f"data-{i:05d}-of-{n:05d}{SUFFIX[file_format]}"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read 4 MiB at a time (the checksums ``metadata.json`` records)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

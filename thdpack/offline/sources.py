@@ -30,6 +30,7 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.format import file_sha256
 from thdpack.offline.jsonl import split_lines
 
 JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
@@ -47,6 +48,11 @@ class SourceFile:
 
     def describe(self) -> dict:
         return {"path": self.path, "kind": self.kind, "rows": self.num_rows, "sha256": self.sha256}
+
+
+def files_fingerprint(files) -> str:
+    """Hex sha256 naming the rows of ``files`` (:class:`SourceFile`: kind, rows and content hash)."""
+    return hashlib.sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files).encode()).hexdigest()
 
 
 @dataclass
@@ -75,10 +81,7 @@ class Source:
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        for f in self.files:
-            h.update(f"{f.kind}:{f.num_rows}:{f.sha256}\n".encode())
-        return h.hexdigest()
+        return files_fingerprint(self.files)
 
     def where(self, row: int) -> str:
         """``file:line`` (JSON Lines) or ``file row N`` for global row ``row``."""
@@ -147,8 +150,7 @@ def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InputError(f"input files have incompatible columns: {exc}") from None
     # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
-    fingerprint = hashlib.sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files).encode()).hexdigest()[:16]
-    ds = datasets.Dataset(InMemoryTable(table), fingerprint=fingerprint)
+    ds = datasets.Dataset(InMemoryTable(table), fingerprint=files_fingerprint(files)[:16])
     columns = _json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
     return Source(ds, files, columns)
 
@@ -216,29 +218,19 @@ def _map_file(path: Path):
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _read_json(given: str, path: Path, kind: str, limit: int | None):
     import pyarrow as pa
 
-    if path.name.lower().endswith(".gz"):
-        raw = path.read_bytes()
-        sha = hashlib.sha256(raw).hexdigest()
+    gz = path.name.lower().endswith(".gz")
+    # uncompressed: memory-mapped, the lines are views of the file's pages (page cache, shared
+    # with the tokenization workers' reads), not a private copy of a file that may exceed RAM
+    raw = path.read_bytes() if gz else _map_file(path)
+    sha = hashlib.sha256(raw).hexdigest()  # of the file as stored
+    if gz:
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as exc:
             raise InputError(f"{given}: not a valid gzip file ({exc})") from None
-    else:
-        # memory-mapped: the lines are views of the file's pages (page cache, shared with the
-        # tokenization workers' reads), not a private copy of a file that may be larger than RAM
-        raw = _map_file(path)
-        sha = _sha256_file(path)
     start = raw[: 1 << 16]  # the first non-blank byte, without copying the whole file
     head = start.lstrip()[:1] if start.strip() else bytes(raw).lstrip()[:1]
     if head == b"[":  # a JSON array of objects
@@ -273,7 +265,7 @@ def _read_parquet(given: str, path: Path, limit: int | None):
         raise InputError(f"{given}: cannot read Parquet ({exc})") from None
     if limit is not None:
         table = table.slice(0, limit)
-    return table, SourceFile(given, "parquet", table.num_rows, _sha256_file(path))
+    return table, SourceFile(given, "parquet", table.num_rows, file_sha256(path))
 
 
 def _read_arrow(given: str, path: Path, limit: int | None):
@@ -289,7 +281,7 @@ def _read_arrow(given: str, path: Path, limit: int | None):
             raise InputError(f"{given}: not an Arrow IPC stream or file ({exc})") from None
     if limit is not None:
         table = table.slice(0, limit)
-    return table, SourceFile(given, "arrow", table.num_rows, _sha256_file(path))
+    return table, SourceFile(given, "arrow", table.num_rows, file_sha256(path))
 
 
 def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
@@ -313,7 +305,7 @@ def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
         ds = ds.select(range(min(cfg.max_rows, len(ds))))
     h = hashlib.sha256()
     for p in sorted(files_dir.glob("*.arrow")):
-        h.update(_sha256_file(p).encode())
+        h.update(file_sha256(p).encode())
     return Source(ds, [SourceFile(given, "saved", len(ds), h.hexdigest())], list(ds.column_names))
 
 

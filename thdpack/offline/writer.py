@@ -7,12 +7,11 @@ and memory bounded by the chunk, not the dataset.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.format import shard_name
+from thdpack.offline.format import file_sha256, shard_name
 from thdpack.offline.gather import RowPieces
 from thdpack.plan import PackPlan
 
@@ -127,7 +126,7 @@ def write_packs(
                 "num_packs": int(b - a),
                 "num_tokens": int(fill[a:b].sum()),
                 "num_bytes": path.stat().st_size,
-                "sha256": _sha256(path),
+                "sha256": file_sha256(path),
             }
         )
     bar.close()
@@ -170,11 +169,3 @@ def _chunk(token_table, readers: dict, targets: str, plan: PackPlan, sample_rows
     if extra is not None:
         arrays += extra.columns(token_table, rows, counts)
     return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
