@@ -317,12 +317,7 @@ def build_packed(
         shutil.rmtree(work)
         for f in written["files"]:
             _fsync(tmp / f["path"])
-        meta_tmp = tmp / (METADATA_FILE + ".partial")
-        meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        _fsync(meta_tmp)
-        os.replace(meta_tmp, tmp / METADATA_FILE)
-        _fsync_dir(tmp)
-        _move_into_place(tmp, output)
+        _commit(tmp, meta, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -332,6 +327,17 @@ def build_packed(
         log(f"wrote     {output}: {len(written['files'])} {cfg.output_format} shard(s), {size / 1e6:.1f} MB "
             f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
     return BuildResult(output, meta, timings, summary)
+
+
+def _commit(tmp: Path, meta: dict, output: Path) -> None:
+    """Write ``metadata.json`` last (its presence marks a complete dataset), durably, then
+    move the finished ``tmp`` directory to ``output``."""
+    meta_tmp = tmp / (METADATA_FILE + ".partial")
+    meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _fsync(meta_tmp)
+    os.replace(meta_tmp, tmp / METADATA_FILE)
+    _fsync_dir(tmp)
+    _move_into_place(tmp, output)
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:

@@ -213,20 +213,24 @@ def _copy_checked(src: Path, dst: Path, entry: dict, *, link: bool) -> None:
         raise NotPackedError(f"{src} does not match its sha256 in {METADATA_FILE} (modified or corrupt)")
 
 
-def _list_column(path: Path, file_format: str, name: str = "seq_lens"):
-    """``(values, values per pack)`` of list column ``name`` of one data file (int64), reading
-    only that column."""
+def _list_columns(path: Path, file_format: str, names: list[str]) -> dict:
+    """``{name: (values, values per pack)}`` (int64) of list columns ``names`` of one data file,
+    reading the file once and only those columns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if file_format == "parquet":
-        col = pq.read_table(path, columns=[name]).column(name)
+        table = pq.read_table(path, columns=names)
     else:
-        col = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column(name)
-    col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    offsets = np.asarray(col.offsets).astype(np.int64)
-    values = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.int64)[offsets[0] : offsets[-1]]
-    return values, np.diff(offsets)
+        table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().select(names)
+    out = {}
+    for name in names:
+        col = table.column(name)
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        offsets = np.asarray(col.offsets).astype(np.int64)
+        values = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.int64)[offsets[0] : offsets[-1]]
+        out[name] = (values, np.diff(offsets))
+    return out
 
 
 def _sum_counts(items: list, where: str = "counts"):
@@ -314,12 +318,7 @@ def merge_shards(
     log=_stderr,
 ) -> MergeResult:
     """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
-    from thdpack.offline.build import (
-        _check_output,
-        _fsync,
-        _fsync_dir,
-        _move_into_place,
-    )
+    from thdpack.offline.build import _check_output, _commit
 
     paths = expand_shard_paths(shard_paths)
     shards = check_shards(paths)
@@ -343,13 +342,14 @@ def merge_shards(
                 name = shard_name(len(files), n_files, fmt)
                 _copy_checked(p / f["path"], tmp / name, f, link=link)
                 files.append(dict(f, path=name))
-                s, c = _list_column(tmp / name, fmt)
+                read = _list_columns(tmp / name, fmt, ["seq_lens"] + (["image_grid_thw"] if vision_entry else []))
+                s, c = read["seq_lens"]
                 if c.size != f["num_packs"]:
                     raise NotPackedError(f"{p / f['path']} has {c.size} packs, metadata says {f['num_packs']}")
                 lens.append(s)
                 per_pack.append(c)
                 if vision_entry is not None:
-                    g, n3 = _list_column(tmp / name, fmt, "image_grid_thw")
+                    g, n3 = read["image_grid_thw"]
                     grids.append(g.reshape(-1, 3))
                     per_pack_images.append(n3 // 3)
             lengths.append(_load_lengths(p, meta[SHARD_KEY]))
@@ -375,12 +375,7 @@ def merge_shards(
             shutil.copytree(first_path / saved, tmp / saved)
             vision = _vision_totals(grids, per_pack_images)
         meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
-        meta_tmp = tmp / (METADATA_FILE + ".partial")
-        meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        _fsync(meta_tmp)
-        os.replace(meta_tmp, tmp / METADATA_FILE)
-        _fsync_dir(tmp)
-        _move_into_place(tmp, output)
+        _commit(tmp, meta, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
