@@ -136,7 +136,7 @@ class VlmBuild:
 
     # ---- writing
     def writer(self, token_table) -> "VisionColumns":
-        return VisionColumns(self.pixel_dim, image_stats(token_table).row_patches)
+        return VisionColumns(self.pixel_dim, token_table)
 
     def packed_grids(self, token_table, rows: np.ndarray) -> np.ndarray:
         """int64 ``[N, 3]`` grids of the images of ``rows`` (in order)."""
@@ -548,10 +548,13 @@ def image_stats(table) -> ImageStats:
 class VisionColumns:
     """The vision columns of :func:`thdpack.offline.writer.write_packs` (its ``extra``)."""
 
-    def __init__(self, pixel_dim: int, row_patches: np.ndarray):
+    def __init__(self, pixel_dim: int, token_table):
+        from thdpack.offline.gather import RowPieces
+
         self.pixel_dim = pixel_dim
-        self.row_patches = row_patches
-        self._readers = None  # (token table, RowPieces of pixel_values, of image_grid_thw)
+        self.row_patches = image_stats(token_table).row_patches
+        self.pixels = RowPieces(token_table, "pixel_values")
+        self.grids = RowPieces(token_table, "image_grid_thw")
 
     def fields(self):
         import pyarrow as pa
@@ -567,16 +570,12 @@ class VisionColumns:
         per_piece = self.row_patches[sample_rows[plan.sample_index]] * (4 * self.pixel_dim)
         return np.add.reduceat(per_piece, plan.pack_offsets[:-1])
 
-    def columns(self, token_table, rows: np.ndarray, counts: np.ndarray) -> list:
+    def columns(self, rows: np.ndarray, counts: np.ndarray) -> list:
         """The vision arrays of packs whose pieces come from input ``rows`` (pack after
         pack, ``counts`` pieces per pack)."""
         import pyarrow as pa
 
-        from thdpack.offline.gather import RowPieces
-
-        if self._readers is None or self._readers[0] is not token_table:  # once per table
-            self._readers = (token_table, RowPieces(token_table, "pixel_values"), RowPieces(token_table, "image_grid_thw"))
-        _, pixels, grids = self._readers
+        pixels, grids = self.pixels, self.grids
         rows = np.asarray(rows, dtype=np.int64)
         first = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=first[1:])  # first piece of each pack

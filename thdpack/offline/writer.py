@@ -69,7 +69,7 @@ def write_packs(
             so that it holds rows of the whole input while ``token_table`` holds the shard's.
         extra: more columns per pack (VLM builds: :class:`thdpack.offline.vlm.VisionColumns`):
             ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
-            shards and record batches) and ``columns(token_table, rows, counts)``.
+            shards and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
 
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
@@ -109,7 +109,7 @@ def write_packs(
             chunk_cuts = _cuts(chunk_weight[a:b], chunk_budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(token_table, readers, targets, plan, sample_rows, ks, sch, row_offset, extra)
+                batch, n_targets = _chunk(readers, targets, plan, sample_rows, ks, sch, row_offset, extra)
                 target_tokens += n_targets
                 if file_format == "arrow":
                     writer.write_batch(batch)
@@ -133,10 +133,10 @@ def write_packs(
     return {"files": files, "target_tokens": int(target_tokens)}
 
 
-def _chunk(token_table, readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,
+def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,
            row_offset: int = 0, extra=None):
     """One record batch holding packs ``ks``; also its number of target tokens. ``readers``:
-    a :class:`~thdpack.offline.gather.RowPieces` of ``token_table`` per token column."""
+    a :class:`~thdpack.offline.gather.RowPieces` of the tokenized rows per token column."""
     import pyarrow as pa
 
     starts = plan.pack_offsets[ks]
@@ -167,5 +167,5 @@ def _chunk(token_table, readers: dict, targets: str, plan: PackPlan, sample_rows
         pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(pstart.astype(np.int32))),
     ]
     if extra is not None:
-        arrays += extra.columns(token_table, rows, counts)
+        arrays += extra.columns(rows, counts)
     return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets
