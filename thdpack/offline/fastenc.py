@@ -29,22 +29,46 @@ import numpy as np
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
 
 _CHECK_ROWS = 32
+_LATER = object()  # a decision the first rows could not make: decide on a later call
 # (id(tokenizer), add_special_tokens) -> (tokenizer, fast path usable)
 _checked: dict[tuple[int, bool], tuple[object, bool]] = {}
+
+
+def _decided(cache: dict, key, tok, decide):
+    """What ``decide()`` said the first time for tokenizer ``tok`` in this process (kept in
+    ``cache[key]`` next to ``tok``, so a new tokenizer that reuses an id decides again);
+    ``_LATER`` is not kept."""
+    entry = cache.get(key)
+    if entry is None or entry[0] is not tok:
+        value = decide()
+        if value is _LATER:
+            return _LATER
+        cache[key] = entry = (tok, value)
+    return entry[1]
+
+
+def _checked_byte_lengths(tok, head_fast, head_slow, same):
+    """The byte-length table of ``tok`` when the byte-span path (``head_fast(table)``) agrees with
+    the transformers call (``head_slow()``) on the first rows; None when the tokenizer is not
+    eligible or they disagree; ``_LATER`` when those rows cannot take the fast path (not NFC)."""
+    table = _byte_lengths(tok)
+    if table is None:
+        return None
+    got = head_fast(table)
+    if got is None:
+        return _LATER
+    return table if same(got, head_slow()) else None
 
 
 def encode_texts(tok, texts: list[str], bpe=None, *, add_special_tokens: bool = True) -> list:
     """``tok(texts, add_special_tokens=...)["input_ids"]``, through the backend when that is equal,
     and through ``bpe`` (a :class:`~thdpack.offline.tiktoken_bpe.TiktokenBPE` of the backend,
     int32 arrays) when given."""
-    key = (id(tok), add_special_tokens)
-    entry = _checked.get(key)
-    if entry is None or entry[0] is not tok:
-        # (the reference call also sets the backend's truncation/padding as transformers does)
-        reference = _slow(tok, texts[:_CHECK_ROWS], add_special_tokens)
-        ok = _fast(tok, texts[:_CHECK_ROWS], add_special_tokens) == reference
-        _checked[key] = entry = (tok, ok)
-    if not entry[1]:
+    head = texts[:_CHECK_ROWS]
+    # (the reference call runs first: it also sets the backend's truncation/padding as transformers does)
+    ok = _decided(_checked, (id(tok), add_special_tokens), tok,
+                  lambda: _slow(tok, head, add_special_tokens) == _fast(tok, head, add_special_tokens))
+    if not ok:
         return _slow(tok, texts, add_special_tokens)
     if bpe is not None:
         return bpe.encode(texts, add_special_tokens=add_special_tokens)
@@ -87,19 +111,11 @@ def encode_chat(tok, conversations: list, bpe=None) -> dict:
     """``tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
     return_assistant_tokens_mask=True)``: ``{"input_ids": [...], "assistant_masks": [...]}``
     (numpy arrays on the fast path)."""
-    entry = _chat_checked.get(id(tok))
-    if entry is None or entry[0] is not tok:
-        table = _byte_lengths(tok)
-        if table is not None:
-            head = conversations[:_CHECK_ROWS]
-            got = _chat_fast(tok, head, table, bpe)
-            if got is None:  # these rows cannot take the fast path (e.g. not NFC): check on a later batch
-                return _chat_slow(tok, conversations)
-            if not _same(got, _chat_slow(tok, head)):
-                table = None
-        _chat_checked[id(tok)] = entry = (tok, table)
-    if entry[1] is not None:
-        got = _chat_fast(tok, conversations, entry[1], bpe)
+    head = conversations[:_CHECK_ROWS]
+    table = _decided(_chat_checked, id(tok), tok, lambda: _checked_byte_lengths(
+        tok, lambda t: _chat_fast(tok, head, t, bpe), lambda: _chat_slow(tok, head), _same))
+    if table is not None and table is not _LATER:
+        got = _chat_fast(tok, conversations, table, bpe)
         if got is not None:
             return got
     return _chat_slow(tok, conversations)
@@ -118,15 +134,7 @@ def _same(a, b) -> bool:
 
 def _chat_fast(tok, conversations, byte_len, bpe=None):
     try:
-        from transformers.tokenization_utils_base import _normalize_chat_messages
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        convs = [_normalize_chat_messages(c) for c in conversations]
-        rendered, spans_all = render_jinja_template(
-            conversations=convs, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
-            return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
-            **tok.special_tokens_map,
-        )
+        rendered, spans_all = _render(tok, normalize_chats(conversations), False, assistant_spans=True)
         encodings = _encode_ids(tok, rendered, bpe)
     except FastTokenizerMismatch:
         raise
@@ -209,30 +217,33 @@ def normalize_chats(conversations: list) -> list:
 def render_chats(tok, conversations: list, add_generation_prompt: bool) -> list[str]:
     """``[tok.apply_chat_template(c, tokenize=False, add_generation_prompt=...) for c in
     conversations]`` for conversations already through :func:`normalize_chats`."""
-    entry = _render_checked.get(id(tok))
-    if entry is None or entry[0] is not tok:
-        head = conversations[:_CHECK_ROWS]
-        ok = all(_render_fast(tok, head, flag) == _render_slow(tok, head, flag) for flag in (False, True))
-        _render_checked[id(tok)] = entry = (tok, ok)
-    if entry[1] and conversations:
+    head = conversations[:_CHECK_ROWS]
+    ok = _decided(_render_checked, id(tok), tok, lambda: all(
+        _render_fast(tok, head, flag) == _render_slow(tok, head, flag) for flag in (False, True)))
+    if ok and conversations:
         out = _render_fast(tok, conversations, add_generation_prompt)
         if out is not None:
             return out
     return _render_slow(tok, conversations, add_generation_prompt)
 
 
+def _render(tok, conversations, add_generation_prompt: bool, *, assistant_spans: bool = False):
+    """``(texts, {% generation %} character spans)``: the call ``apply_chat_template`` makes,
+    for normalized conversations."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template(
+        conversations=conversations, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
+        return_assistant_tokens_mask=assistant_spans, continue_final_message=False,
+        add_generation_prompt=add_generation_prompt, **tok.special_tokens_map,
+    )
+
+
 def _render_fast(tok, conversations, add_generation_prompt):
     try:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template(
-            conversations=conversations, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
-            return_assistant_tokens_mask=False, continue_final_message=False,
-            add_generation_prompt=add_generation_prompt, **tok.special_tokens_map,
-        )
+        return list(_render(tok, conversations, add_generation_prompt)[0])
     except Exception:  # noqa: BLE001 - another transformers version, or a conversation it rejects
         return None
-    return list(rendered)
 
 
 def _render_slow(tok, conversations, add_generation_prompt):
@@ -255,19 +266,12 @@ _span_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokeni
 def encode_with_spans(tok, texts: list[str], spans: list, bpe=None) -> list:
     """``[(ids, mask)]``: int32 ids of ``tok(text, add_special_tokens=False)`` and a bool mask of
     the tokens whose character offsets overlap one of the text's ``spans`` (``[(a, b), ...]``)."""
-    entry = _span_checked.get(id(tok))
-    if entry is None or entry[0] is not tok:
-        table = _byte_lengths(tok)
-        if table is not None:
-            head = _spans_fast(tok, texts[:_CHECK_ROWS], spans[:_CHECK_ROWS], table, bpe)
-            if head is None:  # these rows cannot take the fast path: decide on a later batch
-                return _spans_slow(tok, texts, spans)
-            ref = _spans_slow(tok, texts[:_CHECK_ROWS], spans[:_CHECK_ROWS])
-            if not all(np.array_equal(a, c) and np.array_equal(b, d) for (a, b), (c, d) in zip(head, ref)):
-                table = None
-        _span_checked[id(tok)] = entry = (tok, table)
-    if entry[1] is not None:
-        got = _spans_fast(tok, texts, spans, entry[1], bpe)
+    head, head_spans = texts[:_CHECK_ROWS], spans[:_CHECK_ROWS]
+    table = _decided(_span_checked, id(tok), tok, lambda: _checked_byte_lengths(
+        tok, lambda t: _spans_fast(tok, head, head_spans, t, bpe), lambda: _spans_slow(tok, head, head_spans),
+        lambda a, b: all(np.array_equal(x, z) and np.array_equal(y, w) for (x, y), (z, w) in zip(a, b))))
+    if table is not None and table is not _LATER:
+        got = _spans_fast(tok, texts, spans, table, bpe)
         if got is not None:
             return got
     return _spans_slow(tok, texts, spans)
