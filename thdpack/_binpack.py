@@ -23,30 +23,6 @@ def _tree_add(tree, leaves, leaf, delta):
 
 
 @njit
-def _first_present_at_or_after(tree, leaves, start):
-    """Smallest leaf index >= start whose count is non-zero, else -1.
-
-    ``tree`` is a sum tree over ``leaves`` leaves stored at ``tree[leaves:]``.
-    """
-    i = start + leaves
-    if tree[i] > 0:
-        return start
-    while True:
-        while i & 1:  # climb while we are a right child
-            i >>= 1
-        if i == 0:
-            return -1
-        i += 1  # step to the right sibling
-        if tree[i] > 0:
-            break
-    while i < leaves:  # descend to the leftmost non-empty leaf
-        i = 2 * i
-        if tree[i] == 0:
-            i += 1
-    return i - leaves
-
-
-@njit
 def best_fit(sizes, capacity, max_items):
     """Best fit: each item goes to the open bin with the least room that holds it.
 
@@ -65,7 +41,7 @@ def best_fit(sizes, capacity, max_items):
     nbins = 0
     for j in range(n):
         s = sizes[j]
-        room = _first_present_at_or_after(tree, leaves, s)
+        room = _first_at_or_after_at_least(tree, leaves, s, 1)  # a capacity with an open bin (counts are ints)
         if room < 0:
             b = nbins
             nbins += 1
@@ -180,7 +156,12 @@ def bucket_order(keys, num_keys, descending):
 
 @njit
 def _first_at_or_after_at_least(tree, leaves, start, value):
-    """Smallest leaf index >= start whose value is >= ``value``, else -1 (max tree)."""
+    """Smallest leaf index >= start whose value is >= ``value``, else -1.
+
+    ``tree`` stores ``leaves`` leaves at ``tree[leaves:]``; each internal node is the max of its
+    children, or their sum when every value is a non-negative integer and ``value`` is 1 (then
+    ">= 1" means "non-zero" at every level).
+    """
     i = start + leaves
     if tree[i] >= value:
         return start
