@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from thdpack import ThdCollator
+from thdpack.demo.models import TINY_TEXT
 from thdpack.vlm import vision_lengths
 
 IGNORE = -100
@@ -164,12 +165,7 @@ def tiny_config(family: str, tokens: ChatTokens):
 
     text = dict(
         vocab_size=tokens.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_TEXT,
         max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=tokens.im_end,

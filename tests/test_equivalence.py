@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import PackedBatches, ThdBatch, ThdCollator, build_thd_batch, plan_packs  # noqa: E402
+from thdpack.demo.models import TINY_TEXT  # noqa: E402
 
 IGNORE = -100
 VOCAB = 128
@@ -50,12 +51,7 @@ def tiny_model(family: str, attn: str) -> torch.nn.Module:
     """
     common = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_TEXT,
         max_position_embeddings=512,
         initializer_range=0.2,
         attn_implementation=attn,

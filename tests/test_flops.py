@@ -726,12 +726,12 @@ def test_core_imports_no_transformers():
 # =========================================================================== transformers Trainer callback
 
 
-def _tiny_qwen3(transformers, vocab):
-    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=1024, use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config)
+def _tiny_qwen3(vocab):
+    from thdpack.demo.models import tiny_qwen3
+
+    model = tiny_qwen3(vocab, max_position_embeddings=1024, seed=0)
+    model.config.use_cache = False
+    return model
 
 
 def _train(tmp_path, with_callback: bool):
@@ -750,7 +750,7 @@ def _train(tmp_path, with_callback: bool):
         seen.append((batch.num_tokens, batch.seqlen_squared_sum))
         return collate_pack(items[0]["samples"])
 
-    model = _tiny_qwen3(transformers, vocab)
+    model = _tiny_qwen3(vocab)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("cb" if with_callback else "plain")), per_device_train_batch_size=1, max_steps=3,
         logging_steps=1, learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True,

@@ -29,6 +29,7 @@ Image = pytest.importorskip("PIL.Image")
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.flops import model_overcount_factor  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
 
@@ -45,8 +46,7 @@ LOGIT_ATOL = 1e-4
 
 
 def tiny_config(family: str):
-    text = dict(vocab_size=3080, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.2,
+    text = dict(vocab_size=3080, **TINY_TEXT, max_position_embeddings=4096, initializer_range=0.2,
                 bos_token_id=None, eos_token_id=None,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
     vision = dict(depth=2, num_heads=2, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,

@@ -25,6 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import ThdCollator, build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
 from thdpack import _binpack  # noqa: E402
+from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
 
 IGNORE = -100
@@ -53,12 +54,7 @@ def tiny_config(family: str, hybrid: bool = False):
     """
     text = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_TEXT,
         max_position_embeddings=1024,
         initializer_range=0.2,
         bos_token_id=None,
