@@ -104,22 +104,13 @@ def kernel_inputs(draw):
     return np.array(sizes, dtype=np.int64), capacity, max_items
 
 
+@pytest.mark.parametrize("kernel, reference", [("first_fit", ref_first_fit), ("next_fit", ref_next_fit)])
 @SETTINGS
-@given(kernel_inputs())
-def test_first_fit_kernel_matches_reference(args):
+@given(args=kernel_inputs())
+def test_fit_kernel_matches_reference(kernel, reference, args):
     sizes, capacity, max_items = args
-    bin_of, nbins = _binpack.first_fit(sizes, capacity, max_items)
-    ref_bins, ref_n = ref_first_fit(sizes.tolist(), capacity, max_items)
-    assert int(nbins) == ref_n
-    assert bin_of.tolist() == ref_bins
-
-
-@SETTINGS
-@given(kernel_inputs())
-def test_next_fit_kernel_matches_reference(args):
-    sizes, capacity, max_items = args
-    bin_of, nbins = _binpack.next_fit(sizes, capacity, max_items)
-    ref_bins, ref_n = ref_next_fit(sizes.tolist(), capacity, max_items)
+    bin_of, nbins = getattr(_binpack, kernel)(sizes, capacity, max_items)
+    ref_bins, ref_n = reference(sizes.tolist(), capacity, max_items)
     assert int(nbins) == ref_n
     assert bin_of.tolist() == ref_bins
 
