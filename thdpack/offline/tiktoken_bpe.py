@@ -4,8 +4,8 @@ Most LLM tokenizers (Qwen, Llama 3, GPT-2 style) are byte-level BPE: a regex spl
 the text into pieces, each piece's UTF-8 bytes are merged pair by pair in the order
 of the merge list. ``tiktoken`` runs the same algorithm in Rust without building an
 ``Encoding`` object (ids, token strings, offsets, masks) per token, which is where
-``tokenizers`` spends most of its time; on the bundled tokenizer it encodes about 5x
-faster on one core.
+``tokenizers`` spends most of its time (``benchmarks/build.py --tokenizer-backend hf``
+measures a build without this module).
 
 :meth:`TiktokenBPE.from_tokenizer` converts a ``tokenizers`` BPE model when its
 algorithm is provably the one tiktoken runs, and says why not otherwise:
