@@ -136,6 +136,56 @@ def required_columns(fmt: str, cfg: BuildConfig) -> list[str]:
     return {"chat": [cfg.messages_field], "text": [cfg.text_field], "tokenized": ["input_ids"]}[fmt]
 
 
+# ---------------------------------------------------------------------------- chat content
+
+IMAGE_PART_TYPES = ("image", "image_url")
+# Text parts are joined with nothing between them: what the Qwen-VL family's templates
+# render (they loop over the parts and print each ``text`` as is) and what their
+# processors and the VLM build (vlm.py) give. A separator belongs in the text itself.
+TEXT_PART_SEPARATOR = ""
+
+
+def flatten_content(messages: list, image=None) -> list:
+    """``messages`` (dicts with a ``role``) with every list of content parts (the OpenAI /
+    ``transformers`` layout ``[{"type": "text", "text": "hi"}, ...]``) replaced by one
+    string: the text parts (or bare strings) in order, joined with :data:`TEXT_PART_SEPARATOR`.
+    String and missing / None content stay as they are. ``image(part)`` gives the text an
+    image part stands for (the VLM build's placeholder marker); without it an image part
+    is an error. Raises ValueError naming the message and part for anything else."""
+    out = []
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            out.append(m)
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"message {j}: 'content' must be a string or a list of content parts "
+                             f"({{\"type\": \"text\", \"text\": ...}}), got {_brief(content)}")
+        text = [_part_text(part, j, k, image) for k, part in enumerate(content)]
+        out.append(dict(m, content=TEXT_PART_SEPARATOR.join(text)))
+    return out
+
+
+def _part_text(part, j: int, k: int, image) -> str:
+    """The text content part ``k`` of message ``j`` stands for (see :func:`flatten_content`)."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"message {j} part {k}: a text part needs a 'text' string, got {_brief(part)}")
+        return part["text"]
+    if kind in IMAGE_PART_TYPES:
+        if image is None:
+            raise ValueError(f"message {j} part {k}: an image part in a text build; give a Qwen-VL "
+                             "model_config to build rows with images, or remove the part")
+        return image(part)
+    if not isinstance(part, dict) or kind is None:
+        raise ValueError(f"message {j} part {k}: a content part must be an object with a 'type' "
+                         f"('text' or 'image'), got {_brief(part)}")
+    raise ValueError(f"message {j} part {k}: part type {kind!r} is not supported (text and image parts are)")
+
+
 # ---------------------------------------------------------------------------- the map function
 
 
@@ -233,7 +283,17 @@ class RowTokenizer:
                 msg = self._check_value(v)
                 if msg:
                     errors[i] = msg
+                elif self.fmt == "chat":
+                    try:
+                        values[i] = self._chat_messages(v)
+                    except ValueError as exc:  # ours: the message names the message and part
+                        errors[i] = str(exc)
         return values, errors
+
+    def _chat_messages(self, messages: list) -> list:
+        """The messages the template renders: content parts joined into strings
+        (:func:`flatten_content`); an image part is a row error in a text build."""
+        return flatten_content(messages)
 
     def _check_value(self, v) -> str | None:
         if self.fmt == "text":

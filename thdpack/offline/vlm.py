@@ -64,7 +64,7 @@ import numpy as np
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import VLM_FORMAT_VERSION
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import IGNORE_INDEX, RowTokenizer, _brief, _row_error
+from thdpack.offline.tokenize import IGNORE_INDEX, IMAGE_PART_TYPES, RowTokenizer, flatten_content, _row_error
 
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts")
 PROCESSOR_DIR = "image_processor"
@@ -248,7 +248,7 @@ def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
         rows = source.dataset.data.column(cfg.messages_field).slice(0, n).to_pylist()
     else:
         return False
-    return any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
+    return any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
                for messages in rows if isinstance(messages, list)
                for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
                for part in m["content"])
@@ -378,47 +378,29 @@ class VlmRowTokenizer(RowTokenizer):
             return [None] * n
         return table.column(name).to_pylist()
 
+    def _chat_messages(self, messages: list) -> list:
+        return messages  # content parts are flattened in _extract, with the row's images (_flatten_parts)
+
     def _flatten_parts(self, messages: list, refs: list) -> tuple[list, list]:
         """Messages whose content is a list of parts (the ``transformers`` / TRL layout:
         ``[{"type": "image"}, {"type": "text", "text": "..."}]``) with string content
-        instead: each image part becomes the placeholder marker, text parts are joined in
-        order. An image part may name its image (``"image"``, ``"path"`` or ``"url"``: a
-        local path, or ``{"bytes": ...}``); then every image part must, and the row's
-        images field must be empty. Returns ``(messages, image refs in marker order)``."""
-        mark = self.vlm.image_placeholder
-        inline, bare = [], 0
-        out = []
-        for j, m in enumerate(messages):
-            content = m.get("content")
-            if not isinstance(content, list):
-                out.append(m)
-                continue
-            text = []
-            for k, part in enumerate(content):
-                if isinstance(part, str):
-                    text.append(part)
-                    continue
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise ValueError(f"message {j} part {k}: a text part needs a 'text' string, got {_brief(part)}")
-                    text.append(part["text"])
-                elif kind in ("image", "image_url"):
-                    ref = next((part[key] for key in ("image", "path", "url", "image_url") if part.get(key) is not None), None)
-                    if isinstance(ref, dict) and "url" in ref and "bytes" not in ref:  # OpenAI style {"url": ...}
-                        ref = ref["url"]
-                    if ref is None:
-                        bare += 1
-                    else:
-                        inline.append(ref)
-                    text.append(mark)
-                else:
-                    raise ValueError(f"message {j} part {k}: part type {kind!r} is not supported "
-                                     "(text and image parts are)")
-            out.append(dict(m, content="".join(text)))
+        instead (:func:`~thdpack.offline.tokenize.flatten_content`): each image part becomes
+        the placeholder marker. An image part may name its image (``"image"``, ``"path"`` or
+        ``"url"``: a local path, or ``{"bytes": ...}``); then every image part must, and the
+        row's images field must be empty. Returns ``(messages, image refs in marker order)``."""
+        inline, bare = [], []
+
+        def image(part) -> str:
+            ref = next((part[key] for key in ("image", "path", "url", "image_url") if part.get(key) is not None), None)
+            if isinstance(ref, dict) and "url" in ref and "bytes" not in ref:  # OpenAI style {"url": ...}
+                ref = ref["url"]
+            (bare if ref is None else inline).append(ref)
+            return self.vlm.image_placeholder
+
+        out = flatten_content(messages, image)
         if inline:
             if bare:
-                raise ValueError(f"{len(inline)} image part(s) name their image and {bare} do not; name all or none")
+                raise ValueError(f"{len(inline)} image part(s) name their image and {len(bare)} do not; name all or none")
             if refs:
                 raise ValueError(f"images are named both in the image parts ({len(inline)}) and in "
                                  f"'{self.vlm.images_field}' ({len(refs)}); give them in one place")
@@ -426,18 +408,11 @@ class VlmRowTokenizer(RowTokenizer):
         return out, refs
 
     def _count_markers(self, value) -> int:
+        """Placeholder markers in a text row or in flattened messages (string or no content)."""
         mark = self.vlm.image_placeholder
         if isinstance(value, str):
             return value.count(mark)
-        total = 0
-        for j, m in enumerate(value):
-            content = m.get("content")
-            if content is None:
-                continue
-            if not isinstance(content, str):
-                raise ValueError(f"message {j}: content must be a string or a list of parts, got {_brief(content)}")
-            total += content.count(mark)
-        return total
+        return sum(m["content"].count(mark) for m in value if isinstance(m.get("content"), str))
 
     def _expand(self, value, grid: np.ndarray):
         m2 = self.vlm.family.spatial_merge_size ** 2
