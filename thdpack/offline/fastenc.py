@@ -206,7 +206,9 @@ _render_checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokeni
 
 def normalize_chats(conversations: list) -> list:
     """The conversations as ``apply_chat_template`` normalizes them (message objects to dicts,
-    ``None`` values dropped); as given when this transformers version has no such step."""
+    ``None`` values dropped); as given when this transformers version has no such step.
+    Content parts are already joined into strings by then (the row checks,
+    :func:`thdpack.offline.tokenize.flatten_content`)."""
     try:
         from transformers.tokenization_utils_base import _normalize_chat_messages
     except ImportError:
