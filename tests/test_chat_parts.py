@@ -24,7 +24,8 @@ from thdpack.offline.tokenize import flatten_content  # noqa: E402
 # Qwen2-VL's chat template: list content is rendered part by part, each text part as is.
 QWEN2_VL_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for content in message['content'] %}"

@@ -400,7 +400,8 @@ class VlmRowTokenizer(RowTokenizer):
         out = flatten_content(messages, image)
         if inline:
             if bare:
-                raise ValueError(f"{len(inline)} image part(s) name their image and {len(bare)} do not; name all or none")
+                raise ValueError(f"{len(inline)} image part(s) name their image and {len(bare)} do not; "
+                                 "name all or none")
             if refs:
                 raise ValueError(f"images are named both in the image parts ({len(inline)}) and in "
                                  f"'{self.vlm.images_field}' ({len(refs)}); give them in one place")
