@@ -171,17 +171,17 @@ def test_collator_names_the_bad_sample_by_its_place_in_the_call_not_in_its_pack(
 @pytest.mark.parametrize("name", ["cp_size", "tp_size"])
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])
 def test_bad_cp_tp_size(name, value):
-    with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got {value!r}"):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {value!r}"):
         build_thd_batch([OK], **{name: value})
-    with pytest.raises(ValueError, match=rf"{name} must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1"):
         ThdCollator(**{name: value})
-    with pytest.raises(ValueError, match=rf"{name} must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1"):
         cp_pad_multiple(**{name: value})
 
 
 @pytest.mark.parametrize("value", [0, -16, 2.0, False])
 def test_bad_pad_multiple(value):
-    with pytest.raises(ValueError, match=r"pad_multiple must be a positive integer"):
+    with pytest.raises(ValueError, match=r"pad_multiple must be an integer >= 1"):
         build_thd_batch([OK], pad_multiple=value)
 
 
@@ -192,14 +192,14 @@ def test_bad_fp8():
 
 @pytest.mark.parametrize("value", [0, -1, True])
 def test_bad_max_length(value):
-    with pytest.raises(ValueError, match=r"max_length must be a positive integer"):
+    with pytest.raises(ValueError, match=r"max_length must be an integer >= 1"):
         build_thd_batch([OK], max_length=value)
 
 
 @pytest.mark.parametrize("value", [2.5, "3"])
 def test_non_integer_max_length(value):
     """Like every other size option, a non-integer max_length is a ValueError naming it."""
-    with pytest.raises(ValueError, match=r"max_length must be a positive integer"):
+    with pytest.raises(ValueError, match=r"max_length must be an integer >= 1"):
         build_thd_batch([{"input_ids": [1, 2, 3, 4]}], max_length=value)
 
 
@@ -316,7 +316,7 @@ def test_split_in_sampler():
 
 @pytest.mark.parametrize("num_replicas, rank", [(0, 0), (2, 2), (2, -1), (1.5, 0)])
 def test_bad_replicas(num_replicas, rank):
-    with pytest.raises(ValueError, match=r"num_replicas must be a positive integer|rank must be in"):
+    with pytest.raises(ValueError, match=r"num_replicas must be an integer >= 1|rank must be in"):
         TokenBudgetBatchSampler([3, 4], 16, num_replicas=num_replicas, rank=rank)
 
 

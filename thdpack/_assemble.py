@@ -50,6 +50,9 @@ def _validate(ids, source, has_source, mask, has_mask, ignore_index):
 def _fill_targets(out, dst, ids, source, has_source, mask, has_mask, src, s, ignore_index):
     """``out[dst + j]`` = label of token ``src + j + 1`` for ``j < s - 1``; the last is ignored.
 
+    The one place the target rule lives: the label is ``source`` (or the id without
+    labels), and a mask 0 turns it into ``ignore_index``, so with both labels and a
+    mask a token is a target only where both say so.
     (Separate tight loops: a per-token helper call defeats numba's vectorisation.)
     """
     if has_source:

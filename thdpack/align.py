@@ -59,6 +59,32 @@ def round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
     return -(-lengths // multiple) * multiple
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int(value, name: str, minimum: int | None, *, hint: str = "") -> None:
+    """The one rule for integer arguments: a Python or numpy integer (not a bool),
+    ``minimum <= value`` (any int64 when ``minimum`` is None) and ``value < 2**63``
+    (every count and id is int64 downstream). ``ValueError`` naming the argument
+    otherwise; ``hint`` is appended to it."""
+    low = INT64_MIN if minimum is None else minimum
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= INT64_MAX:
+        what = "an integer in int64 range" if minimum is None else f"an integer >= {minimum}"
+        if minimum is not None and isinstance(value, int) and value > INT64_MAX:
+            what += " and < 2**63"
+        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+
+
+def first_non_int64(values) -> tuple[int, object] | None:
+    """``(position, value)`` of the first element of a flat sequence that is not an
+    integer in int64 range (bools count as integers), or None when all are. For
+    error messages: called once something is known to be wrong."""
+    for t, v in enumerate(values):
+        if not isinstance(v, (int, np.integer)) or not INT64_MIN <= v <= INT64_MAX:
+            return t, v
+    return None
+
+
 def check_positive_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    """:func:`check_int` with ``minimum=1`` (sizes and counts)."""
+    check_int(value, name, 1)

@@ -1,5 +1,13 @@
 """Build a THD batch straight from samples: one pass into preallocated arrays,
-no ``[B, S]`` padded intermediate, no remove-padding step."""
+no ``[B, S]`` padded intermediate, no remove-padding step.
+
+Which tokens are targets: a sample may give ``labels`` (HF style, ``ignore_index``
+= no loss), a ``loss_mask`` (1 = target), both, or neither. With both, a token is a
+target only where both say so (``labels[t] != ignore_index and loss_mask[t] == 1``):
+the mask narrows the labels and never adds targets, so it is the same as passing
+the labels alone with the masked-out tokens set to ``ignore_index``. With neither,
+every token but the first is a target (its own id is the label).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import numpy as np
 import torch
 
 from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
-from thdpack.align import check_positive_int, resolve_pad_multiple, round_up
+from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
 from thdpack.batch import ThdBatch
 from thdpack.cp import check_cp_args, shard_for_cp
 from thdpack.samples import get_field, to_int_array
@@ -37,11 +45,14 @@ def build_thd_batch(
     Args:
         samples: mappings with ``input_ids`` (``[s]`` integers >= 0) and optionally
             ``labels`` (``[s]``, HF style: unshifted, ``ignore_index`` = no loss) and/or
-            ``loss_mask`` (``[s]``, 1 = the token is a target). Without either, every
-            token but the first is a target. Lists, numpy arrays, torch tensors and
-            Arrow values are accepted.
-        pad_token_id: fills alignment pad slots of ``input_ids``.
-        ignore_index: label value of non-targets.
+            ``loss_mask`` (``[s]``, 1 = the token is a target). With both, a token is a
+            target only where both say so (the labels' ``ignore_index`` or a mask 0
+            excludes it). Without either, every token but the first is a target.
+            Lists, numpy arrays, integer torch tensors and Arrow values are accepted;
+            anything else (floats, None, values beyond int64, meta tensors) is a
+            ``ValueError`` naming the sample and field.
+        pad_token_id: fills alignment pad slots of ``input_ids`` (an integer >= 0).
+        ignore_index: label value of non-targets (an integer).
         cp_size, tp_size, sequence_parallel: each sample is padded to the least
             multiple these need (:func:`thdpack.cp_pad_multiple`).
         pad_multiple: an extra multiple (e.g. 16 for FP8), combined by lcm.
@@ -66,6 +77,7 @@ def build_thd_batch(
     Returns:
         A :class:`ThdBatch` on the CPU.
     """
+    check_token_args(pad_token_id, ignore_index)
     if isinstance(samples, Mapping):
         raise ValueError("build_thd_batch expects a sequence of samples, got a single mapping")
     samples = list(samples)
@@ -137,6 +149,14 @@ def build_thd_batch(
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
     return batch
+
+
+def check_token_args(pad_token_id, ignore_index) -> None:
+    """``ValueError`` naming the argument unless ``pad_token_id`` is an integer >= 0
+    (a token id) and ``ignore_index`` any int64 integer."""
+    hint = " (use the tokenizer's pad_token_id, or its eos_token_id when it has none)" if pad_token_id is None else ""
+    check_int(pad_token_id, "pad_token_id", 0, hint=hint)
+    check_int(ignore_index, "ignore_index", None)
 
 
 def _read_samples(samples, max_length):

@@ -10,7 +10,7 @@ import torch
 
 from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
-from thdpack.build import build_thd_batch
+from thdpack.build import build_thd_batch, check_token_args
 from thdpack.cp import check_cp_args
 from thdpack.plan import PackStats, plan_packs
 from thdpack.samples import get_field, to_int_array
@@ -74,6 +74,7 @@ class ThdCollator:
         model_config=None,
         vision_budget: int | None = None,
     ):
+        check_token_args(pad_token_id, ignore_index)  # now, rather than in a worker
         self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
         self.build_kwargs = dict(
             pad_token_id=pad_token_id,

@@ -16,7 +16,9 @@ from typing import Sequence
 import numpy as np
 
 from thdpack import _binpack
-from thdpack.align import round_up
+from thdpack.align import INT64_MAX, check_int, first_non_int64, round_up
+
+_check_int = check_int  # the old private name, still imported elsewhere; the rule lives in thdpack.align
 
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
@@ -147,6 +149,11 @@ def validate_lengths(lengths) -> np.ndarray:
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.dtype == object or (arr.dtype == np.uint64 and arr.size and arr.max() > INT64_MAX):
+        bad = first_non_int64(arr.tolist())  # None, beyond int64 (it would wrap to a negative length)
+        if bad is not None:
+            i, value = bad
+            raise ValueError(f"sample {i} has length {value!r}; lengths must be integers in int64 range")
     if arr.size and arr.dtype.kind not in "iu":
         if arr.dtype.kind != "f":
             raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
@@ -210,10 +217,10 @@ def plan_packs(
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    _check_int(pack_size, "pack_size", 1)
-    _check_int(align, "align", 1)
+    check_int(pack_size, "pack_size", 1)
+    check_int(align, "align", 1)
     if max_samples_per_pack is not None:
-        _check_int(max_samples_per_pack, "max_samples_per_pack", 1)
+        check_int(max_samples_per_pack, "max_samples_per_pack", 1)
     if algorithm == "bfd" and pack_size > _BEST_FIT_MAX_PACK_SIZE:
         raise ValueError(
             f"pack_size={pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
@@ -373,7 +380,7 @@ def _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pac
         raise ValueError("vision_lengths and vision_budget go together: pass both or neither")
     if vision_lengths is None:
         return None
-    _check_int(vision_budget, "vision_budget", 1)
+    check_int(vision_budget, "vision_budget", 1)
     if int(pack_size) * int(vision_budget) >= 2**56:
         raise ValueError(f"pack_size · vision_budget must be < 2**56, got {pack_size} · {vision_budget}")
     vision = np.asarray(vision_lengths)
@@ -411,8 +418,3 @@ def _placement_order_2d(sizes, vsizes, algorithm: str, seed: int, pack_size: int
         key = np.maximum(sizes * int(vision_budget), vsizes * int(pack_size))
         return np.argsort(-key, kind="stable")
     return _placement_order(sizes, algorithm, seed, pack_size)
-
-
-def _check_int(value, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

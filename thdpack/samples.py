@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from thdpack.align import INT64_MAX, first_non_int64
+
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 
 
@@ -23,12 +25,12 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     floats and other non-integers) before the general path.
     """
     if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
-        return value  # the common case, without further dispatch
+        return _within_int64(value, sample=sample, field=field)  # the common case, without further dispatch
     reader = _READERS.get(type(value))
     if reader is not None:  # a type seen before (Arrow arrays): skip the dispatch below
         arr = reader(value)
         if arr.ndim == 1 and arr.dtype.kind in "iu":
-            return arr
+            return _within_int64(arr, sample=sample, field=field)
     if type(value) is list and value:
         try:
             return np.frombuffer(array.array("q", value), dtype=np.int64)
@@ -46,7 +48,29 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
             f"sample {sample}: field '{field}' must hold integers, got dtype {arr.dtype}"
             + (f" (first value {arr[0].item()!r})" if arr.size else "")
         )
+    return _within_int64(arr, sample=sample, field=field)
+
+
+def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
+    """``arr`` unchanged, unless it is uint64 with values that int64 cannot hold
+    (the builder reads every field as int64): then a ``ValueError`` naming the first."""
+    if arr.dtype != np.uint64 or not arr.size:
+        return arr
+    over = np.flatnonzero(arr > np.uint64(INT64_MAX))
+    if over.size:
+        t = int(over[0])
+        raise ValueError(_not_int64_message(sample, field, arr[t].item(), t))
     return arr
+
+
+def _raise_first_non_int64(values, *, sample: int, field: str) -> None:
+    bad = first_non_int64(values)
+    if bad is not None:
+        raise ValueError(_not_int64_message(sample, field, bad[1], bad[0]))
+
+
+def _not_int64_message(sample: int, field: str, value, token: int) -> str:
+    return f"sample {sample}: field '{field}' must hold integers in int64 range, got {value!r} at token {token}"
 
 
 def _arrow_array(value) -> np.ndarray:
@@ -69,12 +93,14 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
             raise ValueError(f"sample {sample}: field '{field}' is not a flat sequence of integers ({exc})") from None
+        if arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64):
+            _raise_first_non_int64(value, sample=sample, field=field)  # None, str, float, beyond int64: name it
         if arr.dtype == object:
             raise ValueError(f"sample {sample}: field '{field}' must hold integers, got {type(value[0]).__name__} values")
         return arr
     module = type(value).__module__
     if module.startswith("torch"):
-        return value.detach().cpu().numpy()
+        return _torch_to_numpy(value, sample=sample, field=field)
     if module.startswith("pyarrow"):
         if getattr(type(value), "to_numpy", None) is None:  # ListScalar: read its child array
             _READERS[type(value)] = _arrow_list_scalar
@@ -88,6 +114,22 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
     if arr.dtype == object:
         raise ValueError(f"sample {sample}: field '{field}' of type {type(value).__name__} is not an integer sequence")
     return arr
+
+
+def _torch_to_numpy(value, *, sample: int, field: str) -> np.ndarray:
+    """A tensor's values on the CPU; floating-point tensors (numpy has no bfloat16)
+    and meta tensors (no data) are refused here, by name."""
+    if getattr(value, "is_meta", False):
+        raise ValueError(
+            f"sample {sample}: field '{field}' is a meta tensor (no data); materialise it "
+            "(e.g. build the tensor on 'cpu') before packing"
+        )
+    if value.is_floating_point() or value.is_complex():
+        raise ValueError(
+            f"sample {sample}: field '{field}' must hold integers, got {value.dtype}; "
+            "pass token ids as an integer tensor (e.g. .long())"
+        )
+    return value.detach().cpu().numpy()
 
 
 def get_field(sample, field: str, index: int, *, required: bool = False):
@@ -105,6 +147,11 @@ def get_field(sample, field: str, index: int, *, required: bool = False):
             "(and optionally 'labels' or 'loss_mask')"
         )
     if value is None and required:
+        if field in sample.keys():
+            raise ValueError(
+                f"sample {index}: field '{field}' is None; give the sample's token ids "
+                "(a list, numpy array or tensor of integers)"
+            )
         raise ValueError(f"sample {index} has no '{field}' field (fields: {sorted(sample.keys())})")
     return value
 

@@ -74,6 +74,8 @@ class VlmFamily(Protocol):
     video_token_id: int | None
     vision_start_token_id: int | None
     spatial_merge_size: int
+    # values per pixel row (the ViT's patch embedding input), or None: rows unchecked
+    pixel_width: int | None
 
     @classmethod
     def from_config(cls, config) -> "VlmFamily":
@@ -117,6 +119,9 @@ class QwenVLFamily:
     vision_start_token_id: int | None
     spatial_merge_size: int
     tokens_per_second: float | int = 1
+    # (in_channels, temporal_patch_size, patch_size) of the ViT's patch embedding; None
+    # when the config does not give patch_size (then pixel rows are not checked)
+    patch_shape: tuple[int, int, int] | None = None
 
     # ---- constants ---------------------------------------------------------
     @classmethod
@@ -133,6 +138,10 @@ class QwenVLFamily:
         )
         merge = config_get(config, "vision_config.spatial_merge_size", 2)
         tps = config_get(config, "vision_config.tokens_per_second", cls.DEFAULT_TOKENS_PER_SECOND)
+        patch = config_get(config, "vision_config.patch_size", None)
+        # older hub configs of Qwen2-VL name the channels in_chans
+        channels = config_first(config, ("vision_config.in_channels", "vision_config.in_chans"), 3)
+        temporal = config_get(config, "vision_config.temporal_patch_size", 2)
         family = cls(
             model_type=model_type,
             image_token_id=int(image),
@@ -140,6 +149,7 @@ class QwenVLFamily:
             vision_start_token_id=None if start is None else int(start),
             spatial_merge_size=int(merge),
             tokens_per_second=tps if cls.USES_SECOND_PER_GRID_TS else 1,
+            patch_shape=None if patch is None else (int(channels), int(temporal), int(patch)),
         )
         if family.spatial_merge_size < 1:
             raise ValueError(f"{model_type}: vision_config.spatial_merge_size must be >= 1, got {merge!r}")
@@ -150,6 +160,15 @@ class QwenVLFamily:
     @property
     def supports_video(self) -> bool:
         return self.video_token_id is not None
+
+    @property
+    def pixel_width(self) -> int | None:
+        """Values in one row of ``pixel_values`` (and ``pixel_values_videos``):
+        ``in_channels · temporal_patch_size · patch_size²``, or None when unknown."""
+        if self.patch_shape is None:
+            return None
+        channels, temporal, patch = self.patch_shape
+        return channels * temporal * patch * patch
 
     # ---- placeholders -------------------------------------------------------
     def placeholder_tokens(self, grid_thw: np.ndarray) -> np.ndarray:

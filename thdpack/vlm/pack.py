@@ -175,7 +175,7 @@ def _read_kind(sample, i: int, kind: str, family):
     pixels = get_field(sample, pix_field, i)
     grid_value = get_field(sample, grid_field, i)
     grid = np.zeros((0, 3), np.int64) if grid_value is None else _grid(grid_value, i, grid_field)
-    n_rows = None if pixels is None else _rows(pixels, i, pix_field)
+    n_rows = None if pixels is None else _rows(pixels, i, pix_field, family)
     if kind == "video" and not family.supports_video and (grid.shape[0] or n_rows):
         raise ValueError(
             f"sample {i}: has video inputs ('{grid_field}' with {grid.shape[0]} videos, "
@@ -233,10 +233,20 @@ def _to_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def _rows(pixels, i: int, field: str) -> int:
+def _rows(pixels, i: int, field: str, family) -> int:
+    """Rows of a sample's ``[patches, dim]`` pixels, checked to be 2-D and, when the
+    config gives the patch embedding, ``dim`` values wide."""
     shape = tuple(pixels.shape) if hasattr(pixels, "shape") else np.shape(pixels)
     if len(shape) != 2:
         raise ValueError(f"sample {i}: '{field}' must be 2-D [patches, dim], got shape {shape}")
+    width = getattr(family, "pixel_width", None)
+    if width is not None and shape[1] != width:
+        channels, temporal, patch = family.patch_shape
+        raise ValueError(
+            f"sample {i}: '{field}' rows have {shape[1]} values but the model config expects {width} "
+            f"(in_channels {channels} · temporal_patch_size {temporal} · patch_size {patch}²); "
+            "use the image processor that matches this model"
+        )
     return int(shape[0])
 
 

@@ -1,0 +1,256 @@
+"""Python API messages (issue 11, section 7): bad ids, fields, arguments, lengths and
+pixel rows are ``ValueError``s naming the sample and field (or argument); and the
+rule for samples that give both ``labels`` and ``loss_mask``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thdpack import ThdCollator, build_thd_batch, plan_packs
+
+OK = {"input_ids": [1, 2, 3]}
+IGNORE = -100
+FAST = settings(max_examples=60, deadline=None, derandomize=True)
+
+
+def build(bad, **kw):
+    """Build a pack whose sample 1 is ``bad`` (samples 0 and 2 are fine)."""
+    return build_thd_batch([OK, bad, OK], **kw)
+
+
+# --------------------------------------------------------------------------
+# ids as tensors the numpy bridge cannot read
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("field", ["input_ids", "labels", "loss_mask"])
+def test_floating_point_tensor_field(dtype, field):
+    value = torch.tensor([1, 2, 3], dtype=dtype)
+    bad = {"input_ids": [4, 5, 6], field: value}
+    with pytest.raises(ValueError, match=rf"^sample 1: field '{field}' must hold integers, got {dtype}"):
+        build(bad)
+
+
+def test_meta_tensor_ids():
+    bad = {"input_ids": torch.empty(3, dtype=torch.long, device="meta")}
+    with pytest.raises(ValueError, match=r"^sample 1: field 'input_ids' is a meta tensor \(no data\)"):
+        build(bad)
+
+
+def test_collator_names_tensor_errors_by_place_in_call():
+    bad = {"input_ids": torch.tensor([1, 2], dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"^sample 1: field 'input_ids' must hold integers, got torch.bfloat16"):
+        ThdCollator()([OK, bad])
+    with pytest.raises(ValueError, match=r"^sample 2: field 'input_ids' must hold integers, got torch.bfloat16"):
+        ThdCollator(pack_size=16)([OK, OK, bad])
+
+
+# --------------------------------------------------------------------------
+# None, None elements, values beyond int64
+# --------------------------------------------------------------------------
+def test_input_ids_none():
+    with pytest.raises(ValueError, match=r"^sample 1: field 'input_ids' is None; give the sample's token ids"):
+        build({"input_ids": None})
+    with pytest.raises(ValueError, match=r"^sample 1: field 'input_ids' is None"):
+        ThdCollator(pack_size=16)([OK, {"input_ids": None}])
+
+
+def test_missing_input_ids_still_lists_the_fields():
+    with pytest.raises(ValueError, match=r"^sample 1 has no 'input_ids' field \(fields: \['ids'\]\)"):
+        build({"ids": [1, 2]})
+
+
+@pytest.mark.parametrize(
+    "values, shown, token",
+    [
+        ([1, None, 3], "None", 1),
+        ([1, 2, "3"], "'3'", 2),
+        ([1, 2**64, 3], str(2**64), 1),
+        ([2**63, 1], str(2**63), 0),
+        ([1, -(2**63) - 1], str(-(2**63) - 1), 1),
+        ((1, 2.5), "2.5", 1),
+    ],
+    ids=["none", "str", "2**64", "2**63", "below-int64", "tuple-float"],
+)
+@pytest.mark.parametrize("field", ["input_ids", "labels"])
+def test_bad_list_element_named_with_its_token(values, shown, token, field):
+    bad = {"input_ids": [4] * len(values), field: values}
+    with pytest.raises(ValueError, match=rf"^sample 1: field '{field}' must hold integers in int64 range, got {shown} at token {token}$"):
+        build(bad)
+
+
+def test_uint64_ids_beyond_int64():
+    ids = np.array([1, 2**63 + 5, 3], dtype=np.uint64)
+    with pytest.raises(ValueError, match=rf"^sample 1: field 'input_ids' must hold integers in int64 range, got {2**63 + 5} at token 1$"):
+        build({"input_ids": ids})
+
+
+def test_uint64_ids_within_int64_are_fine():
+    batch = build({"input_ids": np.array([7, 8], dtype=np.uint64)})
+    assert batch.input_ids.tolist() == [1, 2, 3, 7, 8, 1, 2, 3]
+
+
+_BAD_ELEMENTS = st.one_of(
+    st.none(),
+    st.text(max_size=3),
+    st.floats(allow_nan=True).filter(lambda x: not float(x).is_integer()),
+    st.integers(min_value=2**63, max_value=2**80),
+    st.integers(max_value=-(2**63) - 1, min_value=-(2**80)),
+    st.lists(st.integers(0, 9), max_size=2),
+)
+
+
+@FAST
+@given(
+    good=st.lists(st.integers(0, 1000), min_size=1, max_size=8),
+    bad=_BAD_ELEMENTS,
+    at=st.integers(0, 8),
+    which=st.integers(0, 3),
+    field=st.sampled_from(["input_ids", "labels"]),
+)
+def test_any_invalid_element_names_its_sample(good, bad, at, which, field):
+    """Whatever invalid value sits anywhere in a list, the error is a ValueError
+    that names the sample and the field."""
+    values = list(good)
+    values.insert(min(at, len(values)), bad)
+    sample = {"input_ids": [5] * len(values), field: values}
+    samples = [dict(OK) for _ in range(4)]
+    samples[which] = sample
+    with pytest.raises(ValueError, match=rf"^sample {which}(:| has).*'{field}'"):
+        build_thd_batch(samples)
+
+
+# --------------------------------------------------------------------------
+# builder arguments
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [None, "0", 1.0, -1, True, 2**63])
+def test_bad_pad_token_id(value):
+    with pytest.raises(ValueError, match=rf"^pad_token_id must be an integer >= 0.*got {value!r}"):
+        build_thd_batch([OK], pad_token_id=value)
+    with pytest.raises(ValueError, match=r"^pad_token_id must be an integer >= 0"):
+        ThdCollator(pad_token_id=value)
+
+
+def test_pad_token_id_none_hint():
+    with pytest.raises(ValueError, match=r"eos_token_id"):
+        build_thd_batch([OK], pad_token_id=None)
+
+
+@pytest.mark.parametrize("value", [None, "x", -1.5, False])
+def test_bad_ignore_index(value):
+    with pytest.raises(ValueError, match=rf"^ignore_index must be an integer.*got {value!r}"):
+        build_thd_batch([OK], ignore_index=value)
+    with pytest.raises(ValueError, match=r"^ignore_index must be an integer"):
+        ThdCollator(ignore_index=value)
+
+
+def test_numpy_integer_arguments_accepted():
+    batch = build_thd_batch([OK], pad_token_id=np.int64(9), ignore_index=np.int32(-1), pad_multiple=4)
+    assert batch.input_ids.tolist() == [1, 2, 3, 9]
+    assert batch.labels.tolist() == [2, 3, -1, -1]
+
+
+# --------------------------------------------------------------------------
+# planning lengths
+# --------------------------------------------------------------------------
+def test_uint64_length_beyond_int64():
+    with pytest.raises(ValueError, match=rf"^sample 1 has length {2**63}; lengths must be integers in int64 range$"):
+        plan_packs(np.array([3, 2**63], dtype=np.uint64), 10)
+
+
+@pytest.mark.parametrize("lengths, i, shown", [([3, 2**64], 1, str(2**64)), ([None, 3], 0, "None")])
+def test_python_length_not_an_int64(lengths, i, shown):
+    with pytest.raises(ValueError, match=rf"^sample {i} has length {shown}; lengths must be integers in int64 range$"):
+        plan_packs(lengths, 10)
+
+
+# --------------------------------------------------------------------------
+# VLM: pixel rows of the wrong width
+# --------------------------------------------------------------------------
+IMG, VID, VS, VE = 120, 121, 118, 119
+
+
+def _vlm_config(model_type="qwen2_vl", **vision):
+    vision = {"patch_size": 2, "temporal_patch_size": 2, "in_channels": 3, "spatial_merge_size": 2, **vision}
+    return {"model_type": model_type, "image_token_id": IMG, "video_token_id": VID,
+            "vision_start_token_id": VS, "vision_config": vision}
+
+
+def _image_sample(width):
+    return {"input_ids": [1, VS] + [IMG] * 4 + [VE, 2], "image_grid_thw": [[1, 4, 4]],
+            "pixel_values": torch.zeros(16, width)}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_pixel_rows_of_wrong_width(model_type):
+    cfg = _vlm_config(model_type)
+    build_thd_batch([_image_sample(24)], model_config=cfg)  # 3 · 2 · 2² = 24
+    with pytest.raises(
+        ValueError,
+        match=r"^sample 1: 'pixel_values' rows have 25 values but the model config expects 24 "
+        r"\(in_channels 3 · temporal_patch_size 2 · patch_size 2²\)",
+    ):
+        build_thd_batch([_image_sample(24), _image_sample(25)], model_config=cfg)
+
+
+def test_pixel_width_from_legacy_in_chans_and_video_rows():
+    cfg = _vlm_config(in_chans=1, in_channels=None)
+    video = {"input_ids": [1, VS] + [VID] * 8 + [VE], "video_grid_thw": [[2, 4, 4]],
+             "pixel_values_videos": torch.zeros(32, 9)}
+    with pytest.raises(ValueError, match=r"^sample 0: 'pixel_values_videos' rows have 9 values but the model config expects 8"):
+        build_thd_batch([video], model_config=cfg)
+
+
+def test_pixel_width_unchecked_without_patch_size():
+    cfg = _vlm_config()
+    del cfg["vision_config"]
+    batch = build_thd_batch([_image_sample(7)], model_config=cfg)
+    assert batch.extras["pixel_values"].shape == (16, 7)
+
+
+# --------------------------------------------------------------------------
+# labels and loss_mask together: a token is a target only where both say so
+# --------------------------------------------------------------------------
+def test_labels_and_loss_mask_both_given_is_their_and():
+    sample = {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "loss_mask": [1, 1, 0, 1, 1]}
+    batch = build_thd_batch([sample])
+    # targets (unshifted): labels say tokens 1, 2, 4; the mask says 0, 1, 3, 4: both say 1 and 4
+    assert batch.labels.tolist() == [2, IGNORE, IGNORE, 5, IGNORE]
+    assert batch.loss_mask.tolist() == [True, False, False, True, False]
+
+
+@st.composite
+def _targeted_samples(draw):
+    n = draw(st.integers(1, 4))
+    out = []
+    for _ in range(n):
+        s = draw(st.integers(1, 9))
+        ids = draw(st.lists(st.integers(0, 50), min_size=s, max_size=s))
+        labels = [draw(st.sampled_from([IGNORE, t])) for t in ids]
+        mask = draw(st.lists(st.booleans(), min_size=s, max_size=s))
+        out.append({"input_ids": ids, "labels": labels, "loss_mask": mask})
+    return out
+
+
+@FAST
+@given(samples=_targeted_samples(), cp=st.sampled_from([1, 2]))
+def test_both_given_equals_labels_masked_by_loss_mask(samples, cp):
+    """Both given == labels alone, with the masked-out tokens set to ignore_index."""
+    anded = [
+        {"input_ids": s["input_ids"], "labels": [lab if m else IGNORE for lab, m in zip(s["labels"], s["loss_mask"])]}
+        for s in samples
+    ]
+    for rank in ([None] if cp == 1 else range(cp)):
+        kw = dict(cp_size=cp, cp_rank=rank)
+        both, ref = build_thd_batch(samples, **kw), build_thd_batch(anded, **kw)
+        assert torch.equal(both.labels, ref.labels)
+        assert torch.equal(both.loss_mask, ref.loss_mask)
+    # and symmetrically: the mask alone, with the labels' ignored tokens masked out
+    masked = [
+        {"input_ids": s["input_ids"], "loss_mask": [m and lab != IGNORE for lab, m in zip(s["labels"], s["loss_mask"])]}
+        for s in samples
+    ]
+    assert torch.equal(build_thd_batch(samples).labels, build_thd_batch(masked).labels)
