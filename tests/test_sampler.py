@@ -161,7 +161,7 @@ def test_resume_gives_exactly_the_remaining_batches(case, data):
 @SETTINGS
 @given(sampler_case(), st.data())
 def test_resume_from_trainer_step(case, data):
-    """With prefetching the sampler runs ahead; state_dict(step=k) resumes after k consumed batches."""
+    """With prefetching the sampler runs ahead; state_dict(consumed=k) resumes after k consumed batches."""
     lengths, kw = case
     assume(usable(lengths, kw))
     a = make(lengths, kw)
@@ -172,8 +172,9 @@ def test_resume_from_trainer_step(case, data):
     it = iter(a)
     prefetched = [next(it) for _ in range(min(steps, consumed + 2))]
     assert prefetched == full[: len(prefetched)]
-    state = a.state_dict(step=consumed)
+    state = a.state_dict(consumed=consumed)
     assert state["step"] == consumed and state["epoch"] == 0
+    assert a.state_dict(step=consumed) == state  # the older form: the absolute step in the pass's epoch
     b = make(lengths, kw)
     b.load_state_dict(state)
     assert list(b) == full[consumed:]
@@ -275,11 +276,56 @@ def test_fingerprint_mismatch_raises():
 def test_load_state_dict_step_out_of_range():
     lengths = _lognormal(100, 4, 128)
     s = TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0)
-    state = s.state_dict(step=len(s) + 1)
+    state = s.state_dict()
     with pytest.raises(ValueError, match=r"step \d+ is outside epoch 0"):
-        TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0).load_state_dict(state)
-    with pytest.raises(ValueError, match="step -1 is outside"):
+        TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0).load_state_dict(dict(state, step=len(s) + 1))
+    with pytest.raises(ValueError, match=r"state_dict\['step'\] must be an integer >= 0, got -1"):
         TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0).load_state_dict(dict(state, step=-1))
+    with pytest.raises(ValueError, match=r"step \d+ is outside epoch 0"):
+        s.state_dict(step=len(s) + 1)
+
+
+def _state_without(state, key):
+    return {k: v for k, v in state.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda st: {}, r"missing key\(s\) 'epoch', 'step', 'seed', 'fingerprint'"),
+        (lambda st: None, r"must be the dict TokenBudgetBatchSampler.state_dict\(\) returned, got NoneType"),
+        (lambda st: [st], r"got list"),
+        (lambda st: _state_without(st, "step"), r"missing key\(s\) 'step'"),
+        (lambda st: _state_without(st, "seed"), r"missing key\(s\) 'seed'"),
+        (lambda st: _state_without(st, "fingerprint"), r"missing key\(s\) 'fingerprint'"),
+        (lambda st: dict(st, epoch=-1), r"state_dict\['epoch'\] must be an integer >= 0, got -1"),
+        (lambda st: dict(st, step=1.5), r"state_dict\['step'\] must be an integer >= 0, got 1.5"),
+        (lambda st: dict(st, step=True), r"state_dict\['step'\] must be an integer >= 0, got True"),
+        (lambda st: dict(st, epoch="1"), r"state_dict\['epoch'\] must be an integer >= 0, got '1'"),
+        (lambda st: dict(st, seed=0.5), r"state_dict\['seed'\] must be an integer, got 0.5"),
+        (lambda st: dict(st, fingerprint=None), r"saved by a sampler over other lengths or with other settings"),
+    ],
+)
+def test_load_state_dict_rejects_malformed_states(bad, message):
+    """Issue 11 §7: each malformed state is one ValueError naming the key and what is wrong
+    (before: KeyError / AttributeError / TypeError, or silently accepted), and leaves the sampler as it was."""
+    lengths = _lognormal(100, 4, 128)
+    s = TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0, seed=3)
+    before = list(TokenBudgetBatchSampler(lengths, 128, num_replicas=1, rank=0, seed=3))
+    with pytest.raises(ValueError, match=message):
+        s.load_state_dict(bad(s.state_dict()))
+    assert list(s) == before
+
+
+def test_state_dict_argument_errors():
+    s = TokenBudgetBatchSampler(_lognormal(50, 4, 128), 128, num_replicas=1, rank=0)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match=r"consumed must be an integer >= 0"):
+            s.state_dict(consumed=bad)
+    with pytest.raises(ValueError, match="not both"):
+        s.state_dict(consumed=0, step=0)
+    with pytest.raises(ValueError, match=r"epoch must be an integer >= 0, got -2"):
+        s.set_epoch(-2)
 
 
 def _dataset(n, seed, hi):
@@ -381,3 +427,15 @@ def test_later_epochs_do_not_fail_once_construction_succeeded():
     for epoch in range(4):
         per_rank = [list(s) for s in samplers]
         assert len({len(b) for b in per_rank}) == 1, f"epoch {epoch}: ranks disagree on steps"
+
+
+def test_set_epoch_detaches_a_live_pass():
+    """A pass that is still being drawn from after set_epoch/load_state_dict does not move the position."""
+    s = TokenBudgetBatchSampler(_lognormal(200, 7, 128), 128, num_replicas=1, rank=0)
+    it = iter(s)
+    next(it)
+    s.set_epoch(3)
+    rest = list(it)
+    assert rest, "the old pass still yields its packs"
+    assert (s.state_dict()["epoch"], s.state_dict()["step"]) == (3, 0)
+    assert s.state_dict(consumed=0)["epoch"] == 3

@@ -11,7 +11,7 @@ from torch.utils.data import Sampler
 
 from thdpack.align import check_positive_int
 from thdpack.balance import CostModel, plan_balanced
-from thdpack.plan import PackPlan, plan_packs, validate_lengths
+from thdpack.plan import PackPlan, _check_int, plan_packs, validate_lengths
 
 
 def _distributed_default(num_replicas, rank) -> tuple[int, int]:
@@ -41,11 +41,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     the collator ``max_length=pack_size`` (it cuts rows where the plan did,
     ``sampler.max_length`` tokens, once alignment is accounted for): ``DataLoader(ds, batch_sampler=sampler, collate_fn=ThdCollator(...))``.
 
-    Resuming: ``state_dict()`` records the epoch and the number of steps this
-    sampler has yielded in it; ``load_state_dict()`` continues with exactly the
-    packs an uninterrupted run would yield next. A DataLoader with workers
-    prefetches batches ahead of training; pass the trainer's own step count as
-    ``state_dict(step=...)`` to resume exactly from what was consumed.
+    Resuming (see ``docs/resume.md``): the sampler's position is the epoch and
+    the step its next pack comes from. A DataLoader with workers draws packs
+    ahead of training, so with a plain ``DataLoader`` save
+    ``sampler.state_dict(consumed=k)``, ``k`` being the batches the loop took from
+    the current ``for batch in loader``; with torchdata's ``StatefulDataLoader``
+    save ``loader.state_dict()``. ``load_state_dict()`` then continues with exactly
+    the packs an uninterrupted run would yield next, across epochs::
+
+        while sampler.epoch < num_epochs:          # the sampler moves on by itself
+            for k, batch in enumerate(loader, start=1):
+                train_step(batch)
+                if checkpoint_now:
+                    save(sampler.state_dict(consumed=k))
 
     Args:
         lengths: ``[n]`` token count of every dataset row.
@@ -108,8 +116,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.micro_batches = micro_batches
         self.cost = cost if isinstance(cost, CostModel) else CostModel(*cost)
         self.epoch = 0
-        self._start_step = 0
-        self._yielded = 0
+        self._step = 0  # position: the next pack is step `_step` of `epoch` (== len: the epoch is used up)
+        self._pass = 0  # id of the newest pass; older passes no longer move the position
+        self._pass_start = (0, 0)
         self._cached: tuple[int, PackPlan, np.ndarray] | None = None
         self._plan_for_epoch(0)  # validate now: errors surface at construction, not in the loop
 
@@ -154,21 +163,35 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return len(self._plan_for_epoch(self.epoch)[1])
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
+        """One pass: the rest of the current epoch (nothing if it is used up), after
+        which the sampler moves to the next epoch. The pass moves the sampler's
+        position as it draws packs."""
+        self._pass += 1
+        self._pass_start = (self.epoch, self._step)
+        return self._run_pass(self._pass, self.epoch, self._step)
+
+    def _run_pass(self, pass_id: int, epoch: int, start: int) -> Iterator[list[int]]:
         plan, schedule = self._plan_for_epoch(epoch)
-        start, self._start_step = self._start_step, 0
         for step in range(start, len(schedule)):
-            self._yielded = step + 1
+            if pass_id == self._pass:  # a newer pass, set_epoch or load_state_dict detached this one
+                self._step = step + 1
             yield plan.pack(int(schedule[step])).tolist()
-        if self.epoch == epoch:  # unless set_epoch was called meanwhile, move on
-            self.epoch = epoch + 1
-            self._yielded = 0
+        if pass_id == self._pass:
+            self.epoch, self._step = epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first step (as ``DistributedSampler.set_epoch``)."""
-        self.epoch = int(epoch)
-        self._start_step = 0
-        self._yielded = 0
+        """Start ``epoch`` from its first step (as ``DistributedSampler.set_epoch``).
+        Not needed between epochs (a pass moves on by itself) and not after
+        :meth:`load_state_dict` (it would discard the resumed position)."""
+        _check_int(epoch, "epoch", 0)
+        self._move_to(int(epoch), 0)
+
+    def _move_to(self, epoch: int, step: int) -> None:
+        """Set the position (the next pack is step ``step`` of ``epoch``) and detach
+        any live pass from it."""
+        self.epoch, self._step = epoch, step
+        self._pass += 1
+        self._pass_start = (epoch, step)
 
     # ---- resume ---------------------------------------------------------
     def _fingerprint(self) -> str:
@@ -179,26 +202,87 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         h.update(repr(settings).encode())
         return h.hexdigest()
 
-    def state_dict(self, step: int | None = None) -> dict:
-        """``{"epoch", "step", "seed", "fingerprint"}``; ``step`` defaults to the
-        number of batches this sampler has yielded in the current epoch."""
-        return {
-            "epoch": self.epoch,
-            "step": self._yielded if step is None else int(step),
-            "seed": self.seed,
-            "fingerprint": self._fingerprint(),
-        }
+    def state_dict(self, consumed: int | None = None, *, step: int | None = None) -> dict:
+        """``{"epoch", "step", "seed", "fingerprint"}``: where the next pack comes from.
+
+        Without arguments: the position after the last pack this sampler handed out,
+        exact only when nothing was prefetched (``num_workers=0``) or when
+        ``StatefulDataLoader`` takes the state (it does so as each batch is drawn).
+
+        Args:
+            consumed: batches the training loop took from the current pass (the
+                current ``for batch in loader``); exact with any number of workers,
+                persistent or not, as a loader's prefetching runs ahead of training.
+            step: (older form) the absolute step in the current pass's epoch.
+        """
+        if consumed is not None and step is not None:
+            raise ValueError("pass consumed= or step= to state_dict, not both")
+        epoch, step = self._consumed_position(consumed, step)
+        return {"epoch": epoch, "step": step, "seed": self.seed, "fingerprint": self._fingerprint()}
+
+    def _consumed_position(self, consumed: int | None, step: int | None) -> tuple[int, int]:
+        if consumed is None and step is None:
+            return self.epoch, self._step
+        epoch, start = self._pass_start
+        steps = len(self._plan_for_epoch(epoch)[1])
+        if consumed is not None:
+            _check_int(consumed, "consumed", 0)
+            drawn = self._step - start if self.epoch == epoch else steps - start
+            if consumed > drawn:
+                raise ValueError(
+                    f"consumed={consumed}, but the current pass over epoch {epoch} (from step {start}) has only "
+                    f"{drawn} drawn; pass the number of batches the loop took from the current `for batch in loader`"
+                )
+            return epoch, start + int(consumed)
+        _check_int(step, "step", 0)
+        self._check_step(epoch, step)
+        return epoch, int(step)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: the next iteration yields the packs that follow it."""
-        if state.get("fingerprint", self._fingerprint()) != self._fingerprint():
-            raise ValueError("state_dict was saved by a sampler over other lengths or with other settings")
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self._cached = None
-        steps = len(self)
-        step = int(state["step"])
-        if not 0 <= step <= steps:
-            raise ValueError(f"step {step} is outside epoch {self.epoch} of {steps} steps")
-        self._start_step = step
-        self._yielded = step
+        """Continue from ``state``: the passes that follow yield exactly the packs an
+        uninterrupted run would yield next (from a state at the end of an epoch, one
+        empty pass, as the uninterrupted run's loop ends there too).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, lacks a key, holds a negative or
+                non-integer epoch/step, a step past its epoch, or comes from a
+                sampler over other lengths or with other settings.
+        """
+        epoch, step = _checked_state(state, self._fingerprint())
+        kept = self.seed, self._cached
+        self.seed, self._cached = int(state["seed"]), None
+        try:
+            self._check_step(epoch, step)
+        except ValueError:
+            self.seed, self._cached = kept
+            raise
+        self._move_to(epoch, step)
+
+    def _check_step(self, epoch: int, step: int) -> None:
+        steps = len(self._plan_for_epoch(epoch)[1])
+        if step > steps:
+            raise ValueError(f"state_dict: step {step} is outside epoch {epoch} of {steps} steps")
+
+
+_STATE_KEYS = ("epoch", "step", "seed", "fingerprint")
+
+
+def _checked_state(state, fingerprint: str) -> tuple[int, int]:
+    """``(epoch, step)`` of a sampler state, after checking its keys, types and fingerprint."""
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"state_dict must be the dict TokenBudgetBatchSampler.state_dict() returned, got {type(state).__name__}"
+        )
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"state_dict is missing key(s) {', '.join(map(repr, missing))}; pass the dict that "
+            "TokenBudgetBatchSampler.state_dict() returned, unchanged"
+        )
+    for key in ("epoch", "step"):
+        _check_int(state[key], f"state_dict[{key!r}]", 0)
+    if isinstance(state["seed"], bool) or not isinstance(state["seed"], (int, np.integer)):
+        raise ValueError(f"state_dict['seed'] must be an integer, got {state['seed']!r}")
+    if state["fingerprint"] != fingerprint:
+        raise ValueError("state_dict was saved by a sampler over other lengths or with other settings")
+    return int(state["epoch"]), int(state["step"])
