@@ -29,7 +29,8 @@ from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.offline.errors import NotPackedError, require_pyarrow
-from thdpack.offline.format import FORMAT_NAME, MAX_FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR, file_sha256
+from thdpack.offline.format import METADATA_FILE, SAMPLE_COLUMNS, TOKENIZER_DIR, check_metadata, file_sha256
+from thdpack.offline.writer import IGNORE_INDEX
 
 _TOKEN_FIELDS = ("loss_mask", "labels")
 
@@ -130,6 +131,122 @@ class PackedRowCollator:
         return dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
 
 
+# ---------------------------------------------------------------------------- shard checks
+
+
+def _read_shard(path: Path, damaged: str):
+    """The ``pyarrow.Table`` of one shard (Arrow: memory-mapped); :class:`NotPackedError` naming
+    ``path`` if Arrow cannot read it."""
+    pa = require_pyarrow("load_packed")
+    import pyarrow.parquet as pq
+
+    parquet = path.suffix == ".parquet"
+    try:
+        if parquet:
+            return pq.read_table(path, memory_map=True)
+        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+    except (pa.ArrowException, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        kind = "Parquet file" if parquet else "Arrow stream"
+        raise NotPackedError(f"{path}: not a valid {kind} ({reason}); {damaged}") from None
+
+
+def _pack_where(path: Path, pack: int, k: int) -> str:
+    return f"{path}: pack {pack} (pack {k} of the dataset)"
+
+
+def _offsets(batch, name: str) -> tuple[np.ndarray, int]:
+    """int64 ``[rows + 1]`` offsets of list column ``name`` into its values, and the number of values."""
+    col = batch.column(name)
+    return np.asarray(col.offsets, dtype=np.int64), len(col.values)
+
+
+def _first_bad(bad: np.ndarray) -> int | None:
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else None
+
+
+def _check_shard(table, entry: dict, path: Path, meta: dict, first_k: int, damaged: str) -> int:
+    """Check a shard's rows against ``metadata.json`` without reading its tokens: the token
+    and sample columns' offsets, every ``seq_lens`` entry >= 1, each pack's ``seq_lens``
+    summing to its tokens and no pack longer than ``pack_size``, the shard's token count.
+    ``first_k``: the dataset's index of the shard's first pack. Returns the shard's number
+    of samples (``seq_lens`` entries)."""
+    missing = [c for c in meta["columns"] if c not in table.schema.names]
+    if missing:
+        raise NotPackedError(f"{path}: has no column {', '.join(map(repr, missing))} listed in 'columns' of "
+                             f"{METADATA_FILE}; {damaged}")
+    pack_tokens, pieces, row = [], 0, 0
+    for batch in table.to_batches():
+        tokens, n = _check_batch(batch, meta, lambda j: _pack_where(path, row + j, first_k + row + j), damaged)
+        pack_tokens.append(tokens)
+        pieces += n
+        row += batch.num_rows
+    total = int(sum(int(t.sum()) for t in pack_tokens))
+    if total != entry["num_tokens"]:
+        raise NotPackedError(f"{path}: holds {total} tokens, but its 'num_tokens' in {METADATA_FILE} is "
+                             f"{entry['num_tokens']}; {damaged}")
+    return pieces
+
+
+def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
+    """One record batch of :func:`_check_shard`; ``where(j)`` names its pack ``j``. Returns
+    int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
+    groups = {"input_ids": ("input_ids", meta["targets"]), "seq_lens": SAMPLE_COLUMNS}  # columns sharing offsets
+    offsets = {}
+    for lead, names in groups.items():
+        off, n_values = _offsets(batch, lead)
+        j = _first_bad(np.diff(off) < 0)
+        if j is not None or off[0] < 0 or off[-1] > n_values:
+            j = 0 if j is None else j
+            raise NotPackedError(f"{where(j)}: '{lead}' has broken list offsets; {damaged}")
+        for name in names[1:]:
+            j = _first_bad(_offsets(batch, name)[0] != off)
+            if j is not None:
+                j = max(j - 1, 0)
+                raise NotPackedError(f"{where(j)}: '{name}' and '{lead}' have different lengths; {damaged}")
+        offsets[lead] = off
+    tokens = np.diff(offsets["input_ids"])
+    sample_off = offsets["seq_lens"]
+    lens = np.asarray(batch.column("seq_lens").values.to_numpy(), dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(lens)])
+    per_pack = cum[sample_off[1:]] - cum[sample_off[:-1]]
+    j = _first_bad(np.diff(sample_off) < 1)
+    if j is not None:
+        raise NotPackedError(f"{where(j)}: has no samples ('seq_lens' is empty); {damaged}")
+    s = _first_bad(lens[sample_off[0] : sample_off[-1]] < 1)
+    if s is not None:
+        j = int(np.searchsorted(sample_off, sample_off[0] + s, side="right")) - 1
+        raise NotPackedError(f"{where(j)}: 'seq_lens' has {int(lens[sample_off[0] + s])}, not a length >= 1; {damaged}")
+    j = _first_bad(per_pack != tokens)
+    if j is not None:
+        raise NotPackedError(f"{where(j)}: 'seq_lens' sum to {int(per_pack[j])} but 'input_ids' has "
+                             f"{int(tokens[j])} tokens; {damaged}")
+    j = _first_bad(tokens > meta["pack_size"])
+    if j is not None:
+        raise NotPackedError(f"{where(j)}: has {int(tokens[j])} tokens, more than 'pack_size' ({meta['pack_size']}) in "
+                             f"{METADATA_FILE}; {damaged}")
+    return tokens, int(sample_off[-1] - sample_off[0])
+
+
+def _bad_tokens(row: Mapping, vocab_size: int | None) -> str | None:
+    """What is wrong with a pack's token ids and labels (negative, or outside the vocabulary
+    of ``vocab_size``), or None. Costs a min and a max per column of the pack."""
+    limit = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
+    vocab = f"the tokenizer's vocabulary of {vocab_size}" if vocab_size is not None else "token ids (>= 0)"
+    ids = row["input_ids"]
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        t = _first_bad((ids < 0) | (ids >= limit))
+        return f"'input_ids' token {t} has id {int(ids[t])}, outside {vocab}"
+    labels = row.get("labels")
+    if labels is not None and labels.size and (labels.min() < 0 or labels.max() >= limit):
+        bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= limit)
+        t = _first_bad(bad)
+        if t is not None:
+            return f"'labels' token {t} has {int(labels[t])}, outside {vocab} and not {IGNORE_INDEX} (no loss)"
+    return None
+
+
 # ---------------------------------------------------------------------------- the dataset
 
 
@@ -140,7 +257,9 @@ def _is_bool(arrow_type) -> bool:
 
 
 def read_metadata(path: str | Path) -> dict:
-    """``metadata.json`` of a packed dataset; :class:`NotPackedError` if ``path`` is not a complete one."""
+    """``metadata.json`` of a packed dataset, checked against its schema
+    (:func:`thdpack.offline.format.check_metadata`); :class:`NotPackedError` if ``path`` is
+    not a complete packed dataset or its metadata is damaged."""
     path = Path(path)
     meta_path = path / METADATA_FILE
     if not path.is_dir():
@@ -154,12 +273,7 @@ def read_metadata(path: str | Path) -> dict:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
-    if meta.get("format") != FORMAT_NAME or not meta.get("complete"):
-        raise NotPackedError(f"{meta_path} does not describe a complete {FORMAT_NAME} dataset")
-    if meta.get("format_version", 0) > MAX_FORMAT_VERSION:
-        raise NotPackedError(
-            f"{path} has format version {meta['format_version']}; this thdpack reads up to {MAX_FORMAT_VERSION}"
-        )
+    check_metadata(meta, path)
     return meta
 
 
@@ -182,12 +296,10 @@ class PackedDataset(torch.utils.data.Dataset):
 
     # ---- opening
     def _open(self) -> None:
-        pa = require_pyarrow("load_packed")
-        import pyarrow.parquet as pq
-
-        batches = []
+        batches, where = [], []  # where: (shard path, its first pack, the dataset's) of each record batch
+        pieces = 0
         for f in self.metadata["files"]:
-            p = self.path / f["path"]
+            p = self.path / f["path"]  # inside self.path (check_metadata)
             if not p.is_file():
                 raise NotPackedError(f"{self.path}: shard {f['path']} listed in {METADATA_FILE} is missing")
             if p.stat().st_size != f["num_bytes"]:
@@ -198,17 +310,33 @@ class PackedDataset(torch.utils.data.Dataset):
             if self.verify:
                 if file_sha256(p) != f["sha256"]:
                     raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
-            if p.suffix == ".parquet":
-                table = pq.read_table(p, memory_map=True)
-            else:
-                table = pa.ipc.open_stream(pa.memory_map(str(p))).read_all()
+            table = _read_shard(p, self._damaged)
             if table.num_rows != f["num_packs"]:
                 raise NotPackedError(f"{self.path}: shard {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
-            batches.extend(b for b in table.to_batches() if b.num_rows)
+            first = len(where) and where[-1][2] + batches[-1].num_rows  # the dataset's pack at this shard's start
+            pieces += _check_shard(table, f, p, self.metadata, first, self._damaged)
+            row = 0
+            for b in table.to_batches():
+                if b.num_rows:
+                    batches.append(b)
+                    where.append((p, row, first + row))
+                    row += b.num_rows
+        expected = self.metadata["counts"].get("pieces", pieces)
+        if pieces != expected:
+            raise NotPackedError(f"{self.path / METADATA_FILE}: 'counts.pieces' is {expected} but the shards hold "
+                                 f"{pieces} samples (seq_lens entries); {self._damaged}")
         self._batches = batches
+        self._where = where
         self._starts = np.cumsum([0] + [b.num_rows for b in batches])
         self.columns = list(batches[0].schema.names) if batches else []
         self._views: dict = {}
+        tok = self.metadata.get("tokenizer") or {}
+        self._vocab_size = tok.get("vocab_size")
+
+    @property
+    def _damaged(self) -> str:
+        """What to do about a damaged shard (the end of its error message)."""
+        return f"the dataset is damaged: check its checksums with `thdpack stats {self.path} --verify`, and rebuild it"
 
     def __getstate__(self):
         return {"path": self.path, "verify": False, "metadata": self.metadata}
@@ -253,6 +381,10 @@ class PackedDataset(torch.utils.data.Dataset):
                 row[name] = values[a:e]
             else:  # Arrow booleans are bit-packed: unpack this row only
                 row[name] = values.slice(a, e - a).to_numpy(zero_copy_only=False)
+        path, first, first_k = self._where[b]
+        problem = _bad_tokens(row, self._vocab_size)
+        if problem:
+            raise NotPackedError(f"{_pack_where(path, first + i, k)}: {problem}; {self._damaged}")
         return row
 
     def __iter__(self):

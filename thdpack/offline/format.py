@@ -27,8 +27,15 @@ multiple in use (``metadata.json`` records the multiple the plan reserved room f
 Arrow shards are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import hashlib
+import re
+from collections.abc import Callable
 from pathlib import Path
+
+from thdpack.offline.errors import NotPackedError
 
 FORMAT_NAME = "thdpack.packed"
 FORMAT_VERSION = 1  # what text builds write
@@ -39,6 +46,8 @@ TOKENIZER_DIR = "tokenizer"
 LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", "sample_start")
 SAMPLE_COLUMNS = ("seq_lens", "sample_index", "sample_start")  # one entry per sample of the pack
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
+TARGETS = ("loss_mask", "labels")
+REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
 
 def shard_name(i: int, n: int, file_format: str) -> str:
@@ -52,3 +61,148 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- metadata.json schema
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one ``metadata.json`` value must be: ``what`` names it in the error, ``ok`` tests it;
+    a key that is not ``required`` may be absent (readers then use their default)."""
+
+    what: str
+    ok: Callable[[object], bool]
+    required: bool = True
+
+    def or_null(self) -> Rule:
+        return Rule(f"{self.what} or null", lambda v: v is None or self.ok(v), self.required)
+
+    def optional(self) -> Rule:
+        return dataclasses.replace(self, required=False)
+
+
+def _one_of(*choices: str) -> Rule:
+    return Rule(f"one of {', '.join(map(repr, choices))}", lambda v: isinstance(v, str) and v in choices)
+
+
+COUNT = Rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+POSITIVE = Rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+FLAG = Rule("true or false", lambda v: isinstance(v, bool))
+TEXT = Rule("a string", lambda v: isinstance(v, str))
+OBJECT = Rule("an object", lambda v: isinstance(v, dict))
+LIST = Rule("a list", lambda v: isinstance(v, list))
+NAMES = Rule("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None)
+
+# every key a reader of the dataset uses (load_packed, its collator, thdpack stats / inspect)
+METADATA_SCHEMA = {
+    "format_version": POSITIVE,
+    "file_format": _one_of(*SUFFIX),
+    "targets": _one_of(*TARGETS),
+    "columns": NAMES,
+    "num_packs": COUNT,
+    "pack_size": POSITIVE,
+    "align": POSITIVE,
+    "cp_size": POSITIVE.optional(),
+    "tp_size": POSITIVE.optional(),
+    "sequence_parallel": FLAG.optional(),
+    "pad_multiple": POSITIVE.or_null().optional(),
+    "counts": OBJECT,
+    "files": LIST,
+    "source": OBJECT,
+    "tokenizer": OBJECT.or_null().optional(),
+    "vision": OBJECT.or_null().optional(),
+    "stats": OBJECT.optional(),
+}
+COUNTS_SCHEMA = {"samples": COUNT, "pieces": COUNT.optional(), "tokens": COUNT.optional(),
+                 "target_tokens": COUNT.optional()}
+FILE_SCHEMA = {"path": TEXT, "num_packs": COUNT, "num_tokens": COUNT, "num_bytes": COUNT, "sha256": SHA256}
+SOURCE_SCHEMA = {"format": TEXT, "files": LIST}
+SOURCE_FILE_SCHEMA = {"path": TEXT}
+TOKENIZER_SCHEMA = {"vocab_size": POSITIVE.optional(), "pad_token_id": COUNT.or_null().optional()}
+
+
+def _check_keys(obj, schema: dict, where: str, prefix: str = "") -> None:
+    """:class:`NotPackedError` naming the first key of ``obj`` (a JSON object) that breaks ``schema``."""
+    for key, rule in schema.items():
+        name = f"{prefix}{key}"
+        if key not in obj:
+            if rule.required:
+                raise NotPackedError(f"{where}: '{name}' is missing; {REBUILD}")
+            continue
+        value = obj[key]
+        if not rule.ok(value):
+            raise NotPackedError(f"{where}: '{name}' must be {rule.what}, got {value!r:.60} ({type(value).__name__}); "
+                                 f"{REBUILD}")
+
+
+def _check_items(items: list, schema: dict, where: str, name: str) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise NotPackedError(f"{where}: '{name}[{i}]' must be an object, got {item!r:.60}; {REBUILD}")
+        _check_keys(item, schema, where, f"{name}[{i}].")
+
+
+def check_metadata(meta, root: Path) -> None:
+    """Check the ``metadata.json`` of the packed dataset at ``root`` against the schema above:
+    every key present with its type and range, the counts consistent with each other, and
+    every shard a file inside ``root``. Raises :class:`NotPackedError` naming the key."""
+    where = str(root / METADATA_FILE)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or meta.get("complete") is not True:
+        raise NotPackedError(f"{where} does not describe a complete {FORMAT_NAME} dataset")
+    _check_keys(meta, METADATA_SCHEMA, where)
+    if meta["format_version"] > MAX_FORMAT_VERSION:
+        raise NotPackedError(f"{root} has format version {meta['format_version']}; this thdpack reads up to "
+                             f"{MAX_FORMAT_VERSION}: upgrade thdpack")
+    _check_keys(meta["counts"], COUNTS_SCHEMA, where, "counts.")
+    _check_keys(meta["source"], SOURCE_SCHEMA, where, "source.")
+    _check_items(meta["source"]["files"], SOURCE_FILE_SCHEMA, where, "source.files")
+    if meta.get("tokenizer") is not None:
+        _check_keys(meta["tokenizer"], TOKENIZER_SCHEMA, where, "tokenizer.")
+    _check_items(meta["files"], FILE_SCHEMA, where, "files")
+    missing = [c for c in ("input_ids", meta["targets"], *SAMPLE_COLUMNS) if c not in meta["columns"]]
+    if missing:
+        raise NotPackedError(f"{where}: 'columns' lacks {', '.join(map(repr, missing))}; {REBUILD}")
+    _check_totals(meta, where)
+    _check_shard_paths(meta, root, where)
+
+
+def _check_totals(meta: dict, where: str) -> None:
+    """The shards' packs and tokens add up to the dataset's."""
+    packs = sum(f["num_packs"] for f in meta["files"])
+    if packs != meta["num_packs"]:
+        raise NotPackedError(f"{where}: 'num_packs' is {meta['num_packs']} but 'files' hold {packs} packs; {REBUILD}")
+    tokens = sum(f["num_tokens"] for f in meta["files"])
+    if meta["counts"].get("tokens", tokens) != tokens:
+        raise NotPackedError(f"{where}: 'counts.tokens' is {meta['counts']['tokens']} but 'files' hold {tokens} tokens; "
+                             f"{REBUILD}")
+
+
+def _check_shard_paths(meta: dict, root: Path, where: str) -> None:
+    """Every shard is named once, with the suffix of ``file_format``, and lies inside ``root``."""
+    suffix = SUFFIX[meta["file_format"]]
+    seen = set()
+    for i, f in enumerate(meta["files"]):
+        key, rel = f"files[{i}].path", f["path"]
+        if rel in seen:
+            raise NotPackedError(f"{where}: '{key}' ({rel!r}) is listed twice; {REBUILD}")
+        seen.add(rel)
+        if not rel.endswith(suffix):
+            raise NotPackedError(f"{where}: '{key}' ({rel!r}) does not end in {suffix!r} "
+                                 f"(file_format {meta['file_format']!r}); {REBUILD}")
+        shard_path(root, rel, where=f"{where}: '{key}'")
+
+
+def shard_path(root: Path, rel: str, *, where: str) -> Path:
+    """``root / rel`` for a shard named in ``metadata.json``; :class:`NotPackedError` if it is
+    absolute or resolves (``..``, symbolic links) outside ``root``."""
+    path = root / rel
+    if Path(rel).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise NotPackedError(f"{where} ({rel!r}) points outside the dataset directory {root}: shards must be "
+                             f"files inside it, named relative to it; {REBUILD}")
+    return path

@@ -1,0 +1,258 @@
+"""Packed datasets read back (issue 11, section 6): a hand-edited ``metadata.json`` or a
+damaged shard is refused with one clear line naming the key, the file and the pack,
+never a ``KeyError``/``TypeError`` traceback or a failure later in training.
+
+One small build with the bundled demo tokenizer; each test edits a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("datasets")
+pa = pytest.importorskip("pyarrow")
+
+from thdpack.cli import main  # noqa: E402
+from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
+from thdpack.offline import BuildConfig, NotPackedError, build_packed, load_packed  # noqa: E402
+from thdpack.offline.errors import OfflineError  # noqa: E402
+
+PACK_SIZE = 1024
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A packed dataset of 60 chat rows, pack_size 1024, two Arrow shards."""
+    d = tmp_path_factory.mktemp("schema")
+    src = write_jsonl(generate_rows(60, seed=5, kind="chat"), d / "chat.jsonl")
+    cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
+                      shard_size_mb=0.05)
+    return build_packed(cfg, d / "packed", progress=False, log=None).path
+
+
+@pytest.fixture
+def ds_copy(built, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(built, out)
+    return out
+
+
+def edit_meta(path: Path, change) -> dict:
+    meta = json.loads((path / "metadata.json").read_text())
+    change(meta)
+    (path / "metadata.json").write_text(json.dumps(meta))
+    return meta
+
+
+def test_the_fixture_loads_and_has_full_packs(built):
+    ds = load_packed(built, verify=True)
+    assert len(ds.metadata["files"]) >= 2  # per-file checks see more than one shard
+    assert ds.pack_num_tokens().max() > PACK_SIZE // 2  # lowering pack_size below it is caught
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_pack_size_smaller_than_the_longest_pack_is_refused(ds_copy, verify):
+    longest = int(load_packed(ds_copy).pack_num_tokens().max())
+    edit_meta(ds_copy, lambda m: m.update(pack_size=longest - 1))
+    with pytest.raises(NotPackedError, match=rf"{longest} tokens, more than 'pack_size' \({longest - 1}\)") as err:
+        load_packed(ds_copy, verify=verify)
+    assert "data-0000" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (lambda m: m.pop("files"), "'files' is missing"),
+        (lambda m: m.update(pack_size="1024"), "'pack_size' must be an integer >= 1, got '1024' (str)"),
+        (lambda m: m.update(pack_size=0), "'pack_size' must be an integer >= 1, got 0"),
+        (lambda m: m.update(num_packs=True), "'num_packs' must be an integer >= 0, got True (bool)"),
+        (lambda m: m.update(files={}), "'files' must be a list"),
+        (lambda m: m["files"][1].pop("num_bytes"), "'files[1].num_bytes' is missing"),
+        (lambda m: m["files"][0].update(path=3), "'files[0].path' must be a string"),
+        (lambda m: m.update(file_format="csv"), "'file_format' must be one of 'arrow', 'parquet'"),
+        (lambda m: m.update(targets="mask"), "'targets' must be one of 'loss_mask', 'labels'"),
+        (lambda m: m.pop("counts"), "'counts' is missing"),
+        (lambda m: m["counts"].update(samples=-1), "'counts.samples' must be an integer >= 0"),
+        (lambda m: m.update(tokenizer=[]), "'tokenizer' must be an object or null"),
+        (lambda m: m["tokenizer"].update(vocab_size="3072"), "'tokenizer.vocab_size' must be an integer >= 1"),
+        (lambda m: m["source"].pop("files"), "'source.files' is missing"),
+        (lambda m: m.update(align=None), "'align' must be an integer >= 1, got None"),
+        (lambda m: m.update(cp_size=2.0), "'cp_size' must be an integer >= 1, got 2.0"),
+        (lambda m: m.update(format_version="1"), "'format_version' must be an integer >= 1"),
+    ],
+)
+def test_wrong_or_missing_keys_name_the_key(ds_copy, change, key):
+    edit_meta(ds_copy, change)
+    with pytest.raises(NotPackedError) as err:
+        load_packed(ds_copy)
+    msg = str(err.value)
+    assert key in msg
+    assert msg.startswith(str(ds_copy / "metadata.json")) and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda m: m.update(num_packs=m["num_packs"] + 1), "'num_packs'"),
+        (lambda m: m["counts"].update(tokens=m["counts"]["tokens"] - 1), "'counts.tokens'"),
+        (lambda m: (m["files"].append(dict(m["files"][0])), m.update(num_packs=m["num_packs"] + m["files"][0]["num_packs"]),
+                    m["counts"].update(tokens=m["counts"]["tokens"] + m["files"][0]["num_tokens"])), "listed twice"),
+        (lambda m: m["files"][0].update(path=m["files"][0]["path"].replace(".arrow", ".parquet")), "'.arrow'"),
+    ],
+)
+def test_inconsistent_counts_are_refused(ds_copy, change, what):
+    edit_meta(ds_copy, change)
+    with pytest.raises(NotPackedError, match="metadata.json") as err:
+        load_packed(ds_copy)
+    assert what in str(err.value)
+
+
+@pytest.mark.parametrize("field, delta", [("num_packs", 1), ("num_tokens", -1)])
+def test_a_shards_counts_are_checked_against_its_rows(ds_copy, field, delta):
+    """Each shard's recorded packs/tokens against its data (totals kept consistent)."""
+
+    def change(m):
+        m["files"][0][field] += delta
+        m["files"][1][field] -= delta
+
+    meta = edit_meta(ds_copy, change)
+    with pytest.raises(NotPackedError, match=meta["files"][0]["path"]) as err:
+        load_packed(ds_copy)
+    assert field.split("_")[1] in str(err.value)
+
+
+@pytest.mark.parametrize("where", ["../outside.arrow", "sub/../../outside.arrow", "absolute"])
+def test_shard_paths_outside_the_dataset_are_refused(ds_copy, tmp_path, where):
+    first = ds_copy / json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
+    outside = tmp_path / "outside.arrow"
+    shutil.copy(first, outside)  # a real shard, so only the location is wrong
+    rel = str(outside) if where == "absolute" else where
+    edit_meta(ds_copy, lambda m: m["files"][0].update(path=rel))
+    with pytest.raises(NotPackedError, match="outside the dataset directory") as err:
+        load_packed(ds_copy)
+    assert f"'files[0].path' ({rel!r})" in str(err.value)
+
+
+def test_a_symlink_escaping_the_directory_is_refused(ds_copy, tmp_path):
+    meta = json.loads((ds_copy / "metadata.json").read_text())
+    name = meta["files"][0]["path"]
+    (tmp_path / "elsewhere.arrow").write_bytes((ds_copy / name).read_bytes())
+    (ds_copy / name).unlink()
+    (ds_copy / name).symlink_to(tmp_path / "elsewhere.arrow")
+    with pytest.raises(NotPackedError, match="outside the dataset directory"):
+        load_packed(ds_copy)
+
+
+def zero_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
+def test_a_zeroed_arrow_header_names_the_file(ds_copy):
+    name = json.loads((ds_copy / "metadata.json").read_text())["files"][1]["path"]
+    zero_header(ds_copy / name)
+    with pytest.raises(NotPackedError) as err:
+        load_packed(ds_copy)
+    msg = str(err.value)
+    assert msg.startswith(f"{ds_copy / name}: not a valid Arrow stream (") and "--verify" in msg
+    assert "\n" not in msg
+
+
+def test_a_zeroed_parquet_header_names_the_file(built, tmp_path):
+    src = Path(json.loads((built / "metadata.json").read_text())["source"]["files"][0]["path"])
+    cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
+                      output_format="parquet")
+    out = build_packed(cfg, tmp_path / "pq", progress=False, log=None).path
+    name = json.loads((out / "metadata.json").read_text())["files"][0]["path"]
+    data = bytearray((out / name).read_bytes())
+    data[-64:] = bytes(64)  # Parquet's footer is its header
+    (out / name).write_bytes(bytes(data))
+    with pytest.raises(NotPackedError, match=rf"^{out / name}: not a valid Parquet file \(.*--verify"):
+        load_packed(out)
+
+
+def rewrite_shard(path: Path, column: str, edit) -> None:
+    """Rewrite Arrow shard ``path`` with ``edit(values)`` applied to ``column``'s flat values,
+    as a bit flip would (same schema, same sizes)."""
+    table = pa.ipc.open_stream(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: the file is rewritten
+    batches = []
+    for b in table.to_batches():
+        cols = list(b.columns)
+        i = b.schema.get_field_index(column)
+        values = cols[i].values.to_numpy().copy()
+        edit(values)
+        cols[i] = pa.ListArray.from_arrays(cols[i].offsets, pa.array(values, cols[i].type.value_type))
+        batches.append(pa.RecordBatch.from_arrays(cols, schema=b.schema))
+        edit = lambda v: None  # noqa: E731 - only the first record batch
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for b in batches:
+            w.write_batch(b)
+
+
+@pytest.mark.parametrize("bad", [-2147483645, 3072, 2**30])
+def test_an_id_outside_the_vocabulary_names_file_and_pack(ds_copy, bad):
+    meta = json.loads((ds_copy / "metadata.json").read_text())
+    name = meta["files"][1]["path"]
+    first = meta["files"][0]["num_packs"]  # packs before this shard
+
+    def flip(values):
+        values[5] = bad  # pack 0 of this shard, token 5
+
+    rewrite_shard(ds_copy / name, "input_ids", flip)
+    assert (ds_copy / name).stat().st_size == meta["files"][1]["num_bytes"]
+    ds = load_packed(ds_copy)  # without verify: sizes match
+    ds[first + 1]  # other packs still read
+    with pytest.raises(NotPackedError) as err:
+        ds[first]
+    msg = str(err.value)
+    assert msg.startswith(f"{ds_copy / name}: pack 0 (pack {first} of the dataset)")
+    assert f"token 5 has id {bad}" in msg and "vocabulary of 3072" in msg and "--verify" in msg
+    with pytest.raises(NotPackedError, match="sha256"):
+        load_packed(ds_copy, verify=True)
+
+
+def test_a_bad_label_names_file_and_pack(tmp_path):
+    rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (10, 20, 30, 40)]
+    src = write_jsonl(rows, tmp_path / "lab.jsonl")
+    cfg = BuildConfig(input=str(src), tokenizer=None, pack_size=64, targets="labels")
+    out = build_packed(cfg, tmp_path / "lab", progress=False, log=None).path
+    name = json.loads((out / "metadata.json").read_text())["files"][0]["path"]
+
+    def flip(values):
+        values[2] = -7
+
+    rewrite_shard(out / name, "labels", flip)
+    with pytest.raises(NotPackedError, match=rf"^{out / name}: pack 0 \(pack 0 of the dataset\).*'labels'.*token 2 has -7"):
+        load_packed(out)[0]
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda v: v.__setitem__(0, v[0] + 1), r"'seq_lens' sum to \d+ but 'input_ids' has \d+ tokens"),
+    (lambda v: v.__setitem__(0, -3), "seq_lens"),
+])
+def test_bad_seq_lens_are_found_when_opening(ds_copy, edit, what):
+    name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
+    rewrite_shard(ds_copy / name, "seq_lens", edit)
+    with pytest.raises(NotPackedError, match=rf"^{ds_copy / name}: pack 0 .*{what}"):
+        load_packed(ds_copy)
+
+
+@pytest.mark.parametrize("command", ["stats", "inspect"])
+def test_cli_prints_one_line_naming_the_key(ds_copy, capsys, command):
+    edit_meta(ds_copy, lambda m: m.update(pack_size="4096"))
+    assert main([command, str(ds_copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"thdpack {command}: error: {ds_copy / 'metadata.json'}: 'pack_size' must be an integer")
+    assert "\n" not in err
+
+
+def test_errors_are_offline_errors(ds_copy):
+    edit_meta(ds_copy, lambda m: m.pop("files"))
+    with pytest.raises(OfflineError):
+        load_packed(ds_copy)
