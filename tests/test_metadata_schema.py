@@ -100,6 +100,7 @@ def test_wrong_or_missing_keys_name_the_key(ds_copy, change, key):
     [
         (lambda m: m.update(num_packs=m["num_packs"] + 1), "'num_packs'"),
         (lambda m: m["counts"].update(tokens=m["counts"]["tokens"] - 1), "'counts.tokens'"),
+        (lambda m: m["counts"].update(pieces=m["counts"]["pieces"] + 1), "'counts.pieces'"),
         (lambda m: (m["files"].append(dict(m["files"][0])), m.update(num_packs=m["num_packs"] + m["files"][0]["num_packs"]),
                     m["counts"].update(tokens=m["counts"]["tokens"] + m["files"][0]["num_tokens"])), "listed twice"),
         (lambda m: m["files"][0].update(path=m["files"][0]["path"].replace(".arrow", ".parquet")), "'.arrow'"),
@@ -178,18 +179,26 @@ def test_a_zeroed_parquet_header_names_the_file(built, tmp_path):
 
 
 def rewrite_shard(path: Path, column: str, edit) -> None:
-    """Rewrite Arrow shard ``path`` with ``edit(values)`` applied to ``column``'s flat values,
-    as a bit flip would (same schema, same sizes)."""
-    table = pa.ipc.open_stream(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: the file is rewritten
-    batches = []
-    for b in table.to_batches():
-        cols = list(b.columns)
-        i = b.schema.get_field_index(column)
-        values = cols[i].values.to_numpy().copy()
+    """Rewrite Arrow shard ``path`` with ``edit(values)`` applied to ``column``'s flat values
+    in its first record batch, as a bit flip would (same schema, same sizes)."""
+
+    def on_values(col):
+        values = col.values.to_numpy().copy()
         edit(values)
-        cols[i] = pa.ListArray.from_arrays(cols[i].offsets, pa.array(values, cols[i].type.value_type))
-        batches.append(pa.RecordBatch.from_arrays(cols, schema=b.schema))
-        edit = lambda v: None  # noqa: E731 - only the first record batch
+        return pa.ListArray.from_arrays(col.offsets, pa.array(values, col.type.value_type))
+
+    rewrite_column(path, column, on_values)
+
+
+def rewrite_column(path: Path, column: str, edit) -> None:
+    """Rewrite Arrow shard ``path`` with list column ``column`` of its first record batch
+    replaced by ``edit(column)``."""
+    table = pa.ipc.open_stream(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: the file is rewritten
+    batches = [b for b in table.to_batches() if b.num_rows]
+    cols = list(batches[0].columns)
+    i = batches[0].schema.get_field_index(column)
+    cols[i] = edit(cols[i])
+    batches[0] = pa.RecordBatch.from_arrays(cols, schema=batches[0].schema)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
         for b in batches:
             w.write_batch(b)
@@ -240,6 +249,40 @@ def test_bad_seq_lens_are_found_when_opening(ds_copy, edit, what):
     name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
     rewrite_shard(ds_copy / name, "seq_lens", edit)
     with pytest.raises(NotPackedError, match=rf"^{ds_copy / name}: pack 0 .*{what}"):
+        load_packed(ds_copy)
+
+
+def shift_offsets(col, j: int, by: int):
+    """``col`` with the end of its list ``j`` (the start of list ``j + 1``) moved by ``by``."""
+    offsets = col.offsets.to_numpy().copy()
+    offsets[j + 1] += by
+    return pa.ListArray.from_arrays(pa.array(offsets), col.values)
+
+
+@pytest.mark.parametrize("column, by, what", [
+    ("loss_mask", 1, "pack 1 .*'loss_mask' and 'input_ids' have different lengths"),
+    ("sample_start", -1, "pack 1 .*'sample_start' and 'seq_lens' have different lengths"),
+    ("seq_lens", -10**6, "pack 1 .*'seq_lens' has broken list offsets"),
+    ("input_ids", 10**9, "pack 1 .*'input_ids' has broken list offsets"),
+])
+def test_damaged_list_offsets_are_found_when_opening(ds_copy, column, by, what):
+    name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
+    rewrite_column(ds_copy / name, column, lambda col: shift_offsets(col, 1, by))
+    with pytest.raises(NotPackedError, match=rf"^{ds_copy / name}: {what}"):
+        load_packed(ds_copy)
+
+
+def test_a_pack_without_samples_is_found_when_opening(ds_copy):
+    name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
+
+    def empty_pack_2(col):
+        offsets = col.offsets.to_numpy().copy()
+        offsets[3] = offsets[2]  # pack 2's samples go to pack 3
+        return pa.ListArray.from_arrays(pa.array(offsets), col.values)
+
+    for column in ("seq_lens", "sample_index", "sample_start"):
+        rewrite_column(ds_copy / name, column, empty_pack_2)
+    with pytest.raises(NotPackedError, match=rf"^{ds_copy / name}: pack 2 .*has no samples"):
         load_packed(ds_copy)
 
 

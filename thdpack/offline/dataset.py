@@ -196,9 +196,8 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
     offsets = {}
     for lead, names in groups.items():
         off, n_values = _offsets(batch, lead)
-        j = _first_bad(np.diff(off) < 0)
-        if j is not None or off[0] < 0 or off[-1] > n_values:
-            j = 0 if j is None else j
+        j = _first_bad((np.diff(off) < 0) | (off[1:] > n_values) | (off[:-1] < 0))
+        if j is not None:
             raise NotPackedError(f"{where(j)}: '{lead}' has broken list offsets; {damaged}")
         for name in names[1:]:
             j = _first_bad(_offsets(batch, name)[0] != off)
@@ -296,31 +295,19 @@ class PackedDataset(torch.utils.data.Dataset):
 
     # ---- opening
     def _open(self) -> None:
-        batches, where = [], []  # where: (shard path, its first pack, the dataset's) of each record batch
-        pieces = 0
+        batches, where = [], []  # where: (shard path, its pack at the batch's first row) of each record batch
+        pieces = first = 0  # first: the dataset's index of the shard's first pack
         for f in self.metadata["files"]:
             p = self.path / f["path"]  # inside self.path (check_metadata)
-            if not p.is_file():
-                raise NotPackedError(f"{self.path}: shard {f['path']} listed in {METADATA_FILE} is missing")
-            if p.stat().st_size != f["num_bytes"]:
-                raise NotPackedError(
-                    f"{self.path}: shard {f['path']} has {p.stat().st_size} bytes, metadata says {f['num_bytes']} "
-                    "(modified or truncated)"
-                )
-            if self.verify:
-                if file_sha256(p) != f["sha256"]:
-                    raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
-            table = _read_shard(p, self._damaged)
-            if table.num_rows != f["num_packs"]:
-                raise NotPackedError(f"{self.path}: shard {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
-            first = len(where) and where[-1][2] + batches[-1].num_rows  # the dataset's pack at this shard's start
+            table = self._open_shard(p, f)
             pieces += _check_shard(table, f, p, self.metadata, first, self._damaged)
             row = 0
             for b in table.to_batches():
                 if b.num_rows:
                     batches.append(b)
-                    where.append((p, row, first + row))
+                    where.append((p, row))
                     row += b.num_rows
+            first += row
         expected = self.metadata["counts"].get("pieces", pieces)
         if pieces != expected:
             raise NotPackedError(f"{self.path / METADATA_FILE}: 'counts.pieces' is {expected} but the shards hold "
@@ -332,6 +319,24 @@ class PackedDataset(torch.utils.data.Dataset):
         self._views: dict = {}
         tok = self.metadata.get("tokenizer") or {}
         self._vocab_size = tok.get("vocab_size")
+
+    def _open_shard(self, p: Path, f: dict):
+        """The table of shard ``p`` (its ``files`` entry ``f``), checked for presence, size, sha256
+        (``verify``) and number of packs."""
+        if not p.is_file():
+            raise NotPackedError(f"{self.path}: shard {f['path']} listed in {METADATA_FILE} is missing; {self._damaged}")
+        if p.stat().st_size != f["num_bytes"]:
+            raise NotPackedError(
+                f"{self.path}: shard {f['path']} has {p.stat().st_size} bytes, metadata says {f['num_bytes']} "
+                f"(modified or truncated); {self._damaged}"
+            )
+        if self.verify:
+            if file_sha256(p) != f["sha256"]:
+                raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
+        table = _read_shard(p, self._damaged)
+        if table.num_rows != f["num_packs"]:
+            raise NotPackedError(f"{self.path}: shard {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
+        return table
 
     @property
     def _damaged(self) -> str:
@@ -381,7 +386,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 row[name] = values[a:e]
             else:  # Arrow booleans are bit-packed: unpack this row only
                 row[name] = values.slice(a, e - a).to_numpy(zero_copy_only=False)
-        path, first, first_k = self._where[b]
+        path, first = self._where[b]
         problem = _bad_tokens(row, self._vocab_size)
         if problem:
             raise NotPackedError(f"{_pack_where(path, first + i, k)}: {problem}; {self._damaged}")

@@ -124,7 +124,8 @@ COUNTS_SCHEMA = {"samples": COUNT, "pieces": COUNT.optional(), "tokens": COUNT.o
 FILE_SCHEMA = {"path": TEXT, "num_packs": COUNT, "num_tokens": COUNT, "num_bytes": COUNT, "sha256": SHA256}
 SOURCE_SCHEMA = {"format": TEXT, "files": LIST}
 SOURCE_FILE_SCHEMA = {"path": TEXT}
-TOKENIZER_SCHEMA = {"vocab_size": POSITIVE.optional(), "pad_token_id": COUNT.or_null().optional()}
+TOKENIZER_SCHEMA = {"vocab_size": POSITIVE.optional(), "pad_token_id": COUNT.or_null().optional(),
+                    "name_or_path": TEXT.or_null().optional()}
 
 
 def _check_keys(obj, schema: dict, where: str, prefix: str = "") -> None:
