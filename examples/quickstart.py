@@ -63,7 +63,8 @@ def main() -> None:
     )
     collator = thdpack.ThdCollator(cp_size=args.cp_size, max_length=args.pack_size // align * align)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collator)
-    batch = next(iter(loader))
+    # a pack whose samples lost every target to truncation trains nothing (its mean loss is NaN): skip it
+    batch = next(b for b in loader if b.num_targets)
     print(
         f"\nfirst pack: {batch.num_samples} samples, {batch.num_tokens} real tokens, "
         f"{batch.num_padded_tokens} in the stream, max_seqlen {batch.max_seqlen}"
@@ -86,7 +87,7 @@ def main() -> None:
     out = model(**batch.to_hf_kwargs(), use_cache=False)
     out.loss.backward()
     optimizer.step()
-    print(f"\none packed training step of a tiny Qwen3: loss {out.loss.item():.4f} over {int(batch.loss_mask.sum())} target tokens")
+    print(f"\none packed training step of a tiny Qwen3: loss {out.loss.item():.4f} over {batch.num_targets} target tokens")
 
 
 if __name__ == "__main__":

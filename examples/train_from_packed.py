@@ -26,7 +26,7 @@ from thdpack.offline import load_packed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", nargs="?", default="out/demo", help="packed dataset (thdpack build output)")
     parser.add_argument("--steps", type=int, default=5)
@@ -58,25 +58,34 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     t0 = time.perf_counter()
-    tokens = 0
-    for step, batch in enumerate(loader):
-        if step == args.steps:
+    tokens, losses, skipped = 0, [], 0
+    for batch in loader:
+        if len(losses) == args.steps:
             break
+        if batch.num_targets == 0:
+            # a pack with no target token trains nothing, and its mean loss is 0/0 = NaN. Builds drop
+            # such samples by default (without_targets: drop); one built with keep can still hold them.
+            skipped += 1
+            print(f"skip      pack of samples {batch.sample_index.tolist()[:4]}: no target token")
+            continue
         batch = batch.to(device)
         out = model(**batch.to_hf_kwargs(), use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += batch.num_tokens
+        losses.append(out.loss.item())
         # attention work is Σ sᵢ² over the real samples, not pack_len²
         overcount = ds.pack_size**2 / batch.seqlen_squared_sum
         print(
-            f"step {step:3d}  loss {out.loss.item():.4f}  {batch.num_samples:2d} samples  "
-            f"{batch.num_tokens} tokens  {int(batch.loss_mask.sum())} targets  "
+            f"step {len(losses) - 1:3d}  loss {losses[-1]:.4f}  {batch.num_samples:2d} samples  "
+            f"{batch.num_tokens} tokens  {batch.num_targets} targets  "
             f"(pack_len² would over-count attention {overcount:.1f}x)"
         )
     dt = time.perf_counter() - t0
-    print(f"{min(args.steps, len(ds))} steps, {tokens} tokens in {dt:.1f}s ({tokens / dt:,.0f} tokens/s on {device})")
+    print(f"{len(losses)} steps, {tokens} tokens in {dt:.1f}s ({tokens / dt:,.0f} tokens/s on {device})"
+          + (f"; skipped {skipped} packs without targets" if skipped else ""))
+    return {"losses": losses, "skipped": skipped}
 
 
 if __name__ == "__main__":

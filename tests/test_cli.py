@@ -47,7 +47,11 @@ def test_readme_main_command_runs_offline_in_well_under_a_minute(tmp_path):
     assert stats.returncode == 0, stats.stderr
     assert elapsed < 60
     meta = json.loads((out / "metadata.json").read_text())
-    assert meta["counts"]["input_rows"] == 4000 and meta["counts"]["samples"] == 4000
+    c = meta["counts"]
+    # conversations whose answers truncation cuts off have no target token: dropped by default
+    assert c["input_rows"] == 4000 and c["samples"] + c["without_targets"]["dropped_samples"] == 4000
+    assert c["without_targets"]["dropped_samples"] == c["samples_without_targets"] > 0
+    assert c["without_targets"]["packs"] == 0
     assert meta["counts"]["truncated"]["samples"] > 0  # the long tail reaches past a 4k pack
     assert f"packs            {meta['num_packs']} of 4096 tokens" in stats.stdout
     assert f"over-counts by {meta['stats']['attention_flops']['overcount']:.2f}x" in stats.stdout
@@ -69,7 +73,8 @@ def test_build_stats_inspect(tmp_path, capsys):
     assert stats["real_tokens"] == int(lens.sum()) == meta["counts"]["tokens"]
     expected = len(ds) * 2048**2 / float((lens.astype(np.int64) ** 2).sum())
     assert stats["attention_flops"]["overcount"] == pytest.approx(expected)
-    assert stats["lengths"]["count"] == 300
+    # input lengths of the packed samples: rows whose targets truncation cut off are dropped
+    assert stats["lengths"]["count"] == 300 - meta["counts"]["without_targets"]["dropped_samples"]
 
     # padding evaluated at another alignment: cp=4 pads each sample to a multiple of 8
     assert main(["stats", str(out), "--json", "--cp-size", "4"]) == 0

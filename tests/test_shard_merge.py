@@ -123,11 +123,14 @@ def check_equals_reference(ds, ref: dict, cfg: BuildConfig) -> None:
     c = meta["counts"]
     assert c["input_rows"] == ref["total"]
     assert c["samples"] == ref["usable"].size
-    assert c["skipped_rows"] == ref["total"] - ref["usable"].size
+    assert c["skipped_rows"] == ref["total"] - ref["usable"].size - c["without_targets"]["dropped_samples"]
     assert c["tokens"] == meta["stats"]["real_tokens"] == sum(len(p["input_ids"]) for p in ref["packs"])
     assert c["target_tokens"] == meta["stats"]["target_tokens"] == ref["target_tokens"]
     for key in ("truncated", "dropped", "split", "skipped_rows", "samples_without_targets"):
         assert meta["stats"][key] == c[key] == ref["counts"][key], key
+    for key in ("policy", "dropped_samples", "dropped_tokens", "pieces"):  # not "packs": the plans differ
+        want = ref["counts"]["without_targets"][key]
+        assert meta["stats"]["without_targets"][key] == c["without_targets"][key] == want, key
     assert meta["skipped_examples"] == ref["skipped"]
     assert meta["packing_efficiency"] == round(100 * ref["stats"]["efficiency"], 2)
     assert meta["dataset_max_seqlen"] == ref["stats"]["max_seqlen"]
@@ -174,6 +177,7 @@ def case(draw):
         output_format=draw(st.sampled_from(["arrow", "parquet"])),
         shard_size_mb=draw(st.sampled_from([512, 0.0005])),  # tiny: several data files per shard
         skip_bad_rows=True,
+        without_targets=draw(st.sampled_from(["drop", "keep"])),  # a 1-token row has no target token
     )
     return rows, n, opts
 
@@ -189,7 +193,7 @@ def test_shards_plus_merge_equal_the_single_build_with_shard_local_plans(c):
         for i in range(n):
             a, b = i * len(rows) // n, (i + 1) * len(rows) // n
             assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.align * cfg.align)
-                       for r in rows[a:b]))
+                       and (opts["without_targets"] == "keep" or len(r) > 1) for r in rows[a:b]))
         parts = build_shards(cfg, d / "parts", n)
         merged = merge_shards(parts[::-1], d / "merged", log=None)  # any argument order
         ds = load_packed(merged.path, verify=True)

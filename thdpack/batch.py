@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+_warned_no_targets = False  # warn_if_no_targets warns once per process
 
 
 @dataclass
@@ -76,6 +79,13 @@ class ThdBatch:
     def num_tokens(self) -> int:
         """Real (unpadded) tokens in the pack."""
         return int(self.cu_seqlens[-1])
+
+    @property
+    def num_targets(self) -> int:
+        """Target tokens (``loss_mask.sum()``; on a CP shard, this rank's). 0 means the batch
+        trains nothing, and a mean loss over it is NaN (0/0): skip it, or weight the loss
+        by this count (the sum over targets divided by their total across batches / ranks)."""
+        return int(self.loss_mask.sum())
 
     @property
     def num_padded_tokens(self) -> int:
@@ -202,3 +212,21 @@ class ThdBatch:
         except ImportError:
             return fields
         return PackedSeqParams(**fields)
+
+
+def warn_if_no_targets(batch: ThdBatch) -> None:
+    """Warn (once per process) when the whole batch ``batch`` has no target token. Not for a CP
+    shard: one rank's part of a pack may hold no targets while the others do."""
+    global _warned_no_targets
+    if _warned_no_targets or batch.is_shard or batch.num_targets:
+        return
+    _warned_no_targets = True
+    index = batch.sample_index.tolist()
+    shown = ", ".join(map(str, index[:8])) + (", ..." if len(index) > 8 else "")
+    warnings.warn(
+        f"thdpack: a batch of {batch.num_samples} sample(s) (sample_index [{shown}]) has no target token "
+        f"(every label is ignore_index={batch.ignore_index}), so a mean loss over it is NaN: skip such batches "
+        "(if batch.num_targets == 0) or weight the loss by batch.num_targets; offline builds drop such samples "
+        "by default (without_targets: drop). Warned once per process.",
+        stacklevel=3,
+    )

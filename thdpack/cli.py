@@ -100,7 +100,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from thdpack.offline.stats import format_summary, plot_summary, summarize
+    from thdpack.offline.stats import BUILD_COUNTS, format_summary, plot_summary, summarize
 
     path = Path(args.path)
     eval_multiple = None
@@ -117,8 +117,7 @@ def cmd_stats(args) -> int:
         meta = ds.metadata
         seq_lens, offsets = ds.all_seq_lens()
         stored = meta.get("stats", {})
-        counts = {k: stored[k] for k in ("truncated", "dropped", "split", "skipped_rows",
-                                         "samples_without_targets", "target_tokens") if k in stored}
+        counts = {k: stored[k] for k in BUILD_COUNTS if k in stored}
         from thdpack.offline.model import packed_model_config
 
         summary = summarize(seq_lens, offsets, meta["pack_size"], meta["align"], eval_multiple=eval_multiple, counts=counts,

@@ -26,7 +26,7 @@ from thdpack.offline.errors import InputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.sources import Source, read_source
-from thdpack.offline.stats import nemo_fields, summarize
+from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, tokenize_source
 from thdpack.offline.vlm import vlm_build
 from thdpack.plan import PackPlan, plan_packs
@@ -48,29 +48,38 @@ class Prepared:
     plan: PackPlan
     sample_rows: np.ndarray  # int64 [num_samples]: input row of each planned sample
     skipped: list[tuple[int, str]]  # (input row, reason)
-    target_counts: np.ndarray  # int64 [rows]: target tokens of each tokenized row
+    piece_targets: np.ndarray  # int64 [pieces]: target tokens of each piece of plan
+    without_targets: "WithoutTargets"  # samples with no target in what the plan keeps (dropped or kept)
     timings: dict = field(default_factory=dict)
     model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/model.py)
     vlm: object = None  # a thdpack.offline.vlm.VlmBuild for rows with images, else None
 
     def counts(self) -> dict:
         st = self.plan.stats
-        valid_targets = self.target_counts[self.sample_rows]
+        w = self.without_targets
+        pack_targets = (np.add.reduceat(self.piece_targets, self.plan.pack_offsets[:-1]) if len(self.plan)
+                        else np.zeros(0, np.int64))
         return {
             "input_rows": self.source.num_rows,
             "skipped_rows": len(self.skipped),
             "samples": int(self.sample_rows.size),
             "pieces": st.num_pieces,
-            "samples_without_targets": int((valid_targets == 0).sum()),
+            "samples_without_targets": int(w.rows.size),  # after truncation, before the policy
             "truncated": {"samples": st.samples_truncated, "tokens": st.tokens_truncated},
             "dropped": {"samples": st.samples_dropped, "tokens": st.tokens_dropped},
             "split": {"samples": st.samples_split},
+            "without_targets": {
+                "policy": w.policy,
+                "dropped_samples": w.dropped_samples,
+                "dropped_tokens": w.dropped_tokens,
+                "pieces": int((self.piece_targets == 0).sum()),  # in the packs: kept samples, split pieces
+                "packs": int((pack_targets == 0).sum()),
+            },
         }
 
     def summary(self, eval_multiple: int | None = None) -> dict:
         counts = self.counts()
-        extra = {k: counts[k] for k in ("truncated", "dropped", "split", "samples_without_targets")}
-        extra["skipped_rows"] = counts["skipped_rows"]
+        extra = {k: counts[k] for k in BUILD_COUNTS if k in counts}  # target_tokens: added once written
         return summarize(
             self.plan.length,
             self.plan.pack_offsets,
@@ -147,42 +156,92 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     if sample_rows.size == 0:
         raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
 
+    def plan_rows(rows: np.ndarray) -> PackPlan:
+        return plan_packs(
+            lengths[rows],
+            cfg.pack_size,
+            algorithm=cfg.algorithm,
+            align=cfg.align,
+            overflow=cfg.overflow,
+            max_samples_per_pack=cfg.max_samples_per_pack,
+            seed=cfg.seed,
+            **(vlm.plan_kwargs(patches, rows) if vlm is not None else {}),
+        )
+
     t0 = time.perf_counter()
-    plan = plan_packs(
-        lengths[sample_rows],
-        cfg.pack_size,
-        algorithm=cfg.algorithm,
-        align=cfg.align,
-        overflow=cfg.overflow,
-        max_samples_per_pack=cfg.max_samples_per_pack,
-        seed=cfg.seed,
-        **(vlm.plan_kwargs(patches, sample_rows) if vlm is not None else {}),
-    )
+    table = tokenized.dataset.data.table
+    plan = plan_rows(sample_rows)
+    piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
+    without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
+    if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
+        sample_rows = np.setdiff1d(sample_rows, without.rows, assume_unique=True)
+        if sample_rows.size == 0:
+            raise InputError(
+                f"no row has a target token in what overflow={cfg.overflow} keeps of it ({without.rows.size} rows, "
+                f"e.g. {source.where(int(without.rows[0]))}): nothing to train on. Check the loss / labels of the "
+                "rows, raise pack_size, or set without_targets: keep to pack them anyway"
+            )
+        plan = plan_rows(sample_rows)
+        piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
     t["plan"] = time.perf_counter() - t0
     if log:
         log(
             f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
             f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s"
         )
-    return Prepared(source, tokenized, plan, sample_rows, skipped, _target_counts(tokenized, cfg.targets), t,
-                    model_config, vlm)
+        if without.rows.size:
+            log(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
+                f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
+                f"(without_targets: {cfg.without_targets})")
+    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
-def _target_counts(tokenized: Tokenized, targets: str) -> np.ndarray:
-    """Target tokens of every tokenized row (a row's first token is never a target)."""
-    col = tokenized.dataset.data.table.column(targets)
-    out = []
-    for chunk in col.chunks:
-        offs = np.asarray(chunk.offsets).astype(np.int64)
-        vals = chunk.values.to_numpy(zero_copy_only=False)
-        is_t = vals if targets == "loss_mask" else vals != -100
-        c = np.zeros(is_t.size + 1, dtype=np.int64)
+@dataclass(frozen=True)
+class WithoutTargets:
+    """The samples left with no target token once cut to what the plan keeps of them."""
+
+    rows: np.ndarray  # int64 [k]: their input rows, ascending
+    policy: str  # BuildConfig.without_targets: "drop" or "keep"
+    dropped_samples: int  # k under "drop", else 0
+    dropped_tokens: int  # the tokens they would have taken in packs, under "drop"; else 0
+
+
+def _without_targets(sample_rows: np.ndarray, plan: PackPlan, piece_targets: np.ndarray, policy: str) -> WithoutTargets:
+    """Which planned samples hold no target token in any of their pieces. Samples that the
+    plan itself dropped (``overflow: drop``) have no pieces and are not counted here."""
+    n = sample_rows.size
+    pieces = np.bincount(plan.sample_index, minlength=n)
+    targets = np.bincount(plan.sample_index, weights=piece_targets, minlength=n)
+    empty = (pieces > 0) & (targets == 0)
+    drop = policy == "drop"
+    kept_tokens = np.bincount(plan.sample_index, weights=plan.length, minlength=n)
+    return WithoutTargets(
+        rows=sample_rows[empty],
+        policy=policy,
+        dropped_samples=int(empty.sum()) if drop else 0,
+        dropped_tokens=int(kept_tokens[empty].sum()) if drop else 0,
+    )
+
+
+def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan) -> np.ndarray:
+    """int64 ``[pieces]``: target tokens of each piece of ``plan`` (as the writer stores it:
+    ``targets`` of the tokenized row from the piece's start; a piece's first token starts a
+    sample in its pack, so it is never a target). Read a bounded chunk of pieces at a time."""
+    from thdpack.offline.gather import RowPieces
+    from thdpack.offline.writer import CHUNK_TOKENS, IGNORE_INDEX, _cuts
+
+    reader = RowPieces(table, targets)
+    rows, starts, lengths = sample_rows[plan.sample_index], plan.start + 1, plan.length - 1
+    out = np.zeros(rows.size, np.int64)
+    cuts = _cuts(lengths, CHUNK_TOKENS)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        values = reader.gather(rows[a:b], starts[a:b], lengths[a:b])
+        is_t = values if targets == "loss_mask" else values != IGNORE_INDEX
+        c = np.zeros(is_t.size + 1, np.int64)
         np.cumsum(is_t, out=c[1:])
-        n = c[offs[1:]] - c[offs[:-1]]
-        nonempty = offs[1:] > offs[:-1]
-        n[nonempty] -= is_t[offs[:-1][nonempty]]
-        out.append(n)
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+        end = np.cumsum(lengths[a:b])
+        out[a:b] = c[end] - c[end - lengths[a:b]]
+    return out
 
 
 # ---------------------------------------------------------------------------- build
@@ -288,6 +347,7 @@ def build_packed(
             "pad_multiple": cfg.pad_multiple,
             "algorithm": cfg.algorithm,
             "overflow": cfg.overflow,
+            "without_targets": cfg.without_targets,
             "max_samples_per_pack": cfg.max_samples_per_pack,
             "seed": cfg.seed,
             "shuffle_packs": cfg.shuffle_packs,

@@ -22,6 +22,7 @@ LOSS_MODES = ("assistant", "last_assistant", "all")
 TARGETS = ("loss_mask", "labels")
 OUTPUT_FORMATS = ("arrow", "parquet")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
+WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
 
 
@@ -69,6 +70,11 @@ class BuildConfig:
     pack_size: int = _opt(4096, "token budget of a pack (after per-sample alignment padding)")
     algorithm: str = _opt("bfd", "packing algorithm", ALGORITHMS)
     overflow: str = _opt("error", "samples longer than a pack: error, truncate, split or drop", OVERFLOW_POLICIES)
+    without_targets: str = _opt(
+        "drop", "samples with no target token in what overflow keeps of them (e.g. a conversation whose answers "
+        "truncation cuts off): drop them before planning and count them, or keep them (their packs train "
+        "nothing; a mean loss over such a pack is NaN)", WITHOUT_TARGETS,
+    )
     max_samples_per_pack: int | None = _opt(None, "cap on samples per pack")
     seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order")
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")

@@ -14,6 +14,11 @@ from thdpack.align import round_up
 from thdpack.flops import attention_overcount_factor
 
 
+# the build's counters that its statistics carry (metadata.json "stats"), shown by ``thdpack stats``
+BUILD_COUNTS = ("truncated", "dropped", "split", "skipped_rows", "samples_without_targets", "without_targets",
+                "target_tokens")
+
+
 def attention_overcount(seq_lens: np.ndarray, num_packs: int, pack_size: int) -> float:
     """``num_packs · pack_size² / Σ sᵢ²``: how much a FLOPs count that treats every pack
     as one ``pack_size``-token sequence over-states causal attention work (whose true
@@ -194,8 +199,8 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
             lines.append(f"{label:<16} {v['samples']} samples" + (f", {v['tokens']:,} tokens" if "tokens" in v else ""))
     if s.get("skipped_rows"):
         lines.append(f"skipped rows     {s['skipped_rows']}")
-    if "samples_without_targets" in s and s["samples_without_targets"]:
-        lines.append(f"no-loss samples  {s['samples_without_targets']} (no target token: they train nothing)")
+    if "samples_without_targets" in s:
+        lines.append(_without_targets_line(s["samples_without_targets"], s.get("without_targets")))
     a = s["attention_flops"]
     if a["overcount"] is None:
         lines.append("attention FLOPs  no tokens packed: no over-count to report")
@@ -216,6 +221,21 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
                 f"({mf['overcount_samples_at_pack_len']:.2f}x if every sample is charged a {s['pack_size']}-token sequence)"
             )
     return "\n".join(lines)
+
+
+def _without_targets_line(n: int, w: dict | None) -> str:
+    """What became of the samples left with no target token after truncation (``without_targets``
+    policy; ``w`` is None for datasets built before the policy existed)."""
+    line = f"without targets  {n} samples (no target token left after truncation)"
+    if w is None:
+        return line + (": they train nothing" if n else "")
+    if w["policy"] == "drop":
+        line += f": dropped, {w['dropped_tokens']:,} tokens (without_targets: drop)"
+    else:
+        line += ": kept (without_targets: keep)"
+    if w["packs"] or w["pieces"]:
+        line += f"; {w['pieces']} pieces in packs train nothing, {w['packs']} packs have no target at all"
+    return line
 
 
 def plot_summary(s: dict, path: str) -> None:
