@@ -38,7 +38,7 @@ def _add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None =
         if f.metadata.get("internal") or f.name in skip or (only and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=None, help=f.metadata.get("help"), dest=f.name)
+        kw = dict(default=None, help=_literal_help(f.metadata.get("help")), dest=f.name)
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
         if f.name == "input":
@@ -56,6 +56,12 @@ def _add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None =
         g.add_argument(flag, **kw)
 
 
+def _literal_help(text: str | None) -> str | None:
+    """``text`` as argparse help: argparse %-formats help strings, so a literal ``%``
+    (``{% generation %}`` in the chat_template help) must be doubled."""
+    return None if text is None else text.replace("%", "%%")
+
+
 def _config(args, *, input_override=None) -> BuildConfig:
     cfg = BuildConfig.from_yaml(args.config) if args.config else BuildConfig()
     changes = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BuildConfig) if not f.metadata.get("internal")}
@@ -71,9 +77,14 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _progress(args) -> bool:
+    """Progress bars only on a terminal: in a log file their ``\\r`` redraws run together into one line
+    (the stage lines still print)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def cmd_build(args) -> int:
-    from thdpack.offline.build import build_packed
-    from thdpack.offline.stats import format_summary
+    from thdpack.offline.build import build_packed, written_line
 
     cfg = _config(args)
     if not args.output:
@@ -84,7 +95,7 @@ def cmd_build(args) -> int:
 
         shard = parse_shard(args.shard)
         output = shard.format_output(args.output)
-    result = build_packed(cfg, output, overwrite=args.overwrite, progress=not args.quiet,
+    result = build_packed(cfg, output, overwrite=args.overwrite, progress=_progress(args),
                           log=None if args.quiet else _stderr, shard=shard)
     meta = result.metadata
     skipped = meta["counts"]["skipped_rows"]
@@ -95,7 +106,7 @@ def cmd_build(args) -> int:
         if skipped > 10:
             print(f"  ... ({skipped - 10} more; the first {len(meta['skipped_examples'])} are in metadata.json)", file=sys.stderr)
     if not args.quiet:
-        print(format_summary(result.summary, title=f"{result.path}: {meta['num_packs']} packs"))
+        print(written_line(result.path, result.summary))
     return 0
 
 
@@ -132,7 +143,7 @@ def cmd_stats(args) -> int:
         if not path.exists() and not args.config:
             raise OfflineError(f"{path} does not exist")
         cfg = _config(args, input_override=str(path) if str(path) != "-" else None)
-        summary = analyze(cfg, eval_multiple=eval_multiple, progress=not args.quiet, log=None if args.quiet else _stderr)
+        summary = analyze(cfg, eval_multiple=eval_multiple, progress=_progress(args), log=None if args.quiet else _stderr)
         title = f"{path}: raw dataset, planned (not written) with pack_size {cfg.pack_size}, {cfg.algorithm}"
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -218,11 +229,18 @@ def _decode_marked(decode, ids, is_target) -> str:
 # ---------------------------------------------------------------------------- parser
 
 
+def _version() -> str:
+    from thdpack import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"thdpack {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge}")
 
     b = sub.add_parser(
@@ -285,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     if own_handler:
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except KeyboardInterrupt:
         print("interrupted; nothing was written at the output path", file=sys.stderr)
         return 130
-    except (OfflineError, ValueError) as exc:
+    except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
         if args.debug or os.environ.get("THDPACK_DEBUG"):
             raise
         print(f"thdpack {args.command}: error: {exc}", file=sys.stderr)
@@ -297,6 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_handler:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``thdpack stats ... | head -1``): stop quietly, as Unix tools
+    do, with the status of a process ended by SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's exit flush must not raise again
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ hidden directory, never a directory at the output path, and never one with
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import secrets
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.errors import InputError, OutputExistsError, require_hf
+from thdpack.offline.errors import InputError, OfflineError, OutputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.sources import Source, read_source
@@ -255,6 +257,116 @@ class BuildResult:
     summary: dict
 
 
+# ---------------------------------------------------------------------------- the output directory
+# Build and merge write their output the same way: lock it, check it, write a hidden temporary
+# directory next to it, commit (metadata last, fsync, rename), release the lock.
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``.NAME.lock`` next to ``output``, taken before the existence check
+    and released after the rename: of two builds (or merges) of one output started together, the
+    second fails at once with :class:`OutputError` instead of replacing the first's output.
+    The lock file is removed on release; a holder re-checks that the file it locked is still
+    the one at the path (another holder may have removed it in between)."""
+
+    def __init__(self, output: Path):
+        self.path = output.parent / f".{output.name}.lock"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputError(
+                    f"output {output} is being written by another thdpack process (it holds {self.path}); "
+                    "wait for it to finish, or choose another --output"
+                ) from None
+            if _same_file(fd, self.path):
+                self.fd = fd
+                return
+            os.close(fd)  # locked a lock file that its holder has just removed: take the new one
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: nobody can be holding it
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return os.path.samestat(os.fstat(fd), st)
+
+
+def start_output(output: Path, overwrite: bool, log=None) -> tuple[Path, OutputLock]:
+    """Lock ``output``, check that it may be written (:func:`_check_output`) and make the hidden
+    temporary directory ``.NAME.tmp-PID-RAND`` next to it that :func:`_commit` moves into place.
+    Returns ``(tmp, lock)``; the caller removes ``tmp`` on failure and releases the lock when done."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        lock = OutputLock(output)
+    except OSError as exc:
+        if not is_file_system_error(exc):
+            raise
+        raise output_error(exc, output) from exc
+    try:
+        _check_output(output, overwrite)
+        stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
+        if stale and log:
+            log(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
+                f"(e.g. {stale[0]}); they are not datasets and can be deleted")
+        tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except BaseException as exc:
+        lock.release()
+        if is_file_system_error(exc):
+            raise output_error(exc, output) from exc
+        raise
+    return tmp, lock
+
+
+def is_file_system_error(exc: BaseException) -> bool:
+    """An ``OSError`` from the file system (not one of thdpack's own errors, some of which are OSErrors)."""
+    return isinstance(exc, OSError) and not isinstance(exc, OfflineError)
+
+
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full: free space there or choose another --output",
+    errno.EDQUOT: "the disk quota is exceeded: free space there or choose another --output",
+    errno.EROFS: "the file system is read-only: choose another --output",
+    errno.EACCES: "no permission to write there: choose another --output or fix the permissions",
+    errno.EPERM: "no permission to write there: choose another --output or fix the permissions",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another --output",
+    errno.EEXIST: "a part of the path is a file, not a directory: choose another --output",
+}
+
+
+def output_error(exc: OSError, output: Path, tmp: Path | None = None) -> OutputError:
+    """One line for a file-system failure while writing ``output``: the path, the reason, what to do.
+    (The temporary directory has already been removed by the caller.)"""
+    path = exc.filename if exc.filename is not None else output
+    reason = " ".join((exc.strerror or str(exc) or type(exc).__name__).split())  # pyarrow's may span lines
+    if tmp is not None:
+        path = str(path).replace(str(tmp), str(output) + " (temporary copy)")
+    hint = _OS_HINTS.get(exc.errno, "check the path, its permissions and free space")
+    return OutputError(f"cannot write {output}: {path}: {reason}; {hint}")
+
+
+def written_line(path: Path, summary: dict) -> str:
+    """The one line ``thdpack build`` and ``thdpack merge`` print on stdout: what was written and where
+    the statistics are (``thdpack stats PATH`` prints them; printing them here as well showed the
+    same block twice in ``build && stats``)."""
+    return (f"{path}: {summary['packs']} packs, efficiency {summary['efficiency']:.4f}; "
+            f"statistics: thdpack stats {path}")
+
+
 def _check_output(output: Path, overwrite: bool) -> None:
     if not output.exists() or (output.is_dir() and not any(output.iterdir())):
         return  # nothing there, or an empty directory: nothing to lose
@@ -286,15 +398,8 @@ def build_packed(
     require_hf("thdpack build")  # import the heavy libraries before touching the file system
     cfg.validate()
     output = Path(output)
-    _check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
-    if stale and log:
-        log(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
-            f"(e.g. {stale[0]}); they are not datasets and can be deleted")
     t_start = time.perf_counter()
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp, lock = start_output(output, overwrite, log)
     try:
         work = tmp / "_work"
         work.mkdir()
@@ -378,9 +483,13 @@ def build_packed(
         for f in written["files"]:
             _fsync(tmp / f["path"])
         _commit(tmp, meta, output)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_file_system_error(exc):
+            raise output_error(exc, output, tmp) from exc
         raise
+    finally:
+        lock.release()
     timings["total"] = time.perf_counter() - t_start
     if log:
         size = sum(f["num_bytes"] for f in written["files"])
@@ -401,13 +510,22 @@ def _commit(tmp: Path, meta: dict, output: Path) -> None:
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:
-    if output.exists():  # empty, or --overwrite of a thdpack dataset (checked by _check_output)
+    """Rename ``tmp`` to ``output`` (under the :class:`OutputLock`). A directory already at ``output``
+    (empty, or a thdpack dataset under --overwrite: checked by :func:`_check_output`) is moved aside
+    first and removed after; the rename itself never merges two directories: it fails if something
+    new appeared at ``output``, and the old dataset is then put back."""
+    old = None
+    if output.exists():
         old = output.parent / f".{output.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         os.rename(output, old)
+    try:
         os.rename(tmp, output)
+    except BaseException:
+        if old is not None:
+            os.rename(old, output)
+        raise
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, output)
     _fsync_dir(output.parent)
 
 

@@ -19,6 +19,11 @@ class OutputExistsError(OfflineError, FileExistsError):
     """The output directory exists and ``overwrite`` was not given."""
 
 
+class OutputError(OfflineError):
+    """The output cannot be written: another process is writing it, or the file system refused
+    (read-only, permission, full disk); the message names the path."""
+
+
 class NotPackedError(OfflineError):
     """A path that is not a complete packed dataset (missing or partial metadata/shards)."""
 

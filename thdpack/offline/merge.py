@@ -27,7 +27,6 @@ import glob
 import hashlib
 import json
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,7 +317,7 @@ def merge_shards(
     log=_stderr,
 ) -> MergeResult:
     """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
-    from thdpack.offline.build import _check_output, _commit
+    from thdpack.offline.build import _commit, is_file_system_error, output_error, start_output
 
     paths = expand_shard_paths(shard_paths)
     shards = check_shards(paths)
@@ -326,13 +325,10 @@ def merge_shards(
     for p, _ in shards:
         if output.resolve() == p.resolve():
             raise OfflineError(f"output {output} is one of the shards being merged")
-    _check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
     first_path, first = shards[0]
     fmt = first["file_format"]
     n_files = sum(len(m["files"]) for _, m in shards)
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp, lock = start_output(output, overwrite, log)
     try:
         files, lens, per_pack, lengths = [], [], [], []
         vision_entry = first.get("vision")
@@ -376,9 +372,13 @@ def merge_shards(
             vision = _vision_totals(grids, per_pack_images)
         meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
         _commit(tmp, meta, output)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_file_system_error(exc):
+            raise output_error(exc, output, tmp) from exc
         raise
+    finally:
+        lock.release()
     if log:
         size = sum(f["num_bytes"] for f in files)
         log(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
@@ -420,10 +420,10 @@ def add_merge_parser(sub) -> None:
 
 
 def cmd_merge(args) -> int:
-    from thdpack.offline.stats import format_summary
+    from thdpack.offline.build import written_line
 
     result = merge_shards(args.shards, args.output, overwrite=args.overwrite, link=args.link,
                           log=None if args.quiet else _stderr)
     if not args.quiet:
-        print(format_summary(result.summary, title=f"{result.path}: {result.metadata['num_packs']} packs"))
+        print(written_line(result.path, result.summary))
     return 0
