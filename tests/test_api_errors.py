@@ -254,3 +254,53 @@ def test_both_given_equals_labels_masked_by_loss_mask(samples, cp):
         for s in samples
     ]
     assert torch.equal(build_thd_batch(samples).labels, build_thd_batch(masked).labels)
+
+
+# --------------------------------------------------------------------------
+# the collator names samples by their place in its call, without parsing messages
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_cut_sample_with_bad_labels_is_named(overflow):
+    """Samples cut by the plan were read with no index ('sample -1')."""
+    long_bad = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1.0] * 6}
+    first = {"input_ids": [1, 2, 3, 4]}
+    with pytest.raises(ValueError, match=r"^sample 1: field 'labels' must hold integers in int64 range, got 1.0 at token 0$"):
+        ThdCollator(pack_size=4, overflow=overflow)([first, long_bad])
+
+
+def test_split_sample_with_short_mask_names_its_whole_length():
+    """A piece of a split sample compared its mask slice with the piece, not the sample."""
+    bad = {"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [1, 1, 1]}
+    # the error is raised while the pack is gathered: it names the input row, and is not
+    # renamed again as if it named a position in the pack
+    with pytest.raises(ValueError, match=r"^sample 0: 'loss_mask' has 3 values but 'input_ids' has 6$"):
+        ThdCollator(pack_size=4, overflow="split")([bad, {"input_ids": [1, 2]}])
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"input_ids": [1, -2]}, r"'input_ids' has negative id -2 at token 1"),
+        ({"input_ids": [1, 2], "labels": [1, None]}, r"field 'labels' must hold integers in int64 range"),
+        ({"input_ids": [1, 2], "loss_mask": [1, 2]}, r"'loss_mask' has 2 at token 1"),
+        (_image_sample(25), r"'pixel_values' rows have 25 values"),
+        ({**_image_sample(24), "image_grid_thw": [[1, 2, 4]]}, r"'pixel_values' has 16 rows but 'image_grid_thw' gives 8"),
+        ({**_image_sample(24), "input_ids": [1, 2]}, r"its input_ids have 0 run\(s\) of image placeholder"),
+    ],
+    ids=["negative-id", "none-label", "mask-2", "pixel-width", "grid-rows", "placeholders"],
+)
+def test_collator_renames_every_sample_error(bad, message):
+    """The bad sample is 3rd in the call but 2nd of the second pack (pack_size 12, next fit: 12 | 2 + 8)."""
+    samples = [{"input_ids": list(range(1, 13))}, {"input_ids": [1, 2]}, bad]
+    with pytest.raises(ValueError, match=rf"^sample 2: {message}.*\(position 1 of pack 1\)$"):
+        ThdCollator(pack_size=12, algorithm="sequential", model_config=_vlm_config())(samples)
+
+
+def test_sample_error_is_a_value_error_rebuilt_from_its_message():
+    """DataLoader workers re-raise ``type(exc)(message)``: that must stay a ValueError."""
+    with pytest.raises(ValueError) as info:
+        build({"input_ids": [1, None]})
+    err = info.value
+    assert (err.sample, err.detail) == (1, ": field 'input_ids' must hold integers in int64 range, got None at token 1")
+    again = type(err)(str(err))
+    assert isinstance(again, ValueError) and str(again) == str(err) and again.sample is None

@@ -18,9 +18,9 @@ import torch
 
 from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
-from thdpack.batch import ThdBatch, warn_if_no_targets
+from thdpack.batch import ThdBatch
 from thdpack.cp import check_cp_args, shard_for_cp
-from thdpack.samples import get_field, to_int_array
+from thdpack.samples import SampleError, get_field, same_length, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -148,7 +148,6 @@ def build_thd_batch(
         attach_vision(batch, samples, model_config)
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
-    warn_if_no_targets(batch)
     return batch
 
 
@@ -169,14 +168,14 @@ def _read_samples(samples, max_length):
     for i, sample in enumerate(samples):
         ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids")
         if ids.size == 0:
-            raise ValueError(f"sample {i}: 'input_ids' is empty; every sample needs at least one token")
+            raise SampleError.at(i, f": 'input_ids' is empty; every sample needs at least one token")
         labels = get_field(sample, "labels", i)
         mask = get_field(sample, "loss_mask", i)
         if labels is not None:
-            labels = _same_length(to_int_array(labels, sample=i, field="labels"), ids, i, "labels")
+            labels = same_length(to_int_array(labels, sample=i, field="labels"), ids, i, "labels")
             any_labels = True
         if mask is not None:
-            mask = _same_length(to_int_array(mask, sample=i, field="loss_mask", allow_bool=True), ids, i, "loss_mask")
+            mask = same_length(to_int_array(mask, sample=i, field="loss_mask", allow_bool=True), ids, i, "loss_mask")
             any_mask = True
         if max_length is not None and ids.size > max_length:
             truncated += ids.size - max_length
@@ -204,12 +203,6 @@ def _extend_last(padded: np.ndarray, pad_to, multiple: int) -> np.ndarray:
     return padded
 
 
-def _same_length(arr: np.ndarray, ids: np.ndarray, index: int, field: str) -> np.ndarray:
-    if arr.size != ids.size:
-        raise ValueError(f"sample {index}: '{field}' has {arr.size} values but 'input_ids' has {ids.size}")
-    return arr
-
-
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     """int64 ``[S]``: the parts end to end (read only by the kernels, so a view is fine)."""
     if len(parts) == 1:
@@ -224,10 +217,10 @@ def _raise_bad_value(status, token, ids, source, mask, cu, ignore_index) -> None
     i = int(np.searchsorted(cu, token, side="right") - 1)
     at = f"at token {token - int(cu[i])}"
     if status == NEGATIVE_ID:
-        raise ValueError(f"sample {i}: 'input_ids' has negative id {int(ids[token])} {at}")
+        raise SampleError.at(i, f": 'input_ids' has negative id {int(ids[token])} {at}")
     if status == BAD_LABEL:
-        raise ValueError(
-            f"sample {i}: 'labels' has {int(source[token])} {at}; "
+        raise SampleError.at(
+            i, f": 'labels' has {int(source[token])} {at}; "
             f"labels must be token ids >= 0 or ignore_index ({ignore_index})"
         )
-    raise ValueError(f"sample {i}: 'loss_mask' has {mask[token]!r} {at}; expected 0 or 1")
+    raise SampleError.at(i, f": 'loss_mask' has {mask[token].item()!r} {at}; expected 0 or 1")

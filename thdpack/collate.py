@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,10 +12,7 @@ from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch, check_token_args
 from thdpack.cp import check_cp_args
 from thdpack.plan import PackStats, plan_packs
-from thdpack.samples import get_field, to_int_array
-
-
-_SAMPLE_PREFIX = re.compile(r"sample (\d+)")  # how build_thd_batch's errors name a sample
+from thdpack.samples import SampleError, get_field, to_int_array
 
 
 class PackedBatches(list):
@@ -127,12 +123,11 @@ class ThdCollator:
 
     def _build_pack(self, plan, samples, k: int) -> ThdBatch:
         index = plan.pack(k)
+        pack = plan.gather(samples, k)  # its errors name input rows already
         try:
-            return build_thd_batch(plan.gather(samples, k), sample_index=index, **self.build_kwargs)
-        except ValueError as exc:  # name the sample by its position in this call, not in the pack
-            found = _SAMPLE_PREFIX.match(str(exc))
-            if found is None:
+            return build_thd_batch(pack, sample_index=index, **self.build_kwargs)
+        except SampleError as exc:  # name the sample by its position in this call, not in the pack
+            if exc.sample is None or not 0 <= exc.sample < len(index):
                 raise
-            j = int(found.group(1))
-            where = f"sample {int(index[j])}" if 0 <= j < len(index) else found.group(0)
-            raise ValueError(f"{where}{str(exc)[found.end():]} (position {j} of pack {k})") from None
+            j = exc.sample
+            raise exc.renamed(int(index[j]), f" (position {j} of pack {k})") from None

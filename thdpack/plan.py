@@ -141,7 +141,9 @@ class PackPlan:
         idx, start, length = self.pieces(k)
         if self.is_whole_samples:
             return [samples[i] for i in idx.tolist()]
-        return [slice_sample(samples[i], a, a + n) for i, a, n in zip(idx.tolist(), start.tolist(), length.tolist())]
+        return [
+            slice_sample(samples[i], a, a + n, index=i) for i, a, n in zip(idx.tolist(), start.tolist(), length.tolist())
+        ]
 
 
 def validate_lengths(lengths) -> np.ndarray:

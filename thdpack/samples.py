@@ -13,6 +13,31 @@ from thdpack.align import INT64_MAX, first_non_int64
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 
 
+class SampleError(ValueError):
+    """A ``ValueError`` about one sample: its message is ``"sample {sample}{detail}"``,
+    ``sample`` being the sample's position in the list the builder was given.
+
+    A caller that knows which input rows those samples are (the collator, whose packs
+    are subsets of its call) renames the sample with :meth:`renamed` instead of
+    parsing the message. Raised from a DataLoader worker, it arrives as a plain
+    message (``sample`` None), like any other ``ValueError``.
+    """
+
+    sample: int | None = None
+    detail: str = ""
+
+    @classmethod
+    def at(cls, sample: int, detail: str) -> "SampleError":
+        """The error for sample ``sample``; ``detail`` follows the name (``": ..."`` or ``" has ..."``)."""
+        exc = cls(f"sample {sample}{detail}")
+        exc.sample, exc.detail = sample, detail
+        return exc
+
+    def renamed(self, sample: int, note: str = "") -> "SampleError":
+        """The same error naming the sample ``sample``, with ``note`` appended."""
+        return SampleError.at(sample, self.detail + note)
+
+
 def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) -> np.ndarray:
     """One per-token field as a 1-D numpy array of integers (or bools).
 
@@ -40,12 +65,12 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:
-        raise ValueError(f"sample {sample}: field '{field}' must be 1-D, got shape {tuple(arr.shape)}")
+        raise SampleError.at(sample, f": field '{field}' must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in ("iub" if allow_bool else "iu"):
         if arr.size == 0:
             return arr.astype(np.int64)
-        raise ValueError(
-            f"sample {sample}: field '{field}' must hold integers, got dtype {arr.dtype}"
+        raise SampleError.at(
+            sample, f": field '{field}' must hold integers, got dtype {arr.dtype}"
             + (f" (first value {arr[0].item()!r})" if arr.size else "")
         )
     return _within_int64(arr, sample=sample, field=field)
@@ -59,18 +84,18 @@ def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
     over = np.flatnonzero(arr > np.uint64(INT64_MAX))
     if over.size:
         t = int(over[0])
-        raise ValueError(_not_int64_message(sample, field, arr[t].item(), t))
+        raise _not_int64(sample, field, arr[t].item(), t)
     return arr
 
 
 def _raise_first_non_int64(values, *, sample: int, field: str) -> None:
     bad = first_non_int64(values)
     if bad is not None:
-        raise ValueError(_not_int64_message(sample, field, bad[1], bad[0]))
+        raise _not_int64(sample, field, bad[1], bad[0])
 
 
-def _not_int64_message(sample: int, field: str, value, token: int) -> str:
-    return f"sample {sample}: field '{field}' must hold integers in int64 range, got {value!r} at token {token}"
+def _not_int64(sample: int, field: str, value, token: int) -> SampleError:
+    return SampleError.at(sample, f": field '{field}' must hold integers in int64 range, got {value!r} at token {token}")
 
 
 def _arrow_array(value) -> np.ndarray:
@@ -92,11 +117,11 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
         try:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
-            raise ValueError(f"sample {sample}: field '{field}' is not a flat sequence of integers ({exc})") from None
+            raise SampleError.at(sample, f": field '{field}' is not a flat sequence of integers ({exc})") from None
         if arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64):
             _raise_first_non_int64(value, sample=sample, field=field)  # None, str, float, beyond int64: name it
         if arr.dtype == object:
-            raise ValueError(f"sample {sample}: field '{field}' must hold integers, got {type(value[0]).__name__} values")
+            raise SampleError.at(sample, f": field '{field}' must hold integers, got {type(value[0]).__name__} values")
         return arr
     module = type(value).__module__
     if module.startswith("torch"):
@@ -110,9 +135,9 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except Exception as exc:  # pragma: no cover - depends on exotic input types
-        raise ValueError(f"sample {sample}: cannot read field '{field}' of type {type(value).__name__}: {exc}") from None
+        raise SampleError.at(sample, f": cannot read field '{field}' of type {type(value).__name__}: {exc}") from None
     if arr.dtype == object:
-        raise ValueError(f"sample {sample}: field '{field}' of type {type(value).__name__} is not an integer sequence")
+        raise SampleError.at(sample, f": field '{field}' of type {type(value).__name__} is not an integer sequence")
     return arr
 
 
@@ -120,13 +145,13 @@ def _torch_to_numpy(value, *, sample: int, field: str) -> np.ndarray:
     """A tensor's values on the CPU; floating-point tensors (numpy has no bfloat16)
     and meta tensors (no data) are refused here, by name."""
     if getattr(value, "is_meta", False):
-        raise ValueError(
-            f"sample {sample}: field '{field}' is a meta tensor (no data); materialise it "
+        raise SampleError.at(
+            sample, f": field '{field}' is a meta tensor (no data); materialise it "
             "(e.g. build the tensor on 'cpu') before packing"
         )
     if value.is_floating_point() or value.is_complex():
-        raise ValueError(
-            f"sample {sample}: field '{field}' must hold integers, got {value.dtype}; "
+        raise SampleError.at(
+            sample, f": field '{field}' must hold integers, got {value.dtype}; "
             "pass token ids as an integer tensor (e.g. .long())"
         )
     return value.detach().cpu().numpy()
@@ -142,24 +167,39 @@ def get_field(sample, field: str, index: int, *, required: bool = False):
         except KeyError:
             value = None
     else:
-        raise ValueError(
-            f"sample {index} is a {type(sample).__name__}; expected a mapping with 'input_ids' "
+        raise SampleError.at(
+            index, f" is a {type(sample).__name__}; expected a mapping with 'input_ids' "
             "(and optionally 'labels' or 'loss_mask')"
         )
     if value is None and required:
         if field in sample.keys():
-            raise ValueError(
-                f"sample {index}: field '{field}' is None; give the sample's token ids "
+            raise SampleError.at(
+                index, f": field '{field}' is None; give the sample's token ids "
                 "(a list, numpy array or tensor of integers)"
             )
-        raise ValueError(f"sample {index} has no '{field}' field (fields: {sorted(sample.keys())})")
+        raise SampleError.at(index, f" has no '{field}' field (fields: {sorted(sample.keys())})")
     return value
 
 
-def slice_sample(sample, start: int, stop: int) -> dict:
-    """A copy of ``sample`` whose per-token fields keep tokens ``[start, stop)``."""
+def same_length(arr: np.ndarray, ids: np.ndarray, index: int, field: str) -> np.ndarray:
+    """``arr`` (a per-token field of sample ``index``), checked to have one value per id."""
+    if arr.size != ids.size:
+        raise SampleError.at(index, f": '{field}' has {arr.size} values but 'input_ids' has {ids.size}")
+    return arr
+
+
+def slice_sample(sample, start: int, stop: int, *, index: int = -1) -> dict:
+    """A copy of ``sample`` whose per-token fields keep tokens ``[start, stop)``; each
+    field is read, and checked against the whole ``input_ids``, before it is cut
+    (errors name the sample ``index``: its input row)."""
     out = dict(sample)
-    for key in TOKEN_FIELDS:
+    ids = None
+    for key in TOKEN_FIELDS:  # input_ids first
         if key in out and out[key] is not None:
-            out[key] = to_int_array(out[key], sample=-1, field=key, allow_bool=key == "loss_mask")[start:stop]
+            arr = to_int_array(out[key], sample=index, field=key, allow_bool=key == "loss_mask")
+            if ids is None:
+                ids = arr
+            else:
+                same_length(arr, ids, index, key)
+            out[key] = arr[start:stop]
     return out

@@ -25,6 +25,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from thdpack.samples import SampleError
 from thdpack.vlm.config import config_first, config_get
 
 # how an item's temporal positions ``trunc(k · interval)`` are computed, mirroring torch's
@@ -279,13 +280,13 @@ def time_intervals(second_per_grid_ts, n_videos: int, tokens_per_second, *, samp
     else:
         arr = np.asarray(second_per_grid_ts)
         if arr.dtype == object or arr.dtype.kind not in "iuf":
-            raise ValueError(f"sample {sample}: 'second_per_grid_ts' must be numbers, got {arr.dtype}")
+            raise SampleError.at(sample, f": 'second_per_grid_ts' must be numbers, got {arr.dtype}")
         values = arr.astype(np.float64).reshape(-1)
         mode = MODE_INT if (arr.dtype.kind in "iu" and integral_tps) else MODE_F32
     if values.size != n_videos:
-        raise ValueError(
-            f"sample {sample}: 'second_per_grid_ts' has {values.size} values but 'video_grid_thw' has {n_videos} videos"
+        raise SampleError.at(
+            sample, f": 'second_per_grid_ts' has {values.size} values but 'video_grid_thw' has {n_videos} videos"
         )
     if not np.all(np.isfinite(values)) or np.any(values < 0):
-        raise ValueError(f"sample {sample}: 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}")
+        raise SampleError.at(sample, f": 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}")
     return float(tokens_per_second) * values, np.full(n_videos, mode, np.int8)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from thdpack._jit import njit
+from thdpack.samples import SampleError
 from thdpack.vlm.base import MODE_F32, MODE_F64, RopeItems
 
 
@@ -198,8 +199,8 @@ def _check_runs(family, kind, name, counts, items, run_sample, run_len, n, hint)
     if bad.size:
         i = int(bad[0])
         unit = f"{name} frames (this family separates video frames with timestamp text)" if frames else f"{name}s"
-        raise ValueError(
-            f"sample {i}: its input_ids have {int(have[i])} run(s) of {name} placeholder tokens (id {token_id}) "
+        raise SampleError.at(
+            i, f": its input_ids have {int(have[i])} run(s) of {name} placeholder tokens (id {token_id}) "
             f"but its '{grid_field}' describes {int(want[i])} {unit}; every {name}"
             f"{' frame' if frames else ''} needs exactly one contiguous run of placeholders{hint}"
         )
@@ -213,7 +214,7 @@ def _check_runs(family, kind, name, counts, items, run_sample, run_len, n, hint)
         m = family.spatial_merge_size
         where = f"{name} {src}" + (f" frame {int(items.frame[j])}" if items.frame[j] >= 0 else "")
         formula = f"{h}·{w}/{m}² = {int(tokens[j])} per frame" if frames else f"{t}·{h}·{w}/{m}² = {int(tokens[j])}"
-        raise ValueError(
-            f"sample {i}: {where} has {int(run_len[j])} placeholder tokens (id {token_id}) in input_ids "
+        raise SampleError.at(
+            i, f": {where} has {int(run_len[j])} placeholder tokens (id {token_id}) in input_ids "
             f"but its {grid_field} row [{t}, {h}, {w}] gives {formula}{hint}"
         )

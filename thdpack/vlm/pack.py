@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from thdpack.samples import get_field
+from thdpack.samples import SampleError, get_field
 from thdpack.vlm.base import RopeItems
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family
@@ -177,35 +177,35 @@ def _read_kind(sample, i: int, kind: str, family):
     grid = np.zeros((0, 3), np.int64) if grid_value is None else _grid(grid_value, i, grid_field)
     n_rows = None if pixels is None else _rows(pixels, i, pix_field, family)
     if kind == "video" and not family.supports_video and (grid.shape[0] or n_rows):
-        raise ValueError(
-            f"sample {i}: has video inputs ('{grid_field}' with {grid.shape[0]} videos, "
+        raise SampleError.at(
+            i, f": has video inputs ('{grid_field}' with {grid.shape[0]} videos, "
             f"'{pix_field}' with {n_rows or 0} rows) but the model config ({family.model_type}) has no video token"
         )
     if grid.shape[0] == 0:
         if n_rows:
-            raise ValueError(
-                f"sample {i}: '{pix_field}' has {n_rows} rows of patches but no '{grid_field}' "
+            raise SampleError.at(
+                i, f": '{pix_field}' has {n_rows} rows of patches but no '{grid_field}' "
                 f"(every {kind} needs its (t, h, w) grid)"
             )
         return None, grid
     if pixels is None:
-        raise ValueError(
-            f"sample {i}: '{grid_field}' describes {grid.shape[0]} {kind}(s) "
+        raise SampleError.at(
+            i, f": '{grid_field}' describes {grid.shape[0]} {kind}(s) "
             f"({int(grid.prod(axis=1).sum())} patches) but the sample has no '{pix_field}'"
         )
     m = family.spatial_merge_size
     bad = np.flatnonzero((grid < 1).any(axis=1) | (grid[:, 1] % m != 0) | (grid[:, 2] % m != 0))
     if bad.size:
         j = int(bad[0])
-        raise ValueError(
-            f"sample {i}: {kind} {j} has {grid_field} row {grid[j].tolist()}; t, h, w must be >= 1 "
+        raise SampleError.at(
+            i, f": {kind} {j} has {grid_field} row {grid[j].tolist()}; t, h, w must be >= 1 "
             f"and h, w multiples of spatial_merge_size={m}"
         )
     patches = grid.prod(axis=1)
     if n_rows != int(patches.sum()):
         per = " + ".join(f"{'·'.join(map(str, g))}" for g in grid.tolist())
-        raise ValueError(
-            f"sample {i}: '{pix_field}' has {n_rows} rows but '{grid_field}' gives {int(patches.sum())} patches "
+        raise SampleError.at(
+            i, f": '{pix_field}' has {n_rows} rows but '{grid_field}' gives {int(patches.sum())} patches "
             f"({per}, {kind}s 0..{grid.shape[0] - 1})"
         )
     return _as_tensor(pixels), grid
@@ -217,13 +217,13 @@ def _grid(value, i: int, field: str) -> np.ndarray:
         if arr.size and arr.dtype.kind == "f" and np.all(arr == np.round(arr)):
             arr = arr.astype(np.int64)
         else:
-            raise ValueError(f"sample {i}: '{field}' must hold integers, got {arr.dtype}")
+            raise SampleError.at(i, f": '{field}' must hold integers, got {arr.dtype}")
     if arr.size == 0:
         return np.zeros((0, 3), np.int64)
     if arr.ndim == 1 and arr.size == 3:
         arr = arr[None]
     if arr.ndim != 2 or arr.shape[1] != 3:
-        raise ValueError(f"sample {i}: '{field}' must have shape [k, 3] (t, h, w per item), got {tuple(arr.shape)}")
+        raise SampleError.at(i, f": '{field}' must have shape [k, 3] (t, h, w per item), got {tuple(arr.shape)}")
     return arr.astype(np.int64)
 
 
@@ -238,12 +238,12 @@ def _rows(pixels, i: int, field: str, family) -> int:
     config gives the patch embedding, ``dim`` values wide."""
     shape = tuple(pixels.shape) if hasattr(pixels, "shape") else np.shape(pixels)
     if len(shape) != 2:
-        raise ValueError(f"sample {i}: '{field}' must be 2-D [patches, dim], got shape {shape}")
+        raise SampleError.at(i, f": '{field}' must be 2-D [patches, dim], got shape {shape}")
     width = getattr(family, "pixel_width", None)
     if width is not None and shape[1] != width:
         channels, temporal, patch = family.patch_shape
-        raise ValueError(
-            f"sample {i}: '{field}' rows have {shape[1]} values but the model config expects {width} "
+        raise SampleError.at(
+            i, f": '{field}' rows have {shape[1]} values but the model config expects {width} "
             f"(in_channels {channels} · temporal_patch_size {temporal} · patch_size {patch}²); "
             "use the image processor that matches this model"
         )
@@ -267,8 +267,8 @@ def _check_columns(parts, field: str) -> None:
         if first is None:
             first = (i, pix.shape[1])
         elif pix.shape[1] != first[1]:
-            raise ValueError(
-                f"sample {i}: '{field}' rows have {pix.shape[1]} values but sample {first[0]}'s have {first[1]}"
+            raise SampleError.at(
+                i, f": '{field}' rows have {pix.shape[1]} values but sample {first[0]}'s have {first[1]}"
             )
 
 
