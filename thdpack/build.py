@@ -18,7 +18,7 @@ import torch
 
 from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
-from thdpack.batch import ThdBatch
+from thdpack.batch import ThdBatch, warn_if_no_targets
 from thdpack.cp import check_cp_args, shard_for_cp
 from thdpack.samples import SampleError, get_field, same_length, to_int_array
 
@@ -148,6 +148,7 @@ def build_thd_batch(
         attach_vision(batch, samples, model_config)
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
+    warn_if_no_targets(batch)
     return batch
 
 
