@@ -295,6 +295,16 @@ def test_cli_prints_one_line_naming_the_key(ds_copy, capsys, command):
     assert "\n" not in err
 
 
+@pytest.mark.parametrize("command", ["stats", "inspect"])
+def test_cli_prints_one_line_naming_a_damaged_shard(ds_copy, capsys, command):
+    name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
+    zero_header(ds_copy / name)
+    assert main([command, str(ds_copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"thdpack {command}: error: {ds_copy / name}: not a valid Arrow stream (")
+    assert "\n" not in err
+
+
 def test_errors_are_offline_errors(ds_copy):
     edit_meta(ds_copy, lambda m: m.pop("files"))
     with pytest.raises(OfflineError):

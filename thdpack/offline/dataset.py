@@ -481,8 +481,13 @@ class PackedDataset(torch.utils.data.Dataset):
 def load_packed(path: str | Path, *, verify: bool = False) -> PackedDataset:
     """Open a packed dataset written by ``thdpack build``.
 
-    Checks that the build completed (``metadata.json`` is written last) and that every
-    shard is present with the recorded size; ``verify=True`` also checks the shards'
-    sha256. Returns a :class:`PackedDataset` (one row per pack).
+    Checks that the build completed (``metadata.json`` is written last), ``metadata.json``
+    against its schema (:func:`thdpack.offline.format.check_metadata`), and every shard:
+    present with the recorded size, readable, its packs, tokens and ``seq_lens`` consistent
+    with the metadata and no pack longer than ``pack_size`` (list offsets only: the tokens
+    are not read). ``verify=True`` also checks the shards' sha256. Reading a pack checks
+    its token ids (and labels) against the tokenizer's vocabulary. Every failure is a
+    :class:`NotPackedError` naming the key, or the shard file and pack.
+    Returns a :class:`PackedDataset` (one row per pack).
     """
     return PackedDataset(path, verify=verify)

@@ -25,6 +25,9 @@ column             Arrow type         meaning
 Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
 multiple in use (``metadata.json`` records the multiple the plan reserved room for).
 Arrow shards are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
+
+``metadata.json`` is read through one schema (:func:`check_metadata`): every key a reader
+uses, its type and range, totals that agree, shard paths inside the directory.
 """
 
 from __future__ import annotations
