@@ -147,11 +147,16 @@ def test_streaming_packer_packs_every_sample_once_with_ranks_and_workers():
     assert sorted(seen) == list(range(len(ROWS)))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_streaming_packer_resume_per_worker_is_exact(workers):
-    mk = lambda: _stream_loader(StreamingPacker(ROWS, PACK, buffer_size=2), workers,  # noqa: E731
-                                stateful.StatefulDataLoader)
+@pytest.mark.parametrize("workers, num_replicas, rank", [(0, 1, 0), (2, 1, 0), (2, 2, 1)])
+def test_streaming_packer_resume_per_worker_is_exact(workers, num_replicas, rank):
+    """StatefulDataLoader saves each worker's packer state inside the worker and restores it there."""
+    mk = lambda: _stream_loader(  # noqa: E731
+        StreamingPacker(ROWS, PACK, buffer_size=2, num_replicas=num_replicas, rank=rank), workers,
+        stateful.StatefulDataLoader)
     full = [_ids(p) for p in mk()]
+    per_rank = max(workers, 1)  # shard of rank r, worker w: r * workers + w, of num_replicas * workers
+    mine = [i for i in range(len(ROWS)) if i % (num_replicas * per_rank) // per_rank == rank]
+    assert sorted(i for p in full for i in p) == mine
     for cut in (1, 4, len(full) - 1):
         loader = mk()
         it = iter(loader)
@@ -160,3 +165,14 @@ def test_streaming_packer_resume_per_worker_is_exact(workers):
         resumed = mk()
         resumed.load_state_dict(state)
         assert head + [_ids(p) for p in resumed] == full, cut
+
+
+def test_streaming_packer_state_from_the_main_process_is_refused_by_workers():
+    """A plain DataLoader copies the main process's packer into every worker: resuming all workers
+    from one state would pack samples twice, so the workers refuse it."""
+    packer = StreamingPacker(ROWS, PACK, buffer_size=2)
+    next(iter(packer))
+    resumed = StreamingPacker(ROWS, PACK, buffer_size=2)
+    resumed.load_state_dict(packer.state_dict())
+    with pytest.raises(ValueError, match=r"shard 0 of 1, but this packer reads shard \d of 2"):
+        list(_stream_loader(resumed, 2))

@@ -413,3 +413,82 @@ def test_dataloader_with_thd_collator(cp_size):
     for a, b in zip(head + tail, batches):
         assert torch.equal(a.input_ids, b.input_ids)
         assert torch.equal(a.cu_seqlens_padded, b.cu_seqlens_padded)
+
+
+# --------------------------------------------------------------------------
+# load_state_dict errors (issue 11 §7) and sharding
+# --------------------------------------------------------------------------
+def _saved_state():
+    packer = StreamingPacker(make_samples([3, 5, 2, 6, 4, 7]), 8, buffer_size=2)
+    it = iter(packer)
+    next(it)
+    return packer.state_dict()
+
+
+def _without(state, key):
+    return {k: v for k, v in state.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda st: {}, r"missing key\(s\) 'consumed', 'open', 'ready', 'stats', 'shard', 'fingerprint'"),
+        (lambda st: None, r"must be the dict StreamingPacker.state_dict\(\) returned, got NoneType"),
+        (lambda st: _without(st, "consumed"), r"missing key\(s\) 'consumed'"),
+        (lambda st: _without(st, "fingerprint"), r"missing key\(s\) 'fingerprint'"),
+        (lambda st: dict(st, consumed=-1), r"state_dict\['consumed'\] must be an integer >= 0, got -1"),
+        (lambda st: dict(st, consumed=2.5), r"state_dict\['consumed'\] must be an integer >= 0, got 2.5"),
+        (lambda st: dict(st, open=None), r"state_dict\['open'\] must be a list, got NoneType"),
+        (lambda st: dict(st, open=[(1, 2)]), r"state_dict\['open'\] must hold \(room, samples, real_tokens\)"),
+        (lambda st: dict(st, stats=[]), r"state_dict\['stats'\] must be a dict, got list"),
+        (lambda st: dict(st, shard=3), r"state_dict\['shard'\] must be \[shard, shards\], got 3"),
+        (lambda st: dict(st, shard=[1, 2]), r"state_dict\['shard'\] is shard 1 of 2, but this packer reads shard 0 of 1"),
+        (lambda st: dict(st, fingerprint="pack_size=9"), r"saved by a StreamingPacker with pack_size=9, but this one has "
+                                                          r"pack_size=8, buffer_size=2"),
+    ],
+)
+def test_load_state_dict_rejects_malformed_states(bad, message):
+    """Each malformed state is one ValueError naming the key and what is wrong (before: KeyError,
+    TypeError, or accepted, to fail later or resume wrongly)."""
+    packer = StreamingPacker(make_samples([3, 5, 2, 6, 4, 7]), 8, buffer_size=2)
+    with pytest.raises(ValueError, match=message):
+        packer.load_state_dict(bad(_saved_state()))
+
+
+def test_bad_rank_arguments():
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        StreamingPacker([], 8, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match=r"num_replicas must be .*, got 0"):
+        StreamingPacker([], 8, num_replicas=0, rank=0)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_dp_ranks_share_the_stream_and_resume(num_replicas):
+    """Rank r packs samples r, r + R, ...; together the ranks pack every sample once; each resumes exactly."""
+    lengths = np.random.default_rng(3).integers(1, 30, size=50).tolist()
+    seen = []
+    for rank in range(num_replicas):
+        mk = lambda: StreamingPacker(make_samples(lengths), 32, buffer_size=3, num_replicas=num_replicas,  # noqa: E731
+                                     rank=rank)
+        full = as_pieces(mk())
+        ids = [sid for pack in full for sid, _, _ in pack]
+        assert sorted(ids) == list(range(rank, len(lengths), num_replicas))
+        seen += ids
+        first = mk()
+        it = iter(first)
+        head = as_pieces(itertools.islice(it, 2))
+        second = mk()
+        second.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+        assert head + as_pieces(second) == full
+        other = StreamingPacker(make_samples(lengths), 32, buffer_size=3, num_replicas=num_replicas,
+                                rank=(rank + 1) % num_replicas)
+        with pytest.raises(ValueError, match="state_dict\\['shard'\\]"):
+            other.load_state_dict(first.state_dict())
+    assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_overflow_error_names_the_stream_index_under_sharding():
+    packer = StreamingPacker(make_samples([3, 4, 2, 11, 1]), 10, num_replicas=2, rank=1)
+    with pytest.raises(ValueError, match=r"sample 3 has 11 tokens"):
+        list(packer)
+    list(StreamingPacker(make_samples([3, 4, 2, 11, 1]), 10, num_replicas=2, rank=0))  # sample 3 is rank 1's

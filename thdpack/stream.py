@@ -12,10 +12,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.plan import OVERFLOW_POLICIES
+from thdpack.plan import OVERFLOW_POLICIES, _check_int
 from thdpack.samples import get_field, slice_sample, to_int_array
+from thdpack.sampler import _distributed_default
 
 
 @dataclass
@@ -33,11 +34,18 @@ class StreamingPacker(IterableDataset):
     """An iterable of packs (each a list of samples) over an iterable of samples.
 
     Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None,
-    collate_fn=ThdCollator())`` (``num_workers=0``, or give each worker its own
-    shard of the stream).
+    collate_fn=ThdCollator())``, with any number of workers.
+
+    Sharding: the stream is split into ``num_replicas × num_workers`` shards,
+    sample ``i`` going to shard ``i % shards``; data-parallel rank ``r``'s
+    DataLoader worker ``w`` packs shard ``r · num_workers + w`` alone, so every
+    sample is packed exactly once, deterministically. Each worker reads the whole
+    stream and skips the other shards' samples (without measuring them); give
+    ``num_replicas=1, rank=0`` if ``samples`` is already this rank's share.
 
     Args:
-        samples: any iterable of samples (mappings with ``input_ids``).
+        samples: any iterable of samples (mappings with ``input_ids``); iterating
+            it again must give the same samples in the same order.
         pack_size: token budget of a pack, after rounding each sample up to ``align``.
         buffer_size: most packs held open at once (memory and reordering bound).
             Larger buffers pack tighter; see ``benchmarks/balance.py``.
@@ -46,13 +54,18 @@ class StreamingPacker(IterableDataset):
             sample longer than ``pack_size`` (as in :func:`thdpack.plan_packs`).
         max_samples_per_pack: optional cap on samples per pack.
         length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``).
+        num_replicas, rank: data-parallel world; default from ``torch.distributed``.
 
-    Resuming: ``state_dict()`` holds the number of input samples consumed, the
-    open packs (with their samples) and packs decided but not yet yielded.
-    After ``load_state_dict(state)``, iterating a fresh packer over the same
-    stream skips the consumed samples (or, with ``skip_consumed=False``, expects
-    the stream itself to resume after them) and yields exactly the packs an
-    uninterrupted run would have yielded next.
+    Resuming (``docs/resume.md``): ``state_dict()`` holds the number of input
+    samples consumed (stream positions, all shards counted), the open packs
+    (with their samples), packs decided but not yet yielded, and the shard. After
+    ``load_state_dict(state)``, iterating a fresh packer over the same stream
+    skips the consumed samples (or, with ``skip_consumed=False``, expects the
+    stream itself to resume after them) and yields exactly the packs an
+    uninterrupted run would have yielded next. With workers, each worker has its
+    own state: use torchdata's ``StatefulDataLoader``, which saves and restores
+    it inside every worker; a plain ``DataLoader`` resumes exactly only with
+    ``num_workers=0`` (then save ``packer.state_dict()``).
     """
 
     def __init__(
@@ -66,6 +79,8 @@ class StreamingPacker(IterableDataset):
         max_samples_per_pack: int | None = None,
         length_fn: Callable | None = None,
         skip_consumed: bool = True,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ):
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
@@ -83,6 +98,7 @@ class StreamingPacker(IterableDataset):
         self.max_samples_per_pack = max_samples_per_pack
         self.length_fn = length_fn or _default_length
         self.skip_consumed = skip_consumed
+        self.num_replicas, self.rank = _distributed_default(num_replicas, rank)
         self._reset()
 
     def _reset(self) -> None:
@@ -92,6 +108,13 @@ class StreamingPacker(IterableDataset):
         self.stats = {"packs": 0, "real_tokens": 0, "samples_truncated": 0, "tokens_truncated": 0,
                       "samples_dropped": 0, "tokens_dropped": 0, "samples_split": 0}
         self._resumed = False
+        self._shard: tuple[int, int] | None = None  # (shard, shards) of the loaded state, or of the last run
+
+    def _current_shard(self) -> tuple[int, int]:
+        """``(shard, shards)`` this process packs: DP rank-major, DataLoader worker-minor."""
+        info = get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return self.rank * workers + worker, self.num_replicas * workers
 
     # ---- packing --------------------------------------------------------
     def _pieces(self, sample, index: int, length: int):
@@ -147,9 +170,12 @@ class StreamingPacker(IterableDataset):
         self.stats["real_tokens"] += pack.real_tokens
 
     def __iter__(self) -> Iterator[list]:
-        if not self._resumed:
+        shard, shards = self._current_shard()
+        if self._resumed:
+            self._check_shard(self._shard)
+        else:
             self._reset()
-        self._resumed = False
+        self._resumed, self._shard = False, (shard, shards)
         source = iter(self.samples)
         if self._consumed and self.skip_consumed:
             source = itertools.islice(source, self._consumed, None)
@@ -160,8 +186,9 @@ class StreamingPacker(IterableDataset):
             if sample is _END:
                 break
             index = self._consumed
-            for piece, length in self._pieces(sample, index, self.length_fn(sample, index)):
-                self._place(piece, length)
+            if index % shards == shard:
+                for piece, length in self._pieces(sample, index, self.length_fn(sample, index)):
+                    self._place(piece, length)
             self._consumed += 1
         for pack in list(self._open):  # end of stream: flush in opening order
             self._emit(pack)
@@ -169,20 +196,79 @@ class StreamingPacker(IterableDataset):
             yield self._ready.pop(0)
 
     # ---- resume ---------------------------------------------------------
+    def _fingerprint(self) -> str:
+        return (f"pack_size={self.pack_size}, buffer_size={self.buffer_size}, align={self.align}, "
+                f"overflow={self.overflow!r}, max_samples_per_pack={self.max_samples_per_pack}")
+
     def state_dict(self) -> dict:
+        """A plain, picklable snapshot: ``{"consumed", "open", "ready", "stats", "shard", "fingerprint"}``."""
         return {
             "consumed": self._consumed,
             "open": [(p.room, list(p.items), p.real_tokens) for p in self._open],
             "ready": [list(items) for items in self._ready],
             "stats": dict(self.stats),
+            "shard": list(self._shard or self._current_shard()),
+            "fingerprint": self._fingerprint(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` (see the class docstring).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, lacks a key, holds a negative or
+                non-integer count, was saved by a packer with other settings, or by
+                another DP rank / DataLoader worker.
+        """
+        _check_state(state, self._fingerprint())
+        self._check_shard(tuple(state["shard"]))
         self._consumed = int(state["consumed"])
         self._open = [_OpenPack(room, list(items), real) for room, items, real in state["open"]]
         self._ready = [list(items) for items in state["ready"]]
         self.stats = dict(state["stats"])
+        self._shard = tuple(state["shard"])
         self._resumed = True
+
+    def _check_shard(self, saved: tuple[int, int]) -> None:
+        here = self._current_shard()
+        if tuple(saved) != here:
+            raise ValueError(
+                f"state_dict['shard'] is shard {saved[0]} of {saved[1]}, but this packer reads shard {here[0]} of "
+                f"{here[1]} (rank · num_workers + worker); resume every rank and worker from its own state, with "
+                "the same num_replicas and num_workers (StatefulDataLoader does this per worker)"
+            )
+
+
+_STATE_KEYS = ("consumed", "open", "ready", "stats", "shard", "fingerprint")
+
+
+def _check_state(state, fingerprint: str) -> None:
+    """Keys, types and settings of a :meth:`StreamingPacker.state_dict`; one ValueError naming the key."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict must be the dict StreamingPacker.state_dict() returned, got {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"state_dict is missing key(s) {', '.join(map(repr, missing))}; pass the dict that "
+            "StreamingPacker.state_dict() returned, unchanged"
+        )
+    _check_int(state["consumed"], "state_dict['consumed']", 0)
+    for key in ("open", "ready"):
+        if not isinstance(state[key], (list, tuple)):
+            raise ValueError(f"state_dict[{key!r}] must be a list, got {type(state[key]).__name__}")
+    if any(not isinstance(p, (list, tuple)) or len(p) != 3 for p in state["open"]):
+        raise ValueError("state_dict['open'] must hold (room, samples, real_tokens) triples")
+    if not isinstance(state["stats"], dict):
+        raise ValueError(f"state_dict['stats'] must be a dict, got {type(state['stats']).__name__}")
+    shard = state["shard"]
+    if not isinstance(shard, (list, tuple)) or len(shard) != 2:
+        raise ValueError(f"state_dict['shard'] must be [shard, shards], got {shard!r}")
+    _check_int(shard[1], "state_dict['shard'][1]", 1)
+    _check_int(shard[0], "state_dict['shard'][0]", 0)
+    if state["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"state_dict was saved by a StreamingPacker with {state['fingerprint']}, but this one has {fingerprint}; "
+            "resume with the same settings"
+        )
 
 
 _END = object()
