@@ -442,9 +442,10 @@ def _without(state, key):
         (lambda st: dict(st, open=[(1, 2)]), r"state_dict\['open'\] must hold \(room, samples, real_tokens\)"),
         (lambda st: dict(st, stats=[]), r"state_dict\['stats'\] must be a dict, got list"),
         (lambda st: dict(st, shard=3), r"state_dict\['shard'\] must be \[shard, shards\], got 3"),
-        (lambda st: dict(st, shard=[1, 2]), r"state_dict\['shard'\] is shard 1 of 2, but this packer reads shard 0 of 1"),
-        (lambda st: dict(st, fingerprint="pack_size=9"), r"saved by a StreamingPacker with pack_size=9, but this one has "
-                                                          r"pack_size=8, buffer_size=2"),
+        (lambda st: dict(st, shard=[1, 2]),
+         r"state_dict\['shard'\] is shard 1 of 2, but this packer reads shard 0 of 1"),
+        (lambda st: dict(st, fingerprint="pack_size=9"),
+         r"saved by a StreamingPacker with pack_size=9, but this one has pack_size=8, buffer_size=2"),
     ],
 )
 def test_load_state_dict_rejects_malformed_states(bad, message):

@@ -244,7 +244,9 @@ _STATE_KEYS = ("consumed", "open", "ready", "stats", "shard", "fingerprint")
 def _check_state(state, fingerprint: str) -> None:
     """Keys, types and settings of a :meth:`StreamingPacker.state_dict`; one ValueError naming the key."""
     if not isinstance(state, dict):
-        raise ValueError(f"state_dict must be the dict StreamingPacker.state_dict() returned, got {type(state).__name__}")
+        raise ValueError(
+            f"state_dict must be the dict StreamingPacker.state_dict() returned, got {type(state).__name__}"
+        )
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
         raise ValueError(
