@@ -189,10 +189,11 @@ def _check_shard(table, entry: dict, path: Path, meta: dict, first_k: int, damag
     return pieces
 
 
-def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
-    """One record batch of :func:`_check_shard`; ``where(j)`` names its pack ``j``. Returns
-    int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
-    groups = {"input_ids": ("input_ids", meta["targets"]), "seq_lens": SAMPLE_COLUMNS}  # columns sharing offsets
+def _checked_offsets(batch, targets: str, where, damaged: str) -> dict:
+    """``{"input_ids": tok, "seq_lens": smp}``: int64 ``[rows + 1]`` list offsets of the token
+    columns and of the sample columns of a record batch, after checking that they are in
+    range, non-decreasing and shared by the columns of each group."""
+    groups = {"input_ids": ("input_ids", targets), "seq_lens": SAMPLE_COLUMNS}
     offsets = {}
     for lead, names in groups.items():
         off, n_values = _offsets(batch, lead)
@@ -205,6 +206,13 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
                 j = max(j - 1, 0)
                 raise NotPackedError(f"{where(j)}: '{name}' and '{lead}' have different lengths; {damaged}")
         offsets[lead] = off
+    return offsets
+
+
+def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
+    """One record batch of :func:`_check_shard`; ``where(j)`` names its pack ``j``. Returns
+    int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
+    offsets = _checked_offsets(batch, meta["targets"], where, damaged)
     tokens = np.diff(offsets["input_ids"])
     sample_off = offsets["seq_lens"]
     lens = np.asarray(batch.column("seq_lens").values.to_numpy(), dtype=np.int64)
