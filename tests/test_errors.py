@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from thdpack import ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple, plan_packs
+from thdpack import ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple, plan_packs, shard_for_cp
 
 OK = {"input_ids": [1, 2, 3]}
 
@@ -177,6 +177,14 @@ def test_bad_cp_tp_size(name, value):
         ThdCollator(**{name: value})
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1"):
         cp_pad_multiple(**{name: value})
+
+
+@pytest.mark.parametrize("value", [0, 2.0, True, "2"])
+def test_bad_cp_size_of_a_shard_has_the_same_message(value):
+    """One integer rule (thdpack.align.check_int), one message, wherever cp_size is checked."""
+    batch = build_thd_batch([OK], cp_size=2)
+    with pytest.raises(ValueError, match=rf"^cp_size must be an integer >= 1, got {value!r}$"):
+        shard_for_cp(batch, value, 0)
 
 
 @pytest.mark.parametrize("value", [0, -16, 2.0, False])

@@ -14,13 +14,13 @@ import dataclasses
 import numpy as np
 import torch
 
+from thdpack.align import check_int
 from thdpack.batch import ThdBatch
 
 
 def check_cp_args(cp_size, cp_rank) -> None:
     """``ValueError`` unless ``cp_size >= 1`` and ``0 <= cp_rank < cp_size``."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
+    check_int(cp_size, "cp_size", 1)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}")
 
