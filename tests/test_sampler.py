@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -182,6 +184,38 @@ def test_resume_from_trainer_step(case, data):
     c = make(lengths, kw)
     c.set_epoch(1)
     assert list(b) == list(c)
+
+
+@SETTINGS
+@given(sampler_case(), st.data())
+def test_consumed_is_exact_however_far_the_pass_ran_ahead(case, data):
+    """A loader's prefetching draws ``ahead`` more batches than the loop consumed, possibly past the
+    end of the epoch (the pass is then over and the sampler already in the next epoch);
+    state_dict(consumed=k) still resumes right after the k-th batch of the loop's pass."""
+    lengths, kw = case
+    assume(usable(lengths, kw))
+    rank = data.draw(st.integers(0, kw["num_replicas"] - 1))
+    steps = len(make(lengths, kw, rank=rank))
+    assume(steps > 0)
+    full = take(make(lengths, kw, rank=rank), 3 * steps)
+    a = make(lengths, kw, rank=rank)
+    whole = data.draw(st.integers(0, 1))
+    for _ in range(whole):
+        list(a)
+    if data.draw(st.booleans()):  # resumed mid-epoch first: the pass starts at a later step
+        start = data.draw(st.integers(0, steps))
+        a.load_state_dict(a.state_dict(step=start) if whole == 0 else dict(a.state_dict(), step=start))
+    else:
+        start = 0
+    before = whole * steps + start
+    consumed = data.draw(st.integers(0, steps - start))
+    ahead = data.draw(st.integers(0, 6))
+    drawn = list(itertools.islice(iter(a), consumed + ahead))
+    assert drawn[:consumed] == full[before : before + consumed]
+    state = a.state_dict(consumed=consumed)
+    b = make(lengths, kw, rank=rank)
+    b.load_state_dict(state)
+    assert full[: before + consumed] + take(b, 3 * steps - before - consumed) == full
 
 
 def _lognormal(n, seed, hi):
