@@ -123,6 +123,34 @@ def test_any_invalid_element_names_its_sample(good, bad, at, which, field):
         build_thd_batch(samples)
 
 
+def _tensor(dtype):
+    return st.lists(st.integers(0, 9), min_size=1, max_size=5).map(lambda v: torch.tensor(v).to(dtype))
+
+
+_BAD_FIELDS = st.one_of(
+    st.text(max_size=4),
+    st.integers(0, 9),
+    st.floats(),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=2, max_size=3),  # nested
+    st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.bool]).flatmap(_tensor),
+    st.lists(st.floats(allow_nan=False).filter(lambda x: not x.is_integer()), min_size=1, max_size=4).map(np.array),
+    st.integers(2**63, 2**64 - 1).map(lambda v: np.array([1, v], dtype=np.uint64)),
+    st.just(torch.empty(2, dtype=torch.long, device="meta")),
+)
+
+
+@FAST
+@given(bad=_BAD_FIELDS, which=st.integers(0, 3), field=st.sampled_from(["input_ids", "labels"]))
+def test_any_invalid_field_value_names_its_sample(bad, which, field):
+    """Whatever invalid value a whole field holds, the error is a ValueError naming
+    the sample and the field (never a TypeError or a torch error)."""
+    samples = [dict(OK) for _ in range(4)]
+    samples[which] = {"input_ids": [5, 6], field: bad}
+    with pytest.raises(ValueError, match=rf"^sample {which}: field '{field}'"):
+        build_thd_batch(samples)
+
+
 # --------------------------------------------------------------------------
 # builder arguments
 # --------------------------------------------------------------------------
