@@ -327,7 +327,9 @@ def _state_without(state, key):
     "bad, message",
     [
         (lambda st: {}, r"missing key\(s\) 'epoch', 'step', 'seed', 'fingerprint'"),
-        (lambda st: None, r"must be the dict TokenBudgetBatchSampler.state_dict\(\) returned, got NoneType"),
+        (lambda st: None,
+         r"state_dict must be a dict, got NoneType; "
+         r"pass the dict that TokenBudgetBatchSampler.state_dict\(\) returned"),
         (lambda st: [st], r"got list"),
         (lambda st: _state_without(st, "step"), r"missing key\(s\) 'step'"),
         (lambda st: _state_without(st, "seed"), r"missing key\(s\) 'seed'"),
@@ -336,7 +338,7 @@ def _state_without(state, key):
         (lambda st: dict(st, step=1.5), r"state_dict\['step'\] must be an integer >= 0, got 1.5"),
         (lambda st: dict(st, step=True), r"state_dict\['step'\] must be an integer >= 0, got True"),
         (lambda st: dict(st, epoch="1"), r"state_dict\['epoch'\] must be an integer >= 0, got '1'"),
-        (lambda st: dict(st, seed=0.5), r"state_dict\['seed'\] must be an integer, got 0.5"),
+        (lambda st: dict(st, seed=0.5), r"state_dict\['seed'\] must be an integer >= 0, got 0.5; pass the dict"),
         (lambda st: dict(st, fingerprint=None), r"saved by a sampler over other lengths or with other settings"),
     ],
 )

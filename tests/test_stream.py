@@ -433,7 +433,8 @@ def _without(state, key):
     "bad, message",
     [
         (lambda st: {}, r"missing key\(s\) 'consumed', 'open', 'ready', 'stats', 'shard', 'fingerprint'"),
-        (lambda st: None, r"must be the dict StreamingPacker.state_dict\(\) returned, got NoneType"),
+        (lambda st: None,
+         r"state_dict must be a dict, got NoneType; pass the dict that StreamingPacker.state_dict\(\) returned"),
         (lambda st: _without(st, "consumed"), r"missing key\(s\) 'consumed'"),
         (lambda st: _without(st, "fingerprint"), r"missing key\(s\) 'fingerprint'"),
         (lambda st: dict(st, consumed=-1), r"state_dict\['consumed'\] must be an integer >= 0, got -1"),

@@ -261,28 +261,28 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def _check_step(self, epoch: int, step: int) -> None:
         steps = len(self._plan_for_epoch(epoch)[1])
         if step > steps:
-            raise ValueError(f"state_dict: step {step} is outside epoch {epoch} of {steps} steps")
+            raise ValueError(f"step {step} is outside epoch {epoch} of {steps} steps; pass a step in [0, {steps}]")
 
 
 _STATE_KEYS = ("epoch", "step", "seed", "fingerprint")
+_UNCHANGED = "; pass the dict that TokenBudgetBatchSampler.state_dict() returned, unchanged"
 
 
 def _checked_state(state, fingerprint: str) -> tuple[int, int]:
     """``(epoch, step)`` of a sampler state, after checking its keys, types and fingerprint."""
     if not isinstance(state, dict):
-        raise ValueError(
-            f"state_dict must be the dict TokenBudgetBatchSampler.state_dict() returned, got {type(state).__name__}"
-        )
+        raise ValueError(f"state_dict must be a dict, got {type(state).__name__}{_UNCHANGED}")
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
-        raise ValueError(
-            f"state_dict is missing key(s) {', '.join(map(repr, missing))}; pass the dict that "
-            "TokenBudgetBatchSampler.state_dict() returned, unchanged"
-        )
-    for key in ("epoch", "step"):
-        _check_int(state[key], f"state_dict[{key!r}]", 0)
-    if isinstance(state["seed"], bool) or not isinstance(state["seed"], (int, np.integer)):
-        raise ValueError(f"state_dict['seed'] must be an integer, got {state['seed']!r}")
+        raise ValueError(f"state_dict is missing key(s) {', '.join(map(repr, missing))}{_UNCHANGED}")
+    try:
+        for key in ("epoch", "step", "seed"):
+            _check_int(state[key], f"state_dict[{key!r}]", 0)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{_UNCHANGED}") from None
     if state["fingerprint"] != fingerprint:
-        raise ValueError("state_dict was saved by a sampler over other lengths or with other settings")
+        raise ValueError(
+            "state_dict was saved by a sampler over other lengths or with other settings; resume with the same "
+            "lengths, pack_size, algorithm, align, overflow, shuffle, num_replicas, drop_last and balance"
+        )
     return int(state["epoch"]), int(state["step"])

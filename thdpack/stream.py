@@ -239,20 +239,28 @@ class StreamingPacker(IterableDataset):
 
 
 _STATE_KEYS = ("consumed", "open", "ready", "stats", "shard", "fingerprint")
+_UNCHANGED = "; pass the dict that StreamingPacker.state_dict() returned, unchanged"
 
 
 def _check_state(state, fingerprint: str) -> None:
     """Keys, types and settings of a :meth:`StreamingPacker.state_dict`; one ValueError naming the key."""
     if not isinstance(state, dict):
-        raise ValueError(
-            f"state_dict must be the dict StreamingPacker.state_dict() returned, got {type(state).__name__}"
-        )
+        raise ValueError(f"state_dict must be a dict, got {type(state).__name__}{_UNCHANGED}")
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
+        raise ValueError(f"state_dict is missing key(s) {', '.join(map(repr, missing))}{_UNCHANGED}")
+    try:
+        _check_state_values(state)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{_UNCHANGED}") from None
+    if state["fingerprint"] != fingerprint:
         raise ValueError(
-            f"state_dict is missing key(s) {', '.join(map(repr, missing))}; pass the dict that "
-            "StreamingPacker.state_dict() returned, unchanged"
+            f"state_dict was saved by a StreamingPacker with {state['fingerprint']}, but this one has {fingerprint}; "
+            "resume with the same settings"
         )
+
+
+def _check_state_values(state: dict) -> None:
     _check_int(state["consumed"], "state_dict['consumed']", 0)
     for key in ("open", "ready"):
         if not isinstance(state[key], (list, tuple)):
@@ -266,11 +274,6 @@ def _check_state(state, fingerprint: str) -> None:
         raise ValueError(f"state_dict['shard'] must be [shard, shards], got {shard!r}")
     _check_int(shard[1], "state_dict['shard'][1]", 1)
     _check_int(shard[0], "state_dict['shard'][0]", 0)
-    if state["fingerprint"] != fingerprint:
-        raise ValueError(
-            f"state_dict was saved by a StreamingPacker with {state['fingerprint']}, but this one has {fingerprint}; "
-            "resume with the same settings"
-        )
 
 
 _END = object()
