@@ -88,12 +88,6 @@ def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
     return arr
 
 
-def _raise_first_non_int64(values, *, sample: int, field: str) -> None:
-    bad = first_non_int64(values)
-    if bad is not None:
-        raise _not_int64(sample, field, bad[1], bad[0])
-
-
 def _not_int64(sample: int, field: str, value, token: int) -> SampleError:
     return SampleError.at(sample, f": field '{field}' must hold integers in int64 range, got {value!r} at token {token}")
 
@@ -118,8 +112,9 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
             raise SampleError.at(sample, f": field '{field}' is not a flat sequence of integers ({exc})") from None
-        if arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64):
-            _raise_first_non_int64(value, sample=sample, field=field)  # None, str, float, beyond int64: name it
+        bad = first_non_int64(value) if arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64) else None
+        if bad is not None:  # None, str, float, beyond int64: name the value and its token
+            raise _not_int64(sample, field, bad[1], bad[0])
         if arr.dtype == object:
             raise SampleError.at(sample, f": field '{field}' must hold integers, got {type(value[0]).__name__} values")
         return arr

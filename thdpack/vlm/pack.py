@@ -241,10 +241,10 @@ def _rows(pixels, i: int, field: str, family) -> int:
         raise SampleError.at(i, f": '{field}' must be 2-D [patches, dim], got shape {shape}")
     width = getattr(family, "pixel_width", None)
     if width is not None and shape[1] != width:
-        channels, temporal, patch = family.patch_shape
+        parts = getattr(family, "patch_shape", None)
+        why = "" if parts is None else " (in_channels {} · temporal_patch_size {} · patch_size {}²)".format(*parts)
         raise SampleError.at(
-            i, f": '{field}' rows have {shape[1]} values but the model config expects {width} "
-            f"(in_channels {channels} · temporal_patch_size {temporal} · patch_size {patch}²); "
+            i, f": '{field}' rows have {shape[1]} values but the model config expects {width}{why}; "
             "use the image processor that matches this model"
         )
     return int(shape[0])
