@@ -89,7 +89,8 @@ def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
 
 
 def _not_int64(sample: int, field: str, value, token: int) -> SampleError:
-    return SampleError.at(sample, f": field '{field}' must hold integers in int64 range, got {value!r} at token {token}")
+    detail = f": field '{field}' must hold integers in int64 range, got {value!r} at token {token}"
+    return SampleError.at(sample, detail)
 
 
 def _arrow_array(value) -> np.ndarray:
@@ -112,7 +113,8 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
             raise SampleError.at(sample, f": field '{field}' is not a flat sequence of integers ({exc})") from None
-        bad = first_non_int64(value) if arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64) else None
+        not_int64 = arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64)
+        bad = first_non_int64(value) if not_int64 else None
         if bad is not None:  # None, str, float, beyond int64: name the value and its token
             raise _not_int64(sample, field, bad[1], bad[0])
         if arr.dtype == object:
