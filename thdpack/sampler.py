@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -265,24 +265,34 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
 
 _STATE_KEYS = ("epoch", "step", "seed", "fingerprint")
-_UNCHANGED = "; pass the dict that TokenBudgetBatchSampler.state_dict() returned, unchanged"
 
 
 def _checked_state(state, fingerprint: str) -> tuple[int, int]:
     """``(epoch, step)`` of a sampler state, after checking its keys, types and fingerprint."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state_dict must be a dict, got {type(state).__name__}{_UNCHANGED}")
-    missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"state_dict is missing key(s) {', '.join(map(repr, missing))}{_UNCHANGED}")
-    try:
-        for key in ("epoch", "step", "seed"):
-            _check_int(state[key], f"state_dict[{key!r}]", 0)
-    except ValueError as exc:
-        raise ValueError(f"{exc}{_UNCHANGED}") from None
+    check_state_dict(state, _STATE_KEYS, "TokenBudgetBatchSampler", _check_position)
     if state["fingerprint"] != fingerprint:
         raise ValueError(
             "state_dict was saved by a sampler over other lengths or with other settings; resume with the same "
             "lengths, pack_size, algorithm, align, overflow, shuffle, num_replicas, drop_last and balance"
         )
     return int(state["epoch"]), int(state["step"])
+
+
+def _check_position(state: dict) -> None:
+    for key in ("epoch", "step", "seed"):
+        _check_int(state[key], f"state_dict[{key!r}]", 0)
+
+
+def check_state_dict(state, keys: tuple[str, ...], owner: str, check_values: Callable[[dict], None]) -> None:
+    """One ``ValueError`` naming the key if ``state`` is not a dict with ``keys`` whose
+    values pass ``check_values``; ``owner`` is the class whose ``state_dict()`` made it."""
+    unchanged = f"; pass the dict that {owner}.state_dict() returned, unchanged"
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict must be a dict, got {type(state).__name__}{unchanged}")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"state_dict is missing key(s) {', '.join(map(repr, missing))}{unchanged}")
+    try:
+        check_values(state)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{unchanged}") from None

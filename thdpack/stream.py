@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Iterator
 from torch.utils.data import IterableDataset, get_worker_info
 
 from thdpack.plan import OVERFLOW_POLICIES, _check_int
+from thdpack.sampler import _distributed_default, check_state_dict
 from thdpack.samples import get_field, slice_sample, to_int_array
-from thdpack.sampler import _distributed_default
 
 
 @dataclass
@@ -239,20 +239,11 @@ class StreamingPacker(IterableDataset):
 
 
 _STATE_KEYS = ("consumed", "open", "ready", "stats", "shard", "fingerprint")
-_UNCHANGED = "; pass the dict that StreamingPacker.state_dict() returned, unchanged"
 
 
 def _check_state(state, fingerprint: str) -> None:
     """Keys, types and settings of a :meth:`StreamingPacker.state_dict`; one ValueError naming the key."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state_dict must be a dict, got {type(state).__name__}{_UNCHANGED}")
-    missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"state_dict is missing key(s) {', '.join(map(repr, missing))}{_UNCHANGED}")
-    try:
-        _check_state_values(state)
-    except ValueError as exc:
-        raise ValueError(f"{exc}{_UNCHANGED}") from None
+    check_state_dict(state, _STATE_KEYS, "StreamingPacker", _check_state_values)
     if state["fingerprint"] != fingerprint:
         raise ValueError(
             f"state_dict was saved by a StreamingPacker with {state['fingerprint']}, but this one has {fingerprint}; "
