@@ -182,6 +182,45 @@ def test_disk_full_while_writing_removes_the_temporary_directory(tmp_path, capsy
     assert list(tmp_path.iterdir()) == []  # no output, no temporary directory, no lock file
 
 
+# Runs in a private mount namespace on a 400 kB tmpfs: a build that fills it, then the same
+# file system remounted read-only. Prints what each build returned and left behind.
+ON_TMPFS = """
+import contextlib, io, json, os, subprocess, sys
+from thdpack.cli import main
+mnt, config = sys.argv[1], sys.argv[2]
+results = {}
+for case in ("full", "read-only"):
+    if case == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["build", "--config", config, "--max-rows", "300", "--output", os.path.join(mnt, "out"), "-q"])
+    results[case] = {"rc": rc, "err": err.getvalue(), "left": sorted(os.listdir(mnt))}
+print(json.dumps(results))
+"""
+
+
+def test_full_and_read_only_file_systems(tmp_path):
+    """Real faults where the machine allows a private mount namespace (root, unshare): no monkeypatching."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = f"mount -t tmpfs -o size=400k tmpfs {mnt} && exec {sys.executable} -c '{ON_TMPFS}' {mnt} {DEMO}"
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=4k tmpfs {mnt}"], capture_output=True).returncode:
+        pytest.skip("no private mount namespace here (needs root and unshare)")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = mnt / "out"
+    full, ro = results["full"], results["read-only"]
+    assert full["rc"] == 2 and ro["rc"] == 2, results
+    line = _error_line(full["err"], "build")
+    assert line.startswith(f"thdpack build: error: cannot write {out}: ") and "No space left on device" in line
+    assert full["left"] == []  # the temporary directory and the lock file are gone
+    line = _error_line(ro["err"], "build")
+    assert line.startswith(f"thdpack build: error: cannot write {out}: ") and "read-only" in line
+
+
 def test_failed_rename_puts_the_previous_dataset_back(packed, tmp_path, capsys, monkeypatch):
     """--overwrite moves the old dataset aside; if the final rename fails the old one returns."""
     out = tmp_path / "out"
