@@ -5,7 +5,10 @@ The output is written into a hidden temporary directory next to it
 ``metadata.json`` are written and synced. An interrupted build (Ctrl-C, SIGTERM, an
 exception) removes its temporary directory; one killed outright leaves only that
 hidden directory, never a directory at the output path, and never one with
-``metadata.json`` that :func:`load_packed` would accept.
+``metadata.json`` that :func:`load_packed` would accept. From the existence check to the
+rename the build holds a lock on the output (:class:`OutputLock`), so a second build or
+merge of the same output fails at once; file-system failures become one
+:class:`~thdpack.offline.errors.OutputError` line naming the path (:func:`output_error`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ Before writing, the shards are checked: each is a complete shard build; all have
 same shard count, every index ``0..N-1`` exactly once; the same options, input
 (source fingerprint), tokenizer and thdpack version; row ranges that match the count;
 and every file's size and sha256 (checked while copying). The output is written like
-``thdpack build``: into a hidden temporary directory, renamed into place last, never
-replacing an existing directory without ``overwrite``.
+``thdpack build`` (:func:`thdpack.offline.build.start_output`, the same lock and checks):
+into a hidden temporary directory, renamed into place last, never replacing an existing
+directory without ``overwrite``.
 """
 
 from __future__ import annotations
