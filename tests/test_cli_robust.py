@@ -270,7 +270,7 @@ def _two_gated_builds(tmp_path: Path, out: Path, extra: list[list[str]]) -> list
     deadline = time.time() + 120
     while time.time() < deadline:
         waiting = list(out.parent.glob(f".{out.name}.tmp-*"))
-        if len(waiting) == 2 or (waiting and any(p.poll() is not None for p in procs)):
+        if len(waiting) == 2 or any(p.poll() is not None for p in procs):  # both inside, or one refused
             break
         time.sleep(0.05)
     go.touch()
