@@ -306,6 +306,20 @@ def test_two_overwriting_builds_leave_one_complete_build(packed, tmp_path):
     assert _leftovers(tmp_path, "x") == []
 
 
+def test_file_system_without_locks_still_builds(tmp_path, capsys, monkeypatch):
+    """Some network mounts refuse flock (ENOLCK): the build goes on without the lock."""
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "out"
+    assert main(["build", *SMALL, "--output", str(out), "-q"]) == 0, capsys.readouterr().err
+    assert load_packed(out, verify=True).metadata["num_packs"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_merge_refuses_an_output_being_written(tmp_path, capsys):
     parts = tmp_path / "parts"
     for i in range(2):

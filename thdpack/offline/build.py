@@ -284,6 +284,12 @@ class OutputLock:
                     f"output {output} is being written by another thdpack process (it holds {self.path}); "
                     "wait for it to finish, or choose another --output"
                 ) from None
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    os.close(fd)
+                    raise
+                self.fd = fd  # a file system without locks (some network mounts): the rename still never merges
+                return
             if _same_file(fd, self.path):
                 self.fd = fd
                 return
@@ -298,6 +304,9 @@ class OutputLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # flock errors of file systems that have none
 
 
 def _same_file(fd: int, path: Path) -> bool:
