@@ -22,11 +22,11 @@ import json
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import OfflineError
+from thdpack.offline.procs import Interrupted, signals_interrupt
 
 _STATS_ALIGN_FLAGS = ("cp_size", "tp_size", "sequence_parallel", "pad_multiple")
 
@@ -294,31 +294,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
     parser = build_parser()
     args = parser.parse_args(argv)
-    previous = signal.getsignal(signal.SIGTERM)
-    own_handler = previous in (signal.SIG_DFL, None) and threading.current_thread() is threading.main_thread()
-
-    def _terminate(signum, frame):  # let the build clean up its temporary directory
-        raise KeyboardInterrupt
-
-    if own_handler:
-        signal.signal(signal.SIGTERM, _terminate)
     try:
-        code = args.func(args)
+        with signals_interrupt():  # SIGINT/SIGTERM unwind the command, which removes its temporary files
+            code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return code
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written at the output path", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
+        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; "
+              "nothing was written at the output path", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, Interrupted) else 130
     except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
         if args.debug or os.environ.get("THDPACK_DEBUG"):
             raise
         print(f"thdpack {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if own_handler:
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 def _quiet_broken_pipe() -> int:

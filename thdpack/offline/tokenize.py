@@ -32,6 +32,7 @@ import numpy as np
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
+from thdpack.offline.procs import map_in_processes
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -545,11 +546,9 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     if not progress:
         datasets.disable_progress_bars()
     def tokenize_all(fn):
-        return ds.with_format("arrow").map(
-            fn,
+        kwargs = dict(
             batched=True,
             batch_size=cfg.map_batch_size,
-            num_proc=num_proc,
             remove_columns=ds.column_names,
             with_indices=vlm is not None,
             features=features,
@@ -557,7 +556,10 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             load_from_cache_file=False,
             new_fingerprint=fingerprint,
             desc=f"Tokenizing ({fmt})",
-        ).with_format(None)
+        )
+        if num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
+            return map_in_processes(ds.with_format("arrow"), fn, num_proc, **kwargs).with_format(None)
+        return ds.with_format("arrow").map(fn, **kwargs).with_format(None)
 
     try:
         try:

@@ -1,0 +1,160 @@
+"""Signals and process faults of a real ``thdpack build --num-proc 2`` (thdpack/offline/procs.py).
+
+Each test starts the build in a new session, waits until its two tokenizing workers
+exist, signals it, and checks: it ends within 10 s with 128 + signal, says so in one
+line, leaves no temporary directory and no process of the build alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+
+from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 10.0
+NUM_ROWS = 8000
+# One batch per worker, tokenized by transformers: a worker is inside a batch for
+# seconds, so nothing here passes by waiting for a batch to end.
+BATCH_ROWS = NUM_ROWS // 2
+
+
+@pytest.fixture(scope="module")
+def text_jsonl(tmp_path_factory) -> Path:
+    """One input for every test: ~17 MB of seeded text rows."""
+    rows = generate_rows(2000, seed=3, kind="text")
+    return write_jsonl(rows * (NUM_ROWS // len(rows)), tmp_path_factory.mktemp("signals") / "rows.jsonl")
+
+
+# ---------------------------------------------------------------------------- the process tree, from /proc
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, session id) of a live process; None if it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[3])
+
+
+def build_processes(root: int) -> list[int]:
+    """Live processes in ``root``'s session (it was started with start_new_session=True)
+    or descended from it, ``root`` itself included."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            table[int(entry)] = st
+    found = {pid for pid, (_, sid) in table.items() if sid == root}
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found or pid == root} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
+def wait_until(condition, timeout: float, step: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+# ---------------------------------------------------------------------------- running a build
+
+
+def start_build(src: Path, out: Path) -> subprocess.Popen:
+    """``thdpack build --num-proc 2 -q`` of ``src`` into ``out``, in its own session; returns
+    once its two tokenizing workers are running."""
+    cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(src), "--format", "text",
+           "--tokenizer", str(TOKENIZER_DIR), "--tokenizer-backend", "hf", "--pack-size", "4096",
+           "--overflow", "truncate", "--num-proc", "2", "--map-batch-size", str(BATCH_ROWS), "--output", str(out), "-q"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    if not wait_until(lambda: len(build_processes(proc.pid)) >= 3 or proc.poll() is not None, 60):
+        _kill_all(proc)
+        pytest.fail("the build never started its two workers")
+    if proc.poll() is not None:
+        pytest.fail(f"the build ended (code {proc.returncode}) before its workers ran: {proc.communicate()[1]}")
+    time.sleep(0.3)  # the workers are tokenizing
+    return proc
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """Clean up after a failed test: SIGKILL every process of the build."""
+    for pid in build_processes(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+
+
+def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, code: int, name: str, t0: float) -> None:
+    try:
+        _, err = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        left = build_processes(proc.pid)
+        _kill_all(proc)
+        pytest.fail(f"the build was still running {DEADLINE_S} s after {name} (processes {left})")
+    elapsed = time.monotonic() - t0
+    left = build_processes(proc.pid)
+    assert wait_until(lambda: not build_processes(proc.pid), 2.0), f"processes of the build left alive: {left}"
+    assert proc.returncode == code, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert f"interrupted by {name}" in lines[0] and "nothing was written" in lines[0], err
+    assert list(out.parent.iterdir()) == [], "a temporary directory or an output was left behind"
+    assert elapsed < DEADLINE_S, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("to", ["main", "group"])
+def test_signal_stops_the_build_and_its_workers(text_jsonl, tmp_path, signum, to):
+    out = tmp_path / "o" / "packed"
+    out.parent.mkdir()
+    proc = start_build(text_jsonl, out)
+    t0 = time.monotonic()
+    if to == "main":
+        os.kill(proc.pid, signum)
+    else:
+        os.killpg(proc.pid, signum)
+    assert_stopped_cleanly(proc, out, 128 + signum, signal.Signals(signum).name, t0)
+
+
+def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
+    out = tmp_path / "o" / "packed"
+    out.parent.mkdir()
+    proc = start_build(text_jsonl, out)
+    workers = [pid for pid in build_processes(proc.pid) if pid != proc.pid]
+    assert len(workers) >= 2
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=DEADLINE_S)  # not communicate(): the workers hold its stdout and stderr open
+    try:
+        assert wait_until(lambda: not build_processes(proc.pid), DEADLINE_S), (
+            f"workers {build_processes(proc.pid)} outlived the main process by {DEADLINE_S} s")
+    finally:
+        _kill_all(proc)
+    # they die with it, not when their batch ends and they find no one to send it to
+    assert time.monotonic() - t0 < 2.0
+    assert not out.exists()  # only the hidden temporary directory is left, as documented

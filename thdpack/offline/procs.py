@@ -1,0 +1,282 @@
+"""A build's worker processes and the signals that stop it, in one place.
+
+``thdpack build --num-proc N`` tokenizes in N processes of its own
+(:func:`map_in_processes`: one contiguous shard of the rows each, mapped with
+``datasets.map`` exactly as ``Dataset.map(num_proc=N)`` would, without its process
+pool). Owning the processes is what makes stopping them reliable:
+
+- the workers ignore SIGINT (the main process decides) and die on SIGTERM without
+  running Python code; the main process kills them (SIGKILL) whenever it leaves the
+  map other than by finishing it: an error, Ctrl-C, a signal (:func:`stop`);
+- a worker dies with the main process, even one killed with SIGKILL
+  (:func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` on Linux, a watchdog elsewhere);
+- the command line turns SIGINT and SIGTERM into :class:`Interrupted`
+  (:func:`signals_interrupt`), which unwinds the build so that it removes its
+  temporary directory, and exits with ``128 + signal``: 130 (SIGINT), 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+_INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCHDOG_PERIOD_S = 0.2
+_JOIN_TIMEOUT_S = 5.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """The build was stopped by signal ``signum`` (SIGINT or SIGTERM); exit with ``exit_code``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signum``, the shell's code for a process ended by that signal."""
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return f"interrupted by {signal.Signals(self.signum).name}"
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread
+    (once: a repeat while the build cleans up is ignored; SIGKILL still ends it). Handlers
+    someone else installed are left alone, and everything is restored on exit. Outside
+    the main thread this does nothing (Python only lets the main thread set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def _raise(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in _INTERRUPT_SIGNALS}
+    ours = [s for s, h in previous.items() if h in (signal.SIG_DFL, signal.default_int_handler, None)]
+    for s in ours:
+        signal.signal(s, _raise)
+    try:
+        yield
+    finally:
+        for s in ours:
+            signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+
+
+# ---------------------------------------------------------------------------- in a worker
+
+
+def worker_signals() -> None:
+    """In a worker: ignore SIGINT (a terminal's Ctrl-C reaches the whole process group;
+    the main process stops the workers) and die on SIGTERM without running Python
+    handlers inherited from the main process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a worker: end this process when process ``parent_pid`` (its parent) ends,
+    however it ends. Linux: the kernel sends SIGKILL (``PR_SET_PDEATHSIG``); elsewhere a
+    daemon thread polls ``os.getppid()``."""
+    if not _set_parent_death_signal(signal.SIGKILL):
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="thdpack-parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, signum)``; False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    event = threading.Event()
+    while not event.wait(_WATCHDOG_PERIOD_S):
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+# ---------------------------------------------------------------------------- in the main process
+
+
+def stop(procs) -> None:
+    """Kill (SIGKILL) those of ``procs`` (``multiprocess.Process``) still alive and reap
+    them all. Workers hold nothing that needs a clean exit: their output files lie in
+    the build's temporary directory."""
+    for p in procs:
+        if p.exitcode is None:
+            with contextlib.suppress(OSError, ValueError):
+                p.kill()
+    for p in procs:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            p.join(_JOIN_TIMEOUT_S)
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without delivering its shard."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker (shown with ``--debug``)."""
+
+
+def shard_file(cache_file_name: str, rank: int, num_shards: int) -> str:
+    """``tokenized.arrow`` -> ``tokenized_00001_of_00004.arrow`` (what ``Dataset.map`` names a shard's file)."""
+    path = Path(cache_file_name)
+    return str(path.with_name(f"{path.stem}_{rank:05d}_of_{num_shards:05d}{path.suffix}"))
+
+
+def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_fingerprint: str,
+                     desc: str | None = None, **map_kwargs):
+    """``ds.map(function, num_proc=num_proc, ...)`` in worker processes that this process
+    owns: ``ds`` (a ``datasets.Dataset``) is cut into ``num_proc`` contiguous shards, worker
+    ``r`` maps shard ``r`` into ``shard_file(cache_file_name, r, num_proc)``, and the shards'
+    results are concatenated in order: the same rows, files and table as ``Dataset.map``.
+    ``with_indices=True`` gives ``function`` the rows' indices in ``ds``, not in the shard.
+
+    An exception in a worker is raised here (same type); a worker that dies raises
+    :class:`WorkerDied`. Whatever ends the map early (an error, :class:`Interrupted`), no
+    worker outlives it (:func:`stop`)."""
+    import datasets
+    import multiprocess
+    from datasets.utils import tqdm as hf_tqdm
+
+    ctx = multiprocess.get_context()  # the start method Dataset.map's pool uses
+    shards = [ds.shard(num_shards=num_proc, index=r, contiguous=True) for r in range(num_proc)]
+    offsets = [sum(len(s) for s in shards[:r]) for r in range(num_proc)]
+    procs, readers = [], []
+    results: list = [None] * num_proc
+    try:
+        with _tokenizers_parallelism_off():
+            for r, shard in enumerate(shards):
+                reader, writer = ctx.Pipe(duplex=False)
+                kwargs = dict(map_kwargs, cache_file_name=shard_file(cache_file_name, r, num_proc),
+                              new_fingerprint=f"{new_fingerprint}_{r:05d}_of_{num_proc:05d}")
+                p = ctx.Process(target=_map_shard, args=(writer, os.getpid(), shard, function, offsets[r], kwargs),
+                                name=f"thdpack-map-{r}", daemon=True)
+                p.start()
+                writer.close()  # the worker holds the only write end: EOF here when it ends
+                procs.append(p)
+                readers.append(reader)
+        with hf_tqdm(unit=" examples", total=len(ds), desc=f"{desc or 'Map'} (num_proc={num_proc})") as bar:
+            _collect(procs, readers, results, bar)
+    finally:
+        stop(procs)
+        for reader in readers:
+            reader.close()
+    return datasets.concatenate_datasets(results)
+
+
+def _collect(procs, readers, results: list, bar) -> None:
+    """Receive the workers' messages until every shard is in ``results``."""
+    from multiprocess.connection import wait
+
+    waiting = dict(zip(readers, range(len(readers))))
+    while waiting:
+        for reader in wait(list(waiting)):
+            r = waiting[reader]
+            try:
+                kind, value, *extra = reader.recv()
+            except (EOFError, OSError):
+                procs[r].join(_JOIN_TIMEOUT_S)
+                raise WorkerDied(
+                    f"tokenizing worker {r} (pid {procs[r].pid}) ended without its result ({_how(procs[r].exitcode)}); "
+                    "if it ran out of memory, lower --num-proc or --map-batch-size"
+                ) from None
+            if kind == "progress":
+                bar.update(value)
+            elif kind == "done":
+                results[r] = value
+                del waiting[reader]
+            else:  # "error": the worker's exception, and its traceback as text
+                raise value from RemoteTraceback(extra[0])
+
+
+def _how(exitcode) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+@contextlib.contextmanager
+def _tokenizers_parallelism_off():
+    """As ``Dataset.map(num_proc=...)`` does: Rust tokenizers' threads do not survive a fork."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+class _Reporting:
+    """The map function as a worker runs it: indices shifted from the shard to the whole
+    dataset, and each batch's row count sent to the main process (its progress bar)."""
+
+    def __init__(self, function, offset: int, conn):
+        self.function, self.offset, self.conn = function, offset, conn
+
+    def __call__(self, batch, indices=None):
+        if indices is None:
+            out = self.function(batch)
+        elif isinstance(indices, int):  # batched=False
+            out = self.function(batch, indices + self.offset)
+        else:
+            out = self.function(batch, [i + self.offset for i in indices])
+        self.conn.send(("progress", _num_rows(batch, indices)))
+        return out
+
+
+def _num_rows(batch, indices) -> int:
+    """Rows of a batch: a ``pyarrow.Table``, a dict of columns, or one row (``batched=False``)."""
+    if isinstance(indices, int):
+        return 1
+    if indices is not None:
+        return len(indices)
+    if hasattr(batch, "num_rows"):
+        return batch.num_rows
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _map_shard(conn, parent_pid: int, shard, function, offset: int, map_kwargs: dict) -> None:
+    """A worker's whole life: map one shard and send ("done", dataset) or ("error", exc, traceback)."""
+    die_with_parent(parent_pid)
+    worker_signals()
+    import datasets
+
+    datasets.disable_progress_bars()  # the main process shows one bar for all workers
+    try:
+        out = shard.map(_Reporting(function, offset, conn), **map_kwargs)
+        conn.send(("done", out))
+    except Exception as exc:  # noqa: BLE001 - raised again in the main process
+        text = traceback.format_exc()
+        try:
+            conn.send(("error", exc, text))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), text))
+    finally:
+        conn.close()
