@@ -158,3 +158,26 @@ def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
     # they die with it, not when their batch ends and they find no one to send it to
     assert time.monotonic() - t0 < 2.0
     assert not out.exists()  # only the hidden temporary directory is left, as documented
+
+
+def test_a_killed_worker_fails_the_build_in_one_line(text_jsonl, tmp_path):
+    """A worker ended from outside (the OOM killer's SIGKILL) fails the build: exit 2, one
+    line naming the worker and the signal, and nothing left behind."""
+    out = tmp_path / "o" / "packed"
+    out.parent.mkdir()
+    proc = start_build(text_jsonl, out)
+    worker = max(pid for pid in build_processes(proc.pid) if pid != proc.pid)
+    t0 = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        _kill_all(proc)
+        pytest.fail(f"the build was still running {DEADLINE_S} s after its worker {worker} was killed")
+    assert time.monotonic() - t0 < DEADLINE_S
+    assert proc.returncode == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"(pid {worker})" in lines[0] and "SIGKILL" in lines[0], err
+    assert "--num-proc" in lines[0], err  # what to do about it
+    assert wait_until(lambda: not build_processes(proc.pid), 2.0)
+    assert list(out.parent.iterdir()) == []

@@ -25,6 +25,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from thdpack.offline.errors import OfflineError
+
 _INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_PERIOD_S = 0.2
@@ -131,8 +133,9 @@ def stop(procs) -> None:
             p.join(_JOIN_TIMEOUT_S)
 
 
-class WorkerDied(RuntimeError):
-    """A worker process ended without delivering its shard."""
+class WorkerDied(OfflineError):
+    """A worker process ended without delivering its shard (killed from outside: the OOM
+    killer, a signal to that process alone)."""
 
 
 class RemoteTraceback(Exception):
