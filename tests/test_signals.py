@@ -181,3 +181,29 @@ def test_a_killed_worker_fails_the_build_in_one_line(text_jsonl, tmp_path):
     assert "--num-proc" in lines[0], err  # what to do about it
     assert wait_until(lambda: not build_processes(proc.pid), 2.0)
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_signal_while_the_output_is_moved_into_place_loses_nothing(text_jsonl, tmp_path, monkeypatch, capsys):
+    """--overwrite moves the old dataset aside, then the new one into place: a SIGTERM
+    between the two renames waits for the second, instead of leaving no dataset at the output."""
+    from thdpack.cli import main
+    from thdpack.offline import load_packed
+
+    out = tmp_path / "packed"
+    args = ["build", "--input", str(text_jsonl), "--format", "text", "--tokenizer", str(TOKENIZER_DIR),
+            "--pack-size", "4096", "--overflow", "truncate", "--output", str(out), "-q"]
+    assert main([*args, "--max-rows", "40"]) == 0
+    real_rename = os.rename
+
+    def rename_then_signal(src, dst):
+        real_rename(src, dst)
+        if Path(src) == out:  # the old dataset was just moved aside
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "rename", rename_then_signal)
+    assert main([*args, "--max-rows", "60", "--overwrite"]) == 128 + signal.SIGTERM
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert "interrupted by SIGTERM; the packed dataset was complete and is at" in err and "\n" not in err, err
+    assert load_packed(out).metadata["counts"]["input_rows"] == 60  # the new dataset, complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no temporary or old directory left

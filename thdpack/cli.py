@@ -302,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
-        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; "
-              "nothing was written at the output path", file=sys.stderr)
+        outcome = getattr(exc, "outcome", None) or "nothing was written at the output path"
+        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; {outcome}",
+              file=sys.stderr)
         return exc.exit_code if isinstance(exc, Interrupted) else 130
     except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
         if args.debug or os.environ.get("THDPACK_DEBUG"):

@@ -30,6 +30,7 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import InputError, OfflineError, OutputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
+from thdpack.offline.procs import signals_deferred
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, tokenize_source
@@ -494,7 +495,8 @@ def build_packed(
         shutil.rmtree(work)
         for f in written["files"]:
             _fsync(tmp / f["path"])
-        _commit(tmp, meta, output)
+        with signals_deferred(f"the packed dataset was complete and is at {output}"):  # never half moved
+            _commit(tmp, meta, output)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_file_system_error(exc):

@@ -34,11 +34,13 @@ _JOIN_TIMEOUT_S = 5.0
 
 
 class Interrupted(KeyboardInterrupt):
-    """The build was stopped by signal ``signum`` (SIGINT or SIGTERM); exit with ``exit_code``."""
+    """The build was stopped by signal ``signum`` (SIGINT or SIGTERM); exit with ``exit_code``.
+    ``outcome``: what became of the output, when it is not "nothing was written"."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, outcome: str | None = None):
         super().__init__(signum)
         self.signum = signum
+        self.outcome = outcome
 
     @property
     def exit_code(self) -> int:
@@ -49,21 +51,29 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted by {signal.Signals(self.signum).name}"
 
 
+_held_back: list[list[int]] = []  # one list per open signals_deferred block: the signals that arrived in it
+
+
 @contextlib.contextmanager
 def signals_interrupt():
     """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread
-    (once: a repeat while the build cleans up is ignored; SIGKILL still ends it). Handlers
-    someone else installed are left alone, and everything is restored on exit. Outside
-    the main thread this does nothing (Python only lets the main thread set handlers)."""
+    (once: a repeat while the build cleans up is ignored; SIGKILL still ends it), or at the
+    end of a :func:`signals_deferred` block. Handlers someone else installed are left
+    alone, and everything is restored on exit. Outside the main thread this does nothing
+    (Python only lets the main thread set handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     raised = []
 
     def _raise(signum, frame):
-        if not raised:
-            raised.append(signum)
-            raise Interrupted(signum)
+        if raised:
+            return
+        raised.append(signum)
+        if _held_back:
+            _held_back[-1].append(signum)
+            return
+        raise Interrupted(signum)
 
     previous = {s: signal.getsignal(s) for s in _INTERRUPT_SIGNALS}
     ours = [s for s, h in previous.items() if h in (signal.SIG_DFL, signal.default_int_handler, None)]
@@ -74,6 +84,20 @@ def signals_interrupt():
     finally:
         for s in ours:
             signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_deferred(outcome: str):
+    """A step that must not be cut in two (moving a finished dataset into place): a signal
+    that :func:`signals_interrupt` receives within the block raises :class:`Interrupted`
+    with ``outcome`` once the block has completed."""
+    _held_back.append([])
+    try:
+        yield
+    finally:
+        held = _held_back.pop()
+    if held:
+        raise Interrupted(held[0], outcome)
 
 
 # ---------------------------------------------------------------------------- in a worker
