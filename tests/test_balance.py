@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import CostModel, TokenBudgetBatchSampler, plan_balanced, plan_packs
+from thdpack.balance import _deal
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -244,6 +245,71 @@ def test_splitting_fills_the_last_step_without_repeats():
     assert bp.repeated_packs == 0
     assert len(bp.plan) == 4
     assert sorted(bp.steps.reshape(-1).tolist()) == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------
+# the dealing step against a plain reference
+# --------------------------------------------------------------------------
+def ref_deal(group, costs, num_replicas, micro_batches):
+    """Packs in the given order, each to the least-loaded rank (cost so far) that still
+    has a free micro-batch slot, ties to the lowest rank. Returns ``[R][M]`` pack ids."""
+    ranks = [[] for _ in range(num_replicas)]
+    load = [0.0] * num_replicas
+    for k in group:
+        r = min((r for r in range(num_replicas) if len(ranks[r]) < micro_batches), key=lambda r: (load[r], r))
+        ranks[r].append(int(k))
+        load[r] += float(costs[k])
+    return ranks
+
+
+# (costs, R, M, expected [R][M]): groups are the packs in decreasing cost, as plan_balanced deals them
+DEAL_CASES = [
+    ([5.0, 4.0, 3.0, 2.0], 2, 2, [[0, 3], [1, 2]]),  # 5+2 vs 4+3: the second pack goes to the empty rank
+    ([6.0, 5.0, 4.0, 3.0, 2.0, 1.0], 3, 2, [[0, 5], [1, 4], [2, 3]]),  # every rank ends at 7
+    ([1.0, 1.0, 1.0, 1.0], 2, 2, [[0, 2], [1, 3]]),  # equal loads: lowest rank first
+    ([9.0, 1.0, 1.0, 1.0], 2, 2, [[0, 3], [1, 2]]),  # the light rank fills up, the rest goes to the heavy one
+    ([8.0, 3.0, 3.0, 2.0, 2.0, 2.0], 2, 3, [[0, 4, 5], [1, 2, 3]]),  # 12 vs 8: a full rank takes no more
+    ([4.0, 3.0, 2.0], 3, 1, [[0], [1], [2]]),  # one micro-batch: rank r gets the r-th pack
+    ([0.0, 0.0, 0.0, 0.0], 2, 2, [[0, 1], [2, 3]]),  # zero costs: loads stay tied, the lowest rank fills first
+]
+
+
+@pytest.mark.parametrize("costs, R, M, expected", DEAL_CASES)
+def test_deal_small_cases_exactly(costs, R, M, expected):
+    costs = np.array(costs)
+    group = np.argsort(-costs, kind="stable")
+    assert ref_deal(group, costs, R, M) == expected
+    out = _deal(group, costs, R, M)
+    assert out.dtype == np.int64 and out.shape == (R, M)
+    assert out.tolist() == expected
+
+
+@SETTINGS
+@given(
+    st.integers(1, 6),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_deal_matches_reference(R, M, data):
+    """Any costs (ties included, as integers make them), dealt in decreasing cost or in any order."""
+    values = st.one_of(st.integers(0, 5).map(float), st.floats(0, 1e6))
+    costs = np.array(data.draw(st.lists(values, min_size=R * M, max_size=R * M)), dtype=np.float64)
+    group = np.argsort(-costs, kind="stable")
+    if data.draw(st.booleans()):
+        group = np.array(data.draw(st.permutations(range(R * M))), dtype=np.int64)
+    out = _deal(group, costs, R, M)
+    assert out.tolist() == ref_deal(group, costs, R, M)
+
+
+def test_plan_balanced_deals_each_step_like_the_reference():
+    """Unshuffled steps are consecutive runs of the cost-sorted packs, each dealt by the reference."""
+    lengths = lognormal(400, 21)
+    bp = plan_balanced(lengths, 4096, num_replicas=4, micro_batches=3, cost=QWEN3_8B, shuffle_steps=False)
+    assert bp.repeated_packs == 0
+    groups = np.argsort(-bp.costs, kind="stable").reshape(-1, 12)
+    assert len(groups) == bp.num_steps > 1
+    for s, group in enumerate(groups):
+        assert bp.steps[s].tolist() == ref_deal(group, bp.costs, 4, 3)
 
 
 # --------------------------------------------------------------------------

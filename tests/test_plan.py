@@ -37,57 +37,103 @@ def ref_first_fit(sizes, capacity, max_items):
     return bin_of, len(rooms)
 
 
-def ref_next_fit(sizes, capacity, max_items):
-    """Only the most recently opened bin is open."""
-    rooms, counts, bin_of = [], [], []
-    for s in sizes:
-        if not rooms or rooms[-1] < s or (max_items > 0 and counts[-1] >= max_items):
+def ref_next_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
+    """Only the most recently opened bin is open; an item goes there only when both
+    its tokens and its vision patches fit (and the bin has an item slot left)."""
+    rooms, vrooms, counts, bin_of = [], [], [], []
+    for s, v in zip(sizes, vsizes):
+        if not rooms or rooms[-1] < s or vrooms[-1] < v or (max_items > 0 and counts[-1] >= max_items):
             rooms.append(capacity)
+            vrooms.append(vcapacity)
             counts.append(0)
         rooms[-1] -= s
+        vrooms[-1] -= v
         counts[-1] += 1
         bin_of.append(len(rooms) - 1)
     return bin_of, len(rooms)
 
 
-def ref_best_fit(sizes, capacity, max_items):
-    """Each item into the open bin with the least room that holds it (ties: lowest number)."""
-    rooms, counts, bin_of = [], [], []
-    for s in sizes:
-        feasible = [b for b in range(len(rooms)) if rooms[b] >= s and (max_items <= 0 or counts[b] < max_items)]
+def ref_next_fit(sizes, capacity, max_items):
+    """Next fit on tokens alone: the 2-D reference with no vision patches."""
+    return ref_next_fit_2d(sizes, [0] * len(sizes), capacity, 0, max_items)
+
+
+def _feasible_bins(rooms, vrooms, counts, s, v, max_items):
+    """Open bins that hold an item of ``s`` tokens and ``v`` vision patches."""
+    return [
+        b for b in range(len(rooms))
+        if rooms[b] >= s and vrooms[b] >= v and (max_items <= 0 or counts[b] < max_items)
+    ]
+
+
+def ref_best_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
+    """Each item into the open bin that holds it in both budgets with the least token
+    room (ties: least vision room, then lowest number); a new bin when none holds it."""
+    rooms, vrooms, counts, bin_of = [], [], [], []
+    for s, v in zip(sizes, vsizes):
+        feasible = _feasible_bins(rooms, vrooms, counts, s, v, max_items)
         if feasible:
-            b = min(feasible, key=lambda k: (rooms[k], k))
+            b = min(feasible, key=lambda k: (rooms[k], vrooms[k], k))
         else:
             b = len(rooms)
             rooms.append(capacity)
+            vrooms.append(vcapacity)
             counts.append(0)
         rooms[b] -= s
+        vrooms[b] -= v
         counts[b] += 1
         bin_of.append(b)
     return bin_of, len(rooms)
 
 
-def assert_best_fit_choices(sizes, capacity, max_items, bin_of, nbins):
-    """Replay an assignment: every item went to a feasible open bin of minimum room,
-    or to a new bin (numbered in opening order) only when no open bin could take it."""
-    rooms, counts = [], []
-    for j, s in enumerate(sizes):
-        s = int(s)
-        b = int(bin_of[j])
-        feasible = [k for k in range(len(rooms)) if rooms[k] >= s and (max_items <= 0 or counts[k] < max_items)]
+def ref_best_fit(sizes, capacity, max_items):
+    """Best fit on tokens alone: the 2-D reference with no vision patches."""
+    return ref_best_fit_2d(sizes, [0] * len(sizes), capacity, 0, max_items)
+
+
+def best_fit_trace(sizes, vsizes, capacity, vcapacity, bin_of):
+    """``(token room, vision room)`` of the bin each item went to, before it went
+    there, or None when it opened a new bin. Bins with equal rooms are
+    interchangeable for best fit, so without an item cap two correct best-fit runs
+    have equal traces whatever their tie-breaking among such bins."""
+    rooms, vrooms, trace = [], [], []
+    for s, v, b in zip(sizes, vsizes, bin_of):
         if b == len(rooms):
-            assert not feasible, f"item {j} (size {s}) opened bin {b} although bins {feasible} could hold it"
             rooms.append(capacity)
+            vrooms.append(vcapacity)
+            trace.append(None)
+        else:
+            trace.append((rooms[b], vrooms[b]))
+        rooms[b] -= s
+        vrooms[b] -= v
+    return trace
+
+
+def assert_best_fit_choices(sizes, capacity, max_items, bin_of, nbins, vsizes=None, vcapacity=0):
+    """Replay an assignment: every item went to a feasible open bin of minimum token room
+    (then minimum vision room), or to a new bin (numbered in opening order) only when no
+    open bin could take it. Without ``vsizes`` the items have no vision patches."""
+    vsizes = [0] * len(sizes) if vsizes is None else vsizes
+    rooms, vrooms, counts = [], [], []
+    for j, (s, v) in enumerate(zip(sizes, vsizes)):
+        s, v, b = int(s), int(v), int(bin_of[j])
+        feasible = _feasible_bins(rooms, vrooms, counts, s, v, max_items)
+        if b == len(rooms):
+            assert not feasible, f"item {j} (size {s}, vision {v}) opened bin {b} although bins {feasible} could hold it"
+            rooms.append(capacity)
+            vrooms.append(vcapacity)
             counts.append(0)
         else:
             assert 0 <= b < len(rooms), f"item {j} went to bin {b}, not open and not the next new bin"
-            assert b in feasible, f"item {j} (size {s}) went to bin {b} with room {rooms[b]}"
-            best = min(rooms[k] for k in feasible)
-            assert rooms[b] == best, f"item {j} (size {s}) went to room {rooms[b]}, best feasible room was {best}"
+            assert b in feasible, f"item {j} (size {s}, vision {v}) went to bin {b} with rooms {rooms[b]}, {vrooms[b]}"
+            best = min((rooms[k], vrooms[k]) for k in feasible)
+            got = (rooms[b], vrooms[b])
+            assert got == best, f"item {j} (size {s}, vision {v}) went to rooms {got}, best feasible was {best}"
         rooms[b] -= s
+        vrooms[b] -= v
         counts[b] += 1
     assert nbins == len(rooms)
-    assert all(r >= 0 for r in rooms)
+    assert all(r >= 0 for r in rooms) and all(r >= 0 for r in vrooms)
     if max_items > 0:
         assert all(c <= max_items for c in counts)
 
@@ -126,6 +172,95 @@ def test_best_fit_kernel_picks_min_feasible_room(args):
     if max_items == 0:
         # without an item cap the state is the multiset of rooms: tie-breaking cannot matter
         assert int(nbins) == ref_n
+
+
+# ---- two budgets (tokens, vision patches) ------------------------------------
+@st.composite
+def kernel_inputs_2d(draw):
+    """Small rooms so that items often fill a bin exactly, or miss by one unit."""
+    capacity = draw(st.integers(1, 24))
+    vcapacity = draw(st.integers(1, 24))
+    n = draw(st.integers(0, 60))
+    sizes = draw(st.lists(st.one_of(st.integers(1, max(1, capacity // 3)), st.integers(1, capacity)), min_size=n, max_size=n))
+    vsizes = draw(st.lists(
+        st.one_of(st.just(0), st.integers(0, max(1, vcapacity // 3)), st.integers(0, vcapacity)), min_size=n, max_size=n
+    ))
+    max_items = draw(st.sampled_from([0, 0, 1, 2, 3]))
+    return np.array(sizes, dtype=np.int64), np.array(vsizes, dtype=np.int64), capacity, vcapacity, max_items
+
+
+@SETTINGS
+@given(kernel_inputs_2d())
+def test_next_fit_2d_kernel_matches_reference(args):
+    sizes, vsizes, capacity, vcapacity, max_items = args
+    bin_of, nbins = _binpack.next_fit_2d(sizes, vsizes, capacity, vcapacity, max_items)
+    ref_bins, ref_n = ref_next_fit_2d(sizes.tolist(), vsizes.tolist(), capacity, vcapacity, max_items)
+    assert bin_of.tolist() == ref_bins
+    assert int(nbins) == ref_n
+
+
+@SETTINGS
+@given(kernel_inputs_2d())
+def test_best_fit_2d_kernel_matches_reference(args):
+    sizes, vsizes, capacity, vcapacity, max_items = args
+    bin_of, nbins = _binpack.best_fit_2d(sizes, vsizes, capacity, vcapacity, max_items)
+    assert bin_of.shape == sizes.shape
+    assert_best_fit_choices(sizes.tolist(), capacity, max_items, bin_of.tolist(), int(nbins), vsizes.tolist(), vcapacity)
+    if max_items == 0:  # bins with equal rooms are then interchangeable: the traces must agree exactly
+        ref_bins, ref_n = ref_best_fit_2d(sizes.tolist(), vsizes.tolist(), capacity, vcapacity, 0)
+        trace = best_fit_trace(sizes.tolist(), vsizes.tolist(), capacity, vcapacity, bin_of.tolist())
+        assert trace == best_fit_trace(sizes.tolist(), vsizes.tolist(), capacity, vcapacity, ref_bins)
+        assert int(nbins) == ref_n
+
+
+# (sizes, vision sizes, capacity, vision capacity, max_items, expected bins): an item exactly
+# filling the room, one unit over, on each budget; then choices only the right kernel makes
+BOUNDARY_2D = {
+    "next_fit_2d": [
+        ([4, 6], [0, 0], 10, 10, 0, [0, 0]),  # tokens exactly fill
+        ([4, 7], [0, 0], 10, 10, 0, [0, 1]),  # tokens one over
+        ([1, 1], [5, 5], 10, 10, 0, [0, 0]),  # vision exactly fills
+        ([1, 1], [5, 6], 10, 10, 0, [0, 1]),  # vision one over (issue 14)
+        ([4, 6], [5, 5], 10, 10, 0, [0, 0]),  # both exactly fill
+        ([4, 6], [10, 1], 10, 10, 0, [0, 1]),  # tokens fit exactly, vision one over
+        ([10, 1], [0, 0], 10, 10, 0, [0, 1]),  # one item fills the whole bin
+        ([1, 1], [10, 0], 10, 10, 0, [0, 0]),  # one item fills the whole vision budget; no patches fit
+        ([6, 5, 4], [0, 0, 0], 10, 10, 0, [0, 1, 1]),  # never goes back to an earlier bin
+        ([1, 1, 1], [0, 0, 0], 10, 10, 2, [0, 0, 1]),  # item cap
+    ],
+    "best_fit_2d": [
+        ([4, 6], [0, 0], 10, 10, 0, [0, 0]),
+        ([4, 7], [0, 0], 10, 10, 0, [0, 1]),
+        ([1, 1], [5, 5], 10, 10, 0, [0, 0]),
+        ([1, 1], [5, 6], 10, 10, 0, [0, 1]),
+        ([4, 6], [5, 5], 10, 10, 0, [0, 0]),
+        ([4, 6], [10, 1], 10, 10, 0, [0, 1]),
+        ([10, 1], [0, 0], 10, 10, 0, [0, 1]),
+        ([1, 1], [10, 0], 10, 10, 0, [0, 0]),
+        ([5, 7, 3], [0, 0, 0], 10, 10, 0, [0, 1, 1]),  # least token room that holds it (exact fill)
+        ([5, 7, 4], [0, 0, 0], 10, 10, 0, [0, 1, 0]),  # least room is one token short
+        ([5, 7, 3], [0, 8, 2], 10, 10, 0, [0, 1, 1]),  # least room holds the patches exactly
+        ([5, 7, 3], [0, 8, 3], 10, 10, 0, [0, 1, 0]),  # least room is one patch short
+        ([6, 6, 3], [2, 4, 1], 10, 10, 0, [0, 1, 1]),  # equal token rooms: least vision room
+        ([6, 6, 3], [2, 4, 7], 10, 10, 0, [0, 1, 0]),  # ... unless it is one patch short
+        ([6, 6, 3], [4, 2, 1], 10, 10, 0, [0, 1, 0]),  # ... also when that is the older bin
+        ([2, 2, 2], [0, 0, 0], 10, 10, 2, [0, 0, 1]),  # item cap
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "kernel, case", [(k, c) for k, cases in BOUNDARY_2D.items() for c in cases], ids=lambda x: str(x)
+)
+def test_2d_kernels_on_boundary_cases(kernel, case):
+    sizes, vsizes, capacity, vcapacity, max_items, expected = case
+    reference = {"next_fit_2d": ref_next_fit_2d, "best_fit_2d": ref_best_fit_2d}[kernel]
+    assert reference(sizes, vsizes, capacity, vcapacity, max_items) == (expected, max(expected) + 1)
+    bin_of, nbins = getattr(_binpack, kernel)(
+        np.array(sizes, np.int64), np.array(vsizes, np.int64), capacity, vcapacity, max_items
+    )
+    assert bin_of.tolist() == expected
+    assert int(nbins) == max(expected) + 1
 
 
 @SETTINGS
@@ -335,6 +470,33 @@ def test_plan_matches_reference_kernels(kw):
         if max_items == 0:
             _, ref_n = ref_best_fit(sizes[order].tolist(), pack_size, 0)
             assert len(plan) == ref_n
+
+
+def test_sequential_plan_keeps_vision_budget_one_patch_over():
+    """Issue 14: next fit must close a pack one vision patch short of the next sample."""
+    plan = plan_packs([1, 1], 10, algorithm="sequential", vision_lengths=[5, 6], vision_budget=10)
+    assert [p.tolist() for p in plan.packs] == [[0], [1]]
+    assert plan.stats.max_pack_vision == 6
+    exact = plan_packs([1, 1], 10, algorithm="sequential", vision_lengths=[5, 5], vision_budget=10)
+    assert [p.tolist() for p in exact.packs] == [[0, 1]]
+
+
+@SETTINGS
+@given(kernel_inputs_2d(), st.sampled_from(["bfd", "sequential"]))
+def test_vision_plan_matches_reference_kernels(args, algorithm):
+    """With a vision budget, ``sequential`` is exactly next fit in input order and ``bfd``
+    makes best-fit choices by decreasing larger share of either budget."""
+    sizes, vsizes, pack_size, vision_budget, max_items = args
+    plan = plan_packs(sizes, pack_size, algorithm=algorithm, vision_lengths=vsizes, vision_budget=vision_budget,
+                      max_samples_per_pack=max_items or None)
+    rows = pieces_in_creation_order(plan)
+    actual_bins = [r[3] for r in rows]
+    if algorithm == "sequential":
+        assert actual_bins == ref_next_fit_2d(sizes.tolist(), vsizes.tolist(), pack_size, vision_budget, max_items)[0]
+        return
+    order = np.argsort(-np.maximum(sizes * vision_budget, vsizes * pack_size), kind="stable")
+    assert_best_fit_choices(sizes[order].tolist(), pack_size, max_items, np.array(actual_bins)[order].tolist(),
+                            len(plan), vsizes[order].tolist(), vision_budget)
 
 
 @SETTINGS
