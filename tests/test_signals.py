@@ -207,3 +207,47 @@ def test_a_signal_while_the_output_is_moved_into_place_loses_nothing(text_jsonl,
     assert "interrupted by SIGTERM; the packed dataset was complete and is at" in err and "\n" not in err, err
     assert load_packed(out).metadata["counts"]["input_rows"] == 60  # the new dataset, complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no temporary or old directory left
+
+
+# ---------------------------------------------------------------------------- map_in_processes itself
+
+
+def _row_and_index(table, indices):
+    """A batched Arrow map function: each row's ``x`` and its index in the whole dataset."""
+    import pyarrow as pa
+
+    return pa.table({"x": table.column("x"), "index": pa.array(indices, pa.int64())})
+
+
+def _fail_on_row_5(table, indices):
+    if 5 in indices:
+        raise KeyError("row 5")
+    return _row_and_index(table, indices)
+
+
+def test_map_in_processes_equals_dataset_map(tmp_path):
+    """Same rows as ``Dataset.map`` in one process, indices of the whole dataset (not the
+    shard's), one file per shard named as ``Dataset.map(num_proc=...)`` names them."""
+    import datasets
+
+    from thdpack.offline.procs import map_in_processes
+
+    ds = datasets.Dataset.from_dict({"x": list(range(10))}).with_format("arrow")
+    kwargs = dict(batched=True, batch_size=2, with_indices=True, remove_columns=["x"], load_from_cache_file=False)
+    want = ds.map(_row_and_index, cache_file_name=str(tmp_path / "one.arrow"), new_fingerprint="one", **kwargs)
+    got = map_in_processes(ds, _row_and_index, 3, cache_file_name=str(tmp_path / "t.arrow"), new_fingerprint="t",
+                           **kwargs)
+    assert got.data.table.to_pydict() == want.data.table.to_pydict() == {"x": list(range(10)), "index": list(range(10))}
+    assert sorted(p.name for p in tmp_path.glob("t_*")) == [f"t_{r:05d}_of_00003.arrow" for r in range(3)]
+
+
+def test_map_in_processes_raises_a_workers_exception(tmp_path):
+    import datasets
+
+    from thdpack.offline.procs import RemoteTraceback, map_in_processes
+
+    ds = datasets.Dataset.from_dict({"x": list(range(10))}).with_format("arrow")
+    with pytest.raises(KeyError, match="row 5") as info:
+        map_in_processes(ds, _fail_on_row_5, 2, cache_file_name=str(tmp_path / "t.arrow"), new_fingerprint="t",
+                         batched=True, batch_size=2, with_indices=True, remove_columns=["x"])
+    assert isinstance(info.value.__cause__, RemoteTraceback) and "_fail_on_row_5" in str(info.value.__cause__)

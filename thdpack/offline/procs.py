@@ -150,10 +150,10 @@ def stop(procs) -> None:
     the build's temporary directory."""
     for p in procs:
         if p.exitcode is None:
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # AttributeError: never started
                 p.kill()
     for p in procs:
-        with contextlib.suppress(OSError, ValueError, AssertionError):
+        with contextlib.suppress(OSError, ValueError, AssertionError):  # AssertionError: never started
             p.join(_JOIN_TIMEOUT_S)
 
 
@@ -200,10 +200,10 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
                               new_fingerprint=f"{new_fingerprint}_{r:05d}_of_{num_proc:05d}")
                 p = ctx.Process(target=_map_shard, args=(writer, os.getpid(), shard, function, offsets[r], kwargs),
                                 name=f"thdpack-map-{r}", daemon=True)
+                procs.append(p)  # before start(): an interrupt right after the fork still stops it
+                readers.append(reader)
                 p.start()
                 writer.close()  # the worker holds the only write end: EOF here when it ends
-                procs.append(p)
-                readers.append(reader)
         with hf_tqdm(unit=" examples", total=len(ds), desc=f"{desc or 'Map'} (num_proc={num_proc})") as bar:
             _collect(procs, readers, results, bar)
     finally:
