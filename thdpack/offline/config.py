@@ -17,10 +17,10 @@ from typing import Any
 from thdpack.offline.errors import ConfigError
 from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES
 
-FORMATS = ("auto", "chat", "text", "tokenized")
+FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "text", "tokenized")  # row_formats.py, docs/build.md
 LOSS_MODES = ("assistant", "last_assistant", "all")
 TARGETS = ("loss_mask", "labels")
-OUTPUT_FORMATS = ("arrow", "parquet")
+OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
@@ -44,8 +44,10 @@ class BuildConfig:
     )
     split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
     max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
-    format: str = _opt("auto", "row format: chat (messages), text, tokenized (input_ids [+labels|loss_mask]); "
-                       "auto picks from the fields present", FORMATS)
+    format: str = _opt("auto", "row format: chat (messages), sharegpt (conversations of from/value turns), "
+                       "prompt_completion (prompt + completion, TRL's; the completion is trained), text, tokenized "
+                       "(input_ids [+labels|loss_mask]); auto picks from the fields present (docs/build.md, Row formats)",
+                       FORMATS)
     text_field: str = _opt("text", "field holding the text of a text row")
     messages_field: str = _opt("messages", "field holding the messages of a chat row")
     loss: str = _opt("assistant", "chat rows: which tokens are trained on", LOSS_MODES)
@@ -83,7 +85,10 @@ class BuildConfig:
     sequence_parallel: bool = _opt(False, "sequence parallelism: pad samples to a multiple of tp*cp too")
     pad_multiple: int | None = _opt(None, "extra per-sample multiple, e.g. 16 for FP8 (lcm with the above)")
     # ---- output and execution
-    output_format: str = _opt("arrow", "shard format: arrow (memory-mapped, zero-copy loading) or parquet", OUTPUT_FORMATS)
+    output_format: str = _opt(
+        "arrow", "shard format: arrow (memory-mapped, zero-copy loading), parquet, or megatron-bridge (arrow shards "
+        "plus Megatron-Bridge's packed Parquet files *.idx.parquet and bridge_metadata.json, pre-padded for "
+        "pad_seq_to_mult = the alignment multiple; docs/megatron.md)", OUTPUT_FORMATS)
     shard_size_mb: float = _opt(512, "approximate size of an output shard in MB", flag_type=float)
     num_proc: int = _opt(1, "processes for parsing and tokenization (datasets.map)")
     map_batch_size: int = _opt(1000, "rows per tokenization batch")

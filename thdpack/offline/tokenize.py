@@ -33,6 +33,9 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
 from thdpack.offline.procs import map_in_processes
+from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, brief as _brief, check_messages, detect_format,
+                                         encode_prompt_completion, format_fields, prompt_completion,
+                                         sharegpt_to_messages)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -115,26 +118,22 @@ def tokenizer_info(tok, spec: str) -> dict:
 
 
 def resolve_format(cfg: BuildConfig, source: Source) -> str:
-    """The row format: ``cfg.format`` or, for ``auto``, the first of chat / tokenized / text
-    whose field is present."""
+    """The row format: ``cfg.format`` or, for ``auto``, the first format of
+    :data:`~thdpack.offline.row_formats.DETECTION_ORDER` whose fields the rows have."""
     if cfg.format != "auto":
         return cfg.format
-    cols = set(source.columns)
-    if cfg.messages_field in cols:
-        return "chat"
-    if "input_ids" in cols:
-        return "tokenized"
-    if cfg.text_field in cols:
-        return "text"
-    raise InputError(
-        f"{source.files[0].path}: cannot tell the row format from the fields {sorted(cols)}; expected "
-        f"'{cfg.messages_field}' (chat), 'input_ids' (tokenized) or '{cfg.text_field}' (text). "
-        "Set --format and --messages-field / --text-field."
-    )
+    fmt = detect_format(source.columns, cfg)
+    if fmt is None:
+        expected = "; ".join(f"{' + '.join(repr(f) for f in format_fields(f, cfg))} ({f})" for f in DETECTION_ORDER)
+        raise InputError(
+            f"{source.files[0].path}: cannot tell the row format from the fields {sorted(source.columns)}; "
+            f"expected {expected}. Set --format and --messages-field / --text-field."
+        )
+    return fmt
 
 
 def required_columns(fmt: str, cfg: BuildConfig) -> list[str]:
-    return {"chat": [cfg.messages_field], "text": [cfg.text_field], "tokenized": ["input_ids"]}[fmt]
+    return format_fields(fmt, cfg)
 
 
 # ---------------------------------------------------------------------------- chat content
@@ -198,18 +197,19 @@ class RowTokenizer:
         self.tok = tokenizer
         self.bpe = bpe  # a TiktokenBPE of ``tokenizer`` (thdpack/offline/tiktoken_bpe.py), or None
         self.json_rows = columns == [JSON_COLUMN]
-        self.field = {"chat": cfg.messages_field, "text": cfg.text_field, "tokenized": "input_ids"}[fmt]
+        self.fields = required_columns(fmt, cfg)
+        self.field = self.fields[0]
         self.loss = cfg.loss
         self.append_eos = cfg.append_eos
         self.targets = cfg.targets
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
-        if fmt == "chat":
+        if fmt in CHAT_FORMATS:
             template = getattr(tokenizer, "chat_template", None)
             if not template:
                 raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
             self.has_generation = isinstance(template, str) and bool(_GENERATION_TAG.search(template))
-        if fmt == "text" and cfg.append_eos and tokenizer.eos_token_id is None:
+        if fmt in ("text", "prompt_completion") and cfg.append_eos and tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
 
     # ---- entry point
@@ -263,28 +263,40 @@ class RowTokenizer:
                 rows.append(obj)
             values = []
             for i, obj in enumerate(rows):
+                missing = [f for f in self.fields if obj is not None and f not in obj]
                 if obj is None:
                     values.append(None)
-                elif self.field not in obj:
-                    errors[i] = f"no '{self.field}' field (fields: {sorted(obj)})"
+                elif missing:
+                    errors[i] = f"no '{missing[0]}' field (fields: {sorted(obj)})"
                     values.append(None)
                 else:
-                    values.append(obj if self.fmt == "tokenized" else obj[self.field])
+                    values.append(obj if self.fmt in ("tokenized", "prompt_completion") else obj[self.field])
         else:
-            if self.field not in table.column_names:
-                raise InputError(f"the input has no '{self.field}' column (columns: {table.column_names})")
-            if self.fmt == "tokenized":
-                names = [c for c in ("input_ids", "labels", "loss_mask") if c in table.column_names]
+            missing = [f for f in self.fields if f not in table.column_names]
+            if missing:
+                raise InputError(f"the input has no '{missing[0]}' column (columns: {table.column_names})")
+            if self.fmt in ("tokenized", "prompt_completion"):
+                extra = ["labels", "loss_mask"] if self.fmt == "tokenized" else []
+                names = [c for c in self.fields + extra if c in table.column_names]
                 cols = {c: table.column(c).to_pylist() for c in names}
                 values = [{c: cols[c][i] for c in names} for i in range(n)]
             else:
                 values = table.column(self.field).to_pylist()
         for i, v in enumerate(values):
             if errors[i] is None:
+                try:  # ShareGPT turns and prompt/completion rows are checked as they are converted
+                    if self.fmt == "sharegpt":
+                        v = sharegpt_to_messages(v)
+                    elif self.fmt == "prompt_completion":
+                        values[i] = prompt_completion(v, self._chat_messages)
+                        continue
+                except ValueError as exc:  # ours: the message names the field and the turn
+                    errors[i] = str(exc)
+                    continue
                 msg = self._check_value(v)
                 if msg:
                     errors[i] = msg
-                elif self.fmt == "chat":
+                elif self.fmt in CHAT_FORMATS:
                     try:
                         values[i] = self._chat_messages(v)
                     except ValueError as exc:  # ours: the message names the message and part
@@ -302,12 +314,8 @@ class RowTokenizer:
                 return f"'{self.field}' must be a string, got {type(v).__name__}"
             if not v:
                 return f"'{self.field}' is empty"
-        elif self.fmt == "chat":
-            if not isinstance(v, list) or not v:
-                return f"'{self.field}' must be a non-empty list of messages, got {_brief(v)}"
-            for j, m in enumerate(v):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    return f"message {j} must be an object with a 'role' string, got {_brief(m)}"
+        elif self.fmt in CHAT_FORMATS:
+            return check_messages(v, self.field)
         else:
             if v.get("input_ids") is None:
                 return "'input_ids' is null"
@@ -317,8 +325,10 @@ class RowTokenizer:
     def _encode_many(self, values: list) -> list:
         if self.fmt == "text":
             return self._encode_text(values)
-        if self.fmt == "chat":
+        if self.fmt in CHAT_FORMATS:
             return self._encode_chat(values)
+        if self.fmt == "prompt_completion":
+            return encode_prompt_completion(self.tok, values, self.bpe, loss=self.loss, append_eos=self.append_eos)
         return [self._encode_tokenized(v) for v in values]
 
     def _encode_text(self, texts):
@@ -461,11 +471,6 @@ def _row_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {msg}"[:500]
 
 
-def _brief(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 # ---------------------------------------------------------------------------- running it
 
 
@@ -484,7 +489,7 @@ class Tokenized:
 def fast_bpe(cfg: BuildConfig, tok, fmt: str, *, log=None):
     """The tiktoken form of ``tok`` (:mod:`thdpack.offline.tiktoken_bpe`) when
     ``cfg.tokenizer_backend`` allows it and the tokenizer converts exactly; else None."""
-    if tok is None or fmt not in ("text", "chat") or cfg.tokenizer_backend == "hf":
+    if tok is None or fmt == "tokenized" or cfg.tokenizer_backend == "hf":
         return None
     bpe, why = TiktokenBPE.from_tokenizer(tok)
     if bpe is None and cfg.tokenizer_backend == "tiktoken":
@@ -502,6 +507,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     import datasets
 
     fmt = resolve_format(cfg, source)
+    if vlm is not None and fmt == "prompt_completion":
+        raise ConfigError("rows with images must be chat (messages or sharegpt) or text rows, not prompt_completion")
     if not source.is_json:
         missing = [c for c in required_columns(fmt, cfg) if c not in source.columns]
         if missing:

@@ -1,0 +1,325 @@
+"""Row formats: ShareGPT (``conversations`` of from/value turns) and TRL's prompt/completion.
+
+- ShareGPT rows build byte for byte as the same conversations written as ``messages``;
+- prompt/completion rows give the ids and the completion mask TRL's ``SFTTrainer`` gives:
+  the reference below is TRL's rule (``trl/trainer/sft_trainer.py``, ``tokenize_fn`` and
+  ``add_eos``, at huggingface/trl f2cd577), computed with ``transformers`` only (TRL is not a
+  dependency); with ``loss: all`` they build byte for byte as the equivalent text / messages rows;
+- ``format: auto`` picks the format from the fields, ``format:`` overrides it;
+- bad rows are row errors naming file:line and the field.
+
+Both the bundled demo tokenizer and the real Qwen3 one (tests/real_tokenizers.py) are used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
+from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
+from thdpack.offline.row_formats import DETECTION_ORDER, detect_format, sharegpt_to_messages  # noqa: E402
+
+TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return generate_rows(16, seed=5, kind="chat")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from real_tokenizers import real_tokenizer
+
+    return str(real_tokenizer("qwen3"))
+
+
+def tokenizer_dir(name, qwen3_dir=None) -> str:
+    return str(TOKENIZER_DIR) if name == "demo" else qwen3_dir
+
+
+def build(tmp_path: Path, path, name: str, tokenizer=str(TOKENIZER_DIR), **kw):
+    base = dict(input=str(path), tokenizer=tokenizer, pack_size=16384, overflow="error", shuffle_packs=False)
+    base.update(kw)
+    return build_packed(BuildConfig(**base), tmp_path / name, progress=False, log=None)
+
+
+def data_bytes(out: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("data-*"))}
+
+
+def built_rows(out: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """input row -> (its token ids, its loss mask) in the packs."""
+    ds = load_packed(out)
+    got = {}
+    for k in range(len(ds)):
+        row = ds[k]
+        for r, sample in zip(row["sample_index"], unpack_row(row)):
+            got[int(r)] = (np.asarray(sample["input_ids"]), np.asarray(sample["loss_mask"], dtype=bool))
+    return got
+
+
+def as_sharegpt(row: dict) -> dict:
+    return {"conversations": [{"from": TO_SHAREGPT[m["role"]], "value": m["content"]} for m in row["messages"]]}
+
+
+def split_last_answer(row: dict) -> tuple[list, list]:
+    """(prompt messages, completion messages): the conversation up to its last assistant turn, and that turn."""
+    m = row["messages"]
+    last = max(j for j, x in enumerate(m) if x["role"] == "assistant")
+    return m[:last], m[last : last + 1]
+
+
+def string_pairs(rows) -> list[dict]:
+    """String prompt/completion rows; some prompts end in a space, so a token may merge across the boundary."""
+    out = []
+    for k, r in enumerate(rows):
+        prompt, completion = split_last_answer(r)
+        sep = " " if k % 3 == 0 else "\n"
+        out.append({"prompt": "Q: " + prompt[-1]["content"] + sep, "completion": completion[0]["content"]})
+    return out
+
+
+# ---------------------------------------------------------------------------- TRL's rule (the reference)
+
+
+def trl_string_reference(tok, row: dict) -> tuple[list, list]:
+    """TRL, non-conversational prompt/completion: EOS text appended to the completion unless it
+    ends with it; ids = tok(prompt + completion); mask = 0 for the first len(tok(prompt)) ids."""
+    completion = row["completion"] if row["completion"].endswith(tok.eos_token) else row["completion"] + tok.eos_token
+    prompt_ids = tok(text=row["prompt"])["input_ids"]
+    ids = tok(text=row["prompt"] + completion)["input_ids"]
+    return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+
+
+def trl_chat_reference(tok, row: dict) -> tuple[list, list]:
+    """TRL, conversational prompt/completion: prompt ids = apply_chat_template(prompt,
+    add_generation_prompt=True); ids = apply_chat_template(prompt + completion); mask as above."""
+    prompt_ids = tok.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
+                                         add_generation_prompt=True)["input_ids"]
+    ids = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
+    return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+
+
+def assert_rows_match(out: Path, want: list) -> None:
+    got = built_rows(out)
+    assert sorted(got) == list(range(len(want)))
+    for r, (ids, mask) in enumerate(want):
+        np.testing.assert_array_equal(got[r][0], ids, err_msg=f"row {r} ids")
+        np.testing.assert_array_equal(got[r][1], np.asarray(mask, dtype=bool), err_msg=f"row {r} mask")
+
+
+# ---------------------------------------------------------------------------- ShareGPT
+
+
+def test_sharegpt_roles_map_to_messages():
+    turns = [
+        {"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+        {"from": "function_call", "value": json.dumps({"name": "f", "arguments": {"x": 1}})},
+        {"from": "observation", "value": "r"}, {"from": "tool", "value": "r2"}, {"from": "gpt", "value": "a"},
+        {"from": "user", "value": "q2"}, {"from": "assistant", "value": "a2"},
+    ]
+    assert sharegpt_to_messages(turns) == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "r"}, {"role": "tool", "content": "r2"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+    ]
+    two = json.dumps([{"name": "f", "arguments": "{}"}, {"name": "g", "arguments": {}}])
+    calls = sharegpt_to_messages([{"from": "function_call", "value": two}])[0]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["f", "g"]
+
+
+@pytest.mark.parametrize("loss", ["assistant", "all"])
+def test_sharegpt_packs_byte_identical_to_messages(tmp_path, rows, loss):
+    a = build(tmp_path, write_jsonl(rows, tmp_path / "m.jsonl"), "messages", loss=loss)
+    b = build(tmp_path, write_jsonl([as_sharegpt(r) for r in rows], tmp_path / "s.jsonl"), "sharegpt", loss=loss)
+    assert b.metadata["source"]["format"] == "sharegpt" and a.metadata["source"]["format"] == "chat"
+    assert data_bytes(a.path) and data_bytes(a.path) == data_bytes(b.path)
+    assert b.metadata["counts"]["skipped_rows"] == 0 and a.metadata["counts"] == b.metadata["counts"]
+
+
+def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, qwen3):
+    """function_call / observation turns render through Qwen3's template (tool calls, tool
+    responses) exactly as the messages they map to."""
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    sharegpt = [{"conversations": [
+        {"from": "system", "value": "You are helpful."},
+        {"from": "human", "value": f"Weather in city {k}?"},
+        {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": f'{{"temp": {k}}}'},
+        {"from": "gpt", "value": f"It is {k} degrees."},
+    ]} for k in range(6)]
+    messages = [{"messages": sharegpt_to_messages(r["conversations"])} for r in sharegpt]
+    a = build(tmp_path, write_jsonl(messages, tmp_path / "m.jsonl"), "messages", qwen3, loss="all")
+    b = build(tmp_path, write_jsonl(sharegpt, tmp_path / "s.jsonl"), "sharegpt", qwen3, loss="all")
+    assert data_bytes(a.path) == data_bytes(b.path) and b.metadata["counts"]["skipped_rows"] == 0
+    tok = transformers.AutoTokenizer.from_pretrained(qwen3)
+    text = tok.decode(built_rows(b.path)[0][0])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temp": 0}\n</tool_response>' in text
+
+
+# ---------------------------------------------------------------------------- prompt / completion
+
+
+@pytest.mark.parametrize("tokenizer", ["demo", "qwen3"])
+def test_string_prompt_completion_equals_trl(tmp_path, rows, tokenizer, request):
+    tdir = tokenizer_dir(tokenizer, request.getfixturevalue("qwen3") if tokenizer == "qwen3" else None)
+    pairs = string_pairs(rows)
+    res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
+    assert res.metadata["source"]["format"] == "prompt_completion"
+    tok = transformers.AutoTokenizer.from_pretrained(tdir)
+    assert_rows_match(res.path, [trl_string_reference(tok, p) for p in pairs])
+
+
+@pytest.mark.parametrize("tokenizer", ["demo", "qwen3"])
+def test_conversational_prompt_completion_equals_trl(tmp_path, rows, tokenizer, request):
+    """Multi-turn prompts (Qwen3's template drops earlier reasoning and adds an empty think
+    block to the last answer: the completion's targets still follow TRL's rule)."""
+    tdir = tokenizer_dir(tokenizer, request.getfixturevalue("qwen3") if tokenizer == "qwen3" else None)
+    pairs = [dict(zip(("prompt", "completion"), split_last_answer(r))) for r in rows]
+    res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
+    tok = transformers.AutoTokenizer.from_pretrained(tdir)
+    want = [trl_chat_reference(tok, p) for p in pairs]
+    assert_rows_match(res.path, want)
+    assert all(0 < sum(m) < len(ids) for ids, m in want)  # the reference has prompt and completion tokens
+
+
+def test_prompt_completion_with_loss_all_packs_as_text_and_messages_rows(tmp_path, rows):
+    """loss: all trains every token: string pairs build byte for byte as text rows of
+    prompt + completion (EOS appended), message pairs as the whole conversation's messages rows."""
+    pairs = string_pairs(rows)
+    a = build(tmp_path, write_jsonl([{"text": p["prompt"] + p["completion"]} for p in pairs], tmp_path / "t.jsonl"), "t")
+    b = build(tmp_path, write_jsonl(pairs, tmp_path / "p.jsonl"), "p", loss="all")
+    assert data_bytes(a.path) and data_bytes(a.path) == data_bytes(b.path)
+    chats = [dict(zip(("prompt", "completion"), split_last_answer(r))) for r in rows]
+    whole = [{"messages": c["prompt"] + c["completion"]} for c in chats]
+    c = build(tmp_path, write_jsonl(whole, tmp_path / "m.jsonl"), "m", loss="all")
+    d = build(tmp_path, write_jsonl(chats, tmp_path / "c.jsonl"), "c", loss="all")
+    assert data_bytes(c.path) and data_bytes(c.path) == data_bytes(d.path)
+
+
+def test_prompt_completion_from_parquet_with_content_parts(tmp_path, rows):
+    """Columns (not JSON lines) are read too; content parts are joined as in messages rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [dict(zip(("prompt", "completion"), split_last_answer(r))) for r in rows]
+    parts = [{"prompt": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in c["prompt"]],
+              "completion": c["completion"]} for c in chats]
+    pq.write_table(pa.Table.from_pylist(parts), tmp_path / "pc.parquet")
+    a = build(tmp_path, write_jsonl(chats, tmp_path / "pc.jsonl"), "json")
+    b = build(tmp_path, tmp_path / "pc.parquet", "parquet")
+    assert b.metadata["source"]["format"] == "prompt_completion"
+    assert data_bytes(a.path) and data_bytes(a.path) == data_bytes(b.path)
+
+
+# ---------------------------------------------------------------------------- detection and override
+
+
+def test_detection_order(tmp_path):
+    cfg = BuildConfig()
+    assert DETECTION_ORDER == ("chat", "sharegpt", "prompt_completion", "tokenized", "text")
+    assert detect_format(["messages", "conversations", "prompt", "completion"], cfg) == "chat"
+    assert detect_format(["conversations", "prompt", "completion", "text"], cfg) == "sharegpt"
+    assert detect_format(["prompt", "completion", "input_ids", "text"], cfg) == "prompt_completion"
+    assert detect_format(["prompt", "input_ids", "text"], cfg) == "tokenized"
+    assert detect_format(["prompt", "text"], cfg) == "text"
+    assert detect_format(["prompt"], cfg) is None
+    with pytest.raises(InputError, match=r"cannot tell the row format .*'prompt' \+ 'completion' \(prompt_completion\)"):
+        build(tmp_path, write_jsonl([{"prompt": "only"}], tmp_path / "p.jsonl"), "out")
+
+
+def test_format_option_overrides_detection(tmp_path, rows):
+    pairs = [dict(p, text=p["prompt"] + p["completion"]) for p in string_pairs(rows)]
+    path = write_jsonl(pairs, tmp_path / "both.jsonl")
+    auto = build(tmp_path, path, "auto")
+    text = build(tmp_path, path, "text", format="text")
+    assert auto.metadata["source"]["format"] == "prompt_completion" and text.metadata["source"]["format"] == "text"
+    assert all(m.all() for _, m in built_rows(text.path).values())
+    assert not any(m.all() for _, m in built_rows(auto.path).values())
+    # role/content turns under 'conversations' are messages rows: format chat + messages_field
+    convs = write_jsonl([{"conversations": r["messages"]} for r in rows], tmp_path / "convs.jsonl")
+    chat = build(tmp_path, convs, "chat", format="chat", messages_field="conversations")
+    plain = build(tmp_path, write_jsonl(rows, tmp_path / "m.jsonl"), "plain")
+    assert data_bytes(chat.path) == data_bytes(plain.path)
+    with pytest.raises(ConfigError, match="format must be one of"):
+        build(tmp_path, path, "bad", format="alpaca")
+
+
+# ---------------------------------------------------------------------------- bad rows
+
+GOOD_SHAREGPT = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}
+BAD_SHAREGPT = [  # (row, what the error says)
+    ({"conversations": [{"value": "hi"}, {"from": "gpt", "value": "ok"}]}, "'conversations' turn 0 has no 'from'"),
+    ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "ok"}]}, "'conversations' turn 0 has no 'value'"),
+    ({"conversations": [{"from": "bot", "value": "hi"}]}, "'conversations' turn 0: unknown role 'bot' in 'from'"),
+    ({"conversations": [{"from": "human", "value": 3}]}, "'conversations' turn 0: 'value' must be a string"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "f(x)"}]},
+     "'conversations' turn 1: a function_call 'value' must be JSON"),
+    ({"conversations": [{"role": "user", "content": "hi"}]}, "'conversations' turn 0 has no 'from'"),
+    ({"conversations": []}, "'conversations' must be a non-empty list of turns"),
+    ({"conversations": "hi"}, "'conversations' must be a non-empty list of turns"),
+    ({"messages": []}, "no 'conversations' field"),
+]
+GOOD_PC = {"prompt": "Q: hi\n", "completion": "ok"}
+BAD_PC = [
+    ({"prompt": "Q: hi\n"}, "no 'completion' field"),
+    ({"completion": "ok"}, "no 'prompt' field"),
+    ({"prompt": 5, "completion": "ok"}, "'prompt' must be a string or a list of messages, got 5"),
+    ({"prompt": "Q", "completion": None}, "'completion' must be a string or a list of messages, got None"),
+    ({"prompt": "Q", "completion": [{"role": "assistant", "content": "ok"}]},
+     "'prompt' and 'completion' must both be strings or both lists of messages"),
+    ({"prompt": [{"content": "hi"}], "completion": [{"role": "assistant", "content": "ok"}]},
+     "'prompt' message 0 must be an object with a 'role' string"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": []},
+     "'completion' must be a non-empty list of messages"),
+    ({"prompt": [{"role": "user", "content": 7}], "completion": [{"role": "assistant", "content": "ok"}]},
+     "message 0: 'content' must be a string or a list of content parts"),
+]
+
+
+def write_mixed(tmp_path: Path, good: dict, bad: list, name: str) -> tuple[Path, dict[int, str]]:
+    """Good and bad rows alternating; returns the file and {line: expected error}."""
+    lines, expected = [], {}
+    for row, error in bad:
+        lines.append(json.dumps(good))
+        lines.append(json.dumps(row))
+        expected[len(lines)] = error
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path, expected
+
+
+@pytest.mark.parametrize("fmt, good, bad", [("sharegpt", GOOD_SHAREGPT, BAD_SHAREGPT),
+                                            ("prompt_completion", GOOD_PC, BAD_PC)])
+def test_bad_rows_name_file_line_and_field(tmp_path, fmt, good, bad):
+    path, expected = write_mixed(tmp_path, good, bad, f"{fmt}.jsonl")
+    with pytest.raises(InputError) as err:
+        build(tmp_path, path, "out", format=fmt)
+    first = min(expected)
+    assert f"{len(expected)} bad row(s)" in str(err.value) and f"{path}:{first}: {expected[first]}" in str(err.value)
+    res = build(tmp_path, path, "skip", format=fmt, skip_bad_rows=True)
+    examples = res.metadata["skipped_examples"]
+    assert res.metadata["counts"]["skipped_rows"] == len(bad) and res.metadata["counts"]["samples"] == len(bad)
+    assert [e["where"] for e in examples] == [f"{path}:{line}" for line in sorted(expected)]
+    for e, line in zip(examples, sorted(expected)):
+        assert e["error"].startswith(expected[line]), (line, e["error"])
+
+
+def test_missing_column_names_the_file_and_format(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "text": "b"}]), tmp_path / "x.parquet")
+    with pytest.raises(InputError, match=r"x\.parquet: no 'completion' column for format 'prompt_completion'"):
+        build(tmp_path, tmp_path / "x.parquet", "out", format="prompt_completion")

@@ -1,0 +1,214 @@
+"""The row formats users have, besides OpenAI ``messages`` rows: ShareGPT and TRL's prompt/completion.
+
+Each one becomes the representation the build already has, so that the chat code
+(templates, assistant targets) is written once (:mod:`thdpack.offline.tokenize`):
+
+- **sharegpt** ``{"conversations": [{"from": "human", "value": ...}, ...]}``:
+  converted to ``messages`` (:func:`sharegpt_to_messages`) and then built exactly
+  as a chat row; the roles are mapped as LLaMA-Factory's ``sharegpt`` format
+  defines them (:data:`SHAREGPT_ROLES`).
+- **prompt_completion** ``{"prompt": ..., "completion": ...}``, both strings or
+  both lists of messages: tokenized as TRL's ``SFTTrainer`` does
+  (``trl/trainer/sft_trainer.py``, ``tokenize_fn``), the completion's tokens being
+  the targets (:func:`encode_prompt_completion`).
+
+:func:`detect_format` picks the format from a row's fields in the order of
+:data:`DETECTION_ORDER`; ``format:`` in the config overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from thdpack.offline.fastenc import encode_texts, normalize_chats, render_chats
+
+SHAREGPT_FIELD = "conversations"
+PROMPT_FIELD = "prompt"
+COMPLETION_FIELD = "completion"
+CHAT_FORMATS = ("chat", "sharegpt")  # rows that are built as messages through the chat template
+
+# ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
+# function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
+# ``function_call`` turns become assistant messages with ``tool_calls`` (:func:`_tool_calls`).
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+
+def format_fields(fmt: str, cfg) -> list[str]:
+    """The fields a row of format ``fmt`` must have (``cfg``: a BuildConfig)."""
+    return {
+        "chat": [cfg.messages_field],
+        "sharegpt": [SHAREGPT_FIELD],
+        "prompt_completion": [PROMPT_FIELD, COMPLETION_FIELD],
+        "tokenized": ["input_ids"],
+        "text": [cfg.text_field],
+    }[fmt]
+
+
+# the order ``format: auto`` tries; the first format whose fields a row has wins
+DETECTION_ORDER = ("chat", "sharegpt", "prompt_completion", "tokenized", "text")
+
+
+def detect_format(columns, cfg) -> str | None:
+    """The first format of :data:`DETECTION_ORDER` whose fields are all in ``columns``; None if none."""
+    cols = set(columns)
+    for fmt in DETECTION_ORDER:
+        if all(f in cols for f in format_fields(fmt, cfg)):
+            return fmt
+    return None
+
+
+# ---------------------------------------------------------------------------- ShareGPT
+
+
+def sharegpt_to_messages(turns) -> list[dict]:
+    """``[{"from": "human", "value": "hi"}, ...]`` -> ``[{"role": "user", "content": "hi"}, ...]``.
+
+    A ``function_call`` turn's value is the call as JSON (``{"name": ..., "arguments": ...}`` or a
+    list of them) and becomes ``{"role": "assistant", "content": "", "tool_calls": [...]}``.
+    Raises ValueError naming the field, the turn and what to do for anything else."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'{SHAREGPT_FIELD}' must be a non-empty list of turns "
+                         f"({{\"from\": \"human\", \"value\": ...}}), got {brief(turns)}")
+    return [_sharegpt_message(t, j) for j, t in enumerate(turns)]
+
+
+def _sharegpt_message(turn, j: int) -> dict:
+    where = f"'{SHAREGPT_FIELD}' turn {j}"
+    if not isinstance(turn, dict):
+        raise ValueError(f"{where} must be an object with 'from' and 'value', got {brief(turn)}")
+    for key in ("from", "value"):
+        if key not in turn:
+            hint = (f"; a turn with 'role'/'content' is a messages row: set messages_field: {SHAREGPT_FIELD} "
+                    "and format: chat") if "role" in turn else ""
+            raise ValueError(f"{where} has no '{key}' (a ShareGPT turn is "
+                             f"{{\"from\": \"human\", \"value\": \"...\"}}){hint}")
+    role, value = turn["from"], turn["value"]
+    if role not in SHAREGPT_ROLES:
+        raise ValueError(f"{where}: unknown role {brief(role)} in 'from'; use one of {', '.join(SHAREGPT_ROLES)}")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: 'value' must be a string, got {brief(value)}")
+    if role == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(value, where)}
+    return {"role": SHAREGPT_ROLES[role], "content": value}
+
+
+def _tool_calls(value: str, where: str) -> list[dict]:
+    """A function_call turn's JSON value as OpenAI ``tool_calls`` (``{"type": "function", "function": ...}``)."""
+    try:
+        calls = json.loads(value)
+    except json.JSONDecodeError:
+        calls = None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
+                            for c in calls):
+        raise ValueError(f"{where}: a function_call 'value' must be JSON {{\"name\": ..., \"arguments\": ...}} "
+                         f"or a list of them, got {brief(value)}")
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
+# ---------------------------------------------------------------------------- prompt / completion
+
+
+@dataclass(frozen=True)
+class PromptCompletion:
+    """One prompt/completion row: two strings, or two lists of messages (content parts already joined)."""
+
+    prompt: str | list
+    completion: str | list
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def prompt_completion(row: dict, messages=lambda m: m) -> PromptCompletion:
+    """The :class:`PromptCompletion` of ``row`` (a mapping with ``prompt`` and ``completion``);
+    ``messages(list)`` prepares a list of messages for the template (joins content parts).
+    Raises ValueError naming the field for anything but two strings or two lists of messages."""
+    prompt, completion = row[PROMPT_FIELD], row[COMPLETION_FIELD]
+    for name, v in ((PROMPT_FIELD, prompt), (COMPLETION_FIELD, completion)):
+        if not isinstance(v, (str, list)):
+            raise ValueError(f"'{name}' must be a string or a list of messages, got {brief(v)}")
+    if isinstance(prompt, str) != isinstance(completion, str):
+        raise ValueError(f"'{PROMPT_FIELD}' and '{COMPLETION_FIELD}' must both be strings or both lists of "
+                         f"messages; got a {type(prompt).__name__} and a {type(completion).__name__}")
+    if isinstance(prompt, str):
+        return PromptCompletion(prompt, completion)
+    for name, v in ((PROMPT_FIELD, prompt), (COMPLETION_FIELD, completion)):
+        msg = check_messages(v, name)
+        if msg:
+            raise ValueError(msg)
+    return PromptCompletion(messages(prompt), messages(completion))
+
+
+def check_messages(v, name: str) -> str | None:
+    """Why ``v`` (field ``name``) is not a non-empty list of messages with a ``role`` string; None if it is."""
+    if not isinstance(v, list) or not v:
+        return f"'{name}' must be a non-empty list of messages, got {brief(v)}"
+    for j, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"'{name}' message {j} must be an object with a 'role' string, got {brief(m)}"
+    return None
+
+
+def encode_prompt_completion(tok, rows: list[PromptCompletion], bpe=None, *, loss: str = "assistant",
+                             append_eos: bool = True) -> list:
+    """``[(input_ids int32 [T], targets bool [T]), ...]``: the ids and completion mask TRL's
+    ``SFTTrainer`` gives each row (``completion_only_loss``); ``loss="all"`` trains every token.
+
+    Strings: ids = ``tok(prompt + completion + eos)`` (EOS appended as text unless the completion
+    already ends with it, and only with ``append_eos``), one encoding of the concatenated text.
+    Messages: ids = ``apply_chat_template(prompt + completion)``. Either way the first
+    ``len(prompt ids)`` tokens are not targets, where prompt ids are ``tok(prompt)``, or
+    ``apply_chat_template(prompt, add_generation_prompt=True)``; as in TRL, a prompt whose tokens
+    are not a prefix of the whole (a token merging across the boundary) still masks that many."""
+    out: list = [None] * len(rows)
+    for conversational in (False, True):
+        idx = [i for i, r in enumerate(rows) if r.conversational == conversational]
+        if not idx:
+            continue
+        part = [rows[i] for i in idx]
+        encode = _encode_conversations if conversational else _encode_strings
+        for i, (prompt_ids, ids) in zip(idx, encode(tok, part, bpe, append_eos)):
+            ids = np.asarray(ids, dtype=np.int32)
+            mask = np.ones(ids.size, dtype=bool)
+            if loss != "all":
+                mask[: len(prompt_ids)] = False
+            out[i] = (ids, mask)
+    return out
+
+
+def _encode_strings(tok, rows, bpe, append_eos):
+    """``[(prompt ids, prompt + completion ids)]`` of string rows, as TRL tokenizes them."""
+    eos = tok.eos_token if append_eos else None
+    completions = [r.completion if eos is None or r.completion.endswith(eos) else r.completion + eos for r in rows]
+    prompt_ids = encode_texts(tok, [r.prompt for r in rows], bpe)
+    ids = encode_texts(tok, [r.prompt + c for r, c in zip(rows, completions)], bpe)
+    return zip(prompt_ids, ids)
+
+
+def _encode_conversations(tok, rows, bpe, append_eos):
+    """``[(prompt ids, prompt + completion ids)]`` of message rows: the template's render, encoded
+    without adding special tokens (what ``apply_chat_template(tokenize=True)`` does)."""
+    prompts = render_chats(tok, normalize_chats([r.prompt for r in rows]), True)
+    wholes = render_chats(tok, normalize_chats([r.prompt + r.completion for r in rows]), False)
+    return zip(encode_texts(tok, prompts, bpe, add_special_tokens=False),
+               encode_texts(tok, wholes, bpe, add_special_tokens=False))
+
+
+def brief(v) -> str:
+    """``repr(v)``, cut to 80 characters (for error messages)."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
