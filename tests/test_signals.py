@@ -251,3 +251,25 @@ def test_map_in_processes_raises_a_workers_exception(tmp_path):
         map_in_processes(ds, _fail_on_row_5, 2, cache_file_name=str(tmp_path / "t.arrow"), new_fingerprint="t",
                          batched=True, batch_size=2, with_indices=True, remove_columns=["x"])
     assert isinstance(info.value.__cause__, RemoteTraceback) and "_fail_on_row_5" in str(info.value.__cause__)
+
+
+def test_a_signal_right_after_the_fork_never_runs_the_main_process_handler(tmp_path, monkeypatch):
+    """A worker SIGINTed before it has set its own handlers (a Ctrl-C to the process group
+    at that moment) ignores it, as it would later, instead of raising the main process's
+    Interrupted and dying."""
+    import datasets
+
+    from thdpack.offline import procs
+
+    real = procs.die_with_parent
+
+    def signalled_first(parent_pid):  # runs first thing in the forked worker
+        os.kill(os.getpid(), signal.SIGINT)
+        real(parent_pid)
+
+    monkeypatch.setattr(procs, "die_with_parent", signalled_first)
+    ds = datasets.Dataset.from_dict({"x": list(range(4))}).with_format("arrow")
+    with procs.signals_interrupt():
+        got = procs.map_in_processes(ds, _row_and_index, 2, cache_file_name=str(tmp_path / "t.arrow"),
+                                     new_fingerprint="t", batched=True, with_indices=True, remove_columns=["x"])
+    assert got.data.table.column("index").to_pylist() == [0, 1, 2, 3]

@@ -106,9 +106,12 @@ def signals_deferred(outcome: str):
 def worker_signals() -> None:
     """In a worker: ignore SIGINT (a terminal's Ctrl-C reaches the whole process group;
     the main process stops the workers) and die on SIGTERM without running Python
-    handlers inherited from the main process."""
+    handlers inherited from the main process; then take the signals that
+    :func:`_signals_blocked` held back since the fork."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPT_SIGNALS)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -202,7 +205,8 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
                                 name=f"thdpack-map-{r}", daemon=True)
                 procs.append(p)  # before start(): an interrupt right after the fork still stops it
                 readers.append(reader)
-                p.start()
+                with _signals_blocked():
+                    p.start()
                 writer.close()  # the worker holds the only write end: EOF here when it ends
         with hf_tqdm(unit=" examples", total=len(ds), desc=f"{desc or 'Map'} (num_proc={num_proc})") as bar:
             _collect(procs, readers, results, bar)
@@ -244,6 +248,21 @@ def _how(exitcode) -> str:
     if exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
     return f"exit code {exitcode}"
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """Hold SIGINT and SIGTERM back in this thread, and so in a child it forks until the
+    child has set its own handlers (:func:`worker_signals`): a child must never run the
+    main process's handlers. Signals that arrive meanwhile are delivered afterwards."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextlib.contextmanager
