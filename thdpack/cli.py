@@ -8,6 +8,7 @@
     thdpack inspect out/demo --pack 0
     thdpack build --config C.yaml --shard 3/8 --output out/parts/{shard}   # one shard of 8 (or --shard auto)
     thdpack merge out/full out/parts/*           # combine the shards (thdpack/offline/merge.py)
+    thdpack export out/demo --to megatron-bridge out/bridge   # Megatron-Bridge's packed Parquet (offline/bridge.py)
 
 Every build option is a YAML key of ``--config`` and a flag that overrides it
 (``pack_size`` / ``--pack-size``). Nothing is downloaded: the tokenizer is a local
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"thdpack {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge,export}")
 
     b = sub.add_parser(
         "build",
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     from thdpack.offline.merge import add_merge_parser
 
     add_merge_parser(sub)  # thdpack merge OUT SHARD...
+    from thdpack.offline.bridge import add_export_parser
+
+    add_export_parser(sub)  # thdpack export PATH --to megatron-bridge OUT
     return parser
 
 

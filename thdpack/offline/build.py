@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import InputError, OfflineError, OutputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
@@ -318,9 +319,10 @@ def _same_file(fd: int, path: Path) -> bool:
     return os.path.samestat(os.fstat(fd), st)
 
 
-def start_output(output: Path, overwrite: bool, log=None) -> tuple[Path, OutputLock]:
+def start_output(output: Path, overwrite: bool, log=None, *, marker: str = METADATA_FILE) -> tuple[Path, OutputLock]:
     """Lock ``output``, check that it may be written (:func:`_check_output`) and make the hidden
     temporary directory ``.NAME.tmp-PID-RAND`` next to it that :func:`_commit` moves into place.
+    ``marker``: the file that marks an earlier output of the same command, which ``overwrite`` may replace.
     Returns ``(tmp, lock)``; the caller removes ``tmp`` on failure and releases the lock when done."""
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -330,7 +332,7 @@ def start_output(output: Path, overwrite: bool, log=None) -> tuple[Path, OutputL
             raise
         raise output_error(exc, output) from exc
     try:
-        _check_output(output, overwrite)
+        _check_output(output, overwrite, marker)
         stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
         if stale and log:
             log(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
@@ -380,16 +382,17 @@ def written_line(path: Path, summary: dict) -> str:
             f"statistics: thdpack stats {path}")
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def _check_output(output: Path, overwrite: bool, marker: str = METADATA_FILE) -> None:
     if not output.exists() or (output.is_dir() and not any(output.iterdir())):
         return  # nothing there, or an empty directory: nothing to lose
     if not overwrite:
         raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it")
     if not output.is_dir():
         raise OutputExistsError(f"output {output} exists and is not a directory; not replacing it")
-    if any(output.iterdir()) and not (output / METADATA_FILE).is_file():
+    if any(output.iterdir()) and not (output / marker).is_file():
+        what = "thdpack packed dataset" if marker == METADATA_FILE else "thdpack output"
         raise OutputExistsError(
-            f"output {output} exists and is not a thdpack packed dataset (no {METADATA_FILE}); "
+            f"output {output} exists and is not a {what} (no {marker}); "
             "not replacing it, even with --overwrite. Remove it yourself if it is yours to delete."
         )
 
@@ -418,6 +421,8 @@ def build_packed(
         work.mkdir()
         prep = prepare(cfg, work, progress=progress, log=log, shard=shard)
         plan = prep.plan
+        if cfg.output_format == bridge.FORMAT:
+            bridge.check_text_only(prep.vlm)
         t0 = time.perf_counter()
         order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
                  else np.arange(len(plan)))
@@ -428,7 +433,7 @@ def build_packed(
             plan,
             prep.sample_rows,
             order,
-            file_format=cfg.output_format,
+            file_format=bridge.shard_format(cfg.output_format),
             shard_size_mb=cfg.shard_size_mb,
             progress=progress,
             row_offset=prep.source.row_start if shard is not None else 0,
@@ -453,7 +458,7 @@ def build_packed(
             "format_version": FORMAT_VERSION,
             "complete": True,
             "thdpack_version": __version__,
-            "file_format": cfg.output_format,
+            "file_format": bridge.shard_format(cfg.output_format),
             "targets": cfg.targets,
             "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
             "num_packs": len(plan),
@@ -483,6 +488,8 @@ def build_packed(
             "skipped_examples": prep.skipped_examples(),
             "config": cfg.as_dict(recorded=True),
         }
+        if cfg.output_format == bridge.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge.py)
+            meta["megatron_bridge"] = bridge.write_build(tmp, cfg, written["files"], tok_info, log)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vlm.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
         if shard is not None:  # row range + input lengths, for thdpack merge

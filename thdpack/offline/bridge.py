@@ -1,0 +1,369 @@
+"""Megatron-Bridge's packed SFT format: ``thdpack build --output-format megatron-bridge`` and
+``thdpack export PATH --to megatron-bridge OUT``.
+
+Bridge's packed-Parquet reader (``GPTSFTPackedParquetDataset`` in
+``megatron/bridge/data/packing/parquet.py``, whose ``collate_fn`` is ``GPTSFTPackedDataset``'s in
+``packing/gpt_sft.py``, megatron-bridge 0.6.2) reads ``*.parquet`` files with one row per pack:
+
+=================  ============  ==========================================================
+column             Arrow type    meaning
+=================  ============  ==========================================================
+``input_ids``      list<int32>   the pack's stored samples back to back
+``loss_mask``      list<int8>    1 = the *next* token of the sample is a target
+``seq_start_id``   list<int32>   where each stored sample starts in the pack
+=================  ============  ==========================================================
+
+The reader drops each stored sample's last token (it has no next token) and takes labels
+from the following token, so a sample of ``s`` tokens is ``s - 1`` tokens in Bridge's
+stream, and Bridge's ``cu_seqlens`` are thdpack's minus one per sample. With THD context
+parallelism (``pad_seq_to_mult`` = ``m`` > 1) each stored sample is pre-padded with the EOS
+id (``loss_mask`` 0) to ``ceil(s - 1, m) + 1`` tokens, as Bridge's own packer does
+(``_pre_pad_data_point`` in ``packing/offline.py``): ``cu_seqlens_padded`` are the stored
+lengths minus one, and the logical ``cu_seqlens`` end at the last non-EOS token of what the
+reader streams of each sample (so a padded sample whose last token is not EOS counts ``s``).
+
+So in Bridge's units a sample costs ``ceil(s - 1, m) <= ceil(s, a)`` tokens whenever ``m``
+divides the build's alignment multiple ``a``: a pack planned to ``pack_size`` in thdpack's
+units never exceeds ``pack_size`` in Bridge's. Conversion checks every pack anyway.
+
+Bridge's ``pack_metadata_file_path`` is a JSON *list* of dicts (one per packed split), written
+here as ``bridge_metadata.json`` with the keys of Bridge's ``create_packing_strategy``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.format import file_sha256
+
+FORMAT = "megatron-bridge"
+METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list of dicts)
+SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
+ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
+IGNORE_INDEX = -100
+
+
+def bridge_lengths(seq_lens: np.ndarray, multiple: int) -> np.ndarray:
+    """int64 ``[n]``: each sample's length in Bridge's stream (its ``cu_seqlens_padded`` steps):
+    ``s - 1`` tokens (the last one only serves as a label), rounded up to ``multiple``."""
+    run = np.maximum(np.asarray(seq_lens, np.int64) - 1, 0)
+    return -(-run // multiple) * multiple
+
+
+@dataclass
+class BridgeRows:
+    """The Bridge rows of a batch of packs (numpy, ready for Arrow list arrays).
+
+    ``tok_offsets`` int64 ``[P+1]`` into ``input_ids`` (int32) and ``loss_mask`` (int8);
+    ``sample_offsets`` int64 ``[P+1]`` into ``seq_start_id`` (int32, relative to its pack);
+    ``pack_runtime`` int64 ``[P]``: each pack's tokens in Bridge's stream;
+    ``runtime`` int64 ``[N]``: each sample's (:func:`bridge_lengths`);
+    ``eos_tail`` int: samples whose last streamed token is the pad (EOS) id (see :func:`convert`)."""
+
+    tok_offsets: np.ndarray
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    sample_offsets: np.ndarray
+    seq_start_id: np.ndarray
+    pack_runtime: np.ndarray
+    runtime: np.ndarray
+    eos_tail: int
+
+
+def convert(tok_offsets: np.ndarray, ids: np.ndarray, is_target: np.ndarray, sample_offsets: np.ndarray,
+            seq_lens: np.ndarray, multiple: int, pad_id: int) -> BridgeRows:
+    """thdpack packs -> Bridge rows, all packs of a record batch at once.
+
+    Args:
+        tok_offsets: int64 ``[P+1]`` offsets of each pack's tokens in ``ids`` / ``is_target``
+            (starting at 0).
+        ids: int ``[T]`` tokens; ``is_target``: bool ``[T]``, token t is a target (predicted from
+            token t-1 of its sample; a sample's first token never is).
+        sample_offsets: int64 ``[P+1]`` offsets of each pack's samples in ``seq_lens`` (from 0).
+        seq_lens: int ``[N]`` real length of each sample (they tile ``ids``).
+        multiple: Bridge's ``pad_seq_to_mult`` the samples are pre-padded for (1: no padding).
+        pad_id: the token the pre-padding uses (Bridge's EOS id).
+
+    ``eos_tail`` counts the samples that Bridge's reader cuts short: with ``multiple`` > 1 it ends a
+    sample's logical length at the last non-EOS token it streams, so a sample whose token
+    ``s - 2`` is ``pad_id`` (and token ``s - 1`` too, where padding makes it streamed) gets fewer
+    than ``s - 1`` tokens in its ``cu_seqlens``; the rest are treated as padding.
+    """
+    lens = np.asarray(seq_lens, np.int64)
+    runtime = bridge_lengths(lens, multiple)
+    stored = runtime + 1
+    in_start = np.cumsum(lens) - lens
+    out_start = np.cumsum(stored) - stored
+    dest = np.arange(lens.sum(), dtype=np.int64) + np.repeat(out_start - in_start, lens)
+
+    out_ids = np.full(int(stored.sum()), pad_id, dtype=np.int32)
+    out_ids[dest] = ids
+    shifted = np.zeros(ids.size, dtype=np.int8)  # Bridge's loss_mask[t]: token t+1 is a target
+    shifted[:-1] = is_target[1:]
+    shifted[in_start + lens - 1] = 0  # the last token of a sample predicts nothing of it
+    out_mask = np.zeros(out_ids.size, dtype=np.int8)
+    out_mask[dest] = shifted
+
+    counts = np.diff(sample_offsets)
+    pack_first = sample_offsets[:-1]
+    pack_stored = np.add.reduceat(stored, pack_first) if counts.size else np.zeros(0, np.int64)
+    out_offsets = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(pack_stored, out=out_offsets[1:])
+    seq_start = (out_start - np.repeat(out_offsets[:-1], counts)).astype(np.int32)
+    pack_runtime = np.add.reduceat(runtime, pack_first) if counts.size else np.zeros(0, np.int64)
+    eos_tail = _cut_short(ids, in_start, lens, runtime, pad_id) if multiple > 1 else 0
+    return BridgeRows(out_offsets, out_ids, out_mask, sample_offsets.astype(np.int64), seq_start, pack_runtime,
+                      runtime, eos_tail)
+
+
+def _cut_short(ids: np.ndarray, in_start: np.ndarray, lens: np.ndarray, runtime: np.ndarray, pad_id: int) -> int:
+    """How many samples end, in what Bridge streams of them, with a run of ``pad_id`` reaching
+    back over token ``s - 2`` (see :func:`convert`)."""
+    two = lens >= 2
+    end = in_start[two] + lens[two]
+    second_last = ids[end - 2] == pad_id
+    streamed_last = runtime[two] >= lens[two]  # padding makes the reader stream token s - 1 too
+    return int((second_last & (~streamed_last | (ids[end - 1] == pad_id))).sum())
+
+
+def _list_values(batch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets int64 [rows+1] from 0, values)`` of list column ``name`` of a record batch."""
+    col = batch.column(name)
+    off = np.asarray(col.offsets, dtype=np.int64)
+    values = col.values.slice(int(off[0]), int(off[-1] - off[0])).to_numpy(zero_copy_only=False)
+    return off - off[0], values
+
+
+def _targets(batch, targets: str, ids: np.ndarray, tok_off: np.ndarray, where_pack) -> np.ndarray:
+    """bool ``[T]``: which tokens of a record batch are targets. Bridge derives labels from the
+    next token, so stored ``labels`` must equal the token ids wherever they are not -100."""
+    _, values = _list_values(batch, targets)
+    if targets == "loss_mask":
+        return values.astype(bool)
+    is_target = values != IGNORE_INDEX
+    bad = np.flatnonzero(is_target & (values != ids))
+    if bad.size:
+        t = int(bad[0])
+        j = int(np.searchsorted(tok_off, t, side="right")) - 1
+        raise InputError(f"{where_pack(j)}, token {t - int(tok_off[j])}: label {int(values[t])} differs from the token "
+                         f"{int(ids[t])}; Megatron-Bridge's packed format takes labels from the token ids, so it cannot "
+                         "hold these packs: train them with thdpack's loader")
+    return is_target
+
+
+def _batch_rows(batch, targets: str, multiple: int, pad_id: int, where_pack) -> BridgeRows:
+    tok_off, ids = _list_values(batch, "input_ids")
+    smp_off, lens = _list_values(batch, "seq_lens")
+    is_target = _targets(batch, targets, ids, tok_off, where_pack)
+    return convert(tok_off, ids, is_target, smp_off, lens, multiple, pad_id)
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+                      ("seq_start_id", pa.list_(pa.int32()))])
+
+
+def _table(rows: BridgeRows):
+    import pyarrow as pa
+
+    def lists(offsets, values, kind):
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, kind))
+
+    arrays = [lists(rows.tok_offsets, rows.input_ids, pa.int32()), lists(rows.tok_offsets, rows.loss_mask, pa.int8()),
+              lists(rows.sample_offsets, rows.seq_start_id, pa.int32())]
+    return pa.Table.from_arrays(arrays, schema=_schema())
+
+
+@dataclass
+class _Totals:
+    """What Bridge's metadata list records, accumulated over the packs (Bridge's units)."""
+
+    packs: int = 0
+    samples: int = 0
+    runtime_tokens: int = 0
+    max_seqlen: int = 0
+    max_samples: int = 0
+    min_pack: int | None = None
+    eos_tail: int = 0
+
+    def add(self, rows: BridgeRows) -> None:
+        if not rows.pack_runtime.size:
+            return
+        self.packs += int(rows.pack_runtime.size)
+        self.samples += int(rows.runtime.size)
+        self.runtime_tokens += int(rows.pack_runtime.sum())
+        self.max_seqlen = max(self.max_seqlen, int(rows.runtime.max()))
+        self.max_samples = max(self.max_samples, int(np.diff(rows.sample_offsets).max()))
+        low = int(rows.pack_runtime.min())
+        self.min_pack = low if self.min_pack is None else min(self.min_pack, low)
+        self.eos_tail += rows.eos_tail
+
+    def bridge_metadata(self, pack_size: int) -> dict:
+        """One entry of Bridge's metadata list (the keys of its ``create_packing_strategy``)."""
+        return {
+            "dataset_max_seqlen": self.max_seqlen,
+            "max_samples_per_bin": self.max_samples,
+            "packing_factor": round(self.samples / max(self.packs, 1), 2),
+            "packing_efficiency": round(self.runtime_tokens / max(self.packs, 1) / pack_size * 100, 2),
+            "pack_size": pack_size,
+            "min_packed_seqlen": self.min_pack or 0,
+        }
+
+
+def _check_fits(rows: BridgeRows, pack_size: int, multiple: int, align: int, where_pack) -> None:
+    over = np.flatnonzero(rows.pack_runtime > pack_size)
+    if over.size:
+        j = int(over[0])
+        raise ConfigError(
+            f"{where_pack(j)}: at pad_seq_to_mult={multiple} its samples take {int(rows.pack_runtime[j])} tokens in "
+            f"Megatron-Bridge's stream, more than pack_size={pack_size}; export with a pad_seq_to_mult that divides "
+            f"the build's alignment multiple ({align}), or rebuild with the cp_size / pad_multiple you train with"
+        )
+
+
+def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
+                 pad_id: int | None, log=None) -> dict:
+    """Write the packs of thdpack ``shards`` (Arrow or Parquet files, in order) as Bridge's packed
+    Parquet files in ``out_dir`` (one ``<shard stem>.idx.parquet`` per shard) and its metadata list
+    (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
+    import pyarrow.parquet as pq
+
+    from thdpack.offline.build import _fsync
+    from thdpack.offline.dataset import _read_shard
+
+    if multiple > 1 and pad_id is None:
+        raise ConfigError(f"pad_seq_to_mult={multiple} pads samples with the tokenizer's EOS id, which this dataset does "
+                          "not record: give the EOS id (thdpack export --pad-id ID) or build with a tokenizer")
+    pad = 0 if pad_id is None else int(pad_id)
+    totals, files = _Totals(), []
+    for shard in shards:
+        name = shard.name.rsplit(".", 1)[0] + SUFFIX
+        path = out_dir / name
+        first = totals.packs
+        with pq.ParquetWriter(str(path), _schema()) as writer:
+            row = 0
+            for batch in _read_shard(shard, damaged="rebuild it").to_batches():
+                where_pack = (lambda j, r=row: f"{shard}: pack {r + j}")
+                rows = _batch_rows(batch, targets, multiple, pad, where_pack)
+                _check_fits(rows, pack_size, multiple, align, where_pack)
+                writer.write_table(_table(rows), row_group_size=ROW_GROUP)
+                totals.add(rows)
+                row += batch.num_rows
+        _fsync(path)
+        files.append({"path": name, "num_packs": totals.packs - first, "num_bytes": path.stat().st_size,
+                      "sha256": file_sha256(path)})
+    entry = totals.bridge_metadata(pack_size)
+    (out_dir / METADATA).write_text(json.dumps([entry]) + "\n", encoding="utf-8")
+    if log and totals.eos_tail:
+        log(f"note: {totals.eos_tail} sample(s) end with the pad/EOS id {pad} before their last token: Megatron-Bridge's "
+            f"reader (pad_seq_to_mult {multiple} > 1) ends their cu_seqlens before those EOS tokens and treats them as "
+            "padding (docs/megatron.md)")
+    return {"files": files, "metadata": METADATA, "pad_seq_to_mult": multiple, "pad_id": pad_id,
+            "pack_size": pack_size, "samples_cut_short_by_bridge": totals.eos_tail, **entry}
+
+
+def bridge_pad_id(meta: dict) -> int | None:
+    """The id Bridge pads with (its tokenizer's EOS id), as the build recorded it."""
+    tok = meta.get("tokenizer") or {}
+    eos = tok.get("eos_token_id")
+    return eos if eos is not None else tok.get("pad_token_id")
+
+
+# ---------------------------------------------------------------------------- thdpack export
+
+
+def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int | None = None,
+                  pad_id: int | None = None, overwrite: bool = False, log=None) -> dict:
+    """Convert the packed dataset at ``path`` to Bridge's packed Parquet format at ``output`` (a
+    directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
+    alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
+    from thdpack.align import check_int
+    from thdpack.offline.build import _move_into_place, is_file_system_error, output_error, start_output
+    from thdpack.offline.dataset import load_packed
+
+    ds = load_packed(path)
+    meta = ds.metadata
+    if meta.get("vision"):
+        raise ConfigError(f"{path}: its packs hold images; Megatron-Bridge's packed SFT format is text only")
+    multiple = meta["align"] if pad_seq_to_mult is None else pad_seq_to_mult
+    check_int(multiple, "pad_seq_to_mult", 1)
+    output = Path(output)
+    tmp, lock = start_output(output, overwrite, log, marker=METADATA)
+    try:
+        record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
+                              pack_size=meta["pack_size"], multiple=multiple, align=meta["align"],
+                              pad_id=bridge_pad_id(meta) if pad_id is None else pad_id, log=log)
+        _move_into_place(tmp, output)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_file_system_error(exc):
+            raise output_error(exc, output, tmp) from exc
+        raise
+    finally:
+        lock.release()
+    return record
+
+
+def add_export_parser(sub) -> None:
+    """The ``thdpack export`` sub-command (called by :func:`thdpack.cli.build_parser`)."""
+    e = sub.add_parser(
+        "export", help="convert a packed dataset for another trainer (Megatron-Bridge's packed Parquet)",
+        description="Write the packs of a thdpack dataset in Megatron-Bridge's packed SFT format: *.idx.parquet "
+        f"files (input_ids, loss_mask, seq_start_id) and {METADATA} (Bridge's metadata list); point "
+        "packed_train_data_path at OUT and packed_metadata_path at OUT/" + METADATA + ". Written atomically.",
+    )
+    e.add_argument("path", help="packed dataset directory (thdpack build)")
+    e.add_argument("output", metavar="OUT", help="output directory")
+    e.add_argument("--to", required=True, choices=[FORMAT], help="target format")
+    e.add_argument("--pad-seq-to-mult", type=int, default=None, metavar="M",
+                   help="Bridge's pad_seq_to_mult (2*cp with context parallelism); default: the build's alignment "
+                   "multiple")
+    e.add_argument("--pad-id", type=int, default=None, metavar="ID",
+                   help="token id of the pre-padding (Bridge's tokenizer EOS id); default: the one the build recorded")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUT")
+    e.add_argument("--quiet", "-q", action="store_true", help="no summary line")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    import sys
+
+    log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    record = export_bridge(args.path, args.output, pad_seq_to_mult=args.pad_seq_to_mult, pad_id=args.pad_id,
+                           overwrite=args.overwrite, log=log)
+    if not args.quiet:
+        print(f"{args.output}: {sum(f['num_packs'] for f in record['files'])} packs in {len(record['files'])} "
+              f"Megatron-Bridge file(s), pad_seq_to_mult {record['pad_seq_to_mult']}, efficiency "
+              f"{record['packing_efficiency']:.2f}% of {record['pack_size']}; metadata {Path(args.output) / METADATA}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- thdpack build --output-format
+
+
+def shard_format(output_format: str) -> str:
+    """The format of thdpack's own shards for a build's ``output_format``: a Bridge build keeps
+    thdpack's packs as Arrow, which Bridge's directory glob (``*.parquet``) does not pick up."""
+    return "arrow" if output_format == FORMAT else output_format
+
+
+def check_text_only(vlm) -> None:
+    if vlm is not None:
+        raise ConfigError("output_format megatron-bridge: Megatron-Bridge's packed SFT format is text only, and these "
+                          "rows have images; use output_format arrow and thdpack's loader")
+
+
+def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | None, log=None) -> dict:
+    """Bridge's files next to the shards ``files`` a build just wrote into ``out_dir``, pre-padded
+    for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.)."""
+    return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=cfg.targets, pack_size=cfg.pack_size,
+                        multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}),
+                        log=log)
