@@ -185,11 +185,13 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
 
     An exception in a worker is raised here (same type); a worker that dies raises
     :class:`WorkerDied`. Whatever ends the map early (an error, :class:`Interrupted`), no
-    worker outlives it (:func:`stop`)."""
+    worker outlives it (:func:`stop`). Batched maps only (``batched=True``)."""
     import datasets
     import multiprocess
     from datasets.utils import tqdm as hf_tqdm
 
+    if not map_kwargs.get("batched"):
+        raise ValueError("map_in_processes: pass batched=True (it maps batches)")
     ctx = multiprocess.get_context()  # the start method Dataset.map's pool uses
     shards = [ds.shard(num_shards=num_proc, index=r, contiguous=True) for r in range(num_proc)]
     offsets = [sum(len(s) for s in shards[:r]) for r in range(num_proc)]
@@ -289,20 +291,14 @@ class _Reporting:
     def __call__(self, batch, indices=None):
         if indices is None:
             out = self.function(batch)
-        elif isinstance(indices, int):  # batched=False
-            out = self.function(batch, indices + self.offset)
         else:
             out = self.function(batch, [i + self.offset for i in indices])
-        self.conn.send(("progress", _num_rows(batch, indices)))
+        self.conn.send(("progress", _num_rows(batch)))
         return out
 
 
-def _num_rows(batch, indices) -> int:
-    """Rows of a batch: a ``pyarrow.Table``, a dict of columns, or one row (``batched=False``)."""
-    if isinstance(indices, int):
-        return 1
-    if indices is not None:
-        return len(indices)
+def _num_rows(batch) -> int:
+    """Rows of a batch: a ``pyarrow.Table`` or a dict of columns."""
     if hasattr(batch, "num_rows"):
         return batch.num_rows
     return len(next(iter(batch.values()))) if batch else 0
