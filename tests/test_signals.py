@@ -1,8 +1,10 @@
 """Signals and process faults of a real ``thdpack build --num-proc 2`` (thdpack/offline/procs.py).
 
-Each test starts the build in a new session, waits until its two tokenizing workers
-exist, signals it, and checks: it ends within 10 s with 128 + signal, says so in one
-line, leaves no temporary directory and no process of the build alive.
+The process tests start the build in a new session, wait until its two tokenizing
+workers exist, signal it (or kill one of its processes), and check: it ends within
+10 s with 128 + signal (2 for a killed worker), says so in one line, leaves no
+temporary directory and no process of the build alive. Then, in this process: a
+signal while the output is moved into place, and ``map_in_processes`` itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 10.0
@@ -127,6 +129,7 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, code: int, name: s
     assert elapsed < DEADLINE_S, f"took {elapsed:.1f} s"
 
 
+@needs_proc
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("to", ["main", "group"])
 def test_signal_stops_the_build_and_its_workers(text_jsonl, tmp_path, signum, to):
@@ -141,6 +144,7 @@ def test_signal_stops_the_build_and_its_workers(text_jsonl, tmp_path, signum, to
     assert_stopped_cleanly(proc, out, 128 + signum, signal.Signals(signum).name, t0)
 
 
+@needs_proc
 def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
     out = tmp_path / "o" / "packed"
     out.parent.mkdir()
@@ -160,6 +164,7 @@ def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
     assert not out.exists()  # only the hidden temporary directory is left, as documented
 
 
+@needs_proc
 def test_a_killed_worker_fails_the_build_in_one_line(text_jsonl, tmp_path):
     """A worker ended from outside (the OOM killer's SIGKILL) fails the build: exit 2, one
     line naming the worker and the signal, and nothing left behind."""
