@@ -41,12 +41,24 @@ def qwen3():
     return str(real_tokenizer("qwen3"))
 
 
-def tokenizer_dir(name, qwen3_dir=None) -> str:
-    return str(TOKENIZER_DIR) if name == "demo" else qwen3_dir
+@pytest.fixture(scope="module")
+def tokenizers(request):
+    """name -> (directory, loaded tokenizer) for "demo" and "qwen3" (loaded once per module)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = str(TOKENIZER_DIR) if name == "demo" else request.getfixturevalue("qwen3")
+            cache[name] = (path, transformers.AutoTokenizer.from_pretrained(path))
+        return cache[name]
+
+    return get
 
 
 def build(tmp_path: Path, path, name: str, tokenizer=str(TOKENIZER_DIR), **kw):
     base = dict(input=str(path), tokenizer=tokenizer, pack_size=16384, overflow="error", shuffle_packs=False)
+    if tokenizer != str(TOKENIZER_DIR):  # Qwen's: skip the tiktoken conversion (seconds; never changes the output)
+        base.update(tokenizer_backend="hf", save_tokenizer=False)
     base.update(kw)
     return build_packed(BuildConfig(**base), tmp_path / name, progress=False, log=None)
 
@@ -147,7 +159,7 @@ def test_sharegpt_packs_byte_identical_to_messages(tmp_path, rows, loss):
     assert b.metadata["counts"]["skipped_rows"] == 0 and a.metadata["counts"] == b.metadata["counts"]
 
 
-def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, qwen3):
+def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, tokenizers):
     """function_call / observation turns render through Qwen3's template (tool calls, tool
     responses) exactly as the messages they map to."""
     call = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -159,10 +171,10 @@ def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, qwen3):
         {"from": "gpt", "value": f"It is {k} degrees."},
     ]} for k in range(6)]
     messages = [{"messages": sharegpt_to_messages(r["conversations"])} for r in sharegpt]
+    qwen3, tok = tokenizers("qwen3")
     a = build(tmp_path, write_jsonl(messages, tmp_path / "m.jsonl"), "messages", qwen3, loss="all")
     b = build(tmp_path, write_jsonl(sharegpt, tmp_path / "s.jsonl"), "sharegpt", qwen3, loss="all")
     assert data_bytes(a.path) == data_bytes(b.path) and b.metadata["counts"]["skipped_rows"] == 0
-    tok = transformers.AutoTokenizer.from_pretrained(qwen3)
     text = tok.decode(built_rows(b.path)[0][0])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert '<tool_response>\n{"temp": 0}\n</tool_response>' in text
@@ -172,23 +184,21 @@ def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, qwen3):
 
 
 @pytest.mark.parametrize("tokenizer", ["demo", "qwen3"])
-def test_string_prompt_completion_equals_trl(tmp_path, rows, tokenizer, request):
-    tdir = tokenizer_dir(tokenizer, request.getfixturevalue("qwen3") if tokenizer == "qwen3" else None)
+def test_string_prompt_completion_equals_trl(tmp_path, rows, tokenizer, tokenizers):
+    tdir, tok = tokenizers(tokenizer)
     pairs = string_pairs(rows)
     res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
     assert res.metadata["source"]["format"] == "prompt_completion"
-    tok = transformers.AutoTokenizer.from_pretrained(tdir)
     assert_rows_match(res.path, [trl_string_reference(tok, p) for p in pairs])
 
 
 @pytest.mark.parametrize("tokenizer", ["demo", "qwen3"])
-def test_conversational_prompt_completion_equals_trl(tmp_path, rows, tokenizer, request):
+def test_conversational_prompt_completion_equals_trl(tmp_path, rows, tokenizer, tokenizers):
     """Multi-turn prompts (Qwen3's template drops earlier reasoning and adds an empty think
     block to the last answer: the completion's targets still follow TRL's rule)."""
-    tdir = tokenizer_dir(tokenizer, request.getfixturevalue("qwen3") if tokenizer == "qwen3" else None)
+    tdir, tok = tokenizers(tokenizer)
     pairs = [dict(zip(("prompt", "completion"), split_last_answer(r))) for r in rows]
     res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
-    tok = transformers.AutoTokenizer.from_pretrained(tdir)
     want = [trl_chat_reference(tok, p) for p in pairs]
     assert_rows_match(res.path, want)
     assert all(0 < sum(m) < len(ids) for ids, m in want)  # the reference has prompt and completion tokens
@@ -308,7 +318,7 @@ def test_bad_rows_name_file_line_and_field(tmp_path, fmt, good, bad):
         build(tmp_path, path, "out", format=fmt)
     first = min(expected)
     assert f"{len(expected)} bad row(s)" in str(err.value) and f"{path}:{first}: {expected[first]}" in str(err.value)
-    res = build(tmp_path, path, "skip", format=fmt, skip_bad_rows=True)
+    res = build(tmp_path, path, "skip", format=fmt, skip_bad_rows=True, num_proc=2, map_batch_size=4)
     examples = res.metadata["skipped_examples"]
     assert res.metadata["counts"]["skipped_rows"] == len(bad) and res.metadata["counts"]["samples"] == len(bad)
     assert [e["where"] for e in examples] == [f"{path}:{line}" for line in sorted(expected)]
