@@ -8,6 +8,9 @@ Tasks:
         ``collate_fn([ds[i] for i in batch])`` for every batch, tensors as lists.
     {"kind": "packed_seq_params", "fields": {...}}
         ``megatron.core.packed_seq_params.PackedSeqParams(**fields)``; returns its ``seq_idx``.
+    {"kind": "thdpack_packed_seq_params", "samples": [[ids], ...], "cp_size", "cp_rank"}
+        thdpack's ``ThdBatch.to_packed_seq_params()`` with megatron-core importable; returns
+        ``total_tokens``, ``seq_idx`` and ``cu_seqlens_q_padded`` of the ``PackedSeqParams`` it made.
 
 What is stubbed, and why it is irrelevant to these tasks: the package ``__init__`` files of
 ``megatron.core``, ``megatron.bridge``, ``megatron.bridge.data``, ``megatron.bridge.training``
@@ -83,8 +86,25 @@ def packed_seq_params(task: dict) -> dict:
     return {"seq_idx": None if seq_idx is None else seq_idx.tolist()}
 
 
+def thdpack_packed_seq_params(task: dict) -> dict:
+    """thdpack's ``to_packed_seq_params()`` with megatron-core's own ``PackedSeqParams`` importable:
+    the batch of ``samples`` (token lists) at ``cp_size``, or rank ``cp_rank``'s shard of it."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from thdpack import build_thd_batch
+
+    batch = build_thd_batch([{"input_ids": ids} for ids in task["samples"]], cp_size=task["cp_size"])
+    if task.get("cp_rank") is not None:
+        batch = batch.shard(task["cp_size"], task["cp_rank"])
+    params = batch.to_packed_seq_params()
+    assert isinstance(params, PackedSeqParams), type(params)
+    return {"total_tokens": params.total_tokens, "seq_idx": None if params.seq_idx is None else params.seq_idx.tolist(),
+            "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist()}
+
+
 if __name__ == "__main__":
     _stub_packages()
     tasks = json.loads(sys.stdin.read())  # a list of tasks: one interpreter start for all of them
-    kinds = {"bridge_collate": bridge_collate, "packed_seq_params": packed_seq_params}
+    kinds = {"bridge_collate": bridge_collate, "packed_seq_params": packed_seq_params,
+             "thdpack_packed_seq_params": thdpack_packed_seq_params}
     print(json.dumps([kinds[task["kind"]](task) for task in tasks]))

@@ -385,7 +385,9 @@ def test_packed_seq_params():
         "cu_seqlens_kv_padded",
         "max_seqlen_q",
         "max_seqlen_kv",
+        "total_tokens",
     }
+    assert d["total_tokens"] == batch.input_ids.numel()  # the stream length: megatron-core's seq_idx
     assert d["qkv_format"] == "thd"
     assert torch.equal(d["cu_seqlens_q"], batch.cu_seqlens) and torch.equal(d["cu_seqlens_kv"], batch.cu_seqlens)
     assert torch.equal(d["cu_seqlens_q_padded"], batch.cu_seqlens_padded)

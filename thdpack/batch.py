@@ -192,7 +192,14 @@ class ThdBatch:
 
     def packed_seq_params_dict(self) -> dict:
         """Megatron-core ``PackedSeqParams`` fields as a dict (global metadata, also on
-        a CP shard: TransformerEngine derives the per-rank layout itself)."""
+        a CP shard: TransformerEngine derives the per-rank layout itself).
+
+        ``total_tokens`` (int) is the global stream length ``cu_seqlens_padded[-1]``, on a CP
+        shard too: megatron-core (>= 0.19) builds ``seq_idx`` int32 ``[1, total_tokens]`` from it
+        and ``cu_seqlens_q_padded`` (sample i's slots hold i), which its Mamba mixer scans by;
+        Mamba's context parallelism exchanges sequence shards for head shards before the scan,
+        so the scan sees the whole stream. Without it ``seq_idx`` stays None and the mixer scans
+        the pack as one sequence."""
         return {
             "qkv_format": "thd",
             "cu_seqlens_q": self.cu_seqlens,
@@ -201,17 +208,21 @@ class ThdBatch:
             "cu_seqlens_kv_padded": self.cu_seqlens_padded,
             "max_seqlen_q": self.max_seqlen,
             "max_seqlen_kv": self.max_seqlen,
+            "total_tokens": int(self.cu_seqlens_padded[-1]),
         }
 
     def to_packed_seq_params(self):
         """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,
-        else a dict with the same field names (see :meth:`packed_seq_params_dict`)."""
+        else a dict with the same field names (see :meth:`packed_seq_params_dict`).
+        Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
+        megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none)."""
         fields = self.packed_seq_params_dict()
         try:
             from megatron.core.packed_seq_params import PackedSeqParams
         except ImportError:
             return fields
-        return PackedSeqParams(**fields)
+        known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+        return PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
 
 
 def warn_if_no_targets(batch: ThdBatch) -> None:

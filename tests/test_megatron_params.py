@@ -1,0 +1,75 @@
+"""``ThdBatch.to_packed_seq_params()`` sets ``total_tokens`` (issue 13 §2), so that megatron-core
+(>= 0.19) computes ``seq_idx`` and its Mamba mixer scans each sample on its own.
+
+Checked with megatron-core 0.19.2's own ``PackedSeqParams`` (tests/megatron_env.py unpacks the
+wheel; tests/megatron_run.py imports it in a subprocess), and with a ``PackedSeqParams`` of
+0.16.x's fields (no ``total_tokens``), the newest megatron-core for Python 3.11.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+import megatron_env  # tests/megatron_env.py
+
+from thdpack import build_thd_batch
+
+SAMPLES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
+
+
+def sample_of_each_slot(cu_padded: list[int]) -> list[int]:
+    """int ``[T]``: which sample each stream slot belongs to (its padding included)."""
+    return [i for i in range(len(cu_padded) - 1) for _ in range(cu_padded[i + 1] - cu_padded[i])]
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_total_tokens_is_the_global_stream_length(cp_size):
+    batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=cp_size)
+    stream = int(batch.input_ids.numel())
+    assert batch.packed_seq_params_dict()["total_tokens"] == stream == int(batch.cu_seqlens_padded[-1])
+    if cp_size > 1:
+        for rank in range(cp_size):  # a shard keeps the global metadata
+            assert batch.shard(cp_size, rank).packed_seq_params_dict()["total_tokens"] == stream
+
+
+def test_megatron_core_019_seq_idx_marks_each_sample():
+    """megatron-core 0.19.2's PackedSeqParams, made by thdpack: seq_idx[0, t] is the sample of slot t."""
+    site = megatron_env.bridge_site()
+    tasks = [{"kind": "thdpack_packed_seq_params", "samples": SAMPLES, "cp_size": cp, "cp_rank": rank}
+             for cp, rank in ((1, None), (2, None), (2, 1))]
+    if isinstance(site, str):
+        warnings.warn(f"megatron-core 0.19.2 is not available here ({site}); checked seq_idx with "
+                      "sample_of_each_slot, the rule its PackedSeqParams.__post_init__ documents, instead", stacklevel=1)
+        for task in tasks:
+            batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
+            d = batch.packed_seq_params_dict()
+            assert len(sample_of_each_slot(d["cu_seqlens_q_padded"].tolist())) == d["total_tokens"]
+        return
+    for task, got in zip(tasks, megatron_env.run(site, tasks)):
+        full = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
+        assert got["total_tokens"] == int(full.input_ids.numel())
+        assert got["cu_seqlens_q_padded"] == full.cu_seqlens_padded.tolist()
+        assert got["seq_idx"] == [sample_of_each_slot(full.cu_seqlens_padded.tolist())], task
+
+
+def test_megatron_core_016_without_total_tokens(monkeypatch):
+    """An installed PackedSeqParams without ``total_tokens`` (megatron-core 0.16.x's fields) still
+    gets every field it has."""
+    fields_016 = ["qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                  "max_seqlen_q", "max_seqlen_kv", "local_cp_size", "cp_group"]
+    params_016 = dataclasses.make_dataclass("PackedSeqParams", [(f, object, None) for f in fields_016])
+    module = types.ModuleType("megatron.core.packed_seq_params")
+    module.PackedSeqParams = params_016
+    for name, mod in (("megatron", types.ModuleType("megatron")), ("megatron.core", types.ModuleType("megatron.core")),
+                      ("megatron.core.packed_seq_params", module)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=2)
+    params = batch.to_packed_seq_params()
+    assert isinstance(params, params_016)
+    assert torch.equal(params.cu_seqlens_q_padded, batch.cu_seqlens_padded) and params.qkv_format == "thd"
