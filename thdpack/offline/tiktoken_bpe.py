@@ -10,23 +10,70 @@ measures a build without this module).
 :meth:`TiktokenBPE.from_tokenizer` converts a ``tokenizers`` BPE model when its
 algorithm is provably the one tiktoken runs, and says why not otherwise:
 
-- the regex is the tokenizer's own (a ``Split`` regex, or ByteLevel's GPT-2 pattern);
-  no normalizer but NFC (rows that are not NFC-normalized go through ``tokenizers``);
-- every non-added token is one of the 256 bytes or the result of exactly one merge,
-  and a token's rank is its merge's position, so "merge the adjacent pair whose
-  result ranks lowest" is "apply the lowest-ranked listed merge";
-- without ``ignore_merges`` every token is reachable: BPE on the token's own bytes
-  gives the token (tiktoken takes a piece that is a whole token as is);
+- the regex is the tokenizer's own (``Split`` regexes, or ByteLevel's GPT-2 pattern;
+  see "Several splits"), and text no match covers is kept as a piece, as ``Split``
+  keeps it (tiktoken alone drops it); no normalizer but NFC (rows that are not
+  NFC-normalized go through ``tokenizers``);
+- every non-added token is one of the 256 bytes or a merge's result, and a token's
+  rank is the position of its merges in the list: one merge per token, or several in
+  one run of the list with every split listed ("Several merges");
+- without ``ignore_merges`` tiktoken knows only the tokens BPE gives for their own
+  bytes ("Unreachable tokens"); with it, every token is a merge's result;
 - added tokens strip nothing, match whole words anywhere, and none is a prefix of
   another (tiktoken's special-token split is leftmost-first, HF's leftmost-longest);
 - what the post-processor adds around a row (BOS/EOS) is a fixed prefix and suffix.
 
-Then the two can still differ only where a pair that is not a listed merge spells a
-token (a merge list not produced by BPE training). So every encoding is also
-checked: the first :data:`HEAD_ROWS` rows of a process and one row in
-:data:`CHECK_EVERY` after them are encoded by ``tokenizers`` too, and any difference
-raises :class:`FastTokenizerMismatch`; ``thdpack build`` then tokenizes everything
-again with ``tokenizers`` (no partial result is kept).
+How each algorithm merges. tiktoken: while some adjacent pair of parts spells a
+token, merge the pair whose token ranks lowest, the leftmost on a tie. ``tokenizers``
+(``word.rs`` ``merge_all``): while some adjacent pair is a listed merge, apply the
+listed merge of lowest position, the leftmost on a tie (a queue of (rank, position);
+a stale entry is recognised by the token it gives, which is exact because parts only
+grow). With one merge per token (trained BPE: Qwen, GPT-2) the two can still differ
+only where a pair that is not a listed merge spells a token, which a merge list
+produced by BPE training does not have; the sample check below covers the rest.
+
+Several merges (Llama 3: its ``tokenizer.json`` was converted from a tiktoken rank
+table, listing every split of every token, ``'ĠĠ' + 'ĠĠ'`` and ``'Ġ' + 'ĠĠĠ'`` both
+giving ``'ĠĠĠĠ'``, sorted by the token's rank). Accepted when the merges that give a
+token are one run of the list (so rank = the run's position) and every split of a
+merged token into two parts BPE can form is listed. Then the two are exact:
+
+1. Same candidates: a pair is listed iff its two parts spell a merged token.
+2. Same token merged: the lowest listed merge lies in the run of the lowest-ranked
+   token any pair spells.
+3. Same pair merged. Lemma: in tiktoken's process, every pair that spells a token T
+   at any time splits T where tiktoken's process on T's bytes alone splits it last.
+   Proof: the parts a, b of such a pair were made by merges inside the span of T
+   only (parts never split). Each of those was, when it was made, the leftmost
+   lowest among all pairs of the text, so also among the pairs inside T's span,
+   which are pairs of the text too; merges elsewhere do not change the span. So
+   the merges inside the span are, in order, tiktoken's process on T alone, which
+   is deterministic and passes through the one state [a, b]. Hence all pairs that
+   spell the lowest token T split it the same way: they are the same listed merge,
+   and ``tokenizers`` also takes the leftmost. By induction on the steps, the two
+   processes are the same.
+
+Unreachable tokens. By the same argument every part either process makes is a
+token that BPE gives for its own bytes. One that BPE splits (588 of Llama 3.2's
+when ``ignore_merges`` is off) is therefore never output by ``tokenizers``, nor
+merged by tiktoken (a candidate never chosen can be removed); leaving it out keeps
+tiktoken from taking a piece that spells it whole (tiktoken's shortcut). With
+``ignore_merges`` both take a piece that is a token whole.
+
+Several splits (DeepSeek: digits ``\p{N}{1,3}``, then CJK runs, then a GPT-style
+regex, each ``Split`` isolated, then ByteLevel). ``tokenizers`` runs each split on
+each piece of the one before. One regex for tiktoken would not be the same (the last
+regex's ``\s+(?!\S)`` looks past a piece's end), so :class:`_SplitEncoder` does it
+literally: added tokens are cut out first, the splits before the last run in Python
+(the ``regex`` module), and tiktoken encodes each piece with the last split's regex:
+the same pieces, the same BPE. The regex engines (Oniguruma in ``tokenizers``,
+fancy-regex in tiktoken, ``regex`` here) are assumed to agree on the patterns and
+Unicode classes; the sample check covers that assumption.
+
+So every encoding is also checked: the first :data:`HEAD_ROWS` rows of a process
+and one row in :data:`CHECK_EVERY` after them are encoded by ``tokenizers`` too, and
+any difference raises :class:`FastTokenizerMismatch`; ``thdpack build`` then
+tokenizes everything again with ``tokenizers`` (no partial result is kept).
 """
 
 from __future__ import annotations
@@ -70,9 +117,10 @@ class TiktokenBPE:
     """
 
     def __init__(self, backend, pattern: str, ranks: dict, specials: dict, rank_to_id: np.ndarray,
-                 prefix: list[int], suffix: list[int], nfc: bool):
+                 prefix: list[int], suffix: list[int], nfc: bool, pre_splits: tuple[str, ...] = ()):
         self.backend = backend  # tokenizers.Tokenizer: the reference, and rows tiktoken cannot take
         self.pattern = pattern
+        self.pre_splits = pre_splits  # Split regexes run in Python before ``pattern`` (module doc, "Several splits")
         self.ranks = ranks  # bytes -> rank
         self.specials = specials  # added token text -> rank
         self.rank_to_id = rank_to_id  # int32 [ranks + specials]
@@ -89,7 +137,9 @@ class TiktokenBPE:
                                       special_tokens=self.specials)
         self._special_set = set(self.specials)
         core = getattr(self._enc, "_core_bpe", None)
-        if core is not None and hasattr(core, "encode"):
+        if self.pre_splits:
+            self._encode_one = _SplitEncoder(self.pre_splits, self.specials, self._enc)
+        elif core is not None and hasattr(core, "encode"):
             # the Rust call itself: no thread pool per batch, and a text that is not valid UTF-8 (a lone
             # surrogate) raises as it does in tokenizers instead of being replaced
             self._encode_one = core.encode
@@ -191,28 +241,18 @@ class TiktokenBPE:
                 return None, f"byte {b} has no token"
             ranks[bytes([b])] = b
             rank_to_id.append(vocab[c])
-        targets = []
-        for merge in model["merges"]:
-            a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
-            token = a + b
-            raw = to_bytes(token)
-            if raw is None or token not in vocab:
-                return None, f"merge {a!r} + {b!r} gives a token outside the byte-level vocabulary"
-            if raw in ranks:
-                return None, f"two merges give {token!r}"
-            ranks[raw] = len(rank_to_id)
-            rank_to_id.append(vocab[token])
-            targets.append(token)
-        if len(ranks) != len(vocab):
-            if model.get("ignore_merges"):
-                return None, "the vocabulary has tokens no merge gives (kept whole under ignore_merges)"
-            # without ignore_merges tokenizers never outputs them; tiktoken will not know them
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        targets = _merge_targets(merges, vocab, set(alphabet))
+        if isinstance(targets, str):
+            return None, targets
+        if model.get("ignore_merges") and len(targets) + len(alphabet) != len(vocab):
+            return None, "the vocabulary has tokens no merge gives (kept whole under ignore_merges)"
         if not model.get("ignore_merges"):
-            bpe = backend.model
-            for token in targets:
-                got = bpe.tokenize(token)
-                if len(got) != 1:
-                    return None, f"token {token!r} is not what BPE gives for its own bytes"
+            # tokenizers never outputs these, and tiktoken must not take a piece that spells one whole
+            targets = _reachable(backend.model, targets)
+        for token in targets:
+            ranks[to_bytes(token)] = len(rank_to_id)
+            rank_to_id.append(vocab[token])
         specials = {}
         contents = [a["content"] for a in added.values()]
         for a in added.values():
@@ -228,10 +268,58 @@ class TiktokenBPE:
         if affix is None:
             return None, "the post-processor adds more than a fixed prefix and suffix"
         try:
-            return cls(backend, _pattern(spec), ranks, specials, np.asarray(rank_to_id, dtype=np.int32), *affix,
-                       nfc=spec.get("normalizer") is not None), ""
+            pre_splits, pattern = _pre_tokenizer(spec)
+            return cls(backend, pattern, ranks, specials, np.asarray(rank_to_id, dtype=np.int32), *affix,
+                       nfc=bool(_steps(spec.get("normalizer"), "normalizers")), pre_splits=pre_splits), ""
         except Exception as exc:  # noqa: BLE001 - e.g. a split regex tiktoken's engine does not compile
             return None, f"tiktoken cannot take it ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _merge_targets(merges: list[tuple[str, str]], vocab: dict, alphabet: set) -> list[str] | str:
+    """The tokens ``merges`` give, in the order tiktoken ranks them (a token's rank is its first
+    merge's group), or why tiktoken cannot run these merges exactly: one merge per token, or
+    several in one run of the list with every split listed (module doc, "Several merges")."""
+    targets: list[str] = []
+    seen: set[str] = set()
+    pairs: set[tuple[str, str]] = set()
+    several = False
+    for a, b in merges:
+        token = a + b
+        if token not in vocab or not set(token) <= alphabet:
+            return f"merge {a!r} + {b!r} gives a token outside the byte-level vocabulary"
+        if (a, b) in pairs:
+            return f"merge {a!r} + {b!r} is listed twice"
+        pairs.add((a, b))
+        if targets and targets[-1] == token:
+            several = True
+            continue
+        if token in seen:
+            return f"the merges that give {token!r} are not next to each other in the merge list"
+        seen.add(token)
+        targets.append(token)
+    if several:
+        why = _missing_split(targets, pairs, seen | alphabet)
+        if why:
+            return why
+    return targets
+
+
+def _reachable(model, targets: list[str]) -> list[str]:
+    """The merged tokens that BPE (``tokenizers.models.BPE`` ``model``) gives for their own bytes,
+    in order; the others it never outputs, in any text (module doc, "Unreachable tokens")."""
+    return [token for token in targets if len(model.tokenize(token)) == 1]
+
+
+def _missing_split(targets: list[str], pairs: set, parts: set) -> str:
+    """'' when every split of every merged token into two parts BPE can form (bytes, merged
+    tokens) is a listed merge; else a sentence naming the first missing one."""
+    for token in targets:
+        for k in range(1, len(token)):
+            a, b = token[:k], token[k:]
+            if a in parts and b in parts and (a, b) not in pairs:
+                return (f"tokens have several merges, but {a!r} + {b!r} (giving {token!r}) is not one: "
+                        "tiktoken would merge that pair, tokenizers not")
+    return ""
 
 
 def _steps(node: dict | None, kind: str) -> list[dict]:
@@ -252,24 +340,101 @@ def _unsupported(spec: dict) -> str:
     norms = _steps(spec.get("normalizer"), "normalizers")
     if norms and [n.get("type") for n in norms] != ["NFC"]:
         return f"normalizer {[n.get('type') for n in norms]} (only NFC or none)"
-    if _pattern(spec) is None:
-        return "pre-tokenizer is not a regex split + byte-level (or ByteLevel's own regex)"
+    if _pre_tokenizer(spec) is None:
+        return "pre-tokenizer is not regex splits (isolated) + byte-level (or ByteLevel's own regex)"
     return ""
 
 
-def _pattern(spec: dict) -> str | None:
-    """The split regex when the pre-tokenizer is ByteLevel(regex) or Split(regex, isolated) + ByteLevel."""
+def _pre_tokenizer(spec: dict) -> tuple[tuple[str, ...], str] | None:
+    """``(pre_splits, pattern)`` when the pre-tokenizer is ByteLevel(regex), or Split(regex, isolated)
+    steps + ByteLevel: the last split's regex for tiktoken (with :func:`_with_gaps`), the ones before
+    it for :class:`_SplitEncoder`; None for any other pre-tokenizer."""
     steps = _steps(spec.get("pre_tokenizer"), "pretokenizers")
     if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
         s = steps[0]
-        return GPT2_PATTERN if s.get("use_regex", True) and not s.get("add_prefix_space") else None
-    if len(steps) == 2 and [s.get("type") for s in steps] == ["Split", "ByteLevel"]:
-        split, level = steps
-        regex = (split.get("pattern") or {}).get("Regex")
-        if regex and split.get("behavior") == "Isolated" and not split.get("invert") and level.get(
-                "use_regex", True) is False and not level.get("add_prefix_space"):
-            return regex
-    return None
+        return ((), GPT2_PATTERN) if s.get("use_regex", True) and not s.get("add_prefix_space") else None
+    if len(steps) < 2 or steps[-1].get("type") != "ByteLevel":
+        return None
+    level = steps[-1]
+    if level.get("use_regex", True) is not False or level.get("add_prefix_space"):
+        return None
+    regexes = [_isolated_regex(step) for step in steps[:-1]]
+    if None in regexes:
+        return None
+    return tuple(regexes[:-1]), _with_gaps(regexes[-1])
+
+
+def _isolated_regex(step: dict) -> str | None:
+    """The regex of a ``Split`` step that keeps matches and the text between them as pieces."""
+    regex = (step.get("pattern") or {}).get("Regex")
+    if step.get("type") != "Split" or not regex or step.get("behavior") != "Isolated" or step.get("invert"):
+        return None
+    return regex
+
+
+def _with_gaps(regex: str) -> str:
+    """``regex`` whose matches tiktoken takes as pieces, plus each run of text it does not match
+    (``Split`` keeps such a run as a piece; tiktoken alone would drop it)."""
+    return f"(?:{regex})|(?:(?!(?:{regex}))[\\s\\S])+"
+
+
+class _SplitEncoder:
+    """``CoreBPE.encode(text, allowed_special)`` for a pre-tokenizer of several ``Split`` steps:
+    added tokens are cut out first (as ``tokenizers`` does), every ``pre_splits`` regex then splits
+    each piece of the one before (matches and the text between them), and tiktoken encodes each
+    final piece with the last split's regex (``Encoding`` ``enc``). Returns a list of ranks."""
+
+    def __init__(self, pre_splits: tuple[str, ...], specials: dict, enc):
+        import regex
+
+        self.splits = [regex.compile(r) for r in pre_splits]
+        self.specials = specials
+        self.special_re = regex.compile("|".join(regex.escape(t) for t in specials)) if specials else None
+        self.encode_piece = enc._core_bpe.encode_ordinary
+
+    def __call__(self, text: str, allowed_special) -> list[int]:
+        out: list[int] = []
+        for segment, special in self._segments(text, allowed_special):
+            if special:
+                out.append(self.specials[segment])
+                continue
+            for piece in self._pieces(segment):
+                out.extend(self.encode_piece(piece))
+        return out
+
+    def _segments(self, text: str, allowed_special):
+        at = 0
+        if self.special_re is not None and allowed_special:
+            for m in self.special_re.finditer(text):
+                if m.group() in allowed_special:
+                    if m.start() > at:
+                        yield text[at:m.start()], False
+                    yield m.group(), True
+                    at = m.end()
+        if at < len(text):
+            yield text[at:], False
+
+    def _pieces(self, text: str) -> list[str]:
+        pieces = [text]
+        for split in self.splits:
+            pieces = [part for piece in pieces for part in _isolated(split, piece)]
+        return pieces
+
+
+def _isolated(split, text: str) -> list[str]:
+    """``Split(behavior="Isolated")``: the matches of compiled regex ``split`` in ``text`` and the
+    non-empty runs between them, in order."""
+    out, at = [], 0
+    for m in split.finditer(text):
+        a, b = m.span()
+        if a > at:
+            out.append(text[at:a])
+        if b > a:
+            out.append(text[a:b])
+        at = b
+    if at < len(text):
+        out.append(text[at:])
+    return out
 
 
 def _post_processor_affix(backend) -> tuple[list[int], list[int]] | None:
