@@ -294,7 +294,9 @@ BAD_PC = [
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": []},
      "'completion' must be a non-empty list of messages"),
     ({"prompt": [{"role": "user", "content": 7}], "completion": [{"role": "assistant", "content": "ok"}]},
-     "message 0: 'content' must be a string or a list of content parts"),
+     "'prompt' message 0: 'content' must be a string or a list of content parts"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": [{"text": "a"}]}]},
+     "'completion' message 0 part 0: a content part must be an object with a 'type'"),
 ]
 
 

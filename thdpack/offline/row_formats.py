@@ -147,19 +147,29 @@ def prompt_completion(row: dict, messages=lambda m: m) -> PromptCompletion:
     if isinstance(prompt, str):
         return PromptCompletion(prompt, completion)
     for name, v in ((PROMPT_FIELD, prompt), (COMPLETION_FIELD, completion)):
-        msg = check_messages(v, name)
+        msg = check_messages(v, name, name_messages=True)
         if msg:
             raise ValueError(msg)
-    return PromptCompletion(messages(prompt), messages(completion))
+    return PromptCompletion(_prepared(messages, prompt, PROMPT_FIELD), _prepared(messages, completion, COMPLETION_FIELD))
 
 
-def check_messages(v, name: str) -> str | None:
-    """Why ``v`` (field ``name``) is not a non-empty list of messages with a ``role`` string; None if it is."""
+def _prepared(messages, v: list, name: str) -> list:
+    """``messages(v)``, its errors naming the field ("'prompt' message 0: ...")."""
+    try:
+        return messages(v)
+    except ValueError as exc:
+        raise ValueError(f"'{name}' {exc}") from None
+
+
+def check_messages(v, name: str, *, name_messages: bool = False) -> str | None:
+    """Why ``v`` (field ``name``) is not a non-empty list of messages with a ``role`` string; None if
+    it is. ``name_messages``: say "'prompt' message 1" rather than "message 1" (rows with two lists)."""
     if not isinstance(v, list) or not v:
         return f"'{name}' must be a non-empty list of messages, got {brief(v)}"
+    which = f"'{name}' message" if name_messages else "message"
     for j, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return f"'{name}' message {j} must be an object with a 'role' string, got {brief(m)}"
+            return f"{which} {j} must be an object with a 'role' string, got {brief(m)}"
     return None
 
 
