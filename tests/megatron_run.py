@@ -11,6 +11,9 @@ Tasks:
     {"kind": "thdpack_packed_seq_params", "samples": [[ids], ...], "cp_size", "cp_rank"}
         thdpack's ``ThdBatch.to_packed_seq_params()`` with megatron-core importable; returns
         ``total_tokens``, ``seq_idx`` and ``cu_seqlens_q_padded`` of the ``PackedSeqParams`` it made.
+    {"kind": "bridge_steps", "samples", "cp_size"}
+        the keys Bridge's gpt_step / vlm_step read (from their source), and thdpack's
+        ``to_bridge_batch`` of the samples' batch read through Bridge's ``get_packed_seq_params``.
 
 What is stubbed, and why it is irrelevant to these tasks: the package ``__init__`` files of
 ``megatron.core``, ``megatron.bridge``, ``megatron.bridge.data``, ``megatron.bridge.training``
@@ -102,9 +105,65 @@ def thdpack_packed_seq_params(task: dict) -> dict:
             "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist()}
 
 
+def _step_keys(path: Path) -> dict:
+    """What a Bridge training-step module reads of a batch, from its source: the module's
+    ``*_KEYS`` tuples and the string keys ``get_batch`` takes with ``batch[...]`` / ``batch.get(...)``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.endswith("_KEYS") for t in node.targets):
+            exec(compile(ast.Module([node], []), str(path), "exec"), {}, names)  # tuples of strings and other *_KEYS
+    get_batch = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_batch")
+    read = set()
+    for node in ast.walk(get_batch):
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "batch":
+            if isinstance(node.slice, ast.Constant):
+                read.add(node.slice.value)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and getattr(node.func.value, "id", None) == "batch" and node.args and isinstance(node.args[0], ast.Constant)):
+            read.add(node.args[0].value)
+    return {"tuples": {k: list(v) for k, v in names.items()}, "get_batch_reads": sorted(read)}
+
+
+def bridge_steps(task: dict) -> dict:
+    """thdpack's ``to_bridge_batch`` read the way Bridge's gpt_step / vlm_step read a packed batch:
+    the keys their source reads, ``get_packed_seq_params`` on the packed keys, ``visual_inputs``."""
+    import torch
+    from megatron.bridge.training.utils.packed_seq_utils import get_packed_seq_params
+
+    import megatron.bridge.training as training
+    from thdpack import build_thd_batch
+    from thdpack.integrations.megatron_bridge import to_bridge_batch
+
+    steps = Path(list(training.__path__)[0])
+    gpt, vlm = _step_keys(steps / "gpt_step.py"), _step_keys(steps / "vlm_step.py")
+    thd = build_thd_batch([{"input_ids": ids} for ids in task["samples"]], cp_size=task["cp_size"])
+    thd.extras["pixel_values"] = torch.ones(4, 6)
+    thd.extras["image_grid_thw"] = torch.tensor([[1, 2, 2]])
+    batch = to_bridge_batch(thd)
+    keys = gpt["tuples"]["_CURRENT_PACKED_SEQ_PARAM_KEYS"]
+    params = get_packed_seq_params({k: batch[k] for k in keys if batch.get(k) is not None})
+    visual = batch["visual_inputs"]
+    return {
+        "gpt": gpt, "vlm": vlm, "batch_keys": sorted(batch),
+        "shapes": {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)},
+        "params": {"cu_seqlens_q": params.cu_seqlens_q.tolist(), "cu_seqlens_kv": params.cu_seqlens_kv.tolist(),
+                   "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist(),
+                   "cu_seqlens_kv_padded": params.cu_seqlens_kv_padded.tolist(),
+                   "max_seqlen_q": params.max_seqlen_q, "max_seqlen_kv": params.max_seqlen_kv,
+                   "qkv_format": params.qkv_format},
+        "visual_type": type(visual).__module__ + "." + type(visual).__name__,
+        "visual_kwargs": sorted(visual.normalized_for_model()),
+        "thd": {"cu_seqlens": thd.cu_seqlens.tolist(), "cu_seqlens_padded": thd.cu_seqlens_padded.tolist(),
+                "max_seqlen": thd.max_seqlen},
+    }
+
+
 if __name__ == "__main__":
     _stub_packages()
     tasks = json.loads(sys.stdin.read())  # a list of tasks: one interpreter start for all of them
     kinds = {"bridge_collate": bridge_collate, "packed_seq_params": packed_seq_params,
-             "thdpack_packed_seq_params": thdpack_packed_seq_params}
+             "thdpack_packed_seq_params": thdpack_packed_seq_params, "bridge_steps": bridge_steps}
     print(json.dumps([kinds[task["kind"]](task) for task in tasks]))
