@@ -24,6 +24,8 @@ Python would differ); if not, every call goes through ``tokenizer(texts)``.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
@@ -107,22 +109,31 @@ def _fast(tok, texts, add_special_tokens=True):
 _chat_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, byte lengths by id or None)
 
 
-def encode_chat(tok, conversations: list, bpe=None) -> dict:
+def encode_chat(tok, conversations: list, bpe=None, tools: list | None = None) -> dict:
     """``tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
     return_assistant_tokens_mask=True)``: ``{"input_ids": [...], "assistant_masks": [...]}``
-    (numpy arrays on the fast path)."""
+    (numpy arrays on the fast path). ``tools``: each conversation's tool schemas (the
+    template's ``tools``), None for none."""
+    pairs = _per_tools(conversations, tools, lambda convs, kw: _encode_chat_group(tok, convs, bpe, kw))
+    return {"input_ids": [ids for ids, _ in pairs], "assistant_masks": [mask for _, mask in pairs]}
+
+
+def _encode_chat_group(tok, conversations, bpe, kw) -> list:
+    """``[(ids, assistant mask)]`` of conversations that share their tools (``kw``: ``{"tools": ...}`` or ``{}``)."""
     head = conversations[:_CHECK_ROWS]
     table = _decided(_chat_checked, id(tok), tok, lambda: _checked_byte_lengths(
-        tok, lambda t: _chat_fast(tok, head, t, bpe), lambda: _chat_slow(tok, head), _same))
+        tok, lambda t: _chat_fast(tok, head, t, bpe, **kw), lambda: _chat_slow(tok, head, **kw), _same))
+    got = None
     if table is not None and table is not _LATER:
-        got = _chat_fast(tok, conversations, table, bpe)
-        if got is not None:
-            return got
-    return _chat_slow(tok, conversations)
+        got = _chat_fast(tok, conversations, table, bpe, **kw)
+    if got is None:
+        got = _chat_slow(tok, conversations, **kw)
+    return list(zip(got["input_ids"], got["assistant_masks"]))
 
 
-def _chat_slow(tok, conversations):
-    return tok.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+def _chat_slow(tok, conversations, tools=None):
+    return tok.apply_chat_template(conversations, tools=tools, tokenize=True, return_dict=True,
+                                   return_assistant_tokens_mask=True)
 
 
 def _same(a, b) -> bool:
@@ -132,9 +143,9 @@ def _same(a, b) -> bool:
     )
 
 
-def _chat_fast(tok, conversations, byte_len, bpe=None):
+def _chat_fast(tok, conversations, byte_len, bpe=None, tools=None):
     try:
-        rendered, spans_all = _render(tok, normalize_chats(conversations), False, assistant_spans=True)
+        rendered, spans_all = _render(tok, normalize_chats(conversations), False, assistant_spans=True, tools=tools)
         encodings = _encode_ids(tok, rendered, bpe)
     except FastTokenizerMismatch:
         raise
@@ -216,40 +227,63 @@ def normalize_chats(conversations: list) -> list:
     return [_normalize_chat_messages(c) for c in conversations]
 
 
-def render_chats(tok, conversations: list, add_generation_prompt: bool) -> list[str]:
-    """``[tok.apply_chat_template(c, tokenize=False, add_generation_prompt=...) for c in
-    conversations]`` for conversations already through :func:`normalize_chats`."""
+def render_chats(tok, conversations: list, add_generation_prompt: bool, tools: list | None = None) -> list[str]:
+    """``[tok.apply_chat_template(c, tools=t, tokenize=False, add_generation_prompt=...) for c, t in
+    zip(conversations, tools)]`` for conversations already through :func:`normalize_chats`
+    (``tools``: each conversation's tool schemas or None; omitted: no tools)."""
+    return _per_tools(conversations, tools, lambda convs, kw: _render_group(tok, convs, add_generation_prompt, kw))
+
+
+def _render_group(tok, conversations, add_generation_prompt, kw) -> list[str]:
+    """:func:`render_chats` of conversations that share their tools (``kw``: ``{"tools": ...}`` or ``{}``)."""
     head = conversations[:_CHECK_ROWS]
     ok = _decided(_render_checked, id(tok), tok, lambda: all(
-        _render_fast(tok, head, flag) == _render_slow(tok, head, flag) for flag in (False, True)))
+        _render_fast(tok, head, flag, **kw) == _render_slow(tok, head, flag, **kw) for flag in (False, True)))
     if ok and conversations:
-        out = _render_fast(tok, conversations, add_generation_prompt)
+        out = _render_fast(tok, conversations, add_generation_prompt, **kw)
         if out is not None:
             return out
-    return _render_slow(tok, conversations, add_generation_prompt)
+    return _render_slow(tok, conversations, add_generation_prompt, **kw)
 
 
-def _render(tok, conversations, add_generation_prompt: bool, *, assistant_spans: bool = False):
+def _per_tools(conversations: list, tools: list | None, fn) -> list:
+    """``fn(convs, kw)`` on each group of conversations with the same tools (``kw``: ``{"tools": t}``,
+    or ``{}`` for none; ``apply_chat_template`` takes one ``tools`` per call), results put back
+    in the conversations' order."""
+    if tools is None or all(t is None for t in tools):
+        return list(fn(conversations, {}))
+    groups: dict = {}
+    for i, t in enumerate(tools):
+        key = None if t is None else json.dumps(t, sort_keys=True, default=str)
+        groups.setdefault(key, (t, []))[1].append(i)
+    out: list = [None] * len(conversations)
+    for t, rows in groups.values():
+        for i, res in zip(rows, fn([conversations[i] for i in rows], {} if t is None else {"tools": t})):
+            out[i] = res
+    return out
+
+
+def _render(tok, conversations, add_generation_prompt: bool, *, assistant_spans: bool = False, tools=None):
     """``(texts, {% generation %} character spans)``: the call ``apply_chat_template`` makes,
     for normalized conversations."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     return render_jinja_template(
-        conversations=conversations, tools=None, documents=None, chat_template=tok.get_chat_template(None, None),
+        conversations=conversations, tools=tools, documents=None, chat_template=tok.get_chat_template(None, tools),
         return_assistant_tokens_mask=assistant_spans, continue_final_message=False,
         add_generation_prompt=add_generation_prompt, **tok.special_tokens_map,
     )
 
 
-def _render_fast(tok, conversations, add_generation_prompt):
+def _render_fast(tok, conversations, add_generation_prompt, tools=None):
     try:
-        return list(_render(tok, conversations, add_generation_prompt)[0])
+        return list(_render(tok, conversations, add_generation_prompt, tools=tools)[0])
     except Exception:  # noqa: BLE001 - another transformers version, or a conversation it rejects
         return None
 
 
-def _render_slow(tok, conversations, add_generation_prompt):
-    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render_slow(tok, conversations, add_generation_prompt, tools=None):
+    return [tok.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
             for c in conversations]
 
 
@@ -331,8 +365,6 @@ def _byte_lengths(tok):
     """Per-id UTF-8 byte lengths when ``tok`` is a byte-level BPE whose tokens spell the
     text byte for byte (no normalizer but NFC, byte-level pre-tokenizer, untrimmed
     offsets, added tokens that strip nothing); else None."""
-    import json
-
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or not getattr(tok, "is_fast", False):
         return None

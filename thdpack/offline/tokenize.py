@@ -13,11 +13,11 @@ A failing row never stops the batch: errors are collected per row and reported
 with the row's file and line by the caller.
 
 Chat rows: the loss covers the assistant turns (``loss="assistant"``), only the last
-one (``"last_assistant"``) or everything (``"all"``). Assistant tokens are found
-exactly when the template marks them with ``{% generation %}``; otherwise each
-assistant turn is located by rendering the conversation up to it (the template
-must render a conversation's prefix as a prefix of the whole, as ChatML-style
-templates do; the row fails with a clear message if not).
+one (``"last_assistant"``) or everything (``"all"``). The trained text is the
+conversation as the template renders it once (with the row's ``tools``, if any).
+Assistant tokens are the ``{% generation %}`` spans when the template has them;
+otherwise each assistant turn is located in that one render, from after its role
+header through its end-of-turn token (:mod:`thdpack.offline.chat_spans`).
 """
 
 from __future__ import annotations
@@ -29,18 +29,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack.offline.chat_spans import TemplateNotSupported, assistant_spans, turn_marks, with_sentinels
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, brief as _brief, check_messages, detect_format,
-                                         encode_prompt_completion, format_fields, prompt_completion,
-                                         sharegpt_to_messages)
+from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, WHOLE_ROW_FORMATS, brief as _brief,
+                                         check_messages, detect_format, encode_prompt_completion, format_fields,
+                                         optional_fields, prompt_completion, sharegpt_row)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
 
 ERROR_COLUMN = "__error__"
+TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``tools``
 IGNORE_INDEX = -100
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -209,6 +211,7 @@ class RowTokenizer:
             if not template:
                 raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
             self.has_generation = isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+            self.marks = None if self.has_generation or cfg.loss == "all" else _turn_marks(tokenizer)
         if fmt in ("text", "prompt_completion") and cfg.append_eos and tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
 
@@ -216,19 +219,20 @@ class RowTokenizer:
     def __call__(self, table):
         n = table.num_rows
         values, errors = self._extract(table)
+        tools = self._row_tools(table, errors)
         ids: list = [None] * n
         targets: list = [None] * n
         ok = [i for i in range(n) if errors[i] is None]
         if ok:
             try:
-                results = self._encode_many([values[i] for i in ok])
+                results = self._encode_many([values[i] for i in ok], [tools[i] for i in ok])
             except FastTokenizerMismatch:  # not a row's fault: the build tokenizes again without tiktoken
                 raise
             except Exception:  # one row broke the batch: redo row by row to blame it
                 results = []
                 for i in ok:
                     try:
-                        results.append(self._encode_many([values[i]])[0])
+                        results.append(self._encode_many([values[i]], [tools[i]])[0])
                     except FastTokenizerMismatch:
                         raise
                     except Exception as exc:  # noqa: BLE001 - reported as a row error
@@ -270,14 +274,13 @@ class RowTokenizer:
                     errors[i] = f"no '{missing[0]}' field (fields: {sorted(obj)})"
                     values.append(None)
                 else:
-                    values.append(obj if self.fmt in ("tokenized", "prompt_completion") else obj[self.field])
+                    values.append(obj if self.fmt in WHOLE_ROW_FORMATS else obj[self.field])
         else:
             missing = [f for f in self.fields if f not in table.column_names]
             if missing:
                 raise InputError(f"the input has no '{missing[0]}' column (columns: {table.column_names})")
-            if self.fmt in ("tokenized", "prompt_completion"):
-                extra = ["labels", "loss_mask"] if self.fmt == "tokenized" else []
-                names = [c for c in self.fields + extra if c in table.column_names]
+            if self.fmt in WHOLE_ROW_FORMATS:
+                names = [c for c in self.fields + optional_fields(self.fmt) if c in table.column_names]
                 cols = {c: table.column(c).to_pylist() for c in names}
                 values = [{c: cols[c][i] for c in names} for i in range(n)]
             else:
@@ -286,7 +289,7 @@ class RowTokenizer:
             if errors[i] is None:
                 try:  # ShareGPT turns and prompt/completion rows are checked as they are converted
                     if self.fmt == "sharegpt":
-                        v = sharegpt_to_messages(v)
+                        v = sharegpt_row(v)
                     elif self.fmt == "prompt_completion":
                         values[i] = prompt_completion(v, self._chat_messages)
                         continue
@@ -322,11 +325,32 @@ class RowTokenizer:
         return None
 
     # ---- 2. encode
-    def _encode_many(self, values: list) -> list:
+    def _row_tools(self, table, errors) -> list:
+        """Each chat row's ``tools`` (a list of tool schemas, or its JSON text), None where it has
+        none; a row whose ``tools`` is neither gets an error."""
+        n = table.num_rows
+        if self.fmt not in CHAT_FORMATS:
+            return [None] * n
+        if self.json_rows:  # parse again only the lines that mention the field
+            key = f'"{TOOLS_FIELD}"'.encode()
+            raw = table.column(JSON_COLUMN).to_pylist()
+            tools = [json.loads(line).get(TOOLS_FIELD) if errors[i] is None and key in line else None
+                     for i, line in enumerate(raw)]
+        elif TOOLS_FIELD in table.column_names:
+            tools = table.column(TOOLS_FIELD).to_pylist()
+        else:
+            return [None] * n
+        for i, t in enumerate(tools):
+            tools[i], msg = _parse_tools(t)
+            if msg and errors[i] is None:
+                errors[i] = msg
+        return tools
+
+    def _encode_many(self, values: list, tools: list | None = None) -> list:
         if self.fmt == "text":
             return self._encode_text(values)
         if self.fmt in CHAT_FORMATS:
-            return self._encode_chat(values)
+            return self._encode_chat(values, tools)
         if self.fmt == "prompt_completion":
             return encode_prompt_completion(self.tok, values, self.bpe, loss=self.loss, append_eos=self.append_eos)
         return [self._encode_tokenized(v) for v in values]
@@ -342,13 +366,15 @@ class RowTokenizer:
             out.append((arr, np.ones(arr.size, dtype=bool)))
         return out
 
-    def _encode_chat(self, convs):
+    def _encode_chat(self, convs, tools=None):
+        """``[(ids, mask) or error]`` of conversations (``tools``: each one's tool schemas or None)."""
         if self.loss == "all":  # == apply_chat_template(convs, tokenize=True): render, then encode without specials
-            texts = render_chats(self.tok, normalize_chats(convs), False)
+            texts = render_chats(self.tok, normalize_chats(convs), False, tools)
             enc = encode_texts(self.tok, texts, self.bpe, add_special_tokens=False)
             return [(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)) for ids in enc]
         if self.has_generation:
-            enc = encode_chat(self.tok, convs, self.bpe)  # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
+            # == apply_chat_template(..., return_assistant_tokens_mask=True), faster
+            enc = encode_chat(self.tok, convs, self.bpe, tools)
             out = []
             for ids, mask in zip(enc["input_ids"], enc["assistant_masks"]):
                 mask = np.asarray(mask, dtype=bool)
@@ -356,33 +382,28 @@ class RowTokenizer:
                     mask = _last_run(mask)
                 out.append((np.asarray(ids, dtype=np.int32), mask))
             return out
-        return self._encode_chat_by_prefix(convs)
+        return self._encode_chat_by_spans(convs, tools)
 
-    def _encode_chat_by_prefix(self, convs):
-        """Templates without ``{% generation %}``: each assistant turn's character span is found
-        by rendering the conversation up to it (the template must render a prefix of the
-        conversation as a prefix of the text); the tokens overlapping a span are targets."""
+    def _encode_chat_by_spans(self, convs, tools=None):
+        """Templates without ``{% generation %}``: each conversation is rendered once and each
+        assistant turn's character span located in that text, with one more render of it where
+        the assistant messages are replaced (:mod:`thdpack.offline.chat_spans`); the tokens
+        overlapping a span are targets."""
         convs = normalize_chats(convs)
-        turns = [(i, k) for i, conv in enumerate(convs) for k, m in enumerate(conv) if m.get("role") == "assistant"]
-        fulls = render_chats(self.tok, convs, False)
-        uptos = render_chats(self.tok, [convs[i][: k + 1] for i, k in turns], False)
-        opened = iter(render_chats(self.tok, [convs[i][:k] for i, k in turns if k], True))
-        rows: list = [(text, []) for text in fulls]
-        for (i, k), upto in zip(turns, uptos):
-            before = next(opened) if k else ""
-            if isinstance(rows[i], str):
+        tools = tools if tools is not None else [None] * len(convs)
+        turns = [[k for k, m in enumerate(conv) if m.get("role") == "assistant"] for conv in convs]
+        fulls = render_chats(self.tok, convs, False, tools)
+        some = [i for i, t in enumerate(turns) if t]
+        variants = dict(zip(some, render_chats(self.tok, [with_sentinels(convs[i]) for i in some], False,
+                                               [tools[i] for i in some])))
+        rows: list = []
+        for i, text in enumerate(fulls):
+            try:
+                spans = assistant_spans(text, variants.get(i, ""), turns[i], self.marks)
+            except TemplateNotSupported as exc:
+                rows.append(str(exc))
                 continue
-            full, spans = rows[i]
-            if not (upto.startswith(before) and full.startswith(upto)):
-                rows[i] = (
-                    f"the chat template does not render message {k}'s prefix as a prefix of the conversation, so "
-                    "assistant tokens cannot be located; use a template with {% generation %} markers or loss: all"
-                )
-                continue
-            # the separator the template puts after a turn (ChatML's "\n") is not part of the answer
-            spans.append((len(before), max(len(before), len(upto.rstrip()))))
-        if self.loss == "last_assistant":
-            rows = [r if isinstance(r, str) else (r[0], r[1][-1:]) for r in rows]
+            rows.append((text, spans[-1:] if self.loss == "last_assistant" else spans))
         good = [i for i, r in enumerate(rows) if not isinstance(r, str)]
         encoded = encode_with_spans(self.tok, [rows[i][0] for i in good], [rows[i][1] for i in good], self.bpe)
         for i, res in zip(good, encoded):
@@ -450,6 +471,35 @@ class RowTokenizer:
                 ERROR_COLUMN: pa.array(errors, pa.string()),
             }
         )
+
+
+def _turn_marks(tok):
+    """The header and end-of-turn text of ``tok``'s chat template (:func:`~thdpack.offline.chat_spans.turn_marks`);
+    a ConfigError naming the option to use when the template cannot be handled."""
+    special = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+
+    def render(convs, add_generation_prompt):
+        return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in convs]
+
+    try:
+        return turn_marks(render, special)
+    except TemplateNotSupported as exc:
+        raise ConfigError(f"loss: assistant / last_assistant: {exc}") from None
+
+
+def _parse_tools(value) -> tuple[list | None, str | None]:
+    """``(tools, error)``: a row's ``tools`` value as the list of schemas the template gets
+    (None for none); a JSON string is parsed. ``error`` says what is wrong, else None."""
+    tools = value
+    if isinstance(value, str):
+        try:
+            tools = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError:
+            tools = value
+    if tools is None or (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return tools, None
+    return None, (f"'{TOOLS_FIELD}' must be a list of tool schemas (JSON objects) or the JSON text of one, "
+                  f"got {_brief(value)}")
 
 
 def _last_run(mask: np.ndarray) -> np.ndarray:
@@ -523,8 +573,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
 
     ds = source.dataset
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
-        required_columns(fmt, cfg) + (["labels", "loss_mask"] if fmt == "tokenized" else [])
-        + (vlm.input_columns() if vlm is not None else []))]
+        required_columns(fmt, cfg) + optional_fields(fmt)
+        + ([TOOLS_FIELD] if fmt in CHAT_FORMATS else []) + (vlm.input_columns() if vlm is not None else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
     bpe = fast_bpe(cfg, tok, fmt, log=log)

@@ -1,0 +1,220 @@
+"""Assistant-turn targets on real chat templates (issue 12, point 1).
+
+Chat rows with ``loss: assistant`` / ``last_assistant`` built with the real Qwen3 template
+(multi-turn, reasoning inside the content and as ``reasoning_content``, tool calls,
+``tool`` messages, a ``tools`` column), Qwen2.5's and Llama 3.1's templates (tests/data)
+give exactly the targets of a reference computed here by another, simple method: the
+conversation rendered by ``apply_chat_template(..., tokenize=False)``, each assistant
+turn found with a regular expression on the rendered text (after its role header,
+through its end-of-turn token), and the tokens whose ``offset_mapping`` overlaps a turn.
+No row is rejected. Conversations come from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from real_tokenizers import real_tokenizer  # noqa: E402
+
+from thdpack.demo import write_jsonl  # noqa: E402
+from thdpack.offline import BuildConfig, ConfigError, build_packed, load_packed, unpack_row  # noqa: E402
+from thdpack.offline.sources import JSON_COLUMN  # noqa: E402
+from thdpack.offline.tiktoken_bpe import TiktokenBPE  # noqa: E402
+from thdpack.offline.tokenize import RowTokenizer  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+# family -> (tokenizer, template file or None for the tokenizer's own, the turn regex of the reference)
+FAMILIES = {
+    "qwen3": ("qwen3", None, r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)"),
+    "qwen2.5": ("qwen3", DATA / "qwen2_5_chat_template.jinja", r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)"),
+    "llama3": ("llama3.2", DATA / "llama3_chat_template.jinja",
+               r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?<\|eot_id\|>)"),
+}
+
+# ---------------------------------------------------------------------------- conversations
+
+_WORDS = ["the", "answer", "is", "42", "café", "日本語", "😀", "naïve", "e\u0301", "code:", "{", "}", "def f(x):",
+          "return", "x + 1", "\n", "\n\n", "  ", "\t", "**bold**", "<b>", "ß", "Ω", "- item", "1.", "yes", "no"]
+_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                      "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                                      "b": {"type": "number"}}}}},
+]
+
+
+def _text(rng: random.Random, lo: int = 1, hi: int = 12) -> str:
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+    return rng.choice(["", " ", "\n"]) + words + rng.choice(["", "", " ", "\n"])
+
+
+def _answer(rng: random.Random, family: str) -> dict:
+    """A final assistant message; Qwen3's carries reasoning in its content or as reasoning_content."""
+    content = _text(rng)
+    way = rng.choice(["plain", "think", "field"]) if family == "qwen3" else "plain"
+    if way == "think":
+        return {"role": "assistant", "content": f"<think>\n{_text(rng)}\n</think>\n\n{content.lstrip()}"}
+    if way == "field":
+        return {"role": "assistant", "content": content, "reasoning_content": _text(rng)}
+    return {"role": "assistant", "content": content}
+
+
+def _tool_call(rng: random.Random) -> dict:
+    if rng.random() < 0.5:
+        return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": rng.choice(["Oslo", "Köln"])}}}
+    args = {"a": rng.randint(0, 99), "b": rng.randint(0, 99)}
+    return {"type": "function", "function": {"name": "add", "arguments": args if rng.random() < 0.5 else json.dumps(args)}}
+
+
+def conversation(rng: random.Random, family: str) -> dict:
+    """One row: ``messages`` (system?, then 1-4 exchanges, some through tool calls) and, for
+    rows with tool calls and some others, ``tools`` (a list, or its JSON text)."""
+    messages = [{"role": "system", "content": _text(rng)}] if rng.random() < 0.3 else []
+    uses_tools = False
+    for _ in range(rng.randint(1, 4)):
+        messages.append({"role": "user", "content": _text(rng)})
+        if rng.random() < 0.3:  # a tool round: call(s), result(s), then the answer
+            uses_tools = True
+            calls = [_tool_call(rng) for _ in range(1 if family == "llama3" else rng.randint(1, 2))]
+            call = {"role": "assistant", "content": "" if family == "llama3" else rng.choice(["", _text(rng)]),
+                    "tool_calls": calls}
+            if family == "qwen3" and rng.random() < 0.3:
+                call["reasoning_content"] = _text(rng)
+            messages.append(call)
+            messages.extend({"role": "tool", "content": _text(rng, 1, 5)} for _ in calls)
+        messages.append(_answer(rng, family))
+    row = {"messages": messages}
+    if uses_tools or rng.random() < 0.1:
+        row["tools"] = _TOOLS if rng.random() < 0.7 else json.dumps(_TOOLS)
+    return row
+
+
+def conversations(family: str, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [conversation(rng, family) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(name: str):
+    """(tokenizer, its tiktoken form) of a real tokenizer, loaded once per test session."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(real_tokenizer(name)), local_files_only=True)
+    return tok, TiktokenBPE.from_tokenizer(tok)[0]
+
+
+def load_tokenizer(family: str):
+    """The family's tokenizer with its chat template (a copy: each family sets its own)."""
+    name, template, _ = FAMILIES[family]
+    tok = copy.copy(_loaded(name)[0])
+    if template is not None:
+        tok.chat_template = template.read_text()
+    return tok
+
+
+def encode(family: str, rows: list[dict], loss: str = "assistant"):
+    """What the build's tokenizing step gives for ``rows`` (JSON lines, as the build reads
+    them): ``[(ids, mask) or error message]``."""
+    tok = load_tokenizer(family)
+    conf = BuildConfig(input="-", tokenizer="-", format="chat", loss=loss)
+    rt = RowTokenizer("chat", conf, tok, [JSON_COLUMN], _loaded(FAMILIES[family][0])[1])
+    out = []
+    for i in range(0, len(rows), 500):
+        lines = [json.dumps(r).encode() for r in rows[i:i + 500]]
+        table = rt(pa.table({JSON_COLUMN: pa.array(lines, pa.binary())})).to_pylist()
+        out.extend(r["__error__"] or (np.asarray(r["input_ids"]), np.asarray(r["loss_mask"], bool)) for r in table)
+    return tok, out
+
+
+def assert_encoded(family: str, rows: list[dict], loss: str):
+    """Every row is tokenized (none rejected) with the reference's ids and mask."""
+    tok, got = encode(family, rows, loss)
+    errors = [(r, g) for r, g in enumerate(got) if isinstance(g, str)]
+    assert not errors, f"{len(errors)} rejected rows, first: {errors[0]}"
+    for r, (ids, mask) in enumerate(got):
+        want_ids, want_mask = reference(tok, family, rows[r], loss)
+        np.testing.assert_array_equal(ids, want_ids, err_msg=f"row {r}")
+        np.testing.assert_array_equal(mask, want_mask, err_msg=f"row {r}")
+
+
+def reference(tok, family: str, row: dict, loss: str):
+    """(ids, mask): the rendered text tokenized, and the tokens overlapping an assistant turn
+    as the family's regex finds it in the text."""
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    text = tok.apply_chat_template(row["messages"], tools=tools, tokenize=False)
+    spans = [m.span(1) for m in re.finditer(FAMILIES[family][2], text, flags=re.DOTALL)]
+    assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
+    if loss == "last_assistant":
+        spans = spans[-1:]
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(enc["input_ids"]), dtype=bool)
+    for a, b in spans:
+        mask |= (off[:, 1] > a) & (off[:, 0] < b)
+    return np.asarray(enc["input_ids"]), mask
+
+
+def build(tmp_path, family: str, rows: list[dict], name: str = "out", **kw):
+    _, template, _ = FAMILIES[family]
+    path = write_jsonl(rows, tmp_path / f"{name}.jsonl")
+    conf = dict(input=str(path), tokenizer=str(real_tokenizer(FAMILIES[family][0])), pack_size=32768,
+                overflow="error", num_proc=1)
+    if template is not None:
+        conf["chat_template"] = str(template)
+    conf.update(kw)
+    return build_packed(BuildConfig(**conf), tmp_path / name, progress=False, log=None)
+
+
+def assert_targets(res, tok, family: str, rows: list[dict], loss: str):
+    """Every row was built (none rejected) with the reference's ids and mask."""
+    ds = load_packed(res.path)
+    seen = set()
+    for k in range(len(ds)):
+        row = ds[k]
+        for r, sample in zip(row["sample_index"].tolist(), unpack_row(row)):
+            ids, mask = reference(tok, family, rows[r], loss)
+            np.testing.assert_array_equal(sample["input_ids"], ids, err_msg=f"row {r}")
+            np.testing.assert_array_equal(sample["loss_mask"], mask, err_msg=f"row {r}")
+            seen.add(r)
+    assert seen == set(range(len(rows)))  # zero rejected rows
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_qwen3_2000_conversations_no_row_rejected():
+    rows = conversations("qwen3", 2000, seed=0)
+    msgs = [m for r in rows for m in r["messages"]]
+    assert any("reasoning_content" in m for m in msgs) and any("<think>" in m.get("content", "") for m in msgs)
+    assert any("tool_calls" in m for m in msgs) and any(m["role"] == "tool" for m in msgs)
+    assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) > 1000  # multi-turn
+    assert_encoded("qwen3", rows, "assistant")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "llama3"])
+@pytest.mark.parametrize("loss", ["assistant", "last_assistant"])
+def test_targets_equal_the_reference(family, loss):
+    assert_encoded(family, conversations(family, 150, seed=1), loss)
+
+
+def test_build_end_to_end(tmp_path):
+    """The whole build (JSON lines through datasets, tools column, packing) keeps those targets."""
+    rows = conversations("qwen3", 200, seed=2)
+    res = build(tmp_path, "qwen3", rows)
+    assert_targets(res, load_tokenizer("qwen3"), "qwen3", rows, "assistant")
