@@ -159,6 +159,28 @@ def test_sharegpt_packs_byte_identical_to_messages(tmp_path, rows, loss):
     assert b.metadata["counts"]["skipped_rows"] == 0 and a.metadata["counts"] == b.metadata["counts"]
 
 
+def test_sharegpt_system_column_from_parquet(tmp_path, rows):
+    """LLaMA-Factory's optional ``system`` column is the first message, unless the first turn is a
+    system turn (which wins); read from columns (Parquet) as from JSON lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sharegpt = [dict(as_sharegpt(r), system=f"Be brief {k}." if k % 2 else None) for k, r in enumerate(rows)]
+    messages = []
+    for k, r in enumerate(rows):
+        m = r["messages"]
+        first_is_system = m[0]["role"] == "system"
+        messages.append({"messages": m if first_is_system or k % 2 == 0 else
+                         [{"role": "system", "content": f"Be brief {k}."}] + m})
+    firsts = {(k % 2, r["messages"][0]["role"]) for k, r in enumerate(rows)}
+    assert {(1, "system"), (1, "user")} <= firsts  # a system column with and without a system turn
+    pq.write_table(pa.Table.from_pylist(sharegpt), tmp_path / "s.parquet")
+    a = build(tmp_path, write_jsonl(messages, tmp_path / "m.jsonl"), "messages")
+    b = build(tmp_path, tmp_path / "s.parquet", "parquet")
+    c = build(tmp_path, write_jsonl(sharegpt, tmp_path / "s.jsonl"), "json")
+    assert data_bytes(a.path) and data_bytes(a.path) == data_bytes(b.path) == data_bytes(c.path)
+
+
 def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, tokenizers):
     """function_call / observation turns render through Qwen3's template (tool calls, tool
     responses) exactly as the messages they map to."""
@@ -280,6 +302,7 @@ BAD_SHAREGPT = [  # (row, what the error says)
     ({"conversations": []}, "'conversations' must be a non-empty list of turns"),
     ({"conversations": "hi"}, "'conversations' must be a non-empty list of turns"),
     ({"messages": []}, "no 'conversations' field"),
+    (dict(GOOD_SHAREGPT, system=["be brief"]), "'system' must be a string (the system prompt)"),
 ]
 GOOD_PC = {"prompt": "Q: hi\n", "completion": "ok"}
 BAD_PC = [

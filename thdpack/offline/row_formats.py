@@ -26,9 +26,11 @@ import numpy as np
 from thdpack.offline.fastenc import encode_texts, normalize_chats, render_chats
 
 SHAREGPT_FIELD = "conversations"
+SYSTEM_FIELD = "system"  # a ShareGPT row's optional system prompt (LLaMA-Factory's ``system`` column)
 PROMPT_FIELD = "prompt"
 COMPLETION_FIELD = "completion"
 CHAT_FORMATS = ("chat", "sharegpt")  # rows that are built as messages through the chat template
+WHOLE_ROW_FORMATS = ("tokenized", "prompt_completion", "sharegpt")  # their value is the row's mapping of fields
 
 # ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
 # function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
@@ -56,6 +58,11 @@ def format_fields(fmt: str, cfg) -> list[str]:
     }[fmt]
 
 
+def optional_fields(fmt: str) -> list[str]:
+    """The fields a row of format ``fmt`` may have besides :func:`format_fields` (read when present)."""
+    return {"tokenized": ["labels", "loss_mask"], "sharegpt": [SYSTEM_FIELD]}.get(fmt, [])
+
+
 # the order ``format: auto`` tries; the first format whose fields a row has wins
 DETECTION_ORDER = ("chat", "sharegpt", "prompt_completion", "tokenized", "text")
 
@@ -70,6 +77,19 @@ def detect_format(columns, cfg) -> str | None:
 
 
 # ---------------------------------------------------------------------------- ShareGPT
+
+
+def sharegpt_row(row: dict) -> list[dict]:
+    """The messages of a ShareGPT row (``conversations`` and an optional ``system`` string):
+    :func:`sharegpt_to_messages`, with the ``system`` prompt first unless the first turn is a
+    system turn (LLaMA-Factory's rule: the turn wins)."""
+    messages = sharegpt_to_messages(row[SHAREGPT_FIELD])
+    system = row.get(SYSTEM_FIELD)
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"'{SYSTEM_FIELD}' must be a string (the system prompt), got {brief(system)}")
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
 
 
 def sharegpt_to_messages(turns) -> list[dict]:
