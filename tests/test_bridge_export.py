@@ -286,3 +286,22 @@ def test_convert_layout_and_budget(packs, align, shrink):
             assert row_mask[a:a + s - 1].tolist() == is_target[src][1:].astype(int).tolist()
             assert not row_mask[a + s - 1:b].any()
             i += 1
+
+
+def test_merge_of_bridge_shard_builds(tmp_path, jsonl):
+    """``thdpack merge`` of shard builds made with megatron-bridge writes Bridge's files of the
+    merged packs (what exporting the merged dataset gives), not the first shard's record."""
+    from thdpack.offline.merge import merge_shards
+    from thdpack.offline.shard import Shard
+
+    cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", cp_size=2,
+                      output_format="megatron-bridge")
+    for i in range(2):
+        build_packed(cfg, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 2))
+    merged = merge_shards([str(tmp_path / "part-0"), str(tmp_path / "part-1")], tmp_path / "merged", log=None)
+    export_bridge(merged.path, tmp_path / "export")
+    assert bridge_rows(merged.path) == bridge_rows(tmp_path / "export")
+    assert len(bridge_rows(merged.path)) == merged.metadata["num_packs"]
+    record = load_packed(merged.path).metadata["megatron_bridge"]
+    assert [f["path"] for f in record["files"]] == sorted(p.name for p in merged.path.glob("*.idx.parquet"))
+    assert json.loads((merged.path / METADATA).read_text()) == json.loads((tmp_path / "export" / METADATA).read_text())

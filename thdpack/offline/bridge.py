@@ -47,6 +47,7 @@ METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list 
 SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
 ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
 IGNORE_INDEX = -100
+SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across shard builds
 
 
 def bridge_lengths(seq_lens: np.ndarray, multiple: int) -> np.ndarray:
@@ -367,3 +368,12 @@ def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | No
     return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=cfg.targets, pack_size=cfg.pack_size,
                         multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}),
                         log=log)
+
+
+def write_merged(out_dir: Path, meta: dict, record: dict, log=None) -> dict:
+    """Bridge's files for ``thdpack merge`` of shard builds made with ``output_format
+    megatron-bridge``: the merged packs (``meta``: the merged ``metadata.json``), at the
+    ``pad_seq_to_mult`` and pad id the shards' ``record`` holds."""
+    return write_bridge(out_dir, [out_dir / f["path"] for f in meta["files"]], targets=meta["targets"],
+                        pack_size=meta["pack_size"], multiple=record["pad_seq_to_mult"], align=meta["align"],
+                        pad_id=record["pad_id"], log=log)

@@ -107,6 +107,10 @@ def _shared(meta: dict, key: str):
     value = meta.get(key, object)
     if key == "vision" and isinstance(value, dict):
         return {k: v for k, v in value.items() if k not in VISION_PER_SHARD_KEYS}
+    if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per shard (bridge.py)
+        from thdpack.offline.bridge import SETTINGS
+
+        return {k: value.get(k) for k in SETTINGS}
     return value
 
 
@@ -372,6 +376,10 @@ def merge_shards(
             shutil.copytree(first_path / saved, tmp / saved)
             vision = _vision_totals(grids, per_pack_images)
         meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
+        if "megatron_bridge" in first:  # output_format megatron-bridge: Bridge's files of the merged packs
+            from thdpack.offline.bridge import write_merged
+
+            meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"], log)
         _commit(tmp, meta, output)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
