@@ -113,10 +113,14 @@ def trl_string_reference(tok, row: dict) -> tuple[list, list]:
 
 def trl_chat_reference(tok, row: dict) -> tuple[list, list]:
     """TRL, conversational prompt/completion: prompt ids = apply_chat_template(prompt,
-    add_generation_prompt=True); ids = apply_chat_template(prompt + completion); mask as above."""
-    prompt_ids = tok.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
+    add_generation_prompt=True); ids = apply_chat_template(prompt + completion); mask as above;
+    the row's ``tools`` (JSON text is parsed) passed to both."""
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    prompt_ids = tok.apply_chat_template(row["prompt"], tools=tools, tokenize=True, return_dict=True,
                                          add_generation_prompt=True)["input_ids"]
-    ids = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(row["prompt"] + row["completion"], tools=tools, tokenize=True,
+                                  return_dict=True)["input_ids"]
     return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
 
 
@@ -224,6 +228,28 @@ def test_conversational_prompt_completion_equals_trl(tmp_path, rows, tokenizer, 
     want = [trl_chat_reference(tok, p) for p in pairs]
     assert_rows_match(res.path, want)
     assert all(0 < sum(m) < len(ids) for ids, m in want)  # the reference has prompt and completion tokens
+
+
+def test_conversational_prompt_completion_with_tools_qwen3_equals_trl(tmp_path, tokenizers):
+    """A ``tools`` column goes to the template (as TRL passes it); a completion of several
+    messages (tool call, tool response, answer) is trained whole."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    pairs = []
+    for k in range(4):
+        completion = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "content": f'{{"temp": {k}}}'},
+                      {"role": "assistant", "content": f"It is {k} degrees."}]
+        tools = [None, [tool], json.dumps([tool]), [tool]][k]
+        pairs.append({"prompt": [{"role": "user", "content": f"Weather in Paris, day {k}?"}],
+                      "completion": completion, "tools": tools})
+    tdir, tok = tokenizers("qwen3")
+    res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
+    want = [trl_chat_reference(tok, p) for p in pairs]
+    assert_rows_match(res.path, want)
+    texts = {r: tok.decode(ids) for r, (ids, _) in built_rows(res.path).items()}
+    assert "<tools>" not in texts[0] and all("<tools>" in texts[r] for r in (1, 2, 3))
 
 
 def test_prompt_completion_with_loss_all_packs_as_text_and_messages_rows(tmp_path, rows):

@@ -31,6 +31,7 @@ PROMPT_FIELD = "prompt"
 COMPLETION_FIELD = "completion"
 CHAT_FORMATS = ("chat", "sharegpt")  # rows that are built as messages through the chat template
 WHOLE_ROW_FORMATS = ("tokenized", "prompt_completion", "sharegpt")  # their value is the row's mapping of fields
+TOOLS_FORMATS = CHAT_FORMATS + ("prompt_completion",)  # rows whose ``tools`` the template gets (as in TRL)
 
 # ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
 # function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
@@ -193,25 +194,30 @@ def check_messages(v, name: str, *, name_messages: bool = False) -> str | None:
     return None
 
 
-def encode_prompt_completion(tok, rows: list[PromptCompletion], bpe=None, *, loss: str = "assistant",
-                             append_eos: bool = True) -> list:
+def encode_prompt_completion(tok, rows: list[PromptCompletion], bpe=None, *, tools: list | None = None,
+                             loss: str = "assistant", append_eos: bool = True) -> list:
     """``[(input_ids int32 [T], targets bool [T]), ...]``: the ids and completion mask TRL's
     ``SFTTrainer`` gives each row (``completion_only_loss``); ``loss="all"`` trains every token.
 
     Strings: ids = ``tok(prompt + completion + eos)`` (EOS appended as text unless the completion
     already ends with it, and only with ``append_eos``), one encoding of the concatenated text.
-    Messages: ids = ``apply_chat_template(prompt + completion)``. Either way the first
+    Messages: ids = ``apply_chat_template(prompt + completion, tools=...)`` (``tools``: each row's
+    tool schemas or None; string rows ignore theirs, as TRL does). Either way the first
     ``len(prompt ids)`` tokens are not targets, where prompt ids are ``tok(prompt)``, or
-    ``apply_chat_template(prompt, add_generation_prompt=True)``; as in TRL, a prompt whose tokens
+    ``apply_chat_template(prompt, tools=..., add_generation_prompt=True)``; as in TRL, a prompt whose tokens
     are not a prefix of the whole (a token merging across the boundary) still masks that many."""
     out: list = [None] * len(rows)
+    tools = tools if tools is not None else [None] * len(rows)
     for conversational in (False, True):
         idx = [i for i, r in enumerate(rows) if r.conversational == conversational]
         if not idx:
             continue
         part = [rows[i] for i in idx]
-        encode = _encode_conversations if conversational else _encode_strings
-        for i, (prompt_ids, ids) in zip(idx, encode(tok, part, bpe, append_eos)):
+        if conversational:
+            pairs = _encode_conversations(tok, part, bpe, [tools[i] for i in idx])
+        else:
+            pairs = _encode_strings(tok, part, bpe, append_eos)
+        for i, (prompt_ids, ids) in zip(idx, pairs):
             ids = np.asarray(ids, dtype=np.int32)
             mask = np.ones(ids.size, dtype=bool)
             if loss != "all":
@@ -229,11 +235,11 @@ def _encode_strings(tok, rows, bpe, append_eos):
     return zip(prompt_ids, ids)
 
 
-def _encode_conversations(tok, rows, bpe, append_eos):
-    """``[(prompt ids, prompt + completion ids)]`` of message rows: the template's render, encoded
-    without adding special tokens (what ``apply_chat_template(tokenize=True)`` does)."""
-    prompts = render_chats(tok, normalize_chats([r.prompt for r in rows]), True)
-    wholes = render_chats(tok, normalize_chats([r.prompt + r.completion for r in rows]), False)
+def _encode_conversations(tok, rows, bpe, tools):
+    """``[(prompt ids, prompt + completion ids)]`` of message rows: the template's render (with each
+    row's ``tools``), encoded without adding special tokens (what ``apply_chat_template(tokenize=True)`` does)."""
+    prompts = render_chats(tok, normalize_chats([r.prompt for r in rows]), True, tools)
+    wholes = render_chats(tok, normalize_chats([r.prompt + r.completion for r in rows]), False, tools)
     return zip(encode_texts(tok, prompts, bpe, add_special_tokens=False),
                encode_texts(tok, wholes, bpe, add_special_tokens=False))
 

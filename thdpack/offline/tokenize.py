@@ -34,9 +34,9 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, WHOLE_ROW_FORMATS, brief as _brief,
-                                         check_messages, detect_format, encode_prompt_completion, format_fields,
-                                         optional_fields, prompt_completion, sharegpt_row)
+from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, TOOLS_FORMATS, WHOLE_ROW_FORMATS,
+                                         brief as _brief, check_messages, detect_format, encode_prompt_completion,
+                                         format_fields, optional_fields, prompt_completion, sharegpt_row)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -329,7 +329,7 @@ class RowTokenizer:
         """Each chat row's ``tools`` (a list of tool schemas, or its JSON text), None where it has
         none; a row whose ``tools`` is neither gets an error."""
         n = table.num_rows
-        if self.fmt not in CHAT_FORMATS:
+        if self.fmt not in TOOLS_FORMATS:
             return [None] * n
         if self.json_rows:  # parse again only the lines that mention the field
             key = f'"{TOOLS_FIELD}"'.encode()
@@ -352,7 +352,8 @@ class RowTokenizer:
         if self.fmt in CHAT_FORMATS:
             return self._encode_chat(values, tools)
         if self.fmt == "prompt_completion":
-            return encode_prompt_completion(self.tok, values, self.bpe, loss=self.loss, append_eos=self.append_eos)
+            return encode_prompt_completion(self.tok, values, self.bpe, tools=tools, loss=self.loss,
+                                            append_eos=self.append_eos)
         return [self._encode_tokenized(v) for v in values]
 
     def _encode_text(self, texts):
@@ -574,7 +575,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     ds = source.dataset
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
         required_columns(fmt, cfg) + optional_fields(fmt)
-        + ([TOOLS_FIELD] if fmt in CHAT_FORMATS else []) + (vlm.input_columns() if vlm is not None else []))]
+        + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
     bpe = fast_bpe(cfg, tok, fmt, log=log)
