@@ -50,8 +50,10 @@ class BuildConfig:
                        FORMATS)
     text_field: str = _opt("text", "field holding the text of a text row")
     messages_field: str = _opt("messages", "field holding the messages of a chat row")
-    loss: str = _opt("assistant", "chat rows: which tokens are trained on", LOSS_MODES)
-    append_eos: bool = _opt(True, "text rows: append the tokenizer's EOS token to every row")
+    loss: str = _opt("assistant", "chat and sharegpt rows: which tokens are trained on; prompt_completion rows: "
+                     "the completion's, or every token with all", LOSS_MODES)
+    append_eos: bool = _opt(True, "text rows and string prompt_completion rows: append the tokenizer's EOS token "
+                            "(to every row / completion)")
     # ---- tokenizer
     tokenizer: str | None = _opt(
         None, "tokenizer: a local directory or a name in the local Hugging Face cache (never downloaded)"
