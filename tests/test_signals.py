@@ -83,7 +83,21 @@ def wait_until(condition, timeout: float, step: float = 0.05) -> bool:
 # ---------------------------------------------------------------------------- running a build
 
 
-def start_build(src: Path, out: Path) -> subprocess.Popen:
+@pytest.fixture
+def start_build():
+    """:func:`_start_build`; whatever the test's outcome, no process of its builds outlives it."""
+    started = []
+
+    def start(src: Path, out: Path) -> subprocess.Popen:
+        started.append(_start_build(src, out))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        _kill_all(proc)
+
+
+def _start_build(src: Path, out: Path) -> subprocess.Popen:
     """``thdpack build --num-proc 2 -q`` of ``src`` into ``out``, in its own session; returns
     once its two tokenizing workers are running."""
     cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(src), "--format", "text",
@@ -102,22 +116,20 @@ def start_build(src: Path, out: Path) -> subprocess.Popen:
 
 
 def _kill_all(proc: subprocess.Popen) -> None:
-    """Clean up after a failed test: SIGKILL every process of the build."""
+    """SIGKILL every process of the build that is still alive, and reap it."""
     for pid in build_processes(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.communicate()
+    proc.communicate(timeout=DEADLINE_S)
 
 
 def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, code: int, name: str, t0: float) -> None:
     try:
-        _, err = proc.communicate(timeout=DEADLINE_S)
+        _, err = proc.communicate(timeout=DEADLINE_S)  # returns once no process holds its stderr: the workers too
     except subprocess.TimeoutExpired:
-        left = build_processes(proc.pid)
-        _kill_all(proc)
-        pytest.fail(f"the build was still running {DEADLINE_S} s after {name} (processes {left})")
+        pytest.fail(f"the build was still running {DEADLINE_S} s after {name} (processes {build_processes(proc.pid)})")
     elapsed = time.monotonic() - t0
     left = build_processes(proc.pid)
     assert wait_until(lambda: not build_processes(proc.pid), 2.0), f"processes of the build left alive: {left}"
@@ -132,7 +144,7 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, code: int, name: s
 @needs_proc
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("to", ["main", "group"])
-def test_signal_stops_the_build_and_its_workers(text_jsonl, tmp_path, signum, to):
+def test_signal_stops_the_build_and_its_workers(start_build, text_jsonl, tmp_path, signum, to):
     out = tmp_path / "o" / "packed"
     out.parent.mkdir()
     proc = start_build(text_jsonl, out)
@@ -145,7 +157,7 @@ def test_signal_stops_the_build_and_its_workers(text_jsonl, tmp_path, signum, to
 
 
 @needs_proc
-def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
+def test_workers_exit_when_the_main_process_is_killed(start_build, text_jsonl, tmp_path):
     out = tmp_path / "o" / "packed"
     out.parent.mkdir()
     proc = start_build(text_jsonl, out)
@@ -154,18 +166,15 @@ def test_workers_exit_when_the_main_process_is_killed(text_jsonl, tmp_path):
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=DEADLINE_S)  # not communicate(): the workers hold its stdout and stderr open
-    try:
-        assert wait_until(lambda: not build_processes(proc.pid), DEADLINE_S), (
-            f"workers {build_processes(proc.pid)} outlived the main process by {DEADLINE_S} s")
-    finally:
-        _kill_all(proc)
+    assert wait_until(lambda: not build_processes(proc.pid), DEADLINE_S), (
+        f"workers {build_processes(proc.pid)} outlived the main process by {DEADLINE_S} s")
     # they die with it, not when their batch ends and they find no one to send it to
     assert time.monotonic() - t0 < 2.0
     assert not out.exists()  # only the hidden temporary directory is left, as documented
 
 
 @needs_proc
-def test_a_killed_worker_fails_the_build_in_one_line(text_jsonl, tmp_path):
+def test_a_killed_worker_fails_the_build_in_one_line(start_build, text_jsonl, tmp_path):
     """A worker ended from outside (the OOM killer's SIGKILL) fails the build: exit 2, one
     line naming the worker and the signal, and nothing left behind."""
     out = tmp_path / "o" / "packed"
@@ -177,7 +186,6 @@ def test_a_killed_worker_fails_the_build_in_one_line(text_jsonl, tmp_path):
     try:
         _, err = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
-        _kill_all(proc)
         pytest.fail(f"the build was still running {DEADLINE_S} s after its worker {worker} was killed")
     assert time.monotonic() - t0 < DEADLINE_S
     assert proc.returncode == 2, err
