@@ -28,7 +28,6 @@ transformers = pytest.importorskip("transformers")
 
 from real_tokenizers import real_tokenizer  # noqa: E402
 
-from thdpack.demo import write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, build_packed, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.sources import JSON_COLUMN  # noqa: E402
 from thdpack.offline.tiktoken_bpe import TiktokenBPE  # noqa: E402
@@ -113,26 +112,32 @@ def conversations(family: str, n: int, seed: int) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _loaded(name: str):
-    """(tokenizer, its tiktoken form) of a real tokenizer, loaded once per test session."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(real_tokenizer(name)), local_files_only=True)
-    return tok, TiktokenBPE.from_tokenizer(tok)[0]
+    """A real tokenizer, loaded once per test session."""
+    return transformers.AutoTokenizer.from_pretrained(str(real_tokenizer(name)), local_files_only=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiktoken(name: str):
+    """Its tiktoken form (the build's default encoder; a few seconds to make, so made once)."""
+    return TiktokenBPE.from_tokenizer(_loaded(name))[0]
 
 
 def load_tokenizer(family: str):
     """The family's tokenizer with its chat template (a copy: each family sets its own)."""
     name, template, _ = FAMILIES[family]
-    tok = copy.copy(_loaded(name)[0])
+    tok = copy.copy(_loaded(name))
     if template is not None:
         tok.chat_template = template.read_text()
     return tok
 
 
-def encode(family: str, rows: list[dict], loss: str = "assistant"):
+def encode(family: str, rows: list[dict], loss: str = "assistant", tiktoken: bool = False):
     """What the build's tokenizing step gives for ``rows`` (JSON lines, as the build reads
-    them): ``[(ids, mask) or error message]``."""
+    them): ``[(ids, mask) or error message]``; ids from the tokenizer's backend, or from its
+    tiktoken form."""
     tok = load_tokenizer(family)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss=loss)
-    rt = RowTokenizer("chat", conf, tok, [JSON_COLUMN], _loaded(FAMILIES[family][0])[1])
+    rt = RowTokenizer("chat", conf, tok, [JSON_COLUMN], _tiktoken(FAMILIES[family][0]) if tiktoken else None)
     out = []
     for i in range(0, len(rows), 500):
         lines = [json.dumps(r).encode() for r in rows[i:i + 500]]
@@ -141,40 +146,45 @@ def encode(family: str, rows: list[dict], loss: str = "assistant"):
     return tok, out
 
 
-def assert_encoded(family: str, rows: list[dict], loss: str):
+def assert_encoded(family: str, rows: list[dict], loss: str, tiktoken: bool = False):
     """Every row is tokenized (none rejected) with the reference's ids and mask."""
-    tok, got = encode(family, rows, loss)
+    tok, got = encode(family, rows, loss, tiktoken)
     errors = [(r, g) for r, g in enumerate(got) if isinstance(g, str)]
     assert not errors, f"{len(errors)} rejected rows, first: {errors[0]}"
-    for r, (ids, mask) in enumerate(got):
-        want_ids, want_mask = reference(tok, family, rows[r], loss)
+    for r, ((ids, mask), (want_ids, want_mask)) in enumerate(zip(got, references(tok, family, rows, loss))):
         np.testing.assert_array_equal(ids, want_ids, err_msg=f"row {r}")
         np.testing.assert_array_equal(mask, want_mask, err_msg=f"row {r}")
 
 
-def reference(tok, family: str, row: dict, loss: str):
-    """(ids, mask): the rendered text tokenized, and the tokens overlapping an assistant turn
-    as the family's regex finds it in the text."""
+def references(tok, family: str, rows: list[dict], loss: str) -> list:
+    """Per row (ids, mask): the rendered text tokenized, and the tokens overlapping an
+    assistant turn as the family's regex finds it in the text."""
+    texts = [_rendered(tok, row) for row in rows]
+    out = []
+    for row, text, enc in zip(rows, texts, tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+                              .encodings):
+        spans = [m.span(1) for m in re.finditer(FAMILIES[family][2], text, flags=re.DOTALL)]
+        assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
+        if loss == "last_assistant":
+            spans = spans[-1:]
+        off = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(enc.ids), dtype=bool)
+        for a, b in spans:
+            mask |= (off[:, 1] > a) & (off[:, 0] < b)
+        out.append((np.asarray(enc.ids), mask))
+    return out
+
+
+def _rendered(tok, row: dict) -> str:
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
-    text = tok.apply_chat_template(row["messages"], tools=tools, tokenize=False)
-    spans = [m.span(1) for m in re.finditer(FAMILIES[family][2], text, flags=re.DOTALL)]
-    assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
-    if loss == "last_assistant":
-        spans = spans[-1:]
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(enc["input_ids"]), dtype=bool)
-    for a, b in spans:
-        mask |= (off[:, 1] > a) & (off[:, 0] < b)
-    return np.asarray(enc["input_ids"]), mask
+    return tok.apply_chat_template(row["messages"], tools=tools, tokenize=False)
 
 
-def build(tmp_path, family: str, rows: list[dict], name: str = "out", **kw):
+def build(tmp_path, family: str, path: Path, name: str = "out", **kw):
     _, template, _ = FAMILIES[family]
-    path = write_jsonl(rows, tmp_path / f"{name}.jsonl")
     conf = dict(input=str(path), tokenizer=str(real_tokenizer(FAMILIES[family][0])), pack_size=32768,
-                overflow="error", num_proc=1)
+                overflow="error", num_proc=1, tokenizer_backend="hf", save_tokenizer=False)
     if template is not None:
         conf["chat_template"] = str(template)
     conf.update(kw)
@@ -184,11 +194,12 @@ def build(tmp_path, family: str, rows: list[dict], name: str = "out", **kw):
 def assert_targets(res, tok, family: str, rows: list[dict], loss: str):
     """Every row was built (none rejected) with the reference's ids and mask."""
     ds = load_packed(res.path)
+    refs = references(tok, family, rows, loss)
     seen = set()
     for k in range(len(ds)):
         row = ds[k]
         for r, sample in zip(row["sample_index"].tolist(), unpack_row(row)):
-            ids, mask = reference(tok, family, rows[r], loss)
+            ids, mask = refs[r]
             np.testing.assert_array_equal(sample["input_ids"], ids, err_msg=f"row {r}")
             np.testing.assert_array_equal(sample["loss_mask"], mask, err_msg=f"row {r}")
             seen.add(r)
@@ -204,7 +215,7 @@ def test_qwen3_2000_conversations_no_row_rejected():
     assert any("reasoning_content" in m for m in msgs) and any("<think>" in m.get("content", "") for m in msgs)
     assert any("tool_calls" in m for m in msgs) and any(m["role"] == "tool" for m in msgs)
     assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) > 1000  # multi-turn
-    assert_encoded("qwen3", rows, "assistant")
+    assert_encoded("qwen3", rows, "assistant", tiktoken=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "llama3"])
@@ -213,8 +224,68 @@ def test_targets_equal_the_reference(family, loss):
     assert_encoded(family, conversations(family, 150, seed=1), loss)
 
 
-def test_build_end_to_end(tmp_path):
-    """The whole build (JSON lines through datasets, tools column, packing) keeps those targets."""
-    rows = conversations("qwen3", 200, seed=2)
-    res = build(tmp_path, "qwen3", rows)
+def test_build_end_to_end_from_parquet(tmp_path):
+    """The whole build (a Parquet file with a ``tools`` column, datasets, packing) keeps those
+    targets. Arrow gives a struct one set of fields: tool arguments and tools as JSON text."""
+    import datasets
+
+    rows = conversations("qwen3", 100, seed=2)
+    for row in rows:
+        for m in row["messages"]:
+            for call in m.get("tool_calls", []):
+                args = call["function"]["arguments"]
+                call["function"]["arguments"] = args if isinstance(args, str) else json.dumps(args)
+        row["tools"] = json.dumps(row["tools"]) if isinstance(row.get("tools"), list) else row.get("tools")
+    assert sum(r["tools"] is not None for r in rows) > 10
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    res = build(tmp_path, "qwen3", tmp_path / "rows.parquet")
     assert_targets(res, load_tokenizer("qwen3"), "qwen3", rows, "assistant")
+
+
+def test_qwen3_semantics_reasoning_of_earlier_turns_is_not_in_the_text():
+    """The trained text is the conversation rendered once: Qwen3 drops the reasoning of turns
+    before the last user message, so it is neither in the text nor a target; the last turn's
+    reasoning block is. Each turn's targets start after its header and end with <|im_end|>."""
+    row = {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "<think>\nsay bye\n</think>\n\nCiao"},
+    ]}
+    tok, [(ids, mask)] = encode("qwen3", [row])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    turns = [tok.decode(ids[a:b]) for a, b in zip(edges[0::2], edges[1::2])]
+    assert turns == ["Hello<|im_end|>", "<think>\nsay bye\n</think>\n\nCiao<|im_end|>"]
+    assert "greet back" not in tok.decode(ids)
+
+
+def test_a_template_that_hides_assistant_turns_names_the_option():
+    tok = load_tokenizer("qwen3")
+    tok.chat_template = "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
+    with pytest.raises(ConfigError, match=r"generation %} markers.*`chat_template:`") as err:
+        RowTokenizer("chat", conf, tok, [JSON_COLUMN], None)
+    assert "\n" not in str(err.value)
+    RowTokenizer("chat", BuildConfig(input="-", tokenizer="-", format="chat", loss="all"), tok, [JSON_COLUMN], None)
+
+
+def test_rows_a_template_cannot_locate_are_row_errors(monkeypatch):
+    """A template that renders only the last two messages: the earlier turns are not in the
+    text; such rows fail with a message naming the option, the others build."""
+    template = ("{% for m in messages[-2:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    monkeypatch.setitem(FAMILIES, "last-two", ("qwen3", None, FAMILIES["qwen3"][2]))
+    monkeypatch.setattr("test_chat_targets.load_tokenizer", lambda family: _with_template("qwen3", template))
+    short = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    long = {"messages": short["messages"] * 2}
+    bad_tools = dict(short, tools=5)
+    _, got = encode("last-two", [short, long, bad_tools])
+    assert not isinstance(got[0], str)
+    assert "assistant messages (indices [1, 3])" in got[1] and "chat_template:" in got[1]
+    assert got[2].startswith("'tools' must be a list of tool schemas") and "got 5" in got[2]
+
+
+def _with_template(name: str, template: str):
+    tok = copy.copy(_loaded(name))
+    tok.chat_template = template
+    return tok

@@ -103,13 +103,16 @@ def assistant_spans(text: str, variant: str, turns: list[int], marks: TurnMarks)
 
 def _pieces(variant: str, turns: list[int], header: str) -> list[str]:
     """``[G0, G1, ..., Gn]``: ``variant`` cut after each turn's header and after its sentinel."""
+    found = variant.count(SENTINEL)
+    if found != len(turns):
+        raise TemplateNotSupported(f"the chat template renders {found} of the conversation's {len(turns)} assistant "
+                                   f"messages (indices {turns}), so their turns cannot be located; {WHAT_TO_DO}")
     pieces, y = [], 0
     for k in turns:
-        s = variant.find(SENTINEL, y)
-        h = variant.rfind(header, y, s) if s >= 0 else -1
+        s = variant.index(SENTINEL, y)
+        h = variant.rfind(header, y, s)
         if h < 0:
-            raise _not_found(k, "no assistant content" if s < 0 else
-                             f"no {header!r} header (the template's generation prompt) before its content")
+            raise _not_found(k, f"no {header!r} header (the template's generation prompt) before its content")
         pieces.append(variant[y:h + len(header)])
         y = s + len(SENTINEL)
     pieces.append(variant[y:])
