@@ -377,6 +377,22 @@ def test_bad_rows_name_file_line_and_field(tmp_path, fmt, good, bad):
         assert e["error"].startswith(expected[line]), (line, e["error"])
 
 
+def test_messages_without_a_chat_template_are_row_errors(tmp_path):
+    """String pairs need no template; message pairs fail with a message saying what to give."""
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_bytes((TOKENIZER_DIR / "tokenizer.json").read_bytes())
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [GOOD_PC, {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "ok"}]}]
+    res = build(tmp_path, write_jsonl(rows, tmp_path / "pc.jsonl"), "out", str(tok_dir), skip_bad_rows=True)
+    assert res.metadata["counts"]["samples"] == 1
+    [skipped] = res.metadata["skipped_examples"]
+    assert skipped["where"].endswith("pc.jsonl:2")
+    assert "the tokenizer has no chat template; give one with chat_template: FILE" in skipped["error"]
+
+
 def test_missing_column_names_the_file_and_format(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

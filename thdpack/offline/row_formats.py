@@ -238,6 +238,9 @@ def _encode_strings(tok, rows, bpe, append_eos):
 def _encode_conversations(tok, rows, bpe, tools):
     """``[(prompt ids, prompt + completion ids)]`` of message rows: the template's render (with each
     row's ``tools``), encoded without adding special tokens (what ``apply_chat_template(tokenize=True)`` does)."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("prompt and completion are messages, but the tokenizer has no chat template; "
+                         "give one with chat_template: FILE, or write them as strings")
     prompts = render_chats(tok, normalize_chats([r.prompt for r in rows]), True, tools)
     wholes = render_chats(tok, normalize_chats([r.prompt + r.completion for r in rows]), False, tools)
     return zip(encode_texts(tok, prompts, bpe, add_special_tokens=False),
