@@ -225,6 +225,8 @@ BOUNDARY_2D = {
         ([4, 6], [10, 1], 10, 10, 0, [0, 1]),  # tokens fit exactly, vision one over
         ([10, 1], [0, 0], 10, 10, 0, [0, 1]),  # one item fills the whole bin
         ([1, 1], [10, 0], 10, 10, 0, [0, 0]),  # one item fills the whole vision budget; no patches fit
+        ([1, 1, 1], [3, 3, 0], 10, 6, 0, [0, 0, 0]),  # the second item fills the (smaller) vision budget
+        ([1, 1, 1], [3, 3, 1], 10, 6, 0, [0, 0, 1]),  # ... and the third is one patch over
         ([6, 5, 4], [0, 0, 0], 10, 10, 0, [0, 1, 1]),  # never goes back to an earlier bin
         ([1, 1, 1], [0, 0, 0], 10, 10, 2, [0, 0, 1]),  # item cap
     ],
@@ -237,6 +239,8 @@ BOUNDARY_2D = {
         ([4, 6], [10, 1], 10, 10, 0, [0, 1]),
         ([10, 1], [0, 0], 10, 10, 0, [0, 1]),
         ([1, 1], [10, 0], 10, 10, 0, [0, 0]),
+        ([1, 1, 1], [3, 3, 0], 10, 6, 0, [0, 0, 0]),
+        ([1, 1, 1], [3, 3, 1], 10, 6, 0, [0, 0, 1]),
         ([5, 7, 3], [0, 0, 0], 10, 10, 0, [0, 1, 1]),  # least token room that holds it (exact fill)
         ([5, 7, 4], [0, 0, 0], 10, 10, 0, [0, 1, 0]),  # least room is one token short
         ([5, 7, 3], [0, 8, 2], 10, 10, 0, [0, 1, 1]),  # least room holds the patches exactly
