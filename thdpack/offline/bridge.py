@@ -296,6 +296,8 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
         raise ConfigError(f"{path}: its packs hold images; Megatron-Bridge's packed SFT format is text only")
     multiple = meta["align"] if pad_seq_to_mult is None else pad_seq_to_mult
     check_int(multiple, "pad_seq_to_mult", 1)
+    if pad_id is not None:
+        check_int(pad_id, "pad_id", 0, hint=" (the tokenizer's EOS id, which Bridge pads with)")
     output = Path(output)
     tmp, lock = start_output(output, overwrite, log, marker=METADATA)
     try:
