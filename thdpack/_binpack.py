@@ -5,6 +5,10 @@ the bin it went to, plus the number of bins opened. Bins are numbered in the
 order they were opened. Sizes must satisfy ``1 <= size <= capacity``.
 
 ``max_items <= 0`` means no limit on items per bin.
+
+The tests hold each kernel to a plain reference: Python loops in
+``tests/test_plan.py`` (``first_fit_2d``'s in ``tests/test_vlm.py``), numpy's
+stable argsort for ``bucket_order``.
 """
 
 from __future__ import annotations

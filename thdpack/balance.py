@@ -168,7 +168,13 @@ def plan_balanced(
 
 
 def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches: int) -> np.ndarray:
-    """Deal ``R·M`` packs (sorted by decreasing cost) to ranks, M each, least-loaded first."""
+    """Deal ``R·M`` packs (sorted by decreasing cost) to ranks, M each, least-loaded first.
+
+    ``group``: int64 ``[R·M]`` pack ids, dealt in this order, each to the rank with the
+    least cost so far among those with a free slot (ties: the lowest rank); ``costs``:
+    float64 ``[num_packs]``. Returns int64 ``[R, M]`` pack ids, in the order each rank got
+    them. Plain reference: ``ref_deal`` in ``tests/test_balance.py``.
+    """
     out = np.empty((num_replicas, micro_batches), np.int64)
     if micro_batches == 1:
         out[:, 0] = group
