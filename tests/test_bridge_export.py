@@ -273,9 +273,8 @@ def test_convert_layout_and_budget(packs, align, shrink):
     is_target = rng.random(ids.size) < 0.5
     tok_off = np.concatenate([[0], np.cumsum([sum(p) for p in packs])])
     smp_off = np.concatenate([[0], np.cumsum([len(p) for p in packs])])
-    rows = convert(tok_off, ids, is_target, smp_off, lens, m, EOS)
+    rows = convert(ids, is_target, smp_off, lens, m, EOS)
     assert (rows.pack_runtime <= pack_size).all()
-    i = 0
     for k, p in enumerate(packs):
         row_ids = rows.input_ids[rows.tok_offsets[k]:rows.tok_offsets[k + 1]]
         row_mask = rows.loss_mask[rows.tok_offsets[k]:rows.tok_offsets[k + 1]]
@@ -287,7 +286,6 @@ def test_convert_layout_and_budget(packs, align, shrink):
             assert row_ids[a:a + s].tolist() == ids[src].tolist() and (row_ids[a + s:b] == EOS).all()
             assert row_mask[a:a + s - 1].tolist() == is_target[src][1:].astype(int).tolist()
             assert not row_mask[a + s - 1:b].any()
-            i += 1
 
 
 def test_merge_of_bridge_shard_builds(tmp_path, jsonl):

@@ -65,7 +65,7 @@ class BridgeRows:
     ``sample_offsets`` int64 ``[P+1]`` into ``seq_start_id`` (int32, relative to its pack);
     ``pack_runtime`` int64 ``[P]``: each pack's tokens in Bridge's stream;
     ``runtime`` int64 ``[N]``: each sample's (:func:`bridge_lengths`);
-    ``eos_tail`` int: samples whose last streamed token is the pad (EOS) id (see :func:`convert`)."""
+    ``eos_tail`` int: samples whose ``cu_seqlens`` Bridge's reader ends early (see :func:`convert`)."""
 
     tok_offsets: np.ndarray
     input_ids: np.ndarray
@@ -77,17 +77,15 @@ class BridgeRows:
     eos_tail: int
 
 
-def convert(tok_offsets: np.ndarray, ids: np.ndarray, is_target: np.ndarray, sample_offsets: np.ndarray,
-            seq_lens: np.ndarray, multiple: int, pad_id: int) -> BridgeRows:
+def convert(ids: np.ndarray, is_target: np.ndarray, sample_offsets: np.ndarray, seq_lens: np.ndarray,
+            multiple: int, pad_id: int) -> BridgeRows:
     """thdpack packs -> Bridge rows, all packs of a record batch at once.
 
     Args:
-        tok_offsets: int64 ``[P+1]`` offsets of each pack's tokens in ``ids`` / ``is_target``
-            (starting at 0).
-        ids: int ``[T]`` tokens; ``is_target``: bool ``[T]``, token t is a target (predicted from
-            token t-1 of its sample; a sample's first token never is).
+        ids: int ``[T]`` the packs' tokens back to back; ``is_target``: bool ``[T]``, token t is a
+            target (predicted from token t-1 of its sample; a sample's first token never is).
         sample_offsets: int64 ``[P+1]`` offsets of each pack's samples in ``seq_lens`` (from 0).
-        seq_lens: int ``[N]`` real length of each sample (they tile ``ids``).
+        seq_lens: int ``[N]`` real length of each sample (they tile ``ids``, pack after pack).
         multiple: Bridge's ``pad_seq_to_mult`` the samples are pre-padded for (1: no padding).
         pad_id: the token the pre-padding uses (Bridge's EOS id).
 
@@ -162,7 +160,7 @@ def _batch_rows(batch, targets: str, multiple: int, pad_id: int, where_pack) -> 
     tok_off, ids = _list_values(batch, "input_ids")
     smp_off, lens = _list_values(batch, "seq_lens")
     is_target = _targets(batch, targets, ids, tok_off, where_pack)
-    return convert(tok_off, ids, is_target, smp_off, lens, multiple, pad_id)
+    return convert(ids, is_target, smp_off, lens, multiple, pad_id)
 
 
 def _schema():
