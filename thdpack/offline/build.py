@@ -502,8 +502,7 @@ def build_packed(
         shutil.rmtree(work)
         for f in written["files"]:
             _fsync(tmp / f["path"])
-        with signals_deferred(f"the packed dataset was complete and is at {output}"):  # never half moved
-            _commit(tmp, meta, output)
+        _commit(tmp, meta, output)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_file_system_error(exc):
@@ -521,13 +520,15 @@ def build_packed(
 
 def _commit(tmp: Path, meta: dict, output: Path) -> None:
     """Write ``metadata.json`` last (its presence marks a complete dataset), durably, then
-    move the finished ``tmp`` directory to ``output``."""
+    move the finished ``tmp`` directory to ``output``. A SIGINT/SIGTERM arriving meanwhile waits
+    until the dataset is in place (never half moved), then stops the command."""
     meta_tmp = tmp / (METADATA_FILE + ".partial")
     meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     _fsync(meta_tmp)
     os.replace(meta_tmp, tmp / METADATA_FILE)
     _fsync_dir(tmp)
-    _move_into_place(tmp, output)
+    with signals_deferred(f"the packed dataset was complete and is at {output}"):
+        _move_into_place(tmp, output)
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:
