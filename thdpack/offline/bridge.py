@@ -285,7 +285,8 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
     from thdpack.align import check_int
-    from thdpack.offline.build import _move_into_place, is_file_system_error, output_error, start_output
+    from thdpack.offline.build import _fsync_dir, _move_into_place, is_file_system_error, output_error, start_output
+    from thdpack.offline.procs import signals_deferred
     from thdpack.offline.dataset import load_packed
 
     ds = load_packed(path)
@@ -302,7 +303,9 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
         record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
                               pack_size=meta["pack_size"], multiple=multiple, align=meta["align"],
                               pad_id=bridge_pad_id(meta) if pad_id is None else pad_id, log=log)
-        _move_into_place(tmp, output)
+        _fsync_dir(tmp)
+        with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
+            _move_into_place(tmp, output)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_file_system_error(exc):
