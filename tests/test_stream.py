@@ -494,3 +494,10 @@ def test_overflow_error_names_the_stream_index_under_sharding():
     with pytest.raises(ValueError, match=r"sample 3 has 11 tokens"):
         list(packer)
     list(StreamingPacker(make_samples([3, 4, 2, 11, 1]), 10, num_replicas=2, rank=0))  # sample 3 is rank 1's
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_a_cut_sample_with_a_bad_field_is_named_by_its_stream_position(overflow):
+    samples = [{"input_ids": [1, 2, 3]}, {"input_ids": list(range(1, 11)), "loss_mask": [1] * 9}]
+    with pytest.raises(ValueError, match=r"^sample 1: 'loss_mask' has 9 values but 'input_ids' has 10"):
+        list(StreamingPacker(samples, 4, overflow=overflow, num_replicas=1, rank=0))

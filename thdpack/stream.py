@@ -136,10 +136,10 @@ class StreamingPacker(IterableDataset):
         if self.overflow == "truncate":
             self.stats["samples_truncated"] += 1
             self.stats["tokens_truncated"] += length - self.limit
-            return [(slice_sample(sample, 0, self.limit), self.limit)]
+            return [(slice_sample(sample, 0, self.limit, index=index), self.limit)]
         self.stats["samples_split"] += 1
         return [
-            (slice_sample(sample, a, min(a + self.limit, length)), min(self.limit, length - a))
+            (slice_sample(sample, a, min(a + self.limit, length), index=index), min(self.limit, length - a))
             for a in range(0, length, self.limit)
         ]
 
