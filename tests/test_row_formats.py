@@ -393,6 +393,15 @@ def test_messages_without_a_chat_template_are_row_errors(tmp_path):
     assert "the tokenizer has no chat template; give one with chat_template: FILE" in skipped["error"]
 
 
+def test_prompt_completion_rows_with_images_are_refused(tmp_path):
+    from thdpack.offline.sources import read_source
+    from thdpack.offline.tokenize import tokenize_source
+
+    cfg = BuildConfig(input=str(write_jsonl([GOOD_PC], tmp_path / "pc.jsonl")), tokenizer=str(TOKENIZER_DIR))
+    with pytest.raises(ConfigError, match="rows with images must be chat .* not prompt_completion"):
+        tokenize_source(cfg, read_source(cfg, progress=False), tmp_path, progress=False, vlm=object())
+
+
 def test_missing_column_names_the_file_and_format(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -6,11 +6,13 @@ Each one becomes the representation the build already has, so that the chat code
 - **sharegpt** ``{"conversations": [{"from": "human", "value": ...}, ...]}``:
   converted to ``messages`` (:func:`sharegpt_to_messages`) and then built exactly
   as a chat row; the roles are mapped as LLaMA-Factory's ``sharegpt`` format
-  defines them (:data:`SHAREGPT_ROLES`).
+  defines them (:data:`SHAREGPT_ROLES`), its optional ``system`` column put first.
 - **prompt_completion** ``{"prompt": ..., "completion": ...}``, both strings or
   both lists of messages: tokenized as TRL's ``SFTTrainer`` does
   (``trl/trainer/sft_trainer.py``, ``tokenize_fn``), the completion's tokens being
-  the targets (:func:`encode_prompt_completion`).
+  the targets (:func:`encode_prompt_completion`). Rows with images are not taken.
+
+A ``tools`` column goes to the template for both (:data:`TOOLS_FORMATS`).
 
 :func:`detect_format` picks the format from a row's fields in the order of
 :data:`DETECTION_ORDER`; ``format:`` in the config overrides it.
