@@ -14,6 +14,7 @@ from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_r
 from thdpack.cp import local_seq_lens, shard_for_cp, thd_partition_indices
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
+from thdpack.samples import SampleError
 from thdpack.stream import StreamingPacker
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "PackPlan",
     "PackStats",
     "PackedBatches",
+    "SampleError",
     "ThdBatch",
     "ThdCollator",
     "TokenBudgetBatchSampler",
