@@ -43,12 +43,17 @@ def qwen3():
 
 @pytest.fixture(scope="module")
 def tokenizers(request):
-    """name -> (directory, loaded tokenizer) for "demo" and "qwen3" (loaded once per module)."""
+    """name -> (directory, loaded tokenizer) for "demo", "qwen3", "llama3.2" (loaded once per module)."""
     cache = {}
 
     def get(name):
         if name not in cache:
-            path = str(TOKENIZER_DIR) if name == "demo" else request.getfixturevalue("qwen3")
+            if name == "llama3.2":  # adds BOS: the prompt's tokens start with it too
+                from real_tokenizers import real_tokenizer
+
+                path = str(real_tokenizer("llama3.2"))
+            else:
+                path = str(TOKENIZER_DIR) if name == "demo" else request.getfixturevalue("qwen3")
             cache[name] = (path, transformers.AutoTokenizer.from_pretrained(path))
         return cache[name]
 
@@ -209,12 +214,14 @@ def test_sharegpt_tool_turns_qwen3_byte_identical_to_messages(tmp_path, tokenize
 # ---------------------------------------------------------------------------- prompt / completion
 
 
-@pytest.mark.parametrize("tokenizer", ["demo", "qwen3"])
+@pytest.mark.parametrize("tokenizer", ["demo", "qwen3", "llama3.2"])
 def test_string_prompt_completion_equals_trl(tmp_path, rows, tokenizer, tokenizers):
     tdir, tok = tokenizers(tokenizer)
     pairs = string_pairs(rows)
     res = build(tmp_path, write_jsonl(pairs, tmp_path / "pc.jsonl"), "out", tdir)
     assert res.metadata["source"]["format"] == "prompt_completion"
+    if tok.bos_token_id is not None:
+        assert all(ids[0] == tok.bos_token_id for ids, _ in built_rows(res.path).values())
     assert_rows_match(res.path, [trl_string_reference(tok, p) for p in pairs])
 
 
