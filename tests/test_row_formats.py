@@ -328,6 +328,7 @@ BAD_SHAREGPT = [  # (row, what the error says)
     ({"conversations": [{"value": "hi"}, {"from": "gpt", "value": "ok"}]}, "'conversations' turn 0 has no 'from'"),
     ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "ok"}]}, "'conversations' turn 0 has no 'value'"),
     ({"conversations": [{"from": "bot", "value": "hi"}]}, "'conversations' turn 0: unknown role 'bot' in 'from'"),
+    ({"conversations": [{"from": ["human"], "value": "hi"}]}, "'conversations' turn 0: unknown role ['human'] in 'from'"),
     ({"conversations": [{"from": "human", "value": 3}]}, "'conversations' turn 0: 'value' must be a string"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "f(x)"}]},
      "'conversations' turn 1: a function_call 'value' must be JSON"),

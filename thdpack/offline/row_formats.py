@@ -118,7 +118,7 @@ def _sharegpt_message(turn, j: int) -> dict:
             raise ValueError(f"{where} has no '{key}' (a ShareGPT turn is "
                              f"{{\"from\": \"human\", \"value\": \"...\"}}){hint}")
     role, value = turn["from"], turn["value"]
-    if role not in SHAREGPT_ROLES:
+    if not isinstance(role, str) or role not in SHAREGPT_ROLES:
         raise ValueError(f"{where}: unknown role {brief(role)} in 'from'; use one of {', '.join(SHAREGPT_ROLES)}")
     if not isinstance(value, str):
         raise ValueError(f"{where}: 'value' must be a string, got {brief(value)}")
