@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.offline import BuildConfig, ConfigError, build_packed, load_packed, unpack_row  # noqa: E402
+from thdpack.offline import fastenc  # noqa: E402
 from thdpack.offline.sources import JSON_COLUMN  # noqa: E402
 from thdpack.offline.tiktoken_bpe import TiktokenBPE  # noqa: E402
 from thdpack.offline.tokenize import RowTokenizer  # noqa: E402
@@ -154,6 +155,7 @@ def assert_encoded(family: str, rows: list[dict], loss: str, tiktoken: bool = Fa
     for r, ((ids, mask), (want_ids, want_mask)) in enumerate(zip(got, references(tok, family, rows, loss))):
         np.testing.assert_array_equal(ids, want_ids, err_msg=f"row {r}")
         np.testing.assert_array_equal(mask, want_mask, err_msg=f"row {r}")
+    return tok
 
 
 def references(tok, family: str, rows: list[dict], loss: str) -> list:
@@ -215,7 +217,9 @@ def test_qwen3_2000_conversations_no_row_rejected():
     assert any("reasoning_content" in m for m in msgs) and any("<think>" in m.get("content", "") for m in msgs)
     assert any("tool_calls" in m for m in msgs) and any(m["role"] == "tool" for m in msgs)
     assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) > 1000  # multi-turn
-    assert_encoded("qwen3", rows, "assistant", tiktoken=True)
+    tok = assert_encoded("qwen3", rows, "assistant", tiktoken=True)
+    # and through the fast paths: batched rendering, ids from tiktoken with targets on byte spans
+    assert fastenc._render_checked[id(tok)][1] and fastenc._span_checked[id(tok)][1] is not None
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "llama3"])
@@ -289,3 +293,21 @@ def _with_template(name: str, template: str):
     tok = copy.copy(_loaded(name))
     tok.chat_template = template
     return tok
+
+
+def test_generation_markers_give_the_same_targets():
+    """Qwen2.5's template with {% generation %} markers (tests/data; it renders the same text)
+    goes through apply_chat_template's assistant mask, tools included: same targets as the
+    reference on the unmarked template, no row rejected."""
+    rows = conversations("qwen2.5", 150, seed=3)
+    marked = _with_template("qwen3", (DATA / "qwen2_5_generation_chat_template.jinja").read_text())
+    assert [_rendered(marked, r) for r in rows] == [_rendered(load_tokenizer("qwen2.5"), r) for r in rows]
+    conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
+    rt = RowTokenizer("chat", conf, marked, [JSON_COLUMN], None)
+    assert rt.has_generation
+    lines = [json.dumps(r).encode() for r in rows]
+    got = rt(pa.table({JSON_COLUMN: pa.array(lines, pa.binary())})).to_pylist()
+    for r, (out, (ids, mask)) in enumerate(zip(got, references(marked, "qwen2.5", rows, "assistant"))):
+        assert out["__error__"] is None, out["__error__"]
+        np.testing.assert_array_equal(out["input_ids"], ids, err_msg=f"row {r}")
+        np.testing.assert_array_equal(out["loss_mask"], mask, err_msg=f"row {r}")
