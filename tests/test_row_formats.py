@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.row_formats import DETECTION_ORDER, detect_format, sharegpt_to_messages  # noqa: E402
+from thdpack.offline.row_formats import (DETECTION_ORDER, SHAREGPT_ROLES, detect_format,  # noqa: E402
+                                         prompt_completion, sharegpt_row, sharegpt_to_messages)
 
 TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
 
@@ -355,6 +356,33 @@ BAD_PC = [
     ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": [{"text": "a"}]}]},
      "'completion' message 0 part 0: a content part must be an object with a 'type'"),
 ]
+
+
+def test_any_json_value_converts_or_is_a_value_error():
+    """Whatever JSON a row holds, the conversions return or raise ValueError (a row error), never
+    another exception that would stop the build."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from thdpack.offline.tokenize import flatten_content
+
+    st = hypothesis.strategies
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+    keys = st.sampled_from(["from", "value", "role", "content", "name", "arguments", "type", "text"])
+    json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                               | st.dictionaries(keys | st.text(max_size=3), inner, max_size=4), max_leaves=12)
+    roles = st.sampled_from(list(SHAREGPT_ROLES) + ["bot"]) | json_values
+    turns = st.lists(st.fixed_dictionaries({}, optional={"from": roles, "value": json_values}) | json_values, max_size=3)
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(conversations=turns | json_values, system=json_values, prompt=json_values, completion=json_values)
+    def check(conversations, system, prompt, completion):
+        for convert, row in ((sharegpt_row, {"conversations": conversations, "system": system}),
+                             (lambda r: prompt_completion(r, flatten_content), {"prompt": prompt, "completion": completion})):
+            try:
+                convert(row)
+            except ValueError:
+                pass
+
+    check()
 
 
 def write_mixed(tmp_path: Path, good: dict, bad: list, name: str) -> tuple[Path, dict[int, str]]:
