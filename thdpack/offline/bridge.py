@@ -33,7 +33,6 @@ here as ``bridge_metadata.json`` with the keys of Bridge's ``create_packing_stra
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,7 +284,7 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
     from thdpack.align import check_int
-    from thdpack.offline.build import _fsync_dir, _move_into_place, is_file_system_error, output_error, start_output
+    from thdpack.offline.build import _fsync_dir, _move_into_place, staged_output
     from thdpack.offline.procs import signals_deferred
     from thdpack.offline.dataset import load_packed
 
@@ -298,21 +297,13 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     if pad_id is not None:
         check_int(pad_id, "pad_id", 0, hint=" (the tokenizer's EOS id, which Bridge pads with)")
     output = Path(output)
-    tmp, lock = start_output(output, overwrite, log, marker=METADATA)
-    try:
+    with staged_output(output, overwrite, log, marker=METADATA) as tmp:
         record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
                               pack_size=meta["pack_size"], multiple=multiple, align=meta["align"],
                               pad_id=bridge_pad_id(meta) if pad_id is None else pad_id, log=log)
         _fsync_dir(tmp)
         with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
             _move_into_place(tmp, output)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_file_system_error(exc):
-            raise output_error(exc, output, tmp) from exc
-        raise
-    finally:
-        lock.release()
     return record
 
 

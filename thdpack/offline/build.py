@@ -21,6 +21,7 @@ import secrets
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -347,6 +348,26 @@ def start_output(output: Path, overwrite: bool, log=None, *, marker: str = METAD
     return tmp, lock
 
 
+@contextmanager
+def staged_output(output: Path, overwrite: bool, log=None, *, marker: str = METADATA_FILE):
+    """The hidden temporary directory a writer fills, under the output lock (:func:`start_output`).
+
+    The writer ends by moving it into place (:func:`_commit`, or :func:`_move_into_place`). On
+    any exception the directory is removed and a file-system failure becomes one
+    :class:`OutputError` naming the path; the lock is released in every case.
+    """
+    tmp, lock = start_output(output, overwrite, log, marker=marker)
+    try:
+        yield tmp
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_file_system_error(exc):
+            raise output_error(exc, output, tmp) from exc
+        raise
+    finally:
+        lock.release()
+
+
 def is_file_system_error(exc: BaseException) -> bool:
     """An ``OSError`` from the file system (not one of thdpack's own errors, some of which are OSErrors)."""
     return isinstance(exc, OSError) and not isinstance(exc, OfflineError)
@@ -415,8 +436,7 @@ def build_packed(
     cfg.validate()
     output = Path(output)
     t_start = time.perf_counter()
-    tmp, lock = start_output(output, overwrite, log)
-    try:
+    with staged_output(output, overwrite, log) as tmp:
         work = tmp / "_work"
         work.mkdir()
         prep = prepare(cfg, work, progress=progress, log=log, shard=shard)
@@ -503,13 +523,6 @@ def build_packed(
         for f in written["files"]:
             _fsync(tmp / f["path"])
         _commit(tmp, meta, output)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_file_system_error(exc):
-            raise output_error(exc, output, tmp) from exc
-        raise
-    finally:
-        lock.release()
     timings["total"] = time.perf_counter() - t_start
     if log:
         size = sum(f["num_bytes"] for f in written["files"])

@@ -322,7 +322,7 @@ def merge_shards(
     log=_stderr,
 ) -> MergeResult:
     """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
-    from thdpack.offline.build import _commit, is_file_system_error, output_error, start_output
+    from thdpack.offline.build import _commit, staged_output
 
     paths = expand_shard_paths(shard_paths)
     shards = check_shards(paths)
@@ -333,8 +333,7 @@ def merge_shards(
     first_path, first = shards[0]
     fmt = first["file_format"]
     n_files = sum(len(m["files"]) for _, m in shards)
-    tmp, lock = start_output(output, overwrite, log)
-    try:
+    with staged_output(output, overwrite, log) as tmp:
         files, lens, per_pack, lengths = [], [], [], []
         vision_entry = first.get("vision")
         grids, per_pack_images = [], []
@@ -381,13 +380,6 @@ def merge_shards(
 
             meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"], log)
         _commit(tmp, meta, output)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_file_system_error(exc):
-            raise output_error(exc, output, tmp) from exc
-        raise
-    finally:
-        lock.release()
     if log:
         size = sum(f["num_bytes"] for f in files)
         log(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
