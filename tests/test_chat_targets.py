@@ -289,6 +289,23 @@ def test_rows_a_template_cannot_locate_are_row_errors(monkeypatch):
     assert got[2].startswith("'tools' must be a list of tool schemas") and "got 5" in got[2]
 
 
+def test_a_template_that_refuses_the_placeholder_turns_is_a_row_error(monkeypatch):
+    """A template that wants a tool message after an assistant tool call renders the row, but not
+    with the call replaced: that row fails naming the option, the rows without tools build."""
+    template = ("{% for m in messages %}{% if m.role == 'tool' and not messages[loop.index0 - 1].tool_calls %}"
+                "{{ raise_exception('a tool message must follow a tool call') }}{% endif %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    monkeypatch.setattr("test_chat_targets.load_tokenizer", lambda family: _with_template("qwen3", template))
+    plain = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    call = {"messages": [{"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "", "tool_calls": [_tool_call(random.Random(0))]},
+                         {"role": "tool", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    _, got = encode("qwen3", [plain, call, plain])
+    assert not isinstance(got[0], str) and not isinstance(got[2], str)
+    assert "a tool message must follow a tool call" in got[1] and "`chat_template:`" in got[1]
+
+
 def _with_template(name: str, template: str):
     tok = copy.copy(_loaded(name))
     tok.chat_template = template

@@ -119,5 +119,13 @@ def _pieces(variant: str, turns: list[int], header: str) -> list[str]:
     return pieces
 
 
+def variant_refused(exc: Exception) -> TemplateNotSupported:
+    """The error of a conversation the template renders, but not with its assistant messages replaced."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return TemplateNotSupported(f"the chat template fails on the conversation with its assistant messages replaced "
+                                f"by a placeholder ({type(exc).__name__}: {msg}), so the turns cannot be located; "
+                                f"{WHAT_TO_DO}")
+
+
 def _not_found(k: int, why: str) -> TemplateNotSupported:
     return TemplateNotSupported(f"cannot locate assistant message {k} in the rendered conversation ({why}); {WHAT_TO_DO}")

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.offline.chat_spans import TemplateNotSupported, assistant_spans, turn_marks, with_sentinels
+from thdpack.offline.chat_spans import (TemplateNotSupported, assistant_spans, turn_marks, variant_refused,
+                                        with_sentinels)
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
@@ -395,12 +396,14 @@ class RowTokenizer:
         turns = [[k for k, m in enumerate(conv) if m.get("role") == "assistant"] for conv in convs]
         fulls = render_chats(self.tok, convs, False, tools)
         some = [i for i, t in enumerate(turns) if t]
-        variants = dict(zip(some, render_chats(self.tok, [with_sentinels(convs[i]) for i in some], False,
-                                               [tools[i] for i in some])))
+        variants = dict(zip(some, self._render_variants([convs[i] for i in some], [tools[i] for i in some])))
         rows: list = []
         for i, text in enumerate(fulls):
             try:
-                spans = assistant_spans(text, variants.get(i, ""), turns[i], self.marks)
+                variant = variants.get(i, "")
+                if isinstance(variant, TemplateNotSupported):
+                    raise variant
+                spans = assistant_spans(text, variant, turns[i], self.marks)
             except TemplateNotSupported as exc:
                 rows.append(str(exc))
                 continue
@@ -410,6 +413,22 @@ class RowTokenizer:
         for i, res in zip(good, encoded):
             rows[i] = res
         return rows
+
+    def _render_variants(self, convs, tools) -> list:
+        """Each conversation rendered with its assistant messages replaced
+        (:func:`~thdpack.offline.chat_spans.with_sentinels`); a TemplateNotSupported for one the
+        template refuses so (it renders the conversation itself)."""
+        convs = [with_sentinels(c) for c in convs]
+        try:
+            return render_chats(self.tok, convs, False, tools)
+        except Exception:  # noqa: BLE001 - one conversation broke the batch: render one by one to blame it
+            out: list = []
+            for conv, row_tools in zip(convs, tools):
+                try:
+                    out.extend(render_chats(self.tok, [conv], False, [row_tools]))
+                except Exception as exc:  # noqa: BLE001 - the template's own error, in the row's message
+                    out.append(variant_refused(exc))
+            return out
 
     def _encode_tokenized(self, row):
         try:
