@@ -289,8 +289,8 @@ def _render_slow(tok, conversations, add_generation_prompt, tools=None):
 
 # ---------------------------------------------------------------------------- text with character spans
 #
-# Chat templates without ``{% generation %}`` markers (Qwen's, for one): the build finds
-# each assistant turn's character span by rendering prefixes (tokenize.py), then needs
+# Chat templates without ``{% generation %}`` markers (Qwen's, Llama 3's): the build finds
+# each assistant turn's character span in the rendered text (chat_spans.py), then needs
 # the ids of the whole text and which tokens overlap a span. Through transformers that
 # is one call per row with offsets; here the rows are encoded together without offsets
 # and the overlap is decided on byte spans as above, row by row checked and on the
