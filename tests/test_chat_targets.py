@@ -263,13 +263,21 @@ def test_qwen3_semantics_reasoning_of_earlier_turns_is_not_in_the_text():
     assert "greet back" not in tok.decode(ids)
 
 
-def test_a_template_that_hides_assistant_turns_names_the_option():
-    tok = load_tokenizer("qwen3")
-    tok.chat_template = "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+@pytest.mark.parametrize("template, why", [
+    ("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
+     "does not render an assistant message's content once"),
+    # DeepSeek-R1 style: the generation prompt opens a <think> block that rendered answers do not have
+    ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% else %}<｜Assistant｜>"
+     "{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+     "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}",
+     "is not what it renders before an assistant message"),
+])
+def test_a_template_it_cannot_handle_names_the_option(template, why):
+    tok = _with_template("qwen3", template)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
     with pytest.raises(ConfigError, match=r"generation %} markers.*`chat_template:`") as err:
         RowTokenizer("chat", conf, tok, [JSON_COLUMN], None)
-    assert "\n" not in str(err.value)
+    assert why in str(err.value) and "\n" not in str(err.value)
     RowTokenizer("chat", BuildConfig(input="-", tokenizer="-", format="chat", loss="all"), tok, [JSON_COLUMN], None)
 
 

@@ -65,9 +65,14 @@ def turn_marks(render, special_tokens) -> TurnMarks:
                                    f"follows, so assistant turns cannot be told from their header; {WHAT_TO_DO}")
     if answered.count(SENTINEL) != 1:
         raise TemplateNotSupported(f"the chat template does not render an assistant message's content once; {WHAT_TO_DO}")
-    tail = answered[answered.index(SENTINEL) + len(SENTINEL):]
+    header = prompted[len(plain):]
+    at = answered.index(SENTINEL)
+    if answered.rfind(header, 0, at) < 0:
+        raise TemplateNotSupported(f"the chat template's generation prompt {header!r} is not what it renders before "
+                                   f"an assistant message, so assistant turns cannot be told from it; {WHAT_TO_DO}")
+    tail = answered[at + len(SENTINEL):]
     ends = [tail.index(s) + len(s) for s in special_tokens if s and s in tail]
-    return TurnMarks(header=prompted[len(plain):], end=tail[: min(ends)] if ends else "")
+    return TurnMarks(header=header, end=tail[: min(ends)] if ends else "")
 
 
 def with_sentinels(conversation: list) -> list:
