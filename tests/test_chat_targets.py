@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
@@ -336,3 +338,41 @@ def test_generation_markers_give_the_same_targets():
         assert out["__error__"] is None, out["__error__"]
         np.testing.assert_array_equal(out["input_ids"], ids, err_msg=f"row {r}")
         np.testing.assert_array_equal(out["loss_mask"], mask, err_msg=f"row {r}")
+
+
+_PIECES = ["hi", " ", "\n", "<|im_end|>", "<|im_start|>", "assistant", "user\n", "<|im_end|>\n<|im_start|>user\n",
+           "<think>", "</think>", "é", "😀"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "system"]),
+                          st.lists(st.sampled_from(_PIECES), max_size=6).map("".join)), min_size=1, max_size=6))
+def test_spans_equal_the_generation_spans_on_any_content(messages):
+    """The demo ChatML template with and without its {% generation %} markers: the spans found
+    in the unmarked render are the marked spans, whatever the content (special-token text,
+    header-like text, empty)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from thdpack.offline.chat_spans import assistant_spans, with_sentinels
+    from thdpack.offline.tokenize import _turn_marks
+
+    tok = _demo_tokenizer()
+    marked = tok.chat_template
+    plain = marked.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    conv = [{"role": r, "content": c} for r, c in messages]
+    [text], [want] = render_jinja_template([conv], chat_template=marked, return_assistant_tokens_mask=True)
+    [again, variant] = render_jinja_template([conv, with_sentinels(conv)], chat_template=plain)[0]
+    assert again == text
+    turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
+    marks = _turn_marks(_demo_tokenizer(plain))
+    assert assistant_spans(text, variant, turns, marks) == [tuple(s) for s in want]
+
+
+@functools.lru_cache(maxsize=None)
+def _demo_tokenizer(template: str | None = None):
+    from thdpack.demo import TOKENIZER_DIR
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    if template is not None:
+        tok.chat_template = template
+    return tok
