@@ -11,7 +11,8 @@ A family answers three questions, from its config alone:
    ``t·h·w / merge²`` tokens.
 3. **mRoPE of an item**: its LLM grid ``(t, h/merge, w/merge)`` and the spacing of
    its temporal positions (Qwen2.5-VL: ``tokens_per_second · second_per_grid_ts``
-   for videos; 1 otherwise).
+   for videos; 1 otherwise), under the family's ``mrope_convention`` (the rule of a
+   transformers version, :mod:`thdpack.vlm.convention`).
 
 Everything else (matching runs to items, the positions themselves) is shared
 and vectorised over the whole THD stream in :mod:`thdpack.vlm.mrope`.
@@ -27,6 +28,7 @@ import torch
 
 from thdpack.samples import SampleError
 from thdpack.vlm.config import config_first, config_get
+from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
 
 # how an item's temporal positions ``trunc(k · interval)`` are computed, mirroring torch's
 # type promotion in the family's get_rope_index: integer, float32 or float64 arithmetic
@@ -77,10 +79,13 @@ class VlmFamily(Protocol):
     spatial_merge_size: int
     # values per pixel row (the ViT's patch embedding input), or None: rows unchecked
     pixel_width: int | None
+    # which transformers version's get_rope_index the positions follow (thdpack.vlm.convention)
+    mrope_convention: str
 
     @classmethod
-    def from_config(cls, config) -> "VlmFamily":
-        """The family's constants from a transformers config or its dict."""
+    def from_config(cls, config, mrope_convention: str | None = None) -> "VlmFamily":
+        """The family's constants from a transformers config or its dict; ``mrope_convention``
+        as :func:`thdpack.vlm.convention.resolve_mrope_convention` reads it."""
 
     def placeholder_tokens(self, grid_thw: np.ndarray) -> np.ndarray:
         """int64 ``[k]`` placeholder tokens of each image / video of ``grid_thw`` ``[k, 3]``."""
@@ -123,10 +128,12 @@ class QwenVLFamily:
     # (in_channels, temporal_patch_size, patch_size) of the ViT's patch embedding; None
     # when the config does not give patch_size (then pixel rows are not checked)
     patch_shape: tuple[int, int, int] | None = None
+    # one of thdpack.vlm.convention.CONVENTIONS (from_config resolves the installed transformers')
+    mrope_convention: str = EXACT
 
     # ---- constants ---------------------------------------------------------
     @classmethod
-    def from_config(cls, config) -> "QwenVLFamily":
+    def from_config(cls, config, mrope_convention: str | None = None) -> "QwenVLFamily":
         model_type = config_get(config, "model_type")
         # the token ids sit at the top level; some exports keep them in text_config
         image = config_first(config, ("image_token_id", "text_config.image_token_id"), cls.DEFAULT_IMAGE_TOKEN_ID)
@@ -151,6 +158,7 @@ class QwenVLFamily:
             spatial_merge_size=int(merge),
             tokens_per_second=tps if cls.USES_SECOND_PER_GRID_TS else 1,
             patch_shape=None if patch is None else (int(channels), int(temporal), int(patch)),
+            mrope_convention=resolve_mrope_convention(mrope_convention),
         )
         if family.spatial_merge_size < 1:
             raise ValueError(f"{model_type}: vision_config.spatial_merge_size must be >= 1, got {merge!r}")
@@ -184,6 +192,8 @@ class QwenVLFamily:
         grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
         t, h, w = self._llm_grid(grid)
         k = grid.shape[0]
+        # transformers 4.x's Qwen2.5-VL puts every frame of an image at temporal offset 0
+        still = self.USES_SECOND_PER_GRID_TS and self.mrope_convention == TRANSFORMERS_4
         return RopeItems(
             source=np.arange(k, dtype=np.int64),
             grid=grid,
@@ -191,14 +201,15 @@ class QwenVLFamily:
             t=t,
             h=h,
             w=w,
-            interval=np.ones(k, np.float64),
+            interval=np.full(k, 0.0 if still else 1.0, np.float64),
             mode=np.full(k, MODE_INT, np.int8),
         )
 
     def time_intervals(self, second_per_grid_ts, n_videos: int, *, sample: int = 0) -> tuple[np.ndarray, np.ndarray]:
         if not self.USES_SECOND_PER_GRID_TS:
             return np.ones(n_videos, np.float64), np.full(n_videos, MODE_INT, np.int8)
-        return time_intervals(second_per_grid_ts, n_videos, self.tokens_per_second, sample=sample)
+        truncate = self.mrope_convention != EXACT
+        return time_intervals(second_per_grid_ts, n_videos, self.tokens_per_second, sample=sample, truncate=truncate)
 
     def video_items(self, grid_thw: np.ndarray, interval=None, mode=None) -> RopeItems:
         grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
@@ -255,9 +266,15 @@ def _has_key(config, key: str) -> bool:
     return hasattr(config, key)
 
 
-def time_intervals(second_per_grid_ts, n_videos: int, tokens_per_second, *, sample: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-video temporal spacing ``tokens_per_second · second_per_grid_ts[k]`` and the
-    arithmetic Qwen2.5-VL's ``get_rope_index`` does it in.
+def time_intervals(
+    second_per_grid_ts, n_videos: int, tokens_per_second, *, sample: int, truncate: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-video temporal spacing ``tokens_per_second · second_per_grid_ts[k]`` (float64 ``[n_videos]``)
+    and the arithmetic Qwen2.5-VL's ``get_rope_index`` does it in (int8 ``[n_videos]`` modes).
+
+    ``truncate``: transformers <= 5.17's ``tokens_per_second · int(second_per_grid_ts[k])``
+    (conventions ``"truncate-spg"`` and ``"transformers-4"``); the product is then integer
+    arithmetic for an integer ``tokens_per_second`` (every released config's).
 
     torch's promotion there: ``arange(t) * (tokens_per_second * s)`` is integer when
     both factors are integers, float64 when ``s`` is a float64 tensor, and float32
@@ -289,4 +306,7 @@ def time_intervals(second_per_grid_ts, n_videos: int, tokens_per_second, *, samp
         )
     if not np.all(np.isfinite(values)) or np.any(values < 0):
         raise SampleError.at(sample, f": 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}")
+    if truncate:
+        values = np.trunc(values)
+        mode = MODE_INT if integral_tps else MODE_F32
     return float(tokens_per_second) * values, np.full(n_videos, mode, np.int8)

@@ -7,7 +7,9 @@ the sample's tokens into runs of equal ``mm_token_type_ids`` (0 text, 1 image,
 - a text run of length ``L`` gets ``p, p+1, …, p+L-1`` on all three rows; ``p += L``;
 - a vision run (one item: an image, a video, or a video frame) with LLM grid
   ``(t, h, w)`` gets, for its ``k``-th token (``k = (ti·h + hi)·w + wi``),
-  rows ``(p + trunc(ti·interval), p + hi, p + wi)``; then ``p += max(h, w)``.
+  rows ``(p + trunc(ti·interval), p + hi, p + wi)``; then ``p += max(h, w)``
+  (convention ``"transformers-4"``: ``p`` becomes one past the item's largest
+  position, ``p + max(trunc((t-1)·interval) + 1, h, w)``; see :mod:`thdpack.vlm.convention`).
 
 Here the same is one compiled pass over the whole pack (numba): the runs are found
 once on the stream, checked against the grids, and each sample's positions are
@@ -28,6 +30,7 @@ import numpy as np
 from thdpack._jit import njit
 from thdpack.samples import SampleError
 from thdpack.vlm.base import MODE_F32, MODE_F64, RopeItems
+from thdpack.vlm.convention import EXACT, TRANSFORMERS_4
 
 
 @dataclass
@@ -98,7 +101,8 @@ def mrope_for_stream(
         _check_runs(family, kind, name, counts, items, run_sample[sel], run_len[sel], n, hint)
         run_h[sel], run_w[sel] = items.h, items.w
         run_interval[sel], run_mode[sel] = items.interval, items.mode
-    positions, rope_deltas = _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode)
+    past_max = getattr(family, "mrope_convention", EXACT) == TRANSFORMERS_4
+    positions, rope_deltas = _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode, past_max)
     return StreamRope(positions=positions, token_type=token_type, rope_deltas=rope_deltas)
 
 
@@ -146,8 +150,9 @@ def _temporal_offset(ti, interval, mode):
 
 
 @njit
-def _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode):
-    """One pass per sample: int64 ``[3, T]`` rows and ``[n]`` rope deltas."""
+def _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode, past_max):
+    """One pass per sample: int64 ``[3, T]`` rows and ``[n]`` rope deltas. ``past_max``: after a
+    vision run the next position is one past the run's largest (transformers 4.x), else ``p + max(h, w)``."""
     total = cu[cu.shape[0] - 1]
     n = seq_lens.shape[0]
     positions = np.empty((3, total), np.int64)
@@ -161,6 +166,7 @@ def _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run
         while t < real_end:
             if r < run_start.shape[0] and run_start[r] == t:
                 h, w, length = run_h[r], run_w[r], run_len[r]
+                run_top = p
                 for k in range(length):
                     ti = k // (h * w)
                     row = p + _temporal_offset(ti, run_interval[r], run_mode[r])
@@ -169,9 +175,10 @@ def _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run
                     positions[0, t + k] = row
                     positions[1, t + k] = hi
                     positions[2, t + k] = wi
-                    top = max(top, max(row, max(hi, wi)))
+                    run_top = max(run_top, max(row, max(hi, wi)))
+                top = max(top, run_top)
                 t += length
-                p += max(h, w)
+                p = run_top + 1 if past_max else p + max(h, w)
                 r += 1
             else:  # text
                 positions[0, t] = p

@@ -15,6 +15,7 @@ import torch
 
 from thdpack.samples import SampleError, get_field
 from thdpack.vlm.base import RopeItems
+from thdpack.vlm.convention import EXACT
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family
 
@@ -47,6 +48,8 @@ def attach_vision(batch, samples, model_config):
         ``num_image_segments``: int. ``vision_max_seqlen``: int (0 without vision).
         ``rope_deltas``: int64 ``[n]``, ``get_rope_index``'s second output per sample.
         ``vlm_model_type``: the family's ``model_type``.
+        ``mrope_convention``: the transformers rule the mRoPE rows follow
+        (:mod:`thdpack.vlm.convention`).
     """
     family = get_family(model_config)
     samples = list(samples)
@@ -111,6 +114,7 @@ def attach_vision(batch, samples, model_config):
 
     extras = {
         "vlm_model_type": family.model_type,
+        "mrope_convention": getattr(family, "mrope_convention", EXACT),
         "pixel_values": _cat_pixels([p for p, _ in images]),
         "pixel_values_videos": _cat_pixels([p for p, _ in videos]),
         "image_grid_thw": torch.from_numpy(image_grid) if image_grid.shape[0] else None,

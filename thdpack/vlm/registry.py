@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from thdpack.vlm.config import model_type_of
+from thdpack.vlm.convention import resolve_mrope_convention
 
 _FAMILIES: dict[str, type] = {}
 
@@ -19,11 +22,21 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_FAMILIES))
 
 
-def get_family(model_config):
+def get_family(model_config, mrope_convention: str | None = None):
     """The :class:`~thdpack.vlm.VlmFamily` of ``model_config`` (a transformers config, its
-    dict, or an already-built family); ``ValueError`` for an unknown ``model_type``."""
+    dict, or an already-built family); ``ValueError`` for an unknown ``model_type``.
+
+    ``mrope_convention``: which transformers version's ``get_rope_index`` the mRoPE rows
+    follow (:mod:`thdpack.vlm.convention`): None or ``"transformers-installed"`` (the
+    installed transformers' rule), ``"transformers==5.12.1"``, or ``"exact"``,
+    ``"truncate-spg"``, ``"transformers-4"``. An already-built family keeps its own
+    convention unless one is given. Pass the result as ``model_config`` to
+    ``build_thd_batch`` / ``ThdCollator`` to fix the convention of every batch.
+    """
     if hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions"):
-        return model_config  # already a family
+        if mrope_convention is None:
+            return model_config  # already a family
+        return dataclasses.replace(model_config, mrope_convention=resolve_mrope_convention(mrope_convention))
     model_type = model_type_of(model_config)
     _load_builtin()
     cls = _FAMILIES.get(model_type)
@@ -31,7 +44,7 @@ def get_family(model_config):
         raise ValueError(
             f"unknown VLM model_type {model_type!r}; thdpack.vlm supports {', '.join(sorted(_FAMILIES))}"
         )
-    return cls.from_config(model_config)
+    return cls.from_config(model_config, mrope_convention)
 
 
 def _load_builtin() -> None:
