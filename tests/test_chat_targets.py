@@ -273,6 +273,8 @@ def test_qwen3_semantics_reasoning_of_earlier_turns_is_not_in_the_text():
      "{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
      "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}",
      "is not what it renders before an assistant message"),
+    ("{{ raise_exception('roles must alternate system/user') }}",
+     "fails on a two-message probe conversation (TemplateError: roles must alternate system/user)"),
 ])
 def test_a_template_it_cannot_handle_names_the_option(template, why):
     tok = _with_template("qwen3", template)

@@ -52,14 +52,9 @@ def turn_marks(render, special_tokens) -> TurnMarks:
     """The header and end-of-turn text of a template. ``render(conversations,
     add_generation_prompt)`` renders normalized conversations (as
     :func:`thdpack.offline.fastenc.render_chats`); ``special_tokens``: the tokenizer's
-    special token strings. Raises :class:`TemplateNotSupported`."""
+    special token strings. Raises :class:`TemplateNotSupported`, or the template's own error."""
     probe = [_PROBE_USER, {"role": "assistant", "content": SENTINEL}]
-    try:
-        plain, prompted, answered = (render([probe[:1]], False)[0], render([probe[:1]], True)[0],
-                                     render([probe], False)[0])
-    except Exception as exc:  # noqa: BLE001 - the template's own error, shown in the message
-        raise TemplateNotSupported(f"the chat template fails on a two-message probe conversation "
-                                   f"({type(exc).__name__}: {exc}); {WHAT_TO_DO}") from None
+    plain, prompted, answered = render([probe[:1]], False)[0], render([probe[:1]], True)[0], render([probe], False)[0]
     if not prompted.startswith(plain):
         raise TemplateNotSupported("the chat template's generation prompt does not extend the conversation it "
                                    f"follows, so assistant turns cannot be told from their header; {WHAT_TO_DO}")
@@ -124,12 +119,10 @@ def _pieces(variant: str, turns: list[int], header: str) -> list[str]:
     return pieces
 
 
-def variant_refused(exc: Exception) -> TemplateNotSupported:
-    """The error of a conversation the template renders, but not with its assistant messages replaced."""
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return TemplateNotSupported(f"the chat template fails on the conversation with its assistant messages replaced "
-                                f"by a placeholder ({type(exc).__name__}: {msg}), so the turns cannot be located; "
-                                f"{WHAT_TO_DO}")
+def template_failed(what: str, error: str) -> TemplateNotSupported:
+    """The error for a template that raises ``error`` (one line) on ``what`` it renders for locating turns."""
+    return TemplateNotSupported(f"the chat template fails on {what} ({error}), so assistant turns cannot be "
+                                f"located; {WHAT_TO_DO}")
 
 
 def _not_found(k: int, why: str) -> TemplateNotSupported:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.offline.chat_spans import (TemplateNotSupported, assistant_spans, turn_marks, variant_refused,
+from thdpack.offline.chat_spans import (TemplateNotSupported, assistant_spans, template_failed, turn_marks,
                                         with_sentinels)
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
@@ -427,7 +427,8 @@ class RowTokenizer:
                 try:
                     out.extend(render_chats(self.tok, [conv], False, [row_tools]))
                 except Exception as exc:  # noqa: BLE001 - the template's own error, in the row's message
-                    out.append(variant_refused(exc))
+                    out.append(template_failed("the conversation with its assistant messages replaced by a "
+                                               "placeholder", _row_error(exc)))
             return out
 
     def _encode_tokenized(self, row):
@@ -505,6 +506,9 @@ def _turn_marks(tok):
         return turn_marks(render, special)
     except TemplateNotSupported as exc:
         raise ConfigError(f"loss: assistant / last_assistant: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the template's own error, in the message
+        raise ConfigError(f"loss: assistant / last_assistant: "
+                          f"{template_failed('a two-message probe conversation', _row_error(exc))}") from None
 
 
 def _parse_tools(value) -> tuple[list | None, str | None]:
