@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -138,7 +139,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     self.lengths, self.pack_size, num_replicas=self.num_replicas, micro_batches=self.micro_batches,
                     cost=self.cost, seed=self.seed + epoch, shuffle_steps=self.shuffle, **self.plan_kwargs,
                 )
-                plan, schedule = balanced.plan, balanced.rank_packs(self.rank).reshape(-1)
+                plan = balanced.plan
+                schedules = balanced.steps.transpose(1, 0, 2).reshape(self.num_replicas, -1)
             else:
                 plan = plan_packs(self.lengths, self.pack_size, seed=self.seed + epoch, **self.plan_kwargs)
                 order = np.arange(len(plan))
@@ -151,9 +153,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     warnings.warn(message + "; the epoch has no steps")
                 steps = len(plan) // self.num_replicas if self.drop_last else -(-len(plan) // self.num_replicas)
                 # round-robin; without drop_last the first packs are repeated to fill the last step
-                schedule = order[(np.arange(steps) * self.num_replicas + self.rank) % len(plan)]
-            self._cached = (epoch, plan, schedule)
-        return self._cached[1], self._cached[2]
+                ranks = np.arange(self.num_replicas)[:, None]
+                schedules = order[(np.arange(steps)[None, :] * self.num_replicas + ranks) % max(len(plan), 1)]
+            self._cached = (epoch, plan, schedules)
+        return self._cached[1], self._cached[2][self.rank]
 
     def plan(self, epoch: int | None = None) -> PackPlan:
         """The pack plan of ``epoch`` (default: the current one)."""
@@ -161,6 +164,78 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._plan_for_epoch(self.epoch)[1])
+
+    # ---- loss normalisers -------------------------------------------------
+    @property
+    def num_optimizer_steps(self) -> int:
+        """Optimizer steps in the current epoch: ``ceil(len(self) / micro_batches)``."""
+        return self.num_optimizer_steps_of(self.epoch)
+
+    def step_items(self, step: int, targets: Sequence[int] | np.ndarray | None = None, *,
+                   epoch: int | None = None) -> "StepItems":
+        """What optimizer step ``step`` of ``epoch`` (default: the current one) will train, on
+        every rank, known before it runs: the normaliser ``num_items`` of
+        :func:`thdpack.losses.packed_loss`.
+
+        An optimizer step is ``micro_batches`` consecutive packs of each rank (with
+        ``balance="compute"`` exactly the planned step; without it, the gradient-accumulation
+        group of sampler steps ``[step·M, (step+1)·M)``; the last one may be shorter).
+
+        Args:
+            step: optimizer step index, in ``[0, num_optimizer_steps)``.
+            targets: ``[n]`` target tokens of every dataset row as the collator builds it
+                (``labels != -100`` after the shift, e.g. completion tokens only); default:
+                every token of the row's planned piece but its last (plain language modelling).
+                With ``overflow="truncate"``, give the counts of the truncated rows.
+            epoch: the epoch (default: the sampler's current one).
+
+        Returns:
+            A :class:`StepItems` with global and per-rank totals (rows with no target count
+            as no sample).
+        """
+        epoch = self.epoch if epoch is None else epoch
+        _check_int(epoch, "epoch", 0)
+        _check_int(step, "step", 0)
+        num_steps = self.num_optimizer_steps_of(int(epoch))
+        plan, schedules = self._plan_for_epoch(int(epoch))[0], self._cached[2]
+        if step >= num_steps:
+            raise ValueError(
+                f"step={step} is outside epoch {epoch} of {num_steps} optimizer steps ({schedules.shape[1]} packs "
+                f"per rank, micro_batches={self.micro_batches}); pass a step in [0, {num_steps})"
+            )
+        per_piece = self._piece_targets(plan, targets)
+        packs = schedules[:, step * self.micro_batches : (step + 1) * self.micro_batches]  # [R, <=M] pack ids
+        rank_targets = np.zeros(self.num_replicas, np.int64)
+        rank_samples = np.zeros(self.num_replicas, np.int64)
+        for r in range(self.num_replicas):
+            for k in packs[r].tolist():
+                counts = per_piece[plan.pack_offsets[k] : plan.pack_offsets[k + 1]]
+                rank_targets[r] += int(counts.sum())
+                rank_samples[r] += int((counts > 0).sum())
+        return StepItems(int(rank_targets.sum()), int(rank_samples.sum()), rank_targets, rank_samples)
+
+    def num_optimizer_steps_of(self, epoch: int) -> int:
+        """Optimizer steps in ``epoch``: ``ceil(packs per rank / micro_batches)``."""
+        return -(-len(self._plan_for_epoch(epoch)[1]) // self.micro_batches)
+
+    def _piece_targets(self, plan: PackPlan, targets) -> np.ndarray:
+        """int64 ``[m]`` target tokens of every planned piece."""
+        if targets is None:
+            return plan.length - 1
+        arr = np.asarray(targets)
+        if arr.shape != self.lengths.shape or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(
+                f"targets must be integers with one entry per dataset row ({self.lengths.size}), got shape "
+                f"{arr.shape} and dtype {arr.dtype}; pass each row's number of target tokens"
+            )
+        bad = np.flatnonzero((arr < 0) | (arr >= np.maximum(self.lengths, 1)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"targets[{i}] = {int(arr[i])} but row {i} has {int(self.lengths[i])} tokens; a row has at most "
+                "length - 1 targets (its last token predicts nothing)"
+            )
+        return arr.astype(np.int64)[plan.sample_index]
 
     def __iter__(self) -> Iterator[list[int]]:
         """One pass: the rest of the current epoch (nothing if it is used up), after
@@ -262,6 +337,30 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         steps = len(self._plan_for_epoch(epoch)[1])
         if step > steps:
             raise ValueError(f"step {step} is outside epoch {epoch} of {steps} steps; pass a step in [0, {steps}]")
+
+
+@dataclass(frozen=True, eq=False)
+class StepItems:
+    """What one optimizer step trains, from :meth:`TokenBudgetBatchSampler.step_items`.
+
+    Attributes:
+        targets: target tokens of the step over all micro-batches of all ranks (the
+            ``num_items`` of ``packed_loss(reduction="token")``; HF's ``num_items_in_batch``).
+        samples: samples with at least one target, over all micro-batches and ranks (the
+            ``num_items`` of ``packed_loss(reduction="sample")``).
+        rank_targets, rank_samples: int64 ``[num_replicas]`` the same per data-parallel rank.
+    """
+
+    targets: int
+    samples: int
+    rank_targets: np.ndarray
+    rank_samples: np.ndarray
+
+    def num_items(self, reduction: str) -> int:
+        """The global normaliser of ``reduction`` (``"token"`` or ``"sample"``)."""
+        if reduction not in ("token", "sample"):
+            raise ValueError(f"reduction must be 'token' or 'sample', got {reduction!r}")
+        return self.targets if reduction == "token" else self.samples
 
 
 _STATE_KEYS = ("epoch", "step", "seed", "fingerprint")

@@ -1,0 +1,298 @@
+"""thdpack.losses: reductions on packed batches equal the unpacked per-sample computation,
+in value and in *gradient*, across micro-batches (gradient accumulation) and simulated
+data-parallel ranks, with the step's normaliser known before the step from the sampler.
+
+The reference side never uses thdpack: each sample is run alone through a tiny random
+Qwen3 in float64 (HF shift: position t scores token t+1), its target log-probs are
+``log_softmax(...).gather``, and the reductions are written out by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from thdpack import TokenBudgetBatchSampler, build_thd_batch, shard_for_cp  # noqa: E402
+from thdpack.demo.models import TINY_TEXT  # noqa: E402
+from thdpack.losses import (  # noqa: E402
+    all_reduce_items,
+    count_items,
+    packed_loss,
+    sample_target_counts,
+    sequence_logps,
+    token_logps,
+)
+
+IGNORE = -100
+VOCAB = 64
+PACK = 48
+REL_TOL = 1e-10
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model() -> torch.nn.Module:
+    """A 2-layer random Qwen3 in float64 (initializer 0.2: O(1) logits, far from uniform attention)."""
+    config = transformers.Qwen3Config(vocab_size=VOCAB, **TINY_TEXT, max_position_embeddings=256,
+                                      initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(7)
+    return transformers.Qwen3ForCausalLM(config).to(torch.float64).eval()
+
+
+def make_rows(lengths, prompts, seed: int) -> list[dict]:
+    """Rows with random tokens whose first ``prompts[i]`` labels are masked (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for s, p in zip(lengths, prompts):
+        ids = torch.randint(1, VOCAB, (s,), generator=g)
+        labels = ids.clone()
+        labels[: min(p, s)] = IGNORE
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def row_targets(rows) -> np.ndarray:
+    """Targets per row, counted as a user would: labels after the first position that are not -100."""
+    return np.array([int((r["labels"][1:] != IGNORE).sum()) for r in rows], np.int64)
+
+
+# --------------------------------------------------------------------------- reference (no thdpack)
+
+
+def alone_logps(model, row) -> torch.Tensor:
+    """``[k]`` log-probs of the row's targets, the row run alone (batch axis 1, no packing)."""
+    logits = model(input_ids=row["input_ids"][None], use_cache=False).logits[0, :-1]
+    targets = row["labels"][1:]
+    keep = targets != IGNORE
+    return torch.log_softmax(logits, -1)[keep].gather(1, targets[keep][:, None]).squeeze(1)
+
+
+def reference_loss(model, rows, reduction: str) -> torch.Tensor:
+    """The unpacked loss over ``rows`` as one big batch: token-mean, or mean of per-sample token-means."""
+    per_row = [alone_logps(model, r) for r in rows]
+    if reduction == "token":
+        return -torch.cat(per_row).sum() / sum(p.numel() for p in per_row)
+    means = [-p.mean() for p in per_row if p.numel()]
+    return torch.stack(means).sum() / len(means)
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# --------------------------------------------------------------------------- token_logps
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 10_000])
+def test_token_logps_matches_log_softmax_gather(chunk):
+    g = torch.Generator().manual_seed(0)
+    rows = make_rows([7, 3, 12], [2, 0, 5], seed=1)
+    batch = build_thd_batch(rows, pad_multiple=4)
+    logits = torch.randn(batch.num_padded_tokens, VOCAB, generator=g, dtype=torch.float64, requires_grad=True)
+    got = token_logps(logits, batch, chunk_size=chunk)
+    naive = torch.log_softmax(logits, -1).gather(1, batch.labels.clamp_min(0)[:, None]).squeeze(1)
+    want = torch.where(batch.loss_mask, naive, 0.0)
+    assert got.shape == (batch.num_padded_tokens,) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (g1,) = torch.autograd.grad(got.sum(), logits)
+    (g2,) = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+    assert int((got != 0).sum()) == batch.num_targets
+
+
+def test_token_logps_bf16_logits_are_upcast():
+    rows = make_rows([9, 6], [0, 0], seed=2)
+    batch = build_thd_batch(rows)
+    logits = torch.randn(batch.num_padded_tokens, VOCAB).to(torch.bfloat16)
+    got = token_logps(logits, batch, chunk_size=4)
+    assert got.dtype == torch.float32
+    want = torch.log_softmax(logits.float(), -1).gather(1, batch.labels.clamp_min(0)[:, None]).squeeze(1)
+    torch.testing.assert_close(got[batch.loss_mask], want[batch.loss_mask], rtol=0, atol=1e-5)
+
+
+def test_sequence_logps_sums_each_sample_alone():
+    model = tiny_model()
+    rows = make_rows([5, 11, 2, 8], [1, 4, 0, 8], seed=3)  # the last row has no target
+    batch = build_thd_batch(rows, pad_multiple=8)
+    with torch.no_grad():
+        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        logps, counts = sequence_logps(logits, batch, chunk_size=7)
+        want = torch.stack([alone_logps(model, r).sum() for r in rows])
+    assert counts.tolist() == row_targets(rows).tolist() == [4, 7, 1, 0]
+    torch.testing.assert_close(logps, want, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- gradient equivalence
+
+
+def packed_step_grad(model, rows, lengths, reduction, R, M, step, seed):
+    """The gradient of optimizer step ``step`` run packed: R simulated ranks (their gradients
+    summed, an all-reduce), each accumulating its M micro-batches, every loss normalised by
+    the step's global count from the sampler. Returns ``(grad, rows of the step)``."""
+    samplers = [TokenBudgetBatchSampler(lengths, PACK, num_replicas=R, rank=r, micro_batches=M, seed=seed)
+                for r in range(R)]
+    items = samplers[0].step_items(step, row_targets(rows))
+    for other in (s.step_items(step, row_targets(rows)) for s in samplers[1:]):  # every rank knows the same totals
+        assert (other.targets, other.samples) == (items.targets, items.samples)
+    model.zero_grad()
+    step_rows, batches = [], []
+    for r, sampler in enumerate(samplers):
+        packs = list(sampler)[step * M : (step + 1) * M]
+        rank_batches = [build_thd_batch([rows[i] for i in pack], sample_index=pack) for pack in packs]
+        # the normaliser known before the step agrees with the batches the step then builds
+        assert count_items(rank_batches, "token") == items.rank_targets[r]
+        assert count_items(rank_batches, "sample") == items.rank_samples[r]
+        batches += rank_batches
+        step_rows += [rows[i] for pack in packs for i in pack]
+    num_items = all_reduce_items(items.num_items(reduction))  # no process group: the count itself
+    for batch in batches:
+        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        packed_loss(logits, batch, reduction, num_items).backward()
+    return grads(model).clone(), step_rows
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    lengths=st.lists(st.integers(2, 30), min_size=2, max_size=12),
+    R=st.integers(1, 3),
+    M=st.integers(1, 3),
+    reduction=st.sampled_from(["token", "sample"]),
+    seed=st.integers(0, 3),
+)
+def test_packed_step_gradient_equals_unpacked(data, lengths, R, M, reduction, seed):
+    prompts = data.draw(st.lists(st.integers(0, 30), min_size=len(lengths), max_size=len(lengths)))
+    rows = make_rows(lengths, prompts, seed)
+    if row_targets(rows).sum() == 0:
+        rows[0]["labels"] = rows[0]["input_ids"].clone()
+    model = tiny_model()
+    steps = TokenBudgetBatchSampler(lengths, PACK, num_replicas=R, rank=0, micro_batches=M, seed=seed).num_optimizer_steps
+    step = data.draw(st.integers(0, steps - 1))
+    got, step_rows = packed_step_grad(model, rows, lengths, reduction, R, M, step, seed)
+    if row_targets(step_rows).sum() == 0:
+        return  # nothing to train in this step (a real loop skips it)
+    model.zero_grad()
+    reference_loss(model, step_rows, reduction).backward()
+    want = grads(model)
+    assert rel_err(got, want) < REL_TOL, (reduction, R, M, rel_err(got, want))
+
+
+def test_batch_mean_is_not_the_step_mean():
+    """Why num_items matters: averaging each micro-batch's own mean is not the step's mean
+    (this is the ~3x loss / wrong gradient users see); the test above would catch it."""
+    model = tiny_model()
+    rows = make_rows([30, 3, 4, 28], [0, 0, 0, 20], seed=5)
+    b1, b2 = build_thd_batch(rows[:2]), build_thd_batch(rows[2:])
+    model.zero_grad()
+    for b in (b1, b2):
+        logits = model(**b.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        (packed_loss(logits, b, "token") / 2).backward()
+    naive = grads(model).clone()
+    model.zero_grad()
+    reference_loss(model, rows, "token").backward()
+    assert rel_err(naive, grads(model)) > 1e-3
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_cp_shards_sum_to_the_whole_batch_loss(reduction):
+    """CP 2: each rank's loss on its shard (logits of its local tokens) sums to the whole loss."""
+    model = tiny_model()
+    rows = make_rows([9, 14, 5], [3, 0, 2], seed=6)
+    batch = build_thd_batch(rows, cp_size=2)
+    with torch.no_grad():
+        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits[0]
+        whole = packed_loss(logits, batch, reduction)
+        n = count_items([batch], reduction)
+        total = 0.0
+        for r in range(2):
+            shard = shard_for_cp(batch, 2, r)
+            extra = {"sample_targets": sample_target_counts(batch)} if reduction == "sample" else {}
+            total = total + packed_loss(logits[shard.partition_indices], shard, reduction, n, **extra)
+        torch.testing.assert_close(total, whole, rtol=1e-12, atol=0)
+        torch.testing.assert_close(whole, reference_loss(model, rows, reduction), rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------- the sampler's normaliser
+
+
+def test_step_items_counts_every_rank_and_micro_batch():
+    lengths = [10, 20, 30, 5, 7, 40, 12, 3]
+    targets = [4, 0, 29, 4, 6, 1, 11, 2]
+    R, M = 2, 2
+    samplers = [TokenBudgetBatchSampler(lengths, 48, num_replicas=R, rank=r, micro_batches=M, shuffle=False)
+                for r in range(R)]
+    plan = samplers[0].plan()
+    for step in range(samplers[0].num_optimizer_steps):
+        items = samplers[0].step_items(step, targets)
+        for r, s in enumerate(samplers):
+            packs = list(s)[step * M : (step + 1) * M]
+            rows = [i for p in packs for i in p]
+            assert items.rank_targets[r] == sum(targets[i] for i in rows)
+            assert items.rank_samples[r] == sum(targets[i] > 0 for i in rows)
+        assert items.num_items("token") == items.targets == int(items.rank_targets.sum())
+        assert items.num_items("sample") == items.samples == int(items.rank_samples.sum())
+    assert len(plan) >= 3
+    default = samplers[0].step_items(0)  # plain LM: every token but each row's last
+    packs = list(samplers[0])[:M]
+    assert default.rank_targets[0] == sum(lengths[i] - 1 for p in packs for i in p)
+
+
+def test_step_items_with_balance_follows_the_planned_steps():
+    lengths = list(np.random.default_rng(0).integers(2, 60, 40))
+    R, M = 2, 2
+    samplers = [TokenBudgetBatchSampler(lengths, 64, num_replicas=R, rank=r, micro_batches=M, balance="compute")
+                for r in range(R)]
+    for step in range(samplers[0].num_optimizer_steps):
+        items = samplers[0].step_items(step)
+        for r, s in enumerate(samplers):
+            packs = list(s)[step * M : (step + 1) * M]
+            assert items.rank_targets[r] == sum(lengths[i] - 1 for p in packs for i in p)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_argument():
+    rows = make_rows([6, 4], [0, 0], seed=0)
+    batch = build_thd_batch(rows, cp_size=2)
+    logits = torch.randn(batch.num_padded_tokens, VOCAB)
+    with pytest.raises(ValueError, match=r"logits have shape \(5, 64\).*T = batch.num_padded_tokens = 12"):
+        token_logps(logits[:5], batch)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        packed_loss(logits, batch, "mean")
+    with pytest.raises(ValueError, match="num_items must be > 0"):
+        packed_loss(logits, batch, "token", 0)
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+        token_logps(logits, batch, chunk_size=0)
+    with pytest.raises(ValueError, match="outside the logits' vocabulary"):
+        token_logps(logits[:, :3], batch)
+    shard = shard_for_cp(batch, 2, 1)
+    with pytest.raises(ValueError, match="CP shard needs sample_targets="):
+        packed_loss(logits[shard.partition_indices], shard, "sample")
+    sampler = TokenBudgetBatchSampler([6, 4], 16, shuffle=False)
+    with pytest.raises(ValueError, match=r"step=1 is outside epoch 0 of 1 optimizer steps"):
+        sampler.step_items(1)
+    with pytest.raises(ValueError, match=r"targets\[0\] = 6 but row 0 has 6 tokens"):
+        sampler.step_items(0, [6, 1])
+    with pytest.raises(ValueError, match="one entry per dataset row"):
+        sampler.step_items(0, [1])
+
+
+def test_empty_batch_loss_is_zero_and_connected():
+    rows = make_rows([5], [5], seed=0)
+    batch = build_thd_batch(rows)
+    logits = torch.randn(batch.num_padded_tokens, VOCAB, requires_grad=True)
+    for reduction in ("token", "sample"):
+        loss = packed_loss(logits, batch, reduction)
+        assert float(loss.detach()) == 0.0 and loss.requires_grad

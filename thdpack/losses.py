@@ -1,0 +1,232 @@
+"""Losses on a packed :class:`~thdpack.ThdBatch` that mean what they mean unpacked.
+
+Everything here works on the packed stream's own target labels (``batch.labels[t]`` is
+the token position t predicts), so no shift is applied and no target crosses a sample
+boundary. torch only.
+
+Reductions (``docs/losses.md``):
+
+* ``"token"``: the sum of every target token's loss over a whole optimizer step (all
+  micro-batches of all data-parallel ranks) divided by the step's number of target
+  tokens (HF Trainer's ``num_items_in_batch``).
+* ``"sample"``: the mean over the step's samples of each sample's token-mean.
+
+Pass the step's global count as ``num_items`` (from
+:meth:`thdpack.TokenBudgetBatchSampler.step_items`, or :func:`count_items` summed with
+:func:`all_reduce_items`): summing the gradients of the micro-batches and ranks then gives
+exactly the gradient of one big unpacked batch. (DDP *averages* gradients over ranks:
+multiply the loss by the data-parallel world size there, as HF's Trainer does.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+REDUCTIONS = ("token", "sample")
+DEFAULT_CHUNK = 4096  # rows of [T, V] logits upcast and exponentiated at a time
+
+
+# --------------------------------------------------------------------------- per token / per sample
+
+
+def token_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Log-probability of every target token of the packed stream.
+
+    Computed ``chunk_size`` rows at a time: the only ``[chunk, V]`` temporaries are one
+    chunk's (upcast and ``exp``), never a ``[T, V]`` float32 copy of the logits.
+
+    Args:
+        logits: ``[T, V]`` or ``[1, T, V]`` the model's logits on ``batch`` (any float
+            dtype), ``T = batch.num_padded_tokens`` (a CP shard's local tokens).
+        batch: the :class:`~thdpack.ThdBatch` (or CP shard) the logits are for.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``[T]`` float (the logits' dtype, at least float32): ``log p(labels[t])`` at target
+        positions, 0 elsewhere. Differentiable.
+    """
+    logits = _stream_logits(logits, batch)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    mask = batch.loss_mask.to(logits.device)
+    labels = torch.where(mask, batch.labels.to(logits.device), 0)
+    _check_label_range(labels, mask, logits.shape[1])
+    pieces = []
+    for a in range(0, logits.shape[0], chunk_size):
+        rows = logits[a : a + chunk_size]
+        target = rows.gather(1, labels[a : a + chunk_size, None]).squeeze(1).to(dtype)
+        lse = torch.logsumexp(rows.to(dtype), dim=-1)
+        pieces.append(torch.where(mask[a : a + chunk_size], target - lse, torch.zeros((), dtype=dtype, device=lse.device)))
+    if not pieces:
+        return logits.new_zeros(0, dtype=dtype)
+    return torch.cat(pieces)
+
+
+def sample_ids(batch) -> torch.Tensor:
+    """int64 ``[T]`` the sample (position in the pack) of every slot of the (local) stream,
+    pad slots included. On a CP shard each sample's local span is ``P / cp_size`` slots."""
+    cu = batch.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
+    cu = cu.to(torch.int64)
+    counts = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts,
+                                   output_size=int(cu[-1]))
+
+
+def sample_sum(values: torch.Tensor, batch) -> torch.Tensor:
+    """``[n]`` sum of the per-token ``values`` ``[T]`` over each sample's slots."""
+    ids = sample_ids(batch).to(values.device)
+    return values.new_zeros(batch.num_samples).index_add(0, ids, values)
+
+
+def sample_target_counts(batch) -> torch.Tensor:
+    """int64 ``[n]`` target tokens of each sample (on a CP shard: this rank's part; sum over
+    the CP group for the sample's total)."""
+    ids = sample_ids(batch).to(batch.loss_mask.device)
+    return torch.bincount(ids[batch.loss_mask], minlength=batch.num_samples)
+
+
+def sequence_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of target log-probabilities per sample.
+
+    Args:
+        logits, batch, chunk_size: as in :func:`token_logps`.
+
+    Returns:
+        ``(logps, counts)``: float ``[n]`` (differentiable) and int64 ``[n]`` target tokens
+        per sample. On a CP shard both are this rank's part: all-reduce (sum) them over
+        the CP group to get the whole samples'.
+    """
+    return sample_sum(token_logps(logits, batch, chunk_size=chunk_size), batch), sample_target_counts(batch)
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def packed_loss(
+    logits: torch.Tensor,
+    batch,
+    reduction: str = "token",
+    num_items=None,
+    *,
+    sample_targets: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Negative log-likelihood of a packed batch, normalised for a whole optimizer step.
+
+    Args:
+        logits, batch, chunk_size: as in :func:`token_logps`.
+        reduction: ``"token"`` (sum of target NLLs / ``num_items`` target tokens) or
+            ``"sample"`` (sum over samples of each sample's token-mean NLL / ``num_items``
+            samples).
+        num_items: the step's global normaliser (target tokens, or samples with targets,
+            over all micro-batches and data-parallel ranks: :meth:`StepItems.num_items
+            <thdpack.sampler.StepItems.num_items>`, or :func:`count_items` +
+            :func:`all_reduce_items`); an int or a scalar tensor > 0. Default: this batch's
+            own count (a plain mean over the batch).
+        sample_targets: ``"sample"`` on a CP shard only: int ``[n]`` each sample's target
+            tokens over all CP ranks (:func:`sample_target_counts` of the whole batch, or
+            the shard's all-reduced over the CP group).
+
+    Returns:
+        A scalar (the logits' dtype, at least float32). A batch with nothing to score gives
+        0, still connected to ``logits`` (so every rank runs the same backward).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    logps = token_logps(logits, batch, chunk_size=chunk_size)
+    if reduction == "token":
+        total, own = -logps.sum(), batch.num_targets
+    else:
+        counts = _sample_counts(batch, sample_targets).to(logps.device)
+        scored = counts > 0
+        means = sample_sum(logps, batch)[scored] / counts[scored].to(logps.dtype)
+        total, own = -means.sum(), int(scored.sum())
+    if num_items is None:
+        return total / own if own else total * 0
+    return total / _checked_num_items(num_items)
+
+
+def _sample_counts(batch, sample_targets) -> torch.Tensor:
+    if sample_targets is None:
+        if batch.is_shard and batch.cp_size > 1:
+            raise ValueError(
+                "packed_loss(reduction='sample') on a CP shard needs sample_targets=: each sample's target count "
+                "over all CP ranks (sample_target_counts(batch) of the whole batch, or the shard's all-reduced)"
+            )
+        return sample_target_counts(batch)
+    counts = torch.as_tensor(sample_targets)
+    if counts.shape != (batch.num_samples,) or counts.is_floating_point():
+        raise ValueError(
+            f"sample_targets must be integers of shape [{batch.num_samples}] (one per sample of the pack), "
+            f"got shape {tuple(counts.shape)} and dtype {counts.dtype}"
+        )
+    return counts
+
+
+def _checked_num_items(num_items):
+    value = num_items.detach() if isinstance(num_items, torch.Tensor) else num_items
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)) or (
+        isinstance(value, torch.Tensor) and value.numel() != 1
+    ):
+        raise ValueError(f"num_items must be a number or a scalar tensor > 0, got {num_items!r}")
+    if not float(value) > 0:
+        raise ValueError(
+            f"num_items must be > 0 (the step's global count of target tokens or samples), got {float(value)}; "
+            "a step with nothing to score has no loss: skip it"
+        )
+    return num_items
+
+
+# --------------------------------------------------------------------------- normalisers
+
+
+def count_items(batches, reduction: str = "token") -> int:
+    """The ``num_items`` of ``reduction`` over ``batches`` (one rank's micro-batches of a step,
+    whole batches, not CP shards): target tokens, or samples with at least one target."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "token":
+        return sum(b.num_targets for b in batches)
+    return sum(int((sample_target_counts(b) > 0).sum()) for b in batches)
+
+
+def all_reduce_items(count, group=None) -> int:
+    """``count`` summed over the ranks of ``group`` (``torch.distributed``, default the world);
+    ``count`` itself when torch.distributed is not initialised. Call it on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(count)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.tensor(int(count), dtype=torch.int64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return int(total)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _stream_logits(logits: torch.Tensor, batch) -> torch.Tensor:
+    """``logits`` as ``[T, V]``; ``ValueError`` unless they fit ``batch``."""
+    T = batch.num_padded_tokens
+    if logits.dim() == 3 and logits.shape[0] == 1:
+        logits = logits[0]
+    if logits.dim() != 2 or logits.shape[0] != T or not logits.is_floating_point():
+        raise ValueError(
+            f"logits have shape {tuple(logits.shape)} and dtype {logits.dtype}; expected float [T, V] or [1, T, V] "
+            f"with T = batch.num_padded_tokens = {T}: pass the model's logits for this batch (shard)"
+        )
+    return logits
+
+
+def _check_label_range(labels: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:
+    bad = mask & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"target label {int(labels[t])} at stream position {t} is outside the logits' vocabulary [0, {vocab}); "
+            "the batch and the model disagree on the vocabulary size"
+        )
