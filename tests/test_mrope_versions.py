@@ -369,7 +369,7 @@ def test_text_after_video_issue_example():
 
 @pytest.mark.parametrize(
     ("version", "expected"),
-    [("4.57.6", conv.TRANSFORMERS_4), ("5.2.0", conv.TRANSFORMERS_4), ("5.3.0", conv.TRUNCATE_SPG),
+    [("4.57.6", conv.TRANSFORMERS_4), ("5.2.0", conv.TRANSFORMERS_4), ("5.6.0", conv.TRUNCATE_SPG),
      ("5.12.1", conv.TRUNCATE_SPG), ("5.17.0", conv.TRUNCATE_SPG), ("5.18.0", conv.EXACT), ("5.24.0", conv.EXACT),
      ("6.0.0.dev0", conv.EXACT)],
 )
@@ -383,6 +383,13 @@ def test_default_follows_installed_transformers(monkeypatch, version, expected):
     batch = build_thd_batch([sample], model_config=model_config("qwen2_5_vl"))
     assert batch.extras["mrope_convention"] == expected
     assert rows_of(batch, 0)[0, 3:19:4].tolist() == ([3, 4, 5, 6] if expected == conv.EXACT else [3, 3, 3, 3])
+
+
+@pytest.mark.parametrize("version", ["5.3.0", "5.5.1"])
+def test_unreproducible_releases_warn(version):
+    """5.3 to 5.5 compute positions no convention gives: a warning names the version and the way out."""
+    with pytest.warns(UserWarning, match=rf"transformers {version}'s .* use transformers >= 5.6"):
+        assert conv.convention_for_transformers(version) == conv.TRUNCATE_SPG
 
 
 def test_default_without_transformers_is_exact(monkeypatch):

@@ -6,14 +6,14 @@ A model should be trained on the positions its own inference computes, so thdpac
 follows, by default, the rule of the transformers installed where the batch is built
 (read from its package metadata; transformers is never imported). The rules:
 
-``"exact"`` (transformers >= 5.18; checked on 5.18.0 and 5.24.0)
+``"exact"`` (transformers >= 5.18; checked against 5.18.0 and 5.24.0)
     Qwen2.5-VL video frame ``k`` is at ``p + trunc(k · tokens_per_second · second_per_grid_ts)``;
     after a vision item the next position is ``p + max(h, w)`` (LLM grid).
-``"truncate-spg"`` (transformers 5.3 to 5.17; checked on 5.8.0, 5.12.1 and 5.17.0)
+``"truncate-spg"`` (transformers 5.6 to 5.17; checked against each of 5.6.0 … 5.17.0)
     As ``"exact"`` but ``second_per_grid_ts`` is truncated first:
     ``k · tokens_per_second · int(second_per_grid_ts)`` (0.5 s per grid gives 0).
     Only Qwen2.5-VL videos differ from ``"exact"``.
-``"transformers-4"`` (transformers 4.x up to 5.2; checked on 4.57.6, 5.0.0 and 5.2.0)
+``"transformers-4"`` (transformers 4.x up to 5.2; checked against 4.57.6, 5.0.0, 5.1.0, 5.2.0)
     ``second_per_grid_ts`` truncated as in ``"truncate-spg"``; Qwen2.5-VL images have
     temporal position ``p`` on every frame; after a vision item the next position is one
     past the largest position of the item: ``p + max(last temporal offset + 1, h, w)``.
@@ -23,13 +23,16 @@ follows, by default, the rule of the transformers installed where the batch is b
 The three differ only on Qwen2.5-VL videos with fractional ``second_per_grid_ts``,
 Qwen2.5-VL images with ``t > 1``, and items whose last temporal offset reaches
 ``max(h, w)`` (videos, or images with ``t > 1``). Without transformers installed the
-default is ``"exact"``. Transformers 5.3.x computes positions of its own (its
-``get_vision_position_ids`` of that release); no convention reproduces it.
+default is ``"exact"``. Transformers 5.3 to 5.5 compute other positions for items with
+``t > 1`` and for Qwen2.5-VL (their ``get_vision_position_ids`` puts every frame of an item
+at temporal position ``p · interval``); no convention reproduces them: thdpack warns and
+uses ``"truncate-spg"``, which those releases' successors compute.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from importlib import metadata
 
 EXACT = "exact"
@@ -48,6 +51,12 @@ def convention_for_transformers(version: str) -> str:
     if (major, minor) >= (5, 18):
         return EXACT
     if (major, minor) >= (5, 3):
+        if (major, minor) <= (5, 5):
+            warnings.warn(
+                f"mrope_convention: transformers {version}'s Qwen-VL get_rope_index mis-places items with t > 1 "
+                "and Qwen2.5-VL videos (fixed in 5.6); thdpack follows 'truncate-spg': use transformers >= 5.6",
+                stacklevel=3,
+            )
         return TRUNCATE_SPG
     return TRANSFORMERS_4
 
