@@ -405,6 +405,13 @@ def test_built_family_keeps_or_changes_its_convention():
     assert get_family(fam) is fam
     assert get_family(fam, mrope_convention="transformers-4").mrope_convention == conv.TRANSFORMERS_4
 
+    class Custom:  # a family of one's own that is no dataclass
+        def image_items(self): ...
+        def mrope_positions(self): ...
+
+    with pytest.raises(ValueError, match="Custom is not a dataclass; pass its transformers config"):
+        get_family(Custom(), mrope_convention="exact")
+
 
 @pytest.mark.parametrize("value", ["transformers-5", "EXACT", "transformers==x.y", 3])
 def test_unknown_convention_is_refused(value):

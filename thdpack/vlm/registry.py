@@ -36,7 +36,13 @@ def get_family(model_config, mrope_convention: str | None = None):
     if hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions"):
         if mrope_convention is None:
             return model_config  # already a family
-        return dataclasses.replace(model_config, mrope_convention=resolve_mrope_convention(mrope_convention))
+        chosen = resolve_mrope_convention(mrope_convention)
+        if not dataclasses.is_dataclass(model_config):
+            raise ValueError(
+                f"mrope_convention={mrope_convention!r}: the family {type(model_config).__name__} is not a dataclass; "
+                "pass its transformers config instead, or build the family with that convention"
+            )
+        return dataclasses.replace(model_config, mrope_convention=chosen)
     model_type = model_type_of(model_config)
     _load_builtin()
     cls = _FAMILIES.get(model_type)
