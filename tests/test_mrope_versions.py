@@ -20,6 +20,7 @@ there, the transcriptions are checked against it.
 from __future__ import annotations
 
 import ast
+import fcntl
 import itertools
 import os
 import subprocess
@@ -75,21 +76,25 @@ def stub_config() -> types.SimpleNamespace:
 
 def _wheel(version: str) -> Path | str:
     """transformers ``version``'s wheel (cached), or why it cannot be had."""
-    found = sorted(CACHE.glob(f"transformers-{version}-*.whl"))
-    if found:
-        return found[0]
     CACHE.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--dest", str(CACHE),
-           f"transformers=={version}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return f"`pip download transformers=={version}` took more than 300 s"
-    found = sorted(CACHE.glob(f"transformers-{version}-*.whl"))
-    if done.returncode or not found:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"`pip download transformers=={version}` failed: {last}"
-    return found[0]
+    with open(CACHE / ".lock", "w") as lock:  # pytest-xdist workers: one downloads, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = sorted(CACHE.glob(f"transformers-{version}-*.whl"))
+        if found:
+            return found[0]
+        tmp = CACHE / f"download-{version}"
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--dest", str(tmp),
+               f"transformers=={version}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return f"`pip download transformers=={version}` took more than 300 s"
+        got = sorted(tmp.glob(f"transformers-{version}-*.whl"))
+        if done.returncode or not got:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"`pip download transformers=={version}` failed: {last}"
+        os.replace(got[0], CACHE / got[0].name)  # whole wheels only in the cache
+        return CACHE / got[0].name
 
 
 def _functions(source: str, names: tuple[str, ...], where: str) -> dict:
