@@ -372,16 +372,27 @@ def test_text_after_video_issue_example():
     assert want[:, end - 3 :].tolist() == tails[conv.TRANSFORMERS_4]
 
 
+@pytest.fixture
+def installed(monkeypatch):
+    """Set the version the package metadata reports for transformers (a function of the name)."""
+    def use(version_of):
+        monkeypatch.setattr(conv.metadata, "version", version_of)
+        conv.installed_transformers_version.cache_clear()
+
+    yield use
+    conv.installed_transformers_version.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("version", "expected"),
     [("4.57.6", conv.TRANSFORMERS_4), ("5.2.0", conv.TRANSFORMERS_4), ("5.6.0", conv.TRUNCATE_SPG),
      ("5.12.1", conv.TRUNCATE_SPG), ("5.17.0", conv.TRUNCATE_SPG), ("5.18.0", conv.EXACT), ("5.24.0", conv.EXACT),
      ("6.0.0.dev0", conv.EXACT)],
 )
-def test_default_follows_installed_transformers(monkeypatch, version, expected):
+def test_default_follows_installed_transformers(installed, version, expected):
     """Without ``mrope_convention`` the family follows the installed transformers' version
     (read from package metadata; a Megatron-Bridge environment pins <= 5.12.1)."""
-    monkeypatch.setattr(conv.metadata, "version", lambda name: version)
+    installed(lambda name: version)
     fam = get_family(model_config("qwen2_5_vl"))
     assert fam.mrope_convention == expected
     sample = _video_sample((4, 4, 4), [0.5])
@@ -397,11 +408,11 @@ def test_unreproducible_releases_warn(version):
         assert conv.convention_for_transformers(version) == conv.TRUNCATE_SPG
 
 
-def test_default_without_transformers_is_exact(monkeypatch):
+def test_default_without_transformers_is_exact(installed):
     def missing(name):
         raise conv.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(conv.metadata, "version", missing)
+    installed(missing)
     assert get_family(model_config("qwen2_vl")).mrope_convention == conv.EXACT
 
 
