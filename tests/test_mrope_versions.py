@@ -106,7 +106,8 @@ def _functions(source: str, names: tuple[str, ...], where: str) -> dict:
         if isinstance(node, ast.FunctionDef) and node.name in names and node.name not in found:
             node.decorator_list = []
             node.returns = None
-            for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg]:
+            args = node.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
                 if arg is not None:
                     arg.annotation = None
             found[node.name] = node
@@ -318,7 +319,8 @@ def test_every_family_on_a_fixed_pack(family, version):
     (Qwen2.5-VL 4.x: all its frames at one temporal position), a video with 0.5 s per grid and
     text after both."""
     layout = [("text", 2), ("image", (3, 2, 4)), ("text", 2), ("video", (4, 4, 4)), ("text", 2)]
-    samples = [make_sample(family, layout, np.random.default_rng(5), [0.5]), {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
+    text_only = {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}
+    samples = [make_sample(family, layout, np.random.default_rng(5), [0.5]), text_only]
     fam = get_family(model_config(family), mrope_convention=f"transformers=={version}")
     batch = build_thd_batch(samples, model_config=fam, pad_multiple=8)
     s = samples[0]
@@ -335,8 +337,9 @@ def test_exact_convention_equals_installed_transformers(family, layout, seconds,
     assert conv.convention_for_transformers(transformers.__version__) == conv.EXACT
     sample = make_sample(family, layout, np.random.default_rng(seed), torch.tensor(seconds, dtype=torch.float64))
     batch = build_thd_batch([sample], model_config=get_family(model_config(family), mrope_convention="exact"))
-    want, delta = call_rope_index(installed_rope_index(family), family, sample["input_ids"], sample.get("image_grid_thw"),
-                                  sample.get("video_grid_thw"), sample.get("second_per_grid_ts"))
+    want, delta = call_rope_index(installed_rope_index(family), family, sample["input_ids"],
+                                  sample.get("image_grid_thw"), sample.get("video_grid_thw"),
+                                  sample.get("second_per_grid_ts"))
     assert np.array_equal(rows_of(batch, 0), want)
     assert int(batch.extras["rope_deltas"][0]) == delta
 
@@ -461,8 +464,9 @@ def test_bridge_qwen3_vl_rope_is_transformers_4():
         videos = torch.repeat_interleave(videos, videos[:, 0], dim=0)
         videos[:, 0] = 1  # as Bridge's get_rope_index does before calling it
         want, _, _ = fn(torch.tensor(sample["input_ids"]), spatial_merge_size=MERGE, image_token_id=IMG,
-                        video_token_id=VID, vision_start_token_id=VS, image_grid_thw=torch.tensor(sample["image_grid_thw"]),
-                        video_grid_thw=videos, image_index=0, video_index=0)
+                        video_token_id=VID, vision_start_token_id=VS,
+                        image_grid_thw=torch.tensor(sample["image_grid_thw"]), video_grid_thw=videos,
+                        image_index=0, video_index=0)
         want = want.numpy()
     got = {}
     for name in (conv.TRANSFORMERS_4, conv.EXACT):

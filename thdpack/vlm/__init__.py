@@ -10,8 +10,8 @@ transformers config or its dict; nothing here imports transformers.
 Layout: one file per family (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``,
 ``qwen3_5.py``) behind :class:`VlmFamily`, registered by ``model_type``; the shared
 vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
-(``get_family(cfg, mrope_convention=...)``, ``convention.py``; docs/vlm.md); reading and checking samples in ``pack.py``; CP
-positions of vision tokens in ``shard.py``.
+(``get_family(cfg, mrope_convention=...)``, ``convention.py``; docs/vlm.md); reading and
+checking samples in ``pack.py``; CP positions of vision tokens in ``shard.py``.
 """
 
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily

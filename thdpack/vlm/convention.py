@@ -47,7 +47,9 @@ def convention_for_transformers(version: str) -> str:
     """The mRoPE convention of transformers ``version`` (e.g. ``"5.12.1"``, ``"5.18.0.dev0"``)."""
     match = re.match(r"\s*(\d+)\.(\d+)", str(version))
     if match is None:
-        raise ValueError(f"mrope_convention: cannot read a transformers version from {version!r}; give 'MAJOR.MINOR[...]'")
+        raise ValueError(
+            f"mrope_convention: cannot read a transformers version from {version!r}; give 'MAJOR.MINOR[...]'"
+        )
     major, minor = int(match.group(1)), int(match.group(2))
     if (major, minor) >= (5, 18):
         return EXACT

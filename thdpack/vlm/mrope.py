@@ -102,7 +102,9 @@ def mrope_for_stream(
         run_h[sel], run_w[sel] = items.h, items.w
         run_interval[sel], run_mode[sel] = items.interval, items.mode
     past_max = getattr(family, "mrope_convention", EXACT) == TRANSFORMERS_4
-    positions, rope_deltas = _positions(cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode, past_max)
+    positions, rope_deltas = _positions(
+        cu, seq_lens, run_start, run_len, run_h, run_w, run_interval, run_mode, past_max
+    )
     return StreamRope(positions=positions, token_type=token_type, rope_deltas=rope_deltas)
 
 
