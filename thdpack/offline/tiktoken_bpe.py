@@ -1,4 +1,4 @@
-"""Byte-level BPE through ``tiktoken``: the ids of a Hugging Face tokenizer, several times faster.
+r"""Byte-level BPE through ``tiktoken``: the ids of a Hugging Face tokenizer, several times faster.
 
 Most LLM tokenizers (Qwen, Llama 3, GPT-2 style) are byte-level BPE: a regex splits
 the text into pieces, each piece's UTF-8 bytes are merged pair by pair in the order
@@ -285,14 +285,12 @@ def _merge_targets(merges: list[tuple[str, str]], vocab: dict, alphabet: set) ->
     several = False
     for a, b in merges:
         token = a + b
-        if token not in vocab or not set(token) <= alphabet:
-            return f"merge {a!r} + {b!r} gives a token outside the byte-level vocabulary"
-        if (a, b) in pairs:
-            return f"merge {a!r} + {b!r} is listed twice"
-        pairs.add((a, b))
+        pairs.add((a, b))  # (tokenizers keeps one of a pair listed twice: the list read here has it once)
         if targets and targets[-1] == token:
             several = True
             continue
+        if token not in vocab or not set(token) <= alphabet:
+            return f"merge {a!r} + {b!r} gives a token outside the byte-level vocabulary"
         if token in seen:
             return f"the merges that give {token!r} are not next to each other in the merge list"
         seen.add(token)
