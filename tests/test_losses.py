@@ -105,8 +105,9 @@ def test_token_logps_matches_log_softmax_gather(chunk):
     want = torch.where(batch.loss_mask, naive, 0.0)
     assert got.shape == (batch.num_padded_tokens,) and got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    (g1,) = torch.autograd.grad(got.sum(), logits)
-    (g2,) = torch.autograd.grad(want.sum(), logits)
+    w = torch.randn(batch.num_padded_tokens, generator=g, dtype=torch.float64)  # any upstream gradient
+    (g1,) = torch.autograd.grad((got * w).sum(), logits)
+    (g2,) = torch.autograd.grad((want * w).sum(), logits)
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
     assert int((got != 0).sum()) == batch.num_targets
 

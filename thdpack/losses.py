@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 REDUCTIONS = ("token", "sample")
-DEFAULT_CHUNK = 4096  # rows of [T, V] logits upcast and exponentiated at a time
+DEFAULT_CHUNK = 1024  # rows of [T, V] logits upcast and exponentiated at a time
 
 
 # --------------------------------------------------------------------------- per token / per sample
@@ -32,8 +32,11 @@ DEFAULT_CHUNK = 4096  # rows of [T, V] logits upcast and exponentiated at a time
 def token_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Log-probability of every target token of the packed stream.
 
-    Computed ``chunk_size`` rows at a time: the only ``[chunk, V]`` temporaries are one
-    chunk's (upcast and ``exp``), never a ``[T, V]`` float32 copy of the logits.
+    Computed ``chunk_size`` rows at a time, forward and backward, in ``[chunk, V]`` float
+    buffers reused by every chunk (one; two for bf16/fp16 logits, the upcast and the
+    ``log_softmax``): never a ``[T, V]`` float32 copy of the logits. Autograd keeps the logits
+    themselves and a ``[T]`` log-normaliser, not a ``[T, V]`` log_softmax. The gradient of
+    the logits is ``[T, V]`` in their dtype, as always. ``benchmarks/losses.py`` measures it.
 
     Args:
         logits: ``[T, V]`` or ``[1, T, V]`` the model's logits on ``batch`` (any float
@@ -43,24 +46,61 @@ def token_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK)
 
     Returns:
         ``[T]`` float (the logits' dtype, at least float32): ``log p(labels[t])`` at target
-        positions, 0 elsewhere. Differentiable.
+        positions, 0 elsewhere. Differentiable (once).
     """
     logits = _stream_logits(logits, batch)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    dtype = torch.promote_types(logits.dtype, torch.float32)
     mask = batch.loss_mask.to(logits.device)
     labels = torch.where(mask, batch.labels.to(logits.device), 0)
     _check_label_range(labels, mask, logits.shape[1])
-    pieces = []
-    for a in range(0, logits.shape[0], chunk_size):
-        rows = logits[a : a + chunk_size]
-        target = rows.gather(1, labels[a : a + chunk_size, None]).squeeze(1).to(dtype)
-        lse = torch.logsumexp(rows.to(dtype), dim=-1)
-        pieces.append(torch.where(mask[a : a + chunk_size], target - lse, torch.zeros((), dtype=dtype, device=lse.device)))
-    if not pieces:
-        return logits.new_zeros(0, dtype=dtype)
-    return torch.cat(pieces)
+    return _ChunkedTargetLogps.apply(logits, labels, mask, chunk_size)
+
+
+class _ChunkedTargetLogps(torch.autograd.Function):
+    """``[T, V]`` logits, int64 ``[T]`` labels, bool ``[T]`` mask -> ``[T]`` masked target
+    log-probs, chunk by chunk in both directions."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, mask, chunk_size):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(out)  # log-normaliser of every row, for the backward
+        buf = _chunk_buffer(logits, chunk_size, dtype)
+        upcast = None if logits.dtype == dtype else _chunk_buffer(logits, chunk_size, dtype)
+        for a in range(0, logits.shape[0], chunk_size):
+            rows, lab = logits[a : a + chunk_size], labels[a : a + chunk_size, None]
+            n = rows.shape[0]
+            x = rows if upcast is None else upcast[:n].copy_(rows)  # bf16/fp16: upcast into a reused chunk
+            logp = torch.log_softmax(x, -1, out=buf[:n]).gather(1, lab).squeeze(1)
+            lse[a : a + chunk_size] = rows.gather(1, lab).squeeze(1).to(dtype) - logp
+            out[a : a + chunk_size] = logp
+        out.masked_fill_(~mask, 0)
+        ctx.save_for_backward(logits, labels, mask, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels, mask, lse = ctx.saved_tensors
+        g = torch.where(mask, grad_out, 0).to(lse.dtype)
+        grad = torch.empty_like(logits)
+        buf = _chunk_buffer(logits, ctx.chunk_size, lse.dtype)
+        for a in range(0, logits.shape[0], ctx.chunk_size):
+            b = a + ctx.chunk_size
+            rows = logits[a:b]
+            chunk = torch.sub(rows, lse[a:b, None], out=buf[: rows.shape[0]])
+            chunk.exp_().mul_(-g[a:b, None])  # d logp / d logits = onehot - softmax
+            chunk.scatter_add_(1, labels[a:b, None], g[a:b, None])
+            grad[a:b] = chunk
+        return grad, None, None, None
+
+
+def _chunk_buffer(logits: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """One ``[min(chunk, T), V]`` buffer reused by every chunk: a fresh one per chunk costs its
+    page faults each time (large CPU allocations go back to the OS when freed)."""
+    return torch.empty(min(chunk_size, logits.shape[0]), logits.shape[1], dtype=dtype, device=logits.device)
 
 
 def sample_ids(batch) -> torch.Tensor:
