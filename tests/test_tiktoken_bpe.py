@@ -27,7 +27,7 @@ from thdpack.offline import fastenc  # noqa: E402
 from thdpack.offline.build import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
 from thdpack.offline.errors import ConfigError  # noqa: E402
-from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE, byte_level_alphabet  # noqa: E402
+from thdpack.offline.tiktoken_bpe import HEAD_ROWS, FastTokenizerMismatch, TiktokenBPE, byte_level_alphabet  # noqa: E402
 
 QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
               r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -184,6 +184,15 @@ def test_merges_from_a_rank_table_give_the_same_ids(rank_table_llama3_style, bat
     got = bpe.encode(batch, add_special_tokens=special)
     assert [g.tolist() for g in got] == [e.ids for e in tok.backend_tokenizer.encode_batch_fast(
         batch, add_special_tokens=special)]
+
+
+def test_merges_from_a_rank_table_give_the_same_ids_on_the_training_text(rank_table_llama3_style):
+    # the text the vocabulary was trained on: long tokens with several merges compete in every word
+    tok, bpe, _ = rank_table_llama3_style
+    rows = [r["text"] for r in generate_rows(400, seed=21, kind="text")]
+    bpe._rows_seen = HEAD_ROWS  # compare here, not in the converter's own check
+    got = bpe.encode(rows, add_special_tokens=True)
+    assert [g.tolist() for g in got] == [e.ids for e in tok.backend_tokenizer.encode_batch_fast(rows)]
 
 
 def _merge_list_edits():
