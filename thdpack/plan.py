@@ -183,6 +183,7 @@ def plan_packs(
     seed: int = 0,
     vision_lengths: Sequence[int] | np.ndarray | None = None,
     vision_budget: int | None = None,
+    groups: Sequence[int] | np.ndarray | None = None,
 ) -> PackPlan:
     """Plan packs of at most ``pack_size`` tokens from sample lengths.
 
@@ -210,11 +211,23 @@ def plan_packs(
             patches is never truncated or split (its placeholders must match its
             grids): if it is too long, or has more patches than ``vision_budget``,
             only ``overflow="drop"`` applies; other policies raise.
+        groups: ``[n]`` integer group id of every sample (e.g. a preference pair's chosen
+            and rejected sequences): the samples of a group land in one pack. Each group is
+            planned as one item of its members' summed aligned length (and vision patches),
+            then expanded in the same pack order. A group longer than ``pack_size`` is a
+            ``ValueError`` naming it, whatever ``overflow`` says (members are never cut);
+            ``max_samples_per_pack`` is not available with groups.
 
     Returns:
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
         (then by start, for split samples).
     """
+    if groups is not None:
+        return _plan_groups(
+            lengths, pack_size, groups, algorithm=algorithm, align=align, overflow=overflow,
+            max_samples_per_pack=max_samples_per_pack, seed=seed, vision_lengths=vision_lengths,
+            vision_budget=vision_budget,
+        )
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if overflow not in OVERFLOW_POLICIES:
@@ -309,39 +322,11 @@ def plan_packs(
     sample_index, start, length = sample_index[by_pack], start[by_pack], length[by_pack]
     vision_length = None if vision is None else vsizes[by_pack]
 
-    fill = np.add.reduceat(length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
-    real_tokens = int(length.sum())
-    aligned_tokens = int(sizes.sum())
-    lower_bound = int(math.ceil(aligned_tokens / pack_size))
-    vision_stats = {}
-    if vision is not None:
-        vision_patches = int(vision_length.sum())
-        lower_bound = max(lower_bound, -(-vision_patches // int(vision_budget)))
-        vfill = np.add.reduceat(vision_length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
-        vision_stats = dict(
-            vision_budget=int(vision_budget),
-            vision_patches=vision_patches,
-            max_pack_vision=int(vfill.max()) if num_packs else 0,
-        )
-    stats = PackStats(
-        num_packs=int(num_packs),
-        num_samples=int(n),
-        num_pieces=int(length.size),
-        lower_bound=lower_bound,
-        pack_size=int(pack_size),
-        real_tokens=real_tokens,
-        aligned_tokens=aligned_tokens,
-        efficiency=real_tokens / (num_packs * pack_size) if num_packs else 0.0,
-        packing_factor=length.size / num_packs if num_packs else 0.0,
-        max_samples_per_pack=int(counts.max()) if num_packs else 0,
-        min_pack_fill=float(fill.min() / pack_size) if num_packs else 0.0,
-        max_pack_fill=float(fill.max() / pack_size) if num_packs else 0.0,
-        samples_truncated=samples_truncated,
-        tokens_truncated=tokens_truncated,
-        samples_dropped=int(dropped.size),
-        tokens_dropped=tokens_dropped,
-        samples_split=samples_split,
-        **vision_stats,
+    stats = _pack_stats(
+        length, sizes, pack_offsets, int(pack_size), int(n), vision_length,
+        None if vision is None else int(vision_budget),
+        samples_truncated=samples_truncated, tokens_truncated=tokens_truncated,
+        samples_dropped=int(dropped.size), tokens_dropped=tokens_dropped, samples_split=samples_split,
     )
     return PackPlan(
         sample_index=sample_index,
@@ -358,6 +343,115 @@ def plan_packs(
         vision_length=vision_length,
         vision_budget=None if vision is None else int(vision_budget),
     )
+
+
+def _pack_stats(length, sizes, pack_offsets, pack_size: int, num_samples: int, vision_length, vision_budget,
+                **cuts) -> PackStats:
+    """The :class:`PackStats` of placed pieces: ``length`` / ``sizes`` (aligned) ``[m]`` in pack
+    order, ``pack_offsets`` ``[num_packs + 1]``; ``cuts``: the truncated / dropped / split counts."""
+    num_packs = len(pack_offsets) - 1
+    counts = np.diff(pack_offsets)
+    fill = np.add.reduceat(length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+    real_tokens = int(length.sum())
+    aligned_tokens = int(sizes.sum())
+    lower_bound = int(math.ceil(aligned_tokens / pack_size))
+    vision_stats = {}
+    if vision_length is not None:
+        vision_patches = int(vision_length.sum())
+        lower_bound = max(lower_bound, -(-vision_patches // vision_budget))
+        vfill = np.add.reduceat(vision_length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+        vision_stats = dict(
+            vision_budget=vision_budget,
+            vision_patches=vision_patches,
+            max_pack_vision=int(vfill.max()) if num_packs else 0,
+        )
+    return PackStats(
+        num_packs=int(num_packs),
+        num_samples=num_samples,
+        num_pieces=int(length.size),
+        lower_bound=lower_bound,
+        pack_size=pack_size,
+        real_tokens=real_tokens,
+        aligned_tokens=aligned_tokens,
+        efficiency=real_tokens / (num_packs * pack_size) if num_packs else 0.0,
+        packing_factor=length.size / num_packs if num_packs else 0.0,
+        max_samples_per_pack=int(counts.max()) if num_packs else 0,
+        min_pack_fill=float(fill.min() / pack_size) if num_packs else 0.0,
+        max_pack_fill=float(fill.max() / pack_size) if num_packs else 0.0,
+        **cuts,
+        **vision_stats,
+    )
+
+
+def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_samples_per_pack, seed,
+                 vision_lengths, vision_budget) -> PackPlan:
+    """:func:`plan_packs` with ``groups``: each group planned as one item of its members'
+    summed aligned length (and vision patches), then expanded in the same pack order."""
+    lengths = validate_lengths(lengths)
+    check_int(align, "align", 1)
+    if max_samples_per_pack is not None:
+        raise ValueError("max_samples_per_pack is not available with groups (a group counts as one item); drop one")
+    gid = _check_groups(groups, lengths.size)
+    # groups numbered by first appearance, so that "sequential" keeps the input order
+    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    group_of = rank[inverse.reshape(-1)]
+    num_groups = first.size
+    sizes = round_up(lengths, align)
+    group_sizes = np.bincount(group_of, weights=sizes, minlength=num_groups).astype(np.int64)
+    _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
+    vision, group_vision = None, None
+    if vision_lengths is not None or vision_budget is not None:
+        vision = _vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
+        group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
+        _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
+    outer = plan_packs(group_sizes, pack_size, algorithm=algorithm, align=1, overflow=overflow, seed=seed,
+                       vision_lengths=group_vision, vision_budget=vision_budget)
+    members = np.argsort(group_of, kind="stable")  # members of group g, by input index, are contiguous
+    member_counts = np.bincount(group_of, minlength=num_groups)
+    member_start = np.cumsum(member_counts) - member_counts
+    placed = outer.sample_index  # groups in pack order
+    counts = member_counts[placed]
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    sample_index = members[np.repeat(member_start[placed], counts) + within]
+    pack_offsets = np.concatenate([[0], np.cumsum(counts)])[outer.pack_offsets]
+    pack_of = np.repeat(np.arange(len(outer)), np.diff(pack_offsets))
+    sample_index = sample_index[np.lexsort((sample_index, pack_of))]  # by input index within a pack
+    length = lengths[sample_index]
+    vision_length = None if vision is None else vision[sample_index]
+    stats = _pack_stats(length, sizes[sample_index], pack_offsets, int(pack_size), int(lengths.size), vision_length,
+                        None if vision is None else int(vision_budget), samples_truncated=0, tokens_truncated=0,
+                        samples_dropped=0, tokens_dropped=0, samples_split=0)
+    return PackPlan(
+        sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
+        pack_offsets=pack_offsets.astype(np.int64), dropped=np.zeros(0, np.int64), pack_size=int(pack_size),
+        align=int(align), algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats,
+        vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget),
+    )
+
+
+def _check_groups(groups, n: int) -> np.ndarray:
+    """``groups`` as int64 ``[n]``; ``ValueError`` naming what is wrong."""
+    gid = np.asarray(groups)
+    if gid.shape != (n,) or (gid.size and gid.dtype.kind not in "iu"):
+        raise ValueError(
+            f"groups must be integers with one group id per sample ({n}), got shape {gid.shape} and dtype {gid.dtype}"
+        )
+    return gid.astype(np.int64)
+
+
+def _check_group_fits(group_totals, group_of, gid, budget, what: str, budget_name: str) -> None:
+    over = np.flatnonzero(group_totals > budget)
+    if over.size:
+        g = int(over[0])
+        members = np.flatnonzero(group_of == g)
+        shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
+        raise ValueError(
+            f"group {int(gid[members[0]])} (samples {shown}) has {int(group_totals[g])} {what}, more than "
+            f"{budget_name}={budget}; a group's samples share one pack: raise {budget_name} or drop the group "
+            f"({over.size} group(s) too large)"
+        )
 
 
 # counting sorts and the best-fit room index take O(pack_size) memory; beyond this, sort / refuse

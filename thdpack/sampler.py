@@ -73,6 +73,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         cost: a :class:`thdpack.balance.CostModel` or ``(a, b)``.
         vision_lengths, vision_budget: VLM second budget: ``[n]`` vision patches
             per row (:func:`thdpack.vlm.vision_lengths`) and the most per pack.
+        groups: ``[n]`` group id per row: a group's rows land in one pack (see
+            :func:`thdpack.plan_packs`; e.g. DPO pairs, ``thdpack.losses.pair_groups``).
     """
 
     def __init__(
@@ -94,9 +96,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         cost: CostModel | tuple[float, float] = CostModel(),
         vision_lengths: Sequence[int] | np.ndarray | None = None,
         vision_budget: int | None = None,
+        groups: Sequence[int] | np.ndarray | None = None,
     ):
         if balance not in (None, "compute"):
             raise ValueError(f"balance must be None or 'compute', got {balance!r}")
+        if groups is not None and balance is not None:
+            raise ValueError("groups= is not available with balance='compute' yet (its last step re-packs packs); "
+                             "use balance=None")
         if overflow == "split":
             raise ValueError(
                 "TokenBudgetBatchSampler yields whole dataset rows, so overflow='split' is not possible here; "
@@ -109,6 +115,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         )
         if vision_budget is not None:
             self.plan_kwargs.update(vision_lengths=np.asarray(vision_lengths, dtype=np.int64), vision_budget=vision_budget)
+        if groups is not None:  # e.g. a preference pair's chosen and rejected rows share a pack
+            self.plan_kwargs.update(groups=np.asarray(groups))
         self.shuffle = shuffle
         self.seed = int(seed)
         self.num_replicas, self.rank = _distributed_default(num_replicas, rank)

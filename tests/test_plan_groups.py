@@ -1,0 +1,94 @@
+"""plan_packs(groups=...): a group's samples land in one pack, budgets kept, groups too
+large are errors naming them; the sampler plans with groups too (issue 15 point 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thdpack import TokenBudgetBatchSampler, plan_packs
+from thdpack.plan import ALGORITHMS
+
+
+def round_up(x, m):
+    return -(-x // m) * m
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    lengths=st.lists(st.integers(1, 20), min_size=0, max_size=40),
+    algorithm=st.sampled_from(ALGORITHMS),
+    align=st.sampled_from([1, 2, 4]),
+)
+def test_groups_share_a_pack_and_budgets_hold(data, lengths, algorithm, align):
+    n = len(lengths)
+    groups = data.draw(st.lists(st.integers(0, max(n // 2, 1)), min_size=n, max_size=n))
+    pack_size = 64
+    totals = {}
+    for s, g in zip(lengths, groups):
+        totals[g] = totals.get(g, 0) + round_up(s, align)
+    if any(t > pack_size for t in totals.values()):
+        with pytest.raises(ValueError, match=r"group \d+ \(samples .*\) has \d+ tokens \(aligned\), more than pack_size=64"):
+            plan_packs(lengths, pack_size, groups=groups, algorithm=algorithm, align=align)
+        return
+    plan = plan_packs(lengths, pack_size, groups=groups, algorithm=algorithm, align=align, seed=3)
+    assert sorted(plan.sample_index.tolist()) == list(range(n))  # every sample exactly once, whole
+    assert plan.length.tolist() == [lengths[i] for i in plan.sample_index.tolist()]
+    assert not plan.start.any()
+    pack_of_group = {}
+    for k, pack in enumerate(plan.packs):
+        assert pack.tolist() == sorted(pack.tolist())  # input order within a pack
+        assert sum(round_up(lengths[i], align) for i in pack) <= pack_size
+        for i in pack.tolist():
+            assert pack_of_group.setdefault(groups[i], k) == k, f"group {groups[i]} split over packs"
+    # exactly the packs of planning each group as one item, in the same order
+    order = list(dict.fromkeys(groups))
+    outer = plan_packs([totals[g] for g in order], pack_size, algorithm=algorithm, seed=3)
+    assert len(plan) == len(outer) == plan.stats.num_packs
+    for k, pack in enumerate(outer.packs):
+        assert set(plan.pack(k).tolist()) == {i for i in range(n) if groups[i] in {order[j] for j in pack.tolist()}}
+    assert plan.stats.real_tokens == sum(lengths)
+    assert plan.stats.aligned_tokens == sum(round_up(s, align) for s in lengths)
+
+
+def test_group_errors_name_the_group_and_argument():
+    with pytest.raises(ValueError, match=r"group 7 \(samples 1, 2\) has 40 tokens \(aligned\), more than pack_size=32"):
+        plan_packs([5, 20, 20, 3], 32, groups=[0, 7, 7, 1])
+    with pytest.raises(ValueError, match=r"groups must be integers with one group id per sample \(4\)"):
+        plan_packs([5, 20, 20, 3], 32, groups=[0, 7, 7])
+    with pytest.raises(ValueError, match="max_samples_per_pack is not available with groups"):
+        plan_packs([5, 20], 32, groups=[0, 0], max_samples_per_pack=2)
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1\) has 9 vision patches, more than vision_budget=8"):
+        plan_packs([5, 6], 32, groups=[0, 0], vision_lengths=[4, 5], vision_budget=8)
+    with pytest.raises(ValueError, match="groups= is not available with balance='compute'"):
+        TokenBudgetBatchSampler([5, 6], 32, groups=[0, 0], balance="compute")
+
+
+def test_vision_budget_with_groups():
+    plan = plan_packs([5, 6, 4, 4], 32, groups=[0, 0, 1, 1], vision_lengths=[4, 4, 3, 3], vision_budget=10)
+    assert [sorted(p.tolist()) for p in plan.packs] in ([[0, 1], [2, 3]], [[2, 3], [0, 1]])
+    assert plan.stats.max_pack_vision == 8
+
+
+def test_sampler_keeps_groups_in_one_pack():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, 60)
+    groups = np.arange(60) // 2
+    for r in range(2):
+        sampler = TokenBudgetBatchSampler(lengths, 64, groups=groups, num_replicas=2, rank=r, seed=1)
+        for pack in sampler:
+            assert sorted(set(groups[pack].tolist())) == sorted(groups[pack].tolist()[::2]) and len(pack) % 2 == 0
+            for g in set(groups[pack].tolist()):
+                assert set(np.flatnonzero(groups == g).tolist()) <= set(pack)
+
+
+def test_groups_are_planned_with_aligned_lengths():
+    # aligned to 4, two groups of one 3-token sample each take 8 slots: more than pack_size=7
+    plan = plan_packs([3, 3], 7, groups=[0, 1], align=4)
+    assert [p.tolist() for p in plan.packs] == [[0], [1]]
+    assert plan.stats.aligned_tokens == 8
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1\) has 8 tokens \(aligned\), more than pack_size=7"):
+        plan_packs([3, 3], 7, groups=[0, 0], align=4)
