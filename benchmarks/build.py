@@ -5,6 +5,7 @@
     python benchmarks/build.py --num-samples 20000 --json out.json
     python benchmarks/build.py --profile                # plus where thdpack's time goes
     python benchmarks/build.py --tokenizer DIR --tokenizer-backend hf   # another tokenizer; without tiktoken
+    python benchmarks/build.py --kind text --trl-style none --tokenizer-backend hf   # thdpack alone
 
 The same JSONL file (``--num-samples`` rows of thdpack's seeded demo generator,
 ``thdpack/demo/synthetic.py``, written to a temporary directory) and the bundled
@@ -211,9 +212,10 @@ def main() -> int:
                    "chat rows need a template with {% generation %} markers for TRL's assistant masks")
     p.add_argument("--tokenizer-backend", choices=["auto", "tiktoken", "hf"], default="auto",
                    help="thdpack's encoder (hf: the tokenizer itself, to see what tiktoken adds)")
-    p.add_argument("--trl-style", nargs="+", choices=["batched", "sft"], default=["batched", "sft"],
+    p.add_argument("--trl-style", nargs="+", choices=["batched", "sft", "none"], default=["batched", "sft"],
                    help="batched: one batched datasets.map tokenization (the fastest TRL pipeline); sft: the "
-                   "per-example maps of trl.SFTTrainer (add EOS, tokenize, build labels)")
+                   "per-example maps of trl.SFTTrainer (add EOS, tokenize, build labels); none: thdpack alone "
+                   "(e.g. to compare --tokenizer-backend values without TRL installed)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every pipeline (in rotating order); the "
                    "table shows the fastest run of each (all runs are in --json)")
     p.add_argument("--workdir", help="keep the data and outputs here (default: a temporary directory, removed)")
@@ -245,7 +247,7 @@ def main() -> int:
                       file=sys.stderr)
             env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
             row = {}
-            names = ["thdpack"] + [TRL_NAMES[s] for s in args.trl_style]
+            names = ["thdpack"] + [TRL_NAMES[s] for s in args.trl_style if s != "none"]
             runs = [names[r % len(names):] + names[: r % len(names)] for r in range(args.repeats)]
             for name in [n for order in runs for n in order]:
                 out = work / f"out-{name}-{kind}"
