@@ -30,8 +30,8 @@ listed merge of lowest position, the leftmost on a tie (a queue of (rank, positi
 a stale entry is recognised by the token it gives, which is exact because parts only
 grow). With one merge per token (trained BPE: Qwen, GPT-2) the two can still differ
 only where two parts that are not a listed merge spell a token (``'a' + 'bc'`` when
-``'abc'`` was learned as ``'ab' + 'c'``): not exact by construction, but never seen on
-real text; the sample check below covers it.
+``'abc'`` was learned as ``'ab' + 'c'``): that case is not exact by construction; the
+sample check below covers it.
 
 Several merges (Llama 3: its ``tokenizer.json`` was converted from a tiktoken rank
 table, listing every split of every token, ``'ĠĠ' + 'ĠĠ'`` and ``'Ġ' + 'ĠĠĠ'`` both
