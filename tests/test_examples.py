@@ -77,3 +77,14 @@ def test_vlm_packing_main(vlm_example, family, capsys):
     assert math.isfinite(result["loss"]) and result["target_tokens"] > 0
     assert result["loss_after"] < result["loss"]  # the step trained on the pack
     assert finite_loss(out) == pytest.approx(result["loss"], abs=1e-4)
+
+
+def test_dpo_packed_script():
+    out = run_script("dpo_packed.py", "--num-pairs", "24", "--pack-size", "512")
+    m = re.search(r"dpo loss (\S+) over (\d+) pairs \(unpacked, pair by pair: (\S+); \|diff\| \S+\); after one step (\S+)", out)
+    assert m, out
+    packed, pairs, alone, after = float(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert pairs >= 4 and math.isfinite(packed)
+    assert abs(packed - alone) < 1e-4, out  # packed DPO equals the pair-by-pair computation
+    assert after < packed, out  # the step trained
+    assert re.search(r"most pairs in a pack: [2-9]", out), out  # several pairs share a pack

@@ -237,7 +237,9 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, b
 
     Rows are laid out as :func:`pair_groups` says: dataset row ``2k`` is the chosen and row
     ``2k+1`` the rejected sequence (prompt + response, prompt tokens not targets) of pair ``k``;
-    ``batch.sample_index`` tells which rows the pack holds. Per pair,
+    ``batch.sample_index`` tells which rows the pack holds (dataset rows, or, from
+    ``ThdCollator`` fed by a sampler with pair groups, positions in the pack: whole pairs in
+    input order keep chosen at even, rejected at odd positions). Per pair,
     ``-log σ(β · ((π_c − ref_c) − (π_r − ref_r)))`` with ``π``, ``ref`` the summed target
     log-probs of a sequence.
 
