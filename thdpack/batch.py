@@ -116,6 +116,20 @@ class ThdBatch:
     def __len__(self) -> int:
         return self.num_padded_tokens
 
+    # ---- per-sample values (thdpack.values) -------------------------------
+    @property
+    def sample_values(self) -> dict:
+        """``{name: [n] or [n, k]}`` per-sample values read at build time (``sample_values=``)."""
+        from thdpack.values import batch_sample_values
+
+        return batch_sample_values(self)
+
+    def token_values(self, name: str) -> torch.Tensor:
+        """``[T]`` (or ``[T, k]``) per-sample value ``name`` on every slot of its sample."""
+        from thdpack.values import token_values
+
+        return token_values(self, name)
+
     # ---- movement --------------------------------------------------------
     def _map_tensors(self, fn) -> "ThdBatch":
         changes = {

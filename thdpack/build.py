@@ -39,6 +39,7 @@ def build_thd_batch(
     cp_rank: int | None = None,
     sample_index: Sequence[int] | None = None,
     model_config=None,
+    sample_values: Sequence[str] | None = None,
 ) -> ThdBatch:
     """Pack ``samples`` into one :class:`ThdBatch`.
 
@@ -73,6 +74,9 @@ def build_thd_batch(
         model_config: for VLM samples, the transformers config (or its dict) of a
             supported family (see :mod:`thdpack.vlm`): adds the concatenated vision
             inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
+        sample_values: names of per-sample fields (a number or vector per sample: weights,
+            rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
+            :mod:`thdpack.values`).
 
     Returns:
         A :class:`ThdBatch` on the CPU.
@@ -142,6 +146,10 @@ def build_thd_batch(
         batch.local_cu_seqlens_padded = cu_padded_t // cp_size
         batch.local_seq_lens = torch.from_numpy(local_lens)
         batch.partition_indices = torch.from_numpy(partition)
+    if sample_values:
+        from thdpack.values import attach_sample_values
+
+        attach_sample_values(batch, samples, sample_values)
     if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
         from thdpack.vlm import attach_vision
 

@@ -48,6 +48,8 @@ class ThdCollator:
             see :func:`thdpack.build_thd_batch`.
         vision_budget: with ``pack_size``, also keep each pack under this many
             vision patches (``plan_packs(vision_budget=...)``).
+        sample_values: per-sample fields carried into ``batch.sample_values`` (see
+            :func:`thdpack.build_thd_batch`).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ThdCollator:
         max_samples_per_pack: int | None = None,
         model_config=None,
         vision_budget: int | None = None,
+        sample_values: Sequence[str] | None = None,
     ):
         check_token_args(pad_token_id, ignore_index)  # now, rather than in a worker
         self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
@@ -79,6 +82,7 @@ class ThdCollator:
             max_length=max_length,
             pad_to=pad_to,
             model_config=model_config,
+            sample_values=sample_values,
         )
         self.vision_budget = vision_budget
         if cp_rank is None and cp_group is not None:

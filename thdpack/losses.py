@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from thdpack.values import sample_ids
+
 REDUCTIONS = ("token", "sample")
 DEFAULT_CHUNK = 1024  # rows of [T, V] logits upcast and exponentiated at a time
 
@@ -101,16 +103,6 @@ def _chunk_buffer(logits: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> 
     """One ``[min(chunk, T), V]`` buffer reused by every chunk: a fresh one per chunk costs its
     page faults each time (large CPU allocations go back to the OS when freed)."""
     return torch.empty(min(chunk_size, logits.shape[0]), logits.shape[1], dtype=dtype, device=logits.device)
-
-
-def sample_ids(batch) -> torch.Tensor:
-    """int64 ``[T]`` the sample (position in the pack) of every slot of the (local) stream,
-    pad slots included. On a CP shard each sample's local span is ``P / cp_size`` slots."""
-    cu = batch.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
-    cu = cu.to(torch.int64)
-    counts = cu[1:] - cu[:-1]
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts,
-                                   output_size=int(cu[-1]))
 
 
 def sample_sum(values: torch.Tensor, batch) -> torch.Tensor:
