@@ -167,16 +167,83 @@ def packed_loss(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     logps = token_logps(logits, batch, chunk_size=chunk_size)
+    return reduce_token_losses(-logps, batch, reduction, num_items, sample_targets=sample_targets)
+
+
+def reduce_token_losses(losses: torch.Tensor, batch, reduction: str = "token", num_items=None, *,
+                        sample_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce per-token losses ``[T]`` (0 off-target) as :func:`packed_loss` does: ``"token"`` sums
+    them, ``"sample"`` sums each sample's mean over its targets; then divides by ``num_items``
+    (default: this batch's targets, or samples with targets). One definition for every loss here."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if reduction == "token":
-        total, own = -logps.sum(), batch.num_targets
+        total, own = losses.sum(), batch.num_targets
     else:
-        counts = _sample_counts(batch, sample_targets).to(logps.device)
+        counts = _sample_counts(batch, sample_targets).to(losses.device)
         scored = counts > 0
-        means = sample_sum(logps, batch)[scored] / counts[scored].to(logps.dtype)
-        total, own = -means.sum(), int(scored.sum())
+        means = sample_sum(losses, batch)[scored] / counts[scored].to(losses.dtype)
+        total, own = means.sum(), int(scored.sum())
     if num_items is None:
         return total / own if own else total * 0
     return total / _checked_num_items(num_items)
+
+
+# --------------------------------------------------------------------------- RL groups (GRPO-style)
+
+
+def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO's group-normalised advantages: ``A_i = (r_i − mean_g(r)) / (std_g(r) + eps)``, the
+    mean and (unbiased, ``N − 1``) standard deviation over the samples of ``i``'s group ``g``
+    (a group of one sample has std 0, so ``A = 0``); ``scale=False`` leaves ``r_i − mean_g``.
+
+    Args:
+        rewards: float ``[n]`` one reward per sample (dataset row).
+        groups: int ``[n]`` group id per sample (the completions of one prompt).
+
+    Returns:
+        float64 ``[n]`` advantages: carry them as a per-sample value (``sample_values=``) and
+        broadcast with ``batch.token_values``.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
+    g = torch.as_tensor(groups).reshape(-1)
+    if g.shape != r.shape or g.is_floating_point():
+        raise ValueError(f"groups must be integers with one id per reward ({r.numel()}), got shape {tuple(g.shape)} "
+                         f"and dtype {g.dtype}")
+    _, gid = torch.unique(g, return_inverse=True)
+    size = torch.bincount(gid).to(torch.float64)
+    mean = torch.zeros_like(size).index_add_(0, gid, r) / size
+    centred = r - mean[gid]
+    if not scale:
+        return centred
+    var = torch.zeros_like(size).index_add_(0, gid, centred * centred) / (size - 1).clamp_min(1)
+    return centred / (var.sqrt()[gid] + eps)
+
+
+def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, reduction: str = "token",
+                         num_items=None, *, old_logps: torch.Tensor | None = None, clip: float = 0.2,
+                         sample_targets: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """The clipped policy-gradient (PPO / GRPO) loss with per-token advantages, in the reductions
+    of :func:`packed_loss`: per target token ``−min(ρ·A, clip(ρ, 1−clip, 1+clip)·A)`` with
+    ``ρ = exp(logp − old_logp)``; ``old_logps=None`` is the on-policy case (``ρ = 1``, gradient
+    ``−A·∇logp``).
+
+    Args:
+        logits, batch, reduction, num_items, sample_targets, chunk_size: as in :func:`packed_loss`.
+        advantages: float ``[T]`` per token (e.g. ``batch.token_values("advantage")``).
+        old_logps: float ``[T]`` :func:`token_logps` of the policy that sampled the data, or None.
+        clip: PPO's ε.
+    """
+    logps = token_logps(logits, batch, chunk_size=chunk_size)
+    if advantages.shape != logps.shape:
+        raise ValueError(f"advantages have shape {tuple(advantages.shape)}; expected [T] = [{logps.shape[0]}] "
+                         "(batch.token_values(name) of a per-sample advantage)")
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    adv = advantages.to(logps.dtype)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    per_token = torch.where(batch.loss_mask.to(per_token.device), per_token, 0)
+    return reduce_token_losses(per_token, batch, reduction, num_items, sample_targets=sample_targets)
 
 
 def _sample_counts(batch, sample_targets) -> torch.Tensor:
