@@ -98,20 +98,7 @@ def expected_bridge(batch, multiple: int, max_seq_length: int) -> dict:
         cu.append(cu[-1] + logical)
         cu_pad.append(cu_pad[-1] + r)
         cut += logical < s - 1
-    max_len = min(max_seq_length, -(-len(tokens) // 16) * 16)
-    tail = max_len - len(tokens)
-    out = {"tokens": tokens + [EOS] * tail, "labels": labels + [EOS] * tail, "loss_mask": mask + [0] * tail,
-           "position_ids": positions + [0] * tail}
-    if multiple > 1:
-        if cu_pad[-1] != max_len:
-            cu_pad.append(max_len)
-            cu.append(cu[-1])
-        out.update(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_pad)
-    else:
-        if cu[-1] != max_len:
-            cu.append(max_len)
-        out["cu_seqlens_q"] = cu
-    return out, cut
+    return _padded_to_16(tokens, labels, mask, positions, cu, cu_pad, multiple, max_seq_length), cut
 
 
 def spec_collate(row: dict, multiple: int, max_seq_length: int) -> dict:
@@ -134,9 +121,15 @@ def spec_collate(row: dict, multiple: int, max_seq_length: int) -> dict:
         while multiple > 1 and logical and seg[logical - 1] == EOS:
             logical -= 1
         cu.append(cu[-1] + (logical if multiple > 1 else b - a - 1))
+    return _padded_to_16(tokens, labels, loss, positions, cu, cu_pad, multiple, max_seq_length)
+
+
+def _padded_to_16(tokens, labels, loss_mask, positions, cu, cu_pad, multiple, max_seq_length) -> dict:
+    """Bridge's collate_fn tail: the pack padded with EOS (mask 0) to a multiple of 16 (at most
+    max_seq_length); the padding is one more cu_seqlens entry (padded and unpadded at cp > 1)."""
     max_len = min(max_seq_length, -(-len(tokens) // 16) * 16)
     tail = max_len - len(tokens)
-    out = {"tokens": tokens + [EOS] * tail, "labels": labels + [EOS] * tail, "loss_mask": loss + [0] * tail,
+    out = {"tokens": tokens + [EOS] * tail, "labels": labels + [EOS] * tail, "loss_mask": loss_mask + [0] * tail,
            "position_ids": positions + [0] * tail}
     if multiple > 1:
         if cu_pad[-1] != max_len:
