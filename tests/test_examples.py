@@ -88,3 +88,13 @@ def test_dpo_packed_script():
     assert abs(packed - alone) < 1e-4, out  # packed DPO equals the pair-by-pair computation
     assert after < packed, out  # the step trained
     assert re.search(r"most pairs in a pack: [2-9]", out), out  # several pairs share a pack
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_grpo_packed_script(reduction):
+    out = run_script("grpo_packed.py", "--num-prompts", "8", "--reduction", reduction)
+    m = re.search(r"pg loss (\S+) \(\w+; unpacked, sample by sample: (\S+);", out)
+    assert m, out
+    assert abs(float(m.group(1)) - float(m.group(2))) < 1e-5, out  # packed equals per-sample
+    domains = re.search(r"nll by domain: (.+)", out)
+    assert domains and all(math.isfinite(float(part.split()[1])) for part in domains.group(1).split(", ")), out
