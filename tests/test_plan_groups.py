@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import TokenBudgetBatchSampler, plan_packs
+from thdpack import TokenBudgetBatchSampler, plan_balanced, plan_packs
 from thdpack.plan import ALGORITHMS
 
 
@@ -63,8 +63,6 @@ def test_group_errors_name_the_group_and_argument():
         plan_packs([5, 20], 32, groups=[0, 0], max_samples_per_pack=2)
     with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1\) has 9 vision patches, more than vision_budget=8"):
         plan_packs([5, 6], 32, groups=[0, 0], vision_lengths=[4, 5], vision_budget=8)
-    with pytest.raises(ValueError, match="groups= is not available with balance='compute'"):
-        TokenBudgetBatchSampler([5, 6], 32, groups=[0, 0], balance="compute")
 
 
 def test_vision_budget_with_groups():
@@ -92,3 +90,27 @@ def test_groups_are_planned_with_aligned_lengths():
     assert plan.stats.aligned_tokens == 8
     with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1\) has 8 tokens \(aligned\), more than pack_size=7"):
         plan_packs([3, 3], 7, groups=[0, 0], align=4)
+
+
+def test_plan_balanced_keeps_groups_on_one_rank_and_balance():
+    """RL groups (GRPO completions of one prompt) on one data-parallel rank, compute balance kept."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6, 1, 4000), 1, 4096).astype(np.int64)
+    groups = np.arange(lengths.size) // 4
+    balanced = plan_balanced(lengths, 16384, num_replicas=8, micro_batches=2, groups=groups)
+    assert balanced.straggler_ratio <= 1.02
+    for step in balanced.steps:
+        rank_of_group = {}
+        for rank, packs in enumerate(step):
+            for k in packs.tolist():
+                for g in set(groups[balanced.plan.pack(k)].tolist()):
+                    assert rank_of_group.setdefault(g, rank) == rank, f"group {g} on two ranks in one step"
+    for k in range(len(balanced.plan)):  # stronger: a group's samples are in one pack
+        pack = balanced.plan.pack(k)
+        for g in set(groups[pack].tolist()):
+            assert set(np.flatnonzero(groups == g).tolist()) <= set(pack.tolist())
+    sampler = TokenBudgetBatchSampler(lengths[:200], 16384, groups=groups[:200], balance="compute", num_replicas=2,
+                                      micro_batches=2)
+    for pack in sampler:
+        for g in set(groups[pack].tolist()):
+            assert set(np.flatnonzero(groups[:200] == g).tolist()) <= set(pack)

@@ -115,6 +115,7 @@ def plan_balanced(
     shuffle_steps: bool = True,
     vision_lengths=None,
     vision_budget: int | None = None,
+    groups=None,
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
@@ -133,6 +134,9 @@ def plan_balanced(
         num_replicas: data-parallel ranks ``R``.
         micro_batches: packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
+        groups: ``[n]`` group ids (:func:`thdpack.plan_packs`): a group's samples share a pack,
+            hence a rank; step 2 is skipped (its re-packing would part them), so the last step
+            may repeat packs.
     """
     check_positive_int(num_replicas, "num_replicas")
     check_positive_int(micro_batches, "micro_batches")
@@ -142,10 +146,11 @@ def plan_balanced(
     plan = plan_packs(
         lengths, pack_size, algorithm=algorithm, align=align, overflow=overflow,
         max_samples_per_pack=max_samples_per_pack, seed=seed,
-        vision_lengths=vision_lengths, vision_budget=vision_budget,
+        vision_lengths=vision_lengths, vision_budget=vision_budget, groups=groups,
     )
     per_step = num_replicas * micro_batches
-    plan = _fill_last_step(plan, per_step, cost, max_samples_per_pack)
+    if groups is None:
+        plan = _fill_last_step(plan, per_step, cost, max_samples_per_pack)
     costs = cost.pack_costs(plan)
     num_packs = len(plan)
     order = np.argsort(-costs, kind="stable")

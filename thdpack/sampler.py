@@ -100,9 +100,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     ):
         if balance not in (None, "compute"):
             raise ValueError(f"balance must be None or 'compute', got {balance!r}")
-        if groups is not None and balance is not None:
-            raise ValueError("groups= is not available with balance='compute' yet (its last step re-packs packs); "
-                             "use balance=None")
         if overflow == "split":
             raise ValueError(
                 "TokenBudgetBatchSampler yields whole dataset rows, so overflow='split' is not possible here; "
