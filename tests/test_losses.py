@@ -462,3 +462,24 @@ def test_packed_policy_gradient_equals_unpacked(reduction, off_policy):
     model.zero_grad()
     reference_pg(model, step_rows, reduction, off_policy).backward()
     assert rel_err(got, grads(model)) < REL_TOL
+
+
+def _all_reduce_worker(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        total = all_reduce_items(10 + rank)  # rank 0 counts 10, rank 1 counts 11
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(total))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_items_sums_over_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "total")
+    mp.spawn(_all_reduce_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    assert [int(open(f"{out}.{r}").read()) for r in range(2)] == [21, 21]
+    assert all_reduce_items(7) == 7  # no process group: the count itself
