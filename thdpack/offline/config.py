@@ -113,6 +113,14 @@ class BuildConfig:
     image_dir: str | None = _opt(None, "VLM rows: directory relative image paths are resolved against "
                                  "(default: the directory of the row's input file)")
     vision_budget: int | None = _opt(None, "VLM rows: most vision patches in a pack (a second planning budget)")
+    videos_field: str = _opt("videos", "VLM rows: field holding each row's list of video paths")
+    video_placeholder: str = _opt("<video>", "VLM rows: marker in the text where each video goes, in order")
+    video: Any = _opt(
+        None, "VLM rows with videos (YAML mapping): frame sampling and size as qwen-vl-utils does it: fps (2.0), "
+        "min_frames (4), max_frames (768), min_pixels / max_pixels per frame and total_pixels per video "
+        "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels)",
+        flag_type=str,
+    )
 
     # where relative paths in the YAML file are resolved (not a config key)
     base_dir: Path = field(default_factory=Path.cwd, repr=False, compare=False, metadata={"internal": True})
@@ -197,7 +205,10 @@ class BuildConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kinds):
                 raise ConfigError(f"{name} must be a path{' or a mapping' if dict in kinds else ''}, got {value!r}")
-        for name in ("text_field", "messages_field", "images_field", "image_placeholder"):
+        if self.video is not None and not isinstance(self.video, dict):
+            raise ConfigError(f"video must be a mapping of frame options (fps, min_frames, ...), got {self.video!r}")
+        for name in ("text_field", "messages_field", "images_field", "image_placeholder", "videos_field",
+                     "video_placeholder"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a non-empty string")
         if need_tokenizer and not self.tokenizer:

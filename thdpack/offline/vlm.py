@@ -49,8 +49,19 @@ images in the images field, or ``{"type": "image", "image": "img/cat.png"}`` nam
 own (``"path"`` / ``"url"`` work too; local files only). Each image part stands where a
 marker would.
 
-Not covered here: videos (``pixel_values_videos``) and the rows' image bytes in the
-source fingerprint.
+Videos: a ``videos`` field (``videos_field``) with ``<video>`` markers
+(``video_placeholder``), or content parts ``{"type": "video", "video": PATH}``, mixed
+with images and text. Each video is decoded and its frames prepared as Qwen's
+preprocessing does it (:mod:`thdpack.offline.video`: PyAV, options in ``video:``),
+with the build image processor's mean / std; the marker becomes
+``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|video_pad|>`` + ``<|vision_end|>``
+(Qwen3-VL / Qwen3.5: per temporal patch ``<{t:.1f} seconds>`` + start + ``h·w / merge²``
+pads + end, as their processors write it). Per pack, four more columns:
+``pixel_values_videos`` (large_list<float32>), ``video_grid_thw`` (list<int32>),
+``second_per_grid_ts`` (list<float32>, ``temporal / sampled fps`` of every video) and
+``video_counts`` (list<int32>). Video patches count in ``vision_budget`` with images.
+
+Not covered here: the rows' image / video bytes in the source fingerprint.
 """
 
 from __future__ import annotations
@@ -64,9 +75,11 @@ import numpy as np
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import VLM_FORMAT_VERSION
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import IGNORE_INDEX, IMAGE_PART_TYPES, RowTokenizer, flatten_content, _row_error
+from thdpack.offline.tokenize import (IGNORE_INDEX, IMAGE_PART_TYPES, VIDEO_PART_TYPES, RowTokenizer,
+                                      flatten_content, _row_error)
 
-VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts")
+VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "video_counts", "second_per_grid_ts")
+VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts") + VIDEO_COLUMNS
 PROCESSOR_DIR = "image_processor"
 # the Qwen-VL families' defaults when a config dict leaves them out
 _DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
@@ -91,6 +104,9 @@ class VlmBuild:
     vision_budget: int | None
     vision_end_token_id: int
     row_dirs: list = field(default_factory=list)  # directory of each input file (for relative image paths)
+    videos_field: str = "videos"
+    video_placeholder: str = "<video>"
+    video_options: object = None  # thdpack.offline.video.VideoOptions
 
     # ---- tokenization
     def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> "VlmRowTokenizer":
@@ -102,10 +118,13 @@ class VlmBuild:
         return {
             "pixel_values": datasets.LargeList(datasets.Value("float32")),
             "image_grid_thw": datasets.List(datasets.Value("int32")),
+            "pixel_values_videos": datasets.LargeList(datasets.Value("float32")),
+            "video_grid_thw": datasets.List(datasets.Value("int32")),
+            "second_per_grid_ts": datasets.List(datasets.Value("float32")),
         }
 
     def input_columns(self) -> list[str]:
-        return [self.images_field]
+        return [self.images_field, self.videos_field]
 
     # ---- planning
     def plan_checks(self, cfg, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
@@ -113,7 +132,7 @@ class VlmBuild:
         planning (``(row, reason)``): more patches than ``vision_budget``, or too long
         with images under ``overflow: truncate / split``."""
         stats = image_stats(tokenized.dataset.data.table)
-        patches = stats.row_patches
+        patches = row_vision_patches(tokenized.dataset.data.table)
         bad = []
         limit = cfg.pack_size // cfg.align * cfg.align
         for r in np.flatnonzero(usable).tolist():
@@ -146,12 +165,14 @@ class VlmBuild:
 
     def finish(self, out_dir: Path, meta: dict, token_table, piece_rows: np.ndarray, plan) -> None:
         """Add the vision part of ``metadata.json`` and save the image processor."""
+        import dataclasses
         import json
 
         self.processor.save_pretrained(str(out_dir / PROCESSOR_DIR))
         stats = image_stats(token_table)
         rows = np.asarray(piece_rows)
-        per_piece = stats.row_patches[rows]
+        videos = video_stats(token_table)
+        per_piece = row_vision_patches(token_table)[rows]
         per_pack = np.add.reduceat(per_piece, plan.pack_offsets[:-1]) if len(plan) else np.zeros(0, np.int64)
         meta["format_version"] = VLM_FORMAT_VERSION
         meta["columns"] = list(meta["columns"]) + list(VISION_COLUMNS)
@@ -162,6 +183,10 @@ class VlmBuild:
             "vision_end_token_id": self.vision_end_token_id,
             "spatial_merge_size": self.family.spatial_merge_size,
             "images": int(stats.row_images[rows].sum()),
+            "videos": int(videos.row_images[rows].sum()),
+            "video_token_id": self.family.video_token_id,
+            "video_placeholder": self.video_placeholder,
+            "video": dataclasses.asdict(self.video_options),
             "vision_patches": int(per_piece.sum()),
             "max_pack_vision_patches": int(per_pack.max()) if per_pack.size else 0,
             "vision_budget": self.vision_budget,
@@ -186,7 +211,8 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
                 + ("none" if model_config is None else repr(model_config.get("model_type")))
             )
         return None
-    if (cfg.images_field not in source.columns and not _rows_have_images(source, cfg)
+    if (cfg.images_field not in source.columns and cfg.videos_field not in source.columns
+            and not _rows_have_images(source, cfg)
             and cfg.vision_budget is None and cfg.image_processor is None):
         return None  # a VL model's config, text rows: a text build
     try:
@@ -212,6 +238,12 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
     end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
                        _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
     row_dirs = [_file_dir(cfg, f) for f in source.files]
+    from thdpack.offline.video import VideoOptions
+
+    try:
+        video_options = VideoOptions.from_config(cfg.video)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
     return VlmBuild(
         model_config=model_config,
         family=family,
@@ -223,6 +255,9 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
         vision_budget=cfg.vision_budget,
         vision_end_token_id=int(end),
         row_dirs=row_dirs,
+        videos_field=cfg.videos_field,
+        video_placeholder=cfg.video_placeholder,
+        video_options=video_options,
     )
 
 
@@ -241,14 +276,14 @@ def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             if isinstance(obj, dict):
-                if cfg.images_field in obj:
+                if cfg.images_field in obj or cfg.videos_field in obj:
                     return True
                 rows.append(obj.get(cfg.messages_field))
     elif cfg.messages_field in source.columns:
         rows = source.dataset.data.column(cfg.messages_field).slice(0, n).to_pylist()
     else:
         return False
-    return any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+    return any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES + VIDEO_PART_TYPES
                for messages in rows if isinstance(messages, list)
                for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
                for part in m["content"])
@@ -305,7 +340,7 @@ class VlmRowTokenizer(RowTokenizer):
         if fmt == "tokenized":
             raise ConfigError("rows with images must be chat or text rows: the image placeholders are expanded "
                               "before tokenizing (already tokenized VLM rows are not supported)")
-        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c != vlm.images_field], bpe)
+        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c not in vlm.input_columns()], bpe)
         self.json_rows = columns == [JSON_COLUMN]
         self.vlm = vlm
         self.row_offsets = np.asarray(source.row_offsets)
@@ -315,13 +350,16 @@ class VlmRowTokenizer(RowTokenizer):
         vocab = len(tokenizer)
         strings = {}
         for name, tid in (("image_token_id", fam.image_token_id), ("vision_start_token_id", fam.vision_start_token_id),
-                          ("vision_end_token_id", vlm.vision_end_token_id)):
+                          ("vision_end_token_id", vlm.vision_end_token_id), ("video_token_id", fam.video_token_id)):
+            if tid is None and name == "video_token_id":
+                continue  # a family without video: a row with a video fails
             if tid is None or not 0 <= tid < vocab:
                 raise ConfigError(f"model_config's {name}={tid} is not a token of the tokenizer ({vocab} tokens)")
             strings[name] = tokenizer.convert_ids_to_tokens(int(tid))
         self.image_str = strings["image_token_id"]
         self.start_str = strings["vision_start_token_id"]
         self.end_str = strings["vision_end_token_id"]
+        self.video_str = strings.get("video_token_id")
         self._pending = None
 
     def __call__(self, table, indices):
@@ -331,21 +369,23 @@ class VlmRowTokenizer(RowTokenizer):
     # ---- values: text with the placeholders expanded; images processed
     def _extract(self, table):
         values, errors = super()._extract(table)
-        refs = self._image_refs(table, errors)
+        refs = self._refs(table, errors, self.vlm.images_field)
+        video_refs = self._refs(table, errors, self.vlm.videos_field)
         n = table.num_rows
-        pixels, grids = [None] * n, [None] * n
+        pixels, grids, videos = [None] * n, [None] * n, [None] * n
         for i in range(n):
             if errors[i] is not None:
                 continue
             try:
-                row_refs = refs[i] or []
-                if not isinstance(row_refs, list):
-                    raise ValueError(f"'{self.vlm.images_field}' must be a list of image paths, got {type(row_refs).__name__}")
+                row_refs = _ref_list(refs[i], self.vlm.images_field, "image")
+                row_videos = _ref_list(video_refs[i], self.vlm.videos_field, "video")
                 if not isinstance(values[i], str):
-                    values[i], row_refs = self._flatten_parts(values[i], row_refs)
-                found = self._count_markers(values[i])
-                if found != len(row_refs):
-                    raise ValueError(f"{found} '{self.vlm.image_placeholder}' marker(s) but {len(row_refs)} image(s)")
+                    values[i], row_refs, row_videos = self._flatten_parts(values[i], row_refs, row_videos)
+                for mark, given, kind in ((self.vlm.image_placeholder, row_refs, "image"),
+                                          (self.vlm.video_placeholder, row_videos, "video")):
+                    found = _count_markers(values[i], mark)
+                    if found != len(given):
+                        raise ValueError(f"{found} '{mark}' marker(s) but {len(given)} {kind}(s)")
                 if row_refs:
                     images = [self._open(r, self._rows[i]) for r in row_refs]
                     out = self.vlm.processor(images=images, return_tensors="np")
@@ -353,19 +393,60 @@ class VlmRowTokenizer(RowTokenizer):
                     grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
                     if pv.ndim != 2 or pv.shape[1] != self.vlm.pixel_dim or pv.shape[0] != int(grid.prod(1).sum()):
                         raise ValueError(f"image processor gave pixel_values {pv.shape} for grids {grid.tolist()}")
-                    values[i] = self._expand(values[i], grid)
+                    values[i] = _substitute(values[i], self.vlm.image_placeholder, self._image_runs(grid))
                     pixels[i], grids[i] = pv, grid
+                if row_videos:
+                    videos[i] = self._videos(row_videos, self._rows[i])
+                    values[i] = _substitute(values[i], self.vlm.video_placeholder, self._video_runs(videos[i]))
             except (ValueError, InputError) as exc:  # ours: the message says it all
                 errors[i] = str(exc)
             except Exception as exc:  # noqa: BLE001 - the processor's: reported as a row error
                 errors[i] = _row_error(exc)
-        self._pending = (pixels, grids)
+        self._pending = (pixels, grids, videos)
         return values, errors
 
-    def _image_refs(self, table, errors):
+    def _videos(self, refs: list, row: int) -> "RowVideos":
+        """The row's videos decoded, sampled and cut into patches (:mod:`thdpack.offline.video`)."""
+        from thdpack.offline.video import frame_timestamps, load_video, video_patches
+
+        if self.video_str is None:
+            raise ValueError(f"model_config ({self.vlm.family.model_type}) has no video_token_id: it takes no video")
+        proc, fam = self.vlm.processor, self.vlm.family
+        patch, temporal = int(proc.patch_size), int(getattr(proc, "temporal_patch_size", 1) or 1)
+        merge = fam.spatial_merge_size
+        pv, grids, spg, stamps = [], [], [], []
+        for ref in refs:
+            path, name = self._resolve(ref, row, "video")
+            video = load_video(path, name, self.vlm.video_options, temporal, patch * merge)
+            p, g = video_patches(video.frames, proc.image_mean, proc.image_std, patch, merge, temporal)
+            pv.append(p)
+            grids.append(g)
+            spg.append(temporal / video.sampled_fps)
+            stamps.append(frame_timestamps(video, temporal))
+        return RowVideos(np.concatenate(pv), np.stack(grids), np.asarray(spg, np.float32), stamps)
+
+    def _image_runs(self, grid: np.ndarray) -> list[str]:
+        """The text each image marker becomes (images ``grid`` ``[k, 3]``)."""
+        m2 = self.vlm.family.spatial_merge_size ** 2
+        return [self.start_str + self.image_str * int(n) + self.end_str for n in grid.prod(1) // m2]
+
+    def _video_runs(self, videos: "RowVideos") -> list[str]:
+        """The text each video marker becomes: one run (Qwen2-VL, Qwen2.5-VL), or per
+        temporal patch its timestamp and a run (Qwen3-VL, Qwen3.5: their processors' text)."""
+        m2 = self.vlm.family.spatial_merge_size ** 2
+        runs = []
+        for (t, h, w), stamps in zip(videos.grids.tolist(), videos.timestamps):
+            frame = self.start_str + self.video_str * (h * w // m2) + self.end_str
+            if self.vlm.family.VIDEO_FRAMES_ARE_ITEMS:
+                runs.append("".join(f"<{stamps[k]:.1f} seconds>" + frame for k in range(t)))
+            else:
+                runs.append(self.start_str + self.video_str * (t * h * w // m2) + self.end_str)
+        return runs
+
+    def _refs(self, table, errors, name: str) -> list:
+        """Every row's value of field ``name`` (None where absent)."""
         import json
 
-        name = self.vlm.images_field
         n = table.num_rows
         if self.json_rows:
             out = [None] * n
@@ -381,62 +462,62 @@ class VlmRowTokenizer(RowTokenizer):
     def _chat_messages(self, messages: list) -> list:
         return messages  # content parts are flattened in _extract, with the row's images (_flatten_parts)
 
-    def _flatten_parts(self, messages: list, refs: list) -> tuple[list, list]:
+    def _flatten_parts(self, messages: list, refs: list, video_refs: list) -> tuple[list, list, list]:
         """Messages whose content is a list of parts (the ``transformers`` / TRL layout:
         ``[{"type": "image"}, {"type": "text", "text": "..."}]``) with string content
-        instead (:func:`~thdpack.offline.tokenize.flatten_content`): each image part becomes
-        the placeholder marker. An image part may name its image (``"image"``, ``"path"`` or
-        ``"url"``: a local path, or ``{"bytes": ...}``); then every image part must, and the
-        row's images field must be empty. Returns ``(messages, image refs in marker order)``."""
-        inline, bare = [], []
+        instead (:func:`~thdpack.offline.tokenize.flatten_content`): each image / video part
+        becomes its placeholder marker. A part may name its image or video (``"image"`` /
+        ``"video"``, ``"path"`` or ``"url"``: a local path, or ``{"bytes": ...}``); then every
+        part of that kind must, and the row's images / videos field must be empty.
+        Returns ``(messages, image refs, video refs)``, each in marker order."""
+        kinds = {"image": (self.vlm.image_placeholder, self.vlm.images_field, ("image", "path", "url", "image_url"), [], []),
+                 "video": (self.vlm.video_placeholder, self.vlm.videos_field, ("video", "path", "url", "video_url"), [], [])}
 
-        def image(part) -> str:
-            ref = next((part[key] for key in ("image", "path", "url", "image_url") if part.get(key) is not None), None)
-            if isinstance(ref, dict) and "url" in ref and "bytes" not in ref:  # OpenAI style {"url": ...}
-                ref = ref["url"]
-            (bare if ref is None else inline).append(ref)
-            return self.vlm.image_placeholder
+        def part_ref(kind):
+            mark, _, keys, inline, bare = kinds[kind]
 
-        out = flatten_content(messages, image)
-        if inline:
+            def take(part) -> str:
+                ref = next((part[key] for key in keys if part.get(key) is not None), None)
+                if isinstance(ref, dict) and "url" in ref and "bytes" not in ref:  # OpenAI style {"url": ...}
+                    ref = ref["url"]
+                (bare if ref is None else inline).append(ref)
+                return mark
+            return take
+
+        out = flatten_content(messages, part_ref("image"), part_ref("video"))
+        given = {"image": refs, "video": video_refs}
+        for kind, (_, fname, _, inline, bare) in kinds.items():
+            if not inline:
+                continue
             if bare:
-                raise ValueError(f"{len(inline)} image part(s) name their image and {len(bare)} do not; "
+                raise ValueError(f"{len(inline)} {kind} part(s) name their {kind} and {len(bare)} do not; "
                                  "name all or none")
-            if refs:
-                raise ValueError(f"images are named both in the image parts ({len(inline)}) and in "
-                                 f"'{self.vlm.images_field}' ({len(refs)}); give them in one place")
-            refs = inline
-        return out, refs
-
-    def _count_markers(self, value) -> int:
-        """Placeholder markers in a text row or in flattened messages (string or no content)."""
-        mark = self.vlm.image_placeholder
-        if isinstance(value, str):
-            return value.count(mark)
-        return sum(m["content"].count(mark) for m in value if isinstance(m.get("content"), str))
-
-    def _expand(self, value, grid: np.ndarray):
-        m2 = self.vlm.family.spatial_merge_size ** 2
-        runs = iter([self.start_str + self.image_str * int(n) + self.end_str for n in grid.prod(1) // m2])
-        mark = self.vlm.image_placeholder
-
-        def sub(text: str) -> str:
-            parts = text.split(mark)
-            return parts[0] + "".join(next(runs) + p for p in parts[1:])
-
-        if isinstance(value, str):
-            return sub(value)
-        return [dict(m, content=sub(m["content"])) if isinstance(m.get("content"), str) else m for m in value]
+            if given[kind]:
+                raise ValueError(f"{kind}s are named both in the {kind} parts ({len(inline)}) and in "
+                                 f"'{fname}' ({len(given[kind])}); give them in one place")
+            given[kind] = inline
+        return out, given["image"], given["video"]
 
     def _open(self, ref, row: int):
         from PIL import Image
 
+        if isinstance(ref, dict) and ref.get("bytes") is not None:
+            return self._load(Image, io.BytesIO(ref["bytes"]), "image bytes")
+        p, name = self._resolve(ref, row, "image")
+        if not p.is_file():
+            raise ValueError(f"image {name!r} not found (looked at {p})")
+        return self._load(Image, p, name)
+
+    def _resolve(self, ref, row: int, kind: str) -> tuple[Path, str]:
+        """``(path, name as given)`` of an image / video reference: a path, or ``{"path": ...}``,
+        relative ones against ``image_dir`` or the row's input file's directory."""
         if isinstance(ref, dict):
-            if ref.get("bytes") is not None:
-                return self._load(Image, io.BytesIO(ref["bytes"]), "image bytes")
+            if ref.get("bytes") is not None and kind == "video":
+                raise ValueError("a video must be a file path ({'bytes': ...} videos are not supported)")
             ref = ref.get("path")
         if not isinstance(ref, str) or not ref:
-            raise ValueError(f"an image must be a path, or {{'bytes': ...}} / {{'path': ...}}, got {ref!r}")
+            raise ValueError(f"an {kind} must be a path, or {{'bytes': ...}} / {{'path': ...}}, got {ref!r}"
+                             if kind == "image" else f"a video must be a path or {{'path': ...}}, got {ref!r}")
         p = Path(ref).expanduser()
         if not p.is_absolute():
             base = self.vlm.image_dir
@@ -444,9 +525,7 @@ class VlmRowTokenizer(RowTokenizer):
                 k = int(np.searchsorted(self.row_offsets, row, side="right") - 1)
                 base = self.vlm.row_dirs[k]
             p = base / p
-        if not p.is_file():
-            raise ValueError(f"image {ref!r} not found (looked at {p})")
-        return self._load(Image, p, ref)
+        return p, ref
 
     def _load(self, Image, src, name):
         try:
@@ -457,38 +536,91 @@ class VlmRowTokenizer(RowTokenizer):
 
     # ---- output: checks, image tokens out of the targets, vision columns
     def _to_table(self, ids, targets, errors):
-        import pyarrow as pa
-
-        pixels, grids = self._pending
+        pixels, grids, videos = self._pending
         self._pending = None
         m2 = self.vlm.family.spatial_merge_size ** 2
         for i in range(len(ids)):
             if errors[i] is not None or ids[i] is None:
                 continue
-            is_image = ids[i] == self.image_id
-            want = int((grids[i].prod(1) // m2).sum()) if grids[i] is not None else 0
-            if int(is_image.sum()) != want:
-                errors[i] = (f"{int(is_image.sum())} image tokens ({self.image_str!r}) after tokenizing but the "
-                             f"images need {want}: the text contains image tokens itself, or the tokenizer does "
-                             "not keep the model's image token as one token")
-                continue
-            if is_image.any():  # image placeholders are inputs, never targets
-                t = targets[i]
-                targets[i] = np.where(is_image, False, t) if t.dtype == bool else np.where(is_image, IGNORE_INDEX, t)
+            placeholders = ((self.image_id, self.image_str, grids[i], "images"),
+                            (self.vlm.family.video_token_id, self.video_str,
+                             None if videos[i] is None else videos[i].grids, "videos"))
+            for tid, tstr, grid, kind in placeholders:
+                if tid is None:
+                    continue
+                is_pad = ids[i] == tid
+                want = int((grid.prod(1) // m2).sum()) if grid is not None else 0
+                if int(is_pad.sum()) != want:
+                    errors[i] = (f"{int(is_pad.sum())} {kind[:-1]} tokens ({tstr!r}) after tokenizing but the "
+                                 f"{kind} need {want}: the text contains {kind[:-1]} tokens itself, or the tokenizer "
+                                 f"does not keep the model's {kind[:-1]} token as one token")
+                    break
+                if is_pad.any():  # placeholders are inputs, never targets
+                    t = targets[i]
+                    targets[i] = np.where(is_pad, False, t) if t.dtype == bool else np.where(is_pad, IGNORE_INDEX, t)
         table = super()._to_table(ids, targets, errors)
-        ok = [i for i, e in enumerate(errors) if e is None and pixels[i] is not None]
-        pv_len = np.zeros(len(ids), np.int64)
-        g_len = np.zeros(len(ids), np.int64)
-        pv_len[ok] = [pixels[i].size for i in ok]
-        g_len[ok] = [grids[i].size for i in ok]
-        pv_off = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(pv_len, out=pv_off[1:])
-        g_off = np.zeros(len(ids) + 1, np.int32)
-        np.cumsum(g_len, out=g_off[1:])
-        flat_pv = np.concatenate([np.zeros(0, np.float32)] + [pixels[i].reshape(-1) for i in ok])
-        flat_g = np.concatenate([np.zeros(0, np.int32)] + [grids[i].reshape(-1).astype(np.int32) for i in ok])
-        table = table.append_column("pixel_values", pa.LargeListArray.from_arrays(pa.array(pv_off), pa.array(flat_pv)))
-        return table.append_column("image_grid_thw", pa.ListArray.from_arrays(pa.array(g_off), pa.array(flat_g)))
+        ok = {i for i, e in enumerate(errors) if e is None}
+        table = _append_lists(table, "pixel_values", [pixels[i] if i in ok else None for i in range(len(ids))], True)
+        table = _append_lists(table, "image_grid_thw", [grids[i] if i in ok else None for i in range(len(ids))])
+        vids = [videos[i] if i in ok else None for i in range(len(ids))]
+        table = _append_lists(table, "pixel_values_videos", [v and v.pixels for v in vids], True)
+        table = _append_lists(table, "video_grid_thw", [v and v.grids for v in vids])
+        return _append_lists(table, "second_per_grid_ts", [v and v.second_per_grid_ts for v in vids], dtype=np.float32)
+
+
+def _append_lists(table, name: str, rows: list, large: bool = False, dtype=None):
+    """``table`` with a list column ``name`` of ``rows`` (arrays flattened; None: empty);
+    int32 values unless ``dtype`` or ``large`` (float32 pixels)."""
+    import pyarrow as pa
+
+    dtype = dtype or (np.float32 if large else np.int32)
+    parts = [np.zeros(0, dtype)] + [np.asarray(r).reshape(-1).astype(dtype) for r in rows if r is not None]
+    lens = np.array([0 if r is None else np.asarray(r).size for r in rows], np.int64)
+    off = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    values = pa.array(np.concatenate(parts))
+    arr = (pa.LargeListArray.from_arrays(pa.array(off), values) if large
+           else pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), values))
+    return table.append_column(name, arr)
+
+
+@dataclass
+class RowVideos:
+    """The processed videos of one row."""
+
+    pixels: np.ndarray  # float32 [P, pixel_dim] every video's patches, in order
+    grids: np.ndarray  # int64 [k, 3]
+    second_per_grid_ts: np.ndarray  # float32 [k] temporal / sampled fps
+    timestamps: list  # per video, seconds of each temporal patch
+
+
+def _ref_list(value, field_name: str, kind: str) -> list:
+    """A row's images / videos field as a list (missing: empty)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"'{field_name}' must be a list of {kind} paths, got {type(value).__name__}")
+    return value
+
+
+def _count_markers(value, mark: str) -> int:
+    """Placeholder markers in a text row or in flattened messages (string or no content)."""
+    if isinstance(value, str):
+        return value.count(mark)
+    return sum(m["content"].count(mark) for m in value if isinstance(m.get("content"), str))
+
+
+def _substitute(value, mark: str, runs: list[str]):
+    """A text row or flattened messages with the k-th ``mark`` replaced by ``runs[k]``."""
+    it = iter(runs)
+
+    def sub(text: str) -> str:
+        parts = text.split(mark)
+        return parts[0] + "".join(next(it) + p for p in parts[1:])
+
+    if isinstance(value, str):
+        return sub(value)
+    return [dict(m, content=sub(m["content"])) if isinstance(m.get("content"), str) else m for m in value]
 
 
 # ---------------------------------------------------------------------------- per-row image statistics
@@ -502,10 +634,23 @@ class ImageStats:
     grids: np.ndarray  # int64 [N, 3] every image's grid, row after row
 
 
-def image_stats(table) -> ImageStats:
+def video_stats(table) -> ImageStats:
+    """:class:`ImageStats` of the videos (``video_grid_thw``; none in a table without it)."""
+    if "video_grid_thw" not in table.column_names:
+        z = np.zeros(table.num_rows, np.int64)
+        return ImageStats(z, z, np.zeros(table.num_rows + 1, np.int64), np.zeros((0, 3), np.int64))
+    return image_stats(table, "video_grid_thw")
+
+
+def row_vision_patches(table) -> np.ndarray:
+    """int64 ``[rows]`` vision patches of every row, images and videos (what ``vision_budget`` counts)."""
+    return image_stats(table).row_patches + video_stats(table).row_patches
+
+
+def image_stats(table, column: str = "image_grid_thw") -> ImageStats:
     """:class:`ImageStats` of a table with a flat ``image_grid_thw`` list column (3 per image)."""
     lens, vals = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for chunk in table.column("image_grid_thw").chunks:
+    for chunk in table.column(column).chunks:
         o = np.asarray(chunk.offsets).astype(np.int64)  # a sliced chunk's offsets index its whole child array
         lens.append(np.diff(o))
         vals.append(chunk.values.to_numpy(zero_copy_only=False)[o[0]: o[-1]].astype(np.int64))
@@ -528,16 +673,23 @@ class VisionColumns:
         from thdpack.offline.gather import RowPieces
 
         self.pixel_dim = pixel_dim
-        self.row_patches = image_stats(token_table).row_patches
-        self.pixels = RowPieces(token_table, "pixel_values")
-        self.grids = RowPieces(token_table, "image_grid_thw")
+        self.row_patches = row_vision_patches(token_table)
+        # (column, reader, large list, values per image / video) in the order of fields()
+        self.readers = [(name, RowPieces(token_table, name), large, per)
+                        for name, large, per in (("pixel_values", True, 0), ("image_grid_thw", False, 3),
+                                                 ("pixel_values_videos", True, 0), ("video_grid_thw", False, 3),
+                                                 ("second_per_grid_ts", False, 1))]
 
     def fields(self):
         import pyarrow as pa
 
         return [pa.field("pixel_values", pa.large_list(pa.float32())),
                 pa.field("image_grid_thw", pa.list_(pa.int32())),
-                pa.field("image_counts", pa.list_(pa.int32()))]
+                pa.field("image_counts", pa.list_(pa.int32())),
+                pa.field("pixel_values_videos", pa.large_list(pa.float32())),
+                pa.field("video_grid_thw", pa.list_(pa.int32())),
+                pa.field("video_counts", pa.list_(pa.int32())),
+                pa.field("second_per_grid_ts", pa.list_(pa.float32()))]
 
     def pack_bytes(self, plan, sample_rows: np.ndarray) -> np.ndarray:
         """int64 ``[num_packs]`` bytes of pixel values of every pack (plan order)."""
@@ -548,15 +700,14 @@ class VisionColumns:
 
     def columns(self, rows: np.ndarray, counts: np.ndarray) -> list:
         """The vision arrays of packs whose pieces come from input ``rows`` (pack after
-        pack, ``counts`` pieces per pack)."""
+        pack, ``counts`` pieces per pack), in the order of :meth:`fields`."""
         import pyarrow as pa
 
-        pixels, grids = self.pixels, self.grids
         rows = np.asarray(rows, dtype=np.int64)
         first = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=first[1:])  # first piece of each pack
         columns = []
-        for reader, large in ((pixels, True), (grids, False)):
+        for name, reader, large, per in self.readers:
             lengths = reader.lengths[rows]  # VLM rows are never cut: whole rows
             values = reader.gather(rows, np.zeros(rows.size, np.int64), lengths)
             off = np.zeros(rows.size + 1, np.int64)
@@ -565,8 +716,9 @@ class VisionColumns:
                 columns.append(pa.LargeListArray.from_arrays(pa.array(off[first]), pa.array(values)))
             else:
                 columns.append(pa.ListArray.from_arrays(pa.array(off[first].astype(np.int32)), pa.array(values)))
-        image_counts = (grids.lengths[rows] // 3).astype(np.int32)
-        columns.append(pa.ListArray.from_arrays(pa.array(first.astype(np.int32)), pa.array(image_counts)))
+            if name.endswith("grid_thw"):  # image_counts / video_counts: images / videos of each piece
+                columns.append(pa.ListArray.from_arrays(pa.array(first.astype(np.int32)),
+                                                        pa.array((lengths // per).astype(np.int32))))
         return columns
 
 
@@ -576,24 +728,45 @@ class VisionColumns:
 def add_vision(samples: list[dict], row) -> list[dict]:
     """Give every sample of a packed row (:func:`thdpack.offline.unpack_row`) its
     ``pixel_values`` (float32 tensor ``[P_i, pixel_dim]``) and ``image_grid_thw`` (int64
-    tensor ``[k_i, 3]``); samples without images get neither."""
+    tensor ``[k_i, 3]``), and for videos ``pixel_values_videos``, ``video_grid_thw`` and
+    ``second_per_grid_ts`` (float32 tensor ``[v_i]``); samples without them get neither."""
+    import torch
+
+    counts = _add_kind(samples, row, "image_counts", "image_grid_thw", "pixel_values")
+    if "video_counts" in row:  # datasets built before videos have no video columns
+        counts = _add_kind(samples, row, "video_counts", "video_grid_thw", "pixel_values_videos")
+        spg = np.asarray(row["second_per_grid_ts"], dtype=np.float32).reshape(-1)
+        if spg.size != int(counts.sum()):
+            raise ValueError(f"packed row: video_counts sum to {int(counts.sum())} but second_per_grid_ts "
+                             f"has {spg.size} values")
+        first = np.zeros(counts.size + 1, np.int64)
+        np.cumsum(counts, out=first[1:])
+        for i, s in enumerate(samples):
+            if counts[i]:
+                s["second_per_grid_ts"] = torch.from_numpy(spg[first[i]: first[i + 1]].copy())
+    return samples
+
+
+def _add_kind(samples: list[dict], row, count_col: str, grid_col: str, pixel_col: str) -> np.ndarray:
+    """Give the samples their ``grid_col`` / ``pixel_col`` tensors of one kind (images or
+    videos) from a packed row; returns int64 ``[n]`` items of each sample."""
     import torch
 
     from thdpack.offline.dataset import _as_array
 
-    counts = _as_array(row["image_counts"], "image_counts").astype(np.int64)
+    counts = _as_array(row[count_col], count_col).astype(np.int64)
     if counts.size != len(samples):
-        raise ValueError(f"packed row: image_counts has {counts.size} entries for {len(samples)} samples")
+        raise ValueError(f"packed row: {count_col} has {counts.size} entries for {len(samples)} samples")
     if not counts.any():
-        return samples
-    grids = _as_array(row["image_grid_thw"], "image_grid_thw").astype(np.int64).reshape(-1, 3)
+        return counts
+    grids = _as_array(row[grid_col], grid_col).astype(np.int64).reshape(-1, 3)
     if grids.shape[0] != int(counts.sum()):
-        raise ValueError(f"packed row: image_counts sum to {int(counts.sum())} but image_grid_thw has {grids.shape[0]} images")
+        raise ValueError(f"packed row: {count_col} sum to {int(counts.sum())} but {grid_col} has {grids.shape[0]} items")
     patches = grids.prod(axis=1)
     total = int(patches.sum())
-    pv = np.asarray(row["pixel_values"])
+    pv = np.asarray(row[pixel_col])
     if pv.dtype != np.float32 or pv.size % total:
-        raise ValueError(f"packed row: pixel_values ({pv.dtype}, {pv.size} values) do not hold {total} patches")
+        raise ValueError(f"packed row: {pixel_col} ({pv.dtype}, {pv.size} values) do not hold {total} patches")
     pv = torch.from_numpy(np.array(pv, copy=True).reshape(total, pv.size // total))  # one writable copy per pack
     img = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=img[1:])
@@ -602,9 +775,9 @@ def add_vision(samples: list[dict], row) -> list[dict]:
     for i, s in enumerate(samples):
         if counts[i]:
             a, b = int(img[i]), int(img[i + 1])
-            s["image_grid_thw"] = torch.from_numpy(grids[a:b].copy())
-            s["pixel_values"] = pv[int(cum[a]): int(cum[b])]
-    return samples
+            s[grid_col] = torch.from_numpy(grids[a:b].copy())
+            s[pixel_col] = pv[int(cum[a]): int(cum[b])]
+    return counts
 
 
 def all_image_grids(ds) -> np.ndarray:

@@ -1,0 +1,166 @@
+"""Videos of offline VLM builds: decode with PyAV, sample and prepare frames as Qwen does.
+
+The decoder is PyAV (``av`` on PyPI, in the ``video`` extra): its wheels bundle FFmpeg,
+so it installs beside any torch. ``torchcodec`` needs system FFmpeg libraries and a
+torch it was built for, and transformers' Qwen video processors need torchvision, whose
+PyPI wheels do not load beside the CPU build of torch; so the frames are prepared here,
+step for step as Qwen's reference preprocessing (``qwen-vl-utils``' ``fetch_video``)
+and transformers' video processors do it:
+
+1. **frames** (``smart_nframes``): ``n = total / video_fps · fps``, clamped to
+   ``[min_frames, min(max_frames, total)]`` and floored to a multiple of the temporal
+   patch; indices ``linspace(0, total - 1, n).round()``; the sampled fps is
+   ``n / total · video_fps``;
+2. **size** (``smart_resize``): every frame to one ``(h, w)``, multiples of
+   ``patch_size · merge_size``, with ``min_pixels <= h·w <= max(min(max_pixels,
+   total_pixels / n · temporal), 1.05 · min_pixels)``; bicubic;
+3. **patches**: rescale to [0, 1], normalize with the image processor's mean / std,
+   and cut ``[grid_t · grid_h · grid_w, 3 · temporal · patch²]`` in the processors'
+   order (the same rows the image processor gives for an image);
+4. ``second_per_grid_ts = temporal / sampled_fps`` (a float: fractional values kept),
+   and Qwen3-VL / Qwen3.5's timestamps: per temporal patch, the mean time of its first
+   and last frame (``index / video_fps``), written ``<{t:.1f} seconds>``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# qwen-vl-utils' defaults (vision_process.py): FPS, FPS_MIN_FRAMES, FPS_MAX_FRAMES and the
+# pixel bounds in units of (patch · merge)² ("tokens" of 28² for Qwen2/2.5-VL, 32² for Qwen3)
+DEFAULT_FPS = 2.0
+DEFAULT_MIN_FRAMES = 4
+DEFAULT_MAX_FRAMES = 768
+MIN_TOKENS_PER_FRAME = 128
+MAX_TOKENS_PER_FRAME = 768
+MAX_VIDEO_TOKENS = int(128000 * 0.9)
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """How a video becomes frames (see the module docstring); pixel bounds of None take
+    qwen-vl-utils' defaults for the family's ``patch_size · merge_size``."""
+
+    fps: float = DEFAULT_FPS
+    min_frames: int = DEFAULT_MIN_FRAMES
+    max_frames: int = DEFAULT_MAX_FRAMES
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+
+    @classmethod
+    def from_config(cls, spec) -> "VideoOptions":
+        """The options of the YAML ``video`` mapping (None: the defaults)."""
+        spec = dict(spec or {})
+        unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"video: unknown option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        opts = cls(**spec)
+        if not opts.fps > 0 or opts.min_frames < 1 or opts.max_frames < opts.min_frames:
+            raise ValueError(f"video: need fps > 0 and 1 <= min_frames <= max_frames, got {spec}")
+        return opts
+
+    def pixel_bounds(self, factor: int) -> tuple[int, int, int]:
+        """``(min_pixels, max_pixels, total_pixels)`` for spatial factor ``patch · merge``."""
+        f2 = factor * factor
+        return (self.min_pixels or MIN_TOKENS_PER_FRAME * f2, self.max_pixels or MAX_TOKENS_PER_FRAME * f2,
+                self.total_pixels or MAX_VIDEO_TOKENS * f2)
+
+
+@dataclass
+class Video:
+    """One decoded and sampled video: ``frames`` uint8 ``[n, H, W, 3]`` (RGB), the
+    ``indices`` (int64 ``[n]``) they had in the file, and the file's frame rate."""
+
+    frames: np.ndarray
+    indices: np.ndarray
+    video_fps: float
+    total_frames: int
+
+    @property
+    def sampled_fps(self) -> float:
+        return len(self.indices) / self.total_frames * self.video_fps
+
+
+def decode_video(path: Path, name: str) -> tuple[list, float]:
+    """All frames of the video file at ``path`` (PIL RGB images) and its frame rate.
+    Raises ValueError naming the video (``name``) when it cannot be read or has no frame."""
+    import av
+
+    if not Path(path).is_file():
+        raise ValueError(f"video {name!r} not found (looked at {path})")
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"video {name!r} has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            frames = [frame.to_image() for frame in container.decode(stream)]
+    except (av.error.FFmpegError, OSError, EOFError) as exc:
+        raise ValueError(f"video {name!r} cannot be decoded ({exc}); check the file") from None
+    if not frames:
+        raise ValueError(f"video {name!r} has no frames")
+    return frames, float(rate) if rate else 24.0
+
+
+def sample_indices(total: int, video_fps: float, opts: VideoOptions, temporal: int, name: str) -> np.ndarray:
+    """int64 ``[n]`` frame indices as qwen-vl-utils' ``smart_nframes`` picks them."""
+    lo = math.ceil(opts.min_frames / temporal) * temporal
+    hi = math.floor(min(opts.max_frames, total) / temporal) * temporal
+    n = total / video_fps * opts.fps
+    n = math.floor(min(max(n, lo), hi) / temporal) * temporal
+    if not temporal <= n <= total:
+        raise ValueError(f"video {name!r}: {total} frame(s), fewer than the temporal patch ({temporal}) needs; "
+                         "use a longer video or remove it")
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
+
+
+def frame_size(height: int, width: int, n: int, opts: VideoOptions, factor: int, temporal: int) -> tuple[int, int]:
+    """``(h, w)`` every frame is resized to (qwen-vl-utils' ``fetch_video``)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    min_px, max_px, total_px = opts.pixel_bounds(factor)
+    max_px = max(min(max_px, total_px / n * temporal), int(min_px * 1.05))
+    return smart_resize(height, width, factor=factor, min_pixels=min_px, max_pixels=max_px)
+
+
+def load_video(path: Path, name: str, opts: VideoOptions, temporal: int, factor: int) -> Video:
+    """The sampled frames of one video file, resized (bicubic) to :func:`frame_size`."""
+    from PIL import Image
+
+    frames, video_fps = decode_video(path, name)
+    idx = sample_indices(len(frames), video_fps, opts, temporal, name)
+    w0, h0 = frames[0].size
+    h, w = frame_size(h0, w0, len(idx), opts, factor, temporal)
+    out = np.stack([np.asarray(frames[i].convert("RGB").resize((w, h), Image.BICUBIC)) for i in idx.tolist()])
+    return Video(out, idx, video_fps, len(frames))
+
+
+def video_patches(frames: np.ndarray, mean, std, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(pixel_values_videos, grid)``: float32 ``[t·h·w, 3·temporal·patch²]`` and int64
+    ``[3]`` of uint8 frames ``[n, H, W, 3]``, in the Qwen video processors' patch order
+    (the last frame repeated up to a multiple of ``temporal``)."""
+    x = frames.astype(np.float32) / 255.0
+    x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    x = x.transpose(0, 3, 1, 2)  # [n, C, H, W]
+    if pad := -x.shape[0] % temporal:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    n, c, hh, ww = x.shape
+    gt, gh, gw = n // temporal, hh // patch, ww // patch
+    x = x.reshape(gt, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, c * temporal * patch * patch)), np.array([gt, gh, gw], np.int64)
+
+
+def frame_timestamps(video: Video, temporal: int) -> list[float]:
+    """Seconds of every temporal patch (Qwen3-VL's ``_calculate_timestamps``): the mean
+    of its first and last frame's ``index / video_fps`` (indices padded like the frames)."""
+    idx = video.indices.tolist()
+    if pad := -len(idx) % temporal:
+        idx += [idx[-1]] * pad
+    t = [i / video.video_fps for i in idx]
+    return [(t[i] + t[i + temporal - 1]) / 2 for i in range(0, len(t), temporal)]
