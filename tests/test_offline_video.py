@@ -13,6 +13,7 @@ and tokenizes with transformers' chat template. A pack read from disk must equal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from fractions import Fraction
@@ -27,7 +28,6 @@ av = pytest.importorskip("av")
 Image = pytest.importorskip("PIL.Image")
 
 from test_offline_vlm import IGNORE, IMG, MERGE, PATCH, PROC_KW, TPATCH, VE, VID, VISION_TOKENS, VS  # noqa: E402
-from test_offline_vlm import assert_model_equivalent as _unused  # noqa: E402,F401
 from test_vlm import tiny_config as tiny_vlm_config  # noqa: E402
 
 from thdpack import build_thd_batch  # noqa: E402
@@ -60,6 +60,7 @@ def write_video(path, frames: int, fps, h: int, w: int, seed: int = 0) -> None:
     with av.open(str(path), "w") as out:
         stream = out.add_stream("mpeg4", rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        out.start_encoding()  # the header, even with no frame
         for _ in range(frames):
             img = (rng.random((h, w, 3)) * 255).astype(np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
@@ -132,6 +133,15 @@ def test_loaded_video_fps_timestamps_and_patches(assets):
     assert video.indices.tolist() == [0, 2, 5, 7]  # linspace(0, 7, 4).round()
     assert video.sampled_fps == 3.0 and TPATCH / video.sampled_fps == pytest.approx(2 / 3)
     assert frame_timestamps(video, TPATCH) == pytest.approx([(0 + 2 / 6) / 2, (5 / 6 + 7 / 6) / 2])
+    # what transformers' own Qwen3-VL processor and VideoMetadata compute from the same indices
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    meta = VideoMetadata(total_num_frames=8, fps=6.0, frames_indices=video.indices.tolist())
+    assert video.sampled_fps == meta.sampled_fps
+    assert frame_timestamps(video, TPATCH) == Qwen3VLProcessor._calculate_timestamps(None, video.indices, 6.0, TPATCH)
+    odd = dataclasses.replace(video, indices=np.array([0, 2, 5]))  # padded with the last index, as the processor does
+    assert frame_timestamps(odd, TPATCH) == Qwen3VLProcessor._calculate_timestamps(None, [0, 2, 5], 6.0, TPATCH)
     h, w = video.frames.shape[1:3]
     assert h % (PATCH * MERGE) == 0 and w % (PATCH * MERGE) == 0 and 16 <= h * w <= 256
     pv, grid = video_patches(video.frames, [0.5] * 3, [0.5] * 3, PATCH, MERGE, TPATCH)
@@ -139,3 +149,149 @@ def test_loaded_video_fps_timestamps_and_patches(assets):
     # the first patch row: frames 0 and 1 (temporal), channel-major, of the top-left 2x2 pixels
     x = (video.frames[:2, :2, :2].astype(np.float32) / 255 - 0.5) / 0.5  # [t, y, x, c]
     np.testing.assert_allclose(pv[0], x.transpose(3, 0, 1, 2).reshape(-1), rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- reference (no thdpack.offline.vlm)
+
+
+def reference_samples(assets, family: str, rows) -> list[dict]:
+    """Each row processed by hand: images by transformers' image processor, videos by
+    thdpack.offline.video, every marker expanded here as the family's processor does."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(assets / "tok"), local_files_only=True)
+    proc = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TPATCH, **PROC_KW)
+    frames_are_items = family in ("qwen3_vl", "qwen3_5")
+    out = []
+    for row in rows:
+        sample, texts = {}, {"<image>": [], "<video>": []}
+        msgs = [dict(m, content="".join(p.get("text") or ("<video>" if p["type"] == "video" else "<image>")
+                                        for p in m["content"]) if isinstance(m["content"], list) else m["content"])
+                for m in row["messages"]]
+        videos = list(row.get("videos", [])) + [p["video"] for m in row["messages"] if isinstance(m["content"], list)
+                                                for p in m["content"] if p["type"] == "video"]
+        if row.get("images"):
+            enc = proc(images=[Image.open(assets / p).convert("RGB") for p in row["images"]], return_tensors="pt")
+            sample["pixel_values"], sample["image_grid_thw"] = enc["pixel_values"], enc["image_grid_thw"]
+            texts["<image>"] = [f"<|vision_start|>{'<|image_pad|>' * (int(g.prod()) // MERGE**2)}<|vision_end|>"
+                                for g in enc["image_grid_thw"]]
+        pvs, grids, spg = [], [], []
+        for ref in videos:
+            v = load_video(assets / ref, ref, VideoOptions(**VIDEO_OPTS), TPATCH, PATCH * MERGE)
+            pv, (t, h, w) = video_patches(v.frames, proc.image_mean, proc.image_std, PATCH, MERGE, TPATCH)
+            pvs.append(pv)
+            grids.append([t, h, w])
+            spg.append(TPATCH / v.sampled_fps)
+            frame = "<|vision_start|>" + "<|video_pad|>" * (h * w // MERGE**2) + "<|vision_end|>"
+            if frames_are_items:
+                texts["<video>"].append("".join(f"<{s:.1f} seconds>" + frame for s in frame_timestamps(v, TPATCH)))
+            else:
+                texts["<video>"].append("<|vision_start|>" + "<|video_pad|>" * (t * h * w // MERGE**2) + "<|vision_end|>")
+        if videos:
+            sample["pixel_values_videos"] = torch.from_numpy(np.concatenate(pvs))
+            sample["video_grid_thw"] = torch.tensor(grids)
+            sample["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
+        for mark, runs in texts.items():
+            it = iter(runs)
+            msgs = [dict(m, content=m["content"].split(mark)[0] + "".join(
+                next(it) + p for p in m["content"].split(mark)[1:])) for m in msgs]
+        enc = tok.apply_chat_template([msgs], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = np.asarray(enc["input_ids"][0]), np.asarray(enc["assistant_masks"][0], bool)
+        mask &= (ids != IMG) & (ids != VID)
+        sample["input_ids"] = torch.as_tensor(ids)
+        sample["labels"] = torch.as_tensor(np.where(mask, ids, IGNORE))
+        out.append(sample)
+    return out
+
+
+@torch.no_grad()
+def assert_model_equivalent(model, batch, samples):
+    """The packed batch's logits equal each sample's logits alone; the loss is the token-weighted mean."""
+    import torch.nn.functional as F
+
+    out = model(**batch.to_hf_kwargs(), use_cache=False)
+    ce_sum, n_sum = 0.0, 0
+    for i, s in enumerate(samples):
+        ids, labels = s["input_ids"].reshape(1, -1), s["labels"].reshape(1, -1)
+        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                "second_per_grid_ts") if k in s}
+        types = (ids == IMG).int() + 2 * (ids == VID).int()
+        alone = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits[0]
+        a, n = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        torch.testing.assert_close(out.logits[0, a:a + n], alone, rtol=0, atol=LOGIT_ATOL)
+        ce_sum += float(F.cross_entropy(alone[:-1], labels[0, 1:], ignore_index=IGNORE, reduction="sum"))
+        n_sum += int((labels[0, 1:] != IGNORE).sum())
+    torch.testing.assert_close(out.loss, torch.tensor(ce_sum / n_sum), rtol=0, atol=1e-5)
+
+
+def assert_same_hf_kwargs(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path, assets, family):
+    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False, log=None)
+    vision = res.metadata["vision"]
+    assert vision["videos"] == 3 and vision["images"] == 1
+    ds = load_packed(res.path)
+    refs = reference_samples(assets, family, ROWS)
+    assert any(float(s["second_per_grid_ts"][0]) != int(s["second_per_grid_ts"][0]) for s in refs if "video_grid_thw" in s)
+    model_cfg = json.loads((assets / family / "config.json").read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(family_config(family)).to(torch.float32).eval()
+    collate = ds.collator()
+    seen = []
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        rows = batch.sample_index.tolist()
+        seen += rows
+        samples = [refs[r] for r in rows]
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch(samples, model_config=model_cfg).to_hf_kwargs())
+        assert_model_equivalent(model, batch, samples)
+    assert sorted(seen) == list(range(len(ROWS)))
+
+
+# --------------------------------------------------------------------------- bad videos
+
+
+def test_bad_videos_are_row_errors_named_and_skipped(tmp_path, assets):
+    (tmp_path / "junk.mp4").write_bytes(np.random.default_rng(0).bytes(2000))
+    write_video(tmp_path / "empty.mp4", 0, 6, 16, 16)
+    write_video(tmp_path / "short.mp4", 1, 6, 16, 16)
+    write_video(tmp_path / "ok.mp4", *VIDEOS[0])
+
+    def row(video, marks=1):
+        return {"messages": [{"role": "user", "content": "<video>" * marks + "?"},
+                             {"role": "assistant", "content": "x"}], "videos": [video]}
+
+    path = tmp_path / "bad.jsonl"
+    write_rows(path, [row("ok.mp4"), row("missing.mp4"), row("junk.mp4"), row("empty.mp4"), row("short.mp4"),
+                      row("ok.mp4", marks=2)])
+    with pytest.raises(InputError) as exc:
+        build_packed(cfg(assets, input=str(path)), tmp_path / "x", progress=False, log=None)
+    msg = str(exc.value)
+    assert "5 bad row(s)" in msg, msg
+    assert f"bad.jsonl:2: video 'missing.mp4' not found (looked at {tmp_path / 'missing.mp4'})" in msg
+    assert "bad.jsonl:3: video 'junk.mp4' cannot be decoded" in msg
+    assert "bad.jsonl:4: video 'empty.mp4' has no frames" in msg
+    assert "bad.jsonl:5: video 'short.mp4': 1 frame(s), fewer than the temporal patch (2) needs" in msg
+    assert "bad.jsonl:6: 2 '<video>' marker(s) but 1 video(s)" in msg
+    assert not (tmp_path / "x").exists()
+    res = build_packed(cfg(assets, input=str(path), skip_bad_rows=True), tmp_path / "y", progress=False, log=None)
+    assert res.metadata["counts"]["skipped_rows"] == 5 and res.metadata["counts"]["samples"] == 1
+    assert res.metadata["vision"]["videos"] == 1
+
+
+def test_video_part_in_a_text_build_is_named(tmp_path, assets):
+    path = tmp_path / "parts.jsonl"
+    write_rows(path, [{"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},
+                                    {"role": "assistant", "content": "x"}]}])
+    with pytest.raises(InputError, match=r"parts\.jsonl:1: message 0 part 0: a video part in a text build"):
+        build_packed(BuildConfig(input=str(path), tokenizer=str(assets / "tok"), pack_size=64), tmp_path / "x",
+                     progress=False, log=None)

@@ -95,8 +95,8 @@ def decode_video(path: Path, name: str) -> tuple[list, float]:
         raise ValueError(f"video {name!r} not found (looked at {path})")
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError(f"video {name!r} has no video stream")
+            if not container.streams.video:  # what an mp4 written without any frame reads as
+                raise ValueError(f"video {name!r} has no frames (no video stream)")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
             frames = [frame.to_image() for frame in container.decode(stream)]
