@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import TokenBudgetBatchSampler, plan_balanced, plan_packs
+from thdpack import SampleError, TokenBudgetBatchSampler, plan_balanced, plan_packs
 from thdpack.plan import ALGORITHMS
 
 
@@ -114,3 +114,17 @@ def test_plan_balanced_keeps_groups_on_one_rank_and_balance():
     for pack in sampler:
         for g in set(groups[pack].tolist()):
             assert set(np.flatnonzero(groups[:200] == g).tolist()) <= set(pack)
+
+
+def test_collator_keeps_groups_in_one_pack():
+    from thdpack import ThdCollator
+
+    rng = np.random.default_rng(3)
+    rows = [{"input_ids": rng.integers(1, 50, int(rng.integers(1, 20))), "pair": i // 2} for i in range(30)]
+    packs = ThdCollator(pack_size=48, group_field="pair")(rows)
+    assert len(packs) > 1
+    for batch in packs:
+        pairs = [rows[i]["pair"] for i in batch.sample_index.tolist()]
+        assert all(pairs.count(p) == 2 for p in pairs), pairs  # both rows of every pair in the pack
+    with pytest.raises(SampleError, match="sample 0 has no 'pair' field"):
+        ThdCollator(pack_size=48, group_field="pair")([{"input_ids": [1, 2]}])

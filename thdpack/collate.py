@@ -50,6 +50,8 @@ class ThdCollator:
             vision patches (``plan_packs(vision_budget=...)``).
         sample_values: per-sample fields carried into ``batch.sample_values`` (see
             :func:`thdpack.build_thd_batch`).
+        group_field: with ``pack_size``, the sample field holding an integer group id: a
+            group's samples land in one pack (``plan_packs(groups=...)``, e.g. DPO pairs).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class ThdCollator:
         model_config=None,
         vision_budget: int | None = None,
         sample_values: Sequence[str] | None = None,
+        group_field: str | None = None,
     ):
         check_token_args(pad_token_id, ignore_index)  # now, rather than in a worker
         self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
@@ -85,6 +88,7 @@ class ThdCollator:
             sample_values=sample_values,
         )
         self.vision_budget = vision_budget
+        self.group_field = group_field
         if cp_rank is None and cp_group is not None:
             import torch.distributed as dist
 
@@ -121,6 +125,8 @@ class ThdCollator:
             from thdpack.vlm import vision_lengths
 
             vision = dict(vision_lengths=vision_lengths(samples), vision_budget=self.vision_budget)
+        if self.group_field is not None:
+            vision["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
         plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs, **vision)
         batches = [self._build_pack(plan, samples, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)
