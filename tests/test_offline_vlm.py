@@ -335,7 +335,7 @@ def test_bad_parts_are_named(tmp_path, assets):
                       {"role": "assistant", "content": "x"}]},
         {"messages": [dict(user, content=[{"type": "image", "image": "img/0.png"}]),
                       {"role": "assistant", "content": "x"}], "images": ["img/1.png"]},
-        {"messages": [dict(user, content=[{"type": "video", "video": "v.mp4"}]), {"role": "assistant", "content": "x"}]},
+        {"messages": [dict(user, content=[{"type": "audio", "audio": "a.wav"}]), {"role": "assistant", "content": "x"}]},
         {"messages": [dict(user, content=[{"type": "text"}]), {"role": "assistant", "content": "x"}]},
         {"messages": [dict(user, content=[{"type": "image"}, {"type": "image"}]),
                       {"role": "assistant", "content": "x"}], "images": ["img/1.png"]},
@@ -348,7 +348,7 @@ def test_bad_parts_are_named(tmp_path, assets):
     assert "5 bad row(s)" in msg
     assert "bad.jsonl:2: 1 image part(s) name their image and 1 do not" in msg
     assert "bad.jsonl:3: images are named both in the image parts (1) and in 'images' (1)" in msg
-    assert "bad.jsonl:4: message 0 part 0: part type 'video' is not supported" in msg
+    assert "bad.jsonl:4: message 0 part 0: part type 'audio' is not supported" in msg
     assert "bad.jsonl:5: message 0 part 0: a text part needs a 'text' string" in msg
     assert "bad.jsonl:6: 2 '<image>' marker(s) but 1 image(s)" in msg
 
