@@ -16,6 +16,9 @@ Pass the step's global count as ``num_items`` (from
 :func:`all_reduce_items`): summing the gradients of the micro-batches and ranks then gives
 exactly the gradient of one big unpacked batch. (DDP *averages* gradients over ranks:
 multiply the loss by the data-parallel world size there, as HF's Trainer does.)
+
+Built on the same reductions: :func:`dpo_loss` for preference pairs packed together
+(:func:`pair_groups`), :func:`policy_gradient_loss` with :func:`group_advantages` for RL groups.
 """
 
 from __future__ import annotations
@@ -164,8 +167,7 @@ def packed_loss(
         A scalar (the logits' dtype, at least float32). A batch with nothing to score gives
         0, still connected to ``logits`` (so every rank runs the same backward).
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     logps = token_logps(logits, batch, chunk_size=chunk_size)
     return reduce_token_losses(-logps, batch, reduction, num_items, sample_targets=sample_targets)
 
@@ -175,8 +177,7 @@ def reduce_token_losses(losses: torch.Tensor, batch, reduction: str = "token", n
     """Reduce per-token losses ``[T]`` (0 off-target) as :func:`packed_loss` does: ``"token"`` sums
     them, ``"sample"`` sums each sample's mean over its targets; then divides by ``num_items``
     (default: this batch's targets, or samples with targets). One definition for every loss here."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if reduction == "token":
         total, own = losses.sum(), batch.num_targets
     else:
@@ -244,6 +245,11 @@ def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, 
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     per_token = torch.where(batch.loss_mask.to(per_token.device), per_token, 0)
     return reduce_token_losses(per_token, batch, reduction, num_items, sample_targets=sample_targets)
+
+
+def _check_reduction(reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 def _sample_counts(batch, sample_targets) -> torch.Tensor:
@@ -349,8 +355,7 @@ def _pair_positions(batch) -> tuple[torch.Tensor, torch.Tensor]:
 def count_items(batches, reduction: str = "token") -> int:
     """The ``num_items`` of ``reduction`` over ``batches`` (one rank's micro-batches of a step,
     whole batches, not CP shards): target tokens, or samples with at least one target."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if reduction == "token":
         return sum(b.num_targets for b in batches)
     return sum(int((sample_target_counts(b) > 0).sum()) for b in batches)
