@@ -254,7 +254,25 @@ def test_video_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path
         samples = [refs[r] for r in rows]
         assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch(samples, model_config=model_cfg).to_hf_kwargs())
         assert_model_equivalent(model, batch, samples)
+        assert_mrope_is_transformers(model, family, batch, samples)
     assert sorted(seen) == list(range(len(ROWS)))
+
+
+@torch.no_grad()
+def assert_mrope_is_transformers(model, family: str, batch, samples):
+    """Every sample's 3 mRoPE rows in the pack equal the installed transformers'
+    ``get_rope_index`` of that sample alone (Qwen2.5-VL: with its fractional
+    ``second_per_grid_ts``)."""
+    pos = batch.to_hf_kwargs()["position_ids"]  # [4, 1, T]: text positions, then the 3 mRoPE rows
+    for i, s in enumerate(samples):
+        ids = s["input_ids"].reshape(1, -1)
+        kw = {"image_grid_thw": s.get("image_grid_thw"), "video_grid_thw": s.get("video_grid_thw"),
+              "mm_token_type_ids": (ids == IMG).int() + 2 * (ids == VID).int()}
+        if family == "qwen2_5_vl":
+            kw["second_per_grid_ts"] = s.get("second_per_grid_ts")
+        want, _ = model.model.get_rope_index(ids, **kw)
+        a, n = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        assert torch.equal(pos[1:, 0, a:a + n].to(want.dtype), want[:, 0]), (family, i)
 
 
 # --------------------------------------------------------------------------- bad videos
