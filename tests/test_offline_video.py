@@ -313,3 +313,42 @@ def test_video_part_in_a_text_build_is_named(tmp_path, assets):
     with pytest.raises(InputError, match=r"parts\.jsonl:1: message 0 part 0: a video part in a text build"):
         build_packed(BuildConfig(input=str(path), tokenizer=str(assets / "tok"), pack_size=64), tmp_path / "x",
                      progress=False, log=None)
+
+
+# --------------------------------------------------------------------------- vision budget
+
+
+def test_video_patches_count_in_the_vision_budget_with_images(tmp_path, assets):
+    path = tmp_path / "mixed.jsonl"
+    write_rows(path, [ROWS[1]])  # one image and one video
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "all", progress=False, log=None)
+    sample = load_packed(res.path).collator()(load_packed(res.path)[0])
+    kw = sample.to_hf_kwargs()
+    total = int(kw["image_grid_thw"].prod(1).sum() + kw["video_grid_thw"].prod(1).sum())
+    assert res.metadata["vision"]["vision_patches"] == total and kw["video_grid_thw"].shape[0] == 1
+    with pytest.raises(InputError, match=rf"mixed\.jsonl:1: {total} vision patches, more than vision_budget={total - 1}"):
+        build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=total - 1), tmp_path / "x",
+                     progress=False, log=None)
+
+
+def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, assets):
+    path = tmp_path / "long.jsonl"
+    write_rows(path, [ROWS[0], ROWS[2]])  # vid/0.mp4: 4 frames of 12 x 16 -> grid (2, 6, 8), 96 patches; text
+    base = dict(input=str(path), image_dir=str(assets), vision_budget=60)
+    with pytest.raises(InputError, match=r"long\.jsonl:1: 96 vision patches, more than vision_budget=60"):
+        build_packed(cfg(assets, **base), tmp_path / "x", progress=False, log=None)
+    res = build_packed(cfg(assets, **base, overflow="drop"), tmp_path / "drop", progress=False, log=None)
+    assert res.metadata["counts"]["dropped"]["samples"] == 1 and res.metadata["vision"]["videos"] == 0
+    res = build_packed(cfg(assets, **base, overflow="truncate"), tmp_path / "cut", progress=False, log=None)
+    assert res.metadata["vision"]["video_patches_cut"] == 1 and res.metadata["vision"]["vision_patches"] == 48
+    ds = load_packed(res.path)
+    batch = ds.collator()(ds[0])
+    kw = batch.to_hf_kwargs()
+    assert kw["video_grid_thw"].tolist() == [[1, 6, 8]]
+    assert int((kw["input_ids"] == VID).sum()) == 48 // MERGE**2
+    full = reference_samples(assets, "qwen2_vl", [ROWS[0]])[0]["pixel_values_videos"]
+    assert torch.equal(kw["pixel_values_videos"], full[:48])  # the first temporal patch, unchanged
+    with pytest.raises(InputError, match=r"long\.jsonl:1: video 'vid/0\.mp4': one temporal patch of it "
+                                         r"\(48 vision patches\) does not fit in vision_budget \(40 left for it\)"):
+        build_packed(cfg(assets, **dict(base, vision_budget=40), overflow="truncate"), tmp_path / "y",
+                     progress=False, log=None)

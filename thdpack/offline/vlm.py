@@ -80,6 +80,7 @@ from thdpack.offline.tokenize import (IGNORE_INDEX, IMAGE_PART_TYPES, VIDEO_PART
 
 VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "video_counts", "second_per_grid_ts")
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts") + VIDEO_COLUMNS
+CUT_COLUMN = "video_patches_cut"  # tokenized rows: temporal patches cut off the row's videos (overflow: truncate)
 PROCESSOR_DIR = "image_processor"
 # the Qwen-VL families' defaults when a config dict leaves them out
 _DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
@@ -107,6 +108,7 @@ class VlmBuild:
     videos_field: str = "videos"
     video_placeholder: str = "<video>"
     video_options: object = None  # thdpack.offline.video.VideoOptions
+    overflow: str = "error"  # cfg.overflow: "truncate" cuts videos over vision_budget to their first frames
 
     # ---- tokenization
     def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> "VlmRowTokenizer":
@@ -121,6 +123,7 @@ class VlmBuild:
             "pixel_values_videos": datasets.LargeList(datasets.Value("float32")),
             "video_grid_thw": datasets.List(datasets.Value("int32")),
             "second_per_grid_ts": datasets.List(datasets.Value("float32")),
+            CUT_COLUMN: datasets.Value("int32"),
         }
 
     def input_columns(self) -> list[str]:
@@ -184,6 +187,7 @@ class VlmBuild:
             "spatial_merge_size": self.family.spatial_merge_size,
             "images": int(stats.row_images[rows].sum()),
             "videos": int(videos.row_images[rows].sum()),
+            "video_patches_cut": _cut_patches(token_table, rows),
             "video_token_id": self.family.video_token_id,
             "video_placeholder": self.video_placeholder,
             "video": dataclasses.asdict(self.video_options),
@@ -258,6 +262,7 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
         videos_field=cfg.videos_field,
         video_placeholder=cfg.video_placeholder,
         video_options=video_options,
+        overflow=cfg.overflow,
     )
 
 
@@ -396,7 +401,8 @@ class VlmRowTokenizer(RowTokenizer):
                     values[i] = _substitute(values[i], self.vlm.image_placeholder, self._image_runs(grid))
                     pixels[i], grids[i] = pv, grid
                 if row_videos:
-                    videos[i] = self._videos(row_videos, self._rows[i])
+                    used = 0 if grids[i] is None else int(grids[i].prod(1).sum())
+                    videos[i] = self._videos(row_videos, self._rows[i], used)
                     values[i] = _substitute(values[i], self.vlm.video_placeholder, self._video_runs(videos[i]))
             except (ValueError, InputError) as exc:  # ours: the message says it all
                 errors[i] = str(exc)
@@ -405,8 +411,11 @@ class VlmRowTokenizer(RowTokenizer):
         self._pending = (pixels, grids, videos)
         return values, errors
 
-    def _videos(self, refs: list, row: int) -> "RowVideos":
-        """The row's videos decoded, sampled and cut into patches (:mod:`thdpack.offline.video`)."""
+    def _videos(self, refs: list, row: int, used: int) -> "RowVideos":
+        """The row's videos decoded, sampled and cut into patches (:mod:`thdpack.offline.video`).
+        ``used``: vision patches of the row's images. Under ``overflow: truncate`` a video
+        that would take the row over ``vision_budget`` keeps its first temporal patches
+        that fit (at least one, or the row fails)."""
         from thdpack.offline.video import frame_timestamps, load_video, video_patches
 
         if self.video_str is None:
@@ -414,16 +423,20 @@ class VlmRowTokenizer(RowTokenizer):
         proc, fam = self.vlm.processor, self.vlm.family
         patch, temporal = int(proc.patch_size), int(getattr(proc, "temporal_patch_size", 1) or 1)
         merge = fam.spatial_merge_size
-        pv, grids, spg, stamps = [], [], [], []
+        pv, grids, spg, stamps, cut = [], [], [], [], 0
         for ref in refs:
             path, name = self._resolve(ref, row, "video")
             video = load_video(path, name, self.vlm.video_options, temporal, patch * merge)
+            if self.vlm.overflow == "truncate" and self.vlm.vision_budget is not None:
+                video, k = _fit_budget(video, self.vlm.vision_budget - used, temporal, patch, name)
+                cut += k
             p, g = video_patches(video.frames, proc.image_mean, proc.image_std, patch, merge, temporal)
+            used += int(g.prod())
             pv.append(p)
             grids.append(g)
             spg.append(temporal / video.sampled_fps)
             stamps.append(frame_timestamps(video, temporal))
-        return RowVideos(np.concatenate(pv), np.stack(grids), np.asarray(spg, np.float32), stamps)
+        return RowVideos(np.concatenate(pv), np.stack(grids), np.asarray(spg, np.float32), stamps, cut)
 
     def _image_runs(self, grid: np.ndarray) -> list[str]:
         """The text each image marker becomes (images ``grid`` ``[k, 3]``)."""
@@ -536,6 +549,8 @@ class VlmRowTokenizer(RowTokenizer):
 
     # ---- output: checks, image tokens out of the targets, vision columns
     def _to_table(self, ids, targets, errors):
+        import pyarrow as pa
+
         pixels, grids, videos = self._pending
         self._pending = None
         m2 = self.vlm.family.spatial_merge_size ** 2
@@ -565,7 +580,9 @@ class VlmRowTokenizer(RowTokenizer):
         vids = [videos[i] if i in ok else None for i in range(len(ids))]
         table = _append_lists(table, "pixel_values_videos", [v and v.pixels for v in vids], True)
         table = _append_lists(table, "video_grid_thw", [v and v.grids for v in vids])
-        return _append_lists(table, "second_per_grid_ts", [v and v.second_per_grid_ts for v in vids], dtype=np.float32)
+        table = _append_lists(table, "second_per_grid_ts", [v and v.second_per_grid_ts for v in vids], dtype=np.float32)
+        cut = np.array([0 if v is None else v.patches_cut for v in vids], np.int32)
+        return table.append_column(CUT_COLUMN, pa.array(cut))
 
 
 def _append_lists(table, name: str, rows: list, large: bool = False, dtype=None):
@@ -592,6 +609,23 @@ class RowVideos:
     grids: np.ndarray  # int64 [k, 3]
     second_per_grid_ts: np.ndarray  # float32 [k] temporal / sampled fps
     timestamps: list  # per video, seconds of each temporal patch
+    patches_cut: int = 0  # temporal patches cut off to fit vision_budget (overflow: truncate)
+
+
+def _fit_budget(video, budget: int, temporal: int, patch: int, name: str):
+    """``(video, temporal patches cut)``: ``video`` with its first temporal patches that fit in
+    ``budget`` vision patches (all of them when they do)."""
+    import dataclasses
+
+    frames = video.frames
+    per_grid = (frames.shape[1] // patch) * (frames.shape[2] // patch)  # patches of one temporal patch
+    have = -(-frames.shape[0] // temporal)
+    keep = min(have, max(budget, 0) // per_grid)
+    if keep < 1:
+        raise ValueError(f"video {name!r}: one temporal patch of it ({per_grid} vision patches) does not fit in "
+                         f"vision_budget ({budget} left for it); use a larger vision_budget or smaller max_pixels")
+    n = keep * temporal
+    return dataclasses.replace(video, frames=frames[:n], indices=video.indices[:n]), have - keep
 
 
 def _ref_list(value, field_name: str, kind: str) -> list:
@@ -632,6 +666,14 @@ class ImageStats:
     row_patches: np.ndarray  # int64 [rows] vision patches (Σ t·h·w) of each row
     image_offsets: np.ndarray  # int64 [rows + 1] images of row r are grids[image_offsets[r]:image_offsets[r+1]]
     grids: np.ndarray  # int64 [N, 3] every image's grid, row after row
+
+
+def _cut_patches(table, rows: np.ndarray) -> int:
+    """Temporal patches cut off the videos of ``rows`` to fit ``vision_budget`` (0 for
+    tables from before the count)."""
+    if CUT_COLUMN not in table.column_names:
+        return 0
+    return int(table.column(CUT_COLUMN).to_numpy()[np.asarray(rows, np.int64)].sum())
 
 
 def video_stats(table) -> ImageStats:
