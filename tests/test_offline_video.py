@@ -352,3 +352,35 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
                                          r"\(48 vision patches\) does not fit in vision_budget \(40 left for it\)"):
         build_packed(cfg(assets, **dict(base, vision_budget=40), overflow="truncate"), tmp_path / "y",
                      progress=False, log=None)
+
+
+# --------------------------------------------------------------------------- shards and merge
+
+
+def test_video_shards_merge(tmp_path, assets):
+    from thdpack.offline.merge import merge_shards
+    from thdpack.offline.shard import Shard
+
+    c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False, pack_size=200, vision_budget=150)
+    single = build_packed(c, tmp_path / "single", progress=False, log=None)
+    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, shard=Shard(0, 1))
+    merged_one = merge_shards([one.path], tmp_path / "merged-one", log=None)
+    strip = lambda m: {k: v for k, v in m.items() if k not in ("build_shards", "build_shard")}  # noqa: E731
+    assert strip(merged_one.metadata) == strip(single.metadata)
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 2)).path for i in range(2)]
+    merged = merge_shards(parts, tmp_path / "merged", log=None)
+    vision = merged.metadata["vision"]
+    shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
+    for key in ("videos", "images", "vision_patches"):
+        assert vision[key] == sum(v[key] for v in shard_visions) == single.metadata["vision"][key], key
+    assert vision["max_pack_vision_patches"] == max(v["max_pack_vision_patches"] for v in shard_visions)
+    ds = load_packed(merged.path)
+    refs = reference_samples(assets, "qwen2_5_vl", ROWS)
+    model_cfg = json.loads((assets / "qwen2_5_vl" / "config.json").read_text())
+    seen = []
+    for k in range(len(ds)):
+        batch = ds.collator()(ds[k])
+        rows = batch.sample_index.tolist()
+        seen += rows
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], model_config=model_cfg).to_hf_kwargs())
+    assert sorted(seen) == list(range(len(ROWS)))

@@ -48,7 +48,7 @@ PER_SHARD_KEYS = {
     "dataset_max_seqlen", "max_samples_per_bin", "packing_factor", "packing_efficiency", "min_packed_seqlen",
 }
 SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from shard 0
-VISION_PER_SHARD_KEYS = {"images", "vision_patches", "max_pack_vision_patches"}  # of a VLM build's "vision" entry
+VISION_PER_SHARD_KEYS = {"images", "videos", "video_patches_cut", "vision_patches", "max_pack_vision_patches"}  # of a VLM build's "vision" entry
 
 
 class ShardMismatchError(OfflineError):
@@ -265,8 +265,9 @@ def _load_lengths(path: Path, info: dict) -> np.ndarray:
 def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
                     input_lengths: np.ndarray, files: list[dict], model_config=None, vision=None) -> dict:
     """The metadata of the merged dataset (see the module docstring). ``vision``: for a VLM
-    build, ``(grids, pack_patches)``: int64 ``[N, 3]`` grids of every image and the vision
-    patches of every pack, in the merged pack order."""
+    build, ``(grids, pack_patches, video_grids)``: int64 ``[N, 3]`` grids of every image, the
+    vision patches (images and videos) of every pack, in the merged pack order, and int64
+    ``[V, 3]`` grids of every video."""
     from thdpack.offline.stats import nemo_fields, summarize
 
     metas = [m for _, m in shards]
@@ -300,9 +301,12 @@ def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
         elif key == "skipped_examples":
             value = skipped
         elif key == "vision" and vision is not None:
-            grids, pack_patches = vision
-            value = dict(value, images=int(grids.shape[0]), vision_patches=int(grids.prod(axis=1).sum()),
+            grids, pack_patches, video_grids = vision
+            value = dict(value, images=int(grids.shape[0]), vision_patches=int(pack_patches.sum()),
                          max_pack_vision_patches=int(pack_patches.max()) if pack_patches.size else 0)
+            if "videos" in value:
+                value.update(videos=int(video_grids.shape[0]),
+                             video_patches_cut=sum(int(m["vision"].get("video_patches_cut", 0)) for m in metas))
         meta[key] = value
     meta[MERGED_KEY] = {
         "count": len(metas),
@@ -336,22 +340,23 @@ def merge_shards(
     with staged_output(output, overwrite, log) as tmp:
         files, lens, per_pack, lengths = [], [], [], []
         vision_entry = first.get("vision")
-        grids, per_pack_images = [], []
+        grids, per_pack_images = {"image_grid_thw": [], "video_grid_thw": []}, {"image_grid_thw": [], "video_grid_thw": []}
+        grid_columns = [c for c in ("image_grid_thw", "video_grid_thw") if vision_entry and c in first["columns"]]
         for p, meta in shards:
             for f in meta["files"]:
                 name = shard_name(len(files), n_files, fmt)
                 _copy_checked(p / f["path"], tmp / name, f, link=link)
                 files.append(dict(f, path=name))
-                read = _list_columns(tmp / name, fmt, ["seq_lens"] + (["image_grid_thw"] if vision_entry else []))
+                read = _list_columns(tmp / name, fmt, ["seq_lens"] + grid_columns)
                 s, c = read["seq_lens"]
                 if c.size != f["num_packs"]:
                     raise NotPackedError(f"{p / f['path']} has {c.size} packs, metadata says {f['num_packs']}")
                 lens.append(s)
                 per_pack.append(c)
-                if vision_entry is not None:
-                    g, n3 = read["image_grid_thw"]
-                    grids.append(g.reshape(-1, 3))
-                    per_pack_images.append(n3 // 3)
+                for column in grid_columns:
+                    g, n3 = read[column]
+                    grids[column].append(g.reshape(-1, 3))
+                    per_pack_images[column].append(n3 // 3)
             lengths.append(_load_lengths(p, meta[SHARD_KEY]))
         seq_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
         offsets = np.zeros(sum(c.size for c in per_pack) + 1, dtype=np.int64)
@@ -373,7 +378,9 @@ def merge_shards(
             if not (first_path / saved).is_dir():
                 raise NotPackedError(f"{first_path}: {saved} (the saved image processor) is missing")
             shutil.copytree(first_path / saved, tmp / saved)
-            vision = _vision_totals(grids, per_pack_images)
+            image_grids, image_patches = _vision_totals(grids["image_grid_thw"], per_pack_images["image_grid_thw"])
+            video_grids, video_patches = _vision_totals(grids["video_grid_thw"], per_pack_images["video_grid_thw"])
+            vision = (image_grids, image_patches + (video_patches if video_patches.size else 0), video_grids)
         meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
         if "megatron_bridge" in first:  # output_format megatron-bridge: Bridge's files of the merged packs
             from thdpack.offline.bridge import write_merged
