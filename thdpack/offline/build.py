@@ -27,12 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.align import round_up
 from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.errors import InputError, OfflineError, OutputError, OutputExistsError, require_hf
+from thdpack.offline.errors import ConfigError, InputError, OfflineError, OutputError, OutputExistsError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.procs import signals_deferred
+from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows, sequences_per_row
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, tokenize_source
@@ -54,7 +56,8 @@ class Prepared:
     source: Source
     tokenized: Tokenized
     plan: PackPlan
-    sample_rows: np.ndarray  # int64 [num_samples]: input row of each planned sample
+    sample_rows: np.ndarray  # int64 [num_samples]: tokenized row of each planned sample (the input row, or
+    #                          for preference rows 2 * input row + 0 chosen / 1 rejected)
     skipped: list[tuple[int, str]]  # (input row, reason)
     piece_targets: np.ndarray  # int64 [pieces]: target tokens of each piece of plan
     without_targets: "WithoutTargets"  # samples with no target in what the plan keeps (dropped or kept)
@@ -101,6 +104,11 @@ class Prepared:
                 self.tokenized.dataset.data.table, self.sample_rows[self.plan.sample_index]),
         )
 
+    @property
+    def row_offset(self) -> int:
+        """What the writer adds to ``sample_rows`` (a build shard's first tokenized row)."""
+        return sequences_per_row(self.tokenized.fmt) * self.source.row_start
+
     def skipped_examples(self) -> list[dict]:
         return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
 
@@ -132,22 +140,32 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
         log(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
-    skipped = list(tokenized.errors)
-    lengths = tokenized.lengths
-    usable = np.ones(lengths.size, dtype=bool)
+    pairs = tokenized.fmt in PAIR_FORMATS  # two sequences per row (chosen, rejected), planned as one group
+    if pairs:
+        _check_pair_options(cfg)
+    lengths = tokenized.lengths  # per tokenized sequence
+    seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
+    skipped = _row_errors(tokenized.errors, pairs)  # from here on, per input row
+    row_tokens = _row_tokens(lengths, seq_row, cfg.align) if pairs else lengths
+    usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
     limit = cfg.pack_size // cfg.align * cfg.align
-    too_long = np.flatnonzero(usable & (lengths > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
+    too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
+    what = " for chosen + rejected" if pairs else ""
     if too_long.size and not cfg.skip_bad_rows:
-        shown = ", ".join(f"{source.where(r)} ({int(lengths[r])} tokens)" for r in too_long[:MAX_ERRORS_SHOWN].tolist())
+        shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
+                          for r in too_long[:MAX_ERRORS_SHOWN].tolist())
         more = f" and {too_long.size - MAX_ERRORS_SHOWN} more" if too_long.size > MAX_ERRORS_SHOWN else ""
         raise InputError(
             f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
             + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
-            + f": {shown}{more}. Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows."
+            + f": {shown}{more}. "
+            + ("A preference pair shares one pack: use a larger pack_size, or --skip-bad-rows." if pairs else
+               "Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows.")
         )
     for r in too_long.tolist():
-        skipped.append((r, f"{int(lengths[r])} tokens, more than pack_size={cfg.pack_size} allows (overflow=error)"))
+        skipped.append((r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={cfg.pack_size} allows "
+                           "(overflow=error)"))
     usable[too_long] = False
     if vlm is not None:  # vision budget, and rows with images that cannot be cut
         patches, bad = vlm.plan_checks(cfg, tokenized, usable)
@@ -160,7 +178,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         raise InputError(
             f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
         )
-    sample_rows = np.flatnonzero(usable).astype(np.int64)
+    sample_rows = np.flatnonzero(usable[seq_row]).astype(np.int64)
     if sample_rows.size == 0:
         raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
 
@@ -174,6 +192,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
             max_samples_per_pack=cfg.max_samples_per_pack,
             seed=cfg.seed,
             **(vlm.plan_kwargs(patches, rows) if vlm is not None else {}),
+            **({"groups": seq_row[rows]} if pairs else {}),  # a pair's two sequences in one pack
         )
 
     t0 = time.perf_counter()
@@ -182,11 +201,12 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
-        sample_rows = np.setdiff1d(sample_rows, without.rows, assume_unique=True)
+        drop = np.flatnonzero(np.isin(seq_row, seq_row[without.rows])) if pairs else without.rows  # whole pairs
+        sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
         if sample_rows.size == 0:
             raise InputError(
                 f"no row has a target token in what overflow={cfg.overflow} keeps of it ({without.rows.size} rows, "
-                f"e.g. {source.where(int(without.rows[0]))}): nothing to train on. Check the loss / labels of the "
+                f"e.g. {source.where(int(seq_row[without.rows[0]]))}): nothing to train on. Check the loss / labels of the "
                 "rows, raise pack_size, or set without_targets: keep to pack them anyway"
             )
         plan = plan_rows(sample_rows)
@@ -202,6 +222,42 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
                 f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
                 f"(without_targets: {cfg.without_targets})")
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
+
+
+def _check_pair_options(cfg: BuildConfig) -> None:
+    """Preference rows: the options that would part a pair are refused (ConfigError saying what to use)."""
+    if cfg.overflow != "error":
+        raise ConfigError(
+            f"overflow: {cfg.overflow} cannot be used with preference rows (prompt / chosen / rejected): a pair "
+            "shares one pack, and cutting or dropping one of its sequences would unpair it. Use overflow: error with "
+            "a larger pack_size, or --skip-bad-rows to skip (and count) the pairs that do not fit"
+        )
+    if cfg.max_samples_per_pack is not None:
+        raise ConfigError("max_samples_per_pack cannot be used with preference rows (a pair is planned as one "
+                          "item); remove it")
+
+
+def _row_errors(errors: list[tuple[int, str]], pairs: bool) -> list[tuple[int, str]]:
+    """``(input row, message)`` of the tokenized sequences' errors: as they are, or for preference rows
+    one per row, naming the sequence (chosen / rejected) when only one of the two failed."""
+    if not pairs:
+        return list(errors)
+    by_row: dict[int, list[tuple[int, str]]] = {}
+    for seq, msg in errors:
+        by_row.setdefault(seq // 2, []).append((seq, msg))
+    out = []
+    for row, errs in by_row.items():
+        if len(errs) == 2 and errs[0][1] == errs[1][1]:  # the row's own error (bad JSON, a missing field)
+            out.append((row, errs[0][1]))
+        else:
+            out.append((row, "; ".join(f"{'chosen' if seq % 2 == 0 else 'rejected'}: {msg}" for seq, msg in errs)))
+    return out
+
+
+def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, align: int) -> np.ndarray:
+    """int64 ``[rows]`` the aligned tokens of each input row's sequences together (what its group takes in a pack)."""
+    aligned = round_up(lengths, align)
+    return np.bincount(seq_row, weights=aligned, minlength=int(seq_row[-1]) + 1 if seq_row.size else 0).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -456,7 +512,7 @@ def build_packed(
             file_format=bridge.shard_format(cfg.output_format),
             shard_size_mb=cfg.shard_size_mb,
             progress=progress,
-            row_offset=prep.source.row_start if shard is not None else 0,
+            row_offset=prep.row_offset if shard is not None else 0,
             extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
         )
         tok_info = prep.tokenized.tokenizer_info

@@ -17,13 +17,14 @@ from typing import Any
 from thdpack.offline.errors import ConfigError
 from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES
 
-FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "text", "tokenized")  # row_formats.py, docs/build.md
+FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized")  # row_formats.py, docs/build.md
 LOSS_MODES = ("assistant", "last_assistant", "all")
 TARGETS = ("loss_mask", "labels")
 OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
+RECORDED_IF_SET = ("sample_values",)  # recorded in metadata.json only when given (older builds stay byte-identical)
 
 
 def _opt(default, help: str, choices=None, flag_type=None):
@@ -45,7 +46,8 @@ class BuildConfig:
     split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
     max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
     format: str = _opt("auto", "row format: chat (messages), sharegpt (conversations of from/value turns), "
-                       "prompt_completion (prompt + completion, TRL's; the completion is trained), text, tokenized "
+                       "prompt_completion (prompt + completion, TRL's; the completion is trained), preference (prompt + chosen "
+                       "+ rejected, TRL's DPO rows: two sequences kept in one pack), text, tokenized "
                        "(input_ids [+labels|loss_mask]); auto picks from the fields present (docs/build.md, Row formats)",
                        FORMATS)
     text_field: str = _opt("text", "field holding the text of a text row")
@@ -80,6 +82,11 @@ class BuildConfig:
         "nothing; a mean loss over such a pack is NaN)", WITHOUT_TARGETS,
     )
     max_samples_per_pack: int | None = _opt(None, "cap on samples per pack")
+    sample_values: Any = _opt(
+        None, "columns holding a number per row (a reward, a domain id, ...) written with each sample of the packs "
+        "and returned as batch.sample_values[name] (docs/build.md, Preference pairs and per-sample values); "
+        "as a flag, comma-separated", flag_type=str,
+    )
     seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order")
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
     cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")
@@ -118,7 +125,7 @@ class BuildConfig:
     video: Any = _opt(
         None, "VLM rows with videos (YAML mapping): frame sampling and size as qwen-vl-utils does it: fps (2.0), "
         "min_frames (4), max_frames (768), min_pixels / max_pixels per frame and total_pixels per video "
-        "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels)",
+        "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels); on the command line as YAML: '{fps: 1}'",
         flag_type=str,
     )
 
@@ -205,7 +212,8 @@ class BuildConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kinds):
                 raise ConfigError(f"{name} must be a path{' or a mapping' if dict in kinds else ''}, got {value!r}")
-        if self.video is not None and not isinstance(self.video, dict):
+        self.value_columns()
+        if self.video is not None and not isinstance(self.video, (dict, str)):
             raise ConfigError(f"video must be a mapping of frame options (fps, min_frames, ...), got {self.video!r}")
         for name in ("text_field", "messages_field", "images_field", "image_placeholder", "videos_field",
                      "video_placeholder"):
@@ -237,7 +245,21 @@ class BuildConfig:
         """The options, as written (paths unresolved). ``recorded=True`` leaves out the
         options that cannot change the output (``num_proc``, ``map_batch_size``, ``tokenizer_backend``): what
         metadata.json records, so a build is byte-identical however it was parallelised."""
-        return {k: getattr(self, k) for k in self.keys() if not (recorded and k in EXECUTION_ONLY)}
+        return {k: getattr(self, k) for k in self.keys()
+                if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and getattr(self, k) is None)))}
+
+    def value_columns(self) -> list[str]:
+        """``sample_values`` as a list of column names (a flag's comma-separated string split);
+        [] when not set. ConfigError for anything but distinct non-empty names."""
+        value = self.sample_values
+        if value is None:
+            return []
+        names = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(isinstance(v, str) and v for v in names):
+            raise ConfigError(f"sample_values must be a list of column names (e.g. [reward, domain]), got {value!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"sample_values names a column twice: {names}")
+        return names
 
 
 def _positive_int(value, name: str) -> None:

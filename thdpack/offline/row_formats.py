@@ -11,6 +11,10 @@ Each one becomes the representation the build already has, so that the chat code
   both lists of messages: tokenized as TRL's ``SFTTrainer`` does
   (``trl/trainer/sft_trainer.py``, ``tokenize_fn``), the completion's tokens being
   the targets (:func:`encode_prompt_completion`). Rows with images are not taken.
+- **preference** ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (TRL's DPO rows), strings or
+  lists of messages: two prompt/completion rows sharing the prompt (:func:`preference_row`), so
+  one row gives two sequences, the chosen then the rejected one (the layout
+  :func:`thdpack.losses.dpo_loss` reads: sequence ``2k`` and ``2k+1`` of input row ``k``).
 
 A ``tools`` column goes to the template for both (:data:`TOOLS_FORMATS`).
 
@@ -31,9 +35,12 @@ SHAREGPT_FIELD = "conversations"
 SYSTEM_FIELD = "system"  # a ShareGPT row's optional system prompt (LLaMA-Factory's ``system`` column)
 PROMPT_FIELD = "prompt"
 COMPLETION_FIELD = "completion"
+CHOSEN_FIELD = "chosen"
+REJECTED_FIELD = "rejected"
+PAIR_FORMATS = ("preference",)  # one input row gives two sequences (chosen, rejected) kept in one pack
 CHAT_FORMATS = ("chat", "sharegpt")  # rows that are built as messages through the chat template
-WHOLE_ROW_FORMATS = ("tokenized", "prompt_completion", "sharegpt")  # their value is the row's mapping of fields
-TOOLS_FORMATS = CHAT_FORMATS + ("prompt_completion",)  # rows whose ``tools`` the template gets (as in TRL)
+WHOLE_ROW_FORMATS = ("tokenized", "prompt_completion", "sharegpt", "preference")  # their value is the row's mapping of fields
+TOOLS_FORMATS = CHAT_FORMATS + ("prompt_completion", "preference")  # rows whose ``tools`` the template gets (as in TRL)
 
 # ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
 # function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
@@ -56,6 +63,7 @@ def format_fields(fmt: str, cfg) -> list[str]:
         "chat": [cfg.messages_field],
         "sharegpt": [SHAREGPT_FIELD],
         "prompt_completion": [PROMPT_FIELD, COMPLETION_FIELD],
+        "preference": [PROMPT_FIELD, CHOSEN_FIELD, REJECTED_FIELD],
         "tokenized": ["input_ids"],
         "text": [cfg.text_field],
     }[fmt]
@@ -67,7 +75,7 @@ def optional_fields(fmt: str) -> list[str]:
 
 
 # the order ``format: auto`` tries; the first format whose fields a row has wins
-DETECTION_ORDER = ("chat", "sharegpt", "prompt_completion", "tokenized", "text")
+DETECTION_ORDER = ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
 
 
 def detect_format(columns, cfg) -> str | None:
@@ -156,24 +164,50 @@ class PromptCompletion:
         return isinstance(self.prompt, list)
 
 
-def prompt_completion(row: dict, messages=lambda m: m) -> PromptCompletion:
-    """The :class:`PromptCompletion` of ``row`` (a mapping with ``prompt`` and ``completion``);
-    ``messages(list)`` prepares a list of messages for the template (joins content parts).
-    Raises ValueError naming the field for anything but two strings or two lists of messages."""
-    prompt, completion = row[PROMPT_FIELD], row[COMPLETION_FIELD]
-    for name, v in ((PROMPT_FIELD, prompt), (COMPLETION_FIELD, completion)):
+def prompt_completion(row: dict, messages=lambda m: m, completion_field: str = COMPLETION_FIELD) -> PromptCompletion:
+    """The :class:`PromptCompletion` of ``row`` (a mapping with ``prompt`` and ``completion``, or the
+    response field ``completion_field``); ``messages(list)`` prepares a list of messages for the
+    template (joins content parts). Raises ValueError naming the field for anything but two strings
+    or two lists of messages."""
+    prompt, completion = row[PROMPT_FIELD], row[completion_field]
+    for name, v in ((PROMPT_FIELD, prompt), (completion_field, completion)):
         if not isinstance(v, (str, list)):
             raise ValueError(f"'{name}' must be a string or a list of messages, got {brief(v)}")
     if isinstance(prompt, str) != isinstance(completion, str):
-        raise ValueError(f"'{PROMPT_FIELD}' and '{COMPLETION_FIELD}' must both be strings or both lists of "
+        raise ValueError(f"'{PROMPT_FIELD}' and '{completion_field}' must both be strings or both lists of "
                          f"messages; got a {type(prompt).__name__} and a {type(completion).__name__}")
     if isinstance(prompt, str):
         return PromptCompletion(prompt, completion)
-    for name, v in ((PROMPT_FIELD, prompt), (COMPLETION_FIELD, completion)):
+    for name, v in ((PROMPT_FIELD, prompt), (completion_field, completion)):
         msg = check_messages(v, name, name_messages=True)
         if msg:
             raise ValueError(msg)
-    return PromptCompletion(_prepared(messages, prompt, PROMPT_FIELD), _prepared(messages, completion, COMPLETION_FIELD))
+    return PromptCompletion(_prepared(messages, prompt, PROMPT_FIELD),
+                            _prepared(messages, completion, completion_field))
+
+
+def preference_row(row: dict, messages=lambda m: m) -> tuple[PromptCompletion, PromptCompletion]:
+    """The (chosen, rejected) :class:`PromptCompletion` s of a preference row (``prompt``, ``chosen``,
+    ``rejected``), as TRL's DPO reads them: prompt + chosen and prompt + rejected, the response the
+    target. ValueError naming the field as :func:`prompt_completion` does."""
+    return tuple(prompt_completion(row, messages, name) for name in (CHOSEN_FIELD, REJECTED_FIELD))
+
+
+def pair_sequences(values: list, errors: list, tools: list) -> tuple[list, list, list]:
+    """Preference rows -> their sequences: ``values[i]`` (a (chosen, rejected) pair where ``errors[i]``
+    is None) becomes sequences ``2i`` and ``2i + 1``; a row's error and tools go to both."""
+    seqs = [v for pair, e in zip(values, errors) for v in (pair if e is None else (None, None))]
+    return seqs, [e for e in errors for _ in range(2)], [t for t in tools for _ in range(2)]
+
+
+def sequences_per_row(fmt: str) -> int:
+    """Tokenized sequences an input row of format ``fmt`` gives: two for :data:`PAIR_FORMATS`, else one."""
+    return 2 if fmt in PAIR_FORMATS else 1
+
+
+def sequence_rows(num_sequences: int, fmt: str) -> np.ndarray:
+    """int64 ``[num_sequences]`` the input row of each tokenized sequence (:func:`sequences_per_row`)."""
+    return np.arange(num_sequences, dtype=np.int64) // sequences_per_row(fmt)
 
 
 def _prepared(messages, v: list, name: str) -> list:

@@ -35,9 +35,10 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, TOOLS_FORMATS, WHOLE_ROW_FORMATS,
-                                         brief as _brief, check_messages, detect_format, encode_prompt_completion,
-                                         format_fields, optional_fields, prompt_completion, sharegpt_row)
+from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FORMATS, TOOLS_FORMATS,
+                                         WHOLE_ROW_FORMATS, brief as _brief, check_messages, detect_format,
+                                         encode_prompt_completion, format_fields, optional_fields, pair_sequences,
+                                         preference_row, prompt_completion, sharegpt_row)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -220,7 +221,7 @@ class RowTokenizer:
                 raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
             self.has_generation = isinstance(template, str) and bool(_GENERATION_TAG.search(template))
             self.marks = None if self.has_generation or cfg.loss == "all" else _turn_marks(tokenizer)
-        if fmt in ("text", "prompt_completion") and cfg.append_eos and tokenizer.eos_token_id is None:
+        if fmt in ("text", "prompt_completion", "preference") and cfg.append_eos and tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
 
     # ---- entry point
@@ -228,6 +229,9 @@ class RowTokenizer:
         n = table.num_rows
         values, errors = self._extract(table)
         tools = self._row_tools(table, errors)
+        if self.fmt in PAIR_FORMATS:  # each row gives two sequences, written as two output rows
+            values, errors, tools = pair_sequences(values, errors, tools)
+            n = len(values)
         ids: list = [None] * n
         targets: list = [None] * n
         ok = [i for i in range(n) if errors[i] is None]
@@ -301,6 +305,9 @@ class RowTokenizer:
                     elif self.fmt == "prompt_completion":
                         values[i] = prompt_completion(v, self._chat_messages)
                         continue
+                    elif self.fmt == "preference":
+                        values[i] = preference_row(v, self._chat_messages)
+                        continue
                 except ValueError as exc:  # ours: the message names the field and the turn
                     errors[i] = str(exc)
                     continue
@@ -359,7 +366,7 @@ class RowTokenizer:
             return self._encode_text(values)
         if self.fmt in CHAT_FORMATS:
             return self._encode_chat(values, tools)
-        if self.fmt == "prompt_completion":
+        if self.fmt in ("prompt_completion", "preference"):  # preference: a chosen / rejected sequence each
             return encode_prompt_completion(self.tok, values, self.bpe, tools=tools, loss=self.loss,
                                             append_eos=self.append_eos)
         return [self._encode_tokenized(v) for v in values]
@@ -557,7 +564,8 @@ def _row_error(exc: Exception) -> str:
 
 @dataclass
 class Tokenized:
-    """Tokenized rows (one per input row) and what went wrong."""
+    """Tokenized rows (one per input row; two per row, chosen then rejected, for preference rows) and what
+    went wrong (indexed like the tokenized rows)."""
 
     dataset: object  # datasets.Dataset: input_ids, loss_mask|labels, __error__
     lengths: np.ndarray  # int64 [rows]; 0 for failed rows
@@ -588,8 +596,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     import datasets
 
     fmt = resolve_format(cfg, source)
-    if vlm is not None and fmt == "prompt_completion":
-        raise ConfigError("rows with images must be chat (messages or sharegpt) or text rows, not prompt_completion")
+    if vlm is not None and fmt in ("prompt_completion", "preference"):
+        raise ConfigError(f"rows with images must be chat (messages or sharegpt) or text rows, not {fmt}")
     if not source.is_json:
         missing = [c for c in required_columns(fmt, cfg) if c not in source.columns]
         if missing:
