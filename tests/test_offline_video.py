@@ -304,6 +304,14 @@ def test_bad_videos_are_row_errors_named_and_skipped(tmp_path, assets):
     res = build_packed(cfg(assets, input=str(path), skip_bad_rows=True), tmp_path / "y", progress=False, log=None)
     assert res.metadata["counts"]["skipped_rows"] == 5 and res.metadata["counts"]["samples"] == 1
     assert res.metadata["vision"]["videos"] == 1
+    # the command line: video options as YAML, --skip-bad-rows counts the bad videos
+    (tmp_path / "build.yaml").write_text(json.dumps({"image_processor": PROC_KW, "pack_size": 400}))  # YAML 1.2
+    args = ["build", "--config", str(tmp_path / "build.yaml"), "--input", str(path), "--tokenizer", str(assets / "tok"),
+            "--model-config", str(assets / "qwen2_vl"), "--video", json.dumps(VIDEO_OPTS),
+            "--output", str(tmp_path / "cli"), "--skip-bad-rows"]
+    assert main(args) == 0
+    meta = json.loads((tmp_path / "cli" / "metadata.json").read_text())
+    assert meta["counts"]["skipped_rows"] == 5 and meta["vision"]["video"]["max_pixels"] == 256
 
 
 def test_video_part_in_a_text_build_is_named(tmp_path, assets):

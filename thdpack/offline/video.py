@@ -54,7 +54,14 @@ class VideoOptions:
 
     @classmethod
     def from_config(cls, spec) -> "VideoOptions":
-        """The options of the YAML ``video`` mapping (None: the defaults)."""
+        """The options of the YAML ``video`` mapping, or of that mapping written as YAML
+        (``--video '{fps: 1}'``); None: the defaults."""
+        if isinstance(spec, str):
+            import yaml
+
+            spec = yaml.safe_load(spec)
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"video: a mapping of frame options (fps, min_frames, ...) expected, got {spec!r}")
         spec = dict(spec or {})
         unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
         if unknown:
