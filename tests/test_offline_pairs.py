@@ -1,0 +1,204 @@
+"""Offline builds of preference pairs and per-sample values (issue 15).
+
+- ``thdpack build`` of TRL-style DPO rows (``prompt`` / ``chosen`` / ``rejected``, strings or
+  messages): each row becomes two consecutive samples, chosen then rejected, in one pack;
+  their ids and targets equal those of the two prompt/completion rows (prompt, chosen) and
+  (prompt, rejected) built on their own; ``dpo_loss`` on the loaded packs equals the unpacked
+  pair-by-pair DPO loss and gradient on a tiny random Qwen3 (CP 2 shards included);
+- pairs that do not fit a pack are named by file:line; options that would part a pair are refused;
+- ``sample_values: [reward, domain]`` carries each row's numbers into the packs and back as
+  ``batch.sample_values[name]``, through truncation and split (each piece keeps its row's value)
+  and CP shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from thdpack import shard_for_cp  # noqa: E402
+from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.demo.models import TINY_TEXT  # noqa: E402
+from thdpack.losses import dpo_loss, sequence_logps  # noqa: E402
+from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
+from thdpack.offline.row_formats import detect_format  # noqa: E402
+
+IGNORE = -100
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def build(tmp_path: Path, rows: list[dict], name: str, **kw):
+    cfg = dict(input=str(write_jsonl(tmp_path / f"{name}.jsonl", rows)), tokenizer=str(TOKENIZER_DIR),
+               pack_size=256, save_tokenizer=False)
+    cfg.update(kw)
+    build_packed(BuildConfig(**cfg), tmp_path / name, progress=False, log=None)
+    return tmp_path / name
+
+
+def string_rows(n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ["sun", "rain", "cat", "dog", "tree", "blue", " red", "x", "42", "é"]
+
+    def text(k):
+        return " ".join(rng.choice(words, k))
+
+    # some prompts end in a space: a token may merge across the prompt / response boundary (TRL masks as many)
+    return [{"prompt": text(rng.integers(1, 8)) + (" " if i % 3 == 0 else ""),
+             "chosen": text(rng.integers(1, 10)), "rejected": text(rng.integers(1, 10))} for i in range(n)]
+
+
+def chat_rows(n: int, seed: int) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"]}],
+             "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in string_rows(n, seed)]
+
+
+def pack_size(make_rows) -> int:
+    """A pack that holds several pairs of ``make_rows`` (the chat template adds its role headers)."""
+    return 160 if make_rows is chat_rows else 96
+
+
+def as_prompt_completion(rows: list[dict]) -> list[dict]:
+    """Row 2k: (prompt, chosen), row 2k+1: (prompt, rejected) of pair k."""
+    return [{"prompt": r["prompt"], "completion": r[side]} for r in rows for side in ("chosen", "rejected")]
+
+
+def packed_samples(out: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """sample_index -> (ids, loss mask) of every sample of the packs."""
+    ds = load_packed(out)
+    got = {}
+    for k in range(len(ds)):
+        row = ds[k]
+        for r, s in zip(row["sample_index"].tolist(), unpack_row(row)):
+            got[r] = (np.asarray(s["input_ids"]), np.asarray(s["loss_mask"], bool))
+    return got
+
+
+@pytest.mark.parametrize("make_rows", [string_rows, chat_rows], ids=["strings", "messages"])
+def test_pairs_share_a_pack_and_equal_their_prompt_completion_rows(tmp_path, make_rows):
+    rows = make_rows(12, seed=1)
+    assert detect_format(rows[0].keys(), BuildConfig()) == "preference"
+    out = build(tmp_path, rows, "pairs", pack_size=pack_size(make_rows))
+    ds = load_packed(out)
+    assert ds.metadata["source"]["format"] == "preference"
+    collate = ds.collator()
+    seen = []
+    for k in range(len(ds)):
+        index = ds[k]["sample_index"].tolist()
+        assert [i // 2 for i in index[0::2]] == [i // 2 for i in index[1::2]], "each pair in one pack"
+        assert index[0::2] == [i for i in index if i % 2 == 0], "chosen then rejected, consecutive"
+        batch = collate(ds[k])
+        assert batch.sample_index.tolist() == index
+        seen += index
+    assert sorted(seen) == list(range(2 * len(rows)))
+    assert max(len(ds[k]["seq_lens"]) for k in range(len(ds))) >= 4, "several pairs share a pack"
+
+    alone = packed_samples(build(tmp_path, as_prompt_completion(rows), "alone", format="prompt_completion"))
+    got = packed_samples(out)
+    assert got.keys() == alone.keys()
+    for i in got:
+        np.testing.assert_array_equal(got[i][0], alone[i][0])
+        np.testing.assert_array_equal(got[i][1], alone[i][1])
+        assert got[i][1].any() and not got[i][1].all(), "the response is trained, the prompt is not"
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(vocab: int, seed: int) -> torch.nn.Module:
+    config = transformers.Qwen3Config(vocab_size=vocab, **TINY_TEXT, max_position_embeddings=512,
+                                      initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(config).to(torch.float64).eval()
+
+
+def alone_logp(model, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+    """Sum of the log-probs of a sequence's targets, run alone (HF shift: position t scores token t+1)."""
+    ids = torch.from_numpy(ids.astype(np.int64))
+    logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+    keep = torch.from_numpy(mask[1:])
+    return torch.log_softmax(logits, -1)[keep].gather(1, ids[1:][keep][:, None]).sum()
+
+
+def reference_dpo(policy, ref, samples: dict, beta: float) -> torch.Tensor:
+    losses = []
+    for k in range(len(samples) // 2):
+        c, r = samples[2 * k], samples[2 * k + 1]
+        with torch.no_grad():
+            ref_margin = alone_logp(ref, *c) - alone_logp(ref, *r)
+        margin = alone_logp(policy, *c) - alone_logp(policy, *r) - ref_margin
+        losses.append(-torch.nn.functional.logsigmoid(beta * margin))
+    return torch.stack(losses).mean()
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_dpo_loss_on_loaded_packs_equals_unpacked_pairs(tmp_path, cp_size):
+    make_rows = chat_rows if cp_size == 1 else string_rows
+    rows = make_rows(5, seed=3)
+    out = build(tmp_path, rows, "pairs", pack_size=pack_size(make_rows), cp_size=cp_size)
+    ds = load_packed(out)
+    vocab = ds.metadata["tokenizer"]["vocab_size"]
+    policy, ref = tiny_model(vocab, 7), tiny_model(vocab, 8)
+    beta, num_pairs = 0.5, len(rows)
+    policy.zero_grad()
+    total = 0.0
+    for k in range(len(ds)):
+        batch = ds.collator()(ds[k])
+        kw = batch.to_hf_kwargs(include_labels=False)
+        logits = policy(**kw, use_cache=False).logits[0]
+        with torch.no_grad():
+            ref_logits = ref(**kw, use_cache=False).logits[0]
+        shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
+        idx = [s.partition_indices if s.is_shard else slice(None) for s in shards]
+        pol = sum(sequence_logps(logits[i], s)[0] for i, s in zip(idx, shards))  # a CP all-reduce
+        refl = sum(sequence_logps(ref_logits[i], s)[0] for i, s in zip(idx, shards))
+        loss = dpo_loss(pol, refl, shards[0], beta, num_items=num_pairs)
+        loss.backward()
+        total = total + loss.detach()
+    got = grads(policy).clone()
+    policy.zero_grad()
+    want = reference_dpo(policy, ref, packed_samples(out), beta)
+    want.backward()
+    torch.testing.assert_close(total, want.detach(), rtol=1e-12, atol=0)
+    assert float((got - grads(policy)).norm() / grads(policy).norm()) < 1e-10
+
+
+def test_a_pair_over_the_pack_is_named_and_can_be_skipped(tmp_path):
+    rows = string_rows(4, seed=5)
+    rows[2] = {"prompt": "cat " * 30, "chosen": "dog " * 20, "rejected": "tree " * 20}
+    with pytest.raises(InputError, match=r"pairs\.jsonl:3 \(\d+ tokens for chosen \+ rejected\).*larger pack_size"):
+        build(tmp_path, rows, "pairs", pack_size=96)
+    out = build(tmp_path, rows, "skipped", pack_size=96, skip_bad_rows=True)
+    meta = load_packed(out).metadata
+    assert meta["counts"]["skipped_rows"] == 1 and meta["counts"]["samples"] == 6
+    assert sorted(packed_samples(out)) == [0, 1, 2, 3, 6, 7]
+
+
+def test_a_bad_response_names_the_field_and_skips_the_pair(tmp_path):
+    rows = string_rows(3, seed=6)
+    rows[1]["rejected"] = [{"role": "assistant", "content": "no"}]
+    with pytest.raises(InputError, match=r"pairs\.jsonl:2: 'prompt' and 'rejected' must both be strings"):
+        build(tmp_path, rows, "pairs")
+    out = build(tmp_path, rows, "skipped", skip_bad_rows=True)
+    assert sorted(packed_samples(out)) == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize("option", [{"overflow": "truncate"}, {"overflow": "split"}, {"overflow": "drop"},
+                                    {"max_samples_per_pack": 4}])
+def test_options_that_would_part_a_pair_are_refused(tmp_path, option):
+    with pytest.raises(ConfigError, match=f"{next(iter(option))}.*preference rows"):
+        build(tmp_path, string_rows(2, seed=7), "pairs", **option)
