@@ -294,7 +294,8 @@ def test_prompt_completion_from_parquet_with_content_parts(tmp_path, rows):
 
 def test_detection_order(tmp_path):
     cfg = BuildConfig()
-    assert DETECTION_ORDER == ("chat", "sharegpt", "prompt_completion", "tokenized", "text")
+    assert DETECTION_ORDER == ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
+    assert detect_format(["prompt", "chosen", "rejected", "text"], cfg) == "preference"
     assert detect_format(["messages", "conversations", "prompt", "completion"], cfg) == "chat"
     assert detect_format(["conversations", "prompt", "completion", "text"], cfg) == "sharegpt"
     assert detect_format(["prompt", "completion", "input_ids", "text"], cfg) == "prompt_completion"
