@@ -31,7 +31,7 @@ from thdpack.align import round_up
 from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, OfflineError, OutputError, OutputExistsError, require_hf
-from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TOKENIZER_DIR
+from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.procs import signals_deferred
 from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows, sequences_per_row
@@ -486,7 +486,7 @@ def build_packed(
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
     ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard of the input rows."""
     from thdpack import __version__
-    from thdpack.offline.writer import write_packs
+    from thdpack.offline.writer import sample_value_arrays, write_packs
 
     require_hf("thdpack build")  # import the heavy libraries before touching the file system
     cfg.validate()
@@ -500,6 +500,7 @@ def build_packed(
         if cfg.output_format == bridge.FORMAT:
             bridge.check_text_only(prep.vlm)
         t0 = time.perf_counter()
+        values = sample_value_arrays(prep.tokenized.dataset.data.table, cfg.value_columns(), prep.sample_rows)
         order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
                  else np.arange(len(plan)))
         written = write_packs(
@@ -514,6 +515,7 @@ def build_packed(
             progress=progress,
             row_offset=prep.row_offset if shard is not None else 0,
             extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
+            values=values,
         )
         tok_info = prep.tokenized.tokenizer_info
         if tok_info is not None:
@@ -564,6 +566,9 @@ def build_packed(
             "skipped_examples": prep.skipped_examples(),
             "config": cfg.as_dict(recorded=True),
         }
+        if values:  # sample_values: one column per value (thdpack/offline/format.py)
+            meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
+            meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
         if cfg.output_format == bridge.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge.py)
             meta["megatron_bridge"] = bridge.write_build(tmp, cfg, written["files"], tok_info, log)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vlm.py)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +29,10 @@ from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.offline.errors import NotPackedError, require_pyarrow
-from thdpack.offline.format import METADATA_FILE, SAMPLE_COLUMNS, TOKENIZER_DIR, check_metadata, file_sha256
+from thdpack.offline.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, check_metadata,
+                                    file_sha256, value_columns)
 from thdpack.offline.writer import IGNORE_INDEX
+from thdpack.values import PREFIX
 
 _TOKEN_FIELDS = ("loss_mask", "labels")
 
@@ -90,7 +92,9 @@ class PackedRowCollator:
     samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
     holds the input rows of the samples. The arguments are those of
     :class:`thdpack.ThdCollator` without the planning ones (the packs are planned):
-    the rows' samples go through a ``ThdCollator`` built with them.
+    the rows' samples go through a ``ThdCollator`` built with them. ``sample_values``: the
+    per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
+    float64; :meth:`PackedDataset.collator` passes those the build wrote).
     """
 
     def __init__(
@@ -106,7 +110,9 @@ class PackedRowCollator:
         cp_rank: int | None = None,
         cp_group=None,
         model_config=None,
+        sample_values: Sequence[str] = (),
     ):
+        self.sample_values = tuple(sample_values)
         self.collator = ThdCollator(
             pad_token_id=pad_token_id,
             ignore_index=ignore_index,
@@ -128,7 +134,23 @@ class PackedRowCollator:
             samples.extend(unpack_row(row))
             index.append(_as_array(row["sample_index"], "sample_index").astype(np.int64))
         batch = self.collator(samples)
-        return dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
+        batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
+        for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
+            batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
+        return batch
+
+
+def _row_values(rows, name: str) -> np.ndarray:
+    """``[n]`` value ``name`` of every sample of ``rows`` (their ``sample_values.NAME`` lists, joined)."""
+    column = SAMPLE_VALUE_PREFIX + name
+    parts = []
+    for row in rows:
+        if column not in row:
+            raise KeyError(f"packed row has no '{column}' column; the dataset was built without sample_values: "
+                           f"[{name}, ...] (rebuild with it, or collate without sample_values)")
+        value = row[column]
+        parts.append(np.asarray(value.to_pylist() if type(value).__module__.startswith("pyarrow") else value))
+    return np.concatenate(parts)
 
 
 # ---------------------------------------------------------------------------- shard checks
@@ -189,11 +211,11 @@ def _check_shard(table, entry: dict, path: Path, meta: dict, first_k: int, damag
     return pieces
 
 
-def _checked_offsets(batch, targets: str, where, damaged: str) -> dict:
+def _checked_offsets(batch, targets: str, where, damaged: str, values: Sequence[str] = ()) -> dict:
     """``{"input_ids": tok, "seq_lens": smp}``: int64 ``[rows + 1]`` list offsets of the token
-    columns and of the sample columns of a record batch, after checking that they are in
-    range, non-decreasing and shared by the columns of each group."""
-    groups = {"input_ids": ("input_ids", targets), "seq_lens": SAMPLE_COLUMNS}
+    columns and of the sample columns (``values``: the per-sample value columns too) of a record
+    batch, after checking that they are in range, non-decreasing and shared by the columns of each group."""
+    groups = {"input_ids": ("input_ids", targets), "seq_lens": (*SAMPLE_COLUMNS, *values)}
     offsets = {}
     for lead, names in groups.items():
         off, n_values = _offsets(batch, lead)
@@ -212,7 +234,7 @@ def _checked_offsets(batch, targets: str, where, damaged: str) -> dict:
 def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
     """One record batch of :func:`_check_shard`; ``where(j)`` names its pack ``j``. Returns
     int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
-    offsets = _checked_offsets(batch, meta["targets"], where, damaged)
+    offsets = _checked_offsets(batch, meta["targets"], where, damaged, value_columns(meta))
     tokens = np.diff(offsets["input_ids"])
     sample_off = offsets["seq_lens"]
     lens = np.asarray(batch.column("seq_lens").values.to_numpy(), dtype=np.int64)
@@ -452,6 +474,8 @@ class PackedDataset(torch.utils.data.Dataset):
             sequence_parallel=meta.get("sequence_parallel", False),
             pad_multiple=meta.get("pad_multiple"),
         )
+        if meta.get("sample_values"):  # the per-sample value columns the build wrote
+            kwargs["sample_values"] = list(meta["sample_values"])
         if meta.get("vision") and (self.path / "model_config.json").is_file():  # VLM packs: mRoPE, vision inputs
             kwargs["model_config"] = json.loads((self.path / "model_config.json").read_text(encoding="utf-8"))
         kwargs.update(overrides)

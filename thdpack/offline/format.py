@@ -20,7 +20,13 @@ column             Arrow type         meaning
 ``sample_index``   list<int64>        input row of each sample
 ``sample_start``   list<int32>        first token of each piece within its input row
                                       (non-zero only for ``overflow="split"`` pieces)
+``sample_values.   list<int64 |       with ``sample_values: [NAME, ...]`` only: the value of
+NAME``             double>            column NAME of each sample's input row (its pieces too)
 =================  =================  =====================================================
+
+Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two samples per input row
+``r``, its chosen and rejected sequence, whose ``sample_index`` is ``2r`` and ``2r + 1``
+(the layout :func:`thdpack.losses.dpo_loss` reads); ``source.format`` is ``preference``.
 
 Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
 multiple in use (``metadata.json`` records the multiple the plan reserved room for).
@@ -48,6 +54,7 @@ METADATA_FILE = "metadata.json"
 TOKENIZER_DIR = "tokenizer"
 LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", "sample_start")
 SAMPLE_COLUMNS = ("seq_lens", "sample_index", "sample_start")  # one entry per sample of the pack
+SAMPLE_VALUE_PREFIX = "sample_values."  # + NAME: a per-sample value column (``sample_values:``), one entry per sample
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
 TARGETS = ("loss_mask", "labels")
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
@@ -121,6 +128,9 @@ METADATA_SCHEMA = {
     "tokenizer": OBJECT.or_null().optional(),
     "vision": OBJECT.or_null().optional(),
     "stats": OBJECT.optional(),
+    # sample_values builds only: {NAME: "int64" | "float64"}, each with a sample_values.NAME column
+    "sample_values": Rule('an object {name: "int64" or "float64"}', lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and k and t in ("int64", "float64") for k, t in v.items())).optional(),
 }
 COUNTS_SCHEMA = {"samples": COUNT, "pieces": COUNT.optional(), "tokens": COUNT.optional(),
                  "target_tokens": COUNT.optional()}
@@ -172,8 +182,16 @@ def check_metadata(meta, root: Path) -> None:
     missing = [c for c in ("input_ids", meta["targets"], *SAMPLE_COLUMNS) if c not in meta["columns"]]
     if missing:
         raise NotPackedError(f"{where}: 'columns' lacks {', '.join(map(repr, missing))}; {REBUILD}")
+    missing = [c for c in value_columns(meta) if c not in meta["columns"]]
+    if missing:
+        raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'sample_values'; {REBUILD}")
     _check_totals(meta, where)
     _check_shard_paths(meta, root, where)
+
+
+def value_columns(meta: dict) -> list[str]:
+    """The per-sample value columns of a dataset (``sample_values.NAME``); [] for builds without them."""
+    return [SAMPLE_VALUE_PREFIX + name for name in meta.get("sample_values") or {}]
 
 
 def _check_totals(meta: dict, where: str) -> None:

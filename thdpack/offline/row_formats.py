@@ -193,11 +193,12 @@ def preference_row(row: dict, messages=lambda m: m) -> tuple[PromptCompletion, P
     return tuple(prompt_completion(row, messages, name) for name in (CHOSEN_FIELD, REJECTED_FIELD))
 
 
-def pair_sequences(values: list, errors: list, tools: list) -> tuple[list, list, list]:
+def pair_sequences(values: list, errors: list, *per_row: list) -> tuple[list, ...]:
     """Preference rows -> their sequences: ``values[i]`` (a (chosen, rejected) pair where ``errors[i]``
-    is None) becomes sequences ``2i`` and ``2i + 1``; a row's error and tools go to both."""
+    is None) becomes sequences ``2i`` and ``2i + 1``; a row's error and its entry of every
+    ``per_row`` list (tools, sample values) go to both."""
     seqs = [v for pair, e in zip(values, errors) for v in (pair if e is None else (None, None))]
-    return seqs, [e for e in errors for _ in range(2)], [t for t in tools for _ in range(2)]
+    return (seqs, *([x for x in column for _ in range(2)] for column in (errors, *per_row)))
 
 
 def sequences_per_row(fmt: str) -> int:
@@ -208,6 +209,25 @@ def sequences_per_row(fmt: str) -> int:
 def sequence_rows(num_sequences: int, fmt: str) -> np.ndarray:
     """int64 ``[num_sequences]`` the input row of each tokenized sequence (:func:`sequences_per_row`)."""
     return np.arange(num_sequences, dtype=np.int64) // sequences_per_row(fmt)
+
+
+# ---------------------------------------------------------------------------- per-sample values
+
+# the tokenized columns of sample value ``name`` (``sample_values:``): its number (float64) and whether
+# the row gave an integer (a value column is written as int64 when every kept row did)
+VALUE_COLUMN = "__value__.{}"
+VALUE_IS_INT_COLUMN = "__value_int__.{}"
+
+
+def sample_value(v, name: str) -> tuple[float, bool]:
+    """``(number, is_integer)`` of a row's value ``v`` of column ``name`` (``sample_values:``).
+    ValueError naming the column for a missing, boolean or non-numeric value."""
+    if v is None:
+        raise ValueError(f"no '{name}' value; every row needs one when sample_values names it")
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"'{name}' is {brief(v)}; a per-sample value of an offline build is one number "
+                         "(write vectors as several columns)")
+    return float(v), isinstance(v, (int, np.integer))
 
 
 def _prepared(messages, v: list, name: str) -> list:

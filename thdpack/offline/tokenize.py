@@ -38,7 +38,8 @@ from thdpack.offline.procs import map_in_processes
 from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FORMATS, TOOLS_FORMATS,
                                          WHOLE_ROW_FORMATS, brief as _brief, check_messages, detect_format,
                                          encode_prompt_completion, format_fields, optional_fields, pair_sequences,
-                                         preference_row, prompt_completion, sharegpt_row)
+                                         preference_row, prompt_completion, sample_value, sharegpt_row,
+                                         VALUE_COLUMN, VALUE_IS_INT_COLUMN)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -213,6 +214,7 @@ class RowTokenizer:
         self.loss = cfg.loss
         self.append_eos = cfg.append_eos
         self.targets = cfg.targets
+        self.value_names = cfg.value_columns()  # sample_values: numbers carried with each row's samples
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
         if fmt in CHAT_FORMATS:
@@ -229,8 +231,9 @@ class RowTokenizer:
         n = table.num_rows
         values, errors = self._extract(table)
         tools = self._row_tools(table, errors)
+        numbers = self._sample_values(table, errors)
         if self.fmt in PAIR_FORMATS:  # each row gives two sequences, written as two output rows
-            values, errors, tools = pair_sequences(values, errors, tools)
+            values, errors, tools, numbers = pair_sequences(values, errors, tools, numbers)
             n = len(values)
         ids: list = [None] * n
         targets: list = [None] * n
@@ -256,7 +259,7 @@ class RowTokenizer:
                 ids[i], targets[i] = res
                 if ids[i].size == 0:
                     errors[i] = "tokenizes to 0 tokens"
-        return self._to_table(ids, targets, errors)
+        return self._with_values(self._to_table(ids, targets, errors), numbers, errors)
 
     # ---- 1. field values out of the rows
     def _extract(self, table):
@@ -360,6 +363,27 @@ class RowTokenizer:
             if msg and errors[i] is None:
                 errors[i] = msg
         return tools
+
+    def _sample_values(self, table, errors) -> list:
+        """Each row's ``(number, is_integer)`` per name of ``sample_values`` (a list of dicts; None
+        where the row failed); a row with a missing or non-numeric value gets an error."""
+        n = table.num_rows
+        if not self.value_names:
+            return [None] * n
+        if self.json_rows:
+            raw = table.column(JSON_COLUMN).to_pylist()
+            rows = [json.loads(line) if errors[i] is None else None for i, line in enumerate(raw)]
+        else:  # tokenize_source checked the columns
+            cols = {c: table.column(c).to_pylist() for c in self.value_names}
+            rows = [{c: cols[c][i] for c in self.value_names} for i in range(n)]
+        out: list = [None] * n
+        for i, row in enumerate(rows):
+            if errors[i] is None:
+                try:
+                    out[i] = {c: sample_value(row.get(c), c) for c in self.value_names}
+                except ValueError as exc:
+                    errors[i] = str(exc)
+        return out
 
     def _encode_many(self, values: list, tools: list | None = None) -> list:
         if self.fmt == "text":
@@ -507,6 +531,16 @@ class RowTokenizer:
             }
         )
 
+    def _with_values(self, table, numbers, errors):
+        """``table`` with the columns of the ``sample_values`` (:data:`VALUE_COLUMN`, NaN / False on failed rows)."""
+        import pyarrow as pa
+
+        for c in self.value_names:
+            got = [numbers[i][c] if errors[i] is None else (float("nan"), False) for i in range(len(errors))]
+            table = table.append_column(VALUE_COLUMN.format(c), pa.array([v for v, _ in got], pa.float64()))
+            table = table.append_column(VALUE_IS_INT_COLUMN.format(c), pa.array([k for _, k in got], pa.bool_()))
+        return table
+
 
 def _turn_marks(tok):
     """The header and end-of-turn text of ``tok``'s chat template (:func:`~thdpack.offline.chat_spans.turn_marks`);
@@ -604,6 +638,10 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             raise InputError(
                 f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
             )
+        missing = [c for c in cfg.value_columns() if c not in source.columns]
+        if missing:
+            raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which sample_values names "
+                             f"(columns: {source.columns})")
     tok = None
     if cfg.tokenizer:
         tok = load_tokenizer(cfg)
@@ -613,7 +651,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     ds = source.dataset
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
         required_columns(fmt, cfg) + optional_fields(fmt)
-        + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else []))]
+        + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else [])
+        + cfg.value_columns())]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
     bpe = fast_bpe(cfg, tok, fmt, log=log)
@@ -624,6 +663,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             cfg.targets: datasets.List(target_type),
             ERROR_COLUMN: datasets.Value("string"),
             **(vlm.features() if vlm is not None else {}),
+            **{col.format(c): datasets.Value(kind) for c in cfg.value_columns()
+               for col, kind in ((VALUE_COLUMN, "float64"), (VALUE_IS_INT_COLUMN, "bool"))},
         }
     )
     fingerprint = hashlib.sha256(

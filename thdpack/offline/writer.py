@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.format import file_sha256, shard_name
+from thdpack.offline.format import SAMPLE_VALUE_PREFIX, file_sha256, shard_name
 from thdpack.offline.gather import RowPieces
 from thdpack.plan import PackPlan
 
@@ -32,6 +32,27 @@ def schema(targets: str):
             ("sample_start", pa.list_(pa.int32())),
         ]
     )
+
+
+def sample_value_arrays(token_table, names: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """``{name: [tokenized rows]}`` the ``sample_values`` of the tokenized rows (columns
+    :data:`~thdpack.offline.row_formats.VALUE_COLUMN`): int64 when every row of ``rows`` (the
+    planned ones) gave an integer, else float64."""
+    from thdpack.offline.row_formats import VALUE_COLUMN, VALUE_IS_INT_COLUMN
+
+    out = {}
+    for name in names:
+        values = token_table.column(VALUE_COLUMN.format(name)).to_numpy()
+        is_int = token_table.column(VALUE_IS_INT_COLUMN.format(name)).to_numpy(zero_copy_only=False)
+        out[name] = values.astype(np.int64) if bool(is_int[rows].all()) else values
+    return out
+
+
+def value_fields(values: dict):
+    """The Arrow fields of the ``sample_values`` columns (``sample_values.NAME``: list<int64 | double>)."""
+    import pyarrow as pa
+
+    return [pa.field(SAMPLE_VALUE_PREFIX + name, pa.list_(pa.from_numpy_dtype(v.dtype))) for name, v in values.items()]
 
 
 def _cuts(tokens: np.ndarray, budget: int) -> list[int]:
@@ -56,6 +77,7 @@ def write_packs(
     progress: bool = True,
     row_offset: int = 0,
     extra=None,
+    values: dict | None = None,
 ) -> dict:
     """Write the packs of ``plan`` in ``order`` to ``out_dir``.
 
@@ -70,6 +92,8 @@ def write_packs(
         extra: more columns per pack (VLM builds: :class:`thdpack.offline.vlm.VisionColumns`):
             ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
             shards and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
+        values: ``{name: [rows of token_table]}`` per-sample values (:func:`sample_value_arrays`),
+            written as ``sample_values.NAME`` columns: one entry per sample like ``seq_lens``.
 
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
@@ -91,6 +115,9 @@ def write_packs(
         chunk_weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
         chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
         shard_cuts = _cuts(chunk_weight, int(shard_size_mb * 1e6))
+    values = values or {}
+    for f in value_fields(values):
+        sch = sch.append(f)
     n_shards = len(shard_cuts) - 1
     readers = {name: RowPieces(token_table, name) for name in ("input_ids", targets)}
     files, target_tokens = [], 0
@@ -109,7 +136,7 @@ def write_packs(
             chunk_cuts = _cuts(chunk_weight[a:b], chunk_budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(readers, targets, plan, sample_rows, ks, sch, row_offset, extra)
+                batch, n_targets = _chunk(readers, targets, plan, sample_rows, ks, sch, row_offset, extra, values)
                 target_tokens += n_targets
                 if file_format == "arrow":
                     writer.write_batch(batch)
@@ -134,7 +161,7 @@ def write_packs(
 
 
 def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,
-           row_offset: int = 0, extra=None):
+           row_offset: int = 0, extra=None, values: dict | None = None):
     """One record batch holding packs ``ks``; also its number of target tokens. ``readers``:
     a :class:`~thdpack.offline.gather.RowPieces` of the tokenized rows per token column."""
     import pyarrow as pa
@@ -168,4 +195,5 @@ def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray,
     ]
     if extra is not None:
         arrays += extra.columns(rows, counts)
+    arrays += [pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(v[rows])) for v in (values or {}).values()]
     return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets
