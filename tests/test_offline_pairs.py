@@ -202,3 +202,104 @@ def test_a_bad_response_names_the_field_and_skips_the_pair(tmp_path):
 def test_options_that_would_part_a_pair_are_refused(tmp_path, option):
     with pytest.raises(ConfigError, match=f"{next(iter(option))}.*preference rows"):
         build(tmp_path, string_rows(2, seed=7), "pairs", **option)
+
+
+# --------------------------------------------------------------------------- per-sample values
+
+
+def valued_rows(n: int, seed: int) -> list[dict]:
+    """Text rows of varied lengths, each with its own reward (a float) and domain (an integer)."""
+    rng = np.random.default_rng(seed)
+    return [{"text": "sun rain " * int(rng.integers(1, 40)), "reward": float(rng.normal()) + i / 8,
+             "domain": int(rng.integers(0, 4))} for i in range(n)]
+
+
+def check_values(out: Path, rows: list[dict], cp_size: int = 1) -> int:
+    """Every collated sample (piece) and every CP shard carries its input row's reward and domain; returns
+    the number of pieces seen."""
+    ds = load_packed(out)
+    assert ds.metadata["sample_values"] == {"reward": "float64", "domain": "int64"}
+    pieces = 0
+    for k in range(len(ds)):
+        for rank in range(cp_size):
+            batch = ds.collator(cp_rank=rank if cp_size > 1 else None)(ds[k])
+            index = batch.sample_index.tolist()
+            want_reward = torch.tensor([rows[i]["reward"] for i in index], dtype=torch.float64)
+            want_domain = torch.tensor([rows[i]["domain"] for i in index], dtype=torch.int64)
+            torch.testing.assert_close(batch.sample_values["reward"], want_reward, rtol=0, atol=0)
+            torch.testing.assert_close(batch.sample_values["domain"], want_domain, rtol=0, atol=0)
+            per_token = batch.token_values("domain")
+            assert per_token.numel() == batch.input_ids.numel()
+            cu = batch.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
+            for j in range(len(index)):
+                assert (per_token[int(cu[j]) : int(cu[j + 1])] == want_domain[j]).all()
+        pieces += len(index)
+    return pieces
+
+
+@pytest.mark.parametrize("overflow", ["error", "truncate", "split"])
+def test_sample_values_follow_their_samples(tmp_path, overflow):
+    rows = valued_rows(24, seed=11)
+    out = build(tmp_path, rows, "values", pack_size=48, overflow=overflow, sample_values=["reward", "domain"],
+                skip_bad_rows=overflow == "error")
+    pieces = check_values(out, rows)
+    if overflow == "split":
+        assert pieces > len(rows), "some rows were split into pieces"
+
+
+def test_sample_values_on_cp_shards_and_columnar_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = valued_rows(16, seed=12)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    cfg = BuildConfig(input=str(tmp_path / "rows.parquet"), tokenizer=str(TOKENIZER_DIR), pack_size=96, cp_size=2,
+                      overflow="split", sample_values="reward,domain", save_tokenizer=False)
+    build_packed(cfg, tmp_path / "out", progress=False, log=None)
+    check_values(tmp_path / "out", rows, cp_size=2)
+
+
+def test_sample_values_travel_with_preference_pairs(tmp_path):
+    rows = [dict(r, reward=float(i) / 4, domain=i % 3) for i, r in enumerate(string_rows(6, seed=13))]
+    out = build(tmp_path, rows, "pairs", pack_size=96, sample_values=["reward", "domain"])
+    ds = load_packed(out)
+    for k in range(len(ds)):
+        batch = ds.collator()(ds[k])
+        rows_of = [i // 2 for i in batch.sample_index.tolist()]
+        assert batch.sample_values["reward"].tolist() == [rows[r]["reward"] for r in rows_of]
+        assert batch.sample_values["domain"].tolist() == [rows[r]["domain"] for r in rows_of]
+
+
+def test_builds_without_sample_values_record_nothing_new(tmp_path):
+    rows = valued_rows(6, seed=14)
+    meta = load_packed(build(tmp_path, rows, "plain", pack_size=512)).metadata
+    assert "sample_values" not in meta and "sample_values" not in meta["config"]
+    assert meta["columns"] == ["input_ids", "loss_mask", "seq_lens", "sample_index", "sample_start"]
+    with pytest.raises(KeyError, match=r"no 'sample_values.reward' column.*built without sample_values"):
+        load_packed(tmp_path / "plain").collator(sample_values=["reward"])(load_packed(tmp_path / "plain")[0])
+
+
+def test_bad_sample_values_are_named(tmp_path):
+    rows = valued_rows(4, seed=15)
+    del rows[1]["reward"]
+    rows[2]["domain"] = "web"
+    with pytest.raises(InputError, match=r"values\.jsonl:2: no 'reward' value.*values\.jsonl:3: 'domain' is 'web'"):
+        build(tmp_path, rows, "values", pack_size=512, sample_values=["reward", "domain"])
+    with pytest.raises(ConfigError, match=r"sample_values must be a list of column names"):
+        build(tmp_path, rows, "cfg", sample_values=[1])
+
+
+def test_metadata_schema_checks_sample_values(tmp_path):
+    from thdpack.offline import NotPackedError
+
+    out = build(tmp_path, valued_rows(6, seed=16), "values", pack_size=512, sample_values=["reward", "domain"])
+    meta_path = out / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    bad = dict(meta, sample_values={"reward": "float32", "domain": "int64"})
+    meta_path.write_text(json.dumps(bad))
+    with pytest.raises(NotPackedError, match=r"'sample_values' must be an object"):
+        load_packed(out)
+    bad = dict(meta, columns=[c for c in meta["columns"] if c != "sample_values.domain"])
+    meta_path.write_text(json.dumps(bad))
+    with pytest.raises(NotPackedError, match=r"'columns' lacks 'sample_values.domain' of 'sample_values'"):
+        load_packed(out)
