@@ -392,3 +392,12 @@ def test_video_shards_merge(tmp_path, assets):
         seen += rows
         assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], model_config=model_cfg).to_hf_kwargs())
     assert sorted(seen) == list(range(len(ROWS)))
+
+
+def test_bad_video_options_are_named(tmp_path, assets):
+    from thdpack.offline import ConfigError
+
+    with pytest.raises(ConfigError, match=r"video: unknown option\(s\) \['fsp'\]; known: .*'fps'"):
+        build_packed(cfg(assets, video={"fsp": 1}), tmp_path / "x", progress=False, log=None)
+    with pytest.raises(ConfigError, match=r"video: need fps > 0 and 1 <= min_frames <= max_frames"):
+        build_packed(cfg(assets, video={"fps": 0}), tmp_path / "x", progress=False, log=None)
