@@ -312,6 +312,8 @@ def test_bad_videos_are_row_errors_named_and_skipped(tmp_path, assets):
     assert main(args) == 0
     meta = json.loads((tmp_path / "cli" / "metadata.json").read_text())
     assert meta["counts"]["skipped_rows"] == 5 and meta["vision"]["video"]["max_pixels"] == 256
+    assert main(["stats", str(tmp_path / "cli"), "--json"]) == 0
+    assert main(["inspect", str(tmp_path / "cli")]) == 0
 
 
 def test_video_part_in_a_text_build_is_named(tmp_path, assets):
