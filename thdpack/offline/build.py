@@ -37,7 +37,7 @@ from thdpack.offline.procs import signals_deferred
 from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows, sequences_per_row
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
-from thdpack.offline.tokenize import Tokenized, read_chat_template, tokenize_source
+from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
 from thdpack.offline.vlm import vlm_build
 from thdpack.plan import PackPlan, plan_packs
 
@@ -131,6 +131,8 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         log(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
     if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
         source = shard.select(source, log=log)
+    if resolve_format(cfg, source) in PAIR_FORMATS:  # before the long steps: options that would part a pair
+        _check_pair_options(cfg)
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
@@ -141,8 +143,6 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         log(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
     pairs = tokenized.fmt in PAIR_FORMATS  # two sequences per row (chosen, rejected), planned as one group
-    if pairs:
-        _check_pair_options(cfg)
     lengths = tokenized.lengths  # per tokenized sequence
     seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
     skipped = _row_errors(tokenized.errors, pairs)  # from here on, per input row
