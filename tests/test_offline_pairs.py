@@ -303,3 +303,12 @@ def test_metadata_schema_checks_sample_values(tmp_path):
     meta_path.write_text(json.dumps(bad))
     with pytest.raises(NotPackedError, match=r"'columns' lacks 'sample_values.domain' of 'sample_values'"):
         load_packed(out)
+
+
+def test_sharded_preference_builds_are_refused(tmp_path):
+    from thdpack.offline.shard import Shard
+
+    cfg = BuildConfig(input=str(write_jsonl(tmp_path / "p.jsonl", string_rows(4, seed=8))),
+                      tokenizer=str(TOKENIZER_DIR), pack_size=96)
+    with pytest.raises(ConfigError, match=r"--shard is not available for preference rows"):
+        build_packed(cfg, tmp_path / "out", progress=False, log=None, shard=Shard(0, 2))

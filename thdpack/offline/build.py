@@ -34,7 +34,7 @@ from thdpack.offline.errors import ConfigError, InputError, OfflineError, Output
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.procs import signals_deferred
-from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows, sequences_per_row
+from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
@@ -104,11 +104,6 @@ class Prepared:
                 self.tokenized.dataset.data.table, self.sample_rows[self.plan.sample_index]),
         )
 
-    @property
-    def row_offset(self) -> int:
-        """What the writer adds to ``sample_rows`` (a build shard's first tokenized row)."""
-        return sequences_per_row(self.tokenized.fmt) * self.source.row_start
-
     def skipped_examples(self) -> list[dict]:
         return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
 
@@ -132,7 +127,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
         source = shard.select(source, log=log)
     if resolve_format(cfg, source) in PAIR_FORMATS:  # before the long steps: options that would part a pair
-        _check_pair_options(cfg)
+        _check_pair_options(cfg, shard)
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
@@ -224,8 +219,12 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
-def _check_pair_options(cfg: BuildConfig) -> None:
-    """Preference rows: the options that would part a pair are refused (ConfigError saying what to use)."""
+def _check_pair_options(cfg: BuildConfig, shard=None) -> None:
+    """Preference rows: the options that would part a pair are refused (ConfigError saying what to use);
+    so are sharded builds (``thdpack merge`` does not know two samples per row)."""
+    if shard is not None:
+        raise ConfigError("--shard is not available for preference rows (prompt / chosen / rejected) yet; "
+                          "build them in one process (num_proc: N parallelises the tokenization)")
     if cfg.overflow != "error":
         raise ConfigError(
             f"overflow: {cfg.overflow} cannot be used with preference rows (prompt / chosen / rejected): a pair "
@@ -513,7 +512,7 @@ def build_packed(
             file_format=bridge.shard_format(cfg.output_format),
             shard_size_mb=cfg.shard_size_mb,
             progress=progress,
-            row_offset=prep.row_offset if shard is not None else 0,
+            row_offset=prep.source.row_start if shard is not None else 0,
             extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
             values=values,
         )
