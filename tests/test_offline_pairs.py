@@ -310,5 +310,47 @@ def test_sharded_preference_builds_are_refused(tmp_path):
 
     cfg = BuildConfig(input=str(write_jsonl(tmp_path / "p.jsonl", string_rows(4, seed=8))),
                       tokenizer=str(TOKENIZER_DIR), pack_size=96)
-    with pytest.raises(ConfigError, match=r"--shard is not available for preference rows"):
+    with pytest.raises(ConfigError, match=r"--shard is not available with preference rows"):
         build_packed(cfg, tmp_path / "out", progress=False, log=None, shard=Shard(0, 2))
+
+
+# --------------------------------------------------------------------------- GRPO groups (group_column)
+
+
+def grouped_rows(n: int, seed: int) -> list[dict]:
+    """Completions of prompts in groups of 4 (string ids for some groups, integers for others), of varied lengths."""
+    rng = np.random.default_rng(seed)
+    return [{"text": "sun rain " * int(rng.integers(1, 12)), "prompt_id": f"q{i // 4}" if (i // 4) % 2 else i // 4,
+             "reward": float(rng.normal())} for i in range(n)]
+
+
+def test_group_column_keeps_each_group_in_one_pack(tmp_path):
+    rows = grouped_rows(32, seed=21)
+    out = build(tmp_path, rows, "groups", pack_size=256, group_column="prompt_id", sample_values=["reward"])
+    ds = load_packed(out)
+    assert ds.metadata["config"]["group_column"] == "prompt_id"
+    pack_of = {}
+    for k in range(len(ds)):
+        batch = ds.collator()(ds[k])
+        for i in batch.sample_index.tolist():
+            pack_of[i] = k
+        assert batch.sample_values["reward"].tolist() == [rows[i]["reward"] for i in batch.sample_index.tolist()]
+    assert sorted(pack_of) == list(range(len(rows)))
+    for g in range(len(rows) // 4):
+        assert len({pack_of[i] for i in range(4 * g, 4 * g + 4)}) == 1, f"group {g} in one pack"
+    assert len(ds) > 1 and max(len(ds[k]["seq_lens"]) for k in range(len(ds))) >= 8, "several groups share a pack"
+
+
+def test_group_column_errors_name_the_row(tmp_path):
+    rows = grouped_rows(8, seed=22)
+    rows[5]["text"] = "sun rain " * 60  # its group no longer fits a pack
+    with pytest.raises(InputError, match=r"groups\.jsonl:5 \(\d+ tokens in its group \(group_column: prompt_id\)\)"):
+        build(tmp_path, rows, "groups", pack_size=120, group_column="prompt_id")
+    out = build(tmp_path, rows, "skipped", pack_size=120, group_column="prompt_id", skip_bad_rows=True)
+    assert sorted(packed_samples(out)) == [0, 1, 2, 3]
+    rows = grouped_rows(8, seed=23)
+    rows[2]["prompt_id"] = None
+    with pytest.raises(InputError, match=r"groups\.jsonl:3: 'prompt_id' is None; a group id is a string or an integer"):
+        build(tmp_path, rows, "groups", group_column="prompt_id")
+    with pytest.raises(ConfigError, match=r"overflow: split cannot be used with group_column"):
+        build(tmp_path, rows, "groups", group_column="prompt_id", overflow="split")

@@ -34,7 +34,7 @@ from thdpack.offline.errors import ConfigError, InputError, OfflineError, Output
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.procs import signals_deferred
-from thdpack.offline.row_formats import PAIR_FORMATS, sequence_rows
+from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
@@ -126,8 +126,9 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         log(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
     if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
         source = shard.select(source, log=log)
-    if resolve_format(cfg, source) in PAIR_FORMATS:  # before the long steps: options that would part a pair
-        _check_pair_options(cfg, shard)
+    pairs = resolve_format(cfg, source) in PAIR_FORMATS
+    if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
+        _check_group_options(cfg, shard, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
@@ -137,16 +138,18 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
         log(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
-    pairs = tokenized.fmt in PAIR_FORMATS  # two sequences per row (chosen, rejected), planned as one group
     lengths = tokenized.lengths  # per tokenized sequence
     seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
+    seq_group = _sequence_groups(tokenized, seq_row, cfg)  # group of each sequence (one pack each), or None
+    grouped = seq_group is not None
     skipped = _row_errors(tokenized.errors, pairs)  # from here on, per input row
-    row_tokens = _row_tokens(lengths, seq_row, cfg.align) if pairs else lengths
+    row_tokens = _row_tokens(lengths, seq_row, seq_group, cfg.align) if grouped else lengths
     usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
     limit = cfg.pack_size // cfg.align * cfg.align
     too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
-    what = " for chosen + rejected" if pairs else ""
+    what = (f" in its group (group_column: {cfg.group_column})" if cfg.group_column else
+            " for chosen + rejected" if pairs else "")
     if too_long.size and not cfg.skip_bad_rows:
         shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
                           for r in too_long[:MAX_ERRORS_SHOWN].tolist())
@@ -155,7 +158,8 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
             f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
             + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
             + f": {shown}{more}. "
-            + ("A preference pair shares one pack: use a larger pack_size, or --skip-bad-rows." if pairs else
+            + ("A group (a preference pair, a group_column group) shares one pack: use a larger pack_size, or "
+               "--skip-bad-rows." if grouped else
                "Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows.")
         )
     for r in too_long.tolist():
@@ -187,7 +191,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
             max_samples_per_pack=cfg.max_samples_per_pack,
             seed=cfg.seed,
             **(vlm.plan_kwargs(patches, rows) if vlm is not None else {}),
-            **({"groups": seq_row[rows]} if pairs else {}),  # a pair's two sequences in one pack
+            **({"groups": seq_group[rows]} if grouped else {}),  # a pair's / group's sequences in one pack
         )
 
     t0 = time.perf_counter()
@@ -196,7 +200,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
-        drop = np.flatnonzero(np.isin(seq_row, seq_row[without.rows])) if pairs else without.rows  # whole pairs
+        drop = np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if grouped else without.rows  # whole groups
         sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
         if sample_rows.size == 0:
             raise InputError(
@@ -219,21 +223,22 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
-def _check_pair_options(cfg: BuildConfig, shard=None) -> None:
-    """Preference rows: the options that would part a pair are refused (ConfigError saying what to use);
-    so are sharded builds (``thdpack merge`` does not know two samples per row)."""
+def _check_group_options(cfg: BuildConfig, shard, what: str) -> None:
+    """Preference rows and ``group_column`` builds (``what``): the options that would part a pair or a
+    group are refused (ConfigError saying what to use); so are sharded builds (a group may span shards,
+    and ``thdpack merge`` does not know two samples per row)."""
     if shard is not None:
-        raise ConfigError("--shard is not available for preference rows (prompt / chosen / rejected) yet; "
-                          "build them in one process (num_proc: N parallelises the tokenization)")
+        raise ConfigError(f"--shard is not available with {what} yet; build in one process "
+                          "(num_proc: N parallelises the tokenization)")
     if cfg.overflow != "error":
         raise ConfigError(
-            f"overflow: {cfg.overflow} cannot be used with preference rows (prompt / chosen / rejected): a pair "
-            "shares one pack, and cutting or dropping one of its sequences would unpair it. Use overflow: error with "
-            "a larger pack_size, or --skip-bad-rows to skip (and count) the pairs that do not fit"
+            f"overflow: {cfg.overflow} cannot be used with {what}: a pair or group shares one pack, and cutting or "
+            "dropping one of its sequences would part it. Use overflow: error with a larger pack_size, or "
+            "--skip-bad-rows to skip (and count) the rows of groups that do not fit"
         )
     if cfg.max_samples_per_pack is not None:
-        raise ConfigError("max_samples_per_pack cannot be used with preference rows (a pair is planned as one "
-                          "item); remove it")
+        raise ConfigError(f"max_samples_per_pack cannot be used with {what} (a group is planned as one item); "
+                          "remove it")
 
 
 def _row_errors(errors: list[tuple[int, str]], pairs: bool) -> list[tuple[int, str]]:
@@ -253,10 +258,21 @@ def _row_errors(errors: list[tuple[int, str]], pairs: bool) -> list[tuple[int, s
     return out
 
 
-def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, align: int) -> np.ndarray:
-    """int64 ``[rows]`` the aligned tokens of each input row's sequences together (what its group takes in a pack)."""
-    aligned = round_up(lengths, align)
-    return np.bincount(seq_row, weights=aligned, minlength=int(seq_row[-1]) + 1 if seq_row.size else 0).astype(np.int64)
+def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, cfg: BuildConfig) -> np.ndarray | None:
+    """int64 ``[sequences]`` the group of each tokenized sequence, planned into one pack: the
+    ``group_column`` value's (numbered), else for preference rows the row's (its pair); None otherwise."""
+    if cfg.group_column:
+        keys = tokenized.dataset.data.table.column(GROUP_COLUMN).to_pylist()  # None on failed rows (0 tokens)
+        return np.unique(np.array([k or "" for k in keys], dtype=object), return_inverse=True)[1].astype(np.int64)
+    return seq_row if tokenized.fmt in PAIR_FORMATS else None
+
+
+def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray, align: int) -> np.ndarray:
+    """int64 ``[rows]`` the aligned tokens of each input row's group together (what the group takes in a pack)."""
+    group_tokens = np.bincount(seq_group, weights=round_up(lengths, align)).astype(np.int64)
+    row_group = np.zeros(int(seq_row[-1]) + 1 if seq_row.size else 0, np.int64)
+    row_group[seq_row] = seq_group
+    return group_tokens[row_group]
 
 
 @dataclass(frozen=True)

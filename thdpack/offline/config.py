@@ -24,7 +24,7 @@ OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
-RECORDED_IF_SET = ("sample_values",)  # recorded in metadata.json only when given (older builds stay byte-identical)
+RECORDED_IF_SET = ("sample_values", "group_column")  # recorded in metadata.json only when given (older builds stay byte-identical)
 
 
 def _opt(default, help: str, choices=None, flag_type=None):
@@ -86,6 +86,10 @@ class BuildConfig:
         None, "columns holding a number per row (a reward, a domain id, ...) written with each sample of the packs "
         "and returned as batch.sample_values[name] (docs/build.md, Preference pairs and per-sample values); "
         "as a flag, comma-separated", flag_type=str,
+    )
+    group_column: str | None = _opt(
+        None, "column holding a group id per row (e.g. a GRPO prompt id): the rows of a group are planned into one "
+        "pack (a group over pack_size is a row error); overflow must be error"
     )
     seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order")
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
@@ -213,6 +217,8 @@ class BuildConfig:
             if value is not None and not isinstance(value, kinds):
                 raise ConfigError(f"{name} must be a path{' or a mapping' if dict in kinds else ''}, got {value!r}")
         self.value_columns()
+        if self.group_column is not None and (not isinstance(self.group_column, str) or not self.group_column):
+            raise ConfigError(f"group_column must be a column name, got {self.group_column!r}")
         if self.video is not None and not isinstance(self.video, (dict, str)):
             raise ConfigError(f"video must be a mapping of frame options (fps, min_frames, ...), got {self.video!r}")
         for name in ("text_field", "messages_field", "images_field", "image_placeholder", "videos_field",

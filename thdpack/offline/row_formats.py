@@ -217,6 +217,16 @@ def sequence_rows(num_sequences: int, fmt: str) -> np.ndarray:
 # the row gave an integer (a value column is written as int64 when every kept row did)
 VALUE_COLUMN = "__value__.{}"
 VALUE_IS_INT_COLUMN = "__value_int__.{}"
+GROUP_COLUMN = "__group__"  # the tokenized column of a row's ``group_column`` value, as JSON text
+
+
+def group_key(v, name: str) -> str:
+    """A row's ``group_column`` value (a string or an integer) as the key rows are grouped by
+    (its JSON text: "1" and 1 are two groups). ValueError naming the column for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (str, int, np.integer)):
+        raise ValueError(f"'{name}' is {brief(v)}; a group id is a string or an integer, and every row needs one "
+                         "when group_column names it")
+    return json.dumps(v if isinstance(v, str) else int(v))
 
 
 def sample_value(v, name: str) -> tuple[float, bool]:

@@ -39,7 +39,7 @@ from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FOR
                                          WHOLE_ROW_FORMATS, brief as _brief, check_messages, detect_format,
                                          encode_prompt_completion, format_fields, optional_fields, pair_sequences,
                                          preference_row, prompt_completion, sample_value, sharegpt_row,
-                                         VALUE_COLUMN, VALUE_IS_INT_COLUMN)
+                                         group_key, GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN)
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
@@ -215,6 +215,7 @@ class RowTokenizer:
         self.append_eos = cfg.append_eos
         self.targets = cfg.targets
         self.value_names = cfg.value_columns()  # sample_values: numbers carried with each row's samples
+        self.group_column = cfg.group_column  # group_column: the rows of a group planned into one pack
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
         if fmt in CHAT_FORMATS:
@@ -365,22 +366,26 @@ class RowTokenizer:
         return tools
 
     def _sample_values(self, table, errors) -> list:
-        """Each row's ``(number, is_integer)`` per name of ``sample_values`` (a list of dicts; None
-        where the row failed); a row with a missing or non-numeric value gets an error."""
+        """Each row's ``{name: (number, is_integer)}`` of the ``sample_values`` and, with
+        ``group_column``, ``{GROUP_COLUMN: key}`` (None where the row failed); a row with a missing or
+        wrong value gets an error."""
         n = table.num_rows
-        if not self.value_names:
+        names = self.value_names + ([self.group_column] if self.group_column else [])
+        if not names:
             return [None] * n
         if self.json_rows:
             raw = table.column(JSON_COLUMN).to_pylist()
             rows = [json.loads(line) if errors[i] is None else None for i, line in enumerate(raw)]
         else:  # tokenize_source checked the columns
-            cols = {c: table.column(c).to_pylist() for c in self.value_names}
-            rows = [{c: cols[c][i] for c in self.value_names} for i in range(n)]
+            cols = {c: table.column(c).to_pylist() for c in names}
+            rows = [{c: cols[c][i] for c in names} for i in range(n)]
         out: list = [None] * n
         for i, row in enumerate(rows):
             if errors[i] is None:
                 try:
                     out[i] = {c: sample_value(row.get(c), c) for c in self.value_names}
+                    if self.group_column:
+                        out[i][GROUP_COLUMN] = group_key(row.get(self.group_column), self.group_column)
                 except ValueError as exc:
                     errors[i] = str(exc)
         return out
@@ -539,6 +544,9 @@ class RowTokenizer:
             got = [numbers[i][c] if errors[i] is None else (float("nan"), False) for i in range(len(errors))]
             table = table.append_column(VALUE_COLUMN.format(c), pa.array([v for v, _ in got], pa.float64()))
             table = table.append_column(VALUE_IS_INT_COLUMN.format(c), pa.array([k for _, k in got], pa.bool_()))
+        if self.group_column:
+            keys = [numbers[i][GROUP_COLUMN] if errors[i] is None else None for i in range(len(errors))]
+            table = table.append_column(GROUP_COLUMN, pa.array(keys, pa.string()))
         return table
 
 
@@ -638,9 +646,10 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             raise InputError(
                 f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
             )
-        missing = [c for c in cfg.value_columns() if c not in source.columns]
+        missing = [c for c in cfg.value_columns() + [cfg.group_column] if c and c not in source.columns]
         if missing:
-            raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which sample_values names "
+            raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which "
+                             f"{'group_column' if missing[0] == cfg.group_column else 'sample_values'} names "
                              f"(columns: {source.columns})")
     tok = None
     if cfg.tokenizer:
@@ -652,7 +661,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
         required_columns(fmt, cfg) + optional_fields(fmt)
         + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else [])
-        + cfg.value_columns())]
+        + cfg.value_columns() + ([cfg.group_column] if cfg.group_column else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
     bpe = fast_bpe(cfg, tok, fmt, log=log)
@@ -665,6 +674,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             **(vlm.features() if vlm is not None else {}),
             **{col.format(c): datasets.Value(kind) for c in cfg.value_columns()
                for col, kind in ((VALUE_COLUMN, "float64"), (VALUE_IS_INT_COLUMN, "bool"))},
+            **({GROUP_COLUMN: datasets.Value("string")} if cfg.group_column else {}),
         }
     )
     fingerprint = hashlib.sha256(
