@@ -222,9 +222,9 @@ def main() -> int:
     p.add_argument("--map-batch-size", type=int, default=1000, help="rows per tokenization batch, both pipelines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="a local tokenizer directory for both pipelines (default: the bundled one); "
-                   "chat rows need a template with {% generation %} markers for TRL's assistant masks")
+                   "chat rows need a template with {%% generation %%} markers for TRL's assistant masks")
     p.add_argument("--chat-template", metavar="FILE", help="chat rows: this Jinja template for both pipelines "
-                   "(thdpack --chat-template, tokenizer.chat_template for TRL); TRL needs {% generation %} markers")
+                   "(thdpack --chat-template, tokenizer.chat_template for TRL); TRL needs {%% generation %%} markers")
     p.add_argument("--reasoning", type=float, default=0.0, metavar="P", help="chat rows: a <think> reasoning "
                    "block before each assistant answer with probability P (default 0: the demo rows as they are)")
     p.add_argument("--tokenizer-backend", choices=["auto", "tiktoken", "hf"], default="auto",

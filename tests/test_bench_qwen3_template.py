@@ -112,3 +112,14 @@ def test_thdpack_build_equals_the_real_template_build(qwen3, conversations, tmp_
         shards.append({p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())
                        if p.name != "metadata.json"})
     assert shards[0] and shards[0] == shards[1]
+
+
+def test_benchmark_help_prints():
+    """``benchmarks/build.py --help`` (its help names ``{% generation %}``, which argparse
+    must not read as a % format)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "build.py"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--chat-template FILE" in out.stdout and "{% generation %}" in out.stdout
