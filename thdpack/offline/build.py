@@ -142,7 +142,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
     seq_group = _sequence_groups(tokenized, seq_row, cfg)  # group of each sequence (one pack each), or None
     grouped = seq_group is not None
-    skipped = _row_errors(tokenized.errors, pairs)  # from here on, per input row
+    skipped = _row_errors(tokenized.errors, seq_row, pairs)  # from here on, per input row
     row_tokens = _row_tokens(lengths, seq_row, seq_group, cfg.align) if grouped else lengths
     usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
@@ -241,14 +241,14 @@ def _check_group_options(cfg: BuildConfig, shard, what: str) -> None:
                           "remove it")
 
 
-def _row_errors(errors: list[tuple[int, str]], pairs: bool) -> list[tuple[int, str]]:
+def _row_errors(errors: list[tuple[int, str]], seq_row: np.ndarray, pairs: bool) -> list[tuple[int, str]]:
     """``(input row, message)`` of the tokenized sequences' errors: as they are, or for preference rows
     one per row, naming the sequence (chosen / rejected) when only one of the two failed."""
     if not pairs:
         return list(errors)
     by_row: dict[int, list[tuple[int, str]]] = {}
     for seq, msg in errors:
-        by_row.setdefault(seq // 2, []).append((seq, msg))
+        by_row.setdefault(int(seq_row[seq]), []).append((seq, msg))
     out = []
     for row, errs in by_row.items():
         if len(errs) == 2 and errs[0][1] == errs[1][1]:  # the row's own error (bad JSON, a missing field)
