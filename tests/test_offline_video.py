@@ -27,7 +27,9 @@ transformers = pytest.importorskip("transformers")
 av = pytest.importorskip("av")
 Image = pytest.importorskip("PIL.Image")
 
-from test_offline_vlm import IGNORE, IMG, MERGE, PATCH, PROC_KW, TPATCH, VE, VID, VISION_TOKENS, VS  # noqa: E402
+from test_offline_vlm import (  # noqa: E402
+    IGNORE, IMG, MERGE, PATCH, PROC_KW, TPATCH, VE, VID, VISION_TOKENS, VS, assert_model_equivalent, assert_same_hf_kwargs,
+)
 from test_vlm import tiny_config as tiny_vlm_config  # noqa: E402
 
 from thdpack import build_thd_batch  # noqa: E402
@@ -200,35 +202,6 @@ def reference_samples(assets, family: str, rows) -> list[dict]:
         sample["labels"] = torch.as_tensor(np.where(mask, ids, IGNORE))
         out.append(sample)
     return out
-
-
-@torch.no_grad()
-def assert_model_equivalent(model, batch, samples):
-    """The packed batch's logits equal each sample's logits alone; the loss is the token-weighted mean."""
-    import torch.nn.functional as F
-
-    out = model(**batch.to_hf_kwargs(), use_cache=False)
-    ce_sum, n_sum = 0.0, 0
-    for i, s in enumerate(samples):
-        ids, labels = s["input_ids"].reshape(1, -1), s["labels"].reshape(1, -1)
-        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                "second_per_grid_ts") if k in s}
-        types = (ids == IMG).int() + 2 * (ids == VID).int()
-        alone = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits[0]
-        a, n = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
-        torch.testing.assert_close(out.logits[0, a:a + n], alone, rtol=0, atol=LOGIT_ATOL)
-        ce_sum += float(F.cross_entropy(alone[:-1], labels[0, 1:], ignore_index=IGNORE, reduction="sum"))
-        n_sum += int((labels[0, 1:] != IGNORE).sum())
-    torch.testing.assert_close(out.loss, torch.tensor(ce_sum / n_sum), rtol=0, atol=1e-5)
-
-
-def assert_same_hf_kwargs(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 # --------------------------------------------------------------------------- end to end

@@ -154,8 +154,9 @@ def assert_model_equivalent(model, batch, samples):
     for i, s in enumerate(samples):
         ids = s["input_ids"].reshape(1, -1)
         labels = s["labels"].reshape(1, -1)
-        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw") if k in s}
-        types = (ids == IMG).int()
+        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                "second_per_grid_ts") if k in s}
+        types = (ids == IMG).int() + 2 * (ids == VID).int()  # mm_token_type_ids: 1 image, 2 video
         alone = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits[0]
         a, n = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         torch.testing.assert_close(out.logits[0, a:a + n], alone, rtol=0, atol=LOGIT_ATOL)
