@@ -336,6 +336,23 @@ def reference_dpo(policy, ref, rows, beta) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
+def packed_dpo_step(policy, ref, batch, cp_size, beta, num_items, chunk_size=None):
+    """One pack's DPO loss, backpropagated: the pack run whole, its logits split into CP shards
+    whose partial sequence log-probs are summed (a CP all-reduce). Returns the detached loss."""
+    kw = batch.to_hf_kwargs(include_labels=False)
+    logits = policy(**kw, use_cache=False).logits[0]
+    with torch.no_grad():
+        ref_logits = ref(**kw, use_cache=False).logits[0]
+    shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
+    idx = [s.partition_indices if s.is_shard else slice(None) for s in shards]
+    chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
+    pol = sum(sequence_logps(logits[i], s, **chunk)[0] for i, s in zip(idx, shards))
+    refl = sum(sequence_logps(ref_logits[i], s)[0] for i, s in zip(idx, shards))
+    loss = dpo_loss(pol, refl, shards[0], beta, num_items=num_items)
+    loss.backward()
+    return loss.detach()
+
+
 def packed_dpo_grad(policy, ref, rows, beta, cp_size):
     """Packs planned with pair groups (several pairs per pack); each pack run whole, its logits
     split into CP shards whose partial sequence log-probs are summed (a CP all-reduce)."""
@@ -347,17 +364,8 @@ def packed_dpo_grad(policy, ref, rows, beta, cp_size):
     for k in range(len(plan)):
         pack = plan.pack(k)
         batch = build_thd_batch([rows[i] for i in pack], sample_index=pack, cp_size=cp_size)
-        kw = batch.to_hf_kwargs(include_labels=False)
-        logits = policy(**kw, use_cache=False).logits[0]
-        with torch.no_grad():
-            ref_logits = ref(**kw, use_cache=False).logits[0]
-        shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
-        idx = [s.partition_indices if s.is_shard else slice(None) for s in shards]
-        pol = sum(sequence_logps(logits[i], s, chunk_size=5)[0] for i, s in zip(idx, shards))
-        refl = sum(sequence_logps(ref_logits[i], s)[0] for i, s in zip(idx, shards))
-        loss = dpo_loss(pol, refl, shards[0], beta, num_items=len(rows) // 2)
-        loss.backward()
-        total = total + loss.detach()
+        loss = packed_dpo_step(policy, ref, batch, cp_size, beta, len(rows) // 2, chunk_size=5)
+        total = total + loss
     return total, grads(policy).clone()
 
 

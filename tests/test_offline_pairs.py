@@ -24,12 +24,11 @@ import torch
 pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
-from thdpack import shard_for_cp  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
-from thdpack.losses import dpo_loss, sequence_logps  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.row_formats import detect_format  # noqa: E402
+from test_losses import packed_dpo_step  # noqa: E402
 
 IGNORE = -100
 
@@ -157,18 +156,7 @@ def test_dpo_loss_on_loaded_packs_equals_unpacked_pairs(tmp_path, cp_size):
     policy.zero_grad()
     total = 0.0
     for k in range(len(ds)):
-        batch = ds.collator()(ds[k])
-        kw = batch.to_hf_kwargs(include_labels=False)
-        logits = policy(**kw, use_cache=False).logits[0]
-        with torch.no_grad():
-            ref_logits = ref(**kw, use_cache=False).logits[0]
-        shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
-        idx = [s.partition_indices if s.is_shard else slice(None) for s in shards]
-        pol = sum(sequence_logps(logits[i], s)[0] for i, s in zip(idx, shards))  # a CP all-reduce
-        refl = sum(sequence_logps(ref_logits[i], s)[0] for i, s in zip(idx, shards))
-        loss = dpo_loss(pol, refl, shards[0], beta, num_items=num_pairs)
-        loss.backward()
-        total = total + loss.detach()
+        total = total + packed_dpo_step(policy, ref, ds.collator()(ds[k]), cp_size, beta, num_pairs)
     got = grads(policy).clone()
     policy.zero_grad()
     want = reference_dpo(policy, ref, packed_samples(out), beta)
