@@ -5,7 +5,8 @@ the demo tokenizer with Qwen-VL's vision tokens (tests/test_offline_vlm.py's ass
 tiny random-weight configs of the four families.
 
 The reference side runs the frame preparation of :mod:`thdpack.offline.video` (checked
-on its own against the written-out rules of qwen-vl-utils below), then expands every
+on its own against the written-out rules of qwen-vl-utils and of transformers' video
+processors below), then expands every
 ``<video>`` itself (Qwen3: timestamps per temporal patch, as the processor writes them)
 and tokenizes with transformers' chat template. A pack read from disk must equal
 ``build_thd_batch`` of those samples, and a tiny model must give each sample's logits.
@@ -36,7 +37,9 @@ from thdpack import build_thd_batch  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
-from thdpack.offline.video import VideoOptions, frame_timestamps, load_video, sample_indices, video_patches  # noqa: E402
+from thdpack.offline.video import (  # noqa: E402
+    VideoOptions, frame_timestamps, load_video, sample_indices, video_patches, video_rule,
+)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 VIDEO_OPTS = {"min_pixels": 16, "max_pixels": 256}
@@ -177,8 +180,9 @@ def reference_samples(assets, family: str, rows) -> list[dict]:
                                 for g in enc["image_grid_thw"]]
         pvs, grids, spg = [], [], []
         for ref in videos:
-            v = load_video(assets / ref, ref, VideoOptions(**VIDEO_OPTS), TPATCH, PATCH * MERGE)
-            pv, (t, h, w) = video_patches(v.frames, proc.image_mean, proc.image_std, PATCH, MERGE, TPATCH)
+            rule = video_rule(family)  # checked against transformers_video below
+            v = load_video(assets / ref, ref, VideoOptions(**VIDEO_OPTS), TPATCH, PATCH * MERGE, rule)
+            pv, (t, h, w) = video_patches(v.frames, rule.mean, rule.std, PATCH, MERGE, TPATCH)
             pvs.append(pv)
             grids.append([t, h, w])
             spg.append(TPATCH / v.sampled_fps)
@@ -376,3 +380,99 @@ def test_bad_video_options_are_named(tmp_path, assets):
         build_packed(cfg(assets, video={"fsp": 1}), tmp_path / "x", progress=False, log=None)
     with pytest.raises(ConfigError, match=r"video: need fps > 0 and 1 <= min_frames <= max_frames"):
         build_packed(cfg(assets, video={"fps": 0}), tmp_path / "x", progress=False, log=None)
+
+
+# --------------------------------------------------------------------------- transformers' video processors, written out
+
+# transformers 5.24 (the installed one; read in .venv/lib/python3.11/site-packages/transformers/models/):
+# - qwen3_vl/video_processing_qwen3_vl.py, Qwen3VLVideoProcessor (Qwen3-VL and Qwen3.5: auto/video_processing_auto.py):
+#   image_mean / image_std IMAGENET_STANDARD (0.5); sample_frames: n = int(total / video_fps * fps) clamped to
+#   min(max(n, min_frames), max_frames, total), indices linspace(0, total - 1, n).round(); resize (cap_pixels_per_frame
+#   unset, i.e. off): the module's smart_resize(n, h, w, temporal_factor, factor, min_pixels, max_pixels) whose bounds
+#   are on t_bar·h·w, the whole video; patchify repeats the last frame up to a multiple of the temporal patch.
+# - qwen2_vl/video_processing_qwen2_vl.py, Qwen2VLVideoProcessor (Qwen2-VL and Qwen2.5-VL): OPENAI_CLIP mean / std;
+#   resize (cap unset): the per-frame smart_resize of qwen2_vl/image_processing_qwen2_vl.py with the size's bounds;
+#   it samples no frames by default (do_sample_frames=False), so frames are qwen-vl-utils' smart_nframes.
+QWEN3 = ("qwen3_vl", "qwen3_5")
+
+
+def transformers_video(path, family: str, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768,
+                       min_pixels: int = 16, max_pixels: int = 256) -> tuple[np.ndarray, list]:
+    """``(pixel_values_videos [t·h·w, 3·TPATCH·PATCH²] float32, grid [t, h, w])`` of one video file as
+    the family's transformers video processor prepares it (PIL bicubic for torchvision's)."""
+    from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as frame_resize
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
+
+    with av.open(str(path)) as c:
+        s = c.streams.video[0]
+        video_fps = float(s.average_rate)
+        frames = [f.to_image() for f in c.decode(s)]
+    total, factor = len(frames), PATCH * MERGE
+    if family in QWEN3:
+        n = min(max(int(total / video_fps * fps), min_frames), max_frames, total)
+    else:
+        n = min(max(total / video_fps * fps, math.ceil(min_frames / TPATCH) * TPATCH),
+                math.floor(min(max_frames, total) / TPATCH) * TPATCH)
+        n = math.floor(n / TPATCH) * TPATCH
+    idx = np.linspace(0, total - 1, n).round().astype(int)
+    w0, h0 = frames[0].size
+    if family in QWEN3:
+        h, w = video_resize(n, h0, w0, temporal_factor=TPATCH, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        mean, std = IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD
+    else:
+        h, w = frame_resize(h0, w0, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    x = np.stack([np.asarray(frames[i].convert("RGB").resize((w, h), Image.BICUBIC)) for i in idx])
+    x = ((x.astype(np.float32) / 255 - np.float32(mean)) / np.float32(std)).transpose(0, 3, 1, 2)  # [n, C, h, w]
+    x = np.concatenate([x] + [x[-1:]] * (-n % TPATCH))  # patchify's repeat of the last frame
+    t, gh, gw = x.shape[0] // TPATCH, h // PATCH, w // PATCH
+    x = x.reshape(t, TPATCH, 3, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, 3 * TPATCH * PATCH * PATCH), [t, gh, gw]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_video_pixels_follow_the_family_transformers_video_processor(tmp_path, assets, family):
+    """vid/0 (8 frames, 16 x 20, 6 fps) and vid/2 (5 frames, 2 fps): Qwen3's whole-video pixel budget gives
+    4 x 8 frames where Qwen2's per-frame one gives 12 x 16, Qwen3 keeps 5 frames (Qwen2: 4), and the means differ."""
+    path = tmp_path / "two.jsonl"
+    write_rows(path, [ROWS[0], ROWS[3]])
+    res = build_packed(cfg(assets, family, input=str(path), image_dir=str(assets)), tmp_path / "out", progress=False,
+                       log=None)
+    ds = load_packed(res.path)
+    got = {}
+    for k in range(len(ds)):
+        kw = ds.collator()(ds[k]).to_hf_kwargs()
+        pv = kw["pixel_values_videos"].numpy()
+        at = 0
+        for r, g in zip(ds.collator()(ds[k]).sample_index.tolist(), kw["video_grid_thw"].tolist()):
+            got[r] = (pv[at:at + math.prod(g)], g)
+            at += math.prod(g)
+    for r, ref in [(0, "vid/0.mp4"), (1, "vid/2.mp4")]:
+        want_pv, want_grid = transformers_video(assets / ref, family)
+        assert got[r][1] == want_grid, (family, ref)
+        np.testing.assert_allclose(got[r][0], want_pv, rtol=0, atol=1e-6)
+    assert (got[0][1][1:] == [2, 4]) == (family in QWEN3)  # 4 x 8 pixels: the budget is the whole video's
+    assert (got[1][1][0] == 3) == (family in QWEN3)  # 5 frames (the last repeated): Qwen3 does not floor to 2
+
+
+def test_frame_sizes_of_long_videos_and_the_qwen2_only_total_pixels(tmp_path, assets):
+    """Qwen2-VL's video processor bounds each frame (no cap by default); qwen-vl-utils' total_pixels cap
+    only when asked; Qwen3-VL bounds the whole video with its own smart_resize, and refuses total_pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as frame_resize
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
+
+    from thdpack.offline import ConfigError
+    from thdpack.offline.video import frame_size
+
+    f = 28
+    assert frame_size(720, 1280, 400, VideoOptions(), f, 2) == frame_resize(720, 1280, f, 128 * f * f, 768 * f * f)
+    capped = max(min(768 * f * f, 115200 * f * f / 400 * 2), int(128 * f * f * 1.05))
+    assert frame_size(720, 1280, 400, VideoOptions(total_pixels=115200 * f * f), f, 2) == frame_resize(
+        720, 1280, f, 128 * f * f, capped) != frame_resize(720, 1280, f, 128 * f * f, 768 * f * f)
+    f = 32
+    got = frame_size(720, 1280, 40, VideoOptions(), f, 2, video_rule("qwen3_5"))
+    assert got == video_resize(40, 720, 1280, 2, f, 128 * f * f, 768 * f * f) and 40 * got[0] * got[1] <= 768 * f * f
+    with pytest.raises(ConfigError, match=r"video: total_pixels is for Qwen2-VL / Qwen2\.5-VL; qwen3_vl's max_pixels"):
+        build_packed(cfg(assets, "qwen3_vl", video=dict(VIDEO_OPTS, total_pixels=4096)), tmp_path / "x",
+                     progress=False, log=None)

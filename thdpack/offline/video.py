@@ -1,25 +1,36 @@
-"""Videos of offline VLM builds: decode with PyAV, sample and prepare frames as Qwen does.
+"""Videos of offline VLM builds: decode with PyAV, sample and prepare frames as transformers' Qwen video processors do.
 
 The decoder is PyAV (``av`` on PyPI, in the ``video`` extra): its wheels bundle FFmpeg,
 so it installs beside any torch. ``torchcodec`` needs system FFmpeg libraries and a
 torch it was built for, and transformers' Qwen video processors need torchvision, whose
 PyPI wheels do not load beside the CPU build of torch; so the frames are prepared here,
-step for step as Qwen's reference preprocessing (``qwen-vl-utils``' ``fetch_video``)
-and transformers' video processors do it:
+step for step as the family's video processor does it (transformers 5.24, read in
+``transformers/models/``; :func:`video_rule` picks the rule by ``model_type``):
 
-1. **frames** (``smart_nframes``): ``n = total / video_fps · fps``, clamped to
-   ``[min_frames, min(max_frames, total)]`` and floored to a multiple of the temporal
-   patch; indices ``linspace(0, total - 1, n).round()``; the sampled fps is
-   ``n / total · video_fps``;
-2. **size** (``smart_resize``): every frame to one ``(h, w)``, multiples of
-   ``patch_size · merge_size``, with ``min_pixels <= h·w <= max(min(max_pixels,
-   total_pixels / n · temporal), 1.05 · min_pixels)``; bicubic;
-3. **patches**: rescale to [0, 1], normalize with the image processor's mean / std,
-   and cut ``[grid_t · grid_h · grid_w, 3 · temporal · patch²]`` in the processors'
-   order (the same rows the image processor gives for an image);
-4. ``second_per_grid_ts = temporal / sampled_fps`` (a float: fractional values kept),
-   and Qwen3-VL / Qwen3.5's timestamps: per temporal patch, the mean time of its first
-   and last frame (``index / video_fps``), written ``<{t:.1f} seconds>``.
+- **Qwen3-VL, Qwen3.5** (``qwen3_vl/video_processing_qwen3_vl.py``, ``Qwen3VLVideoProcessor``):
+  frames (``sample_frames``): ``n = int(total / video_fps · fps)`` clamped to
+  ``min(max(n, min_frames), max_frames, total)``, not floored to the temporal patch;
+  size (``resize`` with ``cap_pixels_per_frame`` unset, i.e. off): that module's
+  ``smart_resize(n, h, w, temporal_factor, factor, min_pixels, max_pixels)``, whose
+  bounds hold ``t_bar · h · w``, the **whole video** (``size`` shortest / longest edge,
+  ``128 · 32²`` / ``768 · 32²``); mean / std ``IMAGENET_STANDARD`` (0.5), whatever the
+  image processor's;
+- **Qwen2-VL, Qwen2.5-VL** (``qwen2_vl/video_processing_qwen2_vl.py``, ``Qwen2VLVideoProcessor``):
+  it samples no frame by default (``do_sample_frames=False``), so frames follow Qwen's
+  reference preprocessing (``qwen-vl-utils``' ``smart_nframes``): ``n = total / video_fps · fps``,
+  clamped to ``[min_frames, min(max_frames, total)]`` and floored to a multiple of the
+  temporal patch; size (``resize``, cap unset): the per-frame ``smart_resize`` of
+  ``qwen2_vl/image_processing_qwen2_vl.py``, ``min_pixels <= h·w <= max_pixels`` (``128 · 28²``
+  / ``768 · 28²``), and only when ``total_pixels`` is given qwen-vl-utils' cap
+  ``max(min(max_pixels, total_pixels / n · temporal), 1.05 · min_pixels)``; mean / std ``OPENAI_CLIP``.
+
+Both: indices ``linspace(0, total - 1, n).round()``, sampled fps ``n / total · video_fps``;
+every frame to one ``(h, w)`` (bicubic: PIL's, for torchvision's); rescale to [0, 1],
+normalize, and cut ``[grid_t · grid_h · grid_w, 3 · temporal · patch²]`` in the processors'
+``patchify`` order, the last frame repeated up to a multiple of ``temporal``;
+``second_per_grid_ts = temporal / sampled_fps`` (a float: fractional values kept), and
+Qwen3-VL / Qwen3.5's timestamps: per temporal patch, the mean time of its first and last
+frame (``index / video_fps``), written ``<{t:.1f} seconds>``.
 """
 
 from __future__ import annotations
@@ -30,20 +41,45 @@ from pathlib import Path
 
 import numpy as np
 
-# qwen-vl-utils' defaults (vision_process.py): FPS, FPS_MIN_FRAMES, FPS_MAX_FRAMES and the
-# pixel bounds in units of (patch · merge)² ("tokens" of 28² for Qwen2/2.5-VL, 32² for Qwen3)
+# the video processors' defaults (fps, min_frames, max_frames; both families) and their size
+# bounds in units of (patch · merge)²: 128 and 768 "tokens" of 28² (Qwen2/2.5-VL: per frame)
+# or 32² (Qwen3-VL / Qwen3.5: the whole video)
 DEFAULT_FPS = 2.0
 DEFAULT_MIN_FRAMES = 4
 DEFAULT_MAX_FRAMES = 768
-MIN_TOKENS_PER_FRAME = 128
-MAX_TOKENS_PER_FRAME = 768
-MAX_VIDEO_TOKENS = int(128000 * 0.9)
+MIN_TOKENS = 128
+MAX_TOKENS = 768
+# transformers' image_utils: OPENAI_CLIP (Qwen2VLVideoProcessor), IMAGENET_STANDARD (Qwen3VLVideoProcessor)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+STANDARD_MEAN, STANDARD_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # auto: Qwen3VLVideoProcessor
+
+
+@dataclass(frozen=True)
+class VideoRule:
+    """The family's transformers video processor: ``whole_video`` (Qwen3VLVideoProcessor:
+    frames not floored to the temporal patch, pixel bounds over ``t · h · w``) or not
+    (Qwen2VLVideoProcessor), and its normalisation."""
+
+    whole_video: bool
+    mean: tuple
+    std: tuple
+
+
+QWEN2_RULE = VideoRule(False, CLIP_MEAN, CLIP_STD)
+QWEN3_RULE = VideoRule(True, STANDARD_MEAN, STANDARD_STD)
+
+
+def video_rule(model_type: str) -> VideoRule:
+    """The :class:`VideoRule` of a family (``model_type`` of its config)."""
+    return QWEN3_RULE if model_type in QWEN3_MODEL_TYPES else QWEN2_RULE
 
 
 @dataclass(frozen=True)
 class VideoOptions:
     """How a video becomes frames (see the module docstring); pixel bounds of None take
-    qwen-vl-utils' defaults for the family's ``patch_size · merge_size``."""
+    the video processor's defaults for the family's ``patch_size · merge_size``;
+    ``total_pixels`` (Qwen2-VL / Qwen2.5-VL only) turns on qwen-vl-utils' per-frame cap."""
 
     fps: float = DEFAULT_FPS
     min_frames: int = DEFAULT_MIN_FRAMES
@@ -71,11 +107,16 @@ class VideoOptions:
             raise ValueError(f"video: need fps > 0 and 1 <= min_frames <= max_frames, got {spec}")
         return opts
 
-    def pixel_bounds(self, factor: int) -> tuple[int, int, int]:
-        """``(min_pixels, max_pixels, total_pixels)`` for spatial factor ``patch · merge``."""
+    def pixel_bounds(self, factor: int) -> tuple[int, int]:
+        """``(min_pixels, max_pixels)`` for spatial factor ``patch · merge``."""
         f2 = factor * factor
-        return (self.min_pixels or MIN_TOKENS_PER_FRAME * f2, self.max_pixels or MAX_TOKENS_PER_FRAME * f2,
-                self.total_pixels or MAX_VIDEO_TOKENS * f2)
+        return self.min_pixels or MIN_TOKENS * f2, self.max_pixels or MAX_TOKENS * f2
+
+    def check(self, rule: VideoRule, model_type: str) -> None:
+        """Raise ValueError for an option the family's video processor has no use for."""
+        if rule.whole_video and self.total_pixels is not None:
+            raise ValueError(f"video: total_pixels is for Qwen2-VL / Qwen2.5-VL; {model_type}'s max_pixels already "
+                             "bounds the whole video (t·h·w): remove total_pixels")
 
 
 @dataclass
@@ -114,35 +155,49 @@ def decode_video(path: Path, name: str) -> tuple[list, float]:
     return frames, float(rate) if rate else 24.0
 
 
-def sample_indices(total: int, video_fps: float, opts: VideoOptions, temporal: int, name: str) -> np.ndarray:
-    """int64 ``[n]`` frame indices as qwen-vl-utils' ``smart_nframes`` picks them."""
-    lo = math.ceil(opts.min_frames / temporal) * temporal
-    hi = math.floor(min(opts.max_frames, total) / temporal) * temporal
-    n = total / video_fps * opts.fps
-    n = math.floor(min(max(n, lo), hi) / temporal) * temporal
+def sample_indices(total: int, video_fps: float, opts: VideoOptions, temporal: int, name: str,
+                   rule: VideoRule = QWEN2_RULE) -> np.ndarray:
+    """int64 ``[n]`` frame indices: Qwen3VLVideoProcessor's ``sample_frames`` (``rule.whole_video``)
+    or qwen-vl-utils' ``smart_nframes``."""
+    if rule.whole_video:
+        n = min(max(int(total / video_fps * opts.fps), opts.min_frames), opts.max_frames, total)
+    else:
+        lo = math.ceil(opts.min_frames / temporal) * temporal
+        hi = math.floor(min(opts.max_frames, total) / temporal) * temporal
+        n = total / video_fps * opts.fps
+        n = math.floor(min(max(n, lo), hi) / temporal) * temporal
     if not temporal <= n <= total:
         raise ValueError(f"video {name!r}: {total} frame(s), fewer than the temporal patch ({temporal}) needs; "
                          "use a longer video or remove it")
     return np.linspace(0, total - 1, n).round().astype(np.int64)
 
 
-def frame_size(height: int, width: int, n: int, opts: VideoOptions, factor: int, temporal: int) -> tuple[int, int]:
-    """``(h, w)`` every frame is resized to (qwen-vl-utils' ``fetch_video``)."""
+def frame_size(height: int, width: int, n: int, opts: VideoOptions, factor: int, temporal: int,
+               rule: VideoRule = QWEN2_RULE) -> tuple[int, int]:
+    """``(h, w)`` every one of the ``n`` frames is resized to: transformers' own ``smart_resize``
+    of the family's video processor (see the module docstring)."""
+    min_px, max_px = opts.pixel_bounds(factor)
+    if rule.whole_video:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
+
+        return video_resize(n, height, width, temporal_factor=temporal, factor=factor, min_pixels=min_px,
+                            max_pixels=max_px)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    min_px, max_px, total_px = opts.pixel_bounds(factor)
-    max_px = max(min(max_px, total_px / n * temporal), int(min_px * 1.05))
+    if opts.total_pixels is not None:
+        max_px = max(min(max_px, opts.total_pixels / n * temporal), int(min_px * 1.05))
     return smart_resize(height, width, factor=factor, min_pixels=min_px, max_pixels=max_px)
 
 
-def load_video(path: Path, name: str, opts: VideoOptions, temporal: int, factor: int) -> Video:
+def load_video(path: Path, name: str, opts: VideoOptions, temporal: int, factor: int,
+               rule: VideoRule = QWEN2_RULE) -> Video:
     """The sampled frames of one video file, resized (bicubic) to :func:`frame_size`."""
     from PIL import Image
 
     frames, video_fps = decode_video(path, name)
-    idx = sample_indices(len(frames), video_fps, opts, temporal, name)
+    idx = sample_indices(len(frames), video_fps, opts, temporal, name, rule)
     w0, h0 = frames[0].size
-    h, w = frame_size(h0, w0, len(idx), opts, factor, temporal)
+    h, w = frame_size(h0, w0, len(idx), opts, factor, temporal, rule)
     out = np.stack([np.asarray(frames[i].convert("RGB").resize((w, h), Image.BICUBIC)) for i in idx.tolist()])
     return Video(out, idx, video_fps, len(frames))
 

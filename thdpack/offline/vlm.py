@@ -52,8 +52,9 @@ marker would.
 Videos: a ``videos`` field (``videos_field``) with ``<video>`` markers
 (``video_placeholder``), or content parts ``{"type": "video", "video": PATH}``, mixed
 with images and text. Each video is decoded and its frames prepared as Qwen's
-preprocessing does it (:mod:`thdpack.offline.video`: PyAV, options in ``video:``),
-with the build image processor's mean / std; the marker becomes
+preprocessing and the family's transformers video processor do it
+(:mod:`thdpack.offline.video`: PyAV, options in ``video:``), with that video processor's
+mean / std (not the image processor's); the marker becomes
 ``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|video_pad|>`` + ``<|vision_end|>``
 (Qwen3-VL / Qwen3.5: per temporal patch ``<{t:.1f} seconds>`` + start + ``h·w / merge²``
 pads + end, as their processors write it). Per pack, four more columns:
@@ -242,10 +243,11 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
     end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
                        _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
     row_dirs = [_file_dir(cfg, f) for f in source.files]
-    from thdpack.offline.video import VideoOptions
+    from thdpack.offline.video import VideoOptions, video_rule
 
     try:
         video_options = VideoOptions.from_config(cfg.video)
+        video_options.check(video_rule(family.model_type), family.model_type)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return VlmBuild(
@@ -416,21 +418,21 @@ class VlmRowTokenizer(RowTokenizer):
         ``used``: vision patches of the row's images. Under ``overflow: truncate`` a video
         that would take the row over ``vision_budget`` keeps its first temporal patches
         that fit (at least one, or the row fails)."""
-        from thdpack.offline.video import frame_timestamps, load_video, video_patches
+        from thdpack.offline.video import frame_timestamps, load_video, video_patches, video_rule
 
         if self.video_str is None:
             raise ValueError(f"model_config ({self.vlm.family.model_type}) has no video_token_id: it takes no video")
         proc, fam = self.vlm.processor, self.vlm.family
         patch, temporal = int(proc.patch_size), int(getattr(proc, "temporal_patch_size", 1) or 1)
-        merge = fam.spatial_merge_size
+        merge, rule = fam.spatial_merge_size, video_rule(fam.model_type)
         pv, grids, spg, stamps, cut = [], [], [], [], 0
         for ref in refs:
             path, name = self._resolve(ref, row, "video")
-            video = load_video(path, name, self.vlm.video_options, temporal, patch * merge)
+            video = load_video(path, name, self.vlm.video_options, temporal, patch * merge, rule)
             if self.vlm.overflow == "truncate" and self.vlm.vision_budget is not None:
                 video, k = _fit_budget(video, self.vlm.vision_budget - used, temporal, patch, name)
                 cut += k
-            p, g = video_patches(video.frames, proc.image_mean, proc.image_std, patch, merge, temporal)
+            p, g = video_patches(video.frames, rule.mean, rule.std, patch, merge, temporal)
             used += int(g.prod())
             pv.append(p)
             grids.append(g)
