@@ -476,3 +476,30 @@ def test_frame_sizes_of_long_videos_and_the_qwen2_only_total_pixels(tmp_path, as
     with pytest.raises(ConfigError, match=r"video: total_pixels is for Qwen2-VL / Qwen2\.5-VL; qwen3_vl's max_pixels"):
         build_packed(cfg(assets, "qwen3_vl", video=dict(VIDEO_OPTS, total_pixels=4096)), tmp_path / "x",
                      progress=False, log=None)
+
+
+def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_copied(tmp_path, assets, monkeypatch):
+    """Peak memory (benchmarks/video.py): a map batch's float32 pixel rows are held until the batch is written,
+    so VLM builds cap the batch at VISION_MAP_BATCH_SIZE rows, and each row's pixels are dropped as soon as
+    they are copied into the Arrow column; the bytes written are those of any other batch size."""
+    import thdpack.offline.vlm as vlm
+
+    path = tmp_path / "many.jsonl"
+    write_rows(path, ROWS * 9)  # 36 rows
+    seen, append = [], vlm._append_lists
+
+    def spy(table, name, rows, *args, **kw):
+        out = append(table, name, rows, *args, **kw)
+        if name in ("pixel_values", "pixel_values_videos"):
+            seen.append((name, len(rows), all(r is None for r in rows)))
+        return out
+
+    monkeypatch.setattr(vlm, "_append_lists", spy)
+    big = build_packed(cfg(assets, input=str(path), image_dir=str(assets), map_batch_size=1000, shuffle_packs=False),
+                       tmp_path / "big", progress=False, log=None)
+    assert seen and max(n for _, n, _ in seen) <= vlm.VISION_MAP_BATCH_SIZE < len(ROWS) * 9, seen
+    assert all(freed for _, _, freed in seen), seen
+    small = build_packed(cfg(assets, input=str(path), image_dir=str(assets), map_batch_size=3, shuffle_packs=False),
+                         tmp_path / "small", progress=False, log=None)
+    arrows = sorted(p.name for p in big.path.glob("*.arrow"))
+    assert arrows and all((big.path / a).read_bytes() == (small.path / a).read_bytes() for a in arrows)

@@ -687,7 +687,8 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             return RowTokenizer(fmt, cfg, tok, ds.column_names, bpe)
         return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source, bpe)
 
-    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, cfg.map_batch_size))) if cfg.num_proc > 1 else None
+    batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
+    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
     if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (spill.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
     if not progress:
@@ -695,7 +696,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     def tokenize_all(fn):
         kwargs = dict(
             batched=True,
-            batch_size=cfg.map_batch_size,
+            batch_size=batch_size,
             remove_columns=ds.column_names,
             with_indices=vlm is not None,
             features=features,

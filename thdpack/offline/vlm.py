@@ -81,6 +81,7 @@ from thdpack.offline.tokenize import (IGNORE_INDEX, IMAGE_PART_TYPES, VIDEO_PART
 
 VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "video_counts", "second_per_grid_ts")
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts") + VIDEO_COLUMNS
+VISION_MAP_BATCH_SIZE = 16  # benchmarks/video.py: 300 videos peak 1169 MB at 64 rows a batch, 1044 MB at 16
 CUT_COLUMN = "video_patches_cut"  # tokenized rows: temporal patches cut off the row's videos (overflow: truncate)
 PROCESSOR_DIR = "image_processor"
 # the Qwen-VL families' defaults when a config dict leaves them out
@@ -112,6 +113,11 @@ class VlmBuild:
     overflow: str = "error"  # cfg.overflow: "truncate" cuts videos over vision_budget to their first frames
 
     # ---- tokenization
+    def map_batch_size(self, requested: int) -> int:
+        """Rows per tokenization batch: at most :data:`VISION_MAP_BATCH_SIZE`, since a batch's
+        float32 pixel rows (a short video: megabytes) are held together until it is written."""
+        return min(requested, VISION_MAP_BATCH_SIZE)
+
     def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> "VlmRowTokenizer":
         return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source, bpe)
 
@@ -577,27 +583,49 @@ class VlmRowTokenizer(RowTokenizer):
                     targets[i] = np.where(is_pad, False, t) if t.dtype == bool else np.where(is_pad, IGNORE_INDEX, t)
         table = super()._to_table(ids, targets, errors)
         ok = {i for i, e in enumerate(errors) if e is None}
-        table = _append_lists(table, "pixel_values", [pixels[i] if i in ok else None for i in range(len(ids))], True)
-        table = _append_lists(table, "image_grid_thw", [grids[i] if i in ok else None for i in range(len(ids))])
-        vids = [videos[i] if i in ok else None for i in range(len(ids))]
-        table = _append_lists(table, "pixel_values_videos", [v and v.pixels for v in vids], True)
+        table = _append_lists(table, "pixel_values", _take(pixels, ok), True)
+        table = _append_lists(table, "image_grid_thw", _take(grids, ok))
+        vids = _take(videos, ok)
+        table = _append_lists(table, "pixel_values_videos", _take_video_pixels(vids), True)
         table = _append_lists(table, "video_grid_thw", [v and v.grids for v in vids])
         table = _append_lists(table, "second_per_grid_ts", [v and v.second_per_grid_ts for v in vids], dtype=np.float32)
         cut = np.array([0 if v is None else v.patches_cut for v in vids], np.int32)
         return table.append_column(CUT_COLUMN, pa.array(cut))
 
 
+def _take(rows: list, ok: set) -> list:
+    """The entries of ``rows`` at ``ok`` (None elsewhere); ``rows`` is emptied, so that
+    :func:`_append_lists` can free each entry once it is copied."""
+    out = [r if i in ok else None for i, r in enumerate(rows)]
+    rows.clear()
+    return out
+
+
+def _take_video_pixels(videos: list) -> list:
+    """Every row's ``RowVideos.pixels`` (None for a row without videos), taken out of it."""
+    out = [v and v.pixels for v in videos]
+    for v in videos:
+        if v is not None:
+            v.pixels = None
+    return out
+
+
 def _append_lists(table, name: str, rows: list, large: bool = False, dtype=None):
     """``table`` with a list column ``name`` of ``rows`` (arrays flattened; None: empty);
-    int32 values unless ``dtype`` or ``large`` (float32 pixels)."""
+    int32 values unless ``dtype`` or ``large`` (float32 pixels). ``rows`` is emptied as each
+    entry is copied into the column, so a batch's pixels are held about once, not three times."""
     import pyarrow as pa
 
     dtype = dtype or (np.float32 if large else np.int32)
-    parts = [np.zeros(0, dtype)] + [np.asarray(r).reshape(-1).astype(dtype) for r in rows if r is not None]
     lens = np.array([0 if r is None else np.asarray(r).size for r in rows], np.int64)
     off = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(lens, out=off[1:])
-    values = pa.array(np.concatenate(parts))
+    flat = np.empty(int(off[-1]), dtype)
+    for k, r in enumerate(rows):
+        if r is not None:
+            flat[off[k]:off[k + 1]] = np.asarray(r).reshape(-1)
+            rows[k] = None
+    values = pa.array(flat)
     arr = (pa.LargeListArray.from_arrays(pa.array(off), values) if large
            else pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), values))
     return table.append_column(name, arr)
