@@ -128,3 +128,190 @@ def test_collator_keeps_groups_in_one_pack():
         assert all(pairs.count(p) == 2 for p in pairs), pairs  # both rows of every pair in the pack
     with pytest.raises(SampleError, match="sample 0 has no 'pair' field"):
         ThdCollator(pack_size=48, group_field="pair")([{"input_ids": [1, 2]}])
+
+
+# --------------------------------------------------------------------------
+# plan_balanced: groups larger than one pack (bundles of k <= M packs on one rank, one step)
+# --------------------------------------------------------------------------
+def ref_ffd_count(sizes, cap):
+    """Packs first-fit decreasing needs for ``sizes`` (each <= cap), plain Python."""
+    bins = []
+    for s in sorted(sizes, reverse=True):
+        for b in range(len(bins)):
+            if bins[b] + s <= cap:
+                bins[b] += s
+                break
+        else:
+            bins.append(s)
+    return len(bins)
+
+
+def ref_deal_units(unit_costs, unit_slots, num_bins, slots_per_bin):
+    """Units in order, each to the least-loaded bin (ties: lowest) with enough free slots; -1 if none."""
+    load, free, out = [0.0] * num_bins, [slots_per_bin] * num_bins, []
+    for c, k in zip(unit_costs, unit_slots):
+        fits = [b for b in range(num_bins) if free[b] >= k]
+        if not fits:
+            out.append(-1)
+            continue
+        b = min(fits, key=lambda b: (load[b], b))
+        out.append(b)
+        free[b] -= k
+        load[b] += float(c)
+    return out
+
+
+def ref_bundle_steps(singles, bundles, costs, R, M):
+    """Bundles (by decreasing cost), then single packs and fill copies (of the cheapest singles, or
+    packs) by decreasing cost, dealt over the fewest steps' (step, rank) bins that take every bundle;
+    bins sorted by decreasing load, cut into steps of R. Returns ([S][R][M] pack ids, copies)."""
+    bundle_cost = [sum(float(costs[p]) for p in b) for b in bundles]
+    border = sorted(range(len(bundles)), key=lambda b: -bundle_cost[b])  # stable
+    n = len(singles) + sum(len(b) for b in bundles)
+    S = max(-(-n // (R * M)), -(-sum(2 * len(b) > M for b in bundles) // R))
+    while -1 in ref_deal_units([bundle_cost[b] for b in border], [len(bundles[b]) for b in border], S * R, M):
+        S += 1
+    copies = S * R * M - n
+    pool = sorted(singles if len(singles) else range(len(costs)), key=lambda p: float(costs[p]))
+    fill = sorted(list(singles) + [pool[i % len(pool)] for i in range(copies)], key=lambda p: -float(costs[p]))
+    units = [list(bundles[b]) for b in border] + [[p] for p in fill]
+    unit_costs = [bundle_cost[b] for b in border] + [float(costs[p]) for p in fill]
+    bins = ref_deal_units(unit_costs, [len(u) for u in units], S * R, M)
+    contents, load = [[] for _ in range(S * R)], [0.0] * (S * R)
+    for u, c, b in zip(units, unit_costs, bins):
+        contents[b] += [int(p) for p in u]
+        load[b] += c
+    by_load = sorted(range(S * R), key=lambda b: -load[b])
+    return [[contents[b] for b in by_load[s * R:(s + 1) * R]] for s in range(S)], copies
+
+
+def plan_bundles(bp, groups):
+    """(singles, bundles) of a balanced plan: packs holding a group of several packs, per group."""
+    pack_groups = [set(np.asarray(groups)[bp.plan.pack(k)].tolist()) for k in range(len(bp.plan))]
+    packs_of = {}
+    for k, gs in enumerate(pack_groups):
+        for g in gs:
+            packs_of.setdefault(g, []).append(k)
+    bundles = [tuple(ps) for ps in packs_of.values() if len(ps) > 1]
+    in_bundle = {k for b in bundles for k in b}
+    return [k for k in range(len(bp.plan)) if k not in in_bundle], [list(b) for b in dict.fromkeys(bundles)]
+
+
+def assert_groups_on_one_rank_per_step(bp, groups, lengths, pack_size, align=1):
+    """Every group has a (step, rank) that runs all of its samples; every sample scheduled (once
+    unless copies fill the last slots); every pack within pack_size; steps [S, R, M]."""
+    groups, lengths = np.asarray(groups), np.asarray(lengths)
+    assert sorted(bp.plan.sample_index.tolist()) == list(range(len(lengths)))  # each sample in one pack, whole
+    for k in range(len(bp.plan)):
+        assert int(round_up(lengths[bp.plan.pack(k)], align).sum()) <= pack_size
+    for g in set(groups.tolist()):
+        members = set(np.flatnonzero(groups == g).tolist())
+        assert any(members <= {i for k in bp.steps[s, r].tolist() for i in bp.plan.pack(k).tolist()}
+                   for s in range(bp.num_steps) for r in range(bp.steps.shape[1])), f"group {g} parted"
+    counts = np.bincount(bp.steps.reshape(-1), minlength=len(bp.plan))
+    assert counts.size == len(bp.plan) and counts.min() >= 1
+    assert int((counts - 1).sum()) == bp.repeated_packs
+    per_rank = bp.costs[bp.steps].sum(2)  # [S, R]
+    mean = per_rank.mean(1)
+    np.testing.assert_allclose(bp.step_straggler, np.where(mean > 0, per_rank.max(1) / np.where(mean > 0, mean, 1), 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), R=st.integers(1, 4), M=st.integers(1, 4), align=st.sampled_from([1, 2, 4]),
+       cost=st.tuples(st.floats(0, 10), st.floats(0, 1)))
+def test_plan_balanced_groups_over_one_pack(data, R, M, align, cost):
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=40))
+    n = len(lengths)
+    groups = data.draw(st.lists(st.integers(0, max(n // 3, 1)), min_size=n, max_size=n))
+    pack_size = 48
+    kw = dict(num_replicas=R, micro_batches=M, cost=cost, align=align, shuffle_steps=False)
+    sizes = {}
+    for s, g in zip(lengths, groups):
+        sizes.setdefault(g, []).append(int(round_up(s, align)))
+    over = [g for g in dict.fromkeys(groups) if sum(sizes[g]) > pack_size and ref_ffd_count(sizes[g], pack_size) > M]
+    if over:  # the first group (by first appearance) needing more than M packs is named
+        g = over[0]
+        with pytest.raises(ValueError, match=rf"group {g} \(samples .*\) has {sum(sizes[g])} tokens \(aligned\) and "
+                                             rf"needs \d+ packs of pack_size=48, more than micro_batches={M}; .*"
+                                             r"raise micro_batches or pack_size"):
+            plan_balanced(lengths, pack_size, groups=groups, **kw)
+        return
+    bp = plan_balanced(lengths, pack_size, groups=groups, **kw)
+    assert bp.steps.shape[1:] == (R, M)
+    assert_groups_on_one_rank_per_step(bp, groups, lengths, pack_size, align)
+    singles, bundles = plan_bundles(bp, groups)
+    for g in set(groups):  # a multi-pack group uses as few packs as first-fit decreasing finds
+        if sum(sizes[g]) > pack_size:
+            ks = {len(b) for b in bundles if set(groups[i] for i in bp.plan.pack(b[0]).tolist()) == {g}}
+            assert ks == {ref_ffd_count(sizes[g], pack_size)}
+    if bundles:
+        want, copies = ref_bundle_steps(singles, bundles, bp.costs, R, M)
+        assert bp.steps.tolist() == want and bp.repeated_packs == copies
+    else:  # every group fits one pack: today's plan, packs planned as plan_packs(groups=) does
+        np.testing.assert_array_equal(bp.plan.sample_index, plan_packs(lengths, pack_size, groups=groups,
+                                                                       align=align).sample_index)
+    shuffled = plan_balanced(lengths, pack_size, groups=groups, **{**kw, "shuffle_steps": True})
+    assert sorted(map(str, shuffled.steps.tolist())) == sorted(map(str, bp.steps.tolist()))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.data())
+def test_deal_units_matches_reference(num_bins, slots, data):
+    from thdpack.balance import _deal_units
+
+    n = data.draw(st.integers(0, num_bins * slots + 2))
+    costs = data.draw(st.lists(st.one_of(st.integers(0, 4).map(float), st.floats(0, 1e6)), min_size=n, max_size=n))
+    sizes = data.draw(st.lists(st.integers(1, slots), min_size=n, max_size=n))
+    got = _deal_units(np.array(costs, np.float64), np.array(sizes, np.int64), num_bins, slots)
+    assert got.dtype == np.int64 and got.tolist() == ref_deal_units(costs, sizes, num_bins, slots)
+
+
+def test_deal_units_small_cases_exactly():
+    from thdpack.balance import _deal_units
+
+    # a bundle of 3 takes 3 of rank 0's 4 slots; 5 and 4 go to the lighter rank 1; at 9 vs 9 the tie
+    # sends the last pack to rank 0
+    assert _deal_units(np.array([9.0, 5.0, 4.0, 1.0]), np.array([3, 1, 1, 1]), 2, 4).tolist() == [0, 1, 1, 0]
+    assert _deal_units(np.array([9.0, 8.0, 1.0]), np.array([3, 3, 2]), 2, 4).tolist() == [0, 1, -1]  # no room for 2
+
+
+def test_grpo_groups_of_8_over_one_pack_keep_balance():
+    """4000 rollouts in groups of 8 (lognormal lengths, most groups over one 4096 pack), 8 ranks × 4
+    micro-batches, Qwen3-8B cost: every group on one rank in one step, straggler <= 1.02."""
+    from test_balance import QWEN3_8B
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6, 1, 4000), 1, 4096).astype(np.int64)
+    groups = np.arange(lengths.size) // 8
+    bp = plan_balanced(lengths, 4096, num_replicas=8, micro_batches=4, groups=groups, cost=QWEN3_8B, seed=1)
+    singles, bundles = plan_bundles(bp, groups)
+    assert len(bundles) > 300 and max(len(b) for b in bundles) >= 3  # the case the single-pack rule refused
+    assert_groups_on_one_rank_per_step(bp, groups, lengths, 4096)
+    assert bp.straggler_ratio <= 1.02, bp.straggler_ratio
+    assert bp.repeated_packs < 8 * 4
+
+
+def test_group_over_micro_batches_is_named():
+    # 8 rollouts × 1,500 tokens: 4 packs of 4096 (two each); fine with M=4, an error with M=2
+    lengths, groups = [300] + [1500] * 8, [5] + [9] * 8
+    bp = plan_balanced(lengths, 4096, num_replicas=2, micro_batches=4, groups=groups)
+    assert sorted(len(p) for p in bp.plan.packs) == [1, 2, 2, 2, 2]
+    assert_groups_on_one_rank_per_step(bp, groups, lengths, 4096)
+    with pytest.raises(ValueError, match=r"^group 9 \(samples 1, 2, 3, 4, 5, 6, 7, 8\) has 12000 tokens \(aligned\) "
+                                         r"and needs 4 packs of pack_size=4096, more than micro_batches=2; a group's "
+                                         r"packs run on one rank in one step: raise micro_batches or pack_size"):
+        plan_balanced(lengths, 4096, num_replicas=2, micro_batches=2, groups=groups)
+    with pytest.raises(ValueError, match=r"^sample 2 of group 9 \(samples 1, 2\) has 5000 tokens \(aligned\), more "
+                                         r"than pack_size=4096; a group's samples are never cut: raise pack_size"):
+        plan_balanced([300, 1500, 5000], 4096, num_replicas=2, micro_batches=4, groups=[5, 9, 9])
+
+
+def test_sampler_compute_balance_runs_a_group_over_one_pack_on_one_rank():
+    lengths = np.array([1500] * 8 + [700] * 8 + [200] * 6)
+    groups = np.array([0] * 8 + [1] * 8 + [2, 2, 3, 3, 4, 4])
+    ranks = [list(TokenBudgetBatchSampler(lengths, 4096, groups=groups, balance="compute", num_replicas=2, rank=r,
+                                          micro_batches=4, seed=0)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) and len(ranks[0]) % 4 == 0
+    for g in range(5):
+        members = set(np.flatnonzero(groups == g).tolist())
+        assert any(members <= {i for b in rank[s:s + 4] for i in b} for rank in ranks for s in range(0, len(rank), 4))

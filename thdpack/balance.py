@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from thdpack.align import check_positive_int
-from thdpack.plan import PackPlan, plan_packs
+from thdpack.align import check_int, check_positive_int, round_up
+from thdpack.plan import PackPlan, _check_groups, _pack_stats, _vision_overflow, plan_packs, validate_lengths
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,27 @@ def plan_balanced(
         num_replicas: data-parallel ranks ``R``.
         micro_batches: packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
-        groups: ``[n]`` group ids (:func:`thdpack.plan_packs`): a group's samples share a pack,
-            hence a rank; step 2 is skipped (its re-packing would part them), so the last step
-            may repeat packs.
+        groups: ``[n]`` group ids (:func:`thdpack.plan_packs`): all of a group's samples run on
+            one rank in one step. A group that fits one pack shares a pack with other groups
+            (planned as :func:`thdpack.plan_packs` does); a larger one (e.g. 8 GRPO rollouts of
+            1,500 tokens at pack 4096) is packed first-fit decreasing into as few packs as
+            possible, at most ``micro_batches`` (more is a ``ValueError`` naming the group), and
+            its packs are dealt as one bundle (see :func:`_plan_bundles`). Step 2 is skipped (its
+            re-packing would part groups), so the last step may repeat packs.
     """
     check_positive_int(num_replicas, "num_replicas")
     check_positive_int(micro_batches, "micro_batches")
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     if not isinstance(cost, CostModel):
         cost = CostModel(*cost)
+    if groups is not None:
+        split = _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budget)
+        if split is not None:  # some group needs several packs
+            return _plan_bundles(
+                split, pack_size, num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
+                algorithm=algorithm, align=align, overflow=overflow, max_samples_per_pack=max_samples_per_pack,
+                seed=seed, shuffle_steps=shuffle_steps, vision_budget=vision_budget,
+            )
     plan = plan_packs(
         lengths, pack_size, algorithm=algorithm, align=align, overflow=overflow,
         max_samples_per_pack=max_samples_per_pack, seed=seed,
@@ -180,19 +192,192 @@ def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches
     float64 ``[num_packs]``. Returns int64 ``[R, M]`` pack ids, in the order each rank got
     them. Plain reference: ``ref_deal`` in ``tests/test_balance.py``.
     """
-    out = np.empty((num_replicas, micro_batches), np.int64)
-    if micro_batches == 1:
-        out[:, 0] = group
-        return out
-    load = np.zeros(num_replicas)
-    filled = np.zeros(num_replicas, np.int64)
-    for k in group:  # R·M is small (hundreds at most): a Python loop is fine here
-        candidates = np.flatnonzero(filled < micro_batches)
-        r = candidates[np.argmin(load[candidates])]
-        out[r, filled[r]] = k
-        filled[r] += 1
-        load[r] += costs[k]
+    ranks = _deal_units(costs[group], np.ones(group.size, np.int64), num_replicas, micro_batches)
+    return group[np.argsort(ranks, kind="stable")].reshape(num_replicas, micro_batches)
+
+
+def _deal_units(unit_costs: np.ndarray, unit_slots: np.ndarray, num_bins: int, slots_per_bin: int) -> np.ndarray:
+    """The dealing rule: units in the given order, each to the least-loaded bin with enough free slots.
+
+    ``unit_costs``: float64 ``[U]``; ``unit_slots``: int64 ``[U]`` slots a unit occupies (1 for
+    a pack, ``k`` for a group's bundle of ``k`` packs); bins: ``num_bins`` of ``slots_per_bin``
+    slots (a rank's micro-batches). Ties go to the lowest bin. Returns int64 ``[U]`` the bin of
+    each unit, -1 where no bin had room. Plain reference: ``ref_deal_units`` in
+    ``tests/test_plan_groups.py``.
+    """
+    load = np.zeros(num_bins)
+    free = np.full(num_bins, slots_per_bin, np.int64)
+    out = np.full(len(unit_costs), -1, np.int64)
+    for u, (c, k) in enumerate(zip(unit_costs.tolist(), unit_slots.tolist())):  # one pass; units are packs
+        candidates = np.flatnonzero(free >= k)
+        if candidates.size:
+            b = candidates[np.argmin(load[candidates])]
+            out[u] = b
+            free[b] -= k
+            load[b] += c
     return out
+
+
+@dataclass(frozen=True)
+class _GroupSplit:
+    """Checked inputs of a grouped plan whose groups do not all fit one pack.
+
+    ``lengths`` / ``sizes`` (aligned) / ``gid`` / ``group_of`` (groups numbered 0.. by first
+    appearance): int64 ``[n]``; ``vision``: int64 ``[n]`` or None; ``big``: bool ``[G]``.
+    """
+
+    lengths: np.ndarray
+    sizes: np.ndarray
+    vision: np.ndarray | None
+    gid: np.ndarray
+    group_of: np.ndarray
+    big: np.ndarray
+
+
+def _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budget) -> _GroupSplit | None:
+    """Which groups need more than one pack (tokens or vision patches); None when none does
+    (then :func:`thdpack.plan_packs` plans them, unchanged)."""
+    lengths = validate_lengths(lengths)
+    check_int(pack_size, "pack_size", 1)
+    check_int(align, "align", 1)
+    gid = _check_groups(groups, lengths.size)
+    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    group_of = rank[inverse.reshape(-1)]
+    sizes = round_up(lengths, align)
+    big = np.bincount(group_of, weights=sizes, minlength=first.size) > pack_size
+    vision = None
+    if vision_lengths is not None or vision_budget is not None:
+        vision = _vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
+        big |= np.bincount(group_of, weights=vision, minlength=first.size) > vision_budget
+    if not big.any():
+        return None
+    return _GroupSplit(lengths, sizes, vision, gid, group_of, big)
+
+
+def _name_group(split: _GroupSplit, members: np.ndarray) -> str:
+    shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
+    return f"group {int(split.gid[members[0]])} (samples {shown})"
+
+
+def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budget, micro_batches: int):
+    """First-fit decreasing packs of every multi-pack group, its samples whole.
+
+    Returns ``(sample_index, pack_counts, bundle_sizes)``: int64 sample ids in pack order, int64
+    ``[P]`` samples per pack, int64 ``[num_big_groups]`` packs per group (at most ``micro_batches``).
+    """
+    by_group = np.argsort(split.group_of, kind="stable")
+    bounds = np.cumsum(np.bincount(split.group_of, minlength=split.big.size))[:-1]
+    members_of = np.split(by_group, bounds)
+    checks = [(split.sizes, pack_size, "tokens (aligned)", "pack_size")]
+    if split.vision is not None:
+        checks.append((split.vision, vision_budget, "vision patches", "vision_budget"))
+    for per_sample, budget, what, name in checks:
+        too_long = np.flatnonzero(split.big[split.group_of] & (per_sample > budget))
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"sample {i} of {_name_group(split, members_of[split.group_of[i]])} has {int(per_sample[i])} {what}, "
+                f"more than {name}={budget}; a group's samples are never cut: raise {name} or drop the sample "
+                f"({too_long.size} such sample(s))"
+            )
+    sample_index, pack_counts, bundle_sizes, over = [], [], [], []
+    for g in np.flatnonzero(split.big).tolist():
+        members = members_of[g]
+        sub = plan_packs(
+            split.lengths[members], pack_size, algorithm="ffd", align=align,
+            vision_lengths=None if split.vision is None else split.vision[members],
+            vision_budget=None if split.vision is None else vision_budget,
+        )
+        if len(sub) > micro_batches:
+            over.append((g, len(sub)))
+        sample_index.append(members[sub.sample_index])
+        pack_counts.append(np.diff(sub.pack_offsets))
+        bundle_sizes.append(len(sub))
+    if over:
+        g, k = over[0]
+        members = members_of[g]
+        raise ValueError(
+            f"{_name_group(split, members)} has {int(split.sizes[members].sum())} tokens (aligned) and needs {k} packs "
+            f"of pack_size={pack_size}, more than micro_batches={micro_batches}; a group's packs run on one rank in "
+            f"one step: raise micro_batches or pack_size ({len(over)} group(s) too large)"
+        )
+    return np.concatenate(sample_index), np.concatenate(pack_counts), np.asarray(bundle_sizes, np.int64)
+
+
+def _plan_bundles(split: _GroupSplit, pack_size: int, *, num_replicas: int, micro_batches: int, cost: CostModel,
+                  algorithm: str, align: int, overflow: str, max_samples_per_pack, seed: int, shuffle_steps: bool,
+                  vision_budget) -> BalancedPlan:
+    """:func:`plan_balanced` with groups some of which need several packs.
+
+    Groups that fit one pack are planned by :func:`thdpack.plan_packs` (``groups=``); each larger
+    group is packed first-fit decreasing into a bundle of ``k ≤ M`` packs after them. The plan is
+    then scheduled by :func:`_bundle_steps`.
+    """
+    small = np.flatnonzero(~split.big[split.group_of])
+    small_plan = plan_packs(
+        split.lengths[small], pack_size, groups=split.gid[small], algorithm=algorithm, align=align,
+        overflow=overflow, max_samples_per_pack=max_samples_per_pack, seed=seed,
+        vision_lengths=None if split.vision is None else split.vision[small],
+        vision_budget=None if split.vision is None else vision_budget,
+    )
+    big_index, big_counts, bundle_sizes = _pack_big_groups(split, pack_size, align, vision_budget, micro_batches)
+    sample_index = np.concatenate([small[small_plan.sample_index], big_index])
+    pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
+    length = split.lengths[sample_index]
+    vision_length = None if split.vision is None else split.vision[sample_index]
+    stats = _pack_stats(length, split.sizes[sample_index], pack_offsets, int(pack_size), int(split.lengths.size),
+                        vision_length, None if split.vision is None else int(vision_budget), samples_truncated=0,
+                        tokens_truncated=0, samples_dropped=0, tokens_dropped=0, samples_split=0)
+    plan = replace(small_plan, sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
+                   pack_offsets=pack_offsets, stats=stats, vision_length=vision_length)
+    costs = cost.pack_costs(plan)
+    bundle_start = len(small_plan) + np.cumsum(bundle_sizes) - bundle_sizes
+    bundles = [np.arange(a, a + k) for a, k in zip(bundle_start.tolist(), bundle_sizes.tolist())]
+    steps, repeated = _bundle_steps(np.arange(len(small_plan)), bundles, costs, num_replicas, micro_batches)
+    if shuffle_steps and len(steps):
+        steps = steps[np.random.default_rng(seed).permutation(len(steps))]
+    return BalancedPlan(plan=plan, steps=steps, costs=costs, step_straggler=straggler_per_step(steps, costs),
+                        repeated_packs=repeated)
+
+
+def _bundle_steps(singles: np.ndarray, bundles: list[np.ndarray], costs: np.ndarray, num_replicas: int,
+                  micro_batches: int) -> tuple[np.ndarray, int]:
+    """Schedule single packs and bundles (a group's ``k`` packs, run by one rank in one step).
+
+    Every (step, rank) is a bin of ``M`` slots; there are ``S·R`` of them, ``S`` the fewest steps
+    whose bins take every bundle. Bundles (decreasing cost, cost = sum of their packs), then single
+    packs (decreasing cost; the ``S·R·M − num_packs`` free slots take copies of the cheapest single
+    packs, or of the cheapest packs when there are none) are dealt by :func:`_deal_units` over all
+    bins; the bins, sorted by decreasing load, are cut into steps of ``R``, so a step holds bins of
+    similar cost. ``singles``: int64 ``[s]``, ``bundles``: int64 arrays of pack ids, ``costs``:
+    float64 ``[num_packs]``. Returns (int64 ``[S, R, M]`` pack ids, number of copies). Plain
+    reference: ``ref_bundle_steps`` in ``tests/test_plan_groups.py``.
+    """
+    R, M = num_replicas, micro_batches
+    slots = np.array([b.size for b in bundles], np.int64)
+    bundle_cost = np.array([costs[b].sum() for b in bundles])
+    border = np.argsort(-bundle_cost, kind="stable")
+    num_packs = singles.size + int(slots.sum())
+    wide = int((2 * slots > M).sum())  # such bundles never share a bin
+    num_steps = max(-(-num_packs // (R * M)), -(-wide // R))
+    while (_deal_units(bundle_cost[border], slots[border], num_steps * R, M) < 0).any():
+        num_steps += 1
+    copies = num_steps * R * M - num_packs
+    pool = singles if singles.size else np.arange(costs.size)
+    pool = pool[np.argsort(costs[pool], kind="stable")]
+    fill = np.concatenate([singles, pool[np.arange(copies) % pool.size]])
+    fill = fill[np.argsort(-costs[fill], kind="stable")]
+    units = [bundles[b] for b in border.tolist()] + [fill[i : i + 1] for i in range(fill.size)]
+    unit_costs = np.concatenate([bundle_cost[border], costs[fill]])
+    bins = _deal_units(unit_costs, np.concatenate([slots[border], np.ones(fill.size, np.int64)]), num_steps * R, M)
+    contents = [[] for _ in range(num_steps * R)]
+    for unit, b in zip(units, bins.tolist()):
+        contents[b].extend(unit.tolist())
+    load = np.bincount(bins, weights=unit_costs, minlength=num_steps * R)
+    steps = np.array(contents, np.int64)[np.argsort(-load, kind="stable")].reshape(num_steps, R, M)
+    return steps, int(copies)
 
 
 def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: int | None) -> PackPlan:
