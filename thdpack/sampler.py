@@ -74,7 +74,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         vision_lengths, vision_budget: VLM second budget: ``[n]`` vision patches
             per row (:func:`thdpack.vlm.vision_lengths`) and the most per pack.
         groups: ``[n]`` group id per row: a group's rows land in one pack (see
-            :func:`thdpack.plan_packs`; e.g. DPO pairs, ``thdpack.losses.pair_groups``).
+            :func:`thdpack.plan_packs`; e.g. DPO pairs, ``thdpack.losses.pair_groups``). With
+            ``balance="compute"`` a group larger than one pack (e.g. GRPO rollouts of a prompt)
+            spans up to ``micro_batches`` packs, all run by one rank in one step
+            (:func:`thdpack.balance.plan_balanced`).
     """
 
     def __init__(
