@@ -8,7 +8,9 @@ Steps:
 
 1. rows: ``group`` (the prompt), a reward, and a ``domain`` id per completion; advantages
    ``thdpack.losses.group_advantages`` (``(r − mean_g) / (std_g + eps)``);
-2. packs from ``TokenBudgetBatchSampler``; the step's normaliser from ``step_items``;
+2. packs from ``TokenBudgetBatchSampler(groups=..., balance="compute")``: a prompt's completions
+   run on one rank in one step, a group larger than one pack spanning up to ``micro_batches``
+   packs (``--group-size 8`` shows some); the step's normaliser from ``step_items``;
 3. ``ThdCollator(sample_values=["advantage", "domain"])``: ``batch.token_values("advantage")``
    feeds ``policy_gradient_loss``; ``batch.token_values("domain")`` splits the NLL per domain;
 4. the same loss sample by sample, unpacked, to show they agree; one optimizer step.
@@ -64,6 +66,15 @@ def packed_step(model, batches, reduction: str, num_items: int) -> tuple[float, 
     return total, per_domain
 
 
+def groups_over_one_pack(packs, groups) -> int:
+    """How many groups of the step have their completions in several of its packs."""
+    packs_of = {}
+    for k, pack in enumerate(packs):
+        for i in pack:
+            packs_of.setdefault(groups[i], set()).add(k)
+    return sum(len(ks) > 1 for ks in packs_of.values())
+
+
 @torch.no_grad()
 def unpacked_loss(model, rows, reduction: str) -> float:
     """On-policy PG loss sample by sample (value ``−A`` per target token), no thdpack."""
@@ -81,7 +92,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--pack-size", type=int, default=256)
-    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--reduction", default="token", choices=["token", "sample"])
     parser.add_argument("--vocab-size", type=int, default=512)
     args = parser.parse_args(argv)
@@ -92,14 +103,17 @@ def main(argv=None) -> dict:
     for r, a in zip(rows, advantages.tolist()):
         r["advantage"] = a
     lengths = [r["input_ids"].size for r in rows]
-    sampler = TokenBudgetBatchSampler(lengths, args.pack_size, micro_batches=args.micro_batches, seed=0)
+    groups = [r["group"] for r in rows]  # a group over one pack spans up to micro_batches packs of one rank
+    sampler = TokenBudgetBatchSampler(lengths, args.pack_size, groups=groups, balance="compute",
+                                      micro_batches=args.micro_batches, seed=0)
     targets = [int((r["labels"][1:] != -100).sum()) for r in rows]  # completion tokens: what is scored
     num_items = sampler.step_items(0, targets).num_items(args.reduction)  # known before the step runs
     packs = [pack for _, pack in zip(range(args.micro_batches), sampler)]
     collate = ThdCollator(sample_values=["advantage", "domain"])
     batches = [collate([rows[i] for i in pack]) for pack in packs]
     step_rows = [rows[i] for pack in packs for i in pack]
-    print(f"step 0: {len(batches)} packs, {len(step_rows)} completions, num_items {num_items} ({args.reduction})")
+    print(f"step 0: {len(batches)} packs, {len(step_rows)} completions, num_items {num_items} ({args.reduction}); "
+          f"groups over one pack: {groups_over_one_pack(packs, groups)}")
 
     model = tiny_qwen3(args.vocab_size, seed=0).eval()
     packed, per_domain = packed_step(model, batches, args.reduction, num_items)
