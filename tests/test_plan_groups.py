@@ -315,3 +315,39 @@ def test_sampler_compute_balance_runs_a_group_over_one_pack_on_one_rank():
     for g in range(5):
         members = set(np.flatnonzero(groups == g).tolist())
         assert any(members <= {i for b in rank[s:s + 4] for i in b} for rank in ranks for s in range(0, len(rank), 4))
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_policy_gradient_with_groups_over_one_pack_equals_unpacked(reduction):
+    """GRPO groups over one pack (balance="compute", R=2 x M=2): each rank's step holds whole groups,
+    and the packed policy-gradient gradient with the sampler's normaliser equals the unpacked one."""
+    from test_losses import REL_TOL, grads, make_rl_rows, reference_pg, rel_err, row_targets, tiny_model
+
+    from thdpack import build_thd_batch
+    from thdpack.losses import policy_gradient_loss
+
+    model = tiny_model()
+    lengths = [20, 25, 18, 9, 14, 5, 30, 12, 8, 4, 13, 8]  # groups of 3: 63 and 50 tokens need two packs of 40
+    rows = make_rl_rows(lengths, seed=5)
+    groups = [r["group"] for r in rows]
+    R, M = 2, 2
+    samplers = [TokenBudgetBatchSampler(lengths, 40, groups=groups, balance="compute", num_replicas=R, rank=r,
+                                        micro_batches=M, seed=1) for r in range(R)]
+    num_items = samplers[0].step_items(0, row_targets(rows)).num_items(reduction)
+    model.zero_grad()
+    step_rows = []
+    for sampler in samplers:
+        packs = list(sampler)[:M]
+        step_groups = [groups[i] for pack in packs for i in pack]
+        assert all(step_groups.count(g) == 3 for g in step_groups)  # whole groups on this rank in this step
+        for pack in packs:
+            batch = build_thd_batch([rows[i] for i in pack], sample_index=pack, sample_values=["advantage"])
+            logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+            policy_gradient_loss(logits, batch, batch.token_values("advantage"), reduction, num_items).backward()
+            step_rows += [rows[i] for i in pack]
+    spanning = [g for s in samplers for g in set(groups) if sum(g in {groups[i] for i in p} for p in list(s)[:M]) > 1]
+    assert spanning, "the step should hold a group over two packs"
+    got = grads(model).clone()
+    model.zero_grad()
+    reference_pg(model, step_rows, reduction, False).backward()
+    assert rel_err(got, grads(model)) < REL_TOL
