@@ -351,3 +351,17 @@ def test_policy_gradient_with_groups_over_one_pack_equals_unpacked(reduction):
     model.zero_grad()
     reference_pg(model, step_rows, reduction, False).backward()
     assert rel_err(got, grads(model)) < REL_TOL
+
+
+def test_group_over_the_vision_budget_spans_packs_within_both_budgets():
+    # group 0 fits pack_size in tokens (30 <= 64) but not vision_budget (18 > 12): two packs on one rank
+    lengths, groups, patches = [10, 10, 10, 5], [0, 0, 0, 1], [6, 6, 6, 1]
+    bp = plan_balanced(lengths, 64, num_replicas=1, micro_batches=2, groups=groups, vision_lengths=patches,
+                       vision_budget=12)
+    assert_groups_on_one_rank_per_step(bp, groups, lengths, 64)
+    assert [sum(patches[i] for i in p) for p in bp.plan.packs] == [1, 12, 6]
+    assert bp.plan.pack_vision(1).tolist() == [6, 6] and bp.plan.stats.max_pack_vision == 12
+    with pytest.raises(ValueError, match=r"^sample 1 of group 0 \(samples 0, 1\) has 13 vision patches, more than "
+                                         r"vision_budget=12; a group's samples are never cut"):
+        plan_balanced([10, 10], 64, num_replicas=1, micro_batches=2, groups=[0, 0], vision_lengths=[1, 13],
+                      vision_budget=12)
