@@ -7,10 +7,10 @@
 The data: ``--videos`` short MPEG-4 files generated here (PyAV; random frames of 112..224
 px a side, 12..40 frames at 6..30 fps), each in a chat row ``<video>`` + question +
 answer, written once to a temporary directory. Both methods decode with PyAV and prepare
-the frames by the same rules (:mod:`thdpack.offline.video`: qwen-vl-utils' sampling and
-resizing, the video processor's patch order: transformers' video processors need
-torchvision, which does not load beside the CPU torch here), so the comparison is about
-the pipeline around them:
+the frames by the same rules (:mod:`thdpack.offline.video`: Qwen2-VL's video processor
+rules, qwen-vl-utils' sampling; transformers' video processors need torchvision, which
+does not load beside the CPU torch here), so the comparison is about the pipeline around
+them:
 
   baseline   ``datasets.map`` over the rows, one row at a time: decode + frames +
              patches, chat template and tokenizer per sample, the vision placeholder
@@ -100,10 +100,11 @@ def run_baseline(d: Path, args) -> dict:
     import torch
     import transformers
 
-    from thdpack.offline.video import VideoOptions, load_video, video_patches
+    from thdpack.offline.video import VideoOptions, load_video, video_patches, video_rule
 
     tok = transformers.AutoTokenizer.from_pretrained(str(d / "tok"), local_files_only=True)
-    mean, std = transformers.Qwen2VLImageProcessor().image_mean, transformers.Qwen2VLImageProcessor().image_std
+    rule = video_rule("qwen2_vl")  # Qwen2VLVideoProcessor's mean / std and resize rule
+    mean, std = rule.mean, rule.std
     opts = VideoOptions(**VIDEO)
     vid_id = tok.convert_tokens_to_ids("<|video_pad|>")
 
@@ -178,8 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--pack-size", type=int, default=4096)
     p.add_argument("--vision-budget", type=int, default=8192)
     p.add_argument("--num-proc", type=int, default=1)
-    p.add_argument("--map-batch-size", type=int, default=64,
-                   help="thdpack rows per tokenization batch (a batch's pixels are held at once)")
+    p.add_argument("--map-batch-size", type=int, default=1000,
+                   help="thdpack's map_batch_size (its default; VLM builds cap it at VISION_MAP_BATCH_SIZE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="60 videos")
     p.add_argument("--json", help="write the results here")

@@ -49,9 +49,6 @@ DEFAULT_MIN_FRAMES = 4
 DEFAULT_MAX_FRAMES = 768
 MIN_TOKENS = 128
 MAX_TOKENS = 768
-# transformers' image_utils: OPENAI_CLIP (Qwen2VLVideoProcessor), IMAGENET_STANDARD (Qwen3VLVideoProcessor)
-CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-STANDARD_MEAN, STANDARD_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # auto: Qwen3VLVideoProcessor
 
 
@@ -66,13 +63,15 @@ class VideoRule:
     std: tuple
 
 
-QWEN2_RULE = VideoRule(False, CLIP_MEAN, CLIP_STD)
-QWEN3_RULE = VideoRule(True, STANDARD_MEAN, STANDARD_STD)
-
-
 def video_rule(model_type: str) -> VideoRule:
-    """The :class:`VideoRule` of a family (``model_type`` of its config)."""
-    return QWEN3_RULE if model_type in QWEN3_MODEL_TYPES else QWEN2_RULE
+    """The :class:`VideoRule` of a family (``model_type`` of its config): the class
+    attributes ``image_mean`` / ``image_std`` of its video processor, from transformers'
+    ``image_utils`` (Qwen3VLVideoProcessor: IMAGENET_STANDARD; Qwen2VLVideoProcessor: OPENAI_CLIP)."""
+    from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    if model_type in QWEN3_MODEL_TYPES:
+        return VideoRule(True, tuple(IMAGENET_STANDARD_MEAN), tuple(IMAGENET_STANDARD_STD))
+    return VideoRule(False, tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD))
 
 
 @dataclass(frozen=True)
@@ -156,10 +155,10 @@ def decode_video(path: Path, name: str) -> tuple[list, float]:
 
 
 def sample_indices(total: int, video_fps: float, opts: VideoOptions, temporal: int, name: str,
-                   rule: VideoRule = QWEN2_RULE) -> np.ndarray:
+                   rule: VideoRule | None = None) -> np.ndarray:
     """int64 ``[n]`` frame indices: Qwen3VLVideoProcessor's ``sample_frames`` (``rule.whole_video``)
     or qwen-vl-utils' ``smart_nframes``."""
-    if rule.whole_video:
+    if rule is not None and rule.whole_video:
         n = min(max(int(total / video_fps * opts.fps), opts.min_frames), opts.max_frames, total)
     else:
         lo = math.ceil(opts.min_frames / temporal) * temporal
@@ -173,11 +172,11 @@ def sample_indices(total: int, video_fps: float, opts: VideoOptions, temporal: i
 
 
 def frame_size(height: int, width: int, n: int, opts: VideoOptions, factor: int, temporal: int,
-               rule: VideoRule = QWEN2_RULE) -> tuple[int, int]:
+               rule: VideoRule | None = None) -> tuple[int, int]:
     """``(h, w)`` every one of the ``n`` frames is resized to: transformers' own ``smart_resize``
     of the family's video processor (see the module docstring)."""
     min_px, max_px = opts.pixel_bounds(factor)
-    if rule.whole_video:
+    if rule is not None and rule.whole_video:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
 
         return video_resize(n, height, width, temporal_factor=temporal, factor=factor, min_pixels=min_px,
@@ -190,8 +189,9 @@ def frame_size(height: int, width: int, n: int, opts: VideoOptions, factor: int,
 
 
 def load_video(path: Path, name: str, opts: VideoOptions, temporal: int, factor: int,
-               rule: VideoRule = QWEN2_RULE) -> Video:
-    """The sampled frames of one video file, resized (bicubic) to :func:`frame_size`."""
+               rule: VideoRule | None = None) -> Video:
+    """The sampled frames of one video file, resized (bicubic) to :func:`frame_size`;
+    ``rule``: the family's :func:`video_rule` (None: Qwen2-VL's)."""
     from PIL import Image
 
     frames, video_fps = decode_video(path, name)
