@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from thdpack.align import check_int, check_positive_int, round_up
-from thdpack.plan import PackPlan, _check_groups, _pack_stats, _vision_overflow, plan_packs, validate_lengths
+from thdpack.plan import (
+    PackPlan, _check_groups, _number_groups, _pack_stats, _vision_overflow, plan_packs, validate_lengths,
+)
 
 
 @dataclass(frozen=True)
@@ -241,16 +243,14 @@ def _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budg
     check_int(pack_size, "pack_size", 1)
     check_int(align, "align", 1)
     gid = _check_groups(groups, lengths.size)
-    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
-    rank = np.empty_like(first)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
-    group_of = rank[inverse.reshape(-1)]
+    group_of = _number_groups(gid)
+    num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, align)
-    big = np.bincount(group_of, weights=sizes, minlength=first.size) > pack_size
+    big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
     vision = None
     if vision_lengths is not None or vision_budget is not None:
         vision = _vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
-        big |= np.bincount(group_of, weights=vision, minlength=first.size) > vision_budget
+        big |= np.bincount(group_of, weights=vision, minlength=num_groups) > vision_budget
     if not big.any():
         return None
     return _GroupSplit(lengths, sizes, vision, gid, group_of, big)

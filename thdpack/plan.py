@@ -392,12 +392,8 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
     if max_samples_per_pack is not None:
         raise ValueError("max_samples_per_pack is not available with groups (a group counts as one item); drop one")
     gid = _check_groups(groups, lengths.size)
-    # groups numbered by first appearance, so that "sequential" keeps the input order
-    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
-    rank = np.empty_like(first)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
-    group_of = rank[inverse.reshape(-1)]
-    num_groups = first.size
+    group_of = _number_groups(gid)
+    num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, align)
     group_sizes = np.bincount(group_of, weights=sizes, minlength=num_groups).astype(np.int64)
     _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
@@ -439,6 +435,15 @@ def _check_groups(groups, n: int) -> np.ndarray:
             f"groups must be integers with one group id per sample ({n}), got shape {gid.shape} and dtype {gid.dtype}"
         )
     return gid.astype(np.int64)
+
+
+def _number_groups(gid: np.ndarray) -> np.ndarray:
+    """int64 ``[n]`` group of every sample, groups numbered 0.. by first appearance (so that
+    ``"sequential"`` keeps the input order)."""
+    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse.reshape(-1)]
 
 
 def _check_group_fits(group_totals, group_of, gid, budget, what: str, budget_name: str) -> None:
