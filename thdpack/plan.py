@@ -454,8 +454,9 @@ def _check_group_fits(group_totals, group_of, gid, budget, what: str, budget_nam
         shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
         raise ValueError(
             f"group {int(gid[members[0]])} (samples {shown}) has {int(group_totals[g])} {what}, more than "
-            f"{budget_name}={budget}; a group's samples share one pack: raise {budget_name} or drop the group "
-            f"({over.size} group(s) too large)"
+            f"{budget_name}={budget}; a group's samples share one pack here: raise {budget_name}, drop the group, "
+            f"or let groups span several packs of one rank with plan_balanced(groups=..., micro_batches=M) "
+            f"(TokenBudgetBatchSampler(balance='compute')) ({over.size} group(s) too large)"
         )
 
 
