@@ -503,3 +503,10 @@ def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_cop
                          tmp_path / "small", progress=False, log=None)
     arrows = sorted(p.name for p in big.path.glob("*.arrow"))
     assert arrows and all((big.path / a).read_bytes() == (small.path / a).read_bytes() for a in arrows)
+
+
+def test_a_video_too_thin_to_resize_is_named(tmp_path):
+    write_video(tmp_path / "thin.mp4", 4, 2, 16, 3400)  # aspect ratio 212.5: smart_resize refuses it
+    for rule in (None, video_rule("qwen3_vl")):
+        with pytest.raises(ValueError, match=r"video 'thin\.mp4' \(3400 x 16\) cannot be resized: absolute aspect"):
+            load_video(tmp_path / "thin.mp4", "thin.mp4", VideoOptions(), TPATCH, PATCH * MERGE, rule)

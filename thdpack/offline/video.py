@@ -197,7 +197,10 @@ def load_video(path: Path, name: str, opts: VideoOptions, temporal: int, factor:
     frames, video_fps = decode_video(path, name)
     idx = sample_indices(len(frames), video_fps, opts, temporal, name, rule)
     w0, h0 = frames[0].size
-    h, w = frame_size(h0, w0, len(idx), opts, factor, temporal, rule)
+    try:
+        h, w = frame_size(h0, w0, len(idx), opts, factor, temporal, rule)
+    except ValueError as exc:  # smart_resize: an aspect ratio over 200
+        raise ValueError(f"video {name!r} ({w0} x {h0}) cannot be resized: {exc}") from None
     out = np.stack([np.asarray(frames[i].convert("RGB").resize((w, h), Image.BICUBIC)) for i in idx.tolist()])
     return Video(out, idx, video_fps, len(frames))
 
