@@ -19,8 +19,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {
     ("thdpack.batch", "thdpack.cp"): "ThdBatch.shard() calls cp.shard_for_cp, which builds a ThdBatch",
     ("thdpack.offline.bridge", "thdpack.offline.build"): "build dispatches to bridge, which reuses build's writer steps",
-    ("thdpack.offline.dataset", "thdpack.offline.vlm"): "VLM read-back still lives in offline/vlm.py (issue 14 point 4)",
-    ("thdpack.vlm.base", "thdpack.vlm.mrope"): "RopeItems/modes live in base, the mRoPE kernel in mrope",
     ("thdpack.vlm.qwen2_5_vl", "thdpack.vlm.qwen2_vl", "thdpack.vlm.qwen3_5",
      "thdpack.vlm.qwen3_vl", "thdpack.vlm.registry"): "registry imports the families that register themselves in it",
 }

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thdpack.samples import IGNORE_INDEX
+
 _warned_no_targets = False  # warn_if_no_targets warns once per process
 
 
@@ -60,7 +62,7 @@ class ThdBatch:
     seq_lens: torch.Tensor
     sample_index: torch.Tensor
     pad_multiple: int = 1
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     tokens_truncated: int = 0
     token_extras: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)

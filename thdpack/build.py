@@ -20,7 +20,7 @@ from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemb
 from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
 from thdpack.batch import ThdBatch, warn_if_no_targets
 from thdpack.cp import check_cp_args, shard_for_cp
-from thdpack.samples import SampleError, get_field, same_length, to_int_array
+from thdpack.samples import IGNORE_INDEX, SampleError, get_field, same_length, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -29,7 +29,7 @@ def build_thd_batch(
     samples: Sequence,
     *,
     pad_token_id: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     cp_size: int = 1,
     tp_size: int = 1,
     sequence_parallel: bool = False,

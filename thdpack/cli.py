@@ -28,6 +28,7 @@ from pathlib import Path
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import OfflineError
 from thdpack.offline.procs import Interrupted, signals_interrupt
+from thdpack.samples import IGNORE_INDEX
 
 _STATS_ALIGN_FLAGS = ("cp_size", "tp_size", "sequence_parallel", "pad_multiple")
 
@@ -174,7 +175,7 @@ def cmd_inspect(args) -> int:
         print("target tokens (trained on) are shown between « and »")
     for j, s in enumerate(samples):
         ids = s["input_ids"]
-        is_t = s["loss_mask"] if "loss_mask" in s else s["labels"] != -100
+        is_t = s["loss_mask"] if "loss_mask" in s else s["labels"] != IGNORE_INDEX
         is_t = is_t.astype(bool).copy()
         is_t[0] = False  # a sample's first token is never a target
         start = int(row["sample_start"][j])

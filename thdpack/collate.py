@@ -12,7 +12,7 @@ from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch, check_token_args
 from thdpack.cp import check_cp_args
 from thdpack.plan import PackStats, plan_packs
-from thdpack.samples import SampleError, get_field, to_int_array
+from thdpack.samples import IGNORE_INDEX, SampleError, get_field, to_int_array
 
 
 class PackedBatches(list):
@@ -58,7 +58,7 @@ class ThdCollator:
         self,
         *,
         pad_token_id: int = 0,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         cp_size: int = 1,
         tp_size: int = 1,
         sequence_parallel: bool = False,

@@ -11,6 +11,7 @@ import numpy as np
 from thdpack.align import INT64_MAX, first_non_int64
 
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
+IGNORE_INDEX = -100  # a label that scores no loss (HF / PyTorch cross-entropy default)
 
 
 class SampleError(ValueError):

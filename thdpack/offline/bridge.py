@@ -40,12 +40,12 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import file_sha256
+from thdpack.samples import IGNORE_INDEX
 
 FORMAT = "megatron-bridge"
 METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list of dicts)
 SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
 ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
-IGNORE_INDEX = -100
 SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across shard builds
 
 

@@ -40,6 +40,7 @@ from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
 from thdpack.offline.vlm import vlm_build
 from thdpack.plan import PackPlan, plan_packs
+from thdpack.samples import IGNORE_INDEX
 
 MAX_ERRORS_SHOWN = 5
 MAX_ERRORS_RECORDED = 20
@@ -307,7 +308,7 @@ def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan)
     ``targets`` of the tokenized row from the piece's start; a piece's first token starts a
     sample in its pack, so it is never a target). Read a bounded chunk of pieces at a time."""
     from thdpack.offline.gather import RowPieces
-    from thdpack.offline.writer import CHUNK_TOKENS, IGNORE_INDEX, _cuts
+    from thdpack.offline.writer import CHUNK_TOKENS, _cuts
 
     reader = RowPieces(table, targets)
     rows, starts, lengths = sample_rows[plan.sample_index], plan.start + 1, plan.length - 1

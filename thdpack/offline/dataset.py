@@ -30,8 +30,8 @@ from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.offline.errors import NotPackedError, require_pyarrow
 from thdpack.offline.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, check_metadata,
-                                    file_sha256, value_columns)
-from thdpack.offline.writer import IGNORE_INDEX
+                                    file_sha256, row_list, value_columns)
+from thdpack.samples import IGNORE_INDEX
 from thdpack.values import PREFIX
 
 _TOKEN_FIELDS = ("loss_mask", "labels")
@@ -48,15 +48,15 @@ def unpack_row(row: Mapping) -> list[dict]:
     ``labels``); values may be numpy arrays, lists, tensors or Arrow values. The
     returned arrays are views of the row's arrays.
     """
-    ids = _as_array(row["input_ids"], "input_ids")
-    lens = _as_array(row["seq_lens"], "seq_lens").astype(np.int64)
+    ids = row_list(row["input_ids"], "input_ids")
+    lens = row_list(row["seq_lens"], "seq_lens").astype(np.int64)
     if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
         raise ValueError(f"packed row: seq_lens {lens.tolist()[:8]}... sum to {int(lens.sum())} but input_ids has {ids.size} tokens")
     cuts = np.cumsum(lens)[:-1]
     fields = {"input_ids": np.split(ids, cuts)}
     for name in _TOKEN_FIELDS:
         if name in row and row[name] is not None:
-            arr = _as_array(row[name], name)
+            arr = row_list(row[name], name)
             if arr.size != ids.size:
                 raise ValueError(f"packed row: '{name}' has {arr.size} values but input_ids has {ids.size}")
             fields[name] = np.split(arr, cuts)
@@ -66,22 +66,6 @@ def unpack_row(row: Mapping) -> list[dict]:
 
         add_vision(samples, row)
     return samples
-
-
-def _as_array(value, name: str) -> np.ndarray:
-    """A packed row's list field as a 1-D numpy array (numpy, list, tensor or Arrow value)."""
-    if not isinstance(value, np.ndarray):
-        module = type(value).__module__
-        if module.startswith("torch"):
-            value = value.detach().cpu().numpy()
-        elif module.startswith("pyarrow"):
-            value = getattr(value, "values", value)  # a ListScalar's child array
-            value = value.to_numpy(zero_copy_only=False)
-        else:
-            value = np.asarray(value)
-    if value.ndim != 1 or (value.size and value.dtype.kind not in "iub"):
-        raise ValueError(f"packed row: '{name}' must be a flat list of integers, got {value.dtype} {value.shape}")
-    return value
 
 
 class PackedRowCollator:
@@ -101,7 +85,7 @@ class PackedRowCollator:
         self,
         *,
         pad_token_id: int = 0,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         cp_size: int = 1,
         tp_size: int = 1,
         sequence_parallel: bool = False,
@@ -132,7 +116,7 @@ class PackedRowCollator:
         samples, index = [], []
         for row in rows:
             samples.extend(unpack_row(row))
-            index.append(_as_array(row["sample_index"], "sample_index").astype(np.int64))
+            index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
         batch = self.collator(samples)
         batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
         for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)

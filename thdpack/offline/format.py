@@ -44,6 +44,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from thdpack.offline.errors import NotPackedError
 
 FORMAT_NAME = "thdpack.packed"
@@ -228,3 +230,19 @@ def shard_path(root: Path, rel: str, *, where: str) -> Path:
         raise NotPackedError(f"{where} ({rel!r}) points outside the dataset directory {root}: shards must be "
                              f"files inside it, named relative to it; {REBUILD}")
     return path
+
+
+def row_list(value, name: str) -> np.ndarray:
+    """A packed row's list field as a 1-D numpy array (numpy, list, tensor or Arrow value)."""
+    if not isinstance(value, np.ndarray):
+        module = type(value).__module__
+        if module.startswith("torch"):
+            value = value.detach().cpu().numpy()
+        elif module.startswith("pyarrow"):
+            value = getattr(value, "values", value)  # a ListScalar's child array
+            value = value.to_numpy(zero_copy_only=False)
+        else:
+            value = np.asarray(value)
+    if value.ndim != 1 or (value.size and value.dtype.kind not in "iub"):
+        raise ValueError(f"packed row: '{name}' must be a flat list of integers, got {value.dtype} {value.shape}")
+    return value

@@ -43,10 +43,10 @@ from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FOR
 from thdpack.offline.sources import JSON_COLUMN, Source
 from thdpack.offline.spill import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
+from thdpack.samples import IGNORE_INDEX
 
 ERROR_COLUMN = "__error__"
 TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``tools``
-IGNORE_INDEX = -100
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -495,7 +495,7 @@ class RowTokenizer:
                 return f"'labels' must be {ids.size} integers like 'input_ids', got {_brief(labels)}"
             bad = (lab != IGNORE_INDEX) & (lab < 0)
             if bad.any():
-                return f"'labels' has {int(lab[bad][0])} at token {int(np.argmax(bad))}; use token ids or -100"
+                return f"'labels' has {int(lab[bad][0])} at token {int(np.argmax(bad))}; use token ids or {IGNORE_INDEX}"
             target = lab != IGNORE_INDEX
             if self.targets == "loss_mask":
                 differs = target & (lab != ids)

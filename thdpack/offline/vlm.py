@@ -74,10 +74,11 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.format import VLM_FORMAT_VERSION
+from thdpack.offline.format import VLM_FORMAT_VERSION, row_list
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import (IGNORE_INDEX, IMAGE_PART_TYPES, VIDEO_PART_TYPES, RowTokenizer,
+from thdpack.offline.tokenize import (IMAGE_PART_TYPES, VIDEO_PART_TYPES, RowTokenizer,
                                       flatten_content, _row_error)
+from thdpack.samples import IGNORE_INDEX
 
 VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "video_counts", "second_per_grid_ts")
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "image_counts") + VIDEO_COLUMNS
@@ -824,14 +825,12 @@ def _add_kind(samples: list[dict], row, count_col: str, grid_col: str, pixel_col
     videos) from a packed row; returns int64 ``[n]`` items of each sample."""
     import torch
 
-    from thdpack.offline.dataset import _as_array
-
-    counts = _as_array(row[count_col], count_col).astype(np.int64)
+    counts = row_list(row[count_col], count_col).astype(np.int64)
     if counts.size != len(samples):
         raise ValueError(f"packed row: {count_col} has {counts.size} entries for {len(samples)} samples")
     if not counts.any():
         return counts
-    grids = _as_array(row[grid_col], grid_col).astype(np.int64).reshape(-1, 3)
+    grids = row_list(row[grid_col], grid_col).astype(np.int64).reshape(-1, 3)
     if grids.shape[0] != int(counts.sum()):
         raise ValueError(f"packed row: {count_col} sum to {int(counts.sum())} but {grid_col} has {grids.shape[0]} items")
     patches = grids.prod(axis=1)

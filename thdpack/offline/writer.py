@@ -14,8 +14,8 @@ import numpy as np
 from thdpack.offline.format import SAMPLE_VALUE_PREFIX, file_sha256, shard_name
 from thdpack.offline.gather import RowPieces
 from thdpack.plan import PackPlan
+from thdpack.samples import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 CHUNK_TOKENS = 1 << 22  # tokens per record batch / row group
 
 

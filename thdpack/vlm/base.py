@@ -29,44 +29,8 @@ import torch
 from thdpack.samples import SampleError
 from thdpack.vlm.config import config_first, config_get
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
-
-# how an item's temporal positions ``trunc(k · interval)`` are computed, mirroring torch's
-# type promotion in the family's get_rope_index: integer, float32 or float64 arithmetic
-MODE_INT, MODE_F32, MODE_F64 = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class RopeItems:
-    """Vision items of one kind (images or videos) of one sample, in placeholder order.
-
-    All arrays are ``[k]`` (``grid`` is ``[k, 3]``):
-        source: index of the image / video the item comes from (a row of the grid
-            it was made from; :func:`thdpack.vlm.pack.attach_vision` renumbers it
-            within each sample for error messages).
-        grid: the source's ``(t, h, w)`` patch grid as given (for error messages).
-        frame: frame (temporal patch) of the video the item is, or -1 for a whole image / video.
-        t, h, w: LLM grid of the item (``t`` temporal patches, ``h, w`` after spatial merge).
-        interval: float64 spacing of the temporal positions.
-        mode: ``MODE_INT`` / ``MODE_F32`` / ``MODE_F64`` arithmetic for ``trunc(k · interval)``.
-    """
-
-    source: np.ndarray
-    grid: np.ndarray
-    frame: np.ndarray
-    t: np.ndarray
-    h: np.ndarray
-    w: np.ndarray
-    interval: np.ndarray
-    mode: np.ndarray
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """int64 ``[k]`` placeholder tokens of each item."""
-        return self.t * self.h * self.w
-
-    def __len__(self) -> int:
-        return int(self.source.size)
-
+from thdpack.vlm.items import MODE_F32, MODE_F64, MODE_INT, RopeItems
+from thdpack.vlm.mrope import mrope_for_stream
 
 @runtime_checkable
 class VlmFamily(Protocol):
@@ -247,8 +211,6 @@ class QwenVLFamily:
     def mrope_positions(self, input_ids, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None) -> np.ndarray:
         """int64 ``[3, s]`` mRoPE position ids of one sample, as the family's own
         ``get_rope_index`` gives for that sample alone (via the vectorised THD path)."""
-        from thdpack.vlm.mrope import mrope_for_stream
-
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         image_grid = np.zeros((0, 3)) if image_grid_thw is None else np.asarray(image_grid_thw)
         video_grid = np.asarray(video_grid_thw).reshape(-1, 3) if video_grid_thw is not None else np.zeros((0, 3))

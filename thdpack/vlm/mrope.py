@@ -29,7 +29,7 @@ import numpy as np
 
 from thdpack._jit import njit
 from thdpack.samples import SampleError
-from thdpack.vlm.base import MODE_F32, MODE_F64, RopeItems
+from thdpack.vlm.items import MODE_F32, MODE_F64, RopeItems
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from thdpack.samples import SampleError, get_field
-from thdpack.vlm.base import RopeItems
+from thdpack.vlm.items import RopeItems
 from thdpack.vlm.convention import EXACT
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family
