@@ -40,6 +40,7 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import file_sha256
+from thdpack.offline.staging import _fsync, _fsync_dir, _move_into_place, staged_output
 from thdpack.samples import IGNORE_INDEX
 
 FORMAT = "megatron-bridge"
@@ -234,7 +235,6 @@ def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: 
     (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
     import pyarrow.parquet as pq
 
-    from thdpack.offline.build import _fsync
     from thdpack.offline.dataset import _read_shard
 
     if multiple > 1 and pad_id is None:
@@ -284,7 +284,6 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
     from thdpack.align import check_int
-    from thdpack.offline.build import _fsync_dir, _move_into_place, staged_output
     from thdpack.offline.procs import signals_deferred
     from thdpack.offline.dataset import load_packed
 

@@ -17,7 +17,7 @@ Before writing, the shards are checked: each is a complete shard build; all have
 same shard count, every index ``0..N-1`` exactly once; the same options, input
 (source fingerprint), tokenizer and thdpack version; row ranges that match the count;
 and every file's size and sha256 (checked while copying). The output is written like
-``thdpack build`` (:func:`thdpack.offline.build.start_output`, the same lock and checks):
+``thdpack build`` (:func:`thdpack.offline.staging.start_output`, the same lock and checks):
 into a hidden temporary directory, renamed into place last, never replacing an existing
 directory without ``overwrite``.
 """
@@ -39,6 +39,7 @@ from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
 from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, shard_name
 from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
+from thdpack.offline.staging import _commit, staged_output
 from thdpack.offline.vlm import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
@@ -326,8 +327,6 @@ def merge_shards(
     log=_stderr,
 ) -> MergeResult:
     """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
-    from thdpack.offline.build import _commit, staged_output
-
     paths = expand_shard_paths(shard_paths)
     shards = check_shards(paths)
     output = Path(output)
