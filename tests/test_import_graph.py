@@ -25,10 +25,8 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
 # Core modules that still import thdpack.vlm, with the reason; to be replaced by
 # a hook the VLM family passes in. The test fails on any import not listed.
 KNOWN_CORE_VLM_IMPORTS: dict[tuple[str, str], str] = {
-    ("thdpack.batch", "thdpack.vlm.__init__"): "to_hf() names the vision keys (HF_VISION_KEYS)",
     ("thdpack.build", "thdpack.vlm.__init__"): "build_thd_batch(model_config=) attaches vision inputs",
     ("thdpack.collate", "thdpack.vlm.__init__"): "the collator plans with vision lengths",
-    ("thdpack.cp", "thdpack.vlm.shard"): "shard_for_cp adds the vision extras of a VLM batch",
 }
 
 # Top-level modules allowed to import thdpack.vlm, with the reason.

@@ -10,6 +10,9 @@ import torch
 
 from thdpack.samples import IGNORE_INDEX
 
+# keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
+HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
 _warned_no_targets = False  # warn_if_no_targets warns once per process
 
 
@@ -193,8 +196,6 @@ class ThdBatch:
         }
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
-            from thdpack.vlm import HF_VISION_KEYS
-
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
             kw["mm_token_type_ids"] = self.token_extras["mm_token_type_ids"].unsqueeze(0)
             kw.update({k: self.extras[k] for k in HF_VISION_KEYS if self.extras.get(k) is not None})

@@ -14,14 +14,12 @@ vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 checking samples in ``pack.py``; CP positions of vision tokens in ``shard.py``.
 """
 
+from thdpack.batch import HF_VISION_KEYS
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.pack import attach_vision, vision_lengths, vision_patch_count
 from thdpack.vlm.registry import get_family, register_family, supported_model_types
 from thdpack.vlm.shard import vision_shard_extras
-
-# keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
-HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 __all__ = [
     "HF_VISION_KEYS",
