@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thdpack.vlm.base import QwenVLFamily
-from thdpack.vlm.registry import register_family
+from thdpack.vlm.families import register_family
 
 
 @register_family

@@ -6,15 +6,8 @@ import dataclasses
 
 from thdpack.vlm.config import model_type_of
 from thdpack.vlm.convention import resolve_mrope_convention
-
-_FAMILIES: dict[str, type] = {}
-
-
-def register_family(cls: type) -> type:
-    """Class decorator: register ``cls`` under each of its ``MODEL_TYPES``."""
-    for model_type in cls.MODEL_TYPES:
-        _FAMILIES[model_type] = cls
-    return cls
+from thdpack.vlm.families import FAMILIES as _FAMILIES
+from thdpack.vlm.families import register_family  # noqa: F401 (re-exported: thdpack.vlm.register_family)
 
 
 def supported_model_types() -> tuple[str, ...]:
