@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +51,10 @@ VIDEO = {"min_pixels": 16 * 28 * 28, "max_pixels": 64 * 28 * 28}
 
 def make_data(d: Path, n: int, seed: int) -> None:
     """``n`` videos under ``d/vid``, ``d/data.jsonl``, the tokenizer and the model config."""
-    import av
     import transformers
 
     from thdpack.demo import TOKENIZER_DIR
+    from thdpack.demo.videos import write_video
 
     rng = np.random.default_rng(seed)
     (d / "vid").mkdir(parents=True)
@@ -63,15 +62,7 @@ def make_data(d: Path, n: int, seed: int) -> None:
     for i in range(n):
         h, w = (int(x) // 16 * 16 for x in rng.integers(112, 225, 2))
         frames, fps = int(rng.integers(12, 41)), int(rng.integers(6, 31))
-        with av.open(str(d / "vid" / f"{i}.mp4"), "w") as out:
-            s = out.add_stream("mpeg4", rate=Fraction(fps))
-            s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-            for _ in range(frames):
-                img = (rng.random((h, w, 3)) * 255).astype(np.uint8)
-                for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                    out.mux(p)
-            for p in s.encode():
-                out.mux(p)
+        write_video(d / "vid" / f"{i}.mp4", frames, fps, h, w, seed=rng)
         q = " ".join(["what", "happens", "in", "this", "clip"][: int(rng.integers(2, 6))])
         a = " ".join(["the", "noise", "moves", "fast", "and", "then", "slow"] * int(rng.integers(1, 6)))
         rows.append({"messages": [{"role": "user", "content": f"<video>{q}?"}, {"role": "assistant", "content": a}],

@@ -36,6 +36,7 @@ from test_vlm import tiny_config as tiny_vlm_config  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.demo.videos import write_video  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
 from thdpack.offline.video import (  # noqa: E402
     VideoOptions, frame_timestamps, load_video, sample_indices, video_patches, video_rule,
@@ -57,21 +58,6 @@ ROWS = [
                                               {"type": "text", "text": "And this one?"}]},
                   {"role": "assistant", "content": "Shorter."}]},
 ]
-
-
-def write_video(path, frames: int, fps, h: int, w: int, seed: int = 0) -> None:
-    """A small MPEG-4 file of ``frames`` random RGB frames ``h x w`` at ``fps``."""
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        out.start_encoding()  # the header, even with no frame
-        for _ in range(frames):
-            img = (rng.random((h, w, 3)) * 255).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
 
 
 def family_config(family: str) -> dict:
