@@ -50,13 +50,21 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     Lists take a fast typed conversion (``array.array("q")``, which rejects
     floats and other non-integers) before the general path.
     """
-    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
-        return _within_int64(value, sample=sample, field=field)  # the common case, without further dispatch
+    if type(value) is np.ndarray and value.ndim == 1:  # the common case, without further dispatch
+        kind = value.dtype.kind
+        if kind == "i":
+            return value
+        if kind == "u":
+            return _within_int64(value, sample=sample, field=field)
     reader = _READERS.get(type(value))
     if reader is not None:  # a type seen before (Arrow arrays): skip the dispatch below
         arr = reader(value)
-        if arr.ndim == 1 and arr.dtype.kind in "iu":
-            return _within_int64(arr, sample=sample, field=field)
+        if arr.ndim == 1:
+            kind = arr.dtype.kind
+            if kind == "i":
+                return arr
+            if kind == "u":
+                return _within_int64(arr, sample=sample, field=field)
     if type(value) is list and value:
         try:
             return np.frombuffer(array.array("q", value), dtype=np.int64)
@@ -80,7 +88,7 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
 def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
     """``arr`` unchanged, unless it is uint64 with values that int64 cannot hold
     (the builder reads every field as int64): then a ``ValueError`` naming the first."""
-    if arr.dtype != np.uint64 or not arr.size:
+    if arr.dtype.kind != "u" or arr.dtype.itemsize < 8 or not arr.size:
         return arr
     over = np.flatnonzero(arr > np.uint64(INT64_MAX))
     if over.size:
