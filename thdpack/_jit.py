@@ -21,3 +21,13 @@ def njit(fn):
     if HAVE_NUMBA:
         return _njit(cache=True, nogil=True)(fn)
     return fn
+
+
+def jitable(fn):
+    """Make ``fn`` callable from plain Python *and* from inside :func:`njit` kernels
+    (``numba.extending.register_jitable``); without numba it is ``fn`` itself."""
+    if HAVE_NUMBA:
+        from numba.extending import register_jitable
+
+        return register_jitable(fn)
+    return fn
