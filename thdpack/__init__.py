@@ -7,11 +7,11 @@ Data flows one way::
 
 from thdpack.align import cp_pad_multiple
 from thdpack.balance import BalancedPlan, CostModel, plan_balanced
-from thdpack.batch import ThdBatch
+from thdpack.batch import ThdBatch, shard_for_cp
 from thdpack.build import build_thd_batch
 from thdpack.collate import PackedBatches, ThdCollator
 from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
-from thdpack.cp import local_seq_lens, shard_for_cp, thd_partition_indices
+from thdpack.cp import local_seq_lens, thd_partition_indices
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
 from thdpack.samples import SampleError

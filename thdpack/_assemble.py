@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack._jit import njit
+from thdpack.dual_chunk import chunk_length, rank_chunks
 
 OK = 0
 NEGATIVE_ID = 1
@@ -117,7 +118,8 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
     """One CP rank's shard, without building the whole stream.
 
     Each padded span ``P`` is cut into ``2·cp`` chunks of ``h = P / (2·cp)``; the
-    rank keeps chunk ``r`` then chunk ``2·cp − 1 − r`` (TransformerEngine's split).
+    rank keeps chunk ``r`` then chunk ``2·cp − 1 − r`` (TransformerEngine's split,
+    :mod:`thdpack.dual_chunk`).
 
     Returns ``(status, token, input_ids, labels, loss_mask, position_ids, cu,
     cu_padded, partition_indices, local_seq_lens)``; per-token arrays are
@@ -139,13 +141,14 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
     for i in range(n):
         longest = max(longest, seq_lens[i])
     targets = np.empty(longest, np.int64)  # one sample's targets, reused
+    first_chunk, second_chunk = rank_chunks(cp_size, cp_rank)
     out = 0
     for i in range(n):
         src, s = cu[i], seq_lens[i]
         _fill_targets(targets, 0, ids, source, has_source, mask, has_mask, src, s, ignore_index)
-        h = padded[i] // (2 * cp_size)
+        h = chunk_length(padded[i], cp_size)
         for c in range(2):
-            first = h * (cp_rank if c == 0 else 2 * cp_size - 1 - cp_rank)
+            first = h * (first_chunk if c == 0 else second_chunk)
             real = min(max(s - first, 0), h)  # real tokens of this chunk
             for j in range(h):
                 partition[out + j] = cu_padded[i] + first + j

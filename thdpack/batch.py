@@ -1,4 +1,5 @@
-"""The packed THD batch and its conversions to consumer formats."""
+"""The packed THD batch, its CP shard (:func:`shard_for_cp`, over the index arithmetic
+of :mod:`thdpack.cp`) and its conversions to consumer formats."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thdpack.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
 from thdpack.samples import IGNORE_INDEX
 
 # keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
@@ -102,9 +104,7 @@ class ThdBatch:
         return self.local_cu_seqlens_padded is not None
 
     def shard(self, cp_size: int, cp_rank: int) -> "ThdBatch":
-        """This batch's CP shard for ``cp_rank`` (see :func:`thdpack.shard_for_cp`)."""
-        from thdpack.cp import shard_for_cp
-
+        """This batch's CP shard for ``cp_rank`` (see :func:`shard_for_cp`)."""
         return shard_for_cp(self, cp_size, cp_rank)
 
     @property
@@ -240,6 +240,44 @@ class ThdBatch:
             return fields
         known = {f.name for f in dataclasses.fields(PackedSeqParams)}
         return PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
+
+
+def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
+    """Rank ``cp_rank``'s shard of ``batch``: every per-token tensor indexed by
+    :func:`thdpack.thd_partition_indices` (:mod:`thdpack.cp`).
+
+    The shard keeps the *global* ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` (TransformerEngine divides by cp itself), and adds
+    ``local_cu_seqlens_padded`` (``cu_seqlens_padded // cp_size``: the local
+    layout), ``local_seq_lens`` (real tokens per sample on this rank) and
+    ``partition_indices`` (where each local token sits in the global stream).
+
+    VLM batches: ``mrope_position_ids`` and ``mm_token_type_ids`` (token extras) are
+    sharded with the same indices; vision inputs stay whole (vision embeddings are
+    scattered into the global stream before the CP split) and the shard's extras add
+    ``vision_token_positions``, ``image_embed_index`` and ``video_embed_index``
+    (:func:`thdpack.cp.vision_shard_extras`).
+    """
+    check_cp_args(cp_size, cp_rank)
+    if batch.cp_size != 1:
+        raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
+    index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
+    shard = dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[index],
+        labels=batch.labels[index],
+        loss_mask=batch.loss_mask[index],
+        position_ids=batch.position_ids[index],
+        token_extras={k: v[..., index] for k, v in batch.token_extras.items()},
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
+        local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
+        partition_indices=index,
+    )
+    if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
+        shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}
+    return shard
 
 
 def warn_if_no_targets(batch: ThdBatch) -> None:

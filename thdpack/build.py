@@ -18,8 +18,8 @@ import torch
 
 from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
-from thdpack.batch import ThdBatch, warn_if_no_targets
-from thdpack.cp import check_cp_args, shard_for_cp
+from thdpack.batch import ThdBatch, shard_for_cp, warn_if_no_targets
+from thdpack.cp import check_cp_args
 from thdpack.samples import IGNORE_INDEX, SampleError, get_field, same_length, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max

@@ -1,21 +1,24 @@
-"""Context-parallel (CP) sharding of a THD stream: TransformerEngine's load-balanced
+"""Context-parallel (CP) index arithmetic of a THD stream: TransformerEngine's load-balanced
 "dual chunk" split, as a pure function of ``cu_seqlens_padded``, ``cp_size`` and ``cp_rank``.
 
 Each sample's padded span of length ``P`` (a multiple of ``2·cp``) is cut into
 ``2·cp`` chunks of ``h = P / (2·cp)`` tokens; rank ``r`` keeps chunk ``r`` and
-chunk ``2·cp − 1 − r``, in that order, sample after sample. Under causal
-attention the two chunks together cost every rank the same work.
+chunk ``2·cp − 1 − r``, in that order, sample after sample (the rule itself:
+:mod:`thdpack.dual_chunk`). Under causal attention the two chunks together cost
+every rank the same work.
+
+This module works on lengths and tensors only and knows nothing of
+:class:`thdpack.ThdBatch`; the batch-level verb, :func:`thdpack.shard_for_cp`
+(``ThdBatch.shard``), lives with the batch in :mod:`thdpack.batch` and calls these.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import torch
 
 from thdpack.align import check_int
-from thdpack.batch import ThdBatch
+from thdpack.dual_chunk import chunk_length, rank_chunks
 
 
 def check_cp_args(cp_size, cp_rank) -> None:
@@ -62,9 +65,10 @@ def dual_chunk_offsets(padded_lengths, cp_size: int, cp_rank: int):
     if cp_size == 1:
         chunk_len, chunk_first, chunk_sample = padded_lengths, padded_lengths * 0, xp.arange(n)
     else:
-        h = padded_lengths // (2 * cp_size)
+        h = chunk_length(padded_lengths, cp_size)
+        first_chunk, second_chunk = rank_chunks(cp_size, cp_rank)
         chunk_len = xp.repeat(h, 2)
-        chunk_first = xp.stack_interleave(h * cp_rank, h * (2 * cp_size - 1 - cp_rank))
+        chunk_first = xp.stack_interleave(h * first_chunk, h * second_chunk)
         chunk_sample = xp.repeat(xp.arange(n), 2)
     local_total = int(chunk_len.sum())
     chunk_local_start = xp.cumsum(chunk_len) - chunk_len
@@ -145,53 +149,14 @@ def local_seq_lens(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int) -> t
     if cp_size == 1:
         out = s
     else:
-        h = lengths // (2 * cp_size)
-        first = (s - cp_rank * h).clip(0)
-        second = (s - (2 * cp_size - 1 - cp_rank) * h).clip(0)
+        h = chunk_length(lengths, cp_size)
+        first_chunk, second_chunk = rank_chunks(cp_size, cp_rank)
+        first = (s - first_chunk * h).clip(0)
+        second = (s - second_chunk * h).clip(0)
         out = first.clip(None, h) + second.clip(None, h) if not isinstance(h, torch.Tensor) else (
             torch.minimum(first, h) + torch.minimum(second, h)
         )
     return out.to(torch.int32) if isinstance(out, torch.Tensor) else torch.from_numpy(out.astype(np.int32))
-
-
-def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
-    """Rank ``cp_rank``'s shard of ``batch``: every per-token tensor indexed by
-    :func:`thd_partition_indices`.
-
-    The shard keeps the *global* ``cu_seqlens``, ``cu_seqlens_padded`` and
-    ``max_seqlen`` (TransformerEngine divides by cp itself), and adds
-    ``local_cu_seqlens_padded`` (``cu_seqlens_padded // cp_size``: the local
-    layout), ``local_seq_lens`` (real tokens per sample on this rank) and
-    ``partition_indices`` (where each local token sits in the global stream).
-
-    VLM batches: ``mrope_position_ids`` and ``mm_token_type_ids`` (token extras) are
-    sharded with the same indices; vision inputs stay whole (vision embeddings are
-    scattered into the global stream before the CP split) and the shard's extras add
-    ``vision_token_positions``, ``image_embed_index`` and ``video_embed_index``
-    (:func:`vision_shard_extras`).
-    """
-    check_cp_args(cp_size, cp_rank)
-    if batch.cp_size != 1:
-        raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
-    if cp_size > 1 and batch.pad_multiple % (2 * cp_size):
-        _padded_lengths(batch.cu_seqlens_padded, cp_size)  # raises, naming the sample, if the layout is unusable
-    index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
-    shard = dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[index],
-        labels=batch.labels[index],
-        loss_mask=batch.loss_mask[index],
-        position_ids=batch.position_ids[index],
-        token_extras={k: v[..., index] for k, v in batch.token_extras.items()},
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
-        local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
-        partition_indices=index,
-    )
-    if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
-        shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}
-    return shard
 
 
 # ---------------------------------------------------------------------------- vision tokens of a shard
