@@ -213,7 +213,7 @@ class VlmBuild:
 def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
     """The :class:`VlmBuild` of ``cfg``, or None for a text build."""
     from thdpack.vlm import get_family, supported_model_types
-    from thdpack.vlm.config import config_first
+    from thdpack.model_config import config_first
 
     if model_config is None or model_config.get("model_type") not in supported_model_types():
         if cfg.vision_budget is not None or cfg.image_processor is not None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from thdpack.samples import SampleError
-from thdpack.vlm.config import config_first, config_get
+from thdpack.model_config import config_first, config_get
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
 from thdpack.vlm.items import MODE_F32, MODE_F64, MODE_INT, RopeItems
 from thdpack.vlm.mrope import mrope_for_stream

@@ -2,7 +2,9 @@
 
 Nothing here imports ``transformers``: a config object is read with ``getattr``,
 a dict (``config.to_dict()`` or a hub ``config.json``) with ``[]``, and nested
-sub-configs (``vision_config``, ``text_config``) may be either.
+sub-configs (``vision_config``, ``text_config``) may be either. The one reader of
+config values for the FLOPs counts (:mod:`thdpack.flops`), the offline build's model
+config (:mod:`thdpack.offline.model_config`) and the VLM families (:mod:`thdpack.vlm`).
 """
 
 from __future__ import annotations
