@@ -16,6 +16,7 @@ from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
 from thdpack.samples import SampleError
 from thdpack.stream import StreamingPacker
+import thdpack.vlm  # noqa: E402,F401  registers the vision extension that build_thd_batch(model_config=) calls
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemb
 from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
 from thdpack.batch import ThdBatch, shard_for_cp, warn_if_no_targets
 from thdpack.cp import check_cp_args
+from thdpack.extensions import vision
 from thdpack.samples import IGNORE_INDEX, SampleError, get_field, same_length, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -151,9 +152,7 @@ def build_thd_batch(
 
         attach_sample_values(batch, samples, sample_values)
     if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
-        from thdpack.vlm import attach_vision
-
-        attach_vision(batch, samples, model_config)
+        vision().attach(batch, samples, model_config)
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
     warn_if_no_targets(batch)

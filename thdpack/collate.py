@@ -11,6 +11,7 @@ from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.build import build_thd_batch, check_token_args
 from thdpack.cp import check_cp_args
+from thdpack.extensions import vision as vision_extension
 from thdpack.plan import PackStats, plan_packs
 from thdpack.samples import IGNORE_INDEX, SampleError, get_field, to_int_array
 
@@ -122,9 +123,7 @@ class ThdCollator:
             lengths = np.minimum(lengths, self.max_length)
         vision = {}
         if self.vision_budget is not None:
-            from thdpack.vlm import vision_lengths
-
-            vision = dict(vision_lengths=vision_lengths(samples), vision_budget=self.vision_budget)
+            vision = dict(vision_lengths=vision_extension().lengths(samples), vision_budget=self.vision_budget)
         if self.group_field is not None:
             vision["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
         plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs, **vision)

@@ -12,9 +12,12 @@ Layout: one file per family (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``
 vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 (``get_family(cfg, mrope_convention=...)``, ``convention.py``; docs/vlm.md); reading and
 checking samples in ``pack.py``; CP positions of vision tokens in ``shard.py``.
+On import it registers :func:`attach_vision` and :func:`vision_lengths` with
+:mod:`thdpack.extensions`, through which the core calls them.
 """
 
 from thdpack.batch import HF_VISION_KEYS
+from thdpack.extensions import VisionExtension, register_vision
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.pack import attach_vision, vision_lengths, vision_patch_count
@@ -35,3 +38,5 @@ __all__ = [
     "vision_patch_count",
     "vision_shard_extras",
 ]
+
+register_vision(VisionExtension(attach=attach_vision, lengths=vision_lengths))  # the core calls these (build, collate)

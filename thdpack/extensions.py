@@ -1,0 +1,47 @@
+"""Extension points: behaviour a domain package provides and the core calls without
+importing it, so the core (``build``, ``collate``) stays free of imports back into
+:mod:`thdpack.vlm`.
+
+One today, the vision extension: :mod:`thdpack.vlm` registers it on import, and
+``thdpack/__init__`` imports :mod:`thdpack.vlm`, so ``import thdpack`` is enough for
+``build_thd_batch(samples, model_config=cfg)`` to attach vision inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VisionExtension:
+    """What the core needs from VLM support.
+
+    Attributes:
+        attach: ``attach(batch, samples, model_config)`` adds the vision inputs,
+            ``mm_token_type_ids`` (int32 ``[T]``) and ``mrope_position_ids`` (int64
+            ``[3, T]``) to a built whole (not sharded) batch, in place.
+        lengths: ``lengths(samples)``, int64 ``[n]`` ViT patches per sample (planning
+            with ``vision_budget``).
+    """
+
+    attach: Callable[[object, Sequence, object], object]
+    lengths: Callable[[Sequence], np.ndarray]
+
+
+_vision: VisionExtension | None = None
+
+
+def register_vision(extension: VisionExtension) -> None:
+    """Install ``extension`` as the vision extension (the last registration wins)."""
+    global _vision
+    _vision = extension
+
+
+def vision() -> VisionExtension:
+    """The registered vision extension; ``RuntimeError`` if none is."""
+    if _vision is None:
+        raise RuntimeError("no vision extension is registered: import thdpack.vlm (import thdpack does)")
+    return _vision
