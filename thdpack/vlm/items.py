@@ -2,7 +2,8 @@
 computation reads them: source, grid, frame, LLM grid and temporal spacing.
 
 Shared by the families (:mod:`thdpack.vlm.base`, which make them), the mRoPE
-kernel (:mod:`thdpack.vlm.mrope`) and the packer (:mod:`thdpack.vlm.pack`).
+kernel (:mod:`thdpack.vlm.mrope`) and a pack's vision fields
+(:mod:`thdpack.vlm.vision_fields`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class RopeItems:
 
     All arrays are ``[k]`` (``grid`` is ``[k, 3]``):
         source: index of the image / video the item comes from (a row of the grid
-            it was made from; :func:`thdpack.vlm.pack.attach_vision` renumbers it
+            it was made from; :func:`thdpack.vlm.vision_fields.attach_vision` renumbers it
             within each sample for error messages).
         grid: the source's ``(t, h, w)`` patch grid as given (for error messages).
         frame: frame (temporal patch) of the video the item is, or -1 for a whole image / video.

@@ -1,9 +1,10 @@
 """Vision fields of a VLM pack: read and check each sample's pixels and grids,
 concatenate them in pack order, and add mRoPE rows and token types to the batch.
 
-Called by :func:`thdpack.build_thd_batch` when ``model_config`` is given, after the
-text stream is built; it reads the stream (so ``max_length`` truncation and
-alignment padding are already applied) and never builds a ``[B, S]`` copy.
+Called by :func:`thdpack.build_thd_batch` (through :mod:`thdpack.extensions`) when
+``model_config`` is given, after the text stream is built; it reads the stream (so
+``max_length`` truncation and alignment padding are already applied) and never
+builds a ``[B, S]`` copy.
 """
 
 from __future__ import annotations
