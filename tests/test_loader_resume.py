@@ -170,7 +170,7 @@ def test_streaming_packer_resume_per_worker_is_exact(workers, num_replicas, rank
         StreamingPacker(ROWS, PACK, buffer_size=2, num_replicas=num_replicas, rank=rank), workers,
         stateful.StatefulDataLoader)
     full = [_ids(p) for p in mk()]
-    per_rank = max(workers, 1)  # shard of rank r, worker w: r * workers + w, of num_replicas * workers
+    per_rank = max(workers, 1)  # stream share of rank r, worker w: r * workers + w, of num_replicas * workers
     mine = [i for i in range(len(ROWS)) if i % (num_replicas * per_rank) // per_rank == rank]
     assert sorted(i for p in full for i in p) == mine
     for cut in (1, 4, len(full) - 1):
@@ -190,5 +190,5 @@ def test_streaming_packer_state_from_the_main_process_is_refused_by_workers():
     next(iter(packer))
     resumed = StreamingPacker(ROWS, PACK, buffer_size=2)
     resumed.load_state_dict(packer.state_dict())
-    with pytest.raises(ValueError, match=r"shard 0 of 1, but this packer reads shard \d of 2"):
+    with pytest.raises(ValueError, match=r"share 0 of 1, but this packer reads share \d of 2"):
         list(_stream_loader(resumed, 2))

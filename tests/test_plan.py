@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import _binpack
-from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES, PackPlan, plan_packs
+from thdpack.packing import OVERFLOW_POLICIES
+from thdpack.plan import ALGORITHMS, PackPlan, plan_packs
 
 SETTINGS = settings(max_examples=80, deadline=None)
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thdpack
-from thdpack import StreamingPacker, ThdCollator, plan_packs
+from thdpack import PackStats, StreamingPacker, ThdCollator, plan_packs
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -142,14 +142,19 @@ def test_every_sample_once_and_packs_within_budget(case):
 
     over = [n for n in lengths if n > limit]
     stats = packer.stats
-    assert stats["packs"] == len(packs)
-    assert stats["real_tokens"] == sum(n for pack in packs for _, _, n in pack)
+    assert stats.num_packs == len(packs)
+    assert stats.real_tokens == sum(n for pack in packs for _, _, n in pack)
     pol = case["overflow"]
-    assert stats["samples_truncated"] == (len(over) if pol == "truncate" else 0)
-    assert stats["tokens_truncated"] == (sum(n - limit for n in over) if pol == "truncate" else 0)
-    assert stats["samples_dropped"] == (len(over) if pol == "drop" else 0)
-    assert stats["tokens_dropped"] == (sum(over) if pol == "drop" else 0)
-    assert stats["samples_split"] == (len(over) if pol == "split" else 0)
+    assert stats.samples_truncated == (len(over) if pol == "truncate" else 0)
+    assert stats.tokens_truncated == (sum(n - limit for n in over) if pol == "truncate" else 0)
+    assert stats.samples_dropped == (len(over) if pol == "drop" else 0)
+    assert stats.tokens_dropped == (sum(over) if pol == "drop" else 0)
+    assert stats.samples_split == (len(over) if pol == "split" else 0)
+    # the same PackStats a plan of these packs has (thdpack.packing: one derivation)
+    piece_lengths = np.array([n for pack in packs for _, _, n in pack], np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(pack) for pack in packs])]).astype(np.int64)
+    assert stats == PackStats.from_packs(piece_lengths, offsets, pack_size, align=align, num_samples=len(lengths),
+                                         cuts=stats.cuts)
 
 
 @SETTINGS
@@ -188,7 +193,7 @@ def test_reiterating_starts_over():
     packer = packer_for(case)
     first = as_pieces(packer)
     assert as_pieces(packer) == first
-    assert packer.stats["packs"] == len(first)
+    assert packer.stats.num_packs == len(first)
 
 
 def test_align_counts_aligned_lengths():
@@ -297,7 +302,7 @@ def test_efficiency_grows_with_buffer_and_approaches_bfd():
     for b in (1, 4, 16, 64, 256):
         packer = StreamingPacker(samples, 4096, buffer_size=b, length_fn=lambda s, i: s["n"])
         n_packs = sum(1 for _ in packer)
-        assert packer.stats["real_tokens"] == total
+        assert packer.stats.real_tokens == total
         effs.append(total / (n_packs * 4096))
     assert all(x <= y for x, y in zip(effs, effs[1:])), effs
     assert effs[-1] > effs[0] + 0.05, effs  # a buffer matters on lognormal data
@@ -416,7 +421,7 @@ def test_dataloader_with_thd_collator(cp_size):
 
 
 # --------------------------------------------------------------------------
-# load_state_dict errors (issue 11 §7) and sharding
+# load_state_dict errors (issue 11 §7) and stream shares
 # --------------------------------------------------------------------------
 def _saved_state():
     packer = StreamingPacker(make_samples([3, 5, 2, 6, 4, 7]), 8, buffer_size=2)
@@ -432,7 +437,7 @@ def _without(state, key):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (lambda st: {}, r"missing key\(s\) 'consumed', 'open', 'ready', 'stats', 'shard', 'fingerprint'"),
+        (lambda st: {}, r"missing key\(s\) 'consumed', 'open', 'ready', 'stats', 'share', 'fingerprint'"),
         (lambda st: None,
          r"state_dict must be a dict, got NoneType; pass the dict that StreamingPacker.state_dict\(\) returned"),
         (lambda st: _without(st, "consumed"), r"missing key\(s\) 'consumed'"),
@@ -442,9 +447,12 @@ def _without(state, key):
         (lambda st: dict(st, open=None), r"state_dict\['open'\] must be a list, got NoneType"),
         (lambda st: dict(st, open=[(1, 2)]), r"state_dict\['open'\] must hold \(room, samples, real_tokens\)"),
         (lambda st: dict(st, stats=[]), r"state_dict\['stats'\] must be a dict, got list"),
-        (lambda st: dict(st, shard=3), r"state_dict\['shard'\] must be \[shard, shards\], got 3"),
-        (lambda st: dict(st, shard=[1, 2]),
-         r"state_dict\['shard'\] is shard 1 of 2, but this packer reads shard 0 of 1"),
+        (lambda st: dict(st, stats={"packs": 1}), r"state_dict\['stats'\] must have the keys num_packs, "),
+        (lambda st: dict(st, stats=dict(st["stats"], num_packs=-1)),
+         r"state_dict\['stats'\]\['num_packs'\] must be an integer >= 0, got -1"),
+        (lambda st: dict(st, share=3), r"state_dict\['share'\] must be \[share, shares\], got 3"),
+        (lambda st: dict(st, share=[1, 2]),
+         r"state_dict\['share'\] is share 1 of 2, but this packer reads share 0 of 1"),
         (lambda st: dict(st, fingerprint="pack_size=9"),
          r"saved by a StreamingPacker with pack_size=9, but this one has pack_size=8, buffer_size=2"),
     ],
@@ -484,12 +492,12 @@ def test_dp_ranks_share_the_stream_and_resume(num_replicas):
         assert head + as_pieces(second) == full
         other = StreamingPacker(make_samples(lengths), 32, buffer_size=3, num_replicas=num_replicas,
                                 rank=(rank + 1) % num_replicas)
-        with pytest.raises(ValueError, match="state_dict\\['shard'\\]"):
+        with pytest.raises(ValueError, match="state_dict\\['share'\\]"):
             other.load_state_dict(first.state_dict())
     assert sorted(seen) == list(range(len(lengths)))
 
 
-def test_overflow_error_names_the_stream_index_under_sharding():
+def test_overflow_error_names_the_stream_index_under_stream_shares():
     packer = StreamingPacker(make_samples([3, 4, 2, 11, 1]), 10, num_replicas=2, rank=1)
     with pytest.raises(ValueError, match=r"sample 3 has 11 tokens"):
         list(packer)

@@ -17,9 +17,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from thdpack.align import check_int, check_positive_int, round_up
-from thdpack.plan import (
-    PackPlan, _check_groups, _number_groups, _pack_stats, _vision_overflow, plan_packs, validate_lengths,
-)
+from thdpack.packing import PackStats, pack_sums
+from thdpack.plan import PackPlan, _check_groups, _number_groups, _vision_overflow, plan_packs, validate_lengths
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,10 @@ class CostModel:
     def pack_costs(self, plan: PackPlan) -> np.ndarray:
         """float64 ``[num_packs]`` cost of every pack of ``plan`` (real lengths)."""
         lengths = plan.length.astype(np.float64)
-        if len(plan) == 0:
-            return np.zeros(0)
-        starts = plan.pack_offsets[:-1]
-        cost = self.linear * np.add.reduceat(lengths, starts) + self.quadratic * np.add.reduceat(lengths * lengths, starts)
+        offsets = plan.pack_offsets
+        cost = self.linear * pack_sums(lengths, offsets) + self.quadratic * pack_sums(lengths * lengths, offsets)
         if self.vision and plan.vision_length is not None:
-            cost += self.vision * np.add.reduceat(plan.vision_length.astype(np.float64), starts)
+            cost += self.vision * pack_sums(plan.vision_length.astype(np.float64), offsets)
         return cost
 
 
@@ -327,9 +324,9 @@ def _plan_bundles(split: _GroupSplit, pack_size: int, *, num_replicas: int, micr
     pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
     length = split.lengths[sample_index]
     vision_length = None if split.vision is None else split.vision[sample_index]
-    stats = _pack_stats(length, split.sizes[sample_index], pack_offsets, int(pack_size), int(split.lengths.size),
-                        vision_length, None if split.vision is None else int(vision_budget), samples_truncated=0,
-                        tokens_truncated=0, samples_dropped=0, tokens_dropped=0, samples_split=0)
+    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=align, num_samples=int(split.lengths.size),
+                                 vision_length=vision_length,
+                                 vision_budget=None if split.vision is None else int(vision_budget))
     plan = replace(small_plan, sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
                    pack_offsets=pack_offsets, stats=stats, vision_length=vision_length)
     costs = cost.pack_costs(plan)
@@ -408,7 +405,7 @@ def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: i
     moved = np.flatnonzero(emptied[piece_pack])
     lengths = plan.length[moved].astype(np.float64)
     piece_cost = cost.linear * lengths + cost.quadratic * lengths * lengths
-    sizes = -(-plan.length[moved] // plan.align) * plan.align
+    sizes = round_up(plan.length[moved], plan.align)
     load = np.zeros(new_count)
     room = np.full(new_count, plan.pack_size, np.int64)
     slots = np.full(new_count, max_items or moved.size, np.int64)
@@ -439,19 +436,10 @@ def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: i
     np.cumsum(np.bincount(pack_of, minlength=total), out=offsets[1:])
     order = np.lexsort((plan.start, plan.sample_index, pack_of))  # within a pack: input order, as plan_packs gives
     sample_index, start, length = plan.sample_index[order], plan.start[order], plan.length[order]
-    fill = np.add.reduceat(length, offsets[:-1])
-    stats = plan.stats
-    new_stats = replace(
-        stats,
-        num_packs=total,
-        efficiency=stats.real_tokens / (total * stats.pack_size),
-        packing_factor=stats.num_pieces / total,
-        max_samples_per_pack=int(np.diff(offsets).max()),
-        min_pack_fill=float(fill.min() / stats.pack_size),
-        max_pack_fill=float(fill.max() / stats.pack_size),
-    )
     vision = None if plan.vision_length is None else plan.vision_length[order]
+    stats = PackStats.from_packs(length, offsets, plan.pack_size, align=plan.align, num_samples=plan.stats.num_samples,
+                                 cuts=plan.stats.cuts, vision_length=vision, vision_budget=plan.vision_budget)
     return replace(
         plan, sample_index=sample_index, start=start, length=length, pack_offsets=offsets,
-        stats=new_stats, vision_length=vision,
+        stats=stats, vision_length=vision,
     )

@@ -8,7 +8,6 @@ splitting every piece is a whole sample.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
@@ -17,59 +16,9 @@ import numpy as np
 
 from thdpack import _binpack
 from thdpack.align import INT64_MAX, check_int, first_non_int64, round_up
-
-_check_int = check_int  # the old private name, still imported elsewhere; the rule lives in thdpack.align
+from thdpack.packing import PackStats, check_overflow, cut_overflow, usable_length
 
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
-OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
-
-
-@dataclass(frozen=True)
-class PackStats:
-    """Summary of a plan. Token counts are real (unpadded) tokens unless named ``aligned``."""
-
-    num_packs: int
-    num_samples: int  # input samples given to the planner
-    num_pieces: int  # entries placed in packs (a split sample gives several)
-    lower_bound: int  # ceil(sum of aligned lengths / pack_size): no plan can use fewer packs
-    pack_size: int
-    real_tokens: int  # tokens placed in packs
-    aligned_tokens: int  # tokens placed, each piece rounded up to ``align``
-    efficiency: float  # real_tokens / (num_packs * pack_size)
-    packing_factor: float  # pieces per pack, on average
-    max_samples_per_pack: int
-    min_pack_fill: float  # smallest real-token fill of a pack, as a fraction of pack_size
-    max_pack_fill: float
-    samples_truncated: int
-    tokens_truncated: int
-    samples_dropped: int
-    tokens_dropped: int
-    samples_split: int
-    # with a vision budget (plan_packs(vision_lengths=..., vision_budget=...)); 0 without
-    vision_budget: int = 0
-    vision_patches: int = 0  # vision patches placed in packs
-    max_pack_vision: int = 0  # most vision patches in one pack
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def __str__(self) -> str:
-        lines = [
-            f"packs            {self.num_packs} (lower bound {self.lower_bound})",
-            f"samples          {self.num_samples} -> {self.num_pieces} pieces",
-            f"real tokens      {self.real_tokens} (aligned {self.aligned_tokens})",
-            f"efficiency       {self.efficiency:.4f}",
-            f"packing factor   {self.packing_factor:.2f} samples/pack (max {self.max_samples_per_pack})",
-            f"pack fill        {self.min_pack_fill:.3f} .. {self.max_pack_fill:.3f}",
-            f"truncated        {self.samples_truncated} samples, {self.tokens_truncated} tokens",
-            f"dropped          {self.samples_dropped} samples, {self.tokens_dropped} tokens",
-            f"split            {self.samples_split} samples",
-        ]
-        if self.vision_budget:
-            lines.append(
-                f"vision patches   {self.vision_patches} (most in a pack {self.max_pack_vision} of {self.vision_budget})"
-            )
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -171,7 +120,6 @@ def validate_lengths(lengths) -> np.ndarray:
         raise ValueError(f"sample {i} {what}; every sample needs at least one token ({bad.size} such samples)")
     return arr
 
-
 def plan_packs(
     lengths: Sequence[int] | np.ndarray,
     pack_size: int,
@@ -228,10 +176,36 @@ def plan_packs(
             max_samples_per_pack=max_samples_per_pack, seed=seed, vision_lengths=vision_lengths,
             vision_budget=vision_budget,
         )
+    limit = _check_plan_args(pack_size, algorithm, align, overflow, max_samples_per_pack)
+    lengths = validate_lengths(lengths)
+    over = lengths > limit
+    vision = _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
+    if vision is not None and overflow == "drop":
+        over = over | (vision > vision_budget)
+    pieces = cut_overflow(lengths, overflow, pack_size, align, over=over)
+    vsizes = None if vision is None else vision[pieces.sample_index]  # pieces of cut samples have none
+    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, algorithm, seed, pack_size, vision_budget,
+                                max_samples_per_pack)
+    by_pack, pack_offsets = _csr(pack_of, num_packs)
+    length = pieces.length[by_pack]
+    vision_length = None if vision is None else vsizes[by_pack]
+    budget = None if vision is None else int(vision_budget)
+    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
+                                 cuts=pieces.cuts, vision_length=vision_length, vision_budget=budget)
+    return PackPlan(
+        sample_index=pieces.sample_index[by_pack], start=pieces.start[by_pack], length=length,
+        pack_offsets=pack_offsets, dropped=pieces.dropped, pack_size=int(pack_size), align=int(align),
+        algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats, vision_length=vision_length,
+        vision_budget=budget,
+    )
+
+
+def _check_plan_args(pack_size, algorithm: str, align, overflow: str, max_samples_per_pack) -> int:
+    """Check :func:`plan_packs`' settings (``ValueError`` naming the bad one); returns the
+    :func:`~thdpack.packing.usable_length`."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    check_overflow(overflow)
     check_int(pack_size, "pack_size", 1)
     check_int(align, "align", 1)
     if max_samples_per_pack is not None:
@@ -241,146 +215,42 @@ def plan_packs(
             f"pack_size={pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
             f"limit {_BEST_FIT_MAX_PACK_SIZE}); use algorithm='ffd'"
         )
-    limit = pack_size // align * align  # longest real length whose aligned length fits
-    if limit == 0:
-        raise ValueError(f"pack_size ({pack_size}) is smaller than align ({align}); nothing can fit")
+    return usable_length(pack_size, align)
 
-    lengths = validate_lengths(lengths)
-    n = lengths.size
-    over = lengths > limit
-    vision = _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
-    if vision is not None and overflow == "drop":
-        over = over | (vision > vision_budget)
-    n_over = int(over.sum())
-    sample_index = np.arange(n, dtype=np.int64)
-    start = np.zeros(n, dtype=np.int64)
-    length = lengths
-    dropped = np.zeros(0, dtype=np.int64)
-    samples_truncated = tokens_truncated = tokens_dropped = samples_split = 0
 
-    if n_over:
-        if overflow == "error":
-            i = int(np.flatnonzero(over)[0])
-            raise ValueError(
-                f"sample {i} has {int(lengths[i])} tokens"
-                + (f" ({int(round_up(lengths[i:i+1], align)[0])} after aligning to {align})" if align > 1 else "")
-                + f", more than pack_size={pack_size}; {n_over} sample(s) are too long. "
-                "Use overflow='truncate', 'split' or 'drop', or raise pack_size."
-            )
-        if overflow == "truncate":
-            samples_truncated = n_over
-            tokens_truncated = int((lengths[over] - limit).sum())
-            length = np.minimum(lengths, limit)
-        elif overflow == "drop":
-            dropped = np.flatnonzero(over)
-            tokens_dropped = int(lengths[over].sum())
-            keep = ~over
-            sample_index, start, length = sample_index[keep], start[keep], lengths[keep]
-        else:  # split
-            samples_split = n_over
-            n_pieces = -(-lengths // limit)
-            sample_index = np.repeat(sample_index, n_pieces)
-            first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-            start = (np.arange(sample_index.size, dtype=np.int64) - first_piece) * limit
-            length = np.minimum(limit, lengths[sample_index] - start)
+_KERNELS = {  # algorithm -> (one budget, two budgets: tokens and vision patches)
+    "bfd": (_binpack.best_fit, _binpack.best_fit_2d),
+    "ffd": (_binpack.first_fit, _binpack.first_fit_2d),
+    "first_fit_shuffle": (_binpack.first_fit, _binpack.first_fit_2d),
+    "sequential": (_binpack.next_fit, _binpack.next_fit_2d),
+}
 
-    sizes = round_up(length, align)
-    if vision is None:
+
+def _place(sizes: np.ndarray, vsizes: np.ndarray | None, algorithm: str, seed: int, pack_size: int, vision_budget,
+           max_items) -> tuple[np.ndarray, int]:
+    """Run the kernel of ``algorithm`` over int64 ``[m]`` aligned sizes (and ``[m]`` vision
+    patches, or None). Returns (int64 ``[m]`` pack of each piece, number of packs)."""
+    if vsizes is None:
         order = _placement_order(sizes, algorithm, seed, pack_size)
-        kernel = {
-            "bfd": _binpack.best_fit,
-            "ffd": _binpack.first_fit,
-            "first_fit_shuffle": _binpack.first_fit,
-            "sequential": _binpack.next_fit,
-        }[algorithm]
-        bin_sorted, num_packs = kernel(
-            np.ascontiguousarray(sizes[order]), int(pack_size), int(max_samples_per_pack or 0)
-        )
-    else:  # two budgets: tokens and vision patches (pieces of split / truncated samples have none)
-        vsizes = vision[sample_index]
+        budgets = (np.ascontiguousarray(sizes[order]), int(pack_size))
+    else:
         order = _placement_order_2d(sizes, vsizes, algorithm, seed, pack_size, vision_budget)
-        kernel = {
-            "bfd": _binpack.best_fit_2d,
-            "ffd": _binpack.first_fit_2d,
-            "first_fit_shuffle": _binpack.first_fit_2d,
-            "sequential": _binpack.next_fit_2d,
-        }[algorithm]
-        bin_sorted, num_packs = kernel(
-            np.ascontiguousarray(sizes[order]),
-            np.ascontiguousarray(vsizes[order]),
-            int(pack_size),
-            int(vision_budget),
-            int(max_samples_per_pack or 0),
-        )
+        budgets = (np.ascontiguousarray(sizes[order]), np.ascontiguousarray(vsizes[order]), int(pack_size),
+                   int(vision_budget))
+    kernel = _KERNELS[algorithm][vsizes is not None]
+    bin_sorted, num_packs = kernel(*budgets, int(max_items or 0))
     pack_of = np.empty_like(bin_sorted)
     pack_of[order] = bin_sorted
-    # pieces were created in (sample, start) order, so a stable sort by pack keeps it within packs
+    return pack_of, num_packs
+
+
+def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR layout of a placement: (int64 ``[m]`` piece order, pack after pack, int64
+    ``[num_packs + 1]`` pack offsets). Stable: pieces keep their (sample, start) order within a pack."""
     by_pack = _binpack.bucket_order(pack_of, num_packs, False)
-    counts = np.bincount(pack_of, minlength=num_packs)
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
-    np.cumsum(counts, out=pack_offsets[1:])
-    sample_index, start, length = sample_index[by_pack], start[by_pack], length[by_pack]
-    vision_length = None if vision is None else vsizes[by_pack]
-
-    stats = _pack_stats(
-        length, sizes, pack_offsets, int(pack_size), int(n), vision_length,
-        None if vision is None else int(vision_budget),
-        samples_truncated=samples_truncated, tokens_truncated=tokens_truncated,
-        samples_dropped=int(dropped.size), tokens_dropped=tokens_dropped, samples_split=samples_split,
-    )
-    return PackPlan(
-        sample_index=sample_index,
-        start=start,
-        length=length,
-        pack_offsets=pack_offsets,
-        dropped=dropped,
-        pack_size=int(pack_size),
-        align=int(align),
-        algorithm=algorithm,
-        overflow=overflow,
-        seed=int(seed),
-        stats=stats,
-        vision_length=vision_length,
-        vision_budget=None if vision is None else int(vision_budget),
-    )
-
-
-def _pack_stats(length, sizes, pack_offsets, pack_size: int, num_samples: int, vision_length, vision_budget,
-                **cuts) -> PackStats:
-    """The :class:`PackStats` of placed pieces: ``length`` / ``sizes`` (aligned) ``[m]`` in pack
-    order, ``pack_offsets`` ``[num_packs + 1]``; ``cuts``: the truncated / dropped / split counts."""
-    num_packs = len(pack_offsets) - 1
-    counts = np.diff(pack_offsets)
-    fill = np.add.reduceat(length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
-    real_tokens = int(length.sum())
-    aligned_tokens = int(sizes.sum())
-    lower_bound = int(math.ceil(aligned_tokens / pack_size))
-    vision_stats = {}
-    if vision_length is not None:
-        vision_patches = int(vision_length.sum())
-        lower_bound = max(lower_bound, -(-vision_patches // vision_budget))
-        vfill = np.add.reduceat(vision_length, pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
-        vision_stats = dict(
-            vision_budget=vision_budget,
-            vision_patches=vision_patches,
-            max_pack_vision=int(vfill.max()) if num_packs else 0,
-        )
-    return PackStats(
-        num_packs=int(num_packs),
-        num_samples=num_samples,
-        num_pieces=int(length.size),
-        lower_bound=lower_bound,
-        pack_size=pack_size,
-        real_tokens=real_tokens,
-        aligned_tokens=aligned_tokens,
-        efficiency=real_tokens / (num_packs * pack_size) if num_packs else 0.0,
-        packing_factor=length.size / num_packs if num_packs else 0.0,
-        max_samples_per_pack=int(counts.max()) if num_packs else 0,
-        min_pack_fill=float(fill.min() / pack_size) if num_packs else 0.0,
-        max_pack_fill=float(fill.max() / pack_size) if num_packs else 0.0,
-        **cuts,
-        **vision_stats,
-    )
+    np.cumsum(np.bincount(pack_of, minlength=num_packs), out=pack_offsets[1:])
+    return by_pack, pack_offsets
 
 
 def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_samples_per_pack, seed,
@@ -416,9 +286,8 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
     sample_index = sample_index[np.lexsort((sample_index, pack_of))]  # by input index within a pack
     length = lengths[sample_index]
     vision_length = None if vision is None else vision[sample_index]
-    stats = _pack_stats(length, sizes[sample_index], pack_offsets, int(pack_size), int(lengths.size), vision_length,
-                        None if vision is None else int(vision_budget), samples_truncated=0, tokens_truncated=0,
-                        samples_dropped=0, tokens_dropped=0, samples_split=0)
+    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
+                                 vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget))
     return PackPlan(
         sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
         pack_offsets=pack_offsets.astype(np.int64), dropped=np.zeros(0, np.int64), pack_size=int(pack_size),

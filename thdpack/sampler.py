@@ -10,9 +10,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from thdpack.align import check_positive_int
+from thdpack.align import check_int, check_positive_int
 from thdpack.balance import CostModel, plan_balanced
-from thdpack.plan import PackPlan, _check_int, plan_packs, validate_lengths
+from thdpack.packing import usable_length
+from thdpack.plan import PackPlan, plan_packs, validate_lengths
 
 
 def _distributed_default(num_replicas, rank) -> tuple[int, int]:
@@ -135,8 +136,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def max_length(self) -> int:
         """Longest row the plan keeps whole: ``pack_size`` rounded down to ``align``
         (what a collator must truncate to with ``overflow="truncate"``)."""
-        align = self.plan_kwargs["align"]
-        return self.pack_size // align * align
+        return usable_length(self.pack_size, self.plan_kwargs["align"])
 
     # ---- planning -------------------------------------------------------
     def _plan_for_epoch(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
@@ -202,8 +202,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             as no sample).
         """
         epoch = self.epoch if epoch is None else epoch
-        _check_int(epoch, "epoch", 0)
-        _check_int(step, "step", 0)
+        check_int(epoch, "epoch", 0)
+        check_int(step, "step", 0)
         num_steps = self.num_optimizer_steps_of(int(epoch))
         plan, schedules = self._plan_for_epoch(int(epoch))[0], self._cached[2]
         if step >= num_steps:
@@ -266,7 +266,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """Start ``epoch`` from its first step (as ``DistributedSampler.set_epoch``).
         Not needed between epochs (a pass moves on by itself) and not after
         :meth:`load_state_dict` (it would discard the resumed position)."""
-        _check_int(epoch, "epoch", 0)
+        check_int(epoch, "epoch", 0)
         self._move_to(int(epoch), 0)
 
     def _move_to(self, epoch: int, step: int) -> None:
@@ -309,7 +309,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         epoch, start = self._pass_start
         steps = len(self._plan_for_epoch(epoch)[1])
         if consumed is not None:
-            _check_int(consumed, "consumed", 0)
+            check_int(consumed, "consumed", 0)
             drawn = self._step - start if self.epoch == epoch else steps - start
             if consumed > drawn:
                 raise ValueError(
@@ -317,7 +317,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     f"{drawn} drawn; pass the number of batches the loop took from the current `for batch in loader`"
                 )
             return epoch, start + int(consumed)
-        _check_int(step, "step", 0)
+        check_int(step, "step", 0)
         self._check_step(epoch, step)
         return epoch, int(step)
 
@@ -387,7 +387,7 @@ def _checked_state(state, fingerprint: str) -> tuple[int, int]:
 
 def _check_position(state: dict) -> None:
     for key in ("epoch", "step", "seed"):
-        _check_int(state[key], f"state_dict[{key!r}]", 0)
+        check_int(state[key], f"state_dict[{key!r}]", 0)
 
 
 def check_state_dict(state, keys: tuple[str, ...], owner: str, check_values: Callable[[dict], None]) -> None:

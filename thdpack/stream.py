@@ -12,9 +12,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.plan import OVERFLOW_POLICIES, _check_int
+from thdpack.align import check_int
+from thdpack.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
 from thdpack.sampler import _distributed_default, check_state_dict
 from thdpack.samples import get_field, slice_sample, to_int_array
 
@@ -36,11 +38,11 @@ class StreamingPacker(IterableDataset):
     Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None,
     collate_fn=ThdCollator())``, with any number of workers.
 
-    Sharding: the stream is split into ``num_replicas × num_workers`` shards,
-    sample ``i`` going to shard ``i % shards``; data-parallel rank ``r``'s
-    DataLoader worker ``w`` packs shard ``r · num_workers + w`` alone, so every
+    Stream shares: the stream is dealt into ``num_replicas × num_workers`` shares,
+    sample ``i`` going to share ``i % shares``; data-parallel rank ``r``'s
+    DataLoader worker ``w`` packs share ``r · num_workers + w`` alone, so every
     sample is packed exactly once, deterministically. Each worker reads the whole
-    stream and skips the other shards' samples (without measuring them); give
+    stream and skips the other shares' samples (without measuring them); give
     ``num_replicas=1, rank=0`` if ``samples`` is already this rank's share.
 
     Args:
@@ -56,9 +58,13 @@ class StreamingPacker(IterableDataset):
         length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``).
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
 
+    ``stats`` is the :class:`thdpack.PackStats` of the packs emitted so far (this
+    share's samples only), counted as :func:`thdpack.plan_packs` counts a plan.
+
     Resuming (``docs/resume.md``): ``state_dict()`` holds the number of input
-    samples consumed (stream positions, all shards counted), the open packs
-    (with their samples), packs decided but not yet yielded, and the shard. After
+    samples consumed (stream positions, all shares counted), the open packs
+    (with their samples), packs decided but not yet yielded, the statistics'
+    totals and the share. After
     ``load_state_dict(state)``, iterating a fresh packer over the same stream
     skips the consumed samples (or, with ``skip_consumed=False``, expects the
     stream itself to resume after them) and yields exactly the packs an
@@ -82,14 +88,10 @@ class StreamingPacker(IterableDataset):
         num_replicas: int | None = None,
         rank: int | None = None,
     ):
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        check_overflow(overflow)
         for name, value in (("pack_size", pack_size), ("buffer_size", buffer_size), ("align", align)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.limit = pack_size // align * align
-        if self.limit == 0:
-            raise ValueError(f"pack_size ({pack_size}) is smaller than align ({align}); nothing can fit")
+            check_int(value, name, 1)
+        self.limit = usable_length(pack_size, align)
         self.samples = samples
         self.pack_size = pack_size
         self.buffer_size = buffer_size
@@ -105,43 +107,34 @@ class StreamingPacker(IterableDataset):
         self._consumed = 0
         self._open: list[_OpenPack] = []
         self._ready: list[list] = []
-        self.stats = {"packs": 0, "real_tokens": 0, "samples_truncated": 0, "tokens_truncated": 0,
-                      "samples_dropped": 0, "tokens_dropped": 0, "samples_split": 0}
+        self._totals = PackTotals()
         self._resumed = False
-        self._shard: tuple[int, int] | None = None  # (shard, shards) of the loaded state, or of the last run
+        self._share: tuple[int, int] | None = None  # (share, shares) of the loaded state, or of the last run
 
-    def _current_shard(self) -> tuple[int, int]:
-        """``(shard, shards)`` this process packs: DP rank-major, DataLoader worker-minor."""
+    @property
+    def stats(self) -> PackStats:
+        """The :class:`thdpack.PackStats` of the packs emitted so far."""
+        return PackStats.from_totals(self._totals, self.pack_size)
+
+    def _current_share(self) -> tuple[int, int]:
+        """``(share, shares)`` of the stream this process packs: DP rank-major, DataLoader worker-minor."""
         info = get_worker_info()
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
         return self.rank * workers + worker, self.num_replicas * workers
 
     # ---- packing --------------------------------------------------------
     def _pieces(self, sample, index: int, length: int):
-        """(sample, length) pieces that fit a pack, applying the overflow policy."""
+        """(sample, length) pieces that fit a pack: the sample whole, or what the overflow
+        policy (:func:`thdpack.packing.cut_overflow`) keeps of it."""
         if length < 1:
             raise ValueError(f"sample {index} is empty; every sample needs at least one token")
+        self._totals.num_samples += 1
         if length <= self.limit:
             return [(sample, length)]
-        if self.overflow == "error":
-            raise ValueError(
-                f"sample {index} has {length} tokens, more than pack_size={self.pack_size}"
-                + (f" after aligning to {self.align}" if self.align > 1 else "")
-                + "; use overflow='truncate', 'split' or 'drop'"
-            )
-        if self.overflow == "drop":
-            self.stats["samples_dropped"] += 1
-            self.stats["tokens_dropped"] += length
-            return []
-        if self.overflow == "truncate":
-            self.stats["samples_truncated"] += 1
-            self.stats["tokens_truncated"] += length - self.limit
-            return [(slice_sample(sample, 0, self.limit, index=index), self.limit)]
-        self.stats["samples_split"] += 1
-        return [
-            (slice_sample(sample, a, min(a + self.limit, length), index=index), min(self.limit, length - a))
-            for a in range(0, length, self.limit)
-        ]
+        cut = cut_overflow(np.array([length], np.int64), self.overflow, self.pack_size, self.align,
+                           names=np.array([index]))
+        self._totals.add_cuts(cut.cuts)
+        return [(slice_sample(sample, a, a + n, index=index), n) for a, n in zip(cut.start.tolist(), cut.length.tolist())]
 
     def _place(self, sample, length: int) -> None:
         size = -(-length // self.align) * self.align
@@ -166,16 +159,15 @@ class StreamingPacker(IterableDataset):
     def _emit(self, pack: _OpenPack) -> None:
         self._open.remove(pack)
         self._ready.append(pack.items)
-        self.stats["packs"] += 1
-        self.stats["real_tokens"] += pack.real_tokens
+        self._totals.add_pack(len(pack.items), pack.real_tokens, self.pack_size - pack.room)
 
     def __iter__(self) -> Iterator[list]:
-        shard, shards = self._current_shard()
+        share, shares = self._current_share()
         if self._resumed:
-            self._check_shard(self._shard)
+            self._check_share(self._share)
         else:
             self._reset()
-        self._resumed, self._shard = False, (shard, shards)
+        self._resumed, self._share = False, (share, shares)
         source = iter(self.samples)
         if self._consumed and self.skip_consumed:
             source = itertools.islice(source, self._consumed, None)
@@ -186,7 +178,7 @@ class StreamingPacker(IterableDataset):
             if sample is _END:
                 break
             index = self._consumed
-            if index % shards == shard:
+            if index % shares == share:
                 for piece, length in self._pieces(sample, index, self.length_fn(sample, index)):
                     self._place(piece, length)
             self._consumed += 1
@@ -201,13 +193,14 @@ class StreamingPacker(IterableDataset):
                 f"overflow={self.overflow!r}, max_samples_per_pack={self.max_samples_per_pack}")
 
     def state_dict(self) -> dict:
-        """A plain, picklable snapshot: ``{"consumed", "open", "ready", "stats", "shard", "fingerprint"}``."""
+        """A plain, picklable snapshot: ``{"consumed", "open", "ready", "stats", "share", "fingerprint"}``
+        (``stats``: the :class:`~thdpack.packing.PackTotals` behind :attr:`stats`, as a dict)."""
         return {
             "consumed": self._consumed,
             "open": [(p.room, list(p.items), p.real_tokens) for p in self._open],
             "ready": [list(items) for items in self._ready],
-            "stats": dict(self.stats),
-            "shard": list(self._shard or self._current_shard()),
+            "stats": self._totals.as_dict(),
+            "share": list(self._share or self._current_share()),
             "fingerprint": self._fingerprint(),
         }
 
@@ -220,25 +213,25 @@ class StreamingPacker(IterableDataset):
                 another DP rank / DataLoader worker.
         """
         _check_state(state, self._fingerprint())
-        self._check_shard(tuple(state["shard"]))
+        self._check_share(tuple(state["share"]))
         self._consumed = int(state["consumed"])
         self._open = [_OpenPack(room, list(items), real) for room, items, real in state["open"]]
         self._ready = [list(items) for items in state["ready"]]
-        self.stats = dict(state["stats"])
-        self._shard = tuple(state["shard"])
+        self._totals = PackTotals(**state["stats"])
+        self._share = tuple(state["share"])
         self._resumed = True
 
-    def _check_shard(self, saved: tuple[int, int]) -> None:
-        here = self._current_shard()
+    def _check_share(self, saved: tuple[int, int]) -> None:
+        here = self._current_share()
         if tuple(saved) != here:
             raise ValueError(
-                f"state_dict['shard'] is shard {saved[0]} of {saved[1]}, but this packer reads shard {here[0]} of "
+                f"state_dict['share'] is share {saved[0]} of {saved[1]}, but this packer reads share {here[0]} of "
                 f"{here[1]} (rank · num_workers + worker); resume every rank and worker from its own state, with "
                 "the same num_replicas and num_workers (StatefulDataLoader does this per worker)"
             )
 
 
-_STATE_KEYS = ("consumed", "open", "ready", "stats", "shard", "fingerprint")
+_STATE_KEYS = ("consumed", "open", "ready", "stats", "share", "fingerprint")
 
 
 def _check_state(state, fingerprint: str) -> None:
@@ -252,19 +245,28 @@ def _check_state(state, fingerprint: str) -> None:
 
 
 def _check_state_values(state: dict) -> None:
-    _check_int(state["consumed"], "state_dict['consumed']", 0)
+    check_int(state["consumed"], "state_dict['consumed']", 0)
     for key in ("open", "ready"):
         if not isinstance(state[key], (list, tuple)):
             raise ValueError(f"state_dict[{key!r}] must be a list, got {type(state[key]).__name__}")
     if any(not isinstance(p, (list, tuple)) or len(p) != 3 for p in state["open"]):
         raise ValueError("state_dict['open'] must hold (room, samples, real_tokens) triples")
-    if not isinstance(state["stats"], dict):
-        raise ValueError(f"state_dict['stats'] must be a dict, got {type(state['stats']).__name__}")
-    shard = state["shard"]
-    if not isinstance(shard, (list, tuple)) or len(shard) != 2:
-        raise ValueError(f"state_dict['shard'] must be [shard, shards], got {shard!r}")
-    _check_int(shard[1], "state_dict['shard'][1]", 1)
-    _check_int(shard[0], "state_dict['shard'][0]", 0)
+    _check_totals(state["stats"])
+    share = state["share"]
+    if not isinstance(share, (list, tuple)) or len(share) != 2:
+        raise ValueError(f"state_dict['share'] must be [share, shares], got {share!r}")
+    check_int(share[1], "state_dict['share'][1]", 1)
+    check_int(share[0], "state_dict['share'][0]", 0)
+
+
+def _check_totals(totals) -> None:
+    """``state_dict['stats']``: a dict of the :class:`~thdpack.packing.PackTotals` counts, each an integer >= 0."""
+    if not isinstance(totals, dict):
+        raise ValueError(f"state_dict['stats'] must be a dict, got {type(totals).__name__}")
+    if sorted(totals) != sorted(PACK_TOTALS_KEYS):
+        raise ValueError(f"state_dict['stats'] must have the keys {', '.join(PACK_TOTALS_KEYS)}, got {sorted(totals)}")
+    for key in PACK_TOTALS_KEYS:
+        check_int(totals[key], f"state_dict['stats'][{key!r}]", 0)
 
 
 _END = object()

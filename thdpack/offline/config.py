@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from thdpack.offline.errors import ConfigError
-from thdpack.plan import ALGORITHMS, OVERFLOW_POLICIES
+from thdpack.packing import OVERFLOW_POLICIES
+from thdpack.plan import ALGORITHMS
 
 FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized")  # row_formats.py, docs/build.md
 LOSS_MODES = ("assistant", "last_assistant", "all")
