@@ -40,7 +40,7 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import file_sha256
-from thdpack.offline.staging import _fsync, _fsync_dir, _move_into_place, staged_output
+from thdpack.offline.staging import _move_into_place, fsync_dir, fsync_file, staged_output
 from thdpack.samples import IGNORE_INDEX
 
 FORMAT = "megatron-bridge"
@@ -255,7 +255,7 @@ def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: 
                 writer.write_table(_table(rows), row_group_size=ROW_GROUP)
                 totals.add(rows)
                 row += batch.num_rows
-        _fsync(path)
+        fsync_file(path)
         files.append({"path": name, "num_packs": totals.packs - first, "num_bytes": path.stat().st_size,
                       "sha256": file_sha256(path)})
     entry = totals.bridge_metadata(pack_size)
@@ -300,7 +300,7 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
         record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
                               pack_size=meta["pack_size"], multiple=multiple, align=meta["align"],
                               pad_id=bridge_pad_id(meta) if pad_id is None else pad_id, log=log)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
             _move_into_place(tmp, output)
     return record

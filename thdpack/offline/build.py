@@ -29,7 +29,7 @@ from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PRE
 from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
-from thdpack.offline.staging import OutputLock, _commit, _fsync, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
+from thdpack.offline.staging import OutputLock, _commit, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
 from thdpack.offline.vlm import vlm_build
@@ -445,7 +445,7 @@ def build_packed(
         del prep
         shutil.rmtree(work)
         for f in written["files"]:
-            _fsync(tmp / f["path"])
+            fsync_file(tmp / f["path"])
         _commit(tmp, meta, output)
     timings["total"] = time.perf_counter() - t_start
     if log:

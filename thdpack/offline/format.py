@@ -75,6 +75,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def bytes_sha256(data) -> str:
+    """Hex sha256 of ``data`` (bytes, a memory map, or text, hashed as UTF-8): the fingerprints of
+    inputs, tokenizers and small files (:func:`file_sha256` for files of any size)."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
 # ---------------------------------------------------------------------------- metadata.json schema
 
 

@@ -25,7 +25,6 @@ directory without ``overwrite``.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -37,10 +36,10 @@ import numpy as np
 from thdpack.offline.build import _stderr
 from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
-from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, shard_name
+from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, bytes_sha256, file_sha256, shard_name
 from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
-from thdpack.offline.staging import _commit, staged_output
-from thdpack.offline.vlm import PROCESSOR_DIR, VISION_COLUMNS
+from thdpack.offline.staging import _commit, fsync_file, staged_output
+from thdpack.offline.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
 # metadata entries that differ from shard to shard (recomputed); every other entry must agree
@@ -198,23 +197,15 @@ def _copy_checked(src: Path, dst: Path, entry: dict, *, link: bool) -> None:
         raise NotPackedError(f"{src} listed in {src.parent / METADATA_FILE} is missing")
     if src.stat().st_size != entry["num_bytes"]:
         raise NotPackedError(f"{src} has {src.stat().st_size} bytes, metadata says {entry['num_bytes']} (modified or truncated)")
-    h = hashlib.sha256()
     if link:
         try:
             os.link(src, dst)
         except OSError as exc:
             raise OfflineError(f"cannot hard-link {src} into the output ({exc}); merge without --link to copy") from None
-        with open(dst, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
     else:
-        with open(src, "rb") as fi, open(dst, "wb") as fo:
-            for block in iter(lambda: fi.read(1 << 22), b""):
-                h.update(block)
-                fo.write(block)
-            fo.flush()
-            os.fsync(fo.fileno())
-    if h.hexdigest() != entry["sha256"]:
+        shutil.copyfile(src, dst)
+        fsync_file(dst)
+    if file_sha256(dst) != entry["sha256"]:
         raise NotPackedError(f"{src} does not match its sha256 in {METADATA_FILE} (modified or corrupt)")
 
 
@@ -258,7 +249,7 @@ def _load_lengths(path: Path, info: dict) -> np.ndarray:
     if not entry or not p.is_file():
         raise NotPackedError(f"{path}: the shard's input lengths file ({entry.get('path')}) is missing")
     data = p.read_bytes()
-    if len(data) != entry["num_bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if len(data) != entry["num_bytes"] or bytes_sha256(data) != entry["sha256"]:
         raise NotPackedError(f"{p} does not match its size/sha256 in {METADATA_FILE} (modified or corrupt)")
     return np.load(p, allow_pickle=False).astype(np.int64, copy=False)
 

@@ -18,7 +18,6 @@ offset by ``SLURM_ARRAY_TASK_MIN``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.format import bytes_sha256
+from thdpack.offline.staging import fsync_file
 
 SHARD_KEY = "build_shard"  # metadata.json entry of a shard build
 MERGED_KEY = "build_shards"  # metadata.json entry of a merged build
@@ -200,16 +201,12 @@ def record_shard(out_dir: Path, source: ShardSource, input_lengths: np.ndarray) 
     path = Path(out_dir) / LENGTHS_FILE
     np.save(path, np.ascontiguousarray(input_lengths, dtype="<i8"), allow_pickle=False)
     data = path.read_bytes()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
     return {
         "index": source.shard.index,
         "count": source.shard.count,
         "row_start": source.row_start,
         "row_stop": source.row_stop,
         "input_rows": source.total_rows,
-        "input_lengths": {"path": LENGTHS_FILE, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+        "input_lengths": {"path": LENGTHS_FILE, "num_bytes": len(data), "sha256": bytes_sha256(data)},
     }

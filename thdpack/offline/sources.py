@@ -21,7 +21,6 @@ from __future__ import annotations
 import glob
 import gzip
 import os
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.format import file_sha256
+from thdpack.offline.format import bytes_sha256, file_sha256
 from thdpack.offline.jsonl import split_lines
 
 JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
@@ -52,7 +51,7 @@ class SourceFile:
 
 def files_fingerprint(files) -> str:
     """Hex sha256 naming the rows of ``files`` (:class:`SourceFile`: kind, rows and content hash)."""
-    return hashlib.sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files).encode()).hexdigest()
+    return bytes_sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files))
 
 
 @dataclass
@@ -225,7 +224,7 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
     # uncompressed: memory-mapped, the lines are views of the file's pages (page cache, shared
     # with the tokenization workers' reads), not a private copy of a file that may exceed RAM
     raw = path.read_bytes() if gz else _map_file(path)
-    sha = hashlib.sha256(raw).hexdigest()  # of the file as stored
+    sha = bytes_sha256(raw)  # of the file as stored
     if gz:
         try:
             raw = gzip.decompress(raw)
@@ -303,10 +302,8 @@ def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
         files_dir = path
     if cfg.max_rows is not None:
         ds = ds.select(range(min(cfg.max_rows, len(ds))))
-    h = hashlib.sha256()
-    for p in sorted(files_dir.glob("*.arrow")):
-        h.update(file_sha256(p).encode())
-    return Source(ds, [SourceFile(given, "saved", len(ds), h.hexdigest())], list(ds.column_names))
+    sha = bytes_sha256("".join(file_sha256(p) for p in sorted(files_dir.glob("*.arrow"))))
+    return Source(ds, [SourceFile(given, "saved", len(ds), sha)], list(ds.column_names))
 
 
 def _read_demo(opts: dict, cfg: BuildConfig) -> Source:
@@ -325,7 +322,7 @@ def _read_demo(opts: dict, cfg: BuildConfig) -> Source:
         rows = rows[: cfg.max_rows]
     ds = datasets.Dataset.from_list(rows)
     desc = ",".join(f"{k}={opts[k]}" for k in sorted(opts))
-    sha = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+    sha = bytes_sha256(json.dumps(rows, sort_keys=True))
     return Source(ds, [SourceFile(f"demo({desc})", "demo", len(rows), sha)], list(ds.column_names))
 
 

@@ -167,9 +167,9 @@ def _commit(tmp: Path, meta: dict, output: Path) -> None:
     until the dataset is in place (never half moved), then stops the command."""
     meta_tmp = tmp / (METADATA_FILE + ".partial")
     meta_tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    _fsync(meta_tmp)
+    fsync_file(meta_tmp)
     os.replace(meta_tmp, tmp / METADATA_FILE)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     with signals_deferred(f"the packed dataset was complete and is at {output}"):
         _move_into_place(tmp, output)
 
@@ -191,10 +191,12 @@ def _move_into_place(tmp: Path, output: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(output.parent)
+    fsync_dir(output.parent)
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk: every file an offline command
+    writes is synced before the directory is renamed into place."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -202,8 +204,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """:func:`fsync_file` of a directory, where the file system can sync one."""
     try:
-        _fsync(path)
+        fsync_file(path)
     except OSError:  # some filesystems cannot fsync a directory
         pass

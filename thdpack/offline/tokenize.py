@@ -22,7 +22,6 @@ header through its end-of-turn token (:mod:`thdpack.offline.chat_spans`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from thdpack.offline.chat_spans import (TemplateNotSupported, assistant_spans, t
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
+from thdpack.offline.format import bytes_sha256
 from thdpack.offline.procs import map_in_processes
 from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FORMATS, TOOLS_FORMATS,
                                          WHOLE_ROW_FORMATS, brief as _brief, check_messages, detect_format,
@@ -103,14 +103,12 @@ def read_chat_template(cfg: BuildConfig) -> str:
 
 def tokenizer_info(tok, spec: str) -> dict:
     """What metadata.json records about the tokenizer (a content fingerprint, not a path)."""
-    h = hashlib.sha256()
     backend = getattr(tok, "backend_tokenizer", None)
-    h.update((backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))).encode())
+    vocab = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
     template = getattr(tok, "chat_template", None)
-    h.update(repr(template).encode())
     return {
         "name_or_path": spec,
-        "fingerprint": h.hexdigest(),
+        "fingerprint": bytes_sha256(vocab + repr(template)),
         "vocab_size": len(tok),
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
@@ -677,10 +675,10 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             **({GROUP_COLUMN: datasets.Value("string")} if cfg.group_column else {}),
         }
     )
-    fingerprint = hashlib.sha256(
+    fingerprint = bytes_sha256(
         json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
-                   sort_keys=True, default=str).encode()
-    ).hexdigest()[:16]
+                   sort_keys=True, default=str)
+    )[:16]
 
     def row_tokenizer(bpe):
         if vlm is None:
