@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from thdpack.demo.models import tiny_qwen3
+from thdpack.flops import attention_overcount_factor
 from thdpack.offline import load_packed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
         tokens += batch.num_tokens
         losses.append(out.loss.item())
         # attention work is Σ sᵢ² over the real samples, not pack_len²
-        overcount = ds.pack_size**2 / batch.seqlen_squared_sum
+        overcount = attention_overcount_factor(1, ds.pack_size, batch.seqlen_squared_sum)
         print(
             f"step {len(losses) - 1:3d}  loss {losses[-1]:.4f}  {batch.num_samples:2d} samples  "
             f"{batch.num_tokens} tokens  {batch.num_targets} targets  "

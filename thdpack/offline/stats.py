@@ -12,6 +12,7 @@ import numpy as np
 
 from thdpack.align import round_up
 from thdpack.flops import attention_overcount_factor
+from thdpack.flops import lengths_squared_sum as _square_sum  # summarize's Σ sᵢ²: the FLOPs module's exact sum
 
 
 # the build's counters that its statistics carry (metadata.json "stats"), shown by ``thdpack stats``
@@ -20,16 +21,10 @@ BUILD_COUNTS = ("truncated", "dropped", "split", "skipped_rows", "samples_withou
 
 
 def attention_overcount(seq_lens: np.ndarray, num_packs: int, pack_size: int) -> float:
-    """``num_packs · pack_size² / Σ sᵢ²``: how much a FLOPs count that treats every pack
-    as one ``pack_size``-token sequence over-states causal attention work (whose true
-    size is ``Σ sᵢ²`` over the real sub-sequence lengths). 1.0 means exact.
-    (:func:`thdpack.flops.attention_overcount_factor` of the lengths' ``Σ sᵢ²``.)"""
+    """``num_packs · pack_size² / Σ sᵢ²`` of the real lengths ``seq_lens`` (int ``[m]``):
+    :func:`thdpack.flops.attention_overcount_factor`, the one definition, of their exact
+    :func:`thdpack.flops.lengths_squared_sum`. 1.0 means exact."""
     return attention_overcount_factor(num_packs, pack_size, _square_sum(seq_lens))
-
-
-def _square_sum(seq_lens) -> int:
-    s = np.asarray(seq_lens, dtype=np.int64)
-    return int((s * s).sum())  # int64: no int32 overflow
 
 
 def log2_histogram(lengths: np.ndarray) -> list[list[int]]:
@@ -73,35 +68,33 @@ def summarize(
     """
     s = np.asarray(seq_lens, dtype=np.int64)
     off = np.asarray(pack_offsets, dtype=np.int64)
-    num_packs = int(off.size - 1)
+    totals = pack_totals(s, off, align)
+    plan = PackStats.from_totals(totals, int(pack_size))
+    num_packs, real = plan.num_packs, plan.real_tokens
     m = eval_multiple or align
     lengths = s if input_lengths is None else np.asarray(input_lengths, dtype=np.int64)
-    per_pack = np.add.reduceat(s, off[:-1]) if num_packs else np.zeros(0, np.int64)
-    samples_per_pack = np.diff(off)
-    real = int(s.sum())
-    aligned_plan = int(round_up(s, align).sum())
     padded = round_up(s, m)
-    padded_per_pack = np.add.reduceat(padded, off[:-1]) if num_packs else np.zeros(0, np.int64)
+    padded_per_pack = pack_sums(padded, off)
     stream = int(padded.sum())
-    fill = per_pack / pack_size if num_packs else np.zeros(0)
+    fill = pack_sums(s, off) / pack_size
     pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
     sum_sq = _square_sum(s)
     out = {
-        "samples": int(s.size),
+        "samples": plan.num_pieces,
         "packs": num_packs,
         "pack_size": int(pack_size),
         "align": int(align),
-        "lower_bound": int(math.ceil(aligned_plan / pack_size)) if pack_size else 0,
+        "lower_bound": plan.lower_bound,
         "real_tokens": real,
         "max_seqlen": int(s.max()) if s.size else 0,  # longest sample in a pack
-        "min_pack_tokens": int(per_pack.min()) if num_packs else 0,
-        "efficiency": real / (num_packs * pack_size) if num_packs else 0.0,
-        "packing_factor": s.size / num_packs if num_packs else 0.0,
-        "max_samples_per_pack": int(samples_per_pack.max()) if num_packs else 0,
+        "min_pack_tokens": totals.min_pack_tokens,
+        "efficiency": plan.efficiency,
+        "packing_factor": plan.packing_factor,
+        "max_samples_per_pack": plan.max_samples_per_pack,
         "pack_fill": {
-            "min": float(fill.min()) if num_packs else 0.0,
+            "min": plan.min_pack_fill,
             "mean": float(fill.mean()) if num_packs else 0.0,
-            "max": float(fill.max()) if num_packs else 0.0,
+            "max": plan.max_pack_fill,
             "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
         },
         "lengths": {
@@ -121,14 +114,14 @@ def summarize(
             "stream_tokens": stream,
             "fraction": (stream - real) / stream if stream else 0.0,
             "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
-            "static_fraction": 1 - real / (num_packs * pack_size) if num_packs else 0.0,
+            "static_fraction": 1 - plan.efficiency if num_packs else 0.0,
         },
         "attention_flops": {
             "sum_seqlen_squared": sum_sq,
             "pack_len_count": num_packs * pack_size**2,
             # None (JSON null, not the invalid NaN) when nothing was packed
             "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq) if sum_sq else None,
-            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else None,
+            "overcount_at_fill": float(((fill * pack_size) ** 2).sum() / sum_sq) if sum_sq else None,
         },
     }
     if model_config is not None:

@@ -1,0 +1,67 @@
+"""Honest FLOPs for packed (THD) training: ``Σ sᵢ²`` from ``cu_seqlens``, model FLOPs
+from a model config, TFLOP/s/GPU and MFU.
+
+Counting a pack as one sequence of length ``pack_len`` charges causal attention
+``pack_len²``; the kernels do ``Σ sᵢ²`` over the real sub-sequence lengths. Every
+count here is exact integer arithmetic on what the batches actually hold.
+
+Conventions (the same as Megatron-LM's ``num_floating_point_operations``):
+
+- a GEMM ``[m, k] @ [k, n]`` is ``2·m·k·n`` FLOPs; training is 3x the forward
+  (forward, backward data-gradient, backward weight-gradient), hence the ``6``s;
+- norms, activations, softmax, rotary embeddings, routers, biases and the
+  embedding lookup are not counted (each is well under 1% of a layer);
+- causal core attention of a sequence of length ``s`` costs
+  ``2·(2·s²·d_q)/2`` forward (``QKᵀ`` and ``A·V``, half of the square), so
+  ``6·d_q·s²`` for training, and the packed version sums it over sub-sequences:
+  ``6·d_q·Σ sᵢ²``. Bidirectional (vision) attention is twice that.
+
+The package does not import ``transformers``: a config is a ``transformers`` config
+object or a plain dict, read by :mod:`thdpack.model_config`; a VL config's
+``text_config`` / ``vision_config`` are used when present. See ``docs/flops.md`` for
+the formulas and worked numbers. What lives where (import from here):
+
+- :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it;
+- :mod:`~thdpack.flops.vision`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
+- :mod:`~thdpack.flops.coefficients`: a config's FLOPs per count (:func:`flops_coefficients`);
+- :mod:`~thdpack.flops.model`: :func:`model_flops`, :func:`model_flops_breakdown`;
+- :mod:`~thdpack.flops.accumulator`: :class:`FlopsAccumulator`, counts micro-batch by micro-batch;
+- :mod:`~thdpack.flops.meters`: :func:`throughput`, the GPU peak table, :class:`FlopsMeter`;
+- :mod:`~thdpack.flops.overcount`: the over-count of a pack-length count.
+"""
+
+from thdpack.flops.accumulator import FlopsAccumulator
+from thdpack.flops.coefficients import (
+    GATED_ATTENTION_MODEL_TYPES,
+    NON_GATED_MLP_MODEL_TYPES,
+    FlopsCoefficients,
+    flops_coefficients,
+)
+from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
+from thdpack.flops.model import model_flops, model_flops_breakdown
+from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
+from thdpack.flops.sequences import cp_seqlen_squared_share, lengths_squared_sum, segment_lengths, seqlen_squared_sum
+from thdpack.flops.vision import VisionStats, vision_seqlen_stats
+
+__all__ = [
+    "GATED_ATTENTION_MODEL_TYPES",
+    "GPU_PEAK_TFLOPS",
+    "NON_GATED_MLP_MODEL_TYPES",
+    "FlopsAccumulator",
+    "FlopsCoefficients",
+    "FlopsMeter",
+    "VisionStats",
+    "attention_overcount_factor",
+    "cp_seqlen_squared_share",
+    "flops_coefficients",
+    "lengths_squared_sum",
+    "model_flops",
+    "model_flops_breakdown",
+    "model_overcount_factor",
+    "overcount_report",
+    "peak_tflops_for",
+    "segment_lengths",
+    "seqlen_squared_sum",
+    "throughput",
+    "vision_seqlen_stats",
+]

@@ -1,0 +1,250 @@
+"""Counting what a training step consumes: :class:`FlopsAccumulator` adds up samples,
+real and padded tokens, ``Σ sᵢ²`` and the vision counts, micro-batch by micro-batch, from
+whatever the step holds (a :class:`thdpack.ThdBatch` or its CP shard, a dict of model
+inputs, a tensor of token ids), and turns the totals into :func:`model_flops`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from thdpack.flops.model import model_flops
+from thdpack.flops.sequences import (
+    cp_seqlen_squared_share,
+    lengths_squared_sum,
+    segment_lengths,
+    segments_from_position_ids,
+)
+from thdpack.flops.vision import vision_config_of, vision_seqlen_stats, window_patches
+from thdpack.model_config import config_get
+
+__all__ = ["FlopsAccumulator"]
+
+_COUNTS = (
+    "samples",
+    "tokens",
+    "padded_tokens",
+    "seqlen_squared_sum",
+    "vision_patches",
+    "vision_seqlen_squared_sum",
+    "vision_window_seqlen_squared_sum",
+)
+
+
+def _total(x):
+    """A CPU tensor becomes a Python int; device tensors stay lazy (no host sync)."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return int(x)
+    return x
+
+
+class FlopsAccumulator:
+    """Counts added micro-batch by micro-batch: samples, real tokens, padded tokens,
+    ``Σ sᵢ²``, vision patches and the vision attention sums (:class:`VisionStats`).
+
+    ``add`` takes whatever a step consumes:
+
+    - a :class:`thdpack.ThdBatch`; a CP shard adds its rank's share: its local real
+      tokens, its local stream, and :func:`cp_seqlen_squared_share` of ``Σ sᵢ²``
+      (samples and vision are counted on CP rank 0). The shares of all CP ranks add
+      up exactly to the whole batch: every sample is counted once, not once per rank;
+    - a mapping of model inputs: ``cu_seqlens_unpadded`` / ``cu_seqlens`` (with their
+      ``*_argmin``, NeMo / Megatron-Bridge), else ``cu_seq_lens_q`` (transformers
+      flash-attention kwargs), else ``position_ids`` of one packed row restarting at 0
+      (a 4-row mRoPE tensor: its text row), else the BSHD fallback from
+      ``input_ids`` ``[B, S]``; plus ``image_grid_thw`` / ``video_grid_thw``;
+    - a tensor of token ids ``[B, S]`` (BSHD) or ``[T]``.
+
+    The BSHD fallback adds ``B·S`` tokens and ``B·S²`` to ``Σ sᵢ²``: exactly the legacy
+    pack-length count, so dense pretraining figures do not change.
+
+    Counts are Python ints; counts read from tensors on an accelerator are kept as
+    device tensors until read (no host sync per micro-batch).
+
+    Args:
+        vision_config: the model config (or its ``vision_config``); needed to sum
+            Qwen2.5-VL attention windows from ``grid_thw``.
+    """
+
+    def __init__(self, vision_config=None):
+        self.vision_config = vision_config_of(vision_config)
+        self.reset()
+
+    def reset(self) -> None:
+        for name in _COUNTS:
+            setattr(self, name, 0)
+
+    def _add(self, **counts) -> None:
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + _total(value))
+
+    # ---- adders ----------------------------------------------------------
+    def add(self, batch) -> "FlopsAccumulator":
+        """Add one micro-batch (see the class docstring for what ``batch`` may be)."""
+        if hasattr(batch, "cu_seqlens") and hasattr(batch, "seq_lens"):
+            self._add_thd_batch(batch)
+        elif isinstance(batch, Mapping):
+            self._add_inputs(batch)
+        elif isinstance(batch, torch.Tensor):
+            if batch.ndim == 1:
+                self.add_bshd(1, batch.shape[0])
+            else:
+                self.add_bshd(batch.shape[0], batch.shape[-1])
+        else:
+            raise TypeError(f"cannot count a batch of type {type(batch).__name__}")
+        return self
+
+    def _add_thd_batch(self, batch) -> None:
+        seq_lens = batch.seq_lens.to(torch.int64)
+        if getattr(batch, "cp_size", 1) > 1:
+            first = batch.cp_rank == 0
+            self._add(
+                samples=(seq_lens > 0).sum() if first else 0,
+                tokens=batch.local_seq_lens.to(torch.int64).sum(),
+                padded_tokens=batch.input_ids.numel(),
+                seqlen_squared_sum=cp_seqlen_squared_share(seq_lens, batch.cu_seqlens_padded, batch.cp_size, batch.cp_rank),
+            )
+            if first:
+                self._add_vision_from(batch.extras)
+            return
+        self._add(
+            samples=(seq_lens > 0).sum(),
+            tokens=seq_lens.sum(),
+            padded_tokens=batch.input_ids.numel(),
+            seqlen_squared_sum=(seq_lens * seq_lens).sum(),
+        )
+        self._add_vision_from(batch.extras)
+
+    def add_cu_seqlens(self, cu_seqlens=None, *, cu_seqlens_argmin=None, cu_seqlens_unpadded=None,
+                       cu_seqlens_unpadded_argmin=None, num_padded_tokens=None) -> "FlopsAccumulator":
+        """Add a packed micro-batch given by its cumulative lengths (arguments as
+        :func:`seqlen_squared_sum`). Padded tokens: ``num_padded_tokens`` or the total
+        of ``cu_seqlens`` (the padded layout when ``cu_seqlens_unpadded`` is given)."""
+        if cu_seqlens_unpadded is not None:
+            real = segment_lengths(cu_seqlens_unpadded, cu_seqlens_unpadded_argmin)
+        else:
+            real = segment_lengths(cu_seqlens, cu_seqlens_argmin)
+        if num_padded_tokens is None:
+            layout = segment_lengths(cu_seqlens, cu_seqlens_argmin) if cu_seqlens is not None else real
+            num_padded_tokens = layout.sum()
+        device_lazy = real.device.type != "cpu"
+        self._add(
+            samples=(real > 0).sum(),
+            tokens=real.sum(),
+            padded_tokens=num_padded_tokens,
+            seqlen_squared_sum=(real * real).sum() if device_lazy else lengths_squared_sum(real),
+        )
+        return self
+
+    def add_bshd(self, micro_batch_size: int, seq_len: int) -> "FlopsAccumulator":
+        """The legacy count of ``micro_batch_size`` sequences of ``seq_len`` tokens:
+        ``B·S`` tokens and ``B·S²`` for ``Σ sᵢ²``."""
+        b, s = int(micro_batch_size), int(seq_len)
+        self._add(samples=b, tokens=b * s, padded_tokens=b * s, seqlen_squared_sum=b * s * s)
+        return self
+
+    def add_vision(self, grid_thw) -> "FlopsAccumulator":
+        """Add images / videos by their ``grid_thw`` rows (:func:`vision_seqlen_stats`)."""
+        stats = vision_seqlen_stats(grid_thw, self.vision_config)
+        self._add(
+            vision_patches=stats.patches,
+            vision_seqlen_squared_sum=stats.seqlen_squared_sum,
+            vision_window_seqlen_squared_sum=stats.window_seqlen_squared_sum,
+        )
+        return self
+
+    def _add_vision_from(self, mapping) -> None:
+        for key in ("image_grid_thw", "video_grid_thw"):
+            grid = mapping.get(key) if mapping is not None else None
+            if grid is not None and len(grid):
+                self.add_vision(grid)
+
+    def _add_inputs(self, inputs: Mapping) -> None:
+        ids = inputs.get("input_ids")
+        padded = ids.numel() if isinstance(ids, torch.Tensor) else None
+        if inputs.get("cu_seqlens_unpadded") is not None or inputs.get("cu_seqlens") is not None:
+            self.add_cu_seqlens(
+                inputs.get("cu_seqlens"),
+                cu_seqlens_argmin=inputs.get("cu_seqlens_argmin"),
+                cu_seqlens_unpadded=inputs.get("cu_seqlens_unpadded"),
+                cu_seqlens_unpadded_argmin=inputs.get("cu_seqlens_unpadded_argmin"),
+                num_padded_tokens=padded,
+            )
+        elif inputs.get("cu_seq_lens_q") is not None:
+            self.add_cu_seqlens(inputs["cu_seq_lens_q"], num_padded_tokens=padded)
+        elif isinstance(ids, torch.Tensor):
+            pos = _restarting_positions(ids, inputs.get("position_ids"))
+            if pos is not None:
+                lengths = segments_from_position_ids(pos)
+                self._add(samples=int(lengths.numel()), tokens=int(lengths.sum()), padded_tokens=padded,
+                          seqlen_squared_sum=lengths_squared_sum(lengths))
+            else:
+                self.add(ids)
+        else:
+            raise ValueError("inputs hold none of cu_seqlens, cu_seq_lens_q, input_ids: nothing to count")
+        self._add_vision_from(inputs)
+
+    # ---- combining -------------------------------------------------------
+    def counts(self) -> dict:
+        """The counts as Python ints (host sync for device counts)."""
+        return {name: int(getattr(self, name)) for name in _COUNTS}
+
+    def merge(self, other: "FlopsAccumulator") -> "FlopsAccumulator":
+        """Add ``other``'s counts into this accumulator."""
+        self._add(**{name: getattr(other, name) for name in _COUNTS})
+        return self
+
+    def all_reduce(self, group=None) -> "FlopsAccumulator":
+        """Sum the counts over ``group`` (``torch.distributed``; a no-op when it is not
+        initialized). Reduce over the ranks that see *different* data: data parallel
+        × context parallel (CP shards hold shares, see the class docstring), not
+        tensor / pipeline parallel ranks, which see the same micro-batches."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        values = torch.stack([torch.as_tensor(getattr(self, n), dtype=torch.int64).to(device) for n in _COUNTS])
+        dist.all_reduce(values, group=group)
+        for name, value in zip(_COUNTS, values.tolist()):
+            setattr(self, name, value)
+        return self
+
+    # ---- FLOPs -----------------------------------------------------------
+    def model_flops(self, config, *, count_padding: bool = False, **options):
+        """:func:`model_flops` of the counts so far; ``count_padding`` charges the linear
+        terms for the padded tokens (the work done on pad slots) instead of the real ones."""
+        window = self.vision_window_seqlen_squared_sum
+        if self.vision_config is None and config_get(config, "vision_config", None) is not None:
+            window = None if window_patches(config_get(config, "vision_config", None)) is not None else window
+        patches = self.vision_patches
+        return model_flops(
+            config,
+            self.padded_tokens if count_padding else self.tokens,
+            self.seqlen_squared_sum,
+            vision_patches=patches if not (isinstance(patches, int) and patches == 0) else None,
+            vision_seqlen_squared_sum=self.vision_seqlen_squared_sum,
+            vision_window_seqlen_squared_sum=window,
+            **options,
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={getattr(self, n)}" for n in _COUNTS)
+        return f"FlopsAccumulator({inner})"
+
+
+
+def _restarting_positions(input_ids: torch.Tensor, position_ids):
+    """The positions of one packed row that restart at 0 for every sample (the text row of a
+    4-row mRoPE ``[4, 1, T]``), or None: several rows, none given, or 3-row mRoPE (sample
+    starts cannot be read off it)."""
+    rows = input_ids.shape[0] if input_ids.ndim == 2 else 1
+    if not isinstance(position_ids, torch.Tensor) or rows != 1:
+        return None
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:  # mRoPE with the text positions first
+        position_ids = position_ids[0]
+    return None if position_ids.ndim == 3 else position_ids

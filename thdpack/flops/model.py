@@ -1,0 +1,121 @@
+"""Model FLOPs of packed training: the coefficients of a config
+(:mod:`thdpack.flops.coefficients`) times the counts of the batches
+(:mod:`thdpack.flops.sequences`, :mod:`thdpack.flops.vision`), per term or in total.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from thdpack.flops.coefficients import flops_coefficients
+from thdpack.flops.vision import vision_seqlen_stats
+from thdpack.model_config import config_get
+
+__all__ = ["model_flops", "model_flops_breakdown"]
+
+
+def _as_count(x):
+    """A count as the multiplier of an int coefficient: tensors in float64 (no overflow, no
+    host sync), numpy scalars as Python ints, anything else as given."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float64)
+    if isinstance(x, np.generic):
+        return int(x)
+    return x
+
+
+def model_flops_breakdown(
+    config,
+    num_tokens,
+    seqlen_squared_sum,
+    *,
+    vision_patches=None,
+    vision_seqlen_squared_sum=None,
+    vision_window_seqlen_squared_sum=None,
+    vision_grid_thw=None,
+    **options,
+) -> dict:
+    """Training FLOPs per term (see :func:`flops_coefficients`), as a dict ``{term: FLOPs}``.
+
+    Arguments as :func:`model_flops`.
+    """
+    if vision_grid_thw is not None:
+        if vision_patches is not None:
+            raise ValueError("pass vision_grid_thw or the vision counts, not both")
+        stats = vision_seqlen_stats(vision_grid_thw, config)
+        vision_patches = stats.patches
+        vision_seqlen_squared_sum = stats.seqlen_squared_sum
+        vision_window_seqlen_squared_sum = stats.window_seqlen_squared_sum
+    has_vision = vision_patches is not None and not (isinstance(vision_patches, int) and vision_patches == 0)
+    coefficients = flops_coefficients(config, include_vision=has_vision, **options)
+    if has_vision and config_get(config, "vision_config", None) is None:
+        raise ValueError("vision counts given but the config has no vision_config")
+    counts = {
+        "tokens": num_tokens,
+        "seqlen_squared_sum": seqlen_squared_sum,
+        "vision_patches": vision_patches,
+        "vision_seqlen_squared_sum": vision_seqlen_squared_sum,
+        "vision_window_seqlen_squared_sum": vision_window_seqlen_squared_sum,
+    }
+    out = {}
+    for name, (count, coefficient) in coefficients.terms.items():
+        value = counts[count]
+        if value is None:
+            raise ValueError(
+                f"{name} needs {count}: pass it (thdpack.flops.vision_seqlen_stats computes the vision sums) "
+                "or vision_grid_thw"
+            )
+        out[name] = coefficient * _as_count(value)
+    return out
+
+
+def model_flops(
+    config,
+    num_tokens,
+    seqlen_squared_sum,
+    *,
+    vision_patches=None,
+    vision_seqlen_squared_sum=None,
+    vision_window_seqlen_squared_sum=None,
+    vision_grid_thw=None,
+    **options,
+):
+    """Training FLOPs (forward + backward) of a model on packed batches.
+
+    ``FLOPs = Σ_terms coefficient × count`` with the per-term formulas of
+    :func:`flops_coefficients`; in short, per token
+    ``6·h·(ffn·e·N_dense + moe_ffn·k·e·N_moe + shared·e·N_moe)``
+    ``+ 6·L_attn·(h·(d_q + 2·d_kv + gate) + d_q·h) + GDN layers + 6·h·V``, plus
+    ``6·L_attn·d_q·Σ sᵢ²``, plus the vision tower. With ``Σ sᵢ² = B·s²`` and
+    ``num_tokens = B·s`` it is Megatron-LM's ``num_floating_point_operations`` for
+    ``B`` sequences of length ``s``.
+
+    Args:
+        config: a ``transformers`` config or a dict (VL configs: ``text_config`` and
+            ``vision_config`` are used).
+        num_tokens: tokens through the language model (real tokens; padded ones to
+            count the work done on pad slots too).
+        seqlen_squared_sum: ``Σ sᵢ²`` (:func:`seqlen_squared_sum`).
+        vision_patches, vision_seqlen_squared_sum, vision_window_seqlen_squared_sum:
+            the vision tower's counts (:class:`VisionStats`), or ``vision_grid_thw``
+            (image and video grids concatenated) to compute them.
+        options: ``gated_mlp``, ``attention_output_gate``, ``layer_types``,
+            ``vision_gated_mlp``, ``vision_backward`` (see :func:`flops_coefficients`).
+
+    Returns:
+        A Python int when the counts are ints; a float64 tensor (on the counts'
+        device, no host sync) when any count is a tensor.
+    """
+    terms = model_flops_breakdown(
+        config,
+        num_tokens,
+        seqlen_squared_sum,
+        vision_patches=vision_patches,
+        vision_seqlen_squared_sum=vision_seqlen_squared_sum,
+        vision_window_seqlen_squared_sum=vision_window_seqlen_squared_sum,
+        vision_grid_thw=vision_grid_thw,
+        **options,
+    )
+    return sum(terms.values())
+

@@ -1,0 +1,77 @@
+"""How much a pack-length FLOPs count over-states the work of packed batches.
+
+Charging every pack as one ``pack_len``-token sequence counts attention as
+``n_packs · pack_len²``; the kernels do ``Σ sᵢ²`` over the real lengths. The factors
+here are the one definition of that over-count: the offline build's statistics
+(:mod:`thdpack.offline.stats`, :mod:`thdpack.offline.model_config`) and the examples use them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from thdpack.flops.model import model_flops
+from thdpack.flops.sequences import lengths_squared_sum
+
+__all__ = ["attention_overcount_factor", "model_overcount_factor", "overcount_report"]
+
+
+def attention_overcount_factor(n_packs: int, pack_len: int, seqlen_squared_sum) -> float:
+    """``n_packs · pack_len² / Σ sᵢ²``: how much a pack-length count over-states attention
+    (NaN when ``Σ sᵢ² = 0``)."""
+    sq = float(seqlen_squared_sum)
+    return n_packs * pack_len * pack_len / sq if sq else float("nan")
+
+
+def model_overcount_factor(config, n_packs: int, pack_len: int, num_tokens, seqlen_squared_sum, **options) -> float:
+    """Whole-model over-count of a pack-length count: ``model_flops`` of ``n_packs``
+    sequences of ``pack_len`` (the legacy BSHD count) over ``model_flops`` of the real
+    ``num_tokens`` and ``Σ sᵢ²``."""
+    claimed = model_flops(config, n_packs * pack_len, n_packs * pack_len * pack_len, **options)
+    real = model_flops(config, num_tokens, seqlen_squared_sum, **options)
+    return claimed / real
+
+
+def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = None, config=None, **options) -> dict:
+    """Over-count factors of a pack-length count for a planned dataset.
+
+    Args:
+        plan: a :class:`thdpack.PackPlan` (its packs, real piece lengths and ``pack_size``).
+        pack_lengths: instead of ``plan``, one array of real lengths per pack.
+        pack_len: the pack length the legacy count would charge (default: the plan's
+            ``pack_size``).
+        config: a model config: adds the whole-model factor.
+
+    Returns:
+        ``{"n_packs", "n_samples", "pack_len", "real_tokens", "seqlen_squared_sum",
+        "attention"}``; with ``config`` also ``"model"`` (:func:`model_overcount_factor`)
+        and ``"model_samples_at_pack_len"``: the factor of the other common mistake,
+        charging every *sample* (piece) a whole ``pack_len`` sequence (a batch size
+        counted in samples times ``seq_length``).
+    """
+    if plan is not None:
+        lengths = np.asarray(plan.length, dtype=np.int64)
+        n_packs = len(plan)
+        pack_len = plan.pack_size if pack_len is None else pack_len
+    elif pack_lengths is not None:
+        n_packs = len(pack_lengths)
+        parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in pack_lengths]
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if pack_len is None:
+            raise ValueError("pass pack_len with pack_lengths")
+    else:
+        raise ValueError("pass plan or pack_lengths")
+    sq = lengths_squared_sum(lengths)
+    tokens = int(lengths.sum())
+    out = {
+        "n_packs": n_packs,
+        "n_samples": int(lengths.size),
+        "pack_len": int(pack_len),
+        "real_tokens": tokens,
+        "seqlen_squared_sum": sq,
+        "attention": attention_overcount_factor(n_packs, pack_len, sq),
+    }
+    if config is not None:
+        out["model"] = model_overcount_factor(config, n_packs, pack_len, tokens, sq, **options)
+        out["model_samples_at_pack_len"] = model_overcount_factor(config, int(lengths.size), pack_len, tokens, sq, **options)
+    return out

@@ -1,0 +1,160 @@
+"""Sequence counts of packed batches: segment lengths from ``cu_seqlens``, ``Σ sᵢ²``
+(exact, or lazily on the device) and a context-parallel rank's share of it.
+
+Causal attention over a pack does ``Σ sᵢ²`` work over the real sub-sequence lengths
+``sᵢ``, not ``pack_len²``. Lengths are int64 here (int32 ``cu_seqlens`` in): sums of
+squares overflow int32 quickly; exact sums switch to Python integers past int64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from thdpack.dual_chunk import chunk_length, rank_chunks
+
+__all__ = [
+    "cp_seqlen_squared_share",
+    "lengths_squared_sum",
+    "segment_lengths",
+    "segments_from_position_ids",
+    "seqlen_squared_sum",
+]
+
+_INT64_LIMIT = 2**63  # a sum of squares below this fits int64
+
+
+def _as_int64_tensor(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.int64)
+    return torch.as_tensor(np.asarray(x), dtype=torch.int64)
+
+
+def segment_lengths(cu_seqlens, cu_seqlens_argmin=None) -> torch.Tensor:
+    """Lengths of the valid segments of ``cu_seqlens`` (int64, same device, no host sync).
+
+    Args:
+        cu_seqlens: int ``[n+1]`` cumulative lengths, or ``[B, N]`` one row per
+            micro-batch (NeMo / Megatron-Bridge packed batches), torch or numpy.
+            A row is cut at its first negative entry (rows padded with ``-1``).
+        cu_seqlens_argmin: optional index of the first padding entry of each row
+            (an int, or a ``[B]`` / ``[B, 1]`` tensor): only ``cu_seqlens[:argmin]``
+            is read. This is the NeMo convention, where ``argmin`` of a ``-1``
+            padded row points at its first ``-1``.
+
+    Returns:
+        int64 ``[B, N-1]`` (``[1, n]`` for a 1-D input): segment lengths, 0 for
+        entries past the cut. Zero-length segments stay 0 and so add nothing.
+    """
+    cu = _as_int64_tensor(cu_seqlens)
+    if cu.ndim == 1:
+        cu = cu.unsqueeze(0)
+    if cu.ndim != 2:
+        raise ValueError(f"cu_seqlens must be 1-D or 2-D, got shape {tuple(cu.shape)}")
+    if cu.shape[1] == 0:
+        return cu.new_zeros((cu.shape[0], 0))
+    valid = torch.cumsum((cu < 0).to(torch.int64), dim=1) == 0  # before the first negative entry
+    if cu_seqlens_argmin is not None:
+        limit = torch.as_tensor(cu_seqlens_argmin, device=cu.device).to(torch.int64).reshape(-1, 1)
+        if limit.shape[0] not in (1, cu.shape[0]):
+            raise ValueError(f"cu_seqlens_argmin has {limit.shape[0]} rows, cu_seqlens {cu.shape[0]}")
+        valid = valid & (torch.arange(cu.shape[1], device=cu.device).unsqueeze(0) < limit)
+    lengths = cu[:, 1:] - cu[:, :-1]
+    return torch.where(valid[:, 1:], lengths, torch.zeros_like(lengths))  # valid is a prefix per row
+
+
+def lengths_squared_sum(lengths) -> int:
+    """``Σ x²`` of int lengths (any shape; torch on any device, numpy or a list) as an
+    exact Python int: int64 arithmetic, Python integers when the total could overflow.
+    Host sync; raises ``ValueError`` on a negative length (a decreasing ``cu_seqlens``)."""
+    lengths = _as_int64_tensor(lengths).cpu()
+    if lengths.numel() == 0:
+        return 0
+    if bool((lengths < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing within its valid entries")
+    if int(lengths.max()) * int(lengths.sum()) < _INT64_LIMIT:  # Σ x² <= max(x)·Σ x: int64 is exact
+        return int((lengths * lengths).sum())
+    return sum(v * v for v in lengths.flatten().tolist())  # Python ints: exact for any length
+
+
+def seqlen_squared_sum(
+    cu_seqlens=None,
+    *,
+    cu_seqlens_argmin=None,
+    cu_seqlens_unpadded=None,
+    cu_seqlens_unpadded_argmin=None,
+    as_tensor: bool = False,
+):
+    """``Σ sᵢ²`` over the real sub-sequence lengths ``sᵢ = cu[i+1] − cu[i]``.
+
+    Args:
+        cu_seqlens: int ``[n+1]`` (or ``[B, N]``, rows summed) cumulative lengths,
+            torch (any device) or numpy / list.
+        cu_seqlens_argmin: cut each row at this index (NeMo's ``-1`` padding);
+            without it a row is cut at its first negative entry anyway.
+        cu_seqlens_unpadded: the real-length ``cu_seqlens`` when ``cu_seqlens``
+            holds padded lengths (Megatron-Bridge with CP / FP8 padding). Preferred
+            whenever given: attention runs over the real lengths.
+        cu_seqlens_unpadded_argmin: its cut index.
+        as_tensor: return a 0-dim int64 tensor on the input's device, computed
+            without any host sync (nothing is validated then; exact while
+            ``Σ sᵢ² < 2⁶³``, always true for int32 ``cu_seqlens``). For numpy input a
+            ``numpy.int64``.
+
+    Returns:
+        A Python int (exact: int64 arithmetic, switching to Python integers when the
+        total could overflow), or the tensor described under ``as_tensor``.
+        Zero-length segments contribute nothing.
+
+    A :class:`thdpack.ThdBatch` gives it as ``batch.seqlen_squared_sum``.
+    """
+    if cu_seqlens_unpadded is not None:
+        cu, argmin = cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
+    else:
+        cu, argmin = cu_seqlens, cu_seqlens_argmin
+    if cu is None:
+        raise ValueError("pass cu_seqlens or cu_seqlens_unpadded")
+    is_numpy = not isinstance(cu, torch.Tensor)
+    lengths = segment_lengths(cu, argmin)
+    if as_tensor:
+        out = (lengths * lengths).sum()
+        return np.int64(out.item()) if is_numpy else out
+    return lengths_squared_sum(lengths)
+
+
+def cp_seqlen_squared_share(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int):
+    """CP rank ``cp_rank``'s exact share of ``Σ sᵢ²`` under the dual-chunk split
+    (:mod:`thdpack.dual_chunk`), from the real lengths ``seq_lens`` (int ``[n]``) and
+    ``cu_seqlens_padded`` (int ``[n+1]``), torch or numpy.
+
+    Sample i's padded span ``Pᵢ`` is cut into ``2·cp`` chunks of ``hᵢ = Pᵢ / (2·cp)``;
+    rank r holds chunks ``r`` and ``2·cp−1−r``. Chunk c holds real positions
+    ``[aᵢ, bᵢ)`` with ``a = min(s, c·h)``, ``b = min(s, (c+1)·h)``, and its causal
+    attention work is ``(b² − a²)/2`` (queries at q attend to keys 0..q). The share is
+    ``Σᵢ Σ_{c ∈ {r, 2cp−1−r}} (bᵢ,c² − aᵢ,c²)``: the attention this rank computes,
+    and the shares of all ranks add up to ``Σ sᵢ²`` exactly (the chunks tile each sample).
+
+    Returns an int64 0-dim tensor on the device of ``seq_lens`` (no host sync).
+    """
+    s = _as_int64_tensor(seq_lens)
+    cu = _as_int64_tensor(cu_seqlens_padded).to(s.device)
+    h = chunk_length(cu[1:] - cu[:-1], cp_size)
+    share = torch.zeros((), dtype=torch.int64, device=s.device)
+    for c in rank_chunks(cp_size, cp_rank):  # the two chunks: two vector steps
+        lo = torch.minimum(s, c * h)
+        hi = torch.minimum(s, (c + 1) * h)
+        share = share + (hi * hi - lo * lo).sum()
+    return share
+
+
+def segments_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Segment lengths (int64 ``[n]``) of one packed row whose ``position_ids`` (any shape
+    holding ``T`` positions) restart at 0 for every sample."""
+    pos = position_ids.reshape(-1)
+    total = pos.numel()
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    ends = torch.cat([starts[1:], starts.new_tensor([total])])
+    return (ends - starts).to(torch.int64)
+
