@@ -68,33 +68,35 @@ def summarize(
     """
     s = np.asarray(seq_lens, dtype=np.int64)
     off = np.asarray(pack_offsets, dtype=np.int64)
-    totals = pack_totals(s, off, align)
-    plan = PackStats.from_totals(totals, int(pack_size))
-    num_packs, real = plan.num_packs, plan.real_tokens
+    num_packs = int(off.size - 1)
     m = eval_multiple or align
     lengths = s if input_lengths is None else np.asarray(input_lengths, dtype=np.int64)
+    per_pack = np.add.reduceat(s, off[:-1]) if num_packs else np.zeros(0, np.int64)
+    samples_per_pack = np.diff(off)
+    real = int(s.sum())
+    aligned_plan = int(round_up(s, align).sum())
     padded = round_up(s, m)
-    padded_per_pack = pack_sums(padded, off)
+    padded_per_pack = np.add.reduceat(padded, off[:-1]) if num_packs else np.zeros(0, np.int64)
     stream = int(padded.sum())
-    fill = pack_sums(s, off) / pack_size
+    fill = per_pack / pack_size if num_packs else np.zeros(0)
     pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
     sum_sq = _square_sum(s)
     out = {
-        "samples": plan.num_pieces,
+        "samples": int(s.size),
         "packs": num_packs,
         "pack_size": int(pack_size),
         "align": int(align),
-        "lower_bound": plan.lower_bound,
+        "lower_bound": int(math.ceil(aligned_plan / pack_size)) if pack_size else 0,
         "real_tokens": real,
         "max_seqlen": int(s.max()) if s.size else 0,  # longest sample in a pack
-        "min_pack_tokens": totals.min_pack_tokens,
-        "efficiency": plan.efficiency,
-        "packing_factor": plan.packing_factor,
-        "max_samples_per_pack": plan.max_samples_per_pack,
+        "min_pack_tokens": int(per_pack.min()) if num_packs else 0,
+        "efficiency": real / (num_packs * pack_size) if num_packs else 0.0,
+        "packing_factor": s.size / num_packs if num_packs else 0.0,
+        "max_samples_per_pack": int(samples_per_pack.max()) if num_packs else 0,
         "pack_fill": {
-            "min": plan.min_pack_fill,
+            "min": float(fill.min()) if num_packs else 0.0,
             "mean": float(fill.mean()) if num_packs else 0.0,
-            "max": plan.max_pack_fill,
+            "max": float(fill.max()) if num_packs else 0.0,
             "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
         },
         "lengths": {
@@ -114,14 +116,14 @@ def summarize(
             "stream_tokens": stream,
             "fraction": (stream - real) / stream if stream else 0.0,
             "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
-            "static_fraction": 1 - plan.efficiency if num_packs else 0.0,
+            "static_fraction": 1 - real / (num_packs * pack_size) if num_packs else 0.0,
         },
         "attention_flops": {
             "sum_seqlen_squared": sum_sq,
             "pack_len_count": num_packs * pack_size**2,
             # None (JSON null, not the invalid NaN) when nothing was packed
             "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq) if sum_sq else None,
-            "overcount_at_fill": float(((fill * pack_size) ** 2).sum() / sum_sq) if sum_sq else None,
+            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else None,
         },
     }
     if model_config is not None:
