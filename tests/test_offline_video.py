@@ -468,7 +468,7 @@ def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_cop
     """Peak memory (benchmarks/video.py): a map batch's float32 pixel rows are held until the batch is written,
     so VLM builds cap the batch at VISION_MAP_BATCH_SIZE rows, and each row's pixels are dropped as soon as
     they are copied into the Arrow column; the bytes written are those of any other batch size."""
-    import thdpack.offline.vlm as vlm
+    import thdpack.offline.vlm_rows as vlm
 
     path = tmp_path / "many.jsonl"
     write_rows(path, ROWS * 9)  # 36 rows

@@ -62,7 +62,7 @@ def unpack_row(row: Mapping) -> list[dict]:
             fields[name] = np.split(arr, cuts)
     samples = [{k: v[i] for k, v in fields.items()} for i in range(lens.size)]
     if "image_counts" in row:  # a VLM pack: each sample's pixel_values / image_grid_thw
-        from thdpack.offline.vlm import add_vision
+        from thdpack.offline.vision_readback import add_vision
 
         add_vision(samples, row)
     return samples

@@ -113,7 +113,7 @@ def packed_model_config(ds, given: str | None = None) -> dict:
         return {}
     out = {"model_config": read_model_config(path)}
     if "image_grid_thw" in getattr(ds, "columns", []):
-        from thdpack.offline.vlm import all_image_grids
+        from thdpack.offline.vision_readback import all_image_grids
 
         out["vision_grid_thw"] = all_image_grids(ds)
     return out

@@ -89,7 +89,7 @@ def write_packs(
         order: ``[num_packs]`` the plan's pack indices in output order.
         row_offset: added to the ``sample_index`` written (a build shard's first input row),
             so that it holds rows of the whole input while ``token_table`` holds the shard's.
-        extra: more columns per pack (VLM builds: :class:`thdpack.offline.vlm.VisionColumns`):
+        extra: more columns per pack (VLM builds: :class:`thdpack.offline.vision_columns.VisionColumns`):
             ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
             shards and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
         values: ``{name: [rows of token_table]}`` per-sample values (:func:`sample_value_arrays`),
