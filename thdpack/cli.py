@@ -131,7 +131,7 @@ def cmd_stats(args) -> int:
         seq_lens, offsets = ds.all_seq_lens()
         stored = meta.get("stats", {})
         counts = {k: stored[k] for k in BUILD_COUNTS if k in stored}
-        from thdpack.offline.model import packed_model_config
+        from thdpack.offline.model_config import packed_model_config
 
         summary = summarize(seq_lens, offsets, meta["pack_size"], meta["align"], eval_multiple=eval_multiple, counts=counts,
                             **packed_model_config(ds, args.model_config))

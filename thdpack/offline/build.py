@@ -26,7 +26,7 @@ from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
-from thdpack.offline.model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
+from thdpack.offline.model_config import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.staging import OutputLock, _commit, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
@@ -57,7 +57,7 @@ class Prepared:
     piece_targets: np.ndarray  # int64 [pieces]: target tokens of each piece of plan
     without_targets: "WithoutTargets"  # samples with no target in what the plan keeps (dropped or kept)
     timings: dict = field(default_factory=dict)
-    model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/model.py)
+    model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/model_config.py)
     vlm: object = None  # a thdpack.offline.vlm.VlmBuild for rows with images, else None
 
     def counts(self) -> dict:

@@ -109,7 +109,7 @@ class BuildConfig:
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
-    # ---- model: FLOPs report, VLM rows (thdpack/offline/model.py, thdpack/offline/vlm.py)
+    # ---- model: FLOPs report, VLM rows (thdpack/offline/model_config.py, thdpack/offline/vlm.py)
     model_config: Any = _opt(
         None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
         "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",

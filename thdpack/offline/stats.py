@@ -62,7 +62,7 @@ def summarize(
             (for the histogram); defaults to ``seq_lens``.
         counts: extra counters to carry (truncated, dropped, skipped, ...).
         model_config: a model config (dict or transformers config): adds ``model_flops``,
-            the whole-model over-count (:func:`thdpack.offline.model.model_flops_summary`).
+            the whole-model over-count (:func:`thdpack.offline.model_config.model_flops_summary`).
         vision_grid_thw: ``[N, 3]`` grids of every image in the packs (VLM builds), so
             that the model figure counts the vision tower.
     """
@@ -127,7 +127,7 @@ def summarize(
         },
     }
     if model_config is not None:
-        from thdpack.offline.model import model_flops_summary
+        from thdpack.offline.model_config import model_flops_summary
 
         out["model_flops"] = model_flops_summary(model_config, num_packs, pack_size, real, sum_sq, int(s.size),
                                                  vision_grid_thw)

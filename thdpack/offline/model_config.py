@@ -1,5 +1,5 @@
-"""The model config of a build (``model_config:`` / ``--model-config``): loading it and
-what the FLOPs report needs from it.
+"""The model config of a build (``model_config:`` / ``--model-config``): loading it,
+recording it in the output and what the FLOPs report needs from it.
 
 A model config is a ``config.json`` file, a directory holding one, or (in YAML) the
 mapping itself; it is read as plain JSON (``transformers`` is not needed). The build
@@ -21,6 +21,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from thdpack.model_config import config_get
 from thdpack.offline.errors import ConfigError
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -84,9 +85,9 @@ def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int
     from thdpack.flops import model_flops, model_overcount_factor
 
     options = {}
-    if vision_grid_thw is not None and len(vision_grid_thw) and _get(config, "vision_config") is not None:
+    if vision_grid_thw is not None and len(vision_grid_thw) and config_get(config, "vision_config", None) is not None:
         options["vision_grid_thw"] = vision_grid_thw
-    out = {"model_type": _get(config, "model_type")}
+    out = {"model_type": config_get(config, "model_type", None)}
     try:
         if not seqlen_squared_sum:
             raise ValueError("no tokens")
@@ -98,10 +99,6 @@ def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int
     except (KeyError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
         out = {"model_type": out["model_type"], "error": f"{type(exc).__name__}: {exc}"}
     return out
-
-
-def _get(config, key):
-    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
 def packed_model_config(ds, given: str | None = None) -> dict:
