@@ -36,9 +36,11 @@ def model_flops_breakdown(
     vision_grid_thw=None,
     **options,
 ) -> dict:
-    """Training FLOPs per term (see :func:`flops_coefficients`), as a dict ``{term: FLOPs}``.
-
-    Arguments as :func:`model_flops`.
+    """Training FLOPs per term (see :func:`flops_coefficients`), as a dict ``{term: FLOPs}``;
+    :func:`model_flops` is their sum. Arguments as :func:`model_flops`: ``vision_patches``,
+    ``vision_seqlen_squared_sum``, ``vision_window_seqlen_squared_sum`` are the vision
+    tower's counts, or ``vision_grid_thw`` computes them; ``options`` go to
+    :func:`flops_coefficients`.
     """
     if vision_grid_thw is not None:
         if vision_patches is not None:
@@ -70,17 +72,7 @@ def model_flops_breakdown(
     return out
 
 
-def model_flops(
-    config,
-    num_tokens,
-    seqlen_squared_sum,
-    *,
-    vision_patches=None,
-    vision_seqlen_squared_sum=None,
-    vision_window_seqlen_squared_sum=None,
-    vision_grid_thw=None,
-    **options,
-):
+def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_options):
     """Training FLOPs (forward + backward) of a model on packed batches.
 
     ``FLOPs = Σ_terms coefficient × count`` with the per-term formulas of
@@ -97,25 +89,17 @@ def model_flops(
         num_tokens: tokens through the language model (real tokens; padded ones to
             count the work done on pad slots too).
         seqlen_squared_sum: ``Σ sᵢ²`` (:func:`seqlen_squared_sum`).
-        vision_patches, vision_seqlen_squared_sum, vision_window_seqlen_squared_sum:
-            the vision tower's counts (:class:`VisionStats`), or ``vision_grid_thw``
-            (image and video grids concatenated) to compute them.
-        options: ``gated_mlp``, ``attention_output_gate``, ``layer_types``,
-            ``vision_gated_mlp``, ``vision_backward`` (see :func:`flops_coefficients`).
+        vision_counts_and_options: keywords of :func:`model_flops_breakdown`:
+            ``vision_patches``, ``vision_seqlen_squared_sum``,
+            ``vision_window_seqlen_squared_sum``, the vision tower's counts
+            (:class:`VisionStats`), or ``vision_grid_thw`` (image and video grids
+            concatenated) to compute them; and the options ``gated_mlp``,
+            ``attention_output_gate``, ``layer_types``, ``vision_gated_mlp``,
+            ``vision_backward`` (see :func:`flops_coefficients`).
 
     Returns:
         A Python int when the counts are ints; a float64 tensor (on the counts'
         device, no host sync) when any count is a tensor.
     """
-    terms = model_flops_breakdown(
-        config,
-        num_tokens,
-        seqlen_squared_sum,
-        vision_patches=vision_patches,
-        vision_seqlen_squared_sum=vision_seqlen_squared_sum,
-        vision_window_seqlen_squared_sum=vision_window_seqlen_squared_sum,
-        vision_grid_thw=vision_grid_thw,
-        **options,
-    )
-    return sum(terms.values())
+    return sum(model_flops_breakdown(config, num_tokens, seqlen_squared_sum, **vision_counts_and_options).values())
 
