@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.align import check_int
+from thdpack.align import check_int, round_up
 from thdpack.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
 from thdpack.sampler import _distributed_default, check_state_dict
 from thdpack.samples import get_field, slice_sample, to_int_array
@@ -137,7 +137,7 @@ class StreamingPacker(IterableDataset):
         return [(slice_sample(sample, a, a + n, index=index), n) for a, n in zip(cut.start.tolist(), cut.length.tolist())]
 
     def _place(self, sample, length: int) -> None:
-        size = -(-length // self.align) * self.align
+        size = round_up(length, self.align)
         best = None
         for pack in self._open:
             if pack.room >= size and (best is None or pack.room < best.room):

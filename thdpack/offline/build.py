@@ -33,6 +33,7 @@ from thdpack.offline.staging import OutputLock, _commit, fsync_file, output_erro
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
 from thdpack.offline.vlm import vlm_build
+from thdpack.packing import usable_length
 from thdpack.plan import PackPlan, plan_packs
 from thdpack.samples import IGNORE_INDEX
 
@@ -141,7 +142,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     row_tokens = _row_tokens(lengths, seq_row, seq_group, cfg.align) if grouped else lengths
     usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
-    limit = cfg.pack_size // cfg.align * cfg.align
+    limit = usable_length(cfg.pack_size, cfg.align)  # the rest is plan_packs' overflow policy (thdpack/packing.py)
     too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
     what = (f" in its group (group_column: {cfg.group_column})" if cfg.group_column else
             " for chosen + rejected" if pairs else "")

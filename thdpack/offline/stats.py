@@ -6,11 +6,10 @@ Everything is computed from integers: the per-sample lengths in each pack
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from thdpack.align import round_up
+from thdpack.packing import PackStats, pack_sums, pack_totals
 from thdpack.flops import attention_overcount_factor
 from thdpack.flops import lengths_squared_sum as _square_sum  # summarize's Σ sᵢ²: the FLOPs module's exact sum
 
@@ -68,35 +67,34 @@ def summarize(
     """
     s = np.asarray(seq_lens, dtype=np.int64)
     off = np.asarray(pack_offsets, dtype=np.int64)
-    num_packs = int(off.size - 1)
+    totals = pack_totals(s, off, align)
+    plan = PackStats.from_totals(totals, int(pack_size))
+    num_packs, real = plan.num_packs, plan.real_tokens
     m = eval_multiple or align
     lengths = s if input_lengths is None else np.asarray(input_lengths, dtype=np.int64)
-    per_pack = np.add.reduceat(s, off[:-1]) if num_packs else np.zeros(0, np.int64)
-    samples_per_pack = np.diff(off)
-    real = int(s.sum())
-    aligned_plan = int(round_up(s, align).sum())
     padded = round_up(s, m)
-    padded_per_pack = np.add.reduceat(padded, off[:-1]) if num_packs else np.zeros(0, np.int64)
+    padded_per_pack = pack_sums(padded, off)
     stream = int(padded.sum())
-    fill = per_pack / pack_size if num_packs else np.zeros(0)
+    per_pack = pack_sums(s, off)
+    fill = per_pack / pack_size
     pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
     sum_sq = _square_sum(s)
     out = {
-        "samples": int(s.size),
+        "samples": plan.num_pieces,
         "packs": num_packs,
         "pack_size": int(pack_size),
         "align": int(align),
-        "lower_bound": int(math.ceil(aligned_plan / pack_size)) if pack_size else 0,
+        "lower_bound": plan.lower_bound,
         "real_tokens": real,
         "max_seqlen": int(s.max()) if s.size else 0,  # longest sample in a pack
-        "min_pack_tokens": int(per_pack.min()) if num_packs else 0,
-        "efficiency": real / (num_packs * pack_size) if num_packs else 0.0,
-        "packing_factor": s.size / num_packs if num_packs else 0.0,
-        "max_samples_per_pack": int(samples_per_pack.max()) if num_packs else 0,
+        "min_pack_tokens": totals.min_pack_tokens,
+        "efficiency": plan.efficiency,
+        "packing_factor": plan.packing_factor,
+        "max_samples_per_pack": plan.max_samples_per_pack,
         "pack_fill": {
-            "min": float(fill.min()) if num_packs else 0.0,
+            "min": plan.min_pack_fill,
             "mean": float(fill.mean()) if num_packs else 0.0,
-            "max": float(fill.max()) if num_packs else 0.0,
+            "max": plan.max_pack_fill,
             "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
         },
         "lengths": {
@@ -116,7 +114,7 @@ def summarize(
             "stream_tokens": stream,
             "fraction": (stream - real) / stream if stream else 0.0,
             "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
-            "static_fraction": 1 - real / (num_packs * pack_size) if num_packs else 0.0,
+            "static_fraction": 1 - plan.efficiency if num_packs else 0.0,
         },
         "attention_flops": {
             "sum_seqlen_squared": sum_sq,
