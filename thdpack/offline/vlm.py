@@ -87,6 +87,7 @@ from thdpack.offline.tokenize import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 from thdpack.offline.vision_columns import (PROCESSOR_DIR, VISION_COLUMNS, VisionColumns, image_stats,
                                             row_grids, row_vision_patches, vision_metadata)
 from thdpack.offline.vlm_rows import VISION_MAP_BATCH_SIZE, VlmRowTokenizer, row_features
+from thdpack.packing import usable_length
 
 # the Qwen-VL families' defaults when a config dict leaves them out
 _DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
@@ -138,7 +139,7 @@ class VlmBuild:
         stats = image_stats(tokenized.dataset.data.table)
         patches = row_vision_patches(tokenized.dataset.data.table)
         bad = []
-        limit = cfg.pack_size // cfg.align * cfg.align
+        limit = usable_length(cfg.pack_size, cfg.align)
         for r in np.flatnonzero(usable).tolist():
             p = int(patches[r])
             if not p or cfg.overflow == "drop":
