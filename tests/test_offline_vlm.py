@@ -365,6 +365,25 @@ def test_image_parts_alone_make_a_vlm_build(tmp_path, assets):
     assert res.metadata["format_version"] == 2 and res.metadata["vision"]["images"] == 1
 
 
+def test_the_row_tokenizer_keeps_no_state_between_its_steps(tmp_path, assets, monkeypatch):
+    """The VLM row tokenizer's steps (media, tokenizing, columns) hand their results on as
+    values: a map batch leaves the tokenizer's attributes as it found them."""
+    import thdpack.offline.vlm as vlm
+
+    calls = []
+
+    class Watched(vlm.VlmRowTokenizer):
+        def __call__(self, table, indices):
+            before = dict(vars(self))
+            out = super().__call__(table, indices)
+            calls.append(vars(self).keys() == before.keys() and all(vars(self)[k] is v for k, v in before.items()))
+            return out
+
+    monkeypatch.setattr(vlm, "VlmRowTokenizer", Watched)
+    build_packed(cfg(assets, map_batch_size=3), tmp_path / "out", progress=False, log=None)
+    assert len(calls) == 3 and all(calls), calls  # 7 rows in batches of 3
+
+
 def _metadata_without_shards(meta: dict) -> dict:
     return {k: v for k, v in meta.items() if k not in ("build_shards", "build_shard")}
 
