@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from thdpack import CostModel, TokenBudgetBatchSampler, plan_balanced, plan_packs
 from thdpack.balance import _deal
+from test_sampler import take  # tests/ is on sys.path: the next n batches across epochs
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -417,17 +418,6 @@ def test_sampler_micro_batches_lognormal():
         loads = [cost(b[2 * s]) + cost(b[2 * s + 1]) for b in per_rank]
         ratios.append(max(loads) / np.mean(loads))
     assert np.mean(ratios) <= 1.05
-
-
-def take(sampler, n):
-    """The first ``n`` batches across epochs, leaving the last generator suspended."""
-    out = []
-    while len(out) < n:
-        for batch in sampler:
-            out.append(batch)
-            if len(out) == n:
-                return out
-    return out
 
 
 def run_epochs(sampler, epochs):

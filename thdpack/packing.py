@@ -13,7 +13,7 @@ build and statistics. Integers only: nothing here knows tensors or samples.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class Cuts:
     samples_dropped: int = 0
     tokens_dropped: int = 0
     samples_split: int = 0
+
+    def __add__(self, other: "Cuts") -> "Cuts":
+        return Cuts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass(frozen=True)
@@ -136,13 +139,9 @@ class PackTotals:
     max_pieces_per_pack: int = 0
     min_pack_tokens: int = 0  # real tokens of the emptiest pack (0 without packs)
     max_pack_tokens: int = 0
-    samples_truncated: int = 0
-    tokens_truncated: int = 0
-    samples_dropped: int = 0
-    tokens_dropped: int = 0
-    samples_split: int = 0
     vision_patches: int = 0
     max_pack_vision: int = 0
+    cuts: Cuts = Cuts()
 
     def add_pack(self, pieces: int, real_tokens: int, aligned_tokens: int) -> None:
         """Count one more pack of ``pieces`` pieces."""
@@ -156,14 +155,22 @@ class PackTotals:
 
     def add_cuts(self, cuts: Cuts) -> None:
         """Count what an overflow policy cut."""
-        for name, value in asdict(cuts).items():
-            setattr(self, name, getattr(self, name) + value)
+        self.cuts = self.cuts + cuts
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The counts as one flat dict of ints (keys :data:`PACK_TOTALS_KEYS`)."""
+        return {**{name: getattr(self, name) for name in _COUNT_KEYS}, **asdict(self.cuts)}
+
+    @classmethod
+    def from_dict(cls, counts: dict) -> "PackTotals":
+        """The inverse of :meth:`as_dict`."""
+        cuts = Cuts(**{name: counts[name] for name in _CUT_KEYS})
+        return cls(**{name: counts[name] for name in _COUNT_KEYS}, cuts=cuts)
 
 
-PACK_TOTALS_KEYS = tuple(f.name for f in fields(PackTotals))
+_CUT_KEYS = tuple(f.name for f in fields(Cuts))
+_COUNT_KEYS = tuple(f.name for f in fields(PackTotals) if f.name != "cuts")
+PACK_TOTALS_KEYS = _COUNT_KEYS + _CUT_KEYS
 
 
 @dataclass(frozen=True)
@@ -229,15 +236,13 @@ class PackStats:
             max_samples_per_pack=t.max_pieces_per_pack,
             min_pack_fill=t.min_pack_tokens / pack_size if num_packs else 0.0,
             max_pack_fill=t.max_pack_tokens / pack_size if num_packs else 0.0,
-            samples_truncated=t.samples_truncated, tokens_truncated=t.tokens_truncated,
-            samples_dropped=t.samples_dropped, tokens_dropped=t.tokens_dropped, samples_split=t.samples_split,
-            **vision,
+            **asdict(t.cuts), **vision,
         )
 
     @property
     def cuts(self) -> Cuts:
         """The truncated / dropped / split counts."""
-        return Cuts(**{f.name: getattr(self, f.name) for f in fields(Cuts)})
+        return Cuts(**{name: getattr(self, name) for name in _CUT_KEYS})
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -278,8 +283,8 @@ def pack_totals(length: np.ndarray, pack_offsets: np.ndarray, align: int = 1, nu
         num_pieces=int(length.size), real_tokens=int(length.sum()), aligned_tokens=int(round_up(length, align).sum()),
         max_pieces_per_pack=int(np.diff(pack_offsets).max()) if num_packs else 0,
         min_pack_tokens=int(fill.min()) if num_packs else 0, max_pack_tokens=int(fill.max()) if num_packs else 0,
+        cuts=cuts,
     )
-    totals.add_cuts(cuts)
     if vision_length is not None:
         totals.vision_patches = int(vision_length.sum())
         totals.max_pack_vision = int(pack_sums(vision_length, pack_offsets).max()) if num_packs else 0

@@ -120,6 +120,7 @@ def validate_lengths(lengths) -> np.ndarray:
         raise ValueError(f"sample {i} {what}; every sample needs at least one token ({bad.size} such samples)")
     return arr
 
+
 def plan_packs(
     lengths: Sequence[int] | np.ndarray,
     pack_size: int,

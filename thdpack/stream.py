@@ -217,7 +217,7 @@ class StreamingPacker(IterableDataset):
         self._consumed = int(state["consumed"])
         self._open = [_OpenPack(room, list(items), real) for room, items, real in state["open"]]
         self._ready = [list(items) for items in state["ready"]]
-        self._totals = PackTotals(**state["stats"])
+        self._totals = PackTotals.from_dict(state["stats"])
         self._share = tuple(state["share"])
         self._resumed = True
 
