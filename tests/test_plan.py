@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import _binpack
-from thdpack.packing import OVERFLOW_POLICIES
+from thdpack.packing import (
+    OVERFLOW_POLICIES, PACK_TOTALS_KEYS, Cuts, PackStats, PackTotals, cut_overflow, pack_totals, usable_length,
+)
 from thdpack.plan import ALGORITHMS, PackPlan, plan_packs
 
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -632,3 +634,68 @@ def test_plans_large_input_quickly():
     elapsed = time.perf_counter() - t0
     assert plan.stats.num_packs <= plan.stats.lower_bound + 3
     assert elapsed < 5.0
+
+
+# --------------------------------------------------------------------------
+# the packing core (thdpack/packing.py): usable length, overflow, PackStats
+# --------------------------------------------------------------------------
+def test_usable_length_is_pack_size_rounded_down_to_align():
+    assert [usable_length(p, a) for p, a in ((10, 1), (10, 4), (8, 8), (4096, 6))] == [10, 8, 8, 4092]
+    with pytest.raises(ValueError, match=r"pack_size \(7\) is smaller than align \(8\); nothing can fit"):
+        usable_length(7, 8)
+
+
+@pytest.mark.parametrize(
+    "overflow, sample_index, start, length, dropped, cuts",
+    [
+        ("truncate", [0, 1, 2, 3], [0, 0, 0, 0], [3, 8, 5, 8], [], Cuts(samples_truncated=2, tokens_truncated=3 + 12)),
+        ("split", [0, 1, 1, 2, 3, 3, 3], [0, 0, 8, 0, 0, 8, 16], [3, 8, 3, 5, 8, 8, 4], [], Cuts(samples_split=2)),
+        ("drop", [0, 2], [0, 0], [3, 5], [1, 3], Cuts(samples_dropped=2, tokens_dropped=11 + 20)),
+    ],
+)
+def test_cut_overflow_exact(overflow, sample_index, start, length, dropped, cuts):
+    """pack_size 10 at align 4: 8 tokens fit (usable_length); samples 1 (11) and 3 (20) are over."""
+    pieces = cut_overflow(np.array([3, 11, 5, 20], np.int64), overflow, 10, 4)
+    assert pieces.sample_index.tolist() == sample_index
+    assert pieces.start.tolist() == start
+    assert pieces.length.tolist() == length
+    assert pieces.dropped.tolist() == dropped
+    assert pieces.cuts == cuts
+
+
+def test_cut_overflow_error_names_the_first_sample_and_the_count():
+    lengths = np.array([3, 11, 5, 20], np.int64)
+    with pytest.raises(ValueError, match=r"^sample 1 has 11 tokens \(12 after aligning to 4\), more than pack_size=10; "
+                                         r"2 sample\(s\) are too long\. Use overflow="):
+        cut_overflow(lengths, "error", 10, 4)
+    with pytest.raises(ValueError, match=r"^sample 41 has 11 tokens, more than pack_size=10; 2 sample"):
+        cut_overflow(lengths, "error", 10, 1, names=np.array([40, 41, 42, 43]))
+    whole = cut_overflow(np.array([3, 8], np.int64), "error", 10, 4)  # nothing over: every sample one whole piece
+    assert whole.length.tolist() == [3, 8] and whole.cuts == Cuts()
+
+
+def test_pack_stats_from_packs_exact():
+    # packs [3, 5] and [8] of pack_size 10 at align 4: aligned 4 + 8 + 8 = 20 -> lower bound 2
+    stats = PackStats.from_packs(np.array([3, 5, 8]), np.array([0, 2, 3]), 10, align=4, num_samples=4,
+                                 cuts=Cuts(samples_dropped=1, tokens_dropped=30))
+    assert stats == PackStats(
+        num_packs=2, num_samples=4, num_pieces=3, lower_bound=2, pack_size=10, real_tokens=16, aligned_tokens=20,
+        efficiency=0.8, packing_factor=1.5, max_samples_per_pack=2, min_pack_fill=0.8, max_pack_fill=0.8,
+        samples_truncated=0, tokens_truncated=0, samples_dropped=1, tokens_dropped=30, samples_split=0,
+    )
+    empty = PackStats.from_packs(np.zeros(0, np.int64), np.zeros(1, np.int64), 10)
+    assert (empty.num_packs, empty.efficiency, empty.min_pack_fill, empty.lower_bound) == (0, 0.0, 0.0, 0)
+    vision = PackStats.from_packs(np.array([3, 5, 8]), np.array([0, 2, 3]), 10, vision_length=np.array([4, 0, 7]),
+                                  vision_budget=8)
+    assert (vision.vision_budget, vision.vision_patches, vision.max_pack_vision, vision.lower_bound) == (8, 11, 7, 2)
+
+
+def test_pack_totals_pack_by_pack_equal_the_arrays_and_round_trip():
+    totals = PackTotals()
+    for pack in ([3, 5], [8], [1, 1, 1]):
+        totals.add_pack(len(pack), sum(pack), sum(-(-n // 4) * 4 for n in pack))
+    totals.add_cuts(Cuts(samples_split=1))
+    lengths, offsets = np.array([3, 5, 8, 1, 1, 1]), np.array([0, 2, 3, 6])
+    assert totals == pack_totals(lengths, offsets, 4, num_samples=0, cuts=Cuts(samples_split=1))
+    assert PackTotals.from_dict(totals.as_dict()) == totals
+    assert tuple(totals.as_dict()) == PACK_TOTALS_KEYS
