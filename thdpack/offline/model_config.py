@@ -68,6 +68,7 @@ def model_info(config: dict, given) -> dict:
 
 
 def canonical_json(config: dict) -> str:
+    """``config`` as indented JSON text with sorted keys: the saved copy, and what the fingerprint hashes."""
     return json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
