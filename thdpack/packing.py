@@ -72,10 +72,9 @@ class Pieces:
 def overflow_error(index: int, length: int, pack_size: int, align: int, count: int = 1) -> ValueError:
     """The error of ``overflow="error"``: sample ``index`` has ``length`` tokens, too many for a
     pack (``count`` samples are)."""
-    aligned = -(-length // align) * align
     return ValueError(
         f"sample {index} has {length} tokens"
-        + (f" ({aligned} after aligning to {align})" if align > 1 else "")
+        + (f" ({round_up(length, align)} after aligning to {align})" if align > 1 else "")
         + f", more than pack_size={pack_size}; {count} sample(s) are too long. "
         "Use overflow='truncate', 'split' or 'drop', or raise pack_size."
     )
@@ -118,12 +117,17 @@ def cut_overflow(lengths: np.ndarray, overflow: str, pack_size: int, align: int,
         keep = ~over
         cuts = Cuts(samples_dropped=n_over, tokens_dropped=int(lengths[over].sum()))
         return Pieces(index[keep], whole.start[keep], lengths[keep], np.flatnonzero(over), cuts)
-    n_pieces = -(-lengths // limit)  # split
-    sample_index = np.repeat(index, n_pieces)
+    return Pieces(*_split(lengths, limit), whole.dropped, Cuts(samples_split=n_over))
+
+
+def _split(lengths: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every sample cut into pieces of ``limit`` tokens (the last one shorter): int64 ``[m]``
+    ``(sample_index, start, length)`` in (sample, start) order, from int64 ``[n]`` ``lengths``."""
+    n_pieces = -(-lengths // limit)
+    sample_index = np.repeat(np.arange(lengths.size, dtype=np.int64), n_pieces)
     first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
     start = (np.arange(sample_index.size, dtype=np.int64) - first_piece) * limit
-    length = np.minimum(limit, lengths[sample_index] - start)
-    return Pieces(sample_index, start, length, whole.dropped, Cuts(samples_split=n_over))
+    return sample_index, start, np.minimum(limit, lengths[sample_index] - start)
 
 
 @dataclass
