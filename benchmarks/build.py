@@ -353,7 +353,7 @@ def profile_thdpack(data: Path, pack_size: int, work: Path, tokenizer: str, back
                       overflow="truncate", save_tokenizer=False, tokenizer_backend=backend, chat_template=chat_template)
     pr = cProfile.Profile()
     pr.enable()
-    res = build_packed(cfg, work / "profiled", overwrite=True, progress=False, log=None)
+    res = build_packed(cfg, work / "profiled", overwrite=True, progress=False)
     pr.disable()
     shutil.rmtree(work / "profiled", ignore_errors=True)
     s = io.StringIO()

@@ -39,7 +39,7 @@ def offline(out: Path, num_samples: int, pack_size: int, cp_size: int) -> None:
     rows = write_jsonl(generate_rows(num_samples, seed=0, kind="chat"), out / "rows.jsonl")
     cfg = BuildConfig(input=str(rows), tokenizer=str(TOKENIZER_DIR), pack_size=pack_size, overflow="truncate",
                       cp_size=cp_size, output_format="megatron-bridge")
-    result = build_packed(cfg, out / "packed", progress=False, log=None, overwrite=True)
+    result = build_packed(cfg, out / "packed", progress=False, overwrite=True)
     record = result.metadata["megatron_bridge"]
     entry = json.loads((result.path / record["metadata"]).read_text())[0]
     print(f"offline: {result.metadata['num_packs']} packs; Bridge files "

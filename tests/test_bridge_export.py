@@ -44,7 +44,7 @@ def jsonl(tmp_path_factory):
 
 def build(path, jsonl, **kw):
     cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", **kw)
-    return build_packed(cfg, path, progress=False, log=None)
+    return build_packed(cfg, path, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +290,8 @@ def test_merge_of_bridge_shard_builds(tmp_path, jsonl):
     cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", cp_size=2,
                       output_format="megatron-bridge")
     for i in range(2):
-        build_packed(cfg, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 2))
-    merged = merge_shards([str(tmp_path / "part-0"), str(tmp_path / "part-1")], tmp_path / "merged", log=None)
+        build_packed(cfg, tmp_path / f"part-{i}", progress=False, shard=Shard(i, 2))
+    merged = merge_shards([str(tmp_path / "part-0"), str(tmp_path / "part-1")], tmp_path / "merged")
     export_bridge(merged.path, tmp_path / "export")
     assert bridge_rows(merged.path) == bridge_rows(tmp_path / "export")
     assert len(bridge_rows(merged.path)) == merged.metadata["num_packs"]

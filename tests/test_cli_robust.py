@@ -328,10 +328,10 @@ def test_merge_refuses_an_output_being_written(tmp_path, capsys):
     lock = OutputLock(out)  # another writer of the same output holds it
     try:
         with pytest.raises(OutputError, match=f"output {out} is being written by another thdpack process"):
-            merge_shards(parts, out, log=None)
+            merge_shards(parts, out)
         assert not out.exists() and not list(tmp_path.glob(".full.tmp-*"))
     finally:
         lock.release()
-    assert merge_shards(parts, out, log=None).metadata["num_packs"] == len(load_packed(out))
+    assert merge_shards(parts, out).metadata["num_packs"] == len(load_packed(out))
     assert _leftovers(tmp_path, "full") == []
     assert json.loads((out / "metadata.json").read_text())["build_shards"]["count"] == 2

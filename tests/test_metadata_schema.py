@@ -32,7 +32,7 @@ def built(tmp_path_factory) -> Path:
     src = write_jsonl(generate_rows(60, seed=5, kind="chat"), d / "chat.jsonl")
     cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
                       shard_size_mb=0.05)
-    return build_packed(cfg, d / "packed", progress=False, log=None).path
+    return build_packed(cfg, d / "packed", progress=False).path
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_a_zeroed_parquet_header_names_the_file(built, tmp_path):
     src = Path(json.loads((built / "metadata.json").read_text())["source"]["files"][0]["path"])
     cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
                       output_format="parquet")
-    out = build_packed(cfg, tmp_path / "pq", progress=False, log=None).path
+    out = build_packed(cfg, tmp_path / "pq", progress=False).path
     name = json.loads((out / "metadata.json").read_text())["files"][0]["path"]
     data = bytearray((out / name).read_bytes())
     data[-64:] = bytes(64)  # Parquet's footer is its header
@@ -230,7 +230,7 @@ def test_a_bad_label_names_file_and_pack(tmp_path):
     rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (10, 20, 30, 40)]
     src = write_jsonl(rows, tmp_path / "lab.jsonl")
     cfg = BuildConfig(input=str(src), tokenizer=None, pack_size=64, targets="labels")
-    out = build_packed(cfg, tmp_path / "lab", progress=False, log=None).path
+    out = build_packed(cfg, tmp_path / "lab", progress=False).path
     name = json.loads((out / "metadata.json").read_text())["files"][0]["path"]
 
     def flip(values):

@@ -70,7 +70,7 @@ def cfg(input, **kw) -> BuildConfig:
 
 def build(tmp_path, name="out", **kw):
     config = cfg(**kw)
-    return build_packed(config, tmp_path / name, progress=False, log=None)
+    return build_packed(config, tmp_path / name, progress=False)
 
 
 def tree_digest(path: Path) -> dict:
@@ -279,13 +279,13 @@ def test_refuses_to_overwrite_without_flag(tmp_path, chat_jsonl):
     with pytest.raises(OutputExistsError, match="--overwrite"):
         build(tmp_path, input=chat_jsonl, pack_size=1024)
     assert tree_digest(first.path) == before
-    second = build_packed(cfg(chat_jsonl, pack_size=2048), first.path, overwrite=True, progress=False, log=None)
+    second = build_packed(cfg(chat_jsonl, pack_size=2048), first.path, overwrite=True, progress=False)
     assert second.metadata["pack_size"] == 2048 and load_packed(second.path).pack_size == 2048
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
     with pytest.raises(OutputExistsError, match="not a thdpack"):
-        build_packed(cfg(chat_jsonl), other, overwrite=True, progress=False, log=None)
+        build_packed(cfg(chat_jsonl), other, overwrite=True, progress=False)
     assert (other / "notes.txt").read_text() == "keep me"
 
 
@@ -473,9 +473,28 @@ def test_empty_or_blank_jsonl_is_a_clear_error(tmp_path, content):
     path = tmp_path / "empty.jsonl"
     path.write_text(content)
     with pytest.raises(InputError, match=r"empty\.jsonl: no rows"):
-        build_packed(BuildConfig(input=str(path), tokenizer=str(TOKENIZER_DIR)), tmp_path / "out", progress=False,
-                     log=None)
+        build_packed(BuildConfig(input=str(path), tokenizer=str(TOKENIZER_DIR)), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_build_logs_through_logging_and_log_callback_is_deprecated(tmp_path, chat_jsonl, caplog, capsys):
+    """Stage lines go to logging.getLogger("thdpack..."): nothing on stderr unless logging is configured;
+    the old ``log=`` callback still receives them for one release, with a DeprecationWarning."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="thdpack"):
+        build_packed(cfg(chat_jsonl), tmp_path / "a", progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("thdpack.")]
+    assert lines[0].startswith("read ") and lines[-1].startswith("wrote ")
+    assert {r.name for r in caplog.records} >= {"thdpack.offline.build", "thdpack.offline.tokenize"}
+    caplog.clear()
+    build_packed(cfg(chat_jsonl), tmp_path / "b", progress=False)
+    assert capsys.readouterr().err == ""  # a library prints nothing by itself
+    logs: list[str] = []
+    with pytest.warns(DeprecationWarning, match=r"build_packed\(log=...\) is deprecated"):
+        build_packed(cfg(chat_jsonl), tmp_path / "c", progress=False, log=logs.append)
+    assert [line.split()[0] for line in logs] == [line.split()[0] for line in lines]
+    assert logging.getLogger("thdpack").handlers == []  # the callback is detached again
 
 
 def test_chat_template_option_replaces_the_tokenizers(tmp_path, chat_rows):

@@ -61,7 +61,7 @@ def tree_digest(path: Path) -> dict:
 def build_shards(cfg: BuildConfig, parts: Path, n: int) -> list[Path]:
     out = []
     for i in range(n):
-        res = build_packed(cfg, parts / f"part-{i}", progress=False, log=None, shard=Shard(i, n))
+        res = build_packed(cfg, parts / f"part-{i}", progress=False, shard=Shard(i, n))
         out.append(res.path)
     return out
 
@@ -69,7 +69,7 @@ def build_shards(cfg: BuildConfig, parts: Path, n: int) -> list[Path]:
 def reference_build(cfg: BuildConfig, n: int) -> dict:
     """One process, whole input tokenized once, each shard's row range planned on its own."""
     with tempfile.TemporaryDirectory() as d:
-        prep = prepare(cfg, Path(d), progress=False, log=None)
+        prep = prepare(cfg, Path(d), progress=False)
         table = prep.tokenized.dataset.data.table
         ids = table.column("input_ids").to_pylist()
         tgt = table.column(cfg.targets).to_pylist()
@@ -195,7 +195,7 @@ def test_shards_plus_merge_equal_the_single_build_with_shard_local_plans(c):
             assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.align * cfg.align)
                        and (opts["without_targets"] == "keep" or len(r) > 1) for r in rows[a:b]))
         parts = build_shards(cfg, d / "parts", n)
-        merged = merge_shards(parts[::-1], d / "merged", log=None)  # any argument order
+        merged = merge_shards(parts[::-1], d / "merged")  # any argument order
         ds = load_packed(merged.path, verify=True)
         ref = reference_build(cfg, n)
         check_equals_reference(ds, ref, cfg)
@@ -207,7 +207,7 @@ def test_shards_plus_merge_equal_the_single_build_with_shard_local_plans(c):
                        for p in parts for f in load_packed(p).metadata["files"]]
         assert [f["sha256"] for f in ds.metadata["files"]] == shard_files
         # deterministic: merging again (other order, other name) gives the same bytes
-        again = merge_shards(parts, d / "again", log=None)
+        again = merge_shards(parts, d / "again")
         assert tree_digest(again.path) == tree_digest(merged.path)
 
 
@@ -217,9 +217,9 @@ def test_one_shard_merged_is_the_ordinary_build(tmp_path):
     for shuffle in (False, True):
         cfg = BuildConfig(input=str(data), tokenizer=str(TOKENIZER_DIR), pack_size=1024, overflow="truncate",
                           shuffle_packs=shuffle)
-        single = build_packed(cfg, tmp_path / f"single-{shuffle}", progress=False, log=None)
+        single = build_packed(cfg, tmp_path / f"single-{shuffle}", progress=False)
         (part,) = build_shards(cfg, tmp_path / f"parts-{shuffle}", 1)
-        merged = merge_shards([part], tmp_path / f"merged-{shuffle}", log=None)
+        merged = merge_shards([part], tmp_path / f"merged-{shuffle}")
         a, b = tree_digest(single.path), tree_digest(merged.path)
         assert a.pop("metadata.json") != b.pop("metadata.json")
         assert a == b  # data files and tokenizer copy: byte-identical
@@ -256,7 +256,7 @@ def test_chat_shards_merge_with_tokenizer_and_global_row_locations(tmp_path):
         info = load_packed(p).metadata["build_shard"]
         rows_seen = np.concatenate([r["sample_index"] for r in load_packed(p)])
         assert info["row_start"] <= rows_seen.min() and rows_seen.max() < info["row_stop"]
-    merged = merge_shards([tmp_path / "parts"], tmp_path / "merged", log=None)  # the parent directory
+    merged = merge_shards([tmp_path / "parts"], tmp_path / "merged")  # the parent directory
     ds = load_packed(merged.path, verify=True)
     ref = reference_build(cfg, 3)
     check_equals_reference(ds, ref, cfg)
@@ -265,7 +265,7 @@ def test_chat_shards_merge_with_tokenizer_and_global_row_locations(tmp_path):
     assert (merged.path / "tokenizer" / "tokenizer.json").is_file()
     assert ds.collator()(ds[0]).input_ids.numel() > 0
     # the whole input's description, as an ordinary build records it
-    single = build_packed(cfg, tmp_path / "single", progress=False, log=None)
+    single = build_packed(cfg, tmp_path / "single", progress=False)
     assert ds.metadata["source"] == single.metadata["source"]
     assert ds.metadata["tokenizer"] == single.metadata["tokenizer"]
     assert ds.metadata["counts"] == single.metadata["counts"]
@@ -278,7 +278,7 @@ def test_rebuilt_shards_and_merge_are_byte_identical(tmp_path):
     digests = []
     for run in range(2):
         parts = build_shards(cfg, tmp_path / f"parts{run}", 4)
-        merged = merge_shards(parts, tmp_path / f"merged{run}", log=None)
+        merged = merge_shards(parts, tmp_path / f"merged{run}")
         digests.append(([tree_digest(p) for p in parts], tree_digest(merged.path)))
     assert digests[0] == digests[1]
 
@@ -379,7 +379,7 @@ def test_merge_refuses_shards_that_do_not_belong_together(tmp_path, shard_set):
 
     def refused(paths, match):
         with pytest.raises((ShardMismatchError, NotPackedError), match=match):
-            merge_shards(paths, tmp_path / "out", log=None)
+            merge_shards(paths, tmp_path / "out")
         assert not (tmp_path / "out").exists()
         assert not list(tmp_path.glob(".out.tmp-*"))
 
@@ -387,18 +387,18 @@ def test_merge_refuses_shards_that_do_not_belong_together(tmp_path, shard_set):
     dup = tmp_path / "dup"
     shutil.copytree(parts[1], dup)
     refused(parts + [dup], r"shard index given more than once \(shard 1/3: ")
-    other_n = build_packed(cfg, tmp_path / "n2", progress=False, log=None, shard=Shard(1, 2)).path
+    other_n = build_packed(cfg, tmp_path / "n2", progress=False, shard=Shard(1, 2)).path
     refused([parts[0], other_n, parts[2]], r"different shard counts \(N=2: .*n2; N=3: ")
-    other_opts = build_packed(cfg.override(pack_size=256), tmp_path / "opts", progress=False, log=None,
+    other_opts = build_packed(cfg.override(pack_size=256), tmp_path / "opts", progress=False,
                               shard=Shard(1, 3)).path
     refused([parts[0], other_opts, parts[2]], r"shards 0 .* and 1 .* do not belong together: they were built with "
                                               r"different options \(pack_size\)")
     rows = [json.loads(x)["input_ids"] for x in Path(cfg.input).read_text().splitlines()]
     rows[-1] = rows[-1] + [1]
     other_input = build_packed(cfg.override(input=str(write_rows(tmp_path / "rows.jsonl", rows))), tmp_path / "inp",
-                               progress=False, log=None, shard=Shard(2, 3)).path
+                               progress=False, shard=Shard(2, 3)).path
     refused([parts[0], parts[1], other_input], r"different inputs \(source fingerprint")
-    whole = build_packed(cfg, tmp_path / "whole", progress=False, log=None).path
+    whole = build_packed(cfg, tmp_path / "whole", progress=False).path
     refused([whole], r"not a shard build \(no 'build_shard'")
     refused([tmp_path / "nothing"], r"nothing is not a directory")
     # a damaged data file (same size): its checksum fails while copying
@@ -411,11 +411,11 @@ def test_merge_refuses_shards_that_do_not_belong_together(tmp_path, shard_set):
     refused([parts[0], parts[1], bad], r"does not match its sha256")
     # the output is one of the shards / already exists
     with pytest.raises(ValueError, match="is one of the shards"):
-        merge_shards(parts, parts[0], overwrite=True, log=None)
-    merge_shards(parts, tmp_path / "ok", log=None)
+        merge_shards(parts, parts[0], overwrite=True)
+    merge_shards(parts, tmp_path / "ok")
     with pytest.raises(OutputExistsError):
-        merge_shards(parts, tmp_path / "ok", log=None)
-    merge_shards(parts, tmp_path / "ok", overwrite=True, link=True, log=None)
+        merge_shards(parts, tmp_path / "ok")
+    merge_shards(parts, tmp_path / "ok", overwrite=True, link=True)
     assert len(load_packed(tmp_path / "ok", verify=True)) == sum(len(load_packed(p)) for p in parts)
 
 
@@ -423,5 +423,5 @@ def test_empty_shard_is_a_clear_error(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", [[1, 2, 3], [4, 5]])
     cfg = BuildConfig(input=str(data), format="tokenized", pack_size=16)
     with pytest.raises(InputError, match=r"shard 0/3 has no input rows: the input has 2 row\(s\), so use at most 2"):
-        build_packed(cfg, tmp_path / "p", progress=False, log=None, shard=Shard(0, 3))
+        build_packed(cfg, tmp_path / "p", progress=False, shard=Shard(0, 3))
     assert not (tmp_path / "p").exists()

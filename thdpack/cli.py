@@ -27,6 +27,7 @@ from pathlib import Path
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import OfflineError
+from thdpack.offline.log import cli_logging
 from thdpack.offline.procs import Interrupted, signals_interrupt
 from thdpack.samples import IGNORE_INDEX
 
@@ -75,10 +76,6 @@ def _config(args, *, input_override=None) -> BuildConfig:
 # ---------------------------------------------------------------------------- commands
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _progress(args) -> bool:
     """Progress bars only on a terminal: in a log file their ``\\r`` redraws run together into one line
     (the stage lines still print)."""
@@ -97,8 +94,7 @@ def cmd_build(args) -> int:
 
         shard = parse_shard(args.shard)
         output = shard.format_output(args.output)
-    result = build_packed(cfg, output, overwrite=args.overwrite, progress=_progress(args),
-                          log=None if args.quiet else _stderr, shard=shard)
+    result = build_packed(cfg, output, overwrite=args.overwrite, progress=_progress(args), shard=shard)
     meta = result.metadata
     skipped = meta["counts"]["skipped_rows"]
     if skipped:
@@ -145,7 +141,7 @@ def cmd_stats(args) -> int:
         if not path.exists() and not args.config:
             raise OfflineError(f"{path} does not exist")
         cfg = _config(args, input_override=str(path) if str(path) != "-" else None)
-        summary = analyze(cfg, eval_multiple=eval_multiple, progress=_progress(args), log=None if args.quiet else _stderr)
+        summary = analyze(cfg, eval_multiple=eval_multiple, progress=_progress(args))
         title = f"{path}: raw dataset, planned (not written) with pack_size {cfg.pack_size}, {cfg.algorithm}"
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -300,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with signals_interrupt():  # SIGINT/SIGTERM unwind the command, which removes its temporary files
+        with signals_interrupt(), cli_logging(getattr(args, "quiet", False)):  # signals unwind the command, which removes its temporary files
             code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return code

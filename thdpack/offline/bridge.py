@@ -33,6 +33,7 @@ here as ``bridge_metadata.json`` with the keys of Bridge's ``create_packing_stra
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list 
 SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
 ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
 SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across shard builds
+logger = logging.getLogger(__name__)
 
 
 def bridge_lengths(seq_lens: np.ndarray, multiple: int) -> np.ndarray:
@@ -229,7 +231,7 @@ def _check_fits(rows: BridgeRows, pack_size: int, multiple: int, align: int, whe
 
 
 def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
-                 pad_id: int | None, log=None) -> dict:
+                 pad_id: int | None) -> dict:
     """Write the packs of thdpack ``shards`` (Arrow or Parquet files, in order) as Bridge's packed
     Parquet files in ``out_dir`` (one ``<shard stem>.idx.parquet`` per shard) and its metadata list
     (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
@@ -260,10 +262,10 @@ def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: 
                       "sha256": file_sha256(path)})
     entry = totals.bridge_metadata(pack_size)
     (out_dir / METADATA).write_text(json.dumps([entry]) + "\n", encoding="utf-8")
-    if log and totals.eos_tail:
-        log(f"note: {totals.eos_tail} sample(s) end with the pad/EOS id {pad} before their last token: Megatron-Bridge's "
-            f"reader (pad_seq_to_mult {multiple} > 1) ends their cu_seqlens before those EOS tokens and treats them as "
-            "padding (docs/megatron.md)")
+    if totals.eos_tail:
+        logger.info(f"note: {totals.eos_tail} sample(s) end with the pad/EOS id {pad} before their last token: "
+                    f"Megatron-Bridge's reader (pad_seq_to_mult {multiple} > 1) ends their cu_seqlens before those EOS "
+                    "tokens and treats them as padding (docs/megatron.md)")
     return {"files": files, "metadata": METADATA, "pad_seq_to_mult": multiple, "pad_id": pad_id,
             "pack_size": pack_size, "samples_cut_short_by_bridge": totals.eos_tail, **entry}
 
@@ -279,7 +281,7 @@ def bridge_pad_id(meta: dict) -> int | None:
 
 
 def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int | None = None,
-                  pad_id: int | None = None, overwrite: bool = False, log=None) -> dict:
+                  pad_id: int | None = None, overwrite: bool = False) -> dict:
     """Convert the packed dataset at ``path`` to Bridge's packed Parquet format at ``output`` (a
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
@@ -296,10 +298,10 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     if pad_id is not None:
         check_int(pad_id, "pad_id", 0, hint=" (the tokenizer's EOS id, which Bridge pads with)")
     output = Path(output)
-    with staged_output(output, overwrite, log, marker=METADATA) as tmp:
+    with staged_output(output, overwrite, marker=METADATA) as tmp:
         record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
                               pack_size=meta["pack_size"], multiple=multiple, align=meta["align"],
-                              pad_id=bridge_pad_id(meta) if pad_id is None else pad_id, log=log)
+                              pad_id=bridge_pad_id(meta) if pad_id is None else pad_id)
         fsync_dir(tmp)
         with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
             _move_into_place(tmp, output)
@@ -328,11 +330,8 @@ def add_export_parser(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    import sys
-
-    log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     record = export_bridge(args.path, args.output, pad_seq_to_mult=args.pad_seq_to_mult, pad_id=args.pad_id,
-                           overwrite=args.overwrite, log=log)
+                           overwrite=args.overwrite)
     if not args.quiet:
         print(f"{args.output}: {sum(f['num_packs'] for f in record['files'])} packs in {len(record['files'])} "
               f"Megatron-Bridge file(s), pad_seq_to_mult {record['pad_seq_to_mult']}, efficiency "
@@ -355,18 +354,17 @@ def check_text_only(vlm) -> None:
                           "rows have images; use output_format arrow and thdpack's loader")
 
 
-def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | None, log=None) -> dict:
+def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | None) -> dict:
     """Bridge's files next to the shards ``files`` a build just wrote into ``out_dir``, pre-padded
     for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.)."""
     return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=cfg.targets, pack_size=cfg.pack_size,
-                        multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}),
-                        log=log)
+                        multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}))
 
 
-def write_merged(out_dir: Path, meta: dict, record: dict, log=None) -> dict:
+def write_merged(out_dir: Path, meta: dict, record: dict) -> dict:
     """Bridge's files for ``thdpack merge`` of shard builds made with ``output_format
     megatron-bridge``: the merged packs (``meta``: the merged ``metadata.json``), at the
     ``pad_seq_to_mult`` and pad id the shards' ``record`` holds."""
     return write_bridge(out_dir, [out_dir / f["path"] for f in meta["files"]], targets=meta["targets"],
                         pack_size=meta["pack_size"], multiple=record["pad_seq_to_mult"], align=meta["align"],
-                        pad_id=record["pad_id"], log=log)
+                        pad_id=record["pad_id"])

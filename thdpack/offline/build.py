@@ -13,8 +13,8 @@ merge of the same output fails at once; file-system failures become one
 
 from __future__ import annotations
 
+import logging
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, require_hf
 from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
+from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.model_config import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
@@ -39,10 +40,7 @@ from thdpack.samples import IGNORE_INDEX
 
 MAX_ERRORS_SHOWN = 5
 MAX_ERRORS_RECORDED = 20
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,7 +102,7 @@ class Prepared:
         return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
 
 
-def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_stderr, shard=None) -> Prepared:
+def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, shard=None) -> Prepared:
     """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
     with ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard's rows."""
     require_hf("thdpack build")
@@ -118,21 +116,19 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
     t["read"] = time.perf_counter() - t0
     if source.num_rows == 0:
         raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
-    if log:
-        log(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
+    logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
     if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
-        source = shard.select(source, log=log)
+        source = shard.select(source)
     pairs = resolve_format(cfg, source) in PAIR_FORMATS
     if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
         _check_group_options(cfg, shard, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
-    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm, log=log)
+    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm)
     t["tokenize"] = time.perf_counter() - t0
-    if log:
-        what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
-        log(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
+    what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
+    logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
     lengths = tokenized.lengths  # per tokenized sequence
     seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
@@ -207,15 +203,12 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, log=_std
         plan = plan_rows(sample_rows)
         piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
     t["plan"] = time.perf_counter() - t0
-    if log:
-        log(
-            f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
-            f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s"
-        )
-        if without.rows.size:
-            log(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
-                f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
-                f"(without_targets: {cfg.without_targets})")
+    logger.info(f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
+                f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s")
+    if without.rows.size:
+        logger.info(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
+                    f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
+                    f"(without_targets: {cfg.without_targets})")
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
@@ -344,22 +337,27 @@ def build_packed(
     *,
     overwrite: bool = False,
     progress: bool = True,
-    log=_stderr,
+    log=UNSET,
     shard=None,
 ) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
-    ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard of the input rows."""
+    ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard of the input rows.
+    Stage lines go to ``logging.getLogger("thdpack.offline.build")`` (``log=``: deprecated)."""
+    with deprecated_log(log, "build_packed"):
+        return _build(cfg, Path(output), overwrite, progress, shard)
+
+
+def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shard) -> BuildResult:
     from thdpack import __version__
     from thdpack.offline.writer import sample_value_arrays, write_packs
 
     require_hf("thdpack build")  # import the heavy libraries before touching the file system
     cfg.validate()
-    output = Path(output)
     t_start = time.perf_counter()
-    with staged_output(output, overwrite, log) as tmp:
+    with staged_output(output, overwrite) as tmp:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare(cfg, work, progress=progress, log=log, shard=shard)
+        prep = prepare(cfg, work, progress=progress, shard=shard)
         plan = prep.plan
         if cfg.output_format == bridge.FORMAT:
             bridge.check_text_only(prep.vlm)
@@ -434,7 +432,7 @@ def build_packed(
             meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
             meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
         if cfg.output_format == bridge.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge.py)
-            meta["megatron_bridge"] = bridge.write_build(tmp, cfg, written["files"], tok_info, log)
+            meta["megatron_bridge"] = bridge.write_build(tmp, cfg, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vlm.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
         if shard is not None:  # row range + input lengths, for thdpack merge
@@ -449,22 +447,21 @@ def build_packed(
             fsync_file(tmp / f["path"])
         _commit(tmp, meta, output)
     timings["total"] = time.perf_counter() - t_start
-    if log:
-        size = sum(f["num_bytes"] for f in written["files"])
-        log(f"wrote     {output}: {len(written['files'])} {cfg.output_format} shard(s), {size / 1e6:.1f} MB "
-            f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
+    size = sum(f["num_bytes"] for f in written["files"])
+    logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} shard(s), {size / 1e6:.1f} MB "
+                f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
     return BuildResult(output, meta, timings, summary)
 
 
 # ---------------------------------------------------------------------------- raw stats
 
 
-def analyze(cfg: BuildConfig, *, eval_multiple: int | None = None, progress: bool = True, log=_stderr) -> dict:
+def analyze(cfg: BuildConfig, *, eval_multiple: int | None = None, progress: bool = True) -> dict:
     """Statistics of planning ``cfg`` without writing anything (``thdpack stats`` on raw data)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="thdpack-stats-") as d:
-        prep = prepare(cfg, Path(d), progress=progress, log=log)
+        prep = prepare(cfg, Path(d), progress=progress)
         summary = prep.summary(eval_multiple)
         summary["skipped_examples"] = prep.skipped_examples()
         del prep

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -33,15 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.build import _stderr
 from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
 from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, bytes_sha256, file_sha256, shard_name
+from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
 from thdpack.offline.staging import _commit, fsync_file, staged_output
 from thdpack.offline.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
+logger = logging.getLogger(__name__)
 # metadata entries that differ from shard to shard (recomputed); every other entry must agree
 PER_SHARD_KEYS = {
     "num_packs", "counts", "files", "stats", "skipped_examples", SHARD_KEY,
@@ -315,19 +317,24 @@ def merge_shards(
     *,
     overwrite: bool = False,
     link: bool = False,
-    log=_stderr,
+    log=UNSET,
 ) -> MergeResult:
-    """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``."""
+    """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``.
+    The summary line goes to ``logging.getLogger("thdpack.offline.merge")`` (``log=``: deprecated)."""
+    with deprecated_log(log, "merge_shards"):
+        return _merge(shard_paths, Path(output), overwrite, link)
+
+
+def _merge(shard_paths, output: Path, overwrite: bool, link: bool) -> MergeResult:
     paths = expand_shard_paths(shard_paths)
     shards = check_shards(paths)
-    output = Path(output)
     for p, _ in shards:
         if output.resolve() == p.resolve():
             raise OfflineError(f"output {output} is one of the shards being merged")
     first_path, first = shards[0]
     fmt = first["file_format"]
     n_files = sum(len(m["files"]) for _, m in shards)
-    with staged_output(output, overwrite, log) as tmp:
+    with staged_output(output, overwrite) as tmp:
         files, lens, per_pack, lengths = [], [], [], []
         vision_entry = first.get("vision")
         grids, per_pack_images = {"image_grid_thw": [], "video_grid_thw": []}, {"image_grid_thw": [], "video_grid_thw": []}
@@ -375,12 +382,11 @@ def merge_shards(
         if "megatron_bridge" in first:  # output_format megatron-bridge: Bridge's files of the merged packs
             from thdpack.offline.bridge import write_merged
 
-            meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"], log)
+            meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"])
         _commit(tmp, meta, output)
-    if log:
-        size = sum(f["num_bytes"] for f in files)
-        log(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
-            f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")
+    size = sum(f["num_bytes"] for f in files)
+    logger.info(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
+                f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")
     return MergeResult(output, meta, meta["stats"])
 
 
@@ -420,8 +426,7 @@ def add_merge_parser(sub) -> None:
 def cmd_merge(args) -> int:
     from thdpack.offline.build import written_line
 
-    result = merge_shards(args.shards, args.output, overwrite=args.overwrite, link=args.link,
-                          log=None if args.quiet else _stderr)
+    result = merge_shards(args.shards, args.output, overwrite=args.overwrite, link=args.link)
     if not args.quiet:
         print(written_line(result.path, result.summary))
     return 0

@@ -18,6 +18,7 @@ offset by ``SLURM_ARRAY_TASK_MIN``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from thdpack.offline.staging import fsync_file
 SHARD_KEY = "build_shard"  # metadata.json entry of a shard build
 MERGED_KEY = "build_shards"  # metadata.json entry of a merged build
 LENGTHS_FILE = "shard_input_lengths.npy"
+logger = logging.getLogger(__name__)
 
 
 def shard_rows(total: int, index: int, count: int) -> tuple[int, int]:
@@ -87,7 +89,7 @@ class Shard:
                 f"--output {text!r}: only {{shard}}, {{index}} and {{count}} may appear in braces ({exc})"
             ) from None
 
-    def select(self, source, *, log=None) -> ShardSource:
+    def select(self, source) -> ShardSource:
         """The rows of this shard of ``source`` (a :class:`~thdpack.offline.sources.Source`)."""
         total = source.num_rows
         start, stop = self.rows(total)
@@ -95,8 +97,7 @@ class Shard:
             raise InputError(
                 f"shard {self} has no input rows: the input has {total} row(s), so use at most {total} shard(s)"
             )
-        if log:
-            log(f"shard     {self}: input rows {start:,}..{stop - 1:,} ({stop - start:,} of {total:,})")
+        logger.info(f"shard     {self}: input rows {start:,}..{stop - 1:,} ({stop - start:,} of {total:,})")
         return ShardSource(source, self, start, stop)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -17,6 +18,8 @@ from pathlib import Path
 from thdpack.offline.errors import OfflineError, OutputError, OutputExistsError
 from thdpack.offline.format import METADATA_FILE
 from thdpack.offline.procs import signals_deferred
+
+logger = logging.getLogger(__name__)
 
 
 class OutputLock:
@@ -71,7 +74,7 @@ def _same_file(fd: int, path: Path) -> bool:
     return os.path.samestat(os.fstat(fd), st)
 
 
-def start_output(output: Path, overwrite: bool, log=None, *, marker: str = METADATA_FILE) -> tuple[Path, OutputLock]:
+def start_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE) -> tuple[Path, OutputLock]:
     """Lock ``output``, check that it may be written (:func:`_check_output`) and make the hidden
     temporary directory ``.NAME.tmp-PID-RAND`` next to it that :func:`_commit` moves into place.
     ``marker``: the file that marks an earlier output of the same command, which ``overwrite`` may replace.
@@ -86,8 +89,8 @@ def start_output(output: Path, overwrite: bool, log=None, *, marker: str = METAD
     try:
         _check_output(output, overwrite, marker)
         stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
-        if stale and log:
-            log(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
+        if stale:
+            logger.info(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
                 f"(e.g. {stale[0]}); they are not datasets and can be deleted")
         tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
@@ -100,14 +103,14 @@ def start_output(output: Path, overwrite: bool, log=None, *, marker: str = METAD
 
 
 @contextmanager
-def staged_output(output: Path, overwrite: bool, log=None, *, marker: str = METADATA_FILE):
+def staged_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE):
     """The hidden temporary directory a writer fills, under the output lock (:func:`start_output`).
 
     The writer ends by moving it into place (:func:`_commit`, or :func:`_move_into_place`). On
     any exception the directory is removed and a file-system failure becomes one
     :class:`OutputError` naming the path; the lock is released in every case.
     """
-    tmp, lock = start_output(output, overwrite, log, marker=marker)
+    tmp, lock = start_output(output, overwrite, marker=marker)
     try:
         yield tmp
     except BaseException as exc:

@@ -23,6 +23,7 @@ header through its end-of-turn token (:mod:`thdpack.offline.chat_spans`).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from thdpack.samples import IGNORE_INDEX
 
 ERROR_COLUMN = "__error__"
 TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``tools``
+logger = logging.getLogger(__name__)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -615,7 +617,7 @@ class Tokenized:
     tokenizer_info: dict | None
 
 
-def fast_bpe(cfg: BuildConfig, tok, fmt: str, *, log=None):
+def fast_bpe(cfg: BuildConfig, tok, fmt: str):
     """The tiktoken form of ``tok`` (:mod:`thdpack.offline.tiktoken_bpe`) when
     ``cfg.tokenizer_backend`` allows it and the tokenizer converts exactly; else None."""
     if tok is None or fmt == "tokenized" or cfg.tokenizer_backend == "hf":
@@ -623,14 +625,12 @@ def fast_bpe(cfg: BuildConfig, tok, fmt: str, *, log=None):
     bpe, why = TiktokenBPE.from_tokenizer(tok)
     if bpe is None and cfg.tokenizer_backend == "tiktoken":
         raise ConfigError(f"tokenizer_backend: tiktoken, but tokenizer {cfg.tokenizer!r} cannot run on it: {why}")
-    if log:
-        log("tokenizer " + ("byte-level BPE through tiktoken (checked against the tokenizer on a sample of rows)"
-                            if bpe is not None else f"through transformers ({why})"))
+    logger.info("tokenizer " + ("byte-level BPE through tiktoken (checked against the tokenizer on a sample of rows)"
+                                if bpe is not None else f"through transformers ({why})"))
     return bpe
 
 
-def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None,
-                    log=None) -> Tokenized:
+def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
     """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
     (a :class:`thdpack.offline.vlm.VlmBuild`) also process the rows' images."""
     import datasets
@@ -662,7 +662,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         + cfg.value_columns() + ([cfg.group_column] if cfg.group_column else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
-    bpe = fast_bpe(cfg, tok, fmt, log=log)
+    bpe = fast_bpe(cfg, tok, fmt)
     target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
     features = datasets.Features(
         {
@@ -713,8 +713,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         except FastTokenizerMismatch as exc:
             if bpe is None:
                 raise
-            if log:
-                log(f"tiktoken  {exc}; tokenizing again with the tokenizer itself")
+            logger.info(f"tiktoken  {exc}; tokenizing again with the tokenizer itself")
             out = tokenize_all(row_tokenizer(None))
     finally:
         if not progress:
