@@ -280,9 +280,10 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     return shard
 
 
-def warn_if_no_targets(batch: ThdBatch) -> None:
+def warn_if_no_targets(batch: ThdBatch, stacklevel: int = 3) -> None:
     """Warn (once per process) when the whole batch ``batch`` has no target token. Not for a CP
-    shard: one rank's part of a pack may hold no targets while the others do."""
+    shard: one rank's part of a pack may hold no targets while the others do. ``stacklevel``
+    as in :func:`warnings.warn`, counted from this function (3: the builder's caller)."""
     global _warned_no_targets
     if _warned_no_targets or batch.is_shard:
         return
@@ -297,5 +298,5 @@ def warn_if_no_targets(batch: ThdBatch) -> None:
         f"(every label is ignore_index={batch.ignore_index}), so a mean loss over it is NaN: skip such batches "
         "(if batch.num_targets == 0) or weight the loss by batch.num_targets; offline builds drop such samples "
         "by default (without_targets: drop). Warned once per process.",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from thdpack._assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
-from thdpack.align import check_int, check_positive_int, resolve_pad_multiple, round_up
+from thdpack.align import round_up
 from thdpack.batch import ThdBatch, shard_for_cp, warn_if_no_targets
-from thdpack.cp import check_cp_args
 from thdpack.extensions import vision
-from thdpack.samples import IGNORE_INDEX, SampleError, get_field, same_length, to_int_array
+from thdpack.layout import BatchLayout, layout_from
+from thdpack.samples import SampleError, get_field, same_length, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -29,18 +29,11 @@ _INT32_MAX = np.iinfo(np.int32).max
 def build_thd_batch(
     samples: Sequence,
     *,
-    pad_token_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
-    cp_size: int = 1,
-    tp_size: int = 1,
-    sequence_parallel: bool = False,
-    pad_multiple: int | None = None,
-    max_length: int | None = None,
-    pad_to: int | None = None,
-    cp_rank: int | None = None,
     sample_index: Sequence[int] | None = None,
     model_config=None,
     sample_values: Sequence[str] | None = None,
+    layout: BatchLayout | None = None,
+    **layout_keywords,
 ) -> ThdBatch:
     """Pack ``samples`` into one :class:`ThdBatch`.
 
@@ -53,23 +46,11 @@ def build_thd_batch(
             Lists, numpy arrays, integer torch tensors and Arrow values are accepted;
             anything else (floats, None, values beyond int64, meta tensors) is a
             ``ValueError`` naming the sample and field.
-        pad_token_id: fills alignment pad slots of ``input_ids`` (an integer >= 0).
-        ignore_index: label value of non-targets (an integer).
-        cp_size, tp_size, sequence_parallel: each sample is padded to the least
-            multiple these need (:func:`thdpack.cp_pad_multiple`).
-        pad_multiple: an extra multiple (e.g. 16 for FP8), combined by lcm.
-        max_length: bound on each sample's *padded* length: a sample keeps its
-            first ``max_length // m · m`` tokens, ``m`` the pad multiple (so
-            ``max_length=pack_size`` cuts exactly where ``plan_packs(...,
-            overflow="truncate")`` does). Cut tokens are counted in
-            ``batch.tokens_truncated``.
-        cp_rank: with ``cp_size > 1``, return only this rank's CP shard (as
-            :func:`thdpack.shard_for_cp` would), assembled directly without the
-            whole stream.
-        pad_to: pad the whole stream to exactly this many tokens (static shapes,
-            CUDA graphs) by extending the last sample's padded span; must be a
-            multiple of the pad multiple and at least the aligned total. Real
-            ``cu_seqlens`` are unchanged.
+        layout, **layout_keywords: how the samples are padded and aligned and which CP
+            rank's shard is built: a :class:`thdpack.layout.BatchLayout`, or its fields as
+            keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
+            ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
+            ``cp_rank``; each documented there).
         sample_index: ``[n]`` input row of each sample, recorded in the batch
             (defaults to ``0..n-1``).
         model_config: for VLM samples, the transformers config (or its dict) of a
@@ -82,24 +63,26 @@ def build_thd_batch(
     Returns:
         A :class:`ThdBatch` on the CPU.
     """
-    check_token_args(pad_token_id, ignore_index)
+    layout = layout_from("build_thd_batch", layout, layout_keywords)
+    return build_batch(samples, layout, sample_index=sample_index, model_config=model_config,
+                       sample_values=sample_values, stacklevel=4)
+
+
+def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, model_config=None,
+                sample_values=None, stacklevel: int = 3) -> ThdBatch:
+    """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
+    batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
     if isinstance(samples, Mapping):
         raise ValueError("build_thd_batch expects a sequence of samples, got a single mapping")
     samples = list(samples)
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
-    multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
-    if max_length is not None:
-        check_positive_int(max_length, "max_length")
-        if max_length < multiple:
-            raise ValueError(f"max_length={max_length} is smaller than the pad multiple {multiple}; nothing fits")
-        max_length = max_length // multiple * multiple
-
-    ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, max_length)
+    multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
+    ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
     padded = round_up(seq_lens, multiple)
-    if pad_to is not None:
-        padded = _extend_last(padded, pad_to, multiple)
+    if layout.pad_to is not None:
+        padded = _extend_last(padded, layout.pad_to)
     total = int(padded.sum())
     if total > _INT32_MAX:
         raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
@@ -108,10 +91,8 @@ def build_thd_batch(
     source = _concat(label_parts) if label_parts is not None else _EMPTY
     mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
     direct_shard = cp_rank is not None and model_config is None
-    if cp_rank is not None:
-        check_cp_args(cp_size, cp_rank)
     args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
-            int(pad_token_id), int(ignore_index))
+            int(layout.pad_token_id), int(layout.ignore_index))
     if direct_shard:
         status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
             assemble_shard(*args, cp_size, cp_rank)
@@ -119,7 +100,7 @@ def build_thd_batch(
     else:
         status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded = assemble_stream(*args)
     if status != OK:
-        _raise_bad_value(status, token, ids, source, mask, cu, ignore_index)
+        _raise_bad_value(status, token, ids, source, mask, cu, layout.ignore_index)
 
     if sample_index is None:
         index = np.arange(len(samples), dtype=np.int64)
@@ -139,7 +120,7 @@ def build_thd_batch(
         seq_lens=torch.from_numpy(cu[1:] - cu[:-1]),
         sample_index=torch.from_numpy(index),
         pad_multiple=multiple,
-        ignore_index=ignore_index,
+        ignore_index=layout.ignore_index,
         tokens_truncated=tokens_truncated,
     )
     if direct_shard:
@@ -155,16 +136,8 @@ def build_thd_batch(
         vision().attach(batch, samples, model_config)
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
-    warn_if_no_targets(batch)
+    warn_if_no_targets(batch, stacklevel)
     return batch
-
-
-def check_token_args(pad_token_id, ignore_index) -> None:
-    """``ValueError`` naming the argument unless ``pad_token_id`` is an integer >= 0
-    (a token id) and ``ignore_index`` any int64 integer."""
-    hint = " (use the tokenizer's pad_token_id, or its eos_token_id when it has none)" if pad_token_id is None else ""
-    check_int(pad_token_id, "pad_token_id", 0, hint=hint)
-    check_int(ignore_index, "ignore_index", None)
 
 
 def _read_samples(samples, max_length):
@@ -200,10 +173,9 @@ def _read_samples(samples, max_length):
     return ids_parts, label_parts if any_labels else None, mask_parts if any_mask else None, truncated
 
 
-def _extend_last(padded: np.ndarray, pad_to, multiple: int) -> np.ndarray:
+def _extend_last(padded: np.ndarray, pad_to: int) -> np.ndarray:
+    """int64 ``[n]`` ``padded`` with the last span extended so the total is ``pad_to``."""
     aligned_total = int(padded.sum())
-    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to % multiple:
-        raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
     if pad_to < aligned_total:
         raise ValueError(f"pad_to={pad_to} is shorter than the pack ({aligned_total} tokens after alignment)")
     padded = padded.copy()

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
-from thdpack.build import build_thd_batch, check_token_args
-from thdpack.cp import check_cp_args
+from thdpack.build import build_batch
 from thdpack.extensions import vision as vision_extension
+from thdpack.layout import BatchLayout, layout_from
 from thdpack.plan import PackStats, plan_packs
-from thdpack.samples import IGNORE_INDEX, SampleError, get_field, to_int_array
+from thdpack.samples import SampleError, get_field, to_int_array
 
 
 class PackedBatches(list):
@@ -33,9 +33,11 @@ class ThdCollator:
     is already one pack).
 
     Args:
-        pad_token_id, ignore_index, cp_size, tp_size, sequence_parallel,
-        pad_multiple, max_length, pad_to: as in :func:`thdpack.build_thd_batch`.
-        cp_rank: with ``cp_size > 1``, return this rank's CP shard
+        layout, **layout_keywords: a :class:`thdpack.layout.BatchLayout`, or its fields
+            as keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
+            ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
+            ``cp_rank``), as in :func:`thdpack.build_thd_batch`; with ``cp_size > 1``
+            and a ``cp_rank``, each call returns this rank's CP shard
             (:func:`thdpack.shard_for_cp`) instead of the whole batch.
         cp_group: a ``torch.distributed`` process group of the CP ranks; when given
             and ``cp_rank`` is None, the rank is this process's rank in it.
@@ -53,20 +55,16 @@ class ThdCollator:
             :func:`thdpack.build_thd_batch`).
         group_field: with ``pack_size``, the sample field holding an integer group id: a
             group's samples land in one pack (``plan_packs(groups=...)``, e.g. DPO pairs).
+
+    Attributes:
+        layout: the :class:`BatchLayout` each batch is built with (``cp_rank`` resolved
+            from ``cp_group``; None with one CP rank: the whole batch is returned).
     """
 
     def __init__(
         self,
         *,
-        pad_token_id: int = 0,
-        ignore_index: int = IGNORE_INDEX,
-        cp_size: int = 1,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
-        pad_multiple: int | None = None,
-        max_length: int | None = None,
-        pad_to: int | None = None,
-        cp_rank: int | None = None,
+        layout: BatchLayout | None = None,
         cp_group=None,
         pack_size: int | None = None,
         algorithm: str = "bfd",
@@ -76,41 +74,26 @@ class ThdCollator:
         vision_budget: int | None = None,
         sample_values: Sequence[str] | None = None,
         group_field: str | None = None,
+        **layout_keywords,
     ):
-        check_token_args(pad_token_id, ignore_index)  # now, rather than in a worker
-        self.pad_multiple = resolve_pad_multiple(cp_size, tp_size, sequence_parallel, pad_multiple)
-        self.build_kwargs = dict(
-            pad_token_id=pad_token_id,
-            ignore_index=ignore_index,
-            pad_multiple=self.pad_multiple if self.pad_multiple > 1 else None,
-            max_length=max_length,
-            pad_to=pad_to,
-            model_config=model_config,
-            sample_values=sample_values,
-        )
+        layout = layout_from("ThdCollator", layout, layout_keywords)  # validated now, rather than in a worker
+        self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
+        self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
         self.vision_budget = vision_budget
         self.group_field = group_field
-        if cp_rank is None and cp_group is not None:
-            import torch.distributed as dist
-
-            cp_rank = dist.get_rank(group=cp_group)
-            if dist.get_world_size(group=cp_group) != cp_size:
-                raise ValueError(f"cp_group has {dist.get_world_size(group=cp_group)} ranks but cp_size={cp_size}")
-        if cp_rank is not None:
-            check_cp_args(cp_size, cp_rank)
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
-        if cp_rank is not None and cp_size > 1:  # each call assembles only this rank's shard
-            self.build_kwargs.update(cp_size=cp_size, cp_rank=cp_rank)
         self.pack_size = pack_size
-        self.max_length = max_length
         self.plan_kwargs = dict(algorithm=algorithm, overflow=overflow, max_samples_per_pack=max_samples_per_pack)
         if pack_size is not None:  # validate planning options now rather than in a worker
             plan_packs([1], pack_size, align=self.pad_multiple, **self.plan_kwargs)
 
+    @property
+    def pad_multiple(self) -> int:
+        """The multiple every sample is padded to (``layout.multiple``)."""
+        return self.layout.multiple
+
     def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
         if self.pack_size is None:
-            return build_thd_batch(samples, **self.build_kwargs)
+            return build_batch(samples, self.layout, **self.build_kwargs)
         samples = list(samples)
         lengths = np.zeros(len(samples), dtype=np.int64)
         for i, s in enumerate(samples):
@@ -119,8 +102,8 @@ class ThdCollator:
             lengths[i] = ids.size
             if isinstance(s, dict) and not isinstance(raw, (np.ndarray, torch.Tensor)):
                 samples[i] = {**s, "input_ids": ids}  # convert a list once, not again when the pack is built
-        if self.max_length is not None:
-            lengths = np.minimum(lengths, self.max_length)
+        if self.layout.max_length is not None:
+            lengths = np.minimum(lengths, self.layout.max_length)
         vision = {}
         if self.vision_budget is not None:
             vision = dict(vision_lengths=vision_extension().lengths(samples), vision_budget=self.vision_budget)
@@ -134,9 +117,22 @@ class ThdCollator:
         index = plan.pack(k)
         pack = plan.gather(samples, k)  # its errors name input rows already
         try:
-            return build_thd_batch(pack, sample_index=index, **self.build_kwargs)
+            return build_batch(pack, self.layout, sample_index=index, **self.build_kwargs)
         except SampleError as exc:  # name the sample by its position in this call, not in the pack
             if exc.sample is None or not 0 <= exc.sample < len(index):
                 raise
             j = exc.sample
             raise exc.renamed(int(index[j]), f" (position {j} of pack {k})") from None
+
+
+def _cp_rank(layout: BatchLayout, cp_group) -> int | None:
+    """The CP rank a collator builds: ``layout.cp_rank``, else this process's rank in
+    ``cp_group``; None with one CP rank (the whole batch)."""
+    cp_rank = layout.cp_rank
+    if cp_rank is None and cp_group is not None:
+        import torch.distributed as dist
+
+        cp_rank = dist.get_rank(group=cp_group)
+        if dist.get_world_size(group=cp_group) != layout.cp_size:
+            raise ValueError(f"cp_group has {dist.get_world_size(group=cp_group)} ranks but cp_size={layout.cp_size}")
+    return cp_rank if layout.cp_size > 1 else None

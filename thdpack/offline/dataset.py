@@ -28,6 +28,7 @@ import torch.utils.data
 from thdpack.align import resolve_pad_multiple
 from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
+from thdpack.layout import BatchLayout, layout_from
 from thdpack.offline.errors import NotPackedError, require_pyarrow
 from thdpack.offline.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, check_metadata,
                                     file_sha256, row_list, value_columns)
@@ -74,9 +75,10 @@ class PackedRowCollator:
     A row (``DataLoader(batch_size=None)``) gives the :class:`ThdBatch` of that pack;
     a list of rows (``batch_size=k``) gives one :class:`ThdBatch` holding all their
     samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
-    holds the input rows of the samples. The arguments are those of
-    :class:`thdpack.ThdCollator` without the planning ones (the packs are planned):
-    the rows' samples go through a ``ThdCollator`` built with them. ``sample_values``: the
+    holds the input rows of the samples. ``layout`` (or its fields as keywords),
+    ``cp_group`` and ``model_config`` are those of :class:`thdpack.ThdCollator` (the
+    packs are planned already, so there are no planning arguments): the rows' samples go
+    through a ``ThdCollator`` built with them. ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
     """
@@ -84,31 +86,15 @@ class PackedRowCollator:
     def __init__(
         self,
         *,
-        pad_token_id: int = 0,
-        ignore_index: int = IGNORE_INDEX,
-        cp_size: int = 1,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
-        pad_multiple: int | None = None,
-        pad_to: int | None = None,
-        cp_rank: int | None = None,
+        layout: BatchLayout | None = None,
         cp_group=None,
         model_config=None,
         sample_values: Sequence[str] = (),
+        **layout_keywords,
     ):
         self.sample_values = tuple(sample_values)
-        self.collator = ThdCollator(
-            pad_token_id=pad_token_id,
-            ignore_index=ignore_index,
-            cp_size=cp_size,
-            tp_size=tp_size,
-            sequence_parallel=sequence_parallel,
-            pad_multiple=pad_multiple,
-            pad_to=pad_to,
-            cp_rank=cp_rank,
-            cp_group=cp_group,
-            model_config=model_config,
-        )
+        layout = layout_from("PackedRowCollator", layout, layout_keywords)
+        self.collator = ThdCollator(layout=layout, cp_group=cp_group, model_config=model_config)
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):
