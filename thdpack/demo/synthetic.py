@@ -18,6 +18,8 @@ from typing import Iterator
 
 import numpy as np
 
+from thdpack.align import check_int
+
 _ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
            "br", "cl", "dr", "st", "tr", "sh", "ch", "th", "pl", "gr", "qu", "sk"]
 _NUCLEI = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io", "y"]
@@ -99,8 +101,7 @@ def generate_rows(num_samples: int = 4000, seed: int = 0, kind: str = "chat") ->
     """
     if kind not in ("chat", "text"):
         raise ValueError(f"kind must be 'chat' or 'text', got {kind!r}")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    check_int(num_samples, "num_samples", 1)
     w = _Writer(seed)
     rows = []
     for _ in range(num_samples):
