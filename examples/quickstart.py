@@ -61,7 +61,7 @@ def main() -> None:
     sampler = thdpack.TokenBudgetBatchSampler(
         lengths, args.pack_size, algorithm=args.algorithm, align=align, overflow="truncate", seed=0
     )
-    collator = thdpack.ThdCollator(cp_size=args.cp_size, max_length=args.pack_size // align * align)
+    collator = thdpack.ThdCollator(cp_size=args.cp_size, max_length=sampler.max_length)  # pack_size under align
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collator)
     # a pack whose samples lost every target to truncation trains nothing (its mean loss is NaN): skip it
     batch = next(b for b in loader if b.num_targets)
