@@ -2,48 +2,58 @@
 
 Data flows one way::
 
-    samples -> plan_packs (lengths only) -> build_thd_batch -> consumer
+    samples -> plan_packs (lengths only) -> build_thd_batch -> shard_for_cp -> consumer
+                                                  \\-> per-pack lengths -> FLOPs
+
+The public surface, group by group in the order a user meets it (``__all__`` keeps it):
+
+- plan: ``plan_packs``, ``PackPlan``, ``PackStats`` -- which samples share a pack, from lengths alone.
+- build: ``build_thd_batch``, ``BatchLayout``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
+- collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker`` -- in a DataLoader.
+- balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel`` -- packs dealt evenly over data-parallel ranks.
+- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``thd_partition_indices``, ``local_seq_lens`` -- a CP rank's slice.
+- flops: ``seqlen_squared_sum``, ``model_flops``, ``FlopsMeter``, ``FlopsAccumulator``, ``throughput``, ``overcount_report`` -- Σsᵢ².
+- offline: ``load_packed``, ``PackedDataset``, ``PackedRowCollator`` -- packs built ahead of time (lazy import).
+- losses: ``packed_loss`` -- a loss over a packed batch that means what it means unpacked.
+
+Low-level helpers stay importable from their modules (``thdpack.cp``, ``thdpack.layout``,
+``thdpack.losses``, ``thdpack.vlm``, ...).
 """
 
+import thdpack.vlm  # noqa: F401  registers the vision extension that build_thd_batch(model_config=) calls
 from thdpack.align import cp_pad_multiple
 from thdpack.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batch import ThdBatch, shard_for_cp
 from thdpack.build import build_thd_batch
 from thdpack.collate import PackedBatches, ThdCollator
-from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
 from thdpack.cp import local_seq_lens, thd_partition_indices
+from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
+from thdpack.layout import BatchLayout
+from thdpack.losses import packed_loss
 from thdpack.plan import PackPlan, PackStats, plan_packs
 from thdpack.sampler import TokenBudgetBatchSampler
 from thdpack.samples import SampleError
 from thdpack.stream import StreamingPacker
-import thdpack.vlm  # noqa: E402,F401  registers the vision extension that build_thd_batch(model_config=) calls
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BalancedPlan",
-    "CostModel",
-    "FlopsAccumulator",
-    "FlopsMeter",
-    "model_flops",
-    "overcount_report",
-    "seqlen_squared_sum",
-    "throughput",
-    "StreamingPacker",
-    "plan_balanced",
-    "PackPlan",
-    "PackStats",
-    "PackedBatches",
-    "SampleError",
-    "ThdBatch",
-    "ThdCollator",
-    "TokenBudgetBatchSampler",
-    "build_thd_batch",
-    "cp_pad_multiple",
-    "local_seq_lens",
-    "shard_for_cp",
-    "thd_partition_indices",
-    "plan_packs",
+    # plan
+    "plan_packs", "PackPlan", "PackStats",
+    # build
+    "build_thd_batch", "BatchLayout", "ThdBatch", "SampleError",
+    # collate
+    "ThdCollator", "PackedBatches", "TokenBudgetBatchSampler", "StreamingPacker",
+    # balance
+    "plan_balanced", "BalancedPlan", "CostModel",
+    # shard
+    "cp_pad_multiple", "shard_for_cp", "thd_partition_indices", "local_seq_lens",
+    # flops
+    "seqlen_squared_sum", "model_flops", "FlopsMeter", "FlopsAccumulator", "throughput", "overcount_report",
+    # offline
+    "load_packed", "PackedDataset", "PackedRowCollator",
+    # losses
+    "packed_loss",
 ]
 
 
