@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import ThdCollator, build_thd_batch, plan_packs
+from thdpack import BatchLayout, PackedRowCollator, ThdCollator, build_thd_batch, plan_packs
 
 OK = {"input_ids": [1, 2, 3]}
 IGNORE = -100
@@ -333,3 +333,48 @@ def test_sample_error_is_a_value_error_rebuilt_from_its_message():
     assert (err.sample, err.detail) == (1, ": field 'input_ids' must hold integers in int64 range, got None at token 1")
     again = type(err)(str(err))
     assert isinstance(again, ValueError) and str(again) == str(err) and again.sample is None
+
+
+# -------------------------------------------------------------------------- the batch layout
+
+
+def test_layout_keywords_and_layout_object_build_the_same_batch():
+    samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8]}]
+    keywords = dict(pad_token_id=9, cp_size=2, tp_size=2, sequence_parallel=True, pad_multiple=8, pad_to=32, cp_rank=1)
+    by_keywords = build_thd_batch(samples, **keywords)
+    by_layout = build_thd_batch(samples, layout=BatchLayout(**keywords))
+    assert torch.equal(by_keywords.input_ids, by_layout.input_ids)
+    assert torch.equal(by_keywords.partition_indices, by_layout.partition_indices)
+    assert ThdCollator(**keywords).layout == BatchLayout(**keywords)
+    assert ThdCollator(cp_size=1, cp_rank=0).layout.cp_rank is None  # one CP rank: the whole batch
+
+
+@pytest.mark.parametrize("owner", [build_thd_batch, ThdCollator, PackedRowCollator])
+def test_unknown_layout_keyword_names_the_callee(owner):
+    call = (lambda **kw: owner([{"input_ids": [1]}], **kw)) if owner is build_thd_batch else owner
+    with pytest.raises(TypeError, match=rf"^{owner.__name__}\(\) got unexpected keyword argument\(s\) 'pad_id'"):
+        call(pad_id=0)
+    with pytest.raises(TypeError, match=rf"^{owner.__name__}\(\) takes layout= or the layout keywords"):
+        call(layout=BatchLayout(), cp_size=2)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        (dict(max_length=3, cp_size=2), r"^max_length=3 is smaller than the pad multiple 4; nothing fits"),
+        (dict(pad_to=6, cp_size=2), r"^pad_to must be an integer multiple of the pad multiple 4, got 6"),
+        (dict(cp_size=2, cp_rank=2), r"^cp_rank must be an integer in \[0, 2\), got 2"),
+    ],
+)
+def test_layout_validated_when_made(keywords, message):
+    for make in (BatchLayout, ThdCollator, PackedRowCollator):
+        with pytest.raises(ValueError, match=message):
+            make(**keywords)
+
+
+def test_vlm_batch_without_a_registered_vision_extension(monkeypatch):
+    import thdpack.extensions
+
+    monkeypatch.setattr(thdpack.extensions, "_vision", None)
+    with pytest.raises(RuntimeError, match=r"^no vision extension is registered: import thdpack.vlm"):
+        build_thd_batch([_image_sample(24)], model_config=_vlm_config())

@@ -372,7 +372,8 @@ def test_vision_metadata():
 
 
 def test_dict_config_needs_no_transformers():
-    """The core builds a VLM batch from a config dict with transformers unimportable."""
+    """The core builds a VLM batch from a config dict with transformers unimportable, with only
+    ``thdpack`` imported (it loads thdpack.vlm, which registers the vision extension)."""
     cfg = tiny_config("qwen2_5_vl").to_dict()
     code = f"""
 import sys
