@@ -80,13 +80,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
     ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
-    padded = round_up(seq_lens, multiple)
-    if layout.pad_to is not None:
-        padded = _extend_last(padded, layout.pad_to)
-    total = int(padded.sum())
-    if total > _INT32_MAX:
-        raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
-
+    padded = _padded_lengths(seq_lens, layout)
     ids = _concat(ids_parts)
     source = _concat(label_parts) if label_parts is not None else _EMPTY
     mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
@@ -102,12 +96,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     if status != OK:
         _raise_bad_value(status, token, ids, source, mask, cu, layout.ignore_index)
 
-    if sample_index is None:
-        index = np.arange(len(samples), dtype=np.int64)
-    else:
-        index = np.asarray(sample_index, dtype=np.int64)
-        if index.size != len(samples):
-            raise ValueError(f"sample_index has {index.size} entries for {len(samples)} samples")
+    index = _sample_index(sample_index, len(samples))
     cu_padded_t = torch.from_numpy(cu_padded)
     batch = ThdBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -171,6 +160,28 @@ def _read_samples(samples, max_length):
     if any_mask:
         mask_parts = [np.ones(ids.size, bool) if m is None else m for m, ids in zip(mask_parts, ids_parts)]
     return ids_parts, label_parts if any_labels else None, mask_parts if any_mask else None, truncated
+
+
+def _padded_lengths(seq_lens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+    """int64 ``[n]`` padded lengths: ``seq_lens`` rounded up to the layout's multiple, the
+    last extended to ``pad_to``; ``ValueError`` if the stream overflows int32 offsets."""
+    padded = round_up(seq_lens, layout.multiple)
+    if layout.pad_to is not None:
+        padded = _extend_last(padded, layout.pad_to)
+    total = int(padded.sum())
+    if total > _INT32_MAX:
+        raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
+    return padded
+
+
+def _sample_index(sample_index, n: int) -> np.ndarray:
+    """int64 ``[n]``: the given input rows of the samples, or ``0..n-1``."""
+    if sample_index is None:
+        return np.arange(n, dtype=np.int64)
+    index = np.asarray(sample_index, dtype=np.int64)
+    if index.size != n:
+        raise ValueError(f"sample_index has {index.size} entries for {n} samples")
+    return index
 
 
 def _extend_last(padded: np.ndarray, pad_to: int) -> np.ndarray:
