@@ -14,7 +14,7 @@ The same JSONL file (``--num-samples`` rows of thdpack's seeded demo generator,
 tokenizer go through
 
 - **thdpack**: ``thdpack build --input data.jsonl --tokenizer DIR --pack-size 4096
-  --overflow truncate --num-proc N`` (global best-fit decreasing; Arrow shards of
+  --overflow truncate --num-proc N`` (global best-fit decreasing; Arrow data files of
   int32 ids + a 1-bit loss mask; the tokenizer copy is not saved);
 - **trl**: ``datasets.load_dataset("json")`` -> ``Dataset.map`` tokenization with the
   same tokenizer, batched (text: ``tokenizer(text + eos)``; chat:

@@ -3,7 +3,7 @@
     python examples/megatron_bridge.py [--num-samples 400] [--pack-size 1024] [--cp-size 2] [--out DIR]
 
 1. Offline: ``thdpack build --output-format megatron-bridge`` (here through ``build_packed`` on the
-   bundled demo rows) writes Bridge's packed Parquet next to thdpack's shards; the script prints
+   bundled demo rows) writes Bridge's packed Parquet next to thdpack's data files; the script prints
    the ``PackedSequenceSpecs`` a Bridge recipe points at it with.
 2. Online: ``BridgeCollator(ThdCollator(...))`` is a ``collate_fn`` whose batches carry the keys
    Bridge's ``gpt_step`` / ``vlm_step`` read (``tokens``, ``labels``, ``loss_mask``,

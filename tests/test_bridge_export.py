@@ -284,14 +284,14 @@ def test_convert_layout_and_budget(packs, align, shrink):
 def test_merge_of_bridge_shard_builds(tmp_path, jsonl):
     """``thdpack merge`` of shard builds made with megatron-bridge writes Bridge's files of the
     merged packs (what exporting the merged dataset gives), not the first shard's record."""
-    from thdpack.offline.merge import merge_shards
-    from thdpack.offline.shard import Shard
+    from thdpack.offline.input_slice import InputSlice
+    from thdpack.offline.merge import merge_slices
 
     cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", cp_size=2,
                       output_format="megatron-bridge")
     for i in range(2):
-        build_packed(cfg, tmp_path / f"part-{i}", progress=False, shard=Shard(i, 2))
-    merged = merge_shards([str(tmp_path / "part-0"), str(tmp_path / "part-1")], tmp_path / "merged")
+        build_packed(cfg, tmp_path / f"part-{i}", progress=False, input_slice=InputSlice(i, 2))
+    merged = merge_slices([str(tmp_path / "part-0"), str(tmp_path / "part-1")], tmp_path / "merged")
     export_bridge(merged.path, tmp_path / "export")
     assert bridge_rows(merged.path) == bridge_rows(tmp_path / "export")
     assert len(bridge_rows(merged.path)) == merged.metadata["num_packs"]

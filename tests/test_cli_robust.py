@@ -24,7 +24,7 @@ from thdpack.cli import main  # noqa: E402
 from thdpack.offline import load_packed  # noqa: E402
 from thdpack.offline.build import OutputLock  # noqa: E402
 from thdpack.offline.errors import OutputError  # noqa: E402
-from thdpack.offline.merge import merge_shards  # noqa: E402
+from thdpack.offline.merge import merge_slices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -323,15 +323,15 @@ def test_file_system_without_locks_still_builds(tmp_path, capsys, monkeypatch):
 def test_merge_refuses_an_output_being_written(tmp_path, capsys):
     parts = tmp_path / "parts"
     for i in range(2):
-        assert main(["build", *SMALL, "--shard", f"{i}/2", "--output", str(parts / "{shard}"), "-q"]) == 0
+        assert main(["build", *SMALL, "--slice", f"{i}/2", "--output", str(parts / "{slice}"), "-q"]) == 0
     out = tmp_path / "full"
     lock = OutputLock(out)  # another writer of the same output holds it
     try:
         with pytest.raises(OutputError, match=f"output {out} is being written by another thdpack process"):
-            merge_shards(parts, out)
+            merge_slices(parts, out)
         assert not out.exists() and not list(tmp_path.glob(".full.tmp-*"))
     finally:
         lock.release()
-    assert merge_shards(parts, out).metadata["num_packs"] == len(load_packed(out))
+    assert merge_slices(parts, out).metadata["num_packs"] == len(load_packed(out))
     assert _leftovers(tmp_path, "full") == []
-    assert json.loads((out / "metadata.json").read_text())["build_shards"]["count"] == 2
+    assert json.loads((out / "metadata.json").read_text())["input_slices"]["count"] == 2

@@ -31,7 +31,7 @@ def built(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("schema")
     src = write_jsonl(generate_rows(60, seed=5, kind="chat"), d / "chat.jsonl")
     cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
-                      shard_size_mb=0.05)
+                      file_size_mb=0.05)
     return build_packed(cfg, d / "packed", progress=False).path
 
 

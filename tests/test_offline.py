@@ -137,7 +137,7 @@ def test_split_overflow_keeps_every_token_of_long_rows(tmp_path, tok):
 
 
 def test_metadata_matches_the_data(tmp_path, chat_jsonl):
-    res = build(tmp_path, input=chat_jsonl, pack_size=1024, shard_size_mb=0.2)
+    res = build(tmp_path, input=chat_jsonl, pack_size=1024, file_size_mb=0.2)
     meta = json.loads((res.path / "metadata.json").read_text())
     ds = load_packed(res.path, verify=True)
     assert len(meta["files"]) > 1  # small shards: several files

@@ -294,12 +294,12 @@ def test_metadata_schema_checks_sample_values(tmp_path):
 
 
 def test_sharded_preference_builds_are_refused(tmp_path):
-    from thdpack.offline.shard import Shard
+    from thdpack.offline.input_slice import InputSlice
 
     cfg = BuildConfig(input=str(write_jsonl(tmp_path / "p.jsonl", string_rows(4, seed=8))),
                       tokenizer=str(TOKENIZER_DIR), pack_size=96)
-    with pytest.raises(ConfigError, match=r"--shard is not available with preference rows"):
-        build_packed(cfg, tmp_path / "out", progress=False, log=None, shard=Shard(0, 2))
+    with pytest.raises(ConfigError, match=r"--slice is not available with preference rows"):
+        build_packed(cfg, tmp_path / "out", progress=False, log=None, input_slice=InputSlice(0, 2))
 
 
 # --------------------------------------------------------------------------- GRPO groups (group_column)

@@ -331,17 +331,17 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
 
 
 def test_video_shards_merge(tmp_path, assets):
-    from thdpack.offline.merge import merge_shards
-    from thdpack.offline.shard import Shard
+    from thdpack.offline.input_slice import InputSlice
+    from thdpack.offline.merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False, pack_size=200, vision_budget=150)
     single = build_packed(c, tmp_path / "single", progress=False, log=None)
-    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, shard=Shard(0, 1))
-    merged_one = merge_shards([one.path], tmp_path / "merged-one", log=None)
-    strip = lambda m: {k: v for k, v in m.items() if k not in ("build_shards", "build_shard")}  # noqa: E731
+    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, input_slice=InputSlice(0, 1))
+    merged_one = merge_slices([one.path], tmp_path / "merged-one", log=None)
+    strip = lambda m: {k: v for k, v in m.items() if k not in ("input_slices", "input_slice")}  # noqa: E731
     assert strip(merged_one.metadata) == strip(single.metadata)
-    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 2)).path for i in range(2)]
-    merged = merge_shards(parts, tmp_path / "merged", log=None)
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, input_slice=InputSlice(i, 2)).path for i in range(2)]
+    merged = merge_slices(parts, tmp_path / "merged", log=None)
     vision = merged.metadata["vision"]
     shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
     for key in ("videos", "images", "vision_patches"):

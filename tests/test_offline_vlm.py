@@ -385,24 +385,24 @@ def test_the_row_tokenizer_keeps_no_state_between_its_steps(tmp_path, assets, mo
 
 
 def _metadata_without_shards(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k not in ("build_shards", "build_shard")}
+    return {k: v for k, v in meta.items() if k not in ("input_slices", "input_slice")}
 
 
 def test_vlm_shards_merge(tmp_path, assets):
-    from thdpack.offline.merge import merge_shards
-    from thdpack.offline.shard import Shard
+    from thdpack.offline.input_slice import InputSlice
+    from thdpack.offline.merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False)
     single = build_packed(c, tmp_path / "single", progress=False, log=None)
     # one shard, merged: the ordinary build, statistics (vision tower FLOPs included) recomputed from the packs
-    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, shard=Shard(0, 1))
-    merged_one = merge_shards([one.path], tmp_path / "merged-one", log=None)
+    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, input_slice=InputSlice(0, 1))
+    merged_one = merge_slices([one.path], tmp_path / "merged-one", log=None)
     assert _metadata_without_shards(merged_one.metadata) == _metadata_without_shards(single.metadata)
     assert "vision_included" in merged_one.metadata["stats"]["model_flops"]
     assert (merged_one.path / "image_processor").is_dir()
     # three shards: every row once, vision counts summed, packs equal to build_thd_batch on the rows
-    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, shard=Shard(i, 3)).path for i in range(3)]
-    merged = merge_shards(parts, tmp_path / "merged", log=None)
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, input_slice=InputSlice(i, 3)).path for i in range(3)]
+    merged = merge_slices(parts, tmp_path / "merged", log=None)
     vision = merged.metadata["vision"]
     shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
     assert vision["images"] == sum(len(r.get("images", [])) for r in CHAT_ROWS) == sum(v["images"] for v in shard_visions)
@@ -421,6 +421,6 @@ def test_vlm_shards_merge(tmp_path, assets):
     assert sorted(seen) == list(range(len(CHAT_ROWS)))
     # a shard of another VLM build does not merge
     other = build_packed(cfg(assets, family="qwen2_vl", shuffle_packs=False), tmp_path / "other", progress=False, log=None,
-                         shard=Shard(1, 3))
+                         input_slice=InputSlice(1, 3))
     with pytest.raises(Exception, match="do not belong together"):
-        merge_shards([parts[0], other.path, parts[2]], tmp_path / "bad", log=None)
+        merge_slices([parts[0], other.path, parts[2]], tmp_path / "bad", log=None)

@@ -6,8 +6,8 @@
     thdpack stats out/demo                       # a packed dataset
     thdpack stats data.jsonl --tokenizer DIR --pack-size 4096   # or raw data: plan without writing
     thdpack inspect out/demo --pack 0
-    thdpack build --config C.yaml --shard 3/8 --output out/parts/{shard}   # one shard of 8 (or --shard auto)
-    thdpack merge out/full out/parts/*           # combine the shards (thdpack/offline/merge.py)
+    thdpack build --config C.yaml --slice 3/8 --output out/parts/{slice}   # one input slice of 8 (or --slice auto)
+    thdpack merge out/full out/parts/*           # combine the slices (thdpack/offline/merge.py)
     thdpack export out/demo --to megatron-bridge out/bridge   # Megatron-Bridge's packed Parquet (offline/bridge.py)
 
 Every build option is a YAML key of ``--config`` and a flag that overrides it
@@ -23,9 +23,10 @@ import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
-from thdpack.offline.config import BuildConfig
+from thdpack.offline.config import RENAMED, BuildConfig
 from thdpack.offline.errors import OfflineError
 from thdpack.offline.log import cli_logging
 from thdpack.offline.procs import Interrupted, signals_interrupt
@@ -57,6 +58,17 @@ def _add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None =
             kw["type"] = int
             kw["metavar"] = "N"
         g.add_argument(flag, **kw)
+    for old, new in RENAMED.items():  # the old flag names, still accepted
+        if not (new in skip or (only and new not in only)):
+            g.add_argument("--" + old.replace("_", "-"), action=_Deprecated, dest=new, type=float, help=argparse.SUPPRESS)
+
+
+class _Deprecated(argparse.Action):
+    """A flag's old name (``--shard``, ``--shard-size-mb``): stores under the new one's ``dest``, with a FutureWarning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warnings.warn(f"{option_string} is deprecated, use --{self.dest.replace('_', '-')}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 def _literal_help(text: str | None) -> str | None:
@@ -88,13 +100,13 @@ def cmd_build(args) -> int:
     cfg = _config(args)
     if not args.output:
         raise OfflineError("give the output directory: --output DIR")
-    shard, output = None, args.output
-    if getattr(args, "shard", None):  # one shard of the input rows (thdpack/offline/shard.py)
-        from thdpack.offline.shard import parse_shard
+    part, output = None, args.output
+    if args.slice:  # one slice of the input rows (thdpack/offline/input_slice.py)
+        from thdpack.offline.input_slice import parse_slice
 
-        shard = parse_shard(args.shard)
-        output = shard.format_output(args.output)
-    result = build_packed(cfg, output, overwrite=args.overwrite, progress=_progress(args), shard=shard)
+        part = parse_slice(args.slice)
+        output = part.format_output(args.output)
+    result = build_packed(cfg, output, overwrite=args.overwrite, progress=_progress(args), input_slice=part)
     meta = result.metadata
     skipped = meta["counts"]["skipped_rows"]
     if skipped:
@@ -133,7 +145,7 @@ def cmd_stats(args) -> int:
                             **packed_model_config(ds, args.model_config))
         if "lengths" in stored:  # the input-length histogram recorded at build time
             summary["lengths"] = stored["lengths"]
-        title = (f"{path}: packed dataset, {len(ds)} packs in {len(meta['files'])} {meta['file_format']} shard(s); "
+        title = (f"{path}: packed dataset, {len(ds)} packs in {len(meta['files'])} {meta['file_format']} data file(s); "
                  f"source {', '.join(f['path'] for f in meta['source']['files'])} ({meta['source']['format']})")
     else:
         from thdpack.offline.build import analyze
@@ -244,15 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "build",
         help="read, tokenize, pack and write a packed dataset",
-        description="Read a dataset, tokenize it, plan packs and write them (Arrow/Parquet shards + metadata.json), atomically.",
+        description="Read a dataset, tokenize it, plan packs and write them (Arrow/Parquet data files + metadata.json), atomically.",
     )
     b.add_argument("--config", help="YAML file of build options (see configs/)")
     b.add_argument("--output", "-o", help="output directory (written atomically)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing packed dataset at --output")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars, stage lines or summary (errors and skipped rows still print)")
-    b.add_argument("--shard", metavar="I/N|auto",
-                   help="build only shard I of N (contiguous input rows; merge the shards with thdpack merge); "
-                   "auto: from torchrun's RANK/WORLD_SIZE or a Slurm array. --output may contain {shard}")
+    b.add_argument("--slice", metavar="I/N|auto",
+                   help="build only input slice I of N (contiguous input rows; merge the slices with thdpack merge); "
+                   "auto: from torchrun's RANK/WORLD_SIZE or a Slurm array. --output may contain {slice}")
+    b.add_argument("--shard", action=_Deprecated, dest="slice", help=argparse.SUPPRESS)  # the old name of --slice
     _add_config_flags(b)
     b.set_defaults(func=cmd_build)
 
@@ -268,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML build options (for raw input)")
     s.add_argument("--plot", metavar="PNG", help="draw the length histogram and pack fill (needs matplotlib)")
     s.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    s.add_argument("--verify", action="store_true", help="packed dataset: check shard checksums")
+    s.add_argument("--verify", action="store_true", help="packed dataset: check data file checksums")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     _add_config_flags(s, skip=("input",))
     s.set_defaults(func=cmd_stats)
@@ -284,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from thdpack.offline.merge import add_merge_parser
 
-    add_merge_parser(sub)  # thdpack merge OUT SHARD...
+    add_merge_parser(sub)  # thdpack merge OUT SLICE...
     from thdpack.offline.bridge import add_export_parser
 
     add_export_parser(sub)  # thdpack export PATH --to megatron-bridge OUT

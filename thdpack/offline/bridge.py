@@ -48,7 +48,7 @@ FORMAT = "megatron-bridge"
 METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list of dicts)
 SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
 ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
-SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across shard builds
+SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across slice builds
 logger = logging.getLogger(__name__)
 
 
@@ -230,10 +230,10 @@ def _check_fits(rows: BridgeRows, pack_size: int, multiple: int, align: int, whe
         )
 
 
-def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
+def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
                  pad_id: int | None) -> dict:
-    """Write the packs of thdpack ``shards`` (Arrow or Parquet files, in order) as Bridge's packed
-    Parquet files in ``out_dir`` (one ``<shard stem>.idx.parquet`` per shard) and its metadata list
+    """Write the packs of thdpack's ``data_files`` (Arrow or Parquet, in order) as Bridge's packed
+    Parquet files in ``out_dir`` (one ``<data file stem>.idx.parquet`` each) and its metadata list
     (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
     import pyarrow.parquet as pq
 
@@ -244,14 +244,14 @@ def write_bridge(out_dir: Path, shards: list[Path], *, targets: str, pack_size: 
                           "not record: give the EOS id (thdpack export --pad-id ID) or build with a tokenizer")
     pad = 0 if pad_id is None else int(pad_id)
     totals, files = _Totals(), []
-    for shard in shards:
-        name = shard.name.rsplit(".", 1)[0] + SUFFIX
+    for data_file in data_files:
+        name = data_file.name.rsplit(".", 1)[0] + SUFFIX
         path = out_dir / name
         first = totals.packs
         with pq.ParquetWriter(str(path), _schema()) as writer:
             row = 0
-            for batch in _read_shard(shard, damaged="rebuild it").to_batches():
-                where_pack = (lambda j, r=row: f"{shard}: pack {r + j}")
+            for batch in _read_shard(data_file, damaged="rebuild it").to_batches():
+                where_pack = (lambda j, r=row: f"{data_file}: pack {r + j}")
                 rows = _batch_rows(batch, targets, multiple, pad, where_pack)
                 _check_fits(rows, pack_size, multiple, align, where_pack)
                 writer.write_table(_table(rows), row_group_size=ROW_GROUP)
@@ -342,8 +342,8 @@ def cmd_export(args) -> int:
 # ---------------------------------------------------------------------------- thdpack build --output-format
 
 
-def shard_format(output_format: str) -> str:
-    """The format of thdpack's own shards for a build's ``output_format``: a Bridge build keeps
+def data_file_format(output_format: str) -> str:
+    """The format of thdpack's own data files for a build's ``output_format``: a Bridge build keeps
     thdpack's packs as Arrow, which Bridge's directory glob (``*.parquet``) does not pick up."""
     return "arrow" if output_format == FORMAT else output_format
 
@@ -355,16 +355,16 @@ def check_text_only(vlm) -> None:
 
 
 def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | None) -> dict:
-    """Bridge's files next to the shards ``files`` a build just wrote into ``out_dir``, pre-padded
+    """Bridge's files next to the data files ``files`` a build just wrote into ``out_dir``, pre-padded
     for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.)."""
     return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=cfg.targets, pack_size=cfg.pack_size,
                         multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}))
 
 
 def write_merged(out_dir: Path, meta: dict, record: dict) -> dict:
-    """Bridge's files for ``thdpack merge`` of shard builds made with ``output_format
+    """Bridge's files for ``thdpack merge`` of slice builds made with ``output_format
     megatron-bridge``: the merged packs (``meta``: the merged ``metadata.json``), at the
-    ``pad_seq_to_mult`` and pad id the shards' ``record`` holds."""
+    ``pad_seq_to_mult`` and pad id the slices' ``record`` holds."""
     return write_bridge(out_dir, [out_dir / f["path"] for f in meta["files"]], targets=meta["targets"],
                         pack_size=meta["pack_size"], multiple=record["pad_seq_to_mult"], align=meta["align"],
                         pad_id=record["pad_id"])

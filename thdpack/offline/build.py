@@ -1,7 +1,7 @@
 """``thdpack build`` as a function: read -> tokenize -> plan -> write, atomically.
 
 The output is written into a hidden temporary directory next to it
-(``.NAME.tmp-PID-RAND``) and renamed into place only once every shard and, last,
+(``.NAME.tmp-PID-RAND``) and renamed into place only once every data file and, last,
 ``metadata.json`` are written and synced. An interrupted build (Ctrl-C, SIGTERM, an
 exception) removes its temporary directory; one killed outright leaves only that
 hidden directory, never a directory at the output path, and never one with
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +103,9 @@ class Prepared:
         return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
 
 
-def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, shard=None) -> Prepared:
+def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_slice=None) -> Prepared:
     """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
-    with ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard's rows."""
+    with ``input_slice`` (a :class:`thdpack.offline.input_slice.InputSlice`) only that slice's rows."""
     require_hf("thdpack build")
     cfg.validate()
     model_config = load_model_config(cfg)  # before the long steps: a bad path fails fast
@@ -117,11 +118,11 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, shard=No
     if source.num_rows == 0:
         raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
     logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
-    if shard is not None:  # tokenize and plan only this shard's rows (thdpack/offline/shard.py)
-        source = shard.select(source)
+    if input_slice is not None:  # tokenize and plan only this slice's rows (thdpack/offline/input_slice.py)
+        source = input_slice.select(source)
     pairs = resolve_format(cfg, source) in PAIR_FORMATS
     if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
-        _check_group_options(cfg, shard, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
+        _check_group_options(cfg, input_slice, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vlm.py), else None
 
     t0 = time.perf_counter()
@@ -212,12 +213,12 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, shard=No
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
-def _check_group_options(cfg: BuildConfig, shard, what: str) -> None:
+def _check_group_options(cfg: BuildConfig, input_slice, what: str) -> None:
     """Preference rows and ``group_column`` builds (``what``): the options that would part a pair or a
-    group are refused (ConfigError saying what to use); so are sharded builds (a group may span shards,
+    group are refused (ConfigError saying what to use); so are slice builds (a group may span slices,
     and ``thdpack merge`` does not know two samples per row)."""
-    if shard is not None:
-        raise ConfigError(f"--shard is not available with {what} yet; build in one process "
+    if input_slice is not None:
+        raise ConfigError(f"--slice is not available with {what} yet; build in one process "
                           "(num_proc: N parallelises the tokenization)")
     if cfg.overflow != "error":
         raise ConfigError(
@@ -338,16 +339,21 @@ def build_packed(
     overwrite: bool = False,
     progress: bool = True,
     log=UNSET,
+    input_slice=None,
     shard=None,
 ) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
-    ``shard`` (a :class:`thdpack.offline.shard.Shard`) only that shard of the input rows.
-    Stage lines go to ``logging.getLogger("thdpack.offline.build")`` (``log=``: deprecated)."""
+    ``input_slice`` (a :class:`thdpack.offline.input_slice.InputSlice`) only that slice of the input rows.
+    Stage lines go to ``logging.getLogger("thdpack.offline.build")``. ``log=`` and ``shard=`` (the old
+    name of ``input_slice=``) are deprecated."""
+    if shard is not None:
+        warnings.warn("build_packed(shard=...) is deprecated: use input_slice=", DeprecationWarning, stacklevel=2)
+        input_slice = shard
     with deprecated_log(log, "build_packed"):
-        return _build(cfg, Path(output), overwrite, progress, shard)
+        return _build(cfg, Path(output), overwrite, progress, input_slice)
 
 
-def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shard) -> BuildResult:
+def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
     from thdpack import __version__
     from thdpack.offline.writer import sample_value_arrays, write_packs
 
@@ -357,7 +363,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shar
     with staged_output(output, overwrite) as tmp:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare(cfg, work, progress=progress, shard=shard)
+        prep = prepare(cfg, work, progress=progress, input_slice=input_slice)
         plan = prep.plan
         if cfg.output_format == bridge.FORMAT:
             bridge.check_text_only(prep.vlm)
@@ -372,10 +378,10 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shar
             plan,
             prep.sample_rows,
             order,
-            file_format=bridge.shard_format(cfg.output_format),
-            shard_size_mb=cfg.shard_size_mb,
+            file_format=bridge.data_file_format(cfg.output_format),
+            file_size_mb=cfg.file_size_mb,
             progress=progress,
-            row_offset=prep.source.row_start if shard is not None else 0,
+            row_offset=prep.source.row_start if input_slice is not None else 0,
             extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
             values=values,
         )
@@ -398,7 +404,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shar
             "format_version": FORMAT_VERSION,
             "complete": True,
             "thdpack_version": __version__,
-            "file_format": bridge.shard_format(cfg.output_format),
+            "file_format": bridge.data_file_format(cfg.output_format),
             "targets": cfg.targets,
             "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
             "num_packs": len(plan),
@@ -435,10 +441,10 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shar
             meta["megatron_bridge"] = bridge.write_build(tmp, cfg, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vlm.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
-        if shard is not None:  # row range + input lengths, for thdpack merge
-            from thdpack.offline.shard import SHARD_KEY, record_shard
+        if input_slice is not None:  # row range + input lengths, for thdpack merge
+            from thdpack.offline.input_slice import SLICE_KEY, record_slice
 
-            meta[SHARD_KEY] = record_shard(tmp, prep.source, prep.tokenized.lengths[prep.sample_rows])
+            meta[SLICE_KEY] = record_slice(tmp, prep.source, prep.tokenized.lengths[prep.sample_rows])
         # release the memory-mapped work files before removing them
         timings = prep.timings
         del prep
@@ -448,7 +454,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, shar
         _commit(tmp, meta, output)
     timings["total"] = time.perf_counter() - t_start
     size = sum(f["num_bytes"] for f in written["files"])
-    logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} shard(s), {size / 1e6:.1f} MB "
+    logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} data file(s), {size / 1e6:.1f} MB "
                 f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
     return BuildResult(output, meta, timings, summary)
 

@@ -25,7 +25,7 @@ class OutputError(OfflineError):
 
 
 class NotPackedError(OfflineError):
-    """A path that is not a complete packed dataset (missing or partial metadata/shards)."""
+    """A path that is not a complete packed dataset (missing or partial metadata/data files)."""
 
 
 def require_hf(what: str):

@@ -3,7 +3,7 @@
 A packed dataset is a directory::
 
     metadata.json                   written last: its presence means the build completed
-    data-00000-of-00002.arrow       Arrow IPC stream shards (or .parquet), one row per pack
+    data-00000-of-00002.arrow       data files: Arrow IPC streams (or .parquet), one row per pack
     data-00001-of-00002.arrow
     tokenizer/                      optional copy of the tokenizer (save_pretrained)
 
@@ -30,10 +30,10 @@ Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two sample
 
 Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
 multiple in use (``metadata.json`` records the multiple the plan reserved room for).
-Arrow shards are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
+Arrow data files are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
 
 ``metadata.json`` is read through one schema (:func:`check_metadata`): every key a reader
-uses, its type and range, totals that agree, shard paths inside the directory.
+uses, its type and range, totals that agree, data file paths inside the directory.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ TARGETS = ("loss_mask", "labels")
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
 
-def shard_name(i: int, n: int, file_format: str) -> str:
+def data_file_name(i: int, n: int, file_format: str) -> str:
+    """``data-00003-of-00008.arrow``: the name of data file ``i`` of ``n``."""
     return f"data-{i:05d}-of-{n:05d}{SUFFIX[file_format]}"
 
 
@@ -173,7 +174,7 @@ def _check_items(items: list, schema: dict, where: str, name: str) -> None:
 def check_metadata(meta, root: Path) -> None:
     """Check the ``metadata.json`` of the packed dataset at ``root`` against the schema above:
     every key present with its type and range, the counts consistent with each other, and
-    every shard a file inside ``root``. Raises :class:`NotPackedError` naming the key."""
+    every data file a file inside ``root``. Raises :class:`NotPackedError` naming the key."""
     where = str(root / METADATA_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or meta.get("complete") is not True:
         raise NotPackedError(f"{where} does not describe a complete {FORMAT_NAME} dataset")
@@ -194,7 +195,7 @@ def check_metadata(meta, root: Path) -> None:
     if missing:
         raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'sample_values'; {REBUILD}")
     _check_totals(meta, where)
-    _check_shard_paths(meta, root, where)
+    _check_data_file_paths(meta, root, where)
 
 
 def value_columns(meta: dict) -> list[str]:
@@ -203,7 +204,7 @@ def value_columns(meta: dict) -> list[str]:
 
 
 def _check_totals(meta: dict, where: str) -> None:
-    """The shards' packs and tokens add up to the dataset's."""
+    """The data files' packs and tokens add up to the dataset's."""
     packs = sum(f["num_packs"] for f in meta["files"])
     if packs != meta["num_packs"]:
         raise NotPackedError(f"{where}: 'num_packs' is {meta['num_packs']} but 'files' hold {packs} packs; {REBUILD}")
@@ -213,8 +214,8 @@ def _check_totals(meta: dict, where: str) -> None:
                              f"{REBUILD}")
 
 
-def _check_shard_paths(meta: dict, root: Path, where: str) -> None:
-    """Every shard is named once, with the suffix of ``file_format``, and lies inside ``root``."""
+def _check_data_file_paths(meta: dict, root: Path, where: str) -> None:
+    """Every data file is named once, with the suffix of ``file_format``, and lies inside ``root``."""
     suffix = SUFFIX[meta["file_format"]]
     seen = set()
     for i, f in enumerate(meta["files"]):
@@ -225,15 +226,15 @@ def _check_shard_paths(meta: dict, root: Path, where: str) -> None:
         if not rel.endswith(suffix):
             raise NotPackedError(f"{where}: '{key}' ({rel!r}) does not end in {suffix!r} "
                                  f"(file_format {meta['file_format']!r}); {REBUILD}")
-        shard_path(root, rel, where=f"{where}: '{key}'")
+        data_file_path(root, rel, where=f"{where}: '{key}'")
 
 
-def shard_path(root: Path, rel: str, *, where: str) -> Path:
-    """``root / rel`` for a shard named in ``metadata.json``; :class:`NotPackedError` if it is
+def data_file_path(root: Path, rel: str, *, where: str) -> Path:
+    """``root / rel`` for a data file named in ``metadata.json``; :class:`NotPackedError` if it is
     absolute or resolves (``..``, symbolic links) outside ``root``."""
     path = root / rel
     if Path(rel).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
-        raise NotPackedError(f"{where} ({rel!r}) points outside the dataset directory {root}: shards must be "
+        raise NotPackedError(f"{where} ({rel!r}) points outside the dataset directory {root}: data files must be "
                              f"files inside it, named relative to it; {REBUILD}")
     return path
 

@@ -1,20 +1,20 @@
-"""``thdpack merge``: combine the outputs of ``thdpack build --shard i/N`` into one packed dataset.
+"""``thdpack merge``: combine the outputs of ``thdpack build --slice i/N`` into one packed dataset.
 
 The merged dataset is a normal packed dataset (:func:`load_packed`, ``thdpack stats``,
-``thdpack inspect`` read it): its packs are the shards' packs in shard order (each
-shard's in its own written order), its data files are the shards' data files, copied
+``thdpack inspect`` read it): its packs are the slices' packs in slice order (each
+slice's in its own written order), its data files are the slices' data files, copied
 byte for byte (or hard-linked with ``link=True``) and renumbered, and ``sample_index``
 already holds rows of the whole input. ``metadata.json`` is recomputed: counts are
 summed, the statistics (lengths, efficiency, padding, FLOPs, NeMo fields) are computed
-again from every pack's ``seq_lens`` and the shards' recorded input lengths, and a
-``build_shards`` entry records the shard count and row ranges. The result is what one
-process would write if it planned each shard's rows on their own and wrote the packs
-in that order; ``tests/test_shard_merge.py`` checks this against such a build. VLM
+again from every pack's ``seq_lens`` and the slices' recorded input lengths, and a
+``input_slices`` entry records the slice count and row ranges. The result is what one
+process would write if it planned each slice's rows on their own and wrote the packs
+in that order; ``tests/test_slice_merge.py`` checks this against such a build. VLM
 builds merge too: the vision columns travel in the data files, the ``vision`` entry's
 image and patch counts are recomputed from the packs, the image processor is copied.
 
-Before writing, the shards are checked: each is a complete shard build; all have the
-same shard count, every index ``0..N-1`` exactly once; the same options, input
+Before writing, the slices are checked: each is a complete slice build; all have the
+same slice count, every index ``0..N-1`` exactly once; the same options, input
 (source fingerprint), tokenizer and thdpack version; row ranges that match the count;
 and every file's size and sha256 (checked while copying). The output is written like
 ``thdpack build`` (:func:`thdpack.offline.staging.start_output`, the same lock and checks):
@@ -36,25 +36,25 @@ import numpy as np
 
 from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
-from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, bytes_sha256, file_sha256, shard_name
+from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, bytes_sha256, data_file_name, file_sha256
 from thdpack.offline.log import UNSET, deprecated_log
-from thdpack.offline.shard import MERGED_KEY, SHARD_KEY, shard_rows
+from thdpack.offline.input_slice import MERGED_KEY, OLD_KEYS, SLICE_KEY, slice_info, slice_rows
 from thdpack.offline.staging import _commit, fsync_file, staged_output
 from thdpack.offline.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
 logger = logging.getLogger(__name__)
-# metadata entries that differ from shard to shard (recomputed); every other entry must agree
-PER_SHARD_KEYS = {
-    "num_packs", "counts", "files", "stats", "skipped_examples", SHARD_KEY,
+# metadata entries that differ from slice to slice (recomputed); every other entry must agree
+PER_SLICE_KEYS = {
+    "num_packs", "counts", "files", "stats", "skipped_examples", SLICE_KEY, OLD_KEYS[SLICE_KEY],
     "dataset_max_seqlen", "max_samples_per_bin", "packing_factor", "packing_efficiency", "min_packed_seqlen",
 }
-SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from shard 0
-VISION_PER_SHARD_KEYS = {"images", "videos", "video_patches_cut", "vision_patches", "max_pack_vision_patches"}  # of a VLM build's "vision" entry
+SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from slice 0
+VISION_PER_SLICE_KEYS = {"images", "videos", "video_patches_cut", "vision_patches", "max_pack_vision_patches"}  # of a VLM build's "vision" entry
 
 
-class ShardMismatchError(OfflineError):
-    """The shards given to ``thdpack merge`` do not belong together."""
+class SliceMismatchError(OfflineError):
+    """The slices given to ``thdpack merge`` do not belong together."""
 
 
 @dataclass
@@ -64,11 +64,11 @@ class MergeResult:
     summary: dict
 
 
-# ---------------------------------------------------------------------------- finding and checking shards
+# ---------------------------------------------------------------------------- finding and checking slices
 
 
-def expand_shard_paths(specs) -> list[Path]:
-    """Shard directories from paths, globs (``out/parts/*``) and parent directories (their
+def expand_slice_paths(specs) -> list[Path]:
+    """Slice directories from paths, globs (``out/parts/*``) and parent directories (their
     sub-directories holding ``metadata.json``), sorted and de-duplicated."""
     found: list[Path] = []
     for spec in [specs] if isinstance(specs, (str, os.PathLike)) else specs:
@@ -77,7 +77,7 @@ def expand_shard_paths(specs) -> list[Path]:
             hits = sorted(Path(p) for p in glob.glob(text))
             hits = [p for p in hits if p.is_dir()]
             if not hits:
-                raise NotPackedError(f"shard pattern {text!r} matches no directory")
+                raise NotPackedError(f"slice pattern {text!r} matches no directory")
             found.extend(hits)
             continue
         p = Path(text)
@@ -94,7 +94,7 @@ def expand_shard_paths(specs) -> list[Path]:
             seen.add(key)
             out.append(p)
     if not out:
-        raise NotPackedError("no shard directories given")
+        raise NotPackedError("no slice directories given")
     return out
 
 
@@ -105,59 +105,59 @@ def _diff_keys(a, b) -> list[str]:
 
 
 def _shared(meta: dict, key: str):
-    """``meta[key]`` without what differs from shard to shard (the image counts of a VLM build)."""
+    """``meta[key]`` without what differs from slice to slice (the image counts of a VLM build)."""
     value = meta.get(key, object)
     if key == "vision" and isinstance(value, dict):
-        return {k: v for k, v in value.items() if k not in VISION_PER_SHARD_KEYS}
-    if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per shard (bridge.py)
+        return {k: v for k, v in value.items() if k not in VISION_PER_SLICE_KEYS}
+    if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per slice (bridge.py)
         from thdpack.offline.bridge import SETTINGS
 
         return {k: value.get(k) for k in SETTINGS}
     return value
 
 
-def check_shards(paths) -> list[tuple[Path, dict]]:
-    """``[(path, metadata)]`` of the shards in index order; :class:`ShardMismatchError` (or
+def check_slices(paths) -> list[tuple[Path, dict]]:
+    """``[(path, metadata)]`` of the slices in index order; :class:`SliceMismatchError` (or
     :class:`NotPackedError`) with a message naming the culprits when they do not form one build."""
-    shards = []
+    slices = []
     for p in paths:
         meta = read_metadata(p)
-        info = meta.get(SHARD_KEY)
+        info = slice_info(meta)
         if not isinstance(info, dict):
-            raise ShardMismatchError(
-                f"{p} is a packed dataset but not a shard build (no '{SHARD_KEY}' in {METADATA_FILE}); "
-                "build shards with thdpack build --shard I/N"
+            raise SliceMismatchError(
+                f"{p} is a packed dataset but not a slice build (no '{SLICE_KEY}' in {METADATA_FILE}); "
+                "build slices with thdpack build --slice I/N"
             )
-        shards.append((Path(p), meta, info))
+        slices.append((Path(p), meta, info))
 
     counts: dict[int, list[Path]] = {}
-    for p, _, info in shards:
+    for p, _, info in slices:
         counts.setdefault(info["count"], []).append(p)
     if len(counts) > 1:
         detail = "; ".join(f"N={n}: {', '.join(map(str, ps[:3]))}{' ...' if len(ps) > 3 else ''}"
                            for n, ps in sorted(counts.items()))
-        raise ShardMismatchError(f"the shards come from builds with different shard counts ({detail})")
+        raise SliceMismatchError(f"the slices come from builds with different slice counts ({detail})")
     n = next(iter(counts))
     by_index: dict[int, list[Path]] = {}
-    for p, _, info in shards:
+    for p, _, info in slices:
         by_index.setdefault(info["index"], []).append(p)
     dups = {i: ps for i, ps in by_index.items() if len(ps) > 1}
     if dups:
-        detail = "; ".join(f"shard {i}/{n}: {', '.join(map(str, ps))}" for i, ps in sorted(dups.items()))
-        raise ShardMismatchError(f"shard index given more than once ({detail})")
+        detail = "; ".join(f"slice {i}/{n}: {', '.join(map(str, ps))}" for i, ps in sorted(dups.items()))
+        raise SliceMismatchError(f"slice index given more than once ({detail})")
     missing = [i for i in range(n) if i not in by_index]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        raise ShardMismatchError(
-            f"missing {len(missing)} of {n} shards: index {shown} (got {len(shards)} shard directories); "
-            "build the missing ones (thdpack build --shard I/N) or pass all of them"
+        raise SliceMismatchError(
+            f"missing {len(missing)} of {n} slices: index {shown} (got {len(slices)} slice directories); "
+            "build the missing ones (thdpack build --slice I/N) or pass all of them"
         )
-    shards.sort(key=lambda s: s[2]["index"])
+    slices.sort(key=lambda s: s[2]["index"])
 
-    p0, m0, i0 = shards[0]
-    for p, meta, info in shards[1:]:
+    p0, m0, i0 = slices[0]
+    for p, meta, info in slices[1:]:
         for key in sorted(set(m0) | set(meta), key=lambda k: (k != "source", k)):  # the input first
-            if key in PER_SHARD_KEYS or _shared(m0, key) == _shared(meta, key):
+            if key in PER_SLICE_KEYS or _shared(m0, key) == _shared(meta, key):
                 continue
             sub = _diff_keys(m0.get(key), meta.get(key))
             if key == "source":
@@ -167,27 +167,27 @@ def check_shards(paths) -> list[tuple[Path, dict]]:
                 why = f"they were built with different options ({', '.join(sub)})"
             else:
                 why = f"'{key}' differs" + (f" ({', '.join(sub)})" if sub else "")
-            raise ShardMismatchError(
-                f"shards {i0['index']} ({p0}) and {info['index']} ({p}) do not belong together: {why}; "
-                "build every shard with the same command and input"
+            raise SliceMismatchError(
+                f"slices {i0['index']} ({p0}) and {info['index']} ({p}) do not belong together: {why}; "
+                "build every slice with the same command and input"
             )
         if info.get("input_rows") != i0.get("input_rows"):
-            raise ShardMismatchError(
-                f"shards {i0['index']} ({p0}) and {info['index']} ({p}) saw inputs of "
+            raise SliceMismatchError(
+                f"slices {i0['index']} ({p0}) and {info['index']} ({p}) saw inputs of "
                 f"{i0.get('input_rows')} and {info.get('input_rows')} rows"
             )
-    for p, _, info in shards:
-        want = shard_rows(info["input_rows"], info["index"], n)
+    for p, _, info in slices:
+        want = slice_rows(info["input_rows"], info["index"], n)
         if (info["row_start"], info["row_stop"]) != want:
-            raise ShardMismatchError(
-                f"{p}: shard {info['index']}/{n} covers rows {info['row_start']}..{info['row_stop']}, "
+            raise SliceMismatchError(
+                f"{p}: slice {info['index']}/{n} covers rows {info['row_start']}..{info['row_stop']}, "
                 f"expected {want[0]}..{want[1]} of {info['input_rows']}"
             )
     known = LIST_COLUMNS + (VISION_COLUMNS if "vision" in m0 else ())
     extra = [c for c in m0.get("columns", []) if c not in known]
     if extra:
-        raise ShardMismatchError(f"merging builds with columns {extra} is not supported")
-    return [(p, m) for p, m, _ in shards]
+        raise SliceMismatchError(f"merging builds with columns {extra} is not supported")
+    return [(p, m) for p, m, _ in slices]
 
 
 # ---------------------------------------------------------------------------- merging
@@ -236,27 +236,27 @@ def _sum_counts(items: list, where: str = "counts"):
     if isinstance(first, dict):
         keys = list(first)
         if any(list(d) != keys for d in items if isinstance(d, dict)) or not all(isinstance(d, dict) for d in items):
-            raise ShardMismatchError(f"the shards record different '{where}' entries")
+            raise SliceMismatchError(f"the slices record different '{where}' entries")
         return {k: _sum_counts([d[k] for d in items], f"{where}.{k}") for k in keys}
     if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
         return sum(items)
     if all(v == first for v in items):
         return first
-    raise ShardMismatchError(f"cannot merge '{where}': {items[:4]}")
+    raise SliceMismatchError(f"cannot merge '{where}': {items[:4]}")
 
 
 def _load_lengths(path: Path, info: dict) -> np.ndarray:
     entry = info.get("input_lengths") or {}
     p = path / entry.get("path", "")
     if not entry or not p.is_file():
-        raise NotPackedError(f"{path}: the shard's input lengths file ({entry.get('path')}) is missing")
+        raise NotPackedError(f"{path}: the slice's input lengths file ({entry.get('path')}) is missing")
     data = p.read_bytes()
     if len(data) != entry["num_bytes"] or bytes_sha256(data) != entry["sha256"]:
         raise NotPackedError(f"{p} does not match its size/sha256 in {METADATA_FILE} (modified or corrupt)")
     return np.load(p, allow_pickle=False).astype(np.int64, copy=False)
 
 
-def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
+def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
                     input_lengths: np.ndarray, files: list[dict], model_config=None, vision=None) -> dict:
     """The metadata of the merged dataset (see the module docstring). ``vision``: for a VLM
     build, ``(grids, pack_patches, video_grids)``: int64 ``[N, 3]`` grids of every image, the
@@ -264,7 +264,7 @@ def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
     ``[V, 3]`` grids of every video."""
     from thdpack.offline.stats import nemo_fields, summarize
 
-    metas = [m for _, m in shards]
+    metas = [m for _, m in slices]
     first = metas[0]
     counts = _sum_counts([m["counts"] for m in metas])
     kw = {"model_config": model_config} if model_config is not None else {}
@@ -274,13 +274,13 @@ def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
     for key in first.get("stats", {}):  # counters the build appends to the statistics
         if key not in summary:
             if key not in counts:
-                raise ShardMismatchError(f"cannot merge the per-shard statistic '{key}'")
+                raise SliceMismatchError(f"cannot merge the per-slice statistic '{key}'")
             summary[key] = counts[key]
     skipped = [e for m in metas for e in m.get("skipped_examples", [])][:MAX_ERRORS_RECORDED]
     nemo = {k: v for k, v in nemo_fields(summary).items() if k != "pack_size"}
     meta = {}
     for key, value in first.items():
-        if key == SHARD_KEY:
+        if key in (SLICE_KEY, OLD_KEYS[SLICE_KEY]):
             continue
         if key in nemo:
             value = nemo[key]
@@ -304,44 +304,44 @@ def merged_metadata(shards: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
         meta[key] = value
     meta[MERGED_KEY] = {
         "count": len(metas),
-        "plan": "shard-local: each shard's rows were planned on their own; packs are in shard order",
-        "row_ranges": [[m[SHARD_KEY]["row_start"], m[SHARD_KEY]["row_stop"]] for m in metas],
+        "plan": "shard-local: each shard's rows were planned on their own; packs are in shard order",  # the wording of earlier versions, kept byte-identical
+        "row_ranges": [[slice_info(m)["row_start"], slice_info(m)["row_stop"]] for m in metas],
         "num_packs": [m["num_packs"] for m in metas],
     }
     return meta
 
 
-def merge_shards(
-    shard_paths,
+def merge_slices(
+    slice_paths,
     output: str | Path,
     *,
     overwrite: bool = False,
     link: bool = False,
     log=UNSET,
 ) -> MergeResult:
-    """Merge the shard builds at ``shard_paths`` (paths, globs or a parent directory) into ``output``.
+    """Merge the slice builds at ``slice_paths`` (paths, globs or a parent directory) into ``output``.
     The summary line goes to ``logging.getLogger("thdpack.offline.merge")`` (``log=``: deprecated)."""
-    with deprecated_log(log, "merge_shards"):
-        return _merge(shard_paths, Path(output), overwrite, link)
+    with deprecated_log(log, "merge_slices"):
+        return _merge(slice_paths, Path(output), overwrite, link)
 
 
-def _merge(shard_paths, output: Path, overwrite: bool, link: bool) -> MergeResult:
-    paths = expand_shard_paths(shard_paths)
-    shards = check_shards(paths)
-    for p, _ in shards:
+def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResult:
+    paths = expand_slice_paths(slice_paths)
+    slices = check_slices(paths)
+    for p, _ in slices:
         if output.resolve() == p.resolve():
-            raise OfflineError(f"output {output} is one of the shards being merged")
-    first_path, first = shards[0]
+            raise OfflineError(f"output {output} is one of the slices being merged")
+    first_path, first = slices[0]
     fmt = first["file_format"]
-    n_files = sum(len(m["files"]) for _, m in shards)
+    n_files = sum(len(m["files"]) for _, m in slices)
     with staged_output(output, overwrite) as tmp:
         files, lens, per_pack, lengths = [], [], [], []
         vision_entry = first.get("vision")
         grids, per_pack_images = {"image_grid_thw": [], "video_grid_thw": []}, {"image_grid_thw": [], "video_grid_thw": []}
         grid_columns = [c for c in ("image_grid_thw", "video_grid_thw") if vision_entry and c in first["columns"]]
-        for p, meta in shards:
+        for p, meta in slices:
             for f in meta["files"]:
-                name = shard_name(len(files), n_files, fmt)
+                name = data_file_name(len(files), n_files, fmt)
                 _copy_checked(p / f["path"], tmp / name, f, link=link)
                 files.append(dict(f, path=name))
                 read = _list_columns(tmp / name, fmt, ["seq_lens"] + grid_columns)
@@ -354,7 +354,7 @@ def _merge(shard_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
                     g, n3 = read[column]
                     grids[column].append(g.reshape(-1, 3))
                     per_pack_images[column].append(n3 // 3)
-            lengths.append(_load_lengths(p, meta[SHARD_KEY]))
+            lengths.append(_load_lengths(p, slice_info(meta)))
         seq_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
         offsets = np.zeros(sum(c.size for c in per_pack) + 1, dtype=np.int64)
         if per_pack:
@@ -378,14 +378,14 @@ def _merge(shard_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
             image_grids, image_patches = _vision_totals(grids["image_grid_thw"], per_pack_images["image_grid_thw"])
             video_grids, video_patches = _vision_totals(grids["video_grid_thw"], per_pack_images["video_grid_thw"])
             vision = (image_grids, image_patches + (video_patches if video_patches.size else 0), video_grids)
-        meta = merged_metadata(shards, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
+        meta = merged_metadata(slices, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
         if "megatron_bridge" in first:  # output_format megatron-bridge: Bridge's files of the merged packs
             from thdpack.offline.bridge import write_merged
 
             meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"])
         _commit(tmp, meta, output)
     size = sum(f["num_bytes"] for f in files)
-    logger.info(f"merged    {len(shards)} shards into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
+    logger.info(f"merged    {len(slices)} slices into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
                 f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")
     return MergeResult(output, meta, meta["stats"])
 
@@ -408,14 +408,14 @@ def add_merge_parser(sub) -> None:
     """The ``thdpack merge`` sub-command (called by :func:`thdpack.cli.build_parser`)."""
     m = sub.add_parser(
         "merge",
-        help="combine the outputs of thdpack build --shard I/N into one packed dataset",
-        description="Check that the shard builds belong together (same options and input, every index 0..N-1 "
-        "once), then write one packed dataset: the shards' packs in shard order, metadata recomputed. "
+        help="combine the outputs of thdpack build --slice I/N into one packed dataset",
+        description="Check that the slice builds belong together (same options and input, every index 0..N-1 "
+        "once), then write one packed dataset: the slices' packs in slice order, metadata recomputed. "
         "Written atomically, like build.",
     )
     m.add_argument("output", help="merged dataset directory (written atomically)")
-    m.add_argument("shards", nargs="+", metavar="SHARD",
-                   help="shard directories, a glob such as 'out/parts/*', or their parent directory")
+    m.add_argument("slices", nargs="+", metavar="SLICE",
+                   help="slice directories, a glob such as 'out/parts/*', or their parent directory")
     m.add_argument("--overwrite", action="store_true", help="replace an existing packed dataset at OUTPUT")
     m.add_argument("--link", action="store_true",
                    help="hard-link the data files instead of copying them (same file system; checksums still checked)")
@@ -426,7 +426,7 @@ def add_merge_parser(sub) -> None:
 def cmd_merge(args) -> int:
     from thdpack.offline.build import written_line
 
-    result = merge_shards(args.shards, args.output, overwrite=args.overwrite, link=args.link)
+    result = merge_slices(args.slices, args.output, overwrite=args.overwrite, link=args.link)
     if not args.quiet:
         print(written_line(result.path, result.summary))
     return 0

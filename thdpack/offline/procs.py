@@ -1,7 +1,7 @@
 """A build's worker processes and the signals that stop it, in one place.
 
 ``thdpack build --num-proc N`` tokenizes in N processes of its own
-(:func:`map_in_processes`: one contiguous shard of the rows each, mapped with
+(:func:`map_in_processes`: one contiguous part of the rows each, mapped with
 ``datasets.map`` exactly as ``Dataset.map(num_proc=N)`` would, without its process
 pool). Owning the processes is what makes stopping them reliable:
 
@@ -161,7 +161,7 @@ def stop(procs) -> None:
 
 
 class WorkerDied(OfflineError):
-    """A worker process ended without delivering its shard (killed from outside: the OOM
+    """A worker process ended without delivering its part (killed from outside: the OOM
     killer, a signal to that process alone)."""
 
 
@@ -169,19 +169,19 @@ class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker (shown with ``--debug``)."""
 
 
-def shard_file(cache_file_name: str, rank: int, num_shards: int) -> str:
-    """``tokenized.arrow`` -> ``tokenized_00001_of_00004.arrow`` (what ``Dataset.map`` names a shard's file)."""
+def part_file(cache_file_name: str, rank: int, num_parts: int) -> str:
+    """``tokenized.arrow`` -> ``tokenized_00001_of_00004.arrow`` (what ``Dataset.map`` names the file of a worker's part)."""
     path = Path(cache_file_name)
-    return str(path.with_name(f"{path.stem}_{rank:05d}_of_{num_shards:05d}{path.suffix}"))
+    return str(path.with_name(f"{path.stem}_{rank:05d}_of_{num_parts:05d}{path.suffix}"))
 
 
 def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_fingerprint: str,
                      desc: str | None = None, **map_kwargs):
     """``ds.map(function, num_proc=num_proc, ...)`` in worker processes that this process
-    owns: ``ds`` (a ``datasets.Dataset``) is cut into ``num_proc`` contiguous shards, worker
-    ``r`` maps shard ``r`` into ``shard_file(cache_file_name, r, num_proc)``, and the shards'
+    owns: ``ds`` (a ``datasets.Dataset``) is cut into ``num_proc`` contiguous parts (``Dataset.shard``), worker
+    ``r`` maps part ``r`` into ``part_file(cache_file_name, r, num_proc)``, and the parts'
     results are concatenated in order: the same rows, files and table as ``Dataset.map``.
-    ``with_indices=True`` gives ``function`` the rows' indices in ``ds``, not in the shard.
+    ``with_indices=True`` gives ``function`` the rows' indices in ``ds``, not in the part.
 
     An exception in a worker is raised here (same type); a worker that dies raises
     :class:`WorkerDied`. Whatever ends the map early (an error, :class:`Interrupted`), no
@@ -193,17 +193,17 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
     if not map_kwargs.get("batched"):
         raise ValueError("map_in_processes: pass batched=True (it maps batches)")
     ctx = multiprocess.get_context()  # the start method Dataset.map's pool uses
-    shards = [ds.shard(num_shards=num_proc, index=r, contiguous=True) for r in range(num_proc)]
-    offsets = [sum(len(s) for s in shards[:r]) for r in range(num_proc)]
+    parts = [ds.shard(num_shards=num_proc, index=r, contiguous=True) for r in range(num_proc)]
+    offsets = [sum(len(s) for s in parts[:r]) for r in range(num_proc)]
     procs, readers = [], []
     results: list = [None] * num_proc
     try:
         with _tokenizers_parallelism_off():
-            for r, shard in enumerate(shards):
+            for r, part in enumerate(parts):
                 reader, writer = ctx.Pipe(duplex=False)
-                kwargs = dict(map_kwargs, cache_file_name=shard_file(cache_file_name, r, num_proc),
+                kwargs = dict(map_kwargs, cache_file_name=part_file(cache_file_name, r, num_proc),
                               new_fingerprint=f"{new_fingerprint}_{r:05d}_of_{num_proc:05d}")
-                p = ctx.Process(target=_map_shard, args=(writer, os.getpid(), shard, function, offsets[r], kwargs),
+                p = ctx.Process(target=_map_part, args=(writer, os.getpid(), part, function, offsets[r], kwargs),
                                 name=f"thdpack-map-{r}", daemon=True)
                 procs.append(p)  # before start(): an interrupt right after the fork still stops it
                 readers.append(reader)
@@ -220,7 +220,7 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
 
 
 def _collect(procs, readers, results: list, bar) -> None:
-    """Receive the workers' messages until every shard is in ``results``."""
+    """Receive the workers' messages until every part is in ``results``."""
     from multiprocess.connection import wait
 
     waiting = dict(zip(readers, range(len(readers))))
@@ -282,7 +282,7 @@ def _tokenizers_parallelism_off():
 
 
 class _Reporting:
-    """The map function as a worker runs it: indices shifted from the shard to the whole
+    """The map function as a worker runs it: indices shifted from the part to the whole
     dataset, and each batch's row count sent to the main process (its progress bar)."""
 
     def __init__(self, function, offset: int, conn):
@@ -304,15 +304,15 @@ def _num_rows(batch) -> int:
     return len(next(iter(batch.values()))) if batch else 0
 
 
-def _map_shard(conn, parent_pid: int, shard, function, offset: int, map_kwargs: dict) -> None:
-    """A worker's whole life: map one shard and send ("done", dataset) or ("error", exc, traceback)."""
+def _map_part(conn, parent_pid: int, part, function, offset: int, map_kwargs: dict) -> None:
+    """A worker's whole life: map one part and send ("done", dataset) or ("error", exc, traceback)."""
     die_with_parent(parent_pid)
     worker_signals()
     import datasets
 
     datasets.disable_progress_bars()  # the main process shows one bar for all workers
     try:
-        out = shard.map(_Reporting(function, offset, conn), **map_kwargs)
+        out = part.map(_Reporting(function, offset, conn), **map_kwargs)
         conn.send(("done", out))
     except Exception as exc:  # noqa: BLE001 - raised again in the main process
         text = traceback.format_exc()

@@ -42,7 +42,7 @@ from thdpack.offline.row_formats import (CHAT_FORMATS, DETECTION_ORDER, PAIR_FOR
                                          preference_row, prompt_completion, sample_value, sharegpt_row,
                                          group_key, GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN)
 from thdpack.offline.sources import JSON_COLUMN, Source
-from thdpack.offline.spill import memory_mapped
+from thdpack.offline.mmap_input import memory_mapped
 from thdpack.offline.tiktoken_bpe import FastTokenizerMismatch, TiktokenBPE
 from thdpack.samples import IGNORE_INDEX
 
@@ -687,7 +687,7 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
 
     batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
     num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
-    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (spill.py)
+    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
     if not progress:
         datasets.disable_progress_bars()

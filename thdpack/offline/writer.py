@@ -1,4 +1,4 @@
-"""Writing planned packs as Arrow or Parquet shards, a chunk of packs at a time.
+"""Writing planned packs as Arrow or Parquet data files, a chunk of packs at a time.
 
 For each chunk the pieces of its packs are gathered from the tokenized rows with
 one Arrow ``take`` and one numpy fancy index per column: no per-sample Python loop,
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.format import SAMPLE_VALUE_PREFIX, file_sha256, shard_name
+from thdpack.offline.format import SAMPLE_VALUE_PREFIX, data_file_name, file_sha256
 from thdpack.offline.gather import RowPieces
 from thdpack.plan import PackPlan
 from thdpack.samples import IGNORE_INDEX
@@ -73,7 +73,7 @@ def write_packs(
     order: np.ndarray,
     *,
     file_format: str = "arrow",
-    shard_size_mb: int = 512,
+    file_size_mb: float = 512,
     progress: bool = True,
     row_offset: int = 0,
     extra=None,
@@ -87,11 +87,11 @@ def write_packs(
         sample_rows: ``[num_samples]`` input row of each planned sample
             (``plan.sample_index`` indexes it).
         order: ``[num_packs]`` the plan's pack indices in output order.
-        row_offset: added to the ``sample_index`` written (a build shard's first input row),
-            so that it holds rows of the whole input while ``token_table`` holds the shard's.
+        row_offset: added to the ``sample_index`` written (an input slice's first row),
+            so that it holds rows of the whole input while ``token_table`` holds the slice's.
         extra: more columns per pack (VLM builds: :class:`thdpack.offline.vision_columns.VisionColumns`):
             ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
-            shards and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
+            data files and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
         values: ``{name: [rows of token_table]}`` per-sample values (:func:`sample_value_arrays`),
             written as ``sample_values.NAME`` columns: one entry per sample like ``seq_lens``.
 
@@ -106,25 +106,25 @@ def write_packs(
     fill = np.add.reduceat(plan.length, plan.pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
     fill = fill[order]
     bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
-    shard_cuts = _cuts(fill, int(shard_size_mb * 1e6 / bytes_per_token))
+    file_cuts = _cuts(fill, int(file_size_mb * 1e6 / bytes_per_token))
     chunk_weight, chunk_budget = fill, CHUNK_TOKENS
     sch = schema(targets)
-    if extra is not None:  # size shards and record batches by bytes, extra columns included
+    if extra is not None:  # size data files and record batches by bytes, extra columns included
         for f in extra.fields():
             sch = sch.append(f)
         chunk_weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
         chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
-        shard_cuts = _cuts(chunk_weight, int(shard_size_mb * 1e6))
+        file_cuts = _cuts(chunk_weight, int(file_size_mb * 1e6))
     values = values or {}
     for f in value_fields(values):
         sch = sch.append(f)
-    n_shards = len(shard_cuts) - 1
+    n_files = len(file_cuts) - 1
     readers = {name: RowPieces(token_table, name) for name in ("input_ids", targets)}
     files, target_tokens = [], 0
     bar = tqdm(total=num_packs, desc="Writing packs", unit="pack", disable=not progress, leave=False)
-    for s in range(n_shards):
-        a, b = shard_cuts[s], shard_cuts[s + 1]
-        name = shard_name(s, n_shards, file_format)
+    for s in range(n_files):
+        a, b = file_cuts[s], file_cuts[s + 1]
+        name = data_file_name(s, n_files, file_format)
         path = out_dir / name
         if file_format == "arrow":
             sink = pa.OSFile(str(path), "wb")

@@ -1,8 +1,8 @@
-"""Sharded offline builds (``thdpack build --shard i/N``) and ``thdpack merge``.
+"""Sliced offline builds (``thdpack build --slice i/N``) and ``thdpack merge``.
 
-The reference for "shards + merge" is one process that reads and tokenizes the whole
-input once and plans every shard's row range on its own (``reference_build`` below,
-written from ``prepare``, ``plan_packs`` and ``summarize`` only: no shard or merge
+The reference for "slices + merge" is one process that reads and tokenizes the whole
+input once and plans every slice's row range on its own (``reference_build`` below,
+written from ``prepare``, ``plan_packs`` and ``summarize`` only: no slice or merge
 code). The merged dataset must hold exactly its packs, in its order, with the same
 counts and statistics; every usable input row appears exactly once.
 """
@@ -35,8 +35,8 @@ from thdpack.offline import (
 )
 from thdpack.offline.build import prepare
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.merge import ShardMismatchError, merge_shards
-from thdpack.offline.shard import Shard, parse_shard, shard_from_env
+from thdpack.offline.input_slice import InputSlice, parse_slice, slice_from_env
+from thdpack.offline.merge import SliceMismatchError, merge_slices
 from thdpack.offline.stats import summarize
 from thdpack.plan import plan_packs
 
@@ -58,16 +58,16 @@ def tree_digest(path: Path) -> dict:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def build_shards(cfg: BuildConfig, parts: Path, n: int) -> list[Path]:
+def build_slices(cfg: BuildConfig, parts: Path, n: int) -> list[Path]:
     out = []
     for i in range(n):
-        res = build_packed(cfg, parts / f"part-{i}", progress=False, shard=Shard(i, n))
+        res = build_packed(cfg, parts / f"part-{i}", progress=False, input_slice=InputSlice(i, n))
         out.append(res.path)
     return out
 
 
 def reference_build(cfg: BuildConfig, n: int) -> dict:
-    """One process, whole input tokenized once, each shard's row range planned on its own."""
+    """One process, whole input tokenized once, each slice's row range planned on its own."""
     with tempfile.TemporaryDirectory() as d:
         prep = prepare(cfg, Path(d), progress=False)
         table = prep.tokenized.dataset.data.table
@@ -154,7 +154,7 @@ def check_every_row_once(ds, usable: np.ndarray, overflow: str) -> None:
             assert kept == usable.tolist()
 
 
-# ---------------------------------------------------------------------------- shards + merge = the single build
+# ---------------------------------------------------------------------------- slices + merge = the single build
 
 
 @st.composite
@@ -175,7 +175,7 @@ def case(draw):
         cp_size=draw(st.sampled_from([1, 2])),
         targets=draw(st.sampled_from(["loss_mask", "labels"])),
         output_format=draw(st.sampled_from(["arrow", "parquet"])),
-        shard_size_mb=draw(st.sampled_from([512, 0.0005])),  # tiny: several data files per shard
+        file_size_mb=draw(st.sampled_from([512, 0.0005])),  # tiny: several data files per slice
         skip_bad_rows=True,
         without_targets=draw(st.sampled_from(["drop", "keep"])),  # a 1-token row has no target token
     )
@@ -184,47 +184,47 @@ def case(draw):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case())
-def test_shards_plus_merge_equal_the_single_build_with_shard_local_plans(c):
+def test_slices_plus_merge_equal_the_single_build_with_slice_local_plans(c):
     rows, n, opts = c
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         cfg = BuildConfig(input=str(write_rows(d / "rows.jsonl", rows)), format="tokenized", **opts)
-        # every shard needs a usable row (a shard of only bad rows is an error, tested below)
+        # every slice needs a usable row (a slice of only bad rows is an error, tested below)
         for i in range(n):
             a, b = i * len(rows) // n, (i + 1) * len(rows) // n
             assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.align * cfg.align)
                        and (opts["without_targets"] == "keep" or len(r) > 1) for r in rows[a:b]))
-        parts = build_shards(cfg, d / "parts", n)
-        merged = merge_shards(parts[::-1], d / "merged")  # any argument order
+        parts = build_slices(cfg, d / "parts", n)
+        merged = merge_slices(parts[::-1], d / "merged")  # any argument order
         ds = load_packed(merged.path, verify=True)
         ref = reference_build(cfg, n)
         check_equals_reference(ds, ref, cfg)
         check_every_row_once(ds, ref["usable"], opts["overflow"])
-        assert ds.metadata["build_shards"]["count"] == n
-        assert ds.metadata["build_shards"]["num_packs"] == [load_packed(p).metadata["num_packs"] for p in parts]
-        # the data files are the shards' files, byte for byte, in shard order
-        shard_files = [hashlib.sha256((p / f["path"]).read_bytes()).hexdigest()
+        assert ds.metadata["input_slices"]["count"] == n
+        assert ds.metadata["input_slices"]["num_packs"] == [load_packed(p).metadata["num_packs"] for p in parts]
+        # the data files are the slices' files, byte for byte, in slice order
+        slice_files = [hashlib.sha256((p / f["path"]).read_bytes()).hexdigest()
                        for p in parts for f in load_packed(p).metadata["files"]]
-        assert [f["sha256"] for f in ds.metadata["files"]] == shard_files
+        assert [f["sha256"] for f in ds.metadata["files"]] == slice_files
         # deterministic: merging again (other order, other name) gives the same bytes
-        again = merge_shards(parts, d / "again")
+        again = merge_slices(parts, d / "again")
         assert tree_digest(again.path) == tree_digest(merged.path)
 
 
-def test_one_shard_merged_is_the_ordinary_build(tmp_path):
+def test_one_slice_merged_is_the_ordinary_build(tmp_path):
     rows = generate_rows(120, seed=5, kind="chat")
     data = write_jsonl(rows, tmp_path / "chat.jsonl")
     for shuffle in (False, True):
         cfg = BuildConfig(input=str(data), tokenizer=str(TOKENIZER_DIR), pack_size=1024, overflow="truncate",
                           shuffle_packs=shuffle)
         single = build_packed(cfg, tmp_path / f"single-{shuffle}", progress=False)
-        (part,) = build_shards(cfg, tmp_path / f"parts-{shuffle}", 1)
-        merged = merge_shards([part], tmp_path / f"merged-{shuffle}")
+        (part,) = build_slices(cfg, tmp_path / f"parts-{shuffle}", 1)
+        merged = merge_slices([part], tmp_path / f"merged-{shuffle}")
         a, b = tree_digest(single.path), tree_digest(merged.path)
         assert a.pop("metadata.json") != b.pop("metadata.json")
         assert a == b  # data files and tokenizer copy: byte-identical
         ma, mb = single.metadata, dict(merged.metadata)
-        assert mb.pop("build_shards")["row_ranges"] == [[0, 120]]
+        assert mb.pop("input_slices")["row_ranges"] == [[0, 120]]
         assert list(ma) == list(mb)
         assert_close(ma, mb)
         if not shuffle:  # the same pack order as the plan: the statistics are exactly equal
@@ -242,21 +242,21 @@ def assert_close(a, b, where="metadata"):
         assert a == b, where
 
 
-def test_chat_shards_merge_with_tokenizer_and_global_row_locations(tmp_path):
+def test_chat_slices_merge_with_tokenizer_and_global_row_locations(tmp_path):
     rows = generate_rows(90, seed=7, kind="chat")
     data = write_jsonl(rows, tmp_path / "chat.jsonl")
     lines = data.read_text().splitlines()
-    for k in (3, 40, 41, 88):  # malformed lines, in several shards
+    for k in (3, 40, 41, 88):  # malformed lines, in several slices
         lines[k] = "{broken"
     data.write_text("\n".join(lines) + "\n")
     cfg = BuildConfig(input=str(data), tokenizer=str(TOKENIZER_DIR), pack_size=1024, overflow="split",
                       skip_bad_rows=True)
-    parts = build_shards(cfg, tmp_path / "parts", 3)
-    for p in parts:  # a shard is a normal packed dataset with global row indices
-        info = load_packed(p).metadata["build_shard"]
+    parts = build_slices(cfg, tmp_path / "parts", 3)
+    for p in parts:  # a slice is a normal packed dataset with global row indices
+        info = load_packed(p).metadata["input_slice"]
         rows_seen = np.concatenate([r["sample_index"] for r in load_packed(p)])
         assert info["row_start"] <= rows_seen.min() and rows_seen.max() < info["row_stop"]
-    merged = merge_shards([tmp_path / "parts"], tmp_path / "merged")  # the parent directory
+    merged = merge_slices([tmp_path / "parts"], tmp_path / "merged")  # the parent directory
     ds = load_packed(merged.path, verify=True)
     ref = reference_build(cfg, 3)
     check_equals_reference(ds, ref, cfg)
@@ -271,14 +271,14 @@ def test_chat_shards_merge_with_tokenizer_and_global_row_locations(tmp_path):
     assert ds.metadata["counts"] == single.metadata["counts"]
 
 
-def test_rebuilt_shards_and_merge_are_byte_identical(tmp_path):
+def test_rebuilt_slices_and_merge_are_byte_identical(tmp_path):
     rng = np.random.default_rng(0)
     data = write_rows(tmp_path / "rows.jsonl", [rng.integers(0, 100, int(m)).tolist() for m in rng.integers(1, 200, 150)])
     cfg = BuildConfig(input=str(data), format="tokenized", pack_size=256)
     digests = []
     for run in range(2):
-        parts = build_shards(cfg, tmp_path / f"parts{run}", 4)
-        merged = merge_shards(parts, tmp_path / f"merged{run}")
+        parts = build_slices(cfg, tmp_path / f"parts{run}", 4)
+        merged = merge_slices(parts, tmp_path / f"merged{run}")
         digests.append(([tree_digest(p) for p in parts], tree_digest(merged.path)))
     assert digests[0] == digests[1]
 
@@ -286,7 +286,7 @@ def test_rebuilt_shards_and_merge_are_byte_identical(tmp_path):
 # ---------------------------------------------------------------------------- the command line
 
 
-def test_cli_shard_auto_under_torchrun_and_slurm_then_merge_and_stats(tmp_path, monkeypatch, capsys):
+def test_cli_slice_auto_under_torchrun_and_slurm_then_merge_and_stats(tmp_path, monkeypatch, capsys):
     rng = np.random.default_rng(1)
     data = write_rows(tmp_path / "rows.jsonl", [rng.integers(0, 100, int(m)).tolist() for m in rng.integers(1, 300, 200)])
     base = ["build", "-q", "--input", str(data), "--format", "tokenized", "--pack-size", "512"]
@@ -296,14 +296,14 @@ def test_cli_shard_auto_under_torchrun_and_slurm_then_merge_and_stats(tmp_path, 
     for rank in range(3):  # torchrun --nproc-per-node 3
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "3")
-        assert main(base + ["--shard", "auto", "--output", str(tmp_path / "torchrun" / "part-{shard}")]) == 0
+        assert main(base + ["--slice", "auto", "--output", str(tmp_path / "torchrun" / "part-{slice}")]) == 0
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     for task in (1, 2, 3):  # sbatch --array=1-3
         for k, v in dict(SLURM_ARRAY_TASK_ID=task, SLURM_ARRAY_TASK_COUNT=3, SLURM_ARRAY_TASK_MIN=1,
                          SLURM_ARRAY_TASK_MAX=3).items():
             monkeypatch.setenv(k, str(v))
-        assert main(base + ["--shard", "auto", "--output", str(tmp_path / "slurm" / "{index}")]) == 0
+        assert main(base + ["--slice", "auto", "--output", str(tmp_path / "slurm" / "{index}")]) == 0
     assert sorted(p.name for p in (tmp_path / "torchrun").iterdir()) == [f"part-0000{i}-of-00003" for i in range(3)]
     assert sorted(p.name for p in (tmp_path / "slurm").iterdir()) == ["0", "1", "2"]
     assert main(["merge", "-q", str(tmp_path / "a"), str(tmp_path / "torchrun" / "part-*")]) == 0
@@ -321,42 +321,42 @@ def test_cli_shard_auto_under_torchrun_and_slurm_then_merge_and_stats(tmp_path, 
     assert "already exists" in capsys.readouterr().err
     assert main(["merge", "-q", "--overwrite", str(tmp_path / "a"), str(tmp_path / "slurm")]) == 0
     assert main(["merge", "-q", str(tmp_path / "c"), str(tmp_path / "slurm" / "0")]) == 2
-    assert "missing 2 of 3 shards: index 1, 2" in capsys.readouterr().err
+    assert "missing 2 of 3 slices: index 1, 2" in capsys.readouterr().err
 
 
-def test_parse_shard_and_environment():
-    assert parse_shard("2/5") == Shard(2, 5)
-    assert parse_shard(" 0/1 ") == Shard(0, 1)
+def test_parse_slice_and_environment():
+    assert parse_slice("2/5") == InputSlice(2, 5)
+    assert parse_slice(" 0/1 ") == InputSlice(0, 1)
     for bad in ("5/5", "-1/3", "1/0", "x", "1/2/3", "1"):
-        with pytest.raises(ConfigError, match="--shard must be I/N"):
-            parse_shard(bad)
-    assert parse_shard("auto", {"RANK": "3", "WORLD_SIZE": "4"}) == Shard(3, 4, "torchrun RANK/WORLD_SIZE")
-    s = shard_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5",
+        with pytest.raises(ConfigError, match="--slice must be I/N"):
+            parse_slice(bad)
+    assert parse_slice("auto", {"RANK": "3", "WORLD_SIZE": "4"}) == InputSlice(3, 4, "torchrun RANK/WORLD_SIZE")
+    s = slice_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5",
                         "SLURM_ARRAY_TASK_MAX": "8"})
     assert (s.index, s.count) == (2, 4)
     # torchrun with one process inside a Slurm array: the array decides
-    s = shard_from_env({"RANK": "0", "WORLD_SIZE": "1", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    s = slice_from_env({"RANK": "0", "WORLD_SIZE": "1", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
     assert (s.index, s.count) == (1, 2)
     with pytest.raises(ConfigError, match="ambiguous"):
-        shard_from_env({"RANK": "0", "WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+        slice_from_env({"RANK": "0", "WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
     with pytest.raises(ConfigError, match="not one contiguous range"):
-        shard_from_env({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "0",
+        slice_from_env({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "0",
                         "SLURM_ARRAY_TASK_MAX": "4", "SLURM_ARRAY_TASK_STEP": "2"})
     with pytest.raises(ConfigError, match="found neither"):
-        shard_from_env({})
+        slice_from_env({})
     with pytest.raises(ConfigError, match="out of range"):
-        shard_from_env({"RANK": "4", "WORLD_SIZE": "4"})
-    assert Shard(3, 12).format_output("out/p-{shard}") == "out/p-00003-of-00012"
-    assert Shard(3, 12).format_output("out/{index}of{count}") == "out/3of12"
-    assert Shard(3, 12).format_output("out/plain") == "out/plain"  # explicit I/N: as given
-    with pytest.raises(ConfigError, match="put \\{shard\\} in --output"):
-        Shard(1, 2, "torchrun RANK/WORLD_SIZE").format_output("out/plain")
-    with pytest.raises(ConfigError, match="only \\{shard\\}"):
-        Shard(0, 2).format_output("out/{rank}")
+        slice_from_env({"RANK": "4", "WORLD_SIZE": "4"})
+    assert InputSlice(3, 12).format_output("out/p-{slice}") == "out/p-00003-of-00012"
+    assert InputSlice(3, 12).format_output("out/{index}of{count}") == "out/3of12"
+    assert InputSlice(3, 12).format_output("out/plain") == "out/plain"  # explicit I/N: as given
+    with pytest.raises(ConfigError, match="put \\{slice\\} in --output"):
+        InputSlice(1, 2, "torchrun RANK/WORLD_SIZE").format_output("out/plain")
+    with pytest.raises(ConfigError, match="only \\{slice\\}"):
+        InputSlice(0, 2).format_output("out/{rank}")
     # contiguous row ranges: every row once, sizes within one
     for total in (1, 7, 100):
         for n in range(1, min(total, 9) + 1):
-            ranges = [Shard(i, n).rows(total) for i in range(n)]
+            ranges = [InputSlice(i, n).rows(total) for i in range(n)]
             assert ranges[0][0] == 0 and ranges[-1][1] == total
             assert all(ranges[i][1] == ranges[i + 1][0] for i in range(n - 1))
             assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
@@ -366,40 +366,40 @@ def test_parse_shard_and_environment():
 
 
 @pytest.fixture(scope="module")
-def shard_set(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shards")
+def slice_set(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slices")
     rng = np.random.default_rng(2)
     data = write_rows(d / "rows.jsonl", [rng.integers(0, 100, int(m)).tolist() for m in rng.integers(1, 100, 60)])
     cfg = BuildConfig(input=str(data), format="tokenized", pack_size=128)
-    return d, cfg, build_shards(cfg, d / "parts", 3)
+    return d, cfg, build_slices(cfg, d / "parts", 3)
 
 
-def test_merge_refuses_shards_that_do_not_belong_together(tmp_path, shard_set):
-    _, cfg, parts = shard_set
+def test_merge_refuses_slices_that_do_not_belong_together(tmp_path, slice_set):
+    _, cfg, parts = slice_set
 
     def refused(paths, match):
-        with pytest.raises((ShardMismatchError, NotPackedError), match=match):
-            merge_shards(paths, tmp_path / "out")
+        with pytest.raises((SliceMismatchError, NotPackedError), match=match):
+            merge_slices(paths, tmp_path / "out")
         assert not (tmp_path / "out").exists()
         assert not list(tmp_path.glob(".out.tmp-*"))
 
-    refused([parts[0], parts[2]], r"missing 1 of 3 shards: index 1 ")
+    refused([parts[0], parts[2]], r"missing 1 of 3 slices: index 1 ")
     dup = tmp_path / "dup"
     shutil.copytree(parts[1], dup)
-    refused(parts + [dup], r"shard index given more than once \(shard 1/3: ")
-    other_n = build_packed(cfg, tmp_path / "n2", progress=False, shard=Shard(1, 2)).path
-    refused([parts[0], other_n, parts[2]], r"different shard counts \(N=2: .*n2; N=3: ")
+    refused(parts + [dup], r"slice index given more than once \(slice 1/3: ")
+    other_n = build_packed(cfg, tmp_path / "n2", progress=False, input_slice=InputSlice(1, 2)).path
+    refused([parts[0], other_n, parts[2]], r"different slice counts \(N=2: .*n2; N=3: ")
     other_opts = build_packed(cfg.override(pack_size=256), tmp_path / "opts", progress=False,
-                              shard=Shard(1, 3)).path
-    refused([parts[0], other_opts, parts[2]], r"shards 0 .* and 1 .* do not belong together: they were built with "
+                              input_slice=InputSlice(1, 3)).path
+    refused([parts[0], other_opts, parts[2]], r"slices 0 .* and 1 .* do not belong together: they were built with "
                                               r"different options \(pack_size\)")
     rows = [json.loads(x)["input_ids"] for x in Path(cfg.input).read_text().splitlines()]
     rows[-1] = rows[-1] + [1]
     other_input = build_packed(cfg.override(input=str(write_rows(tmp_path / "rows.jsonl", rows))), tmp_path / "inp",
-                               progress=False, shard=Shard(2, 3)).path
+                               progress=False, input_slice=InputSlice(2, 3)).path
     refused([parts[0], parts[1], other_input], r"different inputs \(source fingerprint")
     whole = build_packed(cfg, tmp_path / "whole", progress=False).path
-    refused([whole], r"not a shard build \(no 'build_shard'")
+    refused([whole], r"not a slice build \(no 'input_slice'")
     refused([tmp_path / "nothing"], r"nothing is not a directory")
     # a damaged data file (same size): its checksum fails while copying
     bad = tmp_path / "bad"
@@ -409,19 +409,52 @@ def test_merge_refuses_shards_that_do_not_belong_together(tmp_path, shard_set):
     raw[-20] ^= 0xFF
     f.write_bytes(bytes(raw))
     refused([parts[0], parts[1], bad], r"does not match its sha256")
-    # the output is one of the shards / already exists
-    with pytest.raises(ValueError, match="is one of the shards"):
-        merge_shards(parts, parts[0], overwrite=True)
-    merge_shards(parts, tmp_path / "ok")
+    # the output is one of the slices / already exists
+    with pytest.raises(ValueError, match="is one of the slices"):
+        merge_slices(parts, parts[0], overwrite=True)
+    merge_slices(parts, tmp_path / "ok")
     with pytest.raises(OutputExistsError):
-        merge_shards(parts, tmp_path / "ok")
-    merge_shards(parts, tmp_path / "ok", overwrite=True, link=True)
+        merge_slices(parts, tmp_path / "ok")
+    merge_slices(parts, tmp_path / "ok", overwrite=True, link=True)
     assert len(load_packed(tmp_path / "ok", verify=True)) == sum(len(load_packed(p)) for p in parts)
 
 
-def test_empty_shard_is_a_clear_error(tmp_path):
+def test_empty_slice_is_a_clear_error(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", [[1, 2, 3], [4, 5]])
     cfg = BuildConfig(input=str(data), format="tokenized", pack_size=16)
-    with pytest.raises(InputError, match=r"shard 0/3 has no input rows: the input has 2 row\(s\), so use at most 2"):
-        build_packed(cfg, tmp_path / "p", progress=False, shard=Shard(0, 3))
+    with pytest.raises(InputError, match=r"slice 0/3 has no input rows: the input has 2 row\(s\), so use at most 2"):
+        build_packed(cfg, tmp_path / "p", progress=False, input_slice=InputSlice(0, 3))
     assert not (tmp_path / "p").exists()
+
+
+# ---------------------------------------------------------------------------- the names of before "input slice"
+
+
+def test_old_shard_names_still_work_with_a_warning(tmp_path, slice_set):
+    """``--shard``, ``{shard}``, ``shard_size_mb`` / ``--shard-size-mb`` and ``build_packed(shard=)`` still
+    work, with a warning; slice builds whose ``metadata.json`` says ``build_shard`` (earlier versions) merge
+    into what the renamed keys give."""
+    from thdpack.cli import build_parser
+
+    _, cfg, parts = slice_set
+    with pytest.warns(DeprecationWarning, match=r"shard=\.\.\.\) is deprecated"):
+        old = build_packed(cfg, tmp_path / "old-0", progress=False, shard=InputSlice(0, 3)).path
+    assert tree_digest(old) == tree_digest(parts[0])
+    assert InputSlice(3, 12).format_output("out/p-{shard}") == "out/p-00003-of-00012"
+    with pytest.warns(FutureWarning, match="'shard_size_mb' is deprecated, use 'file_size_mb'"):
+        assert BuildConfig.from_dict({"shard_size_mb": 7}).file_size_mb == 7
+    with pytest.warns(FutureWarning, match="--shard is deprecated, use --slice"):
+        args = build_parser().parse_args(["build", "--shard", "1/2", "--shard-size-mb", "3"])
+    assert (args.slice, args.file_size_mb) == ("1/2", 3.0)
+    with pytest.raises(ConfigError, match="give 'file_size_mb' only"):
+        BuildConfig().override(file_size_mb=1, shard_size_mb=2)
+    renamed = []
+    for p in parts:  # metadata.json as earlier versions wrote it
+        q = tmp_path / "renamed" / p.name
+        shutil.copytree(p, q)
+        meta = json.loads((q / "metadata.json").read_text())
+        meta = {("build_shard" if k == "input_slice" else k): v for k, v in meta.items()}
+        (q / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+        renamed.append(q)
+    assert tree_digest(merge_slices(renamed, tmp_path / "m-old").path) == tree_digest(
+        merge_slices(parts, tmp_path / "m-new").path)

@@ -1,6 +1,6 @@
 """Hand ``datasets.map`` workers a memory-mapped file instead of a pickled table.
 
-``Dataset.map(num_proc=N)`` pickles each worker's shard of an in-memory dataset (the
+``Dataset.map(num_proc=N)`` pickles each worker's part of an in-memory dataset (the
 rows read from JSON Lines or Parquet): a copy of the input in the parent while it
 pickles and one in every worker. A dataset backed by an Arrow file pickles as its
 path, and the workers map the same pages. Writing the rows once to the build's work
