@@ -1,8 +1,8 @@
 """Benchmark: an offline build of short videos, thdpack vs the pipeline users write today.
 
-    python benchmarks/video.py                 # 300 generated videos, Qwen2-VL layout
-    python benchmarks/video.py --videos 100 --quick
-    python benchmarks/video.py --json out.json
+    python benchmarks/video.py                 # 300 generated videos, Qwen2-VL layout, 5 rounds + 1 warm-up
+    python benchmarks/video.py --quick         # 60 videos, 3 rounds + 1 warm-up
+    python benchmarks/video.py --repeats 7 --json out.json
 
 The data: ``--videos`` short MPEG-4 files generated here (PyAV; random frames of 112..224
 px a side, 12..40 frames at 6..30 fps), each in a chat row ``<video>`` + question +
@@ -21,10 +21,17 @@ them:
              ``--pack-size`` tokens within ``--vision-budget`` patches, then every pack
              read back and collated (``load_packed(path).collator()``).
 
-Each method runs in its own process; the time is wall-clock of the whole method, the
-memory the process's peak resident set (``ru_maxrss``). "ratio" = baseline time /
-thdpack time. Also shown: tokens, padded slots of the baseline batches. No assertions:
-the script measures and prints.
+Both methods read the same files. Every run is a fresh process with its own empty
+``HF_DATASETS_CACHE`` (no run reuses another's cached ``datasets`` files). Runs are
+interleaved in rounds, the order alternating (baseline first, then thdpack first, ...);
+the first ``--warmup`` rounds (page cache, lazy imports compiled to .pyc, numba's cache)
+are printed but left out of the figures. Per method: the median and the spread (min -
+max) of wall-clock seconds and of CPU seconds (user + sys, the process and its children:
+steadier than wall-clock on a shared machine); "ratio" = the median over rounds of
+baseline / thdpack of the same round, with its spread. Memory: the process's peak
+resident set (``ru_maxrss``) and, of it, what the imports alone took (``imports``: the
+peak after importing, before any work). Also shown: tokens, padded slots of the
+baseline batches. No assertions: the script measures and prints.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,7 +143,7 @@ def run_thdpack(d: Path, args) -> dict:
     from thdpack.offline import BuildConfig, build_packed, load_packed
 
     cfg = BuildConfig(input=str(d / "data.jsonl"), tokenizer=str(d / "tok"), model_config=str(d / "model"),
-                      image_processor={}, video=dict(VIDEO), pack_size=args.pack_size,
+                      image_processor={}, video=dict(VIDEO, backend="builtin"), pack_size=args.pack_size,
                       vision_budget=args.vision_budget, num_proc=args.num_proc, map_batch_size=args.map_batch_size)
     res = build_packed(cfg, Path(tempfile.mkdtemp(dir=d)) / "out", progress=False, log=None)
     ds = load_packed(res.path)
@@ -149,18 +157,106 @@ def run_thdpack(d: Path, args) -> dict:
 
 
 METHODS = {"baseline": run_baseline, "thdpack": run_thdpack}
+IMPORTS = {"baseline": ("datasets", "torch", "transformers", "thdpack.offline.video"),
+           "thdpack": ("datasets", "torch", "transformers", "thdpack.offline", "thdpack.offline.vlm")}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class AnonPeak:
+    """The largest anonymous resident memory (``RssAnon`` of /proc/self/status: heap, numpy and
+    Arrow buffers; not the pages of memory-mapped files, which ``ru_maxrss`` also counts) seen by a
+    thread that reads it every ``every`` seconds."""
+
+    def __init__(self, every: float = 0.005):
+        import threading
+
+        self.mb, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+    def _watch(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.mb = max(self.mb, self.now())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.mb, self.now())
 
 
 def child(args) -> None:
-    """One method in this process: time and peak memory as one JSON line."""
-    t = time.perf_counter()
+    """One method in this process: times and peak memory (all, and after the imports) as one JSON line."""
+    import importlib
+
+    anon = AnonPeak()
+    t, c = time.perf_counter(), cpu_seconds()
+    for name in IMPORTS[args.method]:
+        importlib.import_module(name)
+    imports = {"import_seconds": time.perf_counter() - t,
+               "import_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     out = METHODS[args.method](Path(args.data), args)
-    out["seconds"] = time.perf_counter() - t
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.update(imports, seconds=time.perf_counter() - t, cpu_seconds=cpu_seconds() - c,
+               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_anon_mb=anon.stop())
     print(json.dumps(out))
 
 
 # ---------------------------------------------------------------------------- main
+
+
+def run_child(method: str, d: Path, args) -> dict:
+    """One run of ``method`` in a fresh process with an empty datasets cache."""
+    cmd = [sys.executable, __file__, "--method", method, "--data", str(d), "--batch", str(args.batch),
+           "--pack-size", str(args.pack_size), "--vision-budget", str(args.vision_budget),
+           "--num-proc", str(args.num_proc), "--map-batch-size", str(args.map_batch_size)]
+    with tempfile.TemporaryDirectory(dir=d) as cache:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=cache)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{method} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list) -> str:
+    return f"{statistics.median(values):7.2f} ({min(values):.2f} - {max(values):.2f})"
+
+
+def summary(rounds: list) -> dict:
+    """Medians and spreads of the measured rounds (a list of {method: result})."""
+    out = {}
+    for m in METHODS:
+        runs = [r[m] for r in rounds]
+        out[m] = {k: statistics.median(x[k] for x in runs) for k in
+                  ("seconds", "cpu_seconds", "import_seconds", "peak_rss_mb", "import_rss_mb", "peak_anon_mb")}
+        out[m].update({f"{k}_all": [x[k] for x in runs] for k in ("seconds", "cpu_seconds", "peak_rss_mb")})
+        out[m].update({k: runs[0][k] for k in ("tokens", "slots", "batches")})
+    for key in ("seconds", "cpu_seconds"):
+        ratios = [r["baseline"][key] / r["thdpack"][key] for r in rounds]
+        out[f"ratio_{key}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                               "all": ratios}
+    return out
+
+
+def report(s: dict) -> None:
+    print(f"{'':9s} {'wall s: median (min - max)':28s} {'CPU s: median (min - max)':28s} "
+          "peak RSS MB (imports) / anonymous")
+    for m in METHODS:
+        r = s[m]
+        print(f"{m:9s} {spread(r['seconds_all']):28s} {spread(r['cpu_seconds_all']):28s} "
+              f"{r['peak_rss_mb']:5.0f} ({r['import_rss_mb']:.0f}) / {r['peak_anon_mb']:.0f}   {r['batches']} batches, "
+              f"{r['tokens']:,} tokens in {r['slots']:,} slots ({r['tokens'] / max(r['slots'], 1):.0%} real)")
+    for key, what in (("seconds", "wall-clock"), ("cpu_seconds", "CPU time")):
+        r = s[f"ratio_{key}"]
+        print(f"ratio baseline / thdpack, {what}: {r['median']:.2f}x (rounds: {r['min']:.2f} - {r['max']:.2f})")
 
 
 def main(argv=None) -> int:
@@ -172,8 +268,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-proc", type=int, default=1)
     p.add_argument("--map-batch-size", type=int, default=1000,
                    help="thdpack's map_batch_size (its default; VLM builds cap it at VISION_MAP_BATCH_SIZE)")
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds (each: both methods, fresh processes)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and left out of the figures")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="60 videos")
+    p.add_argument("--quick", action="store_true", help="60 videos, 3 measured rounds")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--method", choices=sorted(METHODS), help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -181,29 +279,25 @@ def main(argv=None) -> int:
     if args.method:
         child(args)
         return 0
-    n = 60 if args.quick else args.videos
+    n, repeats = (60, 3) if args.quick else (args.videos, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         t = time.perf_counter()
         make_data(d, n, args.seed)
-        print(f"{n} videos generated in {time.perf_counter() - t:.1f} s", flush=True)
-        results = {}
-        for method in ("baseline", "thdpack"):
-            cmd = [sys.executable, __file__, "--method", method, "--data", str(d), "--batch", str(args.batch),
-                   "--pack-size", str(args.pack_size), "--vision-budget", str(args.vision_budget),
-                   "--num-proc", str(args.num_proc), "--map-batch-size", str(args.map_batch_size)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-            if done.returncode:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return 1
-            results[method] = json.loads(done.stdout.strip().splitlines()[-1])
-    for method, r in results.items():
-        print(f"{method:9s} {r['seconds']:7.2f} s   peak RSS {r['peak_rss_mb']:7.0f} MB   {r['batches']:4d} batches   "
-              f"{r['tokens']:,} tokens in {r['slots']:,} slots ({r['tokens'] / max(r['slots'], 1):.0%} real)")
-    ratio = results["baseline"]["seconds"] / results["thdpack"]["seconds"]
-    print(f"ratio (baseline time / thdpack time): {ratio:.2f}x")
+        print(f"{n} videos generated in {time.perf_counter() - t:.1f} s; {args.warmup} warm-up + {repeats} rounds",
+              flush=True)
+        rounds = []
+        for k in range(args.warmup + repeats):
+            order = list(METHODS) if k % 2 == 0 else list(METHODS)[::-1]
+            rounds.append({m: run_child(m, d, args) for m in order})
+            tag = "warm-up" if k < args.warmup else f"round {k - args.warmup + 1}"
+            print(f"{tag:8s} " + "   ".join(f"{m} {rounds[-1][m]['seconds']:.2f} s / {rounds[-1][m]['cpu_seconds']:.2f} "
+                                             f"CPU s / {rounds[-1][m]['peak_rss_mb']:.0f} MB / "
+                                             f"{rounds[-1][m]['peak_anon_mb']:.0f} MB anon" for m in order), flush=True)
+    s = summary(rounds[args.warmup:])
+    report(s)
     if args.json:
-        Path(args.json).write_text(json.dumps({"videos": n, "ratio": ratio, **results}, indent=2))
+        Path(args.json).write_text(json.dumps({"videos": n, "warmup": rounds[: args.warmup], **s}, indent=2))
     return 0
 
 
