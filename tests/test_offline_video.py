@@ -321,6 +321,7 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
     assert int((kw["input_ids"] == VID).sum()) == 48 // MERGE**2
     full = reference_samples(assets, "qwen2_vl", [ROWS[0]])[0]["pixel_values_videos"]
     assert torch.equal(kw["pixel_values_videos"], full[:48])  # the first temporal patch, unchanged
+    assert ds[0]["second_per_grid_ts"] == [[pytest.approx(2 / 3)]]  # the frames kept are still 1/3 s apart
     with pytest.raises(InputError, match=r"long\.jsonl:1: video 'vid/0\.mp4': one temporal patch of it "
                                          r"\(48 vision patches\) does not fit in vision_budget \(40 left for it\)"):
         build_packed(cfg(assets, **dict(base, vision_budget=40), overflow="truncate"), tmp_path / "y",
@@ -366,6 +367,32 @@ def test_bad_video_options_are_named(tmp_path, assets):
         build_packed(cfg(assets, video={"fsp": 1}), tmp_path / "x", progress=False, log=None)
     with pytest.raises(ConfigError, match=r"video: need fps > 0 and 1 <= min_frames <= max_frames"):
         build_packed(cfg(assets, video={"fps": 0}), tmp_path / "x", progress=False, log=None)
+    with pytest.raises(ConfigError, match=r"video: backend must be one of \['auto', 'processor', 'builtin'\], got 'hf'"):
+        build_packed(cfg(assets, video={"backend": "hf"}), tmp_path / "x", progress=False, log=None)
+
+
+def test_video_backend_auto_is_recorded_and_processor_without_torchvision_is_named(tmp_path, assets):
+    """``auto`` resolves to ``processor`` where transformers' video processor loads (torchvision;
+    tests/test_video_processor.py checks that path) and to ``builtin`` elsewhere; the build's
+    metadata records which ran."""
+    from thdpack.offline import ConfigError
+    from thdpack.offline.video_processor import processor_class
+
+    cls, why = processor_class("qwen2_vl")
+    path = tmp_path / "one.jsonl"
+    write_rows(path, [ROWS[0]])
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "auto", progress=False, log=None)
+    assert res.metadata["vision"]["video"]["backend"] == ("builtin" if cls is None else "processor")
+    builtin = dict(VIDEO_OPTS, backend="builtin")
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets), video=builtin), tmp_path / "builtin",
+                       progress=False, log=None)
+    assert res.metadata["vision"]["video"]["backend"] == "builtin"
+    if cls is not None:
+        pytest.skip("transformers' video processor loads here: backend 'processor' is available")
+    with pytest.raises(ConfigError, match=r"video: backend 'processor' needs transformers' video processor for "
+                                          r"qwen2_vl, which does not load here \(.+\); install torchvision"):
+        build_packed(cfg(assets, input=str(path), video={"backend": "processor"}), tmp_path / "x", progress=False,
+                     log=None)
 
 
 # --------------------------------------------------------------------------- transformers' video processors, written out
