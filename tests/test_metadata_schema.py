@@ -51,8 +51,19 @@ def edit_meta(path: Path, change) -> dict:
 
 def test_the_fixture_loads_and_has_full_packs(built):
     ds = load_packed(built, verify=True)
-    assert len(ds.metadata["files"]) >= 2  # per-file checks see more than one shard
+    assert len(ds.metadata["files"]) >= 2  # per-file checks see more than one data file
     assert ds.pack_num_tokens().max() > PACK_SIZE // 2  # lowering pack_size below it is caught
+
+
+def test_packed_metadata_type_names_every_key_and_writes_the_file_as_built(built):
+    """:class:`PackedMetadata` holds every key the schema checks and every key a build writes;
+    :func:`metadata_text` gives back the file byte for byte."""
+    from thdpack.offline.format import METADATA_SCHEMA, PackedMetadata, metadata_text
+
+    text = (built / "metadata.json").read_text(encoding="utf-8")
+    meta = json.loads(text)
+    assert set(METADATA_SCHEMA) | set(meta) <= set(PackedMetadata.__annotations__)
+    assert metadata_text(meta) == text
 
 
 @pytest.mark.parametrize("verify", [False, True])

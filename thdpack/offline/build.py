@@ -26,7 +26,7 @@ from thdpack.align import round_up
 from thdpack.offline import bridge
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, require_hf
-from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR
+from thdpack.offline.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata
 from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.model_config import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
@@ -319,7 +319,7 @@ def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan)
 @dataclass
 class BuildResult:
     path: Path
-    metadata: dict
+    metadata: PackedMetadata
     timings: dict
     summary: dict
 
@@ -399,7 +399,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         counts["tokens"] = summary["real_tokens"]
         counts["target_tokens"] = written["target_tokens"]
         summary["target_tokens"] = written["target_tokens"]
-        meta = {
+        meta: PackedMetadata = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "complete": True,

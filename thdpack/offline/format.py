@@ -32,17 +32,21 @@ Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
 multiple in use (``metadata.json`` records the multiple the plan reserved room for).
 Arrow data files are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
 
-``metadata.json`` is read through one schema (:func:`check_metadata`): every key a reader
-uses, its type and range, totals that agree, data file paths inside the directory.
+``metadata.json`` is one type, :class:`PackedMetadata`: build and merge write it
+(:func:`metadata_text`), and every reader gets it back through one schema
+(:func:`check_metadata`): every key a reader uses, its type and range, totals that agree,
+data file paths inside the directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -80,6 +84,58 @@ def bytes_sha256(data) -> str:
     """Hex sha256 of ``data`` (bytes, a memory map, or text, hashed as UTF-8): the fingerprints of
     inputs, tokenizers and small files (:func:`file_sha256` for files of any size)."""
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+# ---------------------------------------------------------------------------- metadata.json
+
+
+class PackedMetadata(TypedDict, total=False):
+    """``metadata.json`` of a packed dataset, keys in the order build writes them (merge keeps it).
+    What a reader may rely on is :data:`METADATA_SCHEMA`, checked by :func:`check_metadata`."""
+
+    format: str  # FORMAT_NAME
+    format_version: int
+    complete: bool
+    thdpack_version: str
+    file_format: str  # arrow | parquet
+    targets: str  # loss_mask | labels
+    columns: list[str]
+    num_packs: int
+    pack_size: int
+    align: int
+    cp_size: int
+    tp_size: int
+    sequence_parallel: bool
+    pad_multiple: int | None
+    algorithm: str
+    overflow: str
+    without_targets: str
+    max_samples_per_pack: int | None
+    seed: int
+    shuffle_packs: bool
+    dataset_max_seqlen: int  # the NeMo / Megatron-Bridge fields (offline/stats.nemo_fields)
+    max_samples_per_bin: int
+    packing_factor: float
+    packing_efficiency: float
+    min_packed_seqlen: int
+    counts: dict  # COUNTS_SCHEMA
+    source: dict  # SOURCE_SCHEMA
+    tokenizer: dict | None  # TOKENIZER_SCHEMA
+    model: dict | None
+    files: list[dict]  # FILE_SCHEMA, one per data file
+    stats: dict
+    skipped_examples: list[dict]
+    config: dict  # BuildConfig.as_dict(recorded=True)
+    sample_values: dict[str, str]  # sample_values builds only
+    megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge.py)
+    vision: dict  # VLM builds only (offline/vision_columns.py)
+    input_slice: dict  # slice builds only (offline/input_slice.py; ``build_shard`` before)
+    input_slices: dict  # merged builds only (``build_shards`` before)
+
+
+def metadata_text(meta: PackedMetadata) -> str:
+    """The text of ``metadata.json``: indented JSON, non-ASCII kept, one final newline."""
+    return json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
 
 
 # ---------------------------------------------------------------------------- metadata.json schema
@@ -171,7 +227,7 @@ def _check_items(items: list, schema: dict, where: str, name: str) -> None:
         _check_keys(item, schema, where, f"{name}[{i}].")
 
 
-def check_metadata(meta, root: Path) -> None:
+def check_metadata(meta, root: Path) -> PackedMetadata:
     """Check the ``metadata.json`` of the packed dataset at ``root`` against the schema above:
     every key present with its type and range, the counts consistent with each other, and
     every data file a file inside ``root``. Raises :class:`NotPackedError` naming the key."""
@@ -196,6 +252,7 @@ def check_metadata(meta, root: Path) -> None:
         raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'sample_values'; {REBUILD}")
     _check_totals(meta, where)
     _check_data_file_paths(meta, root, where)
+    return meta
 
 
 def value_columns(meta: dict) -> list[str]:

@@ -36,7 +36,8 @@ import numpy as np
 
 from thdpack.offline.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
-from thdpack.offline.format import LIST_COLUMNS, METADATA_FILE, bytes_sha256, data_file_name, file_sha256
+from thdpack.offline.format import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
+                                    file_sha256)
 from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.input_slice import MERGED_KEY, OLD_KEYS, SLICE_KEY, slice_info, slice_rows
 from thdpack.offline.staging import _commit, fsync_file, staged_output
@@ -60,7 +61,7 @@ class SliceMismatchError(OfflineError):
 @dataclass
 class MergeResult:
     path: Path
-    metadata: dict
+    metadata: PackedMetadata
     summary: dict
 
 
@@ -116,7 +117,7 @@ def _shared(meta: dict, key: str):
     return value
 
 
-def check_slices(paths) -> list[tuple[Path, dict]]:
+def check_slices(paths) -> list[tuple[Path, PackedMetadata]]:
     """``[(path, metadata)]`` of the slices in index order; :class:`SliceMismatchError` (or
     :class:`NotPackedError`) with a message naming the culprits when they do not form one build."""
     slices = []
@@ -257,7 +258,7 @@ def _load_lengths(path: Path, info: dict) -> np.ndarray:
 
 
 def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_offsets: np.ndarray,
-                    input_lengths: np.ndarray, files: list[dict], model_config=None, vision=None) -> dict:
+                    input_lengths: np.ndarray, files: list[dict], model_config=None, vision=None) -> PackedMetadata:
     """The metadata of the merged dataset (see the module docstring). ``vision``: for a VLM
     build, ``(grids, pack_patches, video_grids)``: int64 ``[N, 3]`` grids of every image, the
     vision patches (images and videos) of every pack, in the merged pack order, and int64
@@ -278,7 +279,7 @@ def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
             summary[key] = counts[key]
     skipped = [e for m in metas for e in m.get("skipped_examples", [])][:MAX_ERRORS_RECORDED]
     nemo = {k: v for k, v in nemo_fields(summary).items() if k != "pack_size"}
-    meta = {}
+    meta: PackedMetadata = {}
     for key, value in first.items():
         if key in (SLICE_KEY, OLD_KEYS[SLICE_KEY]):
             continue
