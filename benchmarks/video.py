@@ -9,8 +9,8 @@ px a side, 12..40 frames at 6..30 fps), each in a chat row ``<video>`` + questio
 answer, written once to a temporary directory. Both methods decode with PyAV and prepare
 the frames by the same rules (:mod:`thdpack.offline.video`: Qwen2-VL's video processor
 rules, qwen-vl-utils' sampling; transformers' video processors need torchvision, which
-does not load beside the CPU torch here), so the comparison is about the pipeline around
-them:
+does not load beside the CPU torch here; thdpack runs with ``video: {backend: builtin}``
+wherever it runs), so the comparison is about the pipeline around them:
 
   baseline   ``datasets.map`` over the rows, one row at a time: decode + frames +
              patches, chat template and tokenizer per sample, the vision placeholder
