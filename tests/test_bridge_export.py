@@ -185,7 +185,7 @@ def test_bridge_reader_matches_thdpack_collator(builds, bridge, cp):
 
 def test_bridge_metadata_is_bridges_list(builds):
     """``bridge_metadata.json`` is the JSON list of dicts Bridge's pack_metadata_file_path reads, in
-    Bridge's units; thdpack's own metadata.json and Arrow shards stay loadable next to it."""
+    Bridge's units; thdpack's own metadata.json and Arrow data files stay loadable next to it."""
     for cp, result in builds.items():
         entries = json.loads((result.path / METADATA).read_text())
         assert isinstance(entries, list) and len(entries) == 1 and list(entries[0]) == BRIDGE_KEYS
@@ -219,8 +219,8 @@ def test_export_equals_build(tmp_path, jsonl, builds):
 
 
 def test_export_refuses_what_bridge_cannot_hold(tmp_path, builds, capsys):
-    """One-line errors: a pad_seq_to_mult that pushes a pack past pack_size (names the shard and
-    pack), an existing output, labels that are not the next token (names shard, pack, token)."""
+    """One-line errors: a pad_seq_to_mult that pushes a pack past pack_size (names the data file and
+    pack), an existing output, labels that are not the next token (names data file, pack, token)."""
     src = builds[1].path
     with pytest.raises(ConfigError, match=r"data-00000-of-00001\.arrow: pack \d+: at pad_seq_to_mult=64 .* more than "
                                           r"pack_size=512; export with a pad_seq_to_mult that divides"):
@@ -247,8 +247,8 @@ def test_export_refuses_what_bridge_cannot_hold(tmp_path, builds, capsys):
         "labels": pa.array([labels_table["labels"].tolist()], pa.list_(pa.int32())),
         "seq_lens": pa.array([[5]], pa.list_(pa.int32())),
     })
-    with pytest.raises(InputError, match=r"shard\.arrow: pack 0, token 2: label 99 differs from the token 7"):
-        _batch_rows(batch, "labels", 1, EOS, lambda j: f"shard.arrow: pack {j}")
+    with pytest.raises(InputError, match=r"data\.arrow: pack 0, token 2: label 99 differs from the token 7"):
+        _batch_rows(batch, "labels", 1, EOS, lambda j: f"data.arrow: pack {j}")
 
 
 @settings(max_examples=200, deadline=None)
@@ -281,9 +281,9 @@ def test_convert_layout_and_budget(packs, align, shrink):
             assert not row_mask[a + s - 1:b].any()
 
 
-def test_merge_of_bridge_shard_builds(tmp_path, jsonl):
-    """``thdpack merge`` of shard builds made with megatron-bridge writes Bridge's files of the
-    merged packs (what exporting the merged dataset gives), not the first shard's record."""
+def test_merge_of_bridge_slice_builds(tmp_path, jsonl):
+    """``thdpack merge`` of slice builds made with megatron-bridge writes Bridge's files of the
+    merged packs (what exporting the merged dataset gives), not the first slice's record."""
     from thdpack.offline.input_slice import InputSlice
     from thdpack.offline.merge import merge_slices
 

@@ -164,7 +164,7 @@ def test_output_where_not_even_root_may_create_it(tmp_path, capsys):
 
 
 def test_disk_full_while_writing_removes_the_temporary_directory(tmp_path, capsys, monkeypatch):
-    """The disk fills up while the shards are synced (``fsync`` -> ENOSPC)."""
+    """The disk fills up while the data files are synced (``fsync`` -> ENOSPC)."""
     real_fsync = os.fsync
 
     def full(fd):

@@ -1,5 +1,5 @@
 """Packed datasets read back (issue 11, section 6): a hand-edited ``metadata.json`` or a
-damaged shard is refused with one clear line naming the key, the file and the pack,
+damaged data file is refused with one clear line naming the key, the file and the pack,
 never a ``KeyError``/``TypeError`` traceback or a failure later in training.
 
 One small build with the bundled demo tokenizer; each test edits a copy of it.
@@ -27,7 +27,7 @@ PACK_SIZE = 1024
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """A packed dataset of 60 chat rows, pack_size 1024, two Arrow shards."""
+    """A packed dataset of 60 chat rows, pack_size 1024, two Arrow data files."""
     d = tmp_path_factory.mktemp("schema")
     src = write_jsonl(generate_rows(60, seed=5, kind="chat"), d / "chat.jsonl")
     cfg = BuildConfig(input=str(src), tokenizer=str(TOKENIZER_DIR), pack_size=PACK_SIZE, overflow="truncate",
@@ -125,8 +125,8 @@ def test_inconsistent_counts_are_refused(ds_copy, change, what):
 
 
 @pytest.mark.parametrize("field, delta", [("num_packs", 1), ("num_tokens", -1)])
-def test_a_shards_counts_are_checked_against_its_rows(ds_copy, field, delta):
-    """Each shard's recorded packs/tokens against its data (totals kept consistent)."""
+def test_a_data_files_counts_are_checked_against_its_rows(ds_copy, field, delta):
+    """Each data file's recorded packs/tokens against its data (totals kept consistent)."""
 
     def change(m):
         m["files"][0][field] += delta
@@ -139,10 +139,10 @@ def test_a_shards_counts_are_checked_against_its_rows(ds_copy, field, delta):
 
 
 @pytest.mark.parametrize("where", ["../outside.arrow", "sub/../../outside.arrow", "absolute"])
-def test_shard_paths_outside_the_dataset_are_refused(ds_copy, tmp_path, where):
+def test_data_file_paths_outside_the_dataset_are_refused(ds_copy, tmp_path, where):
     first = ds_copy / json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
     outside = tmp_path / "outside.arrow"
-    shutil.copy(first, outside)  # a real shard, so only the location is wrong
+    shutil.copy(first, outside)  # a real data file, so only the location is wrong
     rel = str(outside) if where == "absolute" else where
     edit_meta(ds_copy, lambda m: m["files"][0].update(path=rel))
     with pytest.raises(NotPackedError, match="outside the dataset directory") as err:
@@ -189,8 +189,8 @@ def test_a_zeroed_parquet_header_names_the_file(built, tmp_path):
         load_packed(out)
 
 
-def rewrite_shard(path: Path, column: str, edit) -> None:
-    """Rewrite Arrow shard ``path`` with ``edit(values)`` applied to ``column``'s flat values
+def rewrite_data_file(path: Path, column: str, edit) -> None:
+    """Rewrite Arrow data file ``path`` with ``edit(values)`` applied to ``column``'s flat values
     in its first record batch, as a bit flip would (same schema, same sizes)."""
 
     def on_values(col):
@@ -202,7 +202,7 @@ def rewrite_shard(path: Path, column: str, edit) -> None:
 
 
 def rewrite_column(path: Path, column: str, edit) -> None:
-    """Rewrite Arrow shard ``path`` with list column ``column`` of its first record batch
+    """Rewrite Arrow data file ``path`` with list column ``column`` of its first record batch
     replaced by ``edit(column)``."""
     table = pa.ipc.open_stream(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: the file is rewritten
     batches = [b for b in table.to_batches() if b.num_rows]
@@ -219,12 +219,12 @@ def rewrite_column(path: Path, column: str, edit) -> None:
 def test_an_id_outside_the_vocabulary_names_file_and_pack(ds_copy, bad):
     meta = json.loads((ds_copy / "metadata.json").read_text())
     name = meta["files"][1]["path"]
-    first = meta["files"][0]["num_packs"]  # packs before this shard
+    first = meta["files"][0]["num_packs"]  # packs before this data file
 
     def flip(values):
-        values[5] = bad  # pack 0 of this shard, token 5
+        values[5] = bad  # pack 0 of this data file, token 5
 
-    rewrite_shard(ds_copy / name, "input_ids", flip)
+    rewrite_data_file(ds_copy / name, "input_ids", flip)
     assert (ds_copy / name).stat().st_size == meta["files"][1]["num_bytes"]
     ds = load_packed(ds_copy)  # without verify: sizes match
     ds[first + 1]  # other packs still read
@@ -247,7 +247,7 @@ def test_a_bad_label_names_file_and_pack(tmp_path):
     def flip(values):
         values[2] = -7
 
-    rewrite_shard(out / name, "labels", flip)
+    rewrite_data_file(out / name, "labels", flip)
     with pytest.raises(NotPackedError, match=rf"^{out / name}: pack 0 \(pack 0 of the dataset\).*'labels'.*token 2 has -7"):
         load_packed(out)[0]
 
@@ -258,7 +258,7 @@ def test_a_bad_label_names_file_and_pack(tmp_path):
 ])
 def test_bad_seq_lens_are_found_when_opening(ds_copy, edit, what):
     name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
-    rewrite_shard(ds_copy / name, "seq_lens", edit)
+    rewrite_data_file(ds_copy / name, "seq_lens", edit)
     with pytest.raises(NotPackedError, match=rf"^{ds_copy / name}: pack 0 .*{what}"):
         load_packed(ds_copy)
 
@@ -307,7 +307,7 @@ def test_cli_prints_one_line_naming_the_key(ds_copy, capsys, command):
 
 
 @pytest.mark.parametrize("command", ["stats", "inspect"])
-def test_cli_prints_one_line_naming_a_damaged_shard(ds_copy, capsys, command):
+def test_cli_prints_one_line_naming_a_damaged_data_file(ds_copy, capsys, command):
     name = json.loads((ds_copy / "metadata.json").read_text())["files"][0]["path"]
     zero_header(ds_copy / name)
     assert main([command, str(ds_copy)]) == 2

@@ -140,7 +140,7 @@ def test_metadata_matches_the_data(tmp_path, chat_jsonl):
     res = build(tmp_path, input=chat_jsonl, pack_size=1024, file_size_mb=0.2)
     meta = json.loads((res.path / "metadata.json").read_text())
     ds = load_packed(res.path, verify=True)
-    assert len(meta["files"]) > 1  # small shards: several files
+    assert len(meta["files"]) > 1  # small data files: several of them
     lens, offsets = ds.all_seq_lens()
     per_pack = np.add.reduceat(lens, offsets[:-1])
     assert meta["num_packs"] == len(ds) == sum(f["num_packs"] for f in meta["files"])
@@ -195,15 +195,15 @@ def test_same_packs_from_jsonl_parquet_arrow_and_save_to_disk(tmp_path, tok, cha
     with pa.OSFile(str(tmp_path / "in.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    shards = {}
+    data_files = {}
     for name in ("in.jsonl", "in.parquet", "in.arrow", "saved"):
         res = build(tmp_path, f"out-{name}", input=tmp_path / name, pack_size=1024, tokenizer=None)
         assert res.metadata["source"]["format"] == "tokenized"
-        shards[name] = (res.path / res.metadata["files"][0]["path"]).read_bytes()
+        data_files[name] = (res.path / res.metadata["files"][0]["path"]).read_bytes()
         ds = load_packed(res.path)
         for k in range(len(ds)):
             check_batch_against(ds.collator()(ds[k]), refs)
-    assert len(set(shards.values())) == 1  # the same packs, byte for byte
+    assert len(set(data_files.values())) == 1  # the same packs, byte for byte
 
 
 def test_labels_target_keeps_labels_that_are_not_the_ids(tmp_path):
@@ -311,26 +311,26 @@ def test_interrupted_build_leaves_nothing(tmp_path, chat_jsonl, monkeypatch):
 
 def test_incomplete_or_damaged_outputs_are_detected(tmp_path, chat_jsonl):
     res = build(tmp_path, input=chat_jsonl, pack_size=1024)
-    shard = res.path / res.metadata["files"][0]["path"]
-    # a build killed before its last step: shards but no metadata.json
+    data_file = res.path / res.metadata["files"][0]["path"]
+    # a build killed before its last step: data files but no metadata.json
     killed = tmp_path / "killed"
     killed.mkdir()
-    shutil.copy(shard, killed / shard.name)
+    shutil.copy(data_file, killed / data_file.name)
     with pytest.raises(NotPackedError, match="did not complete"):
         load_packed(killed)
-    # a truncated shard
+    # a truncated data file
     cut = tmp_path / "cut"
     shutil.copytree(res.path, cut)
-    data = (cut / shard.name).read_bytes()
-    (cut / shard.name).write_bytes(data[: len(data) // 2])
+    data = (cut / data_file.name).read_bytes()
+    (cut / data_file.name).write_bytes(data[: len(data) // 2])
     with pytest.raises(NotPackedError, match="truncated"):
         load_packed(cut)
     # same size, different bytes: caught by verify=True
     flipped = tmp_path / "flipped"
     shutil.copytree(res.path, flipped)
-    data = bytearray((flipped / shard.name).read_bytes())
+    data = bytearray((flipped / data_file.name).read_bytes())
     data[-100] ^= 0xFF
-    (flipped / shard.name).write_bytes(bytes(data))
+    (flipped / data_file.name).write_bytes(bytes(data))
     load_packed(flipped)  # sizes match
     with pytest.raises(NotPackedError, match="sha256"):
         load_packed(flipped, verify=True)

@@ -240,7 +240,7 @@ def _fail_on_row_5(table, indices):
 
 def test_map_in_processes_equals_dataset_map(tmp_path):
     """Same rows as ``Dataset.map`` in one process, indices of the whole dataset (not the
-    shard's), one file per shard named as ``Dataset.map(num_proc=...)`` names them."""
+    part's), one file per part named as ``Dataset.map(num_proc=...)`` names them."""
     import datasets
 
     from thdpack.offline.procs import map_in_processes
