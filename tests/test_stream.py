@@ -509,3 +509,24 @@ def test_a_cut_sample_with_a_bad_field_is_named_by_its_stream_position(overflow)
     samples = [{"input_ids": [1, 2, 3]}, {"input_ids": list(range(1, 11)), "loss_mask": [1] * 9}]
     with pytest.raises(ValueError, match=r"^sample 1: 'loss_mask' has 9 values but 'input_ids' has 10"):
         list(StreamingPacker(samples, 4, overflow=overflow, num_replicas=1, rank=0))
+
+
+def test_resumes_from_a_state_saved_by_thdpack_0_1_0():
+    """tests/data/stream_state_thdpack_0.1.0.json was written by the StreamingPacker of commit
+    eaa422d (its state said "shard" and kept a plain stats dict) after 3 packs: resuming from it
+    gives exactly the packs the uninterrupted run gives after its first 3, and says that the
+    statistics before the resume are partial."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(__file__).parent / "data" / "stream_state_thdpack_0.1.0.json").read_text())
+    samples = make_samples(saved["lengths"])
+    kw = dict(buffer_size=saved["buffer_size"], overflow=saved["overflow"], num_replicas=1, rank=0)
+    whole = as_pieces(StreamingPacker(samples, saved["pack_size"], **kw))
+    packer = StreamingPacker(samples, saved["pack_size"], **kw)
+    with pytest.warns(UserWarning, match="older thdpack"):
+        packer.load_state_dict(saved["state"])
+    rest = as_pieces(packer)
+    assert rest == whole[saved["packs_before"]:]
+    assert packer.stats.num_packs == len(whole)
+    assert packer.state_dict()["share"] == [0, 1]

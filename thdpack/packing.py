@@ -168,13 +168,13 @@ class PackTotals:
     @classmethod
     def from_dict(cls, counts: dict) -> "PackTotals":
         """The inverse of :meth:`as_dict`."""
-        cuts = Cuts(**{name: counts[name] for name in _CUT_KEYS})
+        cuts = Cuts(**{name: counts[name] for name in CUT_KEYS})
         return cls(**{name: counts[name] for name in _COUNT_KEYS}, cuts=cuts)
 
 
-_CUT_KEYS = tuple(f.name for f in fields(Cuts))
+CUT_KEYS = tuple(f.name for f in fields(Cuts))
 _COUNT_KEYS = tuple(f.name for f in fields(PackTotals) if f.name != "cuts")
-PACK_TOTALS_KEYS = _COUNT_KEYS + _CUT_KEYS
+PACK_TOTALS_KEYS = _COUNT_KEYS + CUT_KEYS
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ class PackStats:
     @property
     def cuts(self) -> Cuts:
         """The truncated / dropped / split counts."""
-        return Cuts(**{name: getattr(self, name) for name in _CUT_KEYS})
+        return Cuts(**{name: getattr(self, name) for name in CUT_KEYS})
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
