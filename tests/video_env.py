@@ -28,7 +28,7 @@ CACHE = Path(os.environ.get("THDPACK_CACHE", Path.home() / ".cache" / "thdpack")
 ENV = CACHE / "video-env"
 RUNNER = Path(__file__).with_name("video_run.py")
 REPO = Path(__file__).resolve().parents[1]
-CREATE_TIMEOUT = 900
+CREATE_TIMEOUT = 300  # CI stays under its 15 minutes: a slower machine skips, saying so
 
 
 def _python(env: Path) -> Path:
