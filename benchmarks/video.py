@@ -145,7 +145,7 @@ def run_thdpack(d: Path, args) -> dict:
     cfg = BuildConfig(input=str(d / "data.jsonl"), tokenizer=str(d / "tok"), model_config=str(d / "model"),
                       image_processor={}, video=dict(VIDEO, backend="builtin"), pack_size=args.pack_size,
                       vision_budget=args.vision_budget, num_proc=args.num_proc, map_batch_size=args.map_batch_size)
-    res = build_packed(cfg, Path(tempfile.mkdtemp(dir=d)) / "out", progress=False, log=None)
+    res = build_packed(cfg, Path(tempfile.mkdtemp(dir=d)) / "out", progress=False)
     ds = load_packed(res.path)
     collate = ds.collator()
     tokens = slots = 0

@@ -107,7 +107,7 @@ def test_thdpack_build_equals_the_real_template_build(qwen3, conversations, tmp_
     for name, template in (("real", None), ("marked", str(TEMPLATE))):
         cfg = BuildConfig(input=str(data), tokenizer=str(path), pack_size=8192, overflow="truncate",
                           save_tokenizer=False, chat_template=template)
-        res = build_packed(cfg, tmp_path / name, progress=False, log=None)
+        res = build_packed(cfg, tmp_path / name, progress=False)
         assert res.timings  # the build ran
         shards.append({p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())
                        if p.name != "metadata.json"})

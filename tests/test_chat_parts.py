@@ -56,7 +56,7 @@ def as_text_parts(row: dict) -> dict:
 def build(tmp_path, path, name, **kw):
     base = dict(input=str(path), tokenizer=str(TOKENIZER_DIR), pack_size=1024, overflow="truncate")
     base.update(kw)
-    return build_packed(BuildConfig(**base), tmp_path / name, progress=False, log=None)
+    return build_packed(BuildConfig(**base), tmp_path / name, progress=False)
 
 
 def data_bytes(out: Path) -> dict:

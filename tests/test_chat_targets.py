@@ -192,7 +192,7 @@ def build(tmp_path, family: str, path: Path, name: str = "out", **kw):
     if template is not None:
         conf["chat_template"] = str(template)
     conf.update(kw)
-    return build_packed(BuildConfig(**conf), tmp_path / name, progress=False, log=None)
+    return build_packed(BuildConfig(**conf), tmp_path / name, progress=False)
 
 
 def assert_targets(res, tok, family: str, rows: list[dict], loss: str):

@@ -45,7 +45,7 @@ ECHOES = ("format_version", "pack_size", "align", "cp_size", "tp_size", "seed", 
 
 def demo_build(tmp_path: Path, name: str, **options):
     cfg = BuildConfig.from_yaml(DEMO).override(max_rows=DEMO_ROWS, **options)
-    res = build_packed(cfg, tmp_path / name, progress=False, log=None)
+    res = build_packed(cfg, tmp_path / name, progress=False)
     return cfg, load_packed(res.path)
 
 
@@ -278,7 +278,7 @@ def tokenized_build(tmp_path, rows, name, **options):
     base = dict(input=str(write_rows(tmp_path / f"{name}.jsonl", rows)), format="tokenized",
                 tokenizer=str(TOKENIZER_DIR), pack_size=64, overflow="truncate", shuffle_packs=False)
     base.update(options)
-    res = build_packed(BuildConfig(**base), tmp_path / name, progress=False, log=None)
+    res = build_packed(BuildConfig(**base), tmp_path / name, progress=False)
     return load_packed(res.path)
 
 

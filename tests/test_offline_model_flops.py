@@ -55,7 +55,7 @@ def test_build_records_model_and_attention_overcount(tmp_path, data):
     d, jsonl = data
     cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate",
                       model_config=str(d / "qwen3_8b.json"))
-    res = build_packed(cfg, tmp_path / "out", progress=False, log=None)
+    res = build_packed(cfg, tmp_path / "out", progress=False)
     ds = load_packed(res.path)
     lens, _ = ds.all_seq_lens()
     n = len(ds)
@@ -113,8 +113,8 @@ def test_yaml_mapping_and_relative_path(tmp_path, data):
     base = dict(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", max_rows=50)
     (tmp_path / "cfgs" / "a.yaml").write_text(yaml.safe_dump(dict(base, model_config="m.json")))
     (tmp_path / "cfgs" / "b.yaml").write_text(yaml.safe_dump(dict(base, model_config=SMALL)))
-    a = build_packed(BuildConfig.from_yaml(tmp_path / "cfgs" / "a.yaml"), tmp_path / "a", progress=False, log=None)
-    b = build_packed(BuildConfig.from_yaml(tmp_path / "cfgs" / "b.yaml"), tmp_path / "b", progress=False, log=None)
+    a = build_packed(BuildConfig.from_yaml(tmp_path / "cfgs" / "a.yaml"), tmp_path / "a", progress=False)
+    b = build_packed(BuildConfig.from_yaml(tmp_path / "cfgs" / "b.yaml"), tmp_path / "b", progress=False)
     assert a.metadata["stats"]["model_flops"] == b.metadata["stats"]["model_flops"]
     assert a.metadata["model"]["fingerprint"] == b.metadata["model"]["fingerprint"]
     assert b.metadata["model"]["given"] == "inline mapping"

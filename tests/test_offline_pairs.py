@@ -42,7 +42,7 @@ def build(tmp_path: Path, rows: list[dict], name: str, **kw):
     cfg = dict(input=str(write_jsonl(tmp_path / f"{name}.jsonl", rows)), tokenizer=str(TOKENIZER_DIR),
                pack_size=256, save_tokenizer=False)
     cfg.update(kw)
-    build_packed(BuildConfig(**cfg), tmp_path / name, progress=False, log=None)
+    build_packed(BuildConfig(**cfg), tmp_path / name, progress=False)
     return tmp_path / name
 
 
@@ -243,7 +243,7 @@ def test_sample_values_on_cp_shards_and_columnar_input(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     cfg = BuildConfig(input=str(tmp_path / "rows.parquet"), tokenizer=str(TOKENIZER_DIR), pack_size=96, cp_size=2,
                       overflow="split", sample_values="reward,domain", save_tokenizer=False)
-    build_packed(cfg, tmp_path / "out", progress=False, log=None)
+    build_packed(cfg, tmp_path / "out", progress=False)
     check_values(tmp_path / "out", rows, cp_size=2)
 
 
@@ -299,7 +299,7 @@ def test_sharded_preference_builds_are_refused(tmp_path):
     cfg = BuildConfig(input=str(write_jsonl(tmp_path / "p.jsonl", string_rows(4, seed=8))),
                       tokenizer=str(TOKENIZER_DIR), pack_size=96)
     with pytest.raises(ConfigError, match=r"--slice is not available with preference rows"):
-        build_packed(cfg, tmp_path / "out", progress=False, log=None, input_slice=InputSlice(0, 2))
+        build_packed(cfg, tmp_path / "out", progress=False, input_slice=InputSlice(0, 2))
 
 
 # --------------------------------------------------------------------------- GRPO groups (group_column)

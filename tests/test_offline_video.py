@@ -199,7 +199,7 @@ def reference_samples(assets, family: str, rows) -> list[dict]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_video_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path, assets, family):
-    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False, log=None)
+    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False)
     vision = res.metadata["vision"]
     assert vision["videos"] == 3 and vision["images"] == 1
     ds = load_packed(res.path)
@@ -255,7 +255,7 @@ def test_bad_videos_are_row_errors_named_and_skipped(tmp_path, assets):
     write_rows(path, [row("ok.mp4"), row("missing.mp4"), row("junk.mp4"), row("empty.mp4"), row("short.mp4"),
                       row("ok.mp4", marks=2)])
     with pytest.raises(InputError) as exc:
-        build_packed(cfg(assets, input=str(path)), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, input=str(path)), tmp_path / "x", progress=False)
     msg = str(exc.value)
     assert "5 bad row(s)" in msg, msg
     assert f"bad.jsonl:2: video 'missing.mp4' not found (looked at {tmp_path / 'missing.mp4'})" in msg
@@ -264,7 +264,7 @@ def test_bad_videos_are_row_errors_named_and_skipped(tmp_path, assets):
     assert "bad.jsonl:5: video 'short.mp4': 1 frame(s), fewer than the temporal patch (2) needs" in msg
     assert "bad.jsonl:6: 2 '<video>' marker(s) but 1 video(s)" in msg
     assert not (tmp_path / "x").exists()
-    res = build_packed(cfg(assets, input=str(path), skip_bad_rows=True), tmp_path / "y", progress=False, log=None)
+    res = build_packed(cfg(assets, input=str(path), skip_bad_rows=True), tmp_path / "y", progress=False)
     assert res.metadata["counts"]["skipped_rows"] == 5 and res.metadata["counts"]["samples"] == 1
     assert res.metadata["vision"]["videos"] == 1
     # the command line: video options as YAML, --skip-bad-rows counts the bad videos
@@ -285,7 +285,7 @@ def test_video_part_in_a_text_build_is_named(tmp_path, assets):
                                     {"role": "assistant", "content": "x"}]}])
     with pytest.raises(InputError, match=r"parts\.jsonl:1: message 0 part 0: a video part in a text build"):
         build_packed(BuildConfig(input=str(path), tokenizer=str(assets / "tok"), pack_size=64), tmp_path / "x",
-                     progress=False, log=None)
+                     progress=False)
 
 
 # --------------------------------------------------------------------------- vision budget
@@ -294,14 +294,14 @@ def test_video_part_in_a_text_build_is_named(tmp_path, assets):
 def test_video_patches_count_in_the_vision_budget_with_images(tmp_path, assets):
     path = tmp_path / "mixed.jsonl"
     write_rows(path, [ROWS[1]])  # one image and one video
-    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "all", progress=False, log=None)
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "all", progress=False)
     sample = load_packed(res.path).collator()(load_packed(res.path)[0])
     kw = sample.to_hf_kwargs()
     total = int(kw["image_grid_thw"].prod(1).sum() + kw["video_grid_thw"].prod(1).sum())
     assert res.metadata["vision"]["vision_patches"] == total and kw["video_grid_thw"].shape[0] == 1
     with pytest.raises(InputError, match=rf"mixed\.jsonl:1: {total} vision patches, more than vision_budget={total - 1}"):
         build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=total - 1), tmp_path / "x",
-                     progress=False, log=None)
+                     progress=False)
 
 
 def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, assets):
@@ -309,10 +309,10 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
     write_rows(path, [ROWS[0], ROWS[2]])  # vid/0.mp4: 4 frames of 12 x 16 -> grid (2, 6, 8), 96 patches; text
     base = dict(input=str(path), image_dir=str(assets), vision_budget=60)
     with pytest.raises(InputError, match=r"long\.jsonl:1: 96 vision patches, more than vision_budget=60"):
-        build_packed(cfg(assets, **base), tmp_path / "x", progress=False, log=None)
-    res = build_packed(cfg(assets, **base, overflow="drop"), tmp_path / "drop", progress=False, log=None)
+        build_packed(cfg(assets, **base), tmp_path / "x", progress=False)
+    res = build_packed(cfg(assets, **base, overflow="drop"), tmp_path / "drop", progress=False)
     assert res.metadata["counts"]["dropped"]["samples"] == 1 and res.metadata["vision"]["videos"] == 0
-    res = build_packed(cfg(assets, **base, overflow="truncate"), tmp_path / "cut", progress=False, log=None)
+    res = build_packed(cfg(assets, **base, overflow="truncate"), tmp_path / "cut", progress=False)
     assert res.metadata["vision"]["video_patches_cut"] == 1 and res.metadata["vision"]["vision_patches"] == 48
     ds = load_packed(res.path)
     batch = ds.collator()(ds[0])
@@ -325,7 +325,7 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
     with pytest.raises(InputError, match=r"long\.jsonl:1: video 'vid/0\.mp4': one temporal patch of it "
                                          r"\(48 vision patches\) does not fit in vision_budget \(40 left for it\)"):
         build_packed(cfg(assets, **dict(base, vision_budget=40), overflow="truncate"), tmp_path / "y",
-                     progress=False, log=None)
+                     progress=False)
 
 
 # --------------------------------------------------------------------------- shards and merge
@@ -336,13 +336,13 @@ def test_video_shards_merge(tmp_path, assets):
     from thdpack.offline.merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False, pack_size=200, vision_budget=150)
-    single = build_packed(c, tmp_path / "single", progress=False, log=None)
-    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, input_slice=InputSlice(0, 1))
-    merged_one = merge_slices([one.path], tmp_path / "merged-one", log=None)
+    single = build_packed(c, tmp_path / "single", progress=False)
+    one = build_packed(c, tmp_path / "one-0", progress=False, input_slice=InputSlice(0, 1))
+    merged_one = merge_slices([one.path], tmp_path / "merged-one")
     strip = lambda m: {k: v for k, v in m.items() if k not in ("input_slices", "input_slice")}  # noqa: E731
     assert strip(merged_one.metadata) == strip(single.metadata)
-    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, input_slice=InputSlice(i, 2)).path for i in range(2)]
-    merged = merge_slices(parts, tmp_path / "merged", log=None)
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, input_slice=InputSlice(i, 2)).path for i in range(2)]
+    merged = merge_slices(parts, tmp_path / "merged")
     vision = merged.metadata["vision"]
     shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
     for key in ("videos", "images", "vision_patches"):
@@ -364,11 +364,11 @@ def test_bad_video_options_are_named(tmp_path, assets):
     from thdpack.offline import ConfigError
 
     with pytest.raises(ConfigError, match=r"video: unknown option\(s\) \['fsp'\]; known: .*'fps'"):
-        build_packed(cfg(assets, video={"fsp": 1}), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, video={"fsp": 1}), tmp_path / "x", progress=False)
     with pytest.raises(ConfigError, match=r"video: need fps > 0 and 1 <= min_frames <= max_frames"):
-        build_packed(cfg(assets, video={"fps": 0}), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, video={"fps": 0}), tmp_path / "x", progress=False)
     with pytest.raises(ConfigError, match=r"video: backend must be one of \['auto', 'processor', 'builtin'\], got 'hf'"):
-        build_packed(cfg(assets, video={"backend": "hf"}), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, video={"backend": "hf"}), tmp_path / "x", progress=False)
 
 
 def test_video_backend_auto_is_recorded_and_processor_without_torchvision_is_named(tmp_path, assets):
@@ -381,18 +381,17 @@ def test_video_backend_auto_is_recorded_and_processor_without_torchvision_is_nam
     cls, why = processor_class("qwen2_vl")
     path = tmp_path / "one.jsonl"
     write_rows(path, [ROWS[0]])
-    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "auto", progress=False, log=None)
+    res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "auto", progress=False)
     assert res.metadata["vision"]["video"]["backend"] == ("builtin" if cls is None else "processor")
     builtin = dict(VIDEO_OPTS, backend="builtin")
     res = build_packed(cfg(assets, input=str(path), image_dir=str(assets), video=builtin), tmp_path / "builtin",
-                       progress=False, log=None)
+                       progress=False)
     assert res.metadata["vision"]["video"]["backend"] == "builtin"
     if cls is not None:
         pytest.skip("transformers' video processor loads here: backend 'processor' is available")
     with pytest.raises(ConfigError, match=r"video: backend 'processor' needs transformers' video processor for "
                                           r"qwen2_vl, which does not load here \(.+\); install torchvision"):
-        build_packed(cfg(assets, input=str(path), video={"backend": "processor"}), tmp_path / "x", progress=False,
-                     log=None)
+        build_packed(cfg(assets, input=str(path), video={"backend": "processor"}), tmp_path / "x", progress=False)
 
 
 # --------------------------------------------------------------------------- transformers' video processors, written out
@@ -450,8 +449,7 @@ def test_built_video_pixels_follow_the_family_transformers_video_processor(tmp_p
     4 x 8 frames where Qwen2's per-frame one gives 12 x 16, Qwen3 keeps 5 frames (Qwen2: 4), and the means differ."""
     path = tmp_path / "two.jsonl"
     write_rows(path, [ROWS[0], ROWS[3]])
-    res = build_packed(cfg(assets, family, input=str(path), image_dir=str(assets)), tmp_path / "out", progress=False,
-                       log=None)
+    res = build_packed(cfg(assets, family, input=str(path), image_dir=str(assets)), tmp_path / "out", progress=False)
     ds = load_packed(res.path)
     got = {}
     for k in range(len(ds)):
@@ -488,7 +486,7 @@ def test_frame_sizes_of_long_videos_and_the_qwen2_only_total_pixels(tmp_path, as
     assert got == video_resize(40, 720, 1280, 2, f, 128 * f * f, 768 * f * f) and 40 * got[0] * got[1] <= 768 * f * f
     with pytest.raises(ConfigError, match=r"video: total_pixels is for Qwen2-VL / Qwen2\.5-VL; qwen3_vl's max_pixels"):
         build_packed(cfg(assets, "qwen3_vl", video=dict(VIDEO_OPTS, total_pixels=4096)), tmp_path / "x",
-                     progress=False, log=None)
+                     progress=False)
 
 
 def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_copied(tmp_path, assets, monkeypatch):
@@ -509,11 +507,11 @@ def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_cop
 
     monkeypatch.setattr(vlm, "_append_lists", spy)
     big = build_packed(cfg(assets, input=str(path), image_dir=str(assets), map_batch_size=1000, shuffle_packs=False),
-                       tmp_path / "big", progress=False, log=None)
+                       tmp_path / "big", progress=False)
     assert seen and max(n for _, n, _ in seen) <= vlm.VISION_MAP_BATCH_SIZE < len(ROWS) * 9, seen
     assert all(freed for _, _, freed in seen), seen
     small = build_packed(cfg(assets, input=str(path), image_dir=str(assets), map_batch_size=3, shuffle_packs=False),
-                         tmp_path / "small", progress=False, log=None)
+                         tmp_path / "small", progress=False)
     arrows = sorted(p.name for p in big.path.glob("*.arrow"))
     assert arrows and all((big.path / a).read_bytes() == (small.path / a).read_bytes() for a in arrows)
 

@@ -32,6 +32,7 @@ from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.flops import model_overcount_factor  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
+from thdpack.offline.errors import ConfigError  # noqa: E402
 
 IGNORE = -100
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -180,7 +181,7 @@ def assert_same_hf_kwargs(a: dict, b: dict):
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path, assets, family):
-    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False, log=None)
+    res = build_packed(cfg(assets, family), tmp_path / "out", progress=False)
     meta = res.metadata
     assert meta["format_version"] == 2 and meta["vision"]["model_type"] == family
     assert meta["vision"]["images"] == sum(len(r.get("images", [])) for r in CHAT_ROWS)
@@ -220,7 +221,7 @@ def test_text_rows_cp_shards_and_processor_directory(tmp_path, assets):
     proc = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TPATCH, **PROC_KW)
     proc.save_pretrained(str(tmp_path / "proc"))
     res = build_packed(cfg(assets, input=str(assets / "text.jsonl"), image_processor=str(tmp_path / "proc"), cp_size=2,
-                           image_dir=str(assets)), tmp_path / "out", progress=False, log=None)
+                           image_dir=str(assets)), tmp_path / "out", progress=False)
     assert res.metadata["source"]["format"] == "text" and res.metadata["align"] == 4
     assert res.metadata["vision"]["images"] == 3
     ds = load_packed(res.path)
@@ -238,8 +239,8 @@ def test_text_rows_cp_shards_and_processor_directory(tmp_path, assets):
 
 
 def test_metadata_stats_and_byte_identical_rebuild(tmp_path, assets, capsys):
-    a = build_packed(cfg(assets), tmp_path / "a", progress=False, log=None)
-    b = build_packed(cfg(assets, num_proc=2, map_batch_size=2), tmp_path / "b", progress=False, log=None)
+    a = build_packed(cfg(assets), tmp_path / "a", progress=False)
+    b = build_packed(cfg(assets, num_proc=2, map_batch_size=2), tmp_path / "b", progress=False)
 
     def digest(p: Path):
         return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(p.rglob("*")) if f.is_file()}
@@ -272,20 +273,20 @@ def test_bad_rows_are_named(tmp_path, assets, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in bad))
     # img/4.png (16x16 -> 64 patches) is over a vision budget of 32
     with pytest.raises(InputError) as exc:
-        build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=32), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=32), tmp_path / "x", progress=False)
     msg = str(exc.value)
     assert "3 bad row(s)" in msg and "bad.jsonl:2: image 'img/missing.png' not found" in msg
     assert "bad.jsonl:3: 2 '<image>' marker(s) but 1 image(s)" in msg
     assert "bad.jsonl:4: 64 vision patches, more than vision_budget=32" in msg
     assert not (tmp_path / "x").exists()
     res = build_packed(cfg(assets, input=str(path), image_dir=str(assets), vision_budget=32, skip_bad_rows=True),
-                       tmp_path / "y", progress=False, log=None)
+                       tmp_path / "y", progress=False)
     assert res.metadata["counts"]["skipped_rows"] == 3 and res.metadata["counts"]["samples"] == 1
     # overflow: drop drops the row over the vision budget instead of failing it
     ok = tmp_path / "ok.jsonl"
     ok.write_text("".join(json.dumps(r) + "\n" for r in (bad[0], bad[3])))
     res = build_packed(cfg(assets, input=str(ok), image_dir=str(assets), vision_budget=32, overflow="drop"),
-                       tmp_path / "z", progress=False, log=None)
+                       tmp_path / "z", progress=False)
     assert res.metadata["counts"]["dropped"]["samples"] == 1 and res.metadata["counts"]["samples"] == 2
     assert load_packed(res.path)[0]["sample_index"].tolist() == [0]
 
@@ -321,7 +322,7 @@ def test_content_given_as_parts_packs_like_markers(tmp_path, assets, inline):
     logs = []
     marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False, log=logs.append).path)
     assert any("through tiktoken" in line for line in logs)  # VLM rows take the tiktoken encoder too
-    parts = load_packed(build_packed(cfg(assets, input=str(path)), tmp_path / "parts", progress=False, log=None).path)
+    parts = load_packed(build_packed(cfg(assets, input=str(path)), tmp_path / "parts", progress=False).path)
     a, b = _pack_columns(marked), _pack_columns(parts)
     assert len(a) == len(b) == len(marked) and set(a[0]) == set(b[0])
     for pa_, pb in zip(a, b):
@@ -344,7 +345,7 @@ def test_bad_parts_are_named(tmp_path, assets):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [as_parts(CHAT_ROWS[0], inline=True)] + bad))
     with pytest.raises(InputError) as exc:
-        build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "x", progress=False, log=None)
+        build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "x", progress=False)
     msg = str(exc.value)
     assert "5 bad row(s)" in msg
     assert "bad.jsonl:2: 1 image part(s) name their image and 1 do not" in msg
@@ -361,7 +362,7 @@ def test_image_parts_alone_make_a_vlm_build(tmp_path, assets):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # no images field, vision_budget or image_processor: only the image part says it has images
     res = build_packed(cfg(assets, input=str(path), image_processor=None, vision_budget=None, pack_size=4096),
-                       tmp_path / "out", progress=False, log=None)
+                       tmp_path / "out", progress=False)
     assert res.metadata["format_version"] == 2 and res.metadata["vision"]["images"] == 1
 
 
@@ -380,7 +381,7 @@ def test_the_row_tokenizer_keeps_no_state_between_its_steps(tmp_path, assets, mo
             return out
 
     monkeypatch.setattr(vlm, "VlmRowTokenizer", Watched)
-    build_packed(cfg(assets, map_batch_size=3), tmp_path / "out", progress=False, log=None)
+    build_packed(cfg(assets, map_batch_size=3), tmp_path / "out", progress=False)
     assert len(calls) == 3 and all(calls), calls  # 7 rows in batches of 3
 
 
@@ -393,16 +394,16 @@ def test_vlm_shards_merge(tmp_path, assets):
     from thdpack.offline.merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False)
-    single = build_packed(c, tmp_path / "single", progress=False, log=None)
+    single = build_packed(c, tmp_path / "single", progress=False)
     # one shard, merged: the ordinary build, statistics (vision tower FLOPs included) recomputed from the packs
-    one = build_packed(c, tmp_path / "one-0", progress=False, log=None, input_slice=InputSlice(0, 1))
-    merged_one = merge_slices([one.path], tmp_path / "merged-one", log=None)
+    one = build_packed(c, tmp_path / "one-0", progress=False, input_slice=InputSlice(0, 1))
+    merged_one = merge_slices([one.path], tmp_path / "merged-one")
     assert _metadata_without_shards(merged_one.metadata) == _metadata_without_shards(single.metadata)
     assert "vision_included" in merged_one.metadata["stats"]["model_flops"]
     assert (merged_one.path / "image_processor").is_dir()
     # three shards: every row once, vision counts summed, packs equal to build_thd_batch on the rows
-    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, log=None, input_slice=InputSlice(i, 3)).path for i in range(3)]
-    merged = merge_slices(parts, tmp_path / "merged", log=None)
+    parts = [build_packed(c, tmp_path / f"part-{i}", progress=False, input_slice=InputSlice(i, 3)).path for i in range(3)]
+    merged = merge_slices(parts, tmp_path / "merged")
     vision = merged.metadata["vision"]
     shard_visions = [json.loads((p / "metadata.json").read_text())["vision"] for p in parts]
     assert vision["images"] == sum(len(r.get("images", [])) for r in CHAT_ROWS) == sum(v["images"] for v in shard_visions)
@@ -420,7 +421,14 @@ def test_vlm_shards_merge(tmp_path, assets):
         assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], model_config=model_cfg).to_hf_kwargs())
     assert sorted(seen) == list(range(len(CHAT_ROWS)))
     # a shard of another VLM build does not merge
-    other = build_packed(cfg(assets, family="qwen2_vl", shuffle_packs=False), tmp_path / "other", progress=False, log=None,
+    other = build_packed(cfg(assets, family="qwen2_vl", shuffle_packs=False), tmp_path / "other", progress=False,
                          input_slice=InputSlice(1, 3))
     with pytest.raises(Exception, match="do not belong together"):
-        merge_slices([parts[0], other.path, parts[2]], tmp_path / "bad", log=None)
+        merge_slices([parts[0], other.path, parts[2]], tmp_path / "bad")
+
+
+def test_preference_rows_with_images_are_refused_by_name(tmp_path, assets):
+    """A preference row gives two sequences (the media would be needed twice): a VLM build of
+    preference rows is a configuration error naming the format, not a crash mid-build."""
+    with pytest.raises(ConfigError, match="rows with images must be chat .* not preference"):
+        build_packed(cfg(assets, format="preference"), tmp_path / "out", progress=False)

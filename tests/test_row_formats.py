@@ -66,7 +66,7 @@ def build(tmp_path: Path, path, name: str, tokenizer=str(TOKENIZER_DIR), **kw):
     if tokenizer != str(TOKENIZER_DIR):  # Qwen's: skip the tiktoken conversion (seconds; never changes the output)
         base.update(tokenizer_backend="hf", save_tokenizer=False)
     base.update(kw)
-    return build_packed(BuildConfig(**base), tmp_path / name, progress=False, log=None)
+    return build_packed(BuildConfig(**base), tmp_path / name, progress=False)
 
 
 def data_bytes(out: Path) -> dict:

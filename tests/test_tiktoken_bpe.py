@@ -386,4 +386,4 @@ def test_tiktoken_backend_required_but_impossible_says_why(tmp_path):
     cfg = BuildConfig(input={"demo": {"num_samples": 20, "seed": 0, "kind": "text"}}, tokenizer=str(d),
                       tokenizer_backend="tiktoken", save_tokenizer=False)
     with pytest.raises(ConfigError, match="tokenizer_backend: tiktoken.*pre-tokenizer"):
-        build_packed(cfg, tmp_path / "out", progress=False, log=None)
+        build_packed(cfg, tmp_path / "out", progress=False)

@@ -231,6 +231,7 @@ class RowTokenizer:
     def __call__(self, table):
         n = table.num_rows
         values, errors = self._extract(table)
+        media = self._media(table, values, errors)
         tools = self._row_tools(table, errors)
         numbers = self._sample_values(table, errors)
         if self.fmt in PAIR_FORMATS:  # each row gives two sequences, written as two output rows
@@ -260,7 +261,13 @@ class RowTokenizer:
                 ids[i], targets[i] = res
                 if ids[i].size == 0:
                     errors[i] = "tokenizes to 0 tokens"
-        return self._with_values(self._to_table(ids, targets, errors), numbers, errors)
+        return self._with_values(self._to_table(ids, targets, errors, media), numbers, errors)
+
+    def _media(self, table, values: list, errors: list):
+        """Per-batch inputs besides the text, handed as a value from step 1 to step 3
+        (:meth:`_to_table`): none for text rows; the VLM row tokenizer's images and videos
+        (it may expand ``values`` and set ``errors`` in place)."""
+        return None
 
     # ---- 1. field values out of the rows
     def _extract(self, table):
@@ -514,7 +521,9 @@ class RowTokenizer:
         return ids.astype(np.int32), np.ones(ids.size, dtype=bool)
 
     # ---- 3. Arrow output
-    def _to_table(self, ids, targets, errors):
+    def _to_table(self, ids, targets, errors, media=None):
+        """The batch's Arrow table: ``input_ids`` / targets as lists and the row errors
+        (``media``: what :meth:`_media` returned; unused for text rows)."""
         import pyarrow as pa
 
         good = [i for i, e in enumerate(errors) if e is None]

@@ -3,12 +3,11 @@ images and videos (the build set up by :mod:`thdpack.offline.vlm`).
 
 Per map batch, three steps, each handing its result to the next as a value:
 
-1. ``_extract``: the text rows' values (the text tokenizer's), then per row the media
-   stage (:mod:`thdpack.offline.media`): the row's images / videos processed and each
-   ``<image>`` / ``<video>`` marker (or content part) expanded into the model's vision
-   tokens. The rows' vision inputs (:class:`BatchVision`) travel with the row errors
-   (:class:`BatchErrors`), the list the text tokenizer hands from ``_extract`` to
-   ``_to_table``;
+1. ``_extract`` (the text tokenizer's) gives the rows' values, then ``_media`` runs the
+   media stage per row (:mod:`thdpack.offline.media`): the row's images / videos processed
+   and each ``<image>`` / ``<video>`` marker (or content part) expanded into the model's
+   vision tokens. It returns the batch's vision inputs (:class:`BatchVision`), which the
+   text tokenizer hands on to ``_to_table`` as a value;
 2. tokenizing, as for text rows;
 3. ``_to_table``: each row's vision tokens counted against its grids (a tokenizer that
    splits them fails the row) and taken out of the targets, then the vision columns
@@ -63,14 +62,6 @@ class BatchVision:
         return cls([None] * n, [None] * n, [None] * n)
 
 
-class BatchErrors(list):
-    """The row errors of one map batch (None: the row is fine) with the rows' :class:`BatchVision`."""
-
-    def __init__(self, errors: list, vision: BatchVision):
-        super().__init__(errors)
-        self.vision = vision
-
-
 class VlmRowTokenizer(RowTokenizer):
     """``datasets.map`` function (batched, Arrow format, ``with_indices``): the text of
     :class:`RowTokenizer` with the row's images processed and their placeholders expanded,
@@ -107,9 +98,8 @@ class VlmRowTokenizer(RowTokenizer):
         rows = self.row_base + np.asarray(indices, dtype=np.int64)  # rows of the whole input
         return super().__call__(table.append_column(ROW_COLUMN, pa.array(rows)))
 
-    # ---- 1. values: text with the placeholders expanded; images and videos processed
-    def _extract(self, table):
-        values, errors = super()._extract(table)
+    # ---- 1. media: the text values' placeholders expanded; images and videos processed
+    def _media(self, table, values: list, errors: list) -> "BatchVision":
         refs = self._refs(table, errors, self.vlm.images_field)
         video_refs = self._refs(table, errors, self.vlm.videos_field)
         rows = table.column(ROW_COLUMN).to_numpy()
@@ -124,7 +114,7 @@ class VlmRowTokenizer(RowTokenizer):
                 errors[i] = str(exc)
             except Exception as exc:  # noqa: BLE001 - the processor's: reported as a row error
                 errors[i] = _row_error(exc)
-        return values, BatchErrors(errors, vision)
+        return vision
 
     def _row_media(self, value, refs, video_refs, row: int):
         """``(value with its markers expanded, pixels, grid, videos)`` of one row (the
@@ -230,12 +220,11 @@ class VlmRowTokenizer(RowTokenizer):
         return out, given["image"], given["video"]
 
     # ---- 3. output: checks, vision tokens out of the targets, vision columns
-    def _to_table(self, ids, targets, errors: BatchErrors):
-        vision = errors.vision
+    def _to_table(self, ids, targets, errors, vision: "BatchVision"):
         for i in range(len(ids)):
             if errors[i] is None and ids[i] is not None:
                 targets[i], errors[i] = self._vision_targets(ids[i], targets[i], vision.grids[i], vision.videos[i])
-        table = super()._to_table(ids, targets, errors)
+        table = super()._to_table(ids, targets, errors, vision)
         return _with_vision_columns(table, vision, {i for i, e in enumerate(errors) if e is None})
 
     def _vision_targets(self, ids: np.ndarray, targets: np.ndarray, grid, videos) -> tuple[np.ndarray, str | None]:
