@@ -5,7 +5,7 @@ Each sample's padded span of ``P`` tokens (a multiple of ``2·cp``) is cut into
 chunk ``2·cp − 1 − r``, in that order, sample after sample. Under causal attention
 the two chunks together cost every rank the same work.
 
-The rule lives here once; :mod:`thdpack.cp` (indices, shards), the compiled
+The rule lives here once; :mod:`thdpack.cp` (indices and per-rank lengths), the compiled
 assembler :mod:`thdpack._assemble` and the FLOPs share in :mod:`thdpack.flops` all
 call these. Every function works on Python ints, numpy arrays and torch tensors
 alike, and inside numba kernels.

@@ -3,7 +3,7 @@
 Build (``thdpack build`` or :func:`build_packed`): read a dataset (JSON Lines,
 Parquet, Arrow, ``save_to_disk``), tokenize it (text, chat template, or already
 tokenized) with ``datasets.map``, plan packs on lengths only, and write one row per
-pack to Arrow or Parquet shards with ``metadata.json``, atomically.
+pack to Arrow or Parquet data files with ``metadata.json``, atomically.
 
 Load (:func:`load_packed`): a map-style dataset of packs; its :meth:`~PackedDataset.collator`
 turns rows into :class:`thdpack.ThdBatch` es.

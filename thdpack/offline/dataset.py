@@ -8,8 +8,8 @@
     for batch in loader:                                  # ThdBatch, one pack
         ...
 
-Arrow shards are memory-mapped: opening is instant, rows are numpy views of the
-mapped file, and DataLoader workers share the pages. Parquet shards are decoded
+Arrow data files are memory-mapped: opening is instant, rows are numpy views of the
+mapped file, and DataLoader workers share the pages. Parquet data files are decoded
 into memory when opened. Needs ``pyarrow`` only (not ``datasets``).
 """
 
@@ -123,11 +123,11 @@ def _row_values(rows, name: str) -> np.ndarray:
     return np.concatenate(parts)
 
 
-# ---------------------------------------------------------------------------- shard checks
+# ---------------------------------------------------------------------------- data file checks
 
 
-def _read_shard(path: Path, damaged: str):
-    """The ``pyarrow.Table`` of one shard (Arrow: memory-mapped); :class:`NotPackedError` naming
+def _read_data_file(path: Path, damaged: str):
+    """The ``pyarrow.Table`` of one data file (Arrow: memory-mapped); :class:`NotPackedError` naming
     ``path`` if Arrow cannot read it."""
     pa = require_pyarrow("load_packed")
     import pyarrow.parquet as pq
@@ -158,11 +158,11 @@ def _first_bad(bad: np.ndarray) -> int | None:
     return int(hits[0]) if hits.size else None
 
 
-def _check_shard(table, entry: dict, path: Path, meta: dict, first_k: int, damaged: str) -> int:
-    """Check a shard's rows against ``metadata.json`` without reading its tokens: the token
+def _check_data_file(table, entry: dict, path: Path, meta: dict, first_k: int, damaged: str) -> int:
+    """Check a data file's rows against ``metadata.json`` without reading its tokens: the token
     and sample columns' offsets, every ``seq_lens`` entry >= 1, each pack's ``seq_lens``
-    summing to its tokens and no pack longer than ``pack_size``, the shard's token count.
-    ``first_k``: the dataset's index of the shard's first pack. Returns the shard's number
+    summing to its tokens and no pack longer than ``pack_size``, the data file's token count.
+    ``first_k``: the dataset's index of the data file's first pack. Returns the data file's number
     of samples (``seq_lens`` entries)."""
     missing = [c for c in meta["columns"] if c not in table.schema.names]
     if missing:
@@ -202,7 +202,7 @@ def _checked_offsets(batch, targets: str, where, damaged: str, values: Sequence[
 
 
 def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
-    """One record batch of :func:`_check_shard`; ``where(j)`` names its pack ``j``. Returns
+    """One record batch of :func:`_check_data_file`; ``where(j)`` names its pack ``j``. Returns
     int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
     offsets = _checked_offsets(batch, meta["targets"], where, damaged, value_columns(meta))
     tokens = np.diff(offsets["input_ids"])
@@ -281,7 +281,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     Row fields: ``input_ids`` (int32 ``[T_k]``), ``loss_mask`` (bool ``[T_k]``) or
     ``labels`` (int32 ``[T_k]``), ``seq_lens`` (int32 ``[n_k]``), ``sample_index``
-    (int64 ``[n_k]``), ``sample_start`` (int32 ``[n_k]``). Arrays of Arrow shards are
+    (int64 ``[n_k]``), ``sample_start`` (int32 ``[n_k]``). Arrays of Arrow data files are
     read-only views of the memory-mapped files.
 
     Picklable (workers reopen the files). Use :meth:`collator` for the ``collate_fn``.
@@ -295,12 +295,12 @@ class PackedDataset(torch.utils.data.Dataset):
 
     # ---- opening
     def _open(self) -> None:
-        batches, where = [], []  # where: (shard path, its pack at the batch's first row) of each record batch
-        pieces = first = 0  # first: the dataset's index of the shard's first pack
+        batches, where = [], []  # where: (data file path, its pack at the batch's first row) of each record batch
+        pieces = first = 0  # first: the dataset's index of the data file's first pack
         for f in self.metadata["files"]:
             p = self.path / f["path"]  # inside self.path (check_metadata)
-            table = self._open_shard(p, f)
-            pieces += _check_shard(table, f, p, self.metadata, first, self._damaged)
+            table = self._open_data_file(p, f)
+            pieces += _check_data_file(table, f, p, self.metadata, first, self._damaged)
             row = 0
             for b in table.to_batches():
                 if b.num_rows:
@@ -310,7 +310,7 @@ class PackedDataset(torch.utils.data.Dataset):
             first += row
         expected = self.metadata["counts"].get("pieces", pieces)
         if pieces != expected:
-            raise NotPackedError(f"{self.path / METADATA_FILE}: 'counts.pieces' is {expected} but the shards hold "
+            raise NotPackedError(f"{self.path / METADATA_FILE}: 'counts.pieces' is {expected} but the data files hold "
                                  f"{pieces} samples (seq_lens entries); {self._damaged}")
         self._batches = batches
         self._where = where
@@ -320,27 +320,27 @@ class PackedDataset(torch.utils.data.Dataset):
         tok = self.metadata.get("tokenizer") or {}
         self._vocab_size = tok.get("vocab_size")
 
-    def _open_shard(self, p: Path, f: dict):
-        """The table of shard ``p`` (its ``files`` entry ``f``), checked for presence, size, sha256
+    def _open_data_file(self, p: Path, f: dict):
+        """The table of data file ``p`` (its ``files`` entry ``f``), checked for presence, size, sha256
         (``verify``) and number of packs."""
         if not p.is_file():
-            raise NotPackedError(f"{self.path}: shard {f['path']} listed in {METADATA_FILE} is missing; {self._damaged}")
+            raise NotPackedError(f"{self.path}: data file {f['path']} listed in {METADATA_FILE} is missing; {self._damaged}")
         if p.stat().st_size != f["num_bytes"]:
             raise NotPackedError(
-                f"{self.path}: shard {f['path']} has {p.stat().st_size} bytes, metadata says {f['num_bytes']} "
+                f"{self.path}: data file {f['path']} has {p.stat().st_size} bytes, metadata says {f['num_bytes']} "
                 f"(modified or truncated); {self._damaged}"
             )
         if self.verify:
             if file_sha256(p) != f["sha256"]:
-                raise NotPackedError(f"{self.path}: shard {f['path']} does not match its sha256 in {METADATA_FILE}")
-        table = _read_shard(p, self._damaged)
+                raise NotPackedError(f"{self.path}: data file {f['path']} does not match its sha256 in {METADATA_FILE}")
+        table = _read_data_file(p, self._damaged)
         if table.num_rows != f["num_packs"]:
-            raise NotPackedError(f"{self.path}: shard {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
+            raise NotPackedError(f"{self.path}: data file {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
         return table
 
     @property
     def _damaged(self) -> str:
-        """What to do about a damaged shard (the end of its error message)."""
+        """What to do about a damaged data file (the end of its error message)."""
         return f"the dataset is damaged: check its checksums with `thdpack stats {self.path} --verify`, and rebuild it"
 
     def __getstate__(self):
@@ -461,7 +461,7 @@ class PackedDataset(torch.utils.data.Dataset):
         return PackedRowCollator(**kwargs)
 
     def to_hf(self):
-        """The packs as a ``datasets.Dataset`` (memory-mapped for Arrow shards)."""
+        """The packs as a ``datasets.Dataset`` (memory-mapped for Arrow data files)."""
         import datasets
 
         files = [str(self.path / f["path"]) for f in self.metadata["files"]]
@@ -484,12 +484,12 @@ def load_packed(path: str | Path, *, verify: bool = False) -> PackedDataset:
     """Open a packed dataset written by ``thdpack build``.
 
     Checks that the build completed (``metadata.json`` is written last), ``metadata.json``
-    against its schema (:func:`thdpack.offline.format.check_metadata`), and every shard:
+    against its schema (:func:`thdpack.offline.format.check_metadata`), and every data file:
     present with the recorded size, readable, its packs, tokens and ``seq_lens`` consistent
     with the metadata and no pack longer than ``pack_size`` (list offsets only: the tokens
-    are not read). ``verify=True`` also checks the shards' sha256. Reading a pack checks
+    are not read). ``verify=True`` also checks the data files' sha256. Reading a pack checks
     its token ids (and labels) against the tokenizer's vocabulary. Every failure is a
-    :class:`NotPackedError` naming the key, or the shard file and pack.
+    :class:`NotPackedError` naming the key, or the data file and pack.
     Returns a :class:`PackedDataset` (one row per pack).
     """
     return PackedDataset(path, verify=verify)
