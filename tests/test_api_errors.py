@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import BatchLayout, PackedRowCollator, ThdCollator, build_thd_batch, plan_packs
+from thdpack import BatchLayout, PackedRowCollator, SampleError, ThdCollator, build_thd_batch, plan_packs
 
 OK = {"input_ids": [1, 2, 3]}
 IGNORE = -100
@@ -44,8 +44,9 @@ def test_collator_names_tensor_errors_by_place_in_call():
     bad = {"input_ids": torch.tensor([1, 2], dtype=torch.bfloat16)}
     with pytest.raises(ValueError, match=r"^sample 1: field 'input_ids' must hold integers, got torch.bfloat16"):
         ThdCollator()([OK, bad])
-    with pytest.raises(ValueError, match=r"^sample 2: field 'input_ids' must hold integers, got torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"^sample 2: field 'input_ids' must hold integers, got torch.bfloat16") as err:
         ThdCollator(pack_size=16)([OK, OK, bad])
+    assert isinstance(err.value, SampleError) and (err.value.sample, err.value.field) == (2, "input_ids")
 
 
 # --------------------------------------------------------------------------
@@ -119,8 +120,9 @@ def test_any_invalid_element_names_its_sample(good, bad, at, which, field):
     sample = {"input_ids": [5] * len(values), field: values}
     samples = [dict(OK) for _ in range(4)]
     samples[which] = sample
-    with pytest.raises(ValueError, match=rf"^sample {which}(:| has).*'{field}'"):
+    with pytest.raises(ValueError, match=rf"^sample {which}(:| has).*'{field}'") as err:
         build_thd_batch(samples)
+    assert isinstance(err.value, SampleError) and (err.value.sample, err.value.field) == (which, field)
 
 
 def _tensor(dtype):
@@ -147,8 +149,9 @@ def test_any_invalid_field_value_names_its_sample(bad, which, field):
     the sample and the field (never a TypeError or a torch error)."""
     samples = [dict(OK) for _ in range(4)]
     samples[which] = {"input_ids": [5, 6], field: bad}
-    with pytest.raises(ValueError, match=rf"^sample {which}: field '{field}'"):
+    with pytest.raises(ValueError, match=rf"^sample {which}: field '{field}'") as err:
         build_thd_batch(samples)
+    assert isinstance(err.value, SampleError) and (err.value.sample, err.value.field) == (which, field)
 
 
 # --------------------------------------------------------------------------
@@ -220,8 +223,9 @@ def test_pixel_rows_of_wrong_width(model_type):
         ValueError,
         match=r"^sample 1: 'pixel_values' rows have 25 values but the model config expects 24 "
         r"\(in_channels 3 · temporal_patch_size 2 · patch_size 2²\)",
-    ):
+    ) as err:
         build_thd_batch([_image_sample(24), _image_sample(25)], model_config=cfg)
+    assert (err.value.sample, err.value.field) == (1, "pixel_values")
 
 
 def test_pixel_width_from_legacy_in_chans_and_video_rows():

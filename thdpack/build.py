@@ -138,7 +138,7 @@ def _read_samples(samples, max_length):
     for i, sample in enumerate(samples):
         ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids")
         if ids.size == 0:
-            raise SampleError.at(i, f": 'input_ids' is empty; every sample needs at least one token")
+            raise SampleError.at(i, f": 'input_ids' is empty; every sample needs at least one token", field='input_ids')
         labels = get_field(sample, "labels", i)
         mask = get_field(sample, "loss_mask", i)
         if labels is not None:
@@ -208,10 +208,11 @@ def _raise_bad_value(status, token, ids, source, mask, cu, ignore_index) -> None
     i = int(np.searchsorted(cu, token, side="right") - 1)
     at = f"at token {token - int(cu[i])}"
     if status == NEGATIVE_ID:
-        raise SampleError.at(i, f": 'input_ids' has negative id {int(ids[token])} {at}")
+        raise SampleError.at(i, f": 'input_ids' has negative id {int(ids[token])} {at}", field='input_ids')
     if status == BAD_LABEL:
         raise SampleError.at(
             i, f": 'labels' has {int(source[token])} {at}; "
-            f"labels must be token ids >= 0 or ignore_index ({ignore_index})"
+            f"labels must be token ids >= 0 or ignore_index ({ignore_index})",
+            field='labels',
         )
-    raise SampleError.at(i, f": 'loss_mask' has {mask[token].item()!r} {at}; expected 0 or 1")
+    raise SampleError.at(i, f": 'loss_mask' has {mask[token].item()!r} {at}; expected 0 or 1", field='loss_mask')

@@ -18,6 +18,7 @@ class SampleError(ValueError):
     """A ``ValueError`` about one sample: its message is ``"sample {sample}{detail}"``,
     ``sample`` being the sample's position in the list the builder was given.
 
+    ``field`` names the sample field at fault where one is (None otherwise).
     A caller that knows which input rows those samples are (the collator, whose packs
     are subsets of its call) renames the sample with :meth:`renamed` instead of
     parsing the message. Raised from a DataLoader worker, it arrives as a plain
@@ -25,18 +26,20 @@ class SampleError(ValueError):
     """
 
     sample: int | None = None
+    field: str | None = None
     detail: str = ""
 
     @classmethod
-    def at(cls, sample: int, detail: str) -> "SampleError":
-        """The error for sample ``sample``; ``detail`` follows the name (``": ..."`` or ``" has ..."``)."""
+    def at(cls, sample: int, detail: str, *, field: str | None = None) -> "SampleError":
+        """The error for sample ``sample``; ``detail`` follows the name (``": ..."`` or ``" has ..."``);
+        ``field``: the sample field at fault (``"input_ids"``, ``"labels"``, ...), None when no one field is."""
         exc = cls(f"sample {sample}{detail}")
-        exc.sample, exc.detail = sample, detail
+        exc.sample, exc.detail, exc.field = sample, detail, field
         return exc
 
     def renamed(self, sample: int, note: str = "") -> "SampleError":
         """The same error naming the sample ``sample``, with ``note`` appended."""
-        return SampleError.at(sample, self.detail + note)
+        return SampleError.at(sample, self.detail + note, field=self.field)
 
 
 def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) -> np.ndarray:
@@ -74,13 +77,14 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:
-        raise SampleError.at(sample, f": field '{field}' must be 1-D, got shape {tuple(arr.shape)}")
+        raise SampleError.at(sample, f": field '{field}' must be 1-D, got shape {tuple(arr.shape)}", field=field)
     if arr.dtype.kind not in ("iub" if allow_bool else "iu"):
         if arr.size == 0:
             return arr.astype(np.int64)
         raise SampleError.at(
             sample, f": field '{field}' must hold integers, got dtype {arr.dtype}"
-            + (f" (first value {arr[0].item()!r})" if arr.size else "")
+            + (f" (first value {arr[0].item()!r})" if arr.size else ""),
+            field=field,
         )
     return _within_int64(arr, sample=sample, field=field)
 
@@ -99,7 +103,7 @@ def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
 
 def _not_int64(sample: int, field: str, value, token: int) -> SampleError:
     detail = f": field '{field}' must hold integers in int64 range, got {value!r} at token {token}"
-    return SampleError.at(sample, detail)
+    return SampleError.at(sample, detail, field=field)
 
 
 def _arrow_array(value) -> np.ndarray:
@@ -121,13 +125,16 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
         try:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
-            raise SampleError.at(sample, f": field '{field}' is not a flat sequence of integers ({exc})") from None
+            raise SampleError.at(sample, f": field '{field}' is not a flat sequence of integers ({exc})", field=field) from None
         not_int64 = arr.ndim == 1 and (arr.dtype.kind not in "iub" or arr.dtype == np.uint64)
         bad = first_non_int64(value) if not_int64 else None
         if bad is not None:  # None, str, float, beyond int64: name the value and its token
             raise _not_int64(sample, field, bad[1], bad[0])
         if arr.dtype == object:
-            raise SampleError.at(sample, f": field '{field}' must hold integers, got {type(value[0]).__name__} values")
+            raise SampleError.at(
+                sample, f": field '{field}' must hold integers, got {type(value[0]).__name__} values",
+                field=field,
+            )
         return arr
     module = type(value).__module__
     if module.startswith("torch"):
@@ -141,9 +148,12 @@ def _as_numpy(value, *, sample: int, field: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except Exception as exc:  # pragma: no cover - depends on exotic input types
-        raise SampleError.at(sample, f": cannot read field '{field}' of type {type(value).__name__}: {exc}") from None
+        raise SampleError.at(sample, f": cannot read field '{field}' of type {type(value).__name__}: {exc}", field=field) from None
     if arr.dtype == object:
-        raise SampleError.at(sample, f": field '{field}' of type {type(value).__name__} is not an integer sequence")
+        raise SampleError.at(
+            sample, f": field '{field}' of type {type(value).__name__} is not an integer sequence",
+            field=field,
+        )
     return arr
 
 
@@ -153,12 +163,14 @@ def _torch_to_numpy(value, *, sample: int, field: str) -> np.ndarray:
     if getattr(value, "is_meta", False):
         raise SampleError.at(
             sample, f": field '{field}' is a meta tensor (no data); materialise it "
-            "(e.g. build the tensor on 'cpu') before packing"
+            "(e.g. build the tensor on 'cpu') before packing",
+            field=field,
         )
     if value.is_floating_point() or value.is_complex():
         raise SampleError.at(
             sample, f": field '{field}' must hold integers, got {value.dtype}; "
-            "pass token ids as an integer tensor (e.g. .long())"
+            "pass token ids as an integer tensor (e.g. .long())",
+            field=field,
         )
     return value.detach().cpu().numpy()
 
@@ -175,22 +187,24 @@ def get_field(sample, field: str, index: int, *, required: bool = False):
     else:
         raise SampleError.at(
             index, f" is a {type(sample).__name__}; expected a mapping with 'input_ids' "
-            "(and optionally 'labels' or 'loss_mask')"
+            "(and optionally 'labels' or 'loss_mask')",
+            field='input_ids',
         )
     if value is None and required:
         if field in sample.keys():
             raise SampleError.at(
                 index, f": field '{field}' is None; give the sample's token ids "
-                "(a list, numpy array or tensor of integers)"
+                "(a list, numpy array or tensor of integers)",
+                field=field,
             )
-        raise SampleError.at(index, f" has no '{field}' field (fields: {sorted(sample.keys())})")
+        raise SampleError.at(index, f" has no '{field}' field (fields: {sorted(sample.keys())})", field=field)
     return value
 
 
 def same_length(arr: np.ndarray, ids: np.ndarray, index: int, field: str) -> np.ndarray:
     """``arr`` (a per-token field of sample ``index``), checked to have one value per id."""
     if arr.size != ids.size:
-        raise SampleError.at(index, f": '{field}' has {arr.size} values but 'input_ids' has {ids.size}")
+        raise SampleError.at(index, f": '{field}' has {arr.size} values but 'input_ids' has {ids.size}", field=field)
     return arr
 
 

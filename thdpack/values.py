@@ -36,15 +36,19 @@ def _read_one(samples: Sequence, name: str) -> torch.Tensor:
     for i, sample in enumerate(samples):
         value = get_field(sample, name, i)
         if value is None:
-            raise SampleError.at(i, f" has no '{name}' value; every sample needs one when sample_values names it")
+            raise SampleError.at(
+                i, f" has no '{name}' value; every sample needs one when sample_values names it",
+                field=name,
+            )
         arr = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value)
         if arr.dtype.kind not in "biuf" or arr.ndim > 1:
             raise SampleError.at(
-                i, f": '{name}' is {value!r}; a per-sample value is a number or a 1-D vector of numbers"
+                i, f": '{name}' is {value!r}; a per-sample value is a number or a 1-D vector of numbers",
+                field=name,
             )
         if rows and arr.shape != rows[0].shape:
             raise SampleError.at(i, f": '{name}' has shape {arr.shape}, sample 0's has {rows[0].shape}; give every "
-                                    "sample the same shape")
+                                    "sample the same shape", field=name)
         rows.append(arr)
     stacked = np.stack(rows)
     dtype = np.float64 if stacked.dtype.kind == "f" else np.int64

@@ -259,15 +259,22 @@ def time_intervals(
     else:
         arr = np.asarray(second_per_grid_ts)
         if arr.dtype == object or arr.dtype.kind not in "iuf":
-            raise SampleError.at(sample, f": 'second_per_grid_ts' must be numbers, got {arr.dtype}")
+            raise SampleError.at(
+                sample, f": 'second_per_grid_ts' must be numbers, got {arr.dtype}",
+                field='second_per_grid_ts',
+            )
         values = arr.astype(np.float64).reshape(-1)
         mode = MODE_INT if (arr.dtype.kind in "iu" and integral_tps) else MODE_F32
     if values.size != n_videos:
         raise SampleError.at(
-            sample, f": 'second_per_grid_ts' has {values.size} values but 'video_grid_thw' has {n_videos} videos"
+            sample, f": 'second_per_grid_ts' has {values.size} values but 'video_grid_thw' has {n_videos} videos",
+            field='second_per_grid_ts',
         )
     if not np.all(np.isfinite(values)) or np.any(values < 0):
-        raise SampleError.at(sample, f": 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}")
+        raise SampleError.at(
+            sample, f": 'second_per_grid_ts' must be finite and >= 0, got {values.tolist()}",
+            field='second_per_grid_ts',
+        )
     if truncate:
         values = np.trunc(values)
         mode = MODE_INT if integral_tps else MODE_F32

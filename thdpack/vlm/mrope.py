@@ -211,7 +211,8 @@ def _check_runs(family, kind, name, counts, items, run_sample, run_len, n, hint)
         raise SampleError.at(
             i, f": its input_ids have {int(have[i])} run(s) of {name} placeholder tokens (id {token_id}) "
             f"but its '{grid_field}' describes {int(want[i])} {unit}; every {name}"
-            f"{' frame' if frames else ''} needs exactly one contiguous run of placeholders{hint}"
+            f"{' frame' if frames else ''} needs exactly one contiguous run of placeholders{hint}",
+            field='input_ids',
         )
     tokens = items.tokens
     mismatch = np.flatnonzero(run_len != tokens)
@@ -225,5 +226,6 @@ def _check_runs(family, kind, name, counts, items, run_sample, run_len, n, hint)
         formula = f"{h}·{w}/{m}² = {int(tokens[j])} per frame" if frames else f"{t}·{h}·{w}/{m}² = {int(tokens[j])}"
         raise SampleError.at(
             i, f": {where} has {int(run_len[j])} placeholder tokens (id {token_id}) in input_ids "
-            f"but its {grid_field} row [{t}, {h}, {w}] gives {formula}{hint}"
+            f"but its {grid_field} row [{t}, {h}, {w}] gives {formula}{hint}",
+            field='input_ids',
         )

@@ -184,19 +184,22 @@ def _read_kind(sample, i: int, kind: str, family):
     if kind == "video" and not family.supports_video and (grid.shape[0] or n_rows):
         raise SampleError.at(
             i, f": has video inputs ('{grid_field}' with {grid.shape[0]} videos, "
-            f"'{pix_field}' with {n_rows or 0} rows) but the model config ({family.model_type}) has no video token"
+            f"'{pix_field}' with {n_rows or 0} rows) but the model config ({family.model_type}) has no video token",
+            field=grid_field,
         )
     if grid.shape[0] == 0:
         if n_rows:
             raise SampleError.at(
                 i, f": '{pix_field}' has {n_rows} rows of patches but no '{grid_field}' "
-                f"(every {kind} needs its (t, h, w) grid)"
+                f"(every {kind} needs its (t, h, w) grid)",
+                field=pix_field,
             )
         return None, grid
     if pixels is None:
         raise SampleError.at(
             i, f": '{grid_field}' describes {grid.shape[0]} {kind}(s) "
-            f"({int(grid.prod(axis=1).sum())} patches) but the sample has no '{pix_field}'"
+            f"({int(grid.prod(axis=1).sum())} patches) but the sample has no '{pix_field}'",
+            field=grid_field,
         )
     m = family.spatial_merge_size
     bad = np.flatnonzero((grid < 1).any(axis=1) | (grid[:, 1] % m != 0) | (grid[:, 2] % m != 0))
@@ -204,14 +207,16 @@ def _read_kind(sample, i: int, kind: str, family):
         j = int(bad[0])
         raise SampleError.at(
             i, f": {kind} {j} has {grid_field} row {grid[j].tolist()}; t, h, w must be >= 1 "
-            f"and h, w multiples of spatial_merge_size={m}"
+            f"and h, w multiples of spatial_merge_size={m}",
+            field=grid_field,
         )
     patches = grid.prod(axis=1)
     if n_rows != int(patches.sum()):
         per = " + ".join(f"{'·'.join(map(str, g))}" for g in grid.tolist())
         raise SampleError.at(
             i, f": '{pix_field}' has {n_rows} rows but '{grid_field}' gives {int(patches.sum())} patches "
-            f"({per}, {kind}s 0..{grid.shape[0] - 1})"
+            f"({per}, {kind}s 0..{grid.shape[0] - 1})",
+            field=pix_field,
         )
     return _as_tensor(pixels), grid
 
@@ -222,13 +227,16 @@ def _grid(value, i: int, field: str) -> np.ndarray:
         if arr.size and arr.dtype.kind == "f" and np.all(arr == np.round(arr)):
             arr = arr.astype(np.int64)
         else:
-            raise SampleError.at(i, f": '{field}' must hold integers, got {arr.dtype}")
+            raise SampleError.at(i, f": '{field}' must hold integers, got {arr.dtype}", field=field)
     if arr.size == 0:
         return np.zeros((0, 3), np.int64)
     if arr.ndim == 1 and arr.size == 3:
         arr = arr[None]
     if arr.ndim != 2 or arr.shape[1] != 3:
-        raise SampleError.at(i, f": '{field}' must have shape [k, 3] (t, h, w per item), got {tuple(arr.shape)}")
+        raise SampleError.at(
+            i, f": '{field}' must have shape [k, 3] (t, h, w per item), got {tuple(arr.shape)}",
+            field=field,
+        )
     return arr.astype(np.int64)
 
 
@@ -243,14 +251,15 @@ def _rows(pixels, i: int, field: str, family) -> int:
     config gives the patch embedding, ``dim`` values wide."""
     shape = tuple(pixels.shape) if hasattr(pixels, "shape") else np.shape(pixels)
     if len(shape) != 2:
-        raise SampleError.at(i, f": '{field}' must be 2-D [patches, dim], got shape {shape}")
+        raise SampleError.at(i, f": '{field}' must be 2-D [patches, dim], got shape {shape}", field=field)
     width = getattr(family, "pixel_width", None)
     if width is not None and shape[1] != width:
         parts = getattr(family, "patch_shape", None)
         why = "" if parts is None else " (in_channels {} · temporal_patch_size {} · patch_size {}²)".format(*parts)
         raise SampleError.at(
             i, f": '{field}' rows have {shape[1]} values but the model config expects {width}{why}; "
-            "use the image processor that matches this model"
+            "use the image processor that matches this model",
+            field=field,
         )
     return int(shape[0])
 
@@ -273,7 +282,8 @@ def _check_columns(parts, field: str) -> None:
             first = (i, pix.shape[1])
         elif pix.shape[1] != first[1]:
             raise SampleError.at(
-                i, f": '{field}' rows have {pix.shape[1]} values but sample {first[0]}'s have {first[1]}"
+                i, f": '{field}' rows have {pix.shape[1]} values but sample {first[0]}'s have {first[1]}",
+                field=field,
             )
 
 
