@@ -49,6 +49,15 @@ def test_collator_names_tensor_errors_by_place_in_call():
     assert isinstance(err.value, SampleError) and (err.value.sample, err.value.field) == (2, "input_ids")
 
 
+def test_collator_renames_a_pack_error_keeping_its_field():
+    """An error found while building a pack names the sample by its place in the call
+    (SampleError.renamed), and keeps the field at fault."""
+    bad = {"input_ids": [1, 2, 3], "labels": [1, -5, 2]}
+    with pytest.raises(SampleError, match=r"^sample 2: 'labels' has -5 at token 1.*\(position 2 of pack 0\)") as err:
+        ThdCollator(pack_size=16)([OK, OK, bad])
+    assert (err.value.sample, err.value.field) == (2, "labels")
+
+
 # --------------------------------------------------------------------------
 # None, None elements, values beyond int64
 # --------------------------------------------------------------------------
