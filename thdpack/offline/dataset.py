@@ -47,8 +47,14 @@ def unpack_row(row: Mapping) -> list[dict]:
 
     ``row`` needs ``input_ids`` and ``seq_lens`` (and carries ``loss_mask`` or
     ``labels``); values may be numpy arrays, lists, tensors or Arrow values. The
-    returned arrays are views of the row's arrays.
+    returned arrays are views of the row's arrays (pixels: tensors of one writable copy of the pack's).
     """
+    return _unpack(row, copy_pixels=True)
+
+
+def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
+    """:func:`unpack_row`; ``copy_pixels=False``: the pixel tensors too are views of the row's
+    arrays (read-only memory for a memory-mapped data file), for a collator that copies them."""
     ids = row_list(row["input_ids"], "input_ids")
     lens = row_list(row["seq_lens"], "seq_lens").astype(np.int64)
     if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
@@ -65,7 +71,7 @@ def unpack_row(row: Mapping) -> list[dict]:
     if "image_counts" in row:  # a VLM pack: each sample's pixel_values / image_grid_thw
         from thdpack.offline.vision_readback import add_vision
 
-        add_vision(samples, row)
+        add_vision(samples, row, copy=copy_pixels)
     return samples
 
 
@@ -100,14 +106,24 @@ class PackedRowCollator:
         if isinstance(rows, Mapping):
             rows = [rows]
         samples, index = [], []
-        for row in rows:
-            samples.extend(unpack_row(row))
+        for row in rows:  # pixels: views of the rows, copied once by the collator's concatenation
+            samples.extend(_unpack(row, copy_pixels=False))
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
-        batch = self.collator(samples)
+        batch = _own_pixels(self.collator(samples), samples)
         batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
         for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
             batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
         return batch
+
+
+def _own_pixels(batch: ThdBatch, samples: list[dict]) -> ThdBatch:
+    """``batch`` with its own copy of a pixel tensor (``[P, pixel_dim]``) that it took from a
+    sample as it is (a batch whose pixels are one sample's): the samples' are views of the rows."""
+    for name in ("pixel_values", "pixel_values_videos"):
+        pixels = batch.extras.get(name)
+        if pixels is not None and any(s.get(name) is pixels for s in samples):
+            batch.extras[name] = pixels.clone()
+    return batch
 
 
 def _row_values(rows, name: str) -> np.ndarray:
