@@ -363,7 +363,7 @@ def test_any_json_value_converts_or_is_a_value_error():
     """Whatever JSON a row holds, the conversions return or raise ValueError (a row error), never
     another exception that would stop the build."""
     hypothesis = pytest.importorskip("hypothesis")
-    from thdpack.offline.tokenize import flatten_content
+    from thdpack.offline.chat_content import flatten_content
 
     st = hypothesis.strategies
     scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)

@@ -33,7 +33,8 @@ from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_row
 from thdpack.offline.sources import Source, read_source
 from thdpack.offline.staging import OutputLock, _commit, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
-from thdpack.offline.tokenize import Tokenized, read_chat_template, resolve_format, tokenize_source
+from thdpack.offline.tokenize import Tokenized, resolve_format, tokenize_source
+from thdpack.offline.tokenizer import read_chat_template
 from thdpack.offline.vlm import vlm_build
 from thdpack.packing import usable_length
 from thdpack.plan import PackPlan, plan_packs

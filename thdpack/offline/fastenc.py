@@ -219,7 +219,7 @@ def normalize_chats(conversations: list) -> list:
     """The conversations as ``apply_chat_template`` normalizes them (message objects to dicts,
     ``None`` values dropped); as given when this transformers version has no such step.
     Content parts are already joined into strings by then (the row checks,
-    :func:`thdpack.offline.tokenize.flatten_content`)."""
+    :func:`thdpack.offline.chat_content.flatten_content`)."""
     try:
         from transformers.tokenization_utils_base import _normalize_chat_messages
     except ImportError:

@@ -1,7 +1,7 @@
 """The row formats users have, besides OpenAI ``messages`` rows: ShareGPT and TRL's prompt/completion.
 
 Each one becomes the representation the build already has, so that the chat code
-(templates, assistant targets) is written once (:mod:`thdpack.offline.tokenize`):
+(templates, assistant targets) is written once (:mod:`thdpack.offline.row_tokenizer`):
 
 - **sharegpt** ``{"conversations": [{"from": "human", "value": ...}, ...]}``:
   converted to ``messages`` (:func:`sharegpt_to_messages`) and then built exactly

@@ -79,11 +79,11 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline.chat_content import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 from thdpack.offline.errors import ConfigError
 from thdpack.offline.format import VLM_FORMAT_VERSION
 from thdpack.offline.media import load_image_processor
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 from thdpack.offline.vision_columns import (PROCESSOR_DIR, VISION_COLUMNS, VisionColumns, image_stats,
                                             row_grids, row_vision_patches, vision_metadata)
 from thdpack.offline.vlm_rows import VISION_MAP_BATCH_SIZE, VlmRowTokenizer, row_features

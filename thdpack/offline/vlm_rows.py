@@ -1,4 +1,4 @@
-"""The VLM row tokenizer: :class:`~thdpack.offline.tokenize.RowTokenizer` for rows with
+"""The VLM row tokenizer: :class:`~thdpack.offline.row_tokenizer.RowTokenizer` for rows with
 images and videos (the build set up by :mod:`thdpack.offline.vlm`).
 
 Per map batch, three steps, each handing its result to the next as a value:
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack.offline.chat_content import flatten_content
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.media import RowVideos, row_images, row_videos
+from thdpack.offline.row_tokenizer import RowTokenizer, row_error
 from thdpack.offline.sources import JSON_COLUMN
-from thdpack.offline.tokenize import RowTokenizer, flatten_content, _row_error
 from thdpack.offline.vision_columns import CUT_COLUMN
 from thdpack.samples import IGNORE_INDEX
 
@@ -113,7 +114,7 @@ class VlmRowTokenizer(RowTokenizer):
             except (ValueError, InputError) as exc:  # ours: the message says it all
                 errors[i] = str(exc)
             except Exception as exc:  # noqa: BLE001 - the processor's: reported as a row error
-                errors[i] = _row_error(exc)
+                errors[i] = row_error(exc)
         return vision
 
     def _row_media(self, value, refs, video_refs, row: int):
@@ -186,7 +187,7 @@ class VlmRowTokenizer(RowTokenizer):
     def _flatten_parts(self, messages: list, refs: list, video_refs: list) -> tuple[list, list, list]:
         """Messages whose content is a list of parts (the ``transformers`` / TRL layout:
         ``[{"type": "image"}, {"type": "text", "text": "..."}]``) with string content
-        instead (:func:`~thdpack.offline.tokenize.flatten_content`): each image / video part
+        instead (:func:`~thdpack.offline.chat_content.flatten_content`): each image / video part
         becomes its placeholder marker. A part may name its image or video (``"image"`` /
         ``"video"``, ``"path"`` or ``"url"``: a local path, or ``{"bytes": ...}``); then every
         part of that kind must, and the row's images / videos field must be empty.
