@@ -10,7 +10,11 @@ answer, written once to a temporary directory. Both methods decode with PyAV and
 the frames by the same rules (:mod:`thdpack.offline.video`: Qwen2-VL's video processor
 rules, qwen-vl-utils' sampling; transformers' video processors need torchvision, which
 does not load beside the CPU torch here; thdpack runs with ``video: {backend: builtin}``
-wherever it runs), so the comparison is about the pipeline around them:
+wherever it runs), so the comparison is about the pipeline around them. The baseline
+imports ``transformers.video_processing_utils``, what the video processor a user calls would
+import (``processing_utils`` and with it ``modeling_utils``: ~80 MB anonymous memory), and
+thdpack imports ``transformers.image_processing_utils`` (the same modules), which its build
+would import constructing the image processor: both sides count them as imports.
 
   baseline   ``datasets.map`` over the rows, one row at a time: decode + frames +
              patches, chat template and tokenizer per sample, the vision placeholder
@@ -21,7 +25,10 @@ wherever it runs), so the comparison is about the pipeline around them:
              ``--pack-size`` tokens within ``--vision-budget`` patches, then every pack
              read back and collated (``load_packed(path).collator()``).
 
-Both methods read the same files. Every run is a fresh process with its own empty
+Both methods read the same files and both write their processed pixel rows to disk once and
+read them back (the baseline: ``datasets.map``'s cache file; thdpack: the packed data file);
+thdpack's collator also computes each pack's mRoPE positions, which the baseline leaves to
+the model's ``get_rope_index``. Every run is a fresh process with its own empty
 ``HF_DATASETS_CACHE`` (no run reuses another's cached ``datasets`` files). Runs are
 interleaved in rounds, the order alternating (baseline first, then thdpack first, ...);
 the first ``--warmup`` rounds (page cache, lazy imports compiled to .pyc, numba's cache)
@@ -30,8 +37,10 @@ max) of wall-clock seconds and of CPU seconds (user + sys, the process and its c
 steadier than wall-clock on a shared machine); "ratio" = the median over rounds of
 baseline / thdpack of the same round, with its spread. Memory: the process's peak
 resident set (``ru_maxrss``) and, of it, what the imports alone took (``imports``: the
-peak after importing, before any work). Also shown: tokens, padded slots of the
-baseline batches. No assertions: the script measures and prints.
+peak after importing, before any work); the peak anonymous memory (``RssAnon``: heap,
+numpy / Arrow / torch buffers, not the pages of memory-mapped files) and, of it, the
+imports'. Also shown: tokens, padded slots of the baseline batches. No assertions: the
+script measures and prints.
 """
 
 from __future__ import annotations
@@ -157,8 +166,10 @@ def run_thdpack(d: Path, args) -> dict:
 
 
 METHODS = {"baseline": run_baseline, "thdpack": run_thdpack}
-IMPORTS = {"baseline": ("datasets", "torch", "transformers", "thdpack.offline.video"),
-           "thdpack": ("datasets", "torch", "transformers", "thdpack.offline", "thdpack.offline.vlm")}
+IMPORTS = {"baseline": ("datasets", "torch", "transformers", "transformers.video_processing_utils",
+                         "thdpack.offline.video"),
+           "thdpack": ("datasets", "torch", "transformers", "transformers.image_processing_utils", "thdpack.offline",
+                       "thdpack.offline.vlm")}
 
 
 def cpu_seconds() -> float:
@@ -203,7 +214,7 @@ def child(args) -> None:
     for name in IMPORTS[args.method]:
         importlib.import_module(name)
     imports = {"import_seconds": time.perf_counter() - t,
-               "import_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+               "import_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "import_anon_mb": anon.now()}
     out = METHODS[args.method](Path(args.data), args)
     out.update(imports, seconds=time.perf_counter() - t, cpu_seconds=cpu_seconds() - c,
                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_anon_mb=anon.stop())
@@ -236,7 +247,8 @@ def summary(rounds: list) -> dict:
     for m in METHODS:
         runs = [r[m] for r in rounds]
         out[m] = {k: statistics.median(x[k] for x in runs) for k in
-                  ("seconds", "cpu_seconds", "import_seconds", "peak_rss_mb", "import_rss_mb", "peak_anon_mb")}
+                  ("seconds", "cpu_seconds", "import_seconds", "peak_rss_mb", "import_rss_mb", "peak_anon_mb",
+                   "import_anon_mb")}
         out[m].update({f"{k}_all": [x[k] for x in runs] for k in ("seconds", "cpu_seconds", "peak_rss_mb")})
         out[m].update({k: runs[0][k] for k in ("tokens", "slots", "batches")})
     for key in ("seconds", "cpu_seconds"):
@@ -248,11 +260,12 @@ def summary(rounds: list) -> dict:
 
 def report(s: dict) -> None:
     print(f"{'':9s} {'wall s: median (min - max)':28s} {'CPU s: median (min - max)':28s} "
-          "peak RSS MB (imports) / anonymous")
+          "peak RSS MB (imports) / anonymous (imports)")
     for m in METHODS:
         r = s[m]
         print(f"{m:9s} {spread(r['seconds_all']):28s} {spread(r['cpu_seconds_all']):28s} "
-              f"{r['peak_rss_mb']:5.0f} ({r['import_rss_mb']:.0f}) / {r['peak_anon_mb']:.0f}   {r['batches']} batches, "
+              f"{r['peak_rss_mb']:5.0f} ({r['import_rss_mb']:.0f}) / {r['peak_anon_mb']:.0f} ({r['import_anon_mb']:.0f})   "
+              f"{r['batches']} batches, "
               f"{r['tokens']:,} tokens in {r['slots']:,} slots ({r['tokens'] / max(r['slots'], 1):.0%} real)")
     for key, what in (("seconds", "wall-clock"), ("cpu_seconds", "CPU time")):
         r = s[f"ratio_{key}"]
