@@ -237,7 +237,7 @@ def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_si
     (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
     import pyarrow.parquet as pq
 
-    from thdpack.offline.dataset import _read_shard
+    from thdpack.offline.dataset import read_data_file
 
     if multiple > 1 and pad_id is None:
         raise ConfigError(f"pad_seq_to_mult={multiple} pads samples with the tokenizer's EOS id, which this dataset does "
@@ -250,7 +250,7 @@ def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_si
         first = totals.packs
         with pq.ParquetWriter(str(path), _schema()) as writer:
             row = 0
-            for batch in _read_shard(data_file, damaged="rebuild it").to_batches():
+            for batch in read_data_file(data_file, damaged="rebuild it").to_batches():
                 where_pack = (lambda j, r=row: f"{data_file}: pack {r + j}")
                 rows = _batch_rows(batch, targets, multiple, pad, where_pack)
                 _check_fits(rows, pack_size, multiple, align, where_pack)

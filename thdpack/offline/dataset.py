@@ -142,7 +142,7 @@ def _row_values(rows, name: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- data file checks
 
 
-def _read_data_file(path: Path, damaged: str):
+def read_data_file(path: Path, damaged: str):
     """The ``pyarrow.Table`` of one data file (Arrow: memory-mapped); :class:`NotPackedError` naming
     ``path`` if Arrow cannot read it."""
     pa = require_pyarrow("load_packed")
@@ -349,7 +349,7 @@ class PackedDataset(torch.utils.data.Dataset):
         if self.verify:
             if file_sha256(p) != f["sha256"]:
                 raise NotPackedError(f"{self.path}: data file {f['path']} does not match its sha256 in {METADATA_FILE}")
-        table = _read_data_file(p, self._damaged)
+        table = read_data_file(p, self._damaged)
         if table.num_rows != f["num_packs"]:
             raise NotPackedError(f"{self.path}: data file {f['path']} has {table.num_rows} packs, metadata says {f['num_packs']}")
         return table
