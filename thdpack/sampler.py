@@ -16,7 +16,7 @@ from thdpack.packing import usable_length
 from thdpack.plan import PackPlan, plan_packs, validate_lengths
 
 
-def _distributed_default(num_replicas, rank) -> tuple[int, int]:
+def distributed_default(num_replicas, rank) -> tuple[int, int]:
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
@@ -120,7 +120,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self.plan_kwargs.update(groups=np.asarray(groups))
         self.shuffle = shuffle
         self.seed = int(seed)
-        self.num_replicas, self.rank = _distributed_default(num_replicas, rank)
+        self.num_replicas, self.rank = distributed_default(num_replicas, rank)
         self.drop_last = drop_last
         self.balance = balance
         self.micro_batches = micro_batches

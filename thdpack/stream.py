@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from thdpack.align import check_int, round_up
 from thdpack.packing import CUT_KEYS, PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
-from thdpack.sampler import _distributed_default, check_state_dict
+from thdpack.sampler import check_state_dict, distributed_default
 from thdpack.samples import get_field, slice_sample, to_int_array
 
 
@@ -101,7 +101,7 @@ class StreamingPacker(IterableDataset):
         self.max_samples_per_pack = max_samples_per_pack
         self.length_fn = length_fn or _default_length
         self.skip_consumed = skip_consumed
-        self.num_replicas, self.rank = _distributed_default(num_replicas, rank)
+        self.num_replicas, self.rank = distributed_default(num_replicas, rank)
         self._reset()
 
     def _reset(self) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.format import file_sha256
-from thdpack.offline.staging import _move_into_place, fsync_dir, fsync_file, staged_output
+from thdpack.offline.staging import fsync_dir, fsync_file, move_into_place, staged_output
 from thdpack.samples import IGNORE_INDEX
 
 FORMAT = "megatron-bridge"
@@ -304,7 +304,7 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
                               pad_id=bridge_pad_id(meta) if pad_id is None else pad_id)
         fsync_dir(tmp)
         with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
-            _move_into_place(tmp, output)
+            move_into_place(tmp, output)
     return record
 
 

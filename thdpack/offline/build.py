@@ -31,7 +31,7 @@ from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.model_config import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.sources import Source, read_source
-from thdpack.offline.staging import OutputLock, _commit, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
+from thdpack.offline.staging import OutputLock, commit_staged, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
 from thdpack.offline.stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.tokenizer import read_chat_template
@@ -452,7 +452,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         shutil.rmtree(work)
         for f in written["files"]:
             fsync_file(tmp / f["path"])
-        _commit(tmp, meta, output)
+        commit_staged(tmp, meta, output)
     timings["total"] = time.perf_counter() - t_start
     size = sum(f["num_bytes"] for f in written["files"])
     logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} data file(s), {size / 1e6:.1f} MB "

@@ -40,7 +40,7 @@ from thdpack.offline.format import (LIST_COLUMNS, METADATA_FILE, PackedMetadata,
                                     file_sha256)
 from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.input_slice import MERGED_KEY, OLD_KEYS, SLICE_KEY, slice_info, slice_rows
-from thdpack.offline.staging import _commit, fsync_file, staged_output
+from thdpack.offline.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
 MAX_ERRORS_RECORDED = 20
@@ -384,7 +384,7 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
             from thdpack.offline.bridge import write_merged
 
             meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"])
-        _commit(tmp, meta, output)
+        commit_staged(tmp, meta, output)
     size = sum(f["num_bytes"] for f in files)
     logger.info(f"merged    {len(slices)} slices into {output}: {meta['num_packs']:,} packs, {len(files)} {fmt} file(s), "
                 f"{size / 1e6:.1f} MB ({'hard-linked' if link else 'copied'})")

@@ -79,7 +79,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def start_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE) -> tuple[Path, OutputLock]:
     """Lock ``output``, check that it may be written (:func:`_check_output`) and make the hidden
-    temporary directory ``.NAME.tmp-PID-RAND`` next to it that :func:`_commit` moves into place.
+    temporary directory ``.NAME.tmp-PID-RAND`` next to it that :func:`commit_staged` moves into place.
     ``marker``: the file that marks an earlier output of the same command, which ``overwrite`` may replace.
     Returns ``(tmp, lock)``; the caller removes ``tmp`` on failure and releases the lock when done."""
     try:
@@ -109,7 +109,7 @@ def start_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE) 
 def staged_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE):
     """The hidden temporary directory a writer fills, under the output lock (:func:`start_output`).
 
-    The writer ends by moving it into place (:func:`_commit`, or :func:`_move_into_place`). On
+    The writer ends by moving it into place (:func:`commit_staged`, or :func:`move_into_place`). On
     any exception the directory is removed and a file-system failure becomes one
     :class:`OutputError` naming the path; the lock is released in every case.
     """
@@ -167,7 +167,7 @@ def _check_output(output: Path, overwrite: bool, marker: str = METADATA_FILE) ->
         )
 
 
-def _commit(tmp: Path, meta: PackedMetadata, output: Path) -> None:
+def commit_staged(tmp: Path, meta: PackedMetadata, output: Path) -> None:
     """Write ``metadata.json`` last (its presence marks a complete dataset), durably, then
     move the finished ``tmp`` directory to ``output``. A SIGINT/SIGTERM arriving meanwhile waits
     until the dataset is in place (never half moved), then stops the command."""
@@ -177,10 +177,10 @@ def _commit(tmp: Path, meta: PackedMetadata, output: Path) -> None:
     os.replace(meta_tmp, tmp / METADATA_FILE)
     fsync_dir(tmp)
     with signals_deferred(f"the packed dataset was complete and is at {output}"):
-        _move_into_place(tmp, output)
+        move_into_place(tmp, output)
 
 
-def _move_into_place(tmp: Path, output: Path) -> None:
+def move_into_place(tmp: Path, output: Path) -> None:
     """Rename ``tmp`` to ``output`` (under the :class:`OutputLock`). A directory already at ``output``
     (empty, or a thdpack dataset under --overwrite: checked by :func:`_check_output`) is moved aside
     first and removed after; the rename itself never merges two directories: it fails if something
