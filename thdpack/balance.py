@@ -18,7 +18,7 @@ import numpy as np
 
 from thdpack.align import check_int, check_positive_int, round_up
 from thdpack.packing import PackStats, pack_sums
-from thdpack.plan import PackPlan, _check_groups, _number_groups, _vision_overflow, plan_packs, validate_lengths
+from thdpack.plan import PackPlan, check_groups, number_groups, vision_overflow, plan_packs, validate_lengths
 
 
 @dataclass(frozen=True)
@@ -239,14 +239,14 @@ def _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budg
     lengths = validate_lengths(lengths)
     check_int(pack_size, "pack_size", 1)
     check_int(align, "align", 1)
-    gid = _check_groups(groups, lengths.size)
-    group_of = _number_groups(gid)
+    gid = check_groups(groups, lengths.size)
+    group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, align)
     big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
     vision = None
     if vision_lengths is not None or vision_budget is not None:
-        vision = _vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
+        vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         big |= np.bincount(group_of, weights=vision, minlength=num_groups) > vision_budget
     if not big.any():
         return None

@@ -180,7 +180,7 @@ def plan_packs(
     limit = _check_plan_args(pack_size, algorithm, align, overflow, max_samples_per_pack)
     lengths = validate_lengths(lengths)
     over = lengths > limit
-    vision = _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
+    vision = vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
     if vision is not None and overflow == "drop":
         over = over | (vision > vision_budget)
     pieces = cut_overflow(lengths, overflow, pack_size, align, over=over)
@@ -262,15 +262,15 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
     check_int(align, "align", 1)
     if max_samples_per_pack is not None:
         raise ValueError("max_samples_per_pack is not available with groups (a group counts as one item); drop one")
-    gid = _check_groups(groups, lengths.size)
-    group_of = _number_groups(gid)
+    gid = check_groups(groups, lengths.size)
+    group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, align)
     group_sizes = np.bincount(group_of, weights=sizes, minlength=num_groups).astype(np.int64)
     _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
     vision, group_vision = None, None
     if vision_lengths is not None or vision_budget is not None:
-        vision = _vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
+        vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
         _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
     outer = plan_packs(group_sizes, pack_size, algorithm=algorithm, align=1, overflow=overflow, seed=seed,
@@ -297,7 +297,7 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
     )
 
 
-def _check_groups(groups, n: int) -> np.ndarray:
+def check_groups(groups, n: int) -> np.ndarray:
     """``groups`` as int64 ``[n]``; ``ValueError`` naming what is wrong."""
     gid = np.asarray(groups)
     if gid.shape != (n,) or (gid.size and gid.dtype.kind not in "iu"):
@@ -307,7 +307,7 @@ def _check_groups(groups, n: int) -> np.ndarray:
     return gid.astype(np.int64)
 
 
-def _number_groups(gid: np.ndarray) -> np.ndarray:
+def number_groups(gid: np.ndarray) -> np.ndarray:
     """int64 ``[n]`` group of every sample, groups numbered 0.. by first appearance (so that
     ``"sequential"`` keeps the input order)."""
     _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
@@ -345,7 +345,7 @@ def _placement_order(sizes: np.ndarray, algorithm: str, seed: int, pack_size: in
     return np.arange(sizes.size)
 
 
-def _vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size) -> np.ndarray | None:
+def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size) -> np.ndarray | None:
     """Checked ``[n]`` int64 vision patches (None without a vision budget); raises for
     samples that break the vision budget, or that would have to be cut, unless dropped."""
     if (vision_lengths is None) != (vision_budget is None):
