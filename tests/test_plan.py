@@ -624,16 +624,13 @@ def test_bfd_quality_on_lognormal(align):
     assert bfd.stats.num_packs < seq.stats.num_packs
 
 
-def test_plans_large_input_quickly():
-    import time
-
+def test_plans_large_input_near_the_lower_bound():
+    """200k long-tailed lengths: BFD within 3 packs of the lower bound, every sample once.
+    (Its speed is measured by benchmarks/plan.py against the peers, not asserted here.)"""
     lengths = _lognormal_lengths(200_000, 7, 8192)
-    plan_packs(lengths[:10], 8192)  # compile
-    t0 = time.perf_counter()
     plan = plan_packs(lengths, 8192, algorithm="bfd")
-    elapsed = time.perf_counter() - t0
     assert plan.stats.num_packs <= plan.stats.lower_bound + 3
-    assert elapsed < 5.0
+    assert np.array_equal(np.sort(plan.sample_index), np.arange(lengths.size))
 
 
 # --------------------------------------------------------------------------
