@@ -298,12 +298,12 @@ def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan)
     ``targets`` of the tokenized row from the piece's start; a piece's first token starts a
     sample in its pack, so it is never a target). Read a bounded chunk of pieces at a time."""
     from thdpack.offline.gather import RowPieces
-    from thdpack.offline.writer import CHUNK_TOKENS, _cuts
+    from thdpack.offline.writer import CHUNK_TOKENS, group_boundaries
 
     reader = RowPieces(table, targets)
     rows, starts, lengths = sample_rows[plan.sample_index], plan.start + 1, plan.length - 1
     out = np.zeros(rows.size, np.int64)
-    cuts = _cuts(lengths, CHUNK_TOKENS)
+    cuts = group_boundaries(lengths, CHUNK_TOKENS)
     for a, b in zip(cuts[:-1], cuts[1:]):
         values = reader.gather(rows[a:b], starts[a:b], lengths[a:b])
         is_t = values if targets == "loss_mask" else values != IGNORE_INDEX

@@ -55,7 +55,7 @@ def value_fields(values: dict):
     return [pa.field(SAMPLE_VALUE_PREFIX + name, pa.list_(pa.from_numpy_dtype(v.dtype))) for name, v in values.items()]
 
 
-def _cuts(tokens: np.ndarray, budget: int) -> list[int]:
+def group_boundaries(tokens: np.ndarray, budget: int) -> list[int]:
     """Boundaries ``[0, ..., n]`` splitting consecutive items into groups of about ``budget`` tokens."""
     if tokens.size == 0:
         return [0, 0]
@@ -106,7 +106,7 @@ def write_packs(
     fill = np.add.reduceat(plan.length, plan.pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
     fill = fill[order]
     bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
-    file_cuts = _cuts(fill, int(file_size_mb * 1e6 / bytes_per_token))
+    file_cuts = group_boundaries(fill, int(file_size_mb * 1e6 / bytes_per_token))
     chunk_weight, chunk_budget = fill, CHUNK_TOKENS
     sch = schema(targets)
     if extra is not None:  # size data files and record batches by bytes, extra columns included
@@ -114,7 +114,7 @@ def write_packs(
             sch = sch.append(f)
         chunk_weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
         chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
-        file_cuts = _cuts(chunk_weight, int(file_size_mb * 1e6))
+        file_cuts = group_boundaries(chunk_weight, int(file_size_mb * 1e6))
     values = values or {}
     for f in value_fields(values):
         sch = sch.append(f)
@@ -133,7 +133,7 @@ def write_packs(
             sink = None
             writer = pq.ParquetWriter(str(path), sch, compression="zstd")
         try:
-            chunk_cuts = _cuts(chunk_weight[a:b], chunk_budget)
+            chunk_cuts = group_boundaries(chunk_weight[a:b], chunk_budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
                 batch, n_targets = _chunk(readers, targets, plan, sample_rows, ks, sch, row_offset, extra, values)
