@@ -6,7 +6,7 @@ them on stderr, message text only (:func:`cli_logging`); a Python caller sees th
 it configures logging (``logging.basicConfig(level=logging.INFO)``), as with any library.
 
 The ``log=`` callback that :func:`~thdpack.offline.build.build_packed` and
-:func:`~thdpack.offline.merge.merge_shards` took before still works for one release
+:func:`~thdpack.offline.merge.merge_slices` took before still works for one release
 (:func:`deprecated_log`): it warns, and receives the messages of that call.
 """
 
