@@ -8,7 +8,8 @@
 Each step packs ``--samples`` image+text samples (seed ``--seed``), as a processor
 returns them: torch ``input_ids`` with the image placeholders expanded (one image
 token per merged patch), ``mm_token_type_ids``, ``image_grid_thw`` and
-``pixel_values`` (``--pixel-dim`` values per patch: the width only scales a memcpy).
+``pixel_values`` (:data:`PIXEL_DIM` = 8 values per patch, the tiny configs' row width: the width
+only scales a memcpy; real models have 1176 or 1536).
 A sample has 1 image (75%), 2 (20%) or 3 (5%), each 224..1008 px a side at patch
 14 / merge 2 (64..1296 image tokens), a system prompt, a question (lognormal, median
 ~33 tokens) and an answer (lognormal, median ~90 tokens, at most 4096).
@@ -73,6 +74,7 @@ MODEL_CLASSES = {
 # Qwen's token ids; ordinary text is drawn below TEXT_HI
 IMG, VID, VS, VE, TEXT_HI = 151655, 151656, 151652, 151653, 151643
 MERGE = 2
+PIXEL_DIM = 8  # values per pixel_values row: in_channels 1 · temporal_patch_size 2 · patch_size 2² (tiny_model)
 TARGET = 10.0
 METHODS = ("per-sample", "padded BSHD", "thdpack", "build")
 
@@ -125,7 +127,9 @@ def tiny_model(family: str):
         num_key_value_heads=1, head_dim=16, max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
     )
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+    # in_channels 1 · temporal_patch_size 2 · patch_size 2² = PIXEL_DIM values per pixel_values row, which
+    # build_thd_batch checks against the config; get_rope_index reads neither (only the merge size).
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2, in_channels=1,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=32)
     ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     if family == "qwen2_vl":
@@ -137,13 +141,13 @@ def tiny_model(family: str):
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     elif family == "qwen3_vl":
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
-        vision = dict(vision, patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        vision = dict(vision, num_position_embeddings=64, deepstack_visual_indexes=[0])
         cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     else:
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True, partial_rotary_factor=1.0)
         text.update(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
-        vision = dict(vision, patch_size=16, num_position_embeddings=64)
+        vision = dict(vision, num_position_embeddings=64)
         cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
     torch.manual_seed(0)
     return getattr(transformers, MODEL_CLASSES[family])(cfg).eval()
@@ -375,7 +379,6 @@ def main() -> int:
     p.add_argument("--families", default="qwen2_5_vl", help=f"comma-separated, or 'all' ({', '.join(FAMILIES)})")
     p.add_argument("--scenarios", default="typical,long-tail", help="typical, long-tail (one extra 32k-token sample per step)")
     p.add_argument("--long-sample", type=int, default=32768, help="tokens of the long-tail scenario's extra sample")
-    p.add_argument("--pixel-dim", type=int, default=8, help="values per pixel_values row (real models: 1176 or 1536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--no-alloc", action="store_true", help="skip the allocation tracing")
@@ -397,7 +400,7 @@ def main() -> int:
     results = []
     for scenario in scenarios:
         long_sample = args.long_sample if scenario == "long-tail" else 0
-        steps = make_steps(args.warmup + args.steps, args.samples, args.seed, args.pixel_dim, long_sample)
+        steps = make_steps(args.warmup + args.steps, args.samples, args.seed, PIXEL_DIM, long_sample)
         print(f"{scenario}: {args.warmup + args.steps} steps ({args.warmup} warm-up) of {len(steps[0])} samples; "
               f"first step {sum(s['input_ids'].numel() for s in steps[0]):,} tokens")
         for family in families:

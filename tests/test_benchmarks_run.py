@@ -1,0 +1,40 @@
+"""Every benchmark script still runs on the current code, in its smallest setting.
+
+They measure speed and memory side by side with a peer (README "Performance"); this test
+asserts nothing about speed, only that each script runs to its end, exits 0 (a benchmark
+exits non-zero when thdpack's output differs from the peer's) and prints its table. A
+refactor that breaks a benchmark (as the pixel-row width check once broke benchmarks/vlm.py)
+fails here instead of at the next measurement. The TRL-based peers (benchmarks/build.py,
+the plan benchmark's TRL column) need the `bench` extra and are left out; the video
+benchmark decodes hundreds of videos and is run by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {
+    "vlm": (["--quick", "--samples", "16", "--families", "all", "--scenarios", "typical", "--no-alloc"], "same output"),
+    "plan": (["--n", "20000", "--repeats", "1", "--no-trl", "--no-cold"], "thdpack"),
+    "balance": (["--num-samples", "2000", "--no-kk", "--stream-samples", "2000"], "StreamingPacker"),
+    "cp": (["--packs", "50", "--repeats", "1"], "shard"),
+    "collate": (["--batches", "20", "--warmup", "2", "--repeats", "1"], "same output"),
+    "losses": (["--tokens", "256", "--vocab", "1000", "--repeats", "1", "--rounds", "1"], "token_logps"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs(name):
+    args, expected = CASES[name]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, f"benchmarks/{name}.py failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert expected in done.stdout, done.stdout[-2000:]
