@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thdpack.align import check_int
 from thdpack.offline.errors import ConfigError
 from thdpack.packing import OVERFLOW_POLICIES
 from thdpack.plan import ALGORITHMS
@@ -289,6 +290,9 @@ def _renamed(options: dict, origin: str) -> dict:
 
 
 def _positive_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    """:func:`thdpack.align.check_int` (the one integer rule, ``>= 1``) as a :class:`ConfigError`."""
+    try:
+        check_int(value, name, 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
