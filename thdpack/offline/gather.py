@@ -5,57 +5,36 @@ record batches. ``table.take(rows)`` followed by a per-token index array costs t
 copies and an int64 index per token, and ``take`` across hundreds of chunks in random
 order dominated the write step (4 s of 6 s for 200k rows). :class:`RowPieces` reads
 each chunk's Arrow buffers in place (int32 values as they are, booleans bit by bit)
-and one compiled loop copies each piece ``values[row][start : start + length]``
-straight into the output. VLM builds copy their pixel rows the same way.
+and one compiled loop per source chunk copies each piece ``values[row][start : start +
+length]`` straight into the output (plain arrays in, so the compiled code is cached on
+disk; numba's typed lists cost every process ~0.7 s of compiling). VLM builds copy their
+pixel rows the same way.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from thdpack._jit import HAVE_NUMBA, njit
+from thdpack._jit import njit
 
 
 @njit
-def _gather_values(values, base, offsets, chunk_of_row, local_row, rows, starts, lengths, out):
-    """Pieces of numeric rows: ``out[...] = values[c][base[c] + offsets[c][r] + start :][:length]``."""
-    pos = 0
-    for k in range(rows.shape[0]):
-        row = rows[k]
-        c = chunk_of_row[row]
-        src = values[c]
-        a = base[c] + offsets[c][local_row[row]] + starts[k]
-        n = lengths[k]
-        for j in range(n):
-            out[pos + j] = src[a + j]
-        pos += n
+def _copy_values(src, src_pos, dst_pos, lengths, out):
+    """``out[dst_pos[k] :][: lengths[k]] = src[src_pos[k] :][: lengths[k]]`` for every piece ``k``."""
+    for k in range(src_pos.shape[0]):
+        a, d = src_pos[k], dst_pos[k]
+        for j in range(lengths[k]):
+            out[d + j] = src[a + j]
 
 
 @njit
-def _gather_bits(bits, base, offsets, chunk_of_row, local_row, rows, starts, lengths, out):
-    """Boolean pieces from Arrow's bit-packed buffers (LSB first; ``base`` is a bit offset)."""
-    pos = 0
-    for k in range(rows.shape[0]):
-        row = rows[k]
-        c = chunk_of_row[row]
-        src = bits[c]
-        a = base[c] + offsets[c][local_row[row]] + starts[k]
-        n = lengths[k]
-        for j in range(n):
+def _copy_bits(bits, src_pos, dst_pos, lengths, out):
+    """The same from Arrow's bit-packed booleans (LSB first; ``src_pos`` in bits)."""
+    for k in range(src_pos.shape[0]):
+        a, d = src_pos[k], dst_pos[k]
+        for j in range(lengths[k]):
             i = a + j
-            out[pos + j] = (src[i >> 3] >> (i & 7)) & 1
-        pos += n
-
-
-def _typed_list(arrays):
-    if not HAVE_NUMBA:
-        return list(arrays)
-    from numba.typed import List
-
-    out = List()
-    for a in arrays:
-        out.append(a)
-    return out
+            out[d + j] = (bits[i >> 3] >> (i & 7)) & 1
 
 
 class RowPieces:
@@ -79,9 +58,6 @@ class RowPieces:
         chunks = [c for c in col.chunks if len(c)]
         counts = np.fromiter((len(c) for c in chunks), np.int64, count=len(chunks))
         self.chunk_of_row = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
-        first = np.zeros(len(chunks) + 1, np.int64)
-        np.cumsum(counts, out=first[1:])
-        self.local_row = np.arange(int(first[-1]), dtype=np.int64) - np.repeat(first[:-1], counts)
         offsets, buffers, base = [], [], np.zeros(len(chunks), np.int64)
         storage = np.uint8 if self.dtype is np.bool_ else self.dtype  # booleans stay bit-packed
         for c, chunk in enumerate(chunks):
@@ -93,23 +69,24 @@ class RowPieces:
             buffers.append(np.frombuffer(data, dtype=storage) if data is not None else np.zeros(0, storage))
             base[c] = values.offset
         self.lengths = np.concatenate([np.diff(o) for o in offsets]) if offsets else np.zeros(0, np.int64)
-        self._offsets = _typed_list(offsets)
-        self._buffers = _typed_list(buffers)
-        self._base = base
+        # where each row's values start in its chunk's buffer (elements; bits for booleans)
+        self._row_pos = (np.concatenate([o[:-1] + b for o, b in zip(offsets, base)]) if offsets
+                         else np.zeros(0, np.int64))
+        self._buffers = buffers
 
     def gather(self, rows, starts, lengths) -> np.ndarray:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-        total = int(lengths.sum())
-        if self.dtype is np.bool_:
-            out = np.empty(total, np.uint8)
-            if total:
-                _gather_bits(self._buffers, self._base, self._offsets, self.chunk_of_row, self.local_row, rows, starts,
-                             lengths, out)
-            return out.view(np.bool_)
-        out = np.empty(total, self.dtype)
-        if total:
-            _gather_values(self._buffers, self._base, self._offsets, self.chunk_of_row, self.local_row, rows, starts,
-                           lengths, out)
-        return out
+        src_pos = self._row_pos[rows] + np.asarray(starts, dtype=np.int64)
+        dst_pos = np.cumsum(lengths) - lengths
+        bits = self.dtype is np.bool_
+        out = np.empty(int(lengths.sum()), np.uint8 if bits else self.dtype)
+        copy = _copy_bits if bits else _copy_values
+        chunk = self.chunk_of_row[rows]
+        # one compiled call per chunk the pieces come from (each chunk is its own buffer)
+        order = np.argsort(chunk, kind="stable")
+        used, first = np.unique(chunk[order], return_index=True)
+        for c, a, b in zip(used.tolist(), first.tolist(), [*first[1:].tolist(), order.size]):
+            sel = order[a:b]
+            copy(self._buffers[c], src_pos[sel], dst_pos[sel], lengths[sel], out)
+        return out.view(np.bool_) if bits else out
