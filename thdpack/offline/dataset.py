@@ -30,8 +30,8 @@ from thdpack.batch import ThdBatch
 from thdpack.collate import ThdCollator
 from thdpack.layout import BatchLayout, layout_from
 from thdpack.offline.errors import NotPackedError, require_pyarrow
-from thdpack.offline.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, check_metadata,
-                                    file_sha256, row_list, value_columns)
+from thdpack.offline.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata,
+                                    check_metadata, file_sha256, row_list, value_columns)
 from thdpack.samples import IGNORE_INDEX
 from thdpack.values import PREFIX
 
@@ -271,7 +271,7 @@ def _is_bool(arrow_type) -> bool:
     return pa.types.is_boolean(arrow_type)
 
 
-def read_metadata(path: str | Path) -> dict:
+def read_metadata(path: str | Path) -> PackedMetadata:
     """``metadata.json`` of a packed dataset, checked against its schema
     (:func:`thdpack.offline.format.check_metadata`); :class:`NotPackedError` if ``path`` is
     not a complete packed dataset or its metadata is damaged."""
@@ -288,8 +288,7 @@ def read_metadata(path: str | Path) -> dict:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
-    check_metadata(meta, path)
-    return meta
+    return check_metadata(meta, path)
 
 
 class PackedDataset(torch.utils.data.Dataset):
