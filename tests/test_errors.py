@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from thdpack import ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple, plan_packs, shard_for_cp
+from thdpack import (SampleError, StreamingPacker, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple,
+                     plan_packs, shard_for_cp)
 
 OK = {"input_ids": [1, 2, 3]}
 
@@ -304,9 +305,10 @@ def test_negative_length():
 
 
 def test_non_integer_lengths():
-    with pytest.raises(ValueError, match=r"lengths must be integers; sample 1 has length .*2\.5"):
+    with pytest.raises(SampleError, match=r"^sample 1 has length .*2\.5; lengths must be integers") as err:
         plan_packs([3, 2.5], 8)
-    with pytest.raises(ValueError, match=r"lengths must be integers; sample 0 has length .*nan"):
+    assert err.value.sample == 1
+    with pytest.raises(SampleError, match=r"^sample 0 has length .*nan; lengths must be integers"):
         plan_packs([float("nan")], 8)
     with pytest.raises(ValueError, match=r"lengths must be integers"):
         plan_packs(["3", "4"], 8)
@@ -331,3 +333,17 @@ def test_bad_replicas(num_replicas, rank):
 def test_drop_last_with_too_few_packs():
     with pytest.raises(ValueError, match=r"only 1 packs for 2 replicas with drop_last=True"):
         TokenBudgetBatchSampler([3, 4], 16, num_replicas=2, rank=0, drop_last=True)
+
+
+@pytest.mark.parametrize("call, sample", [
+    (lambda: plan_packs([3, 0, 2], 8), 1),
+    (lambda: plan_packs([3, 20], 8), 1),
+    (lambda: plan_packs([1, 1], 10, vision_lengths=[5, 16], vision_budget=10), 1),
+    (lambda: plan_packs([1, 1], 10, vision_lengths=[-1, 1], vision_budget=10), 0),
+    (lambda: list(StreamingPacker([{"input_ids": [1]}, {"input_ids": [1] * 9}], 8, num_replicas=1, rank=0)), 1),
+])
+def test_planners_raise_sample_errors(call, sample):
+    """The planners' errors about one sample are SampleErrors carrying its index, like the builder's."""
+    with pytest.raises(SampleError, match=rf"^sample {sample} ") as err:
+        call()
+    assert err.value.sample == sample

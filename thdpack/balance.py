@@ -18,7 +18,8 @@ import numpy as np
 
 from thdpack.align import check_int, check_positive_int, round_up
 from thdpack.packing import PackStats, pack_sums
-from thdpack.plan import PackPlan, check_groups, number_groups, vision_overflow, plan_packs, validate_lengths
+from thdpack.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
+from thdpack.samples import SampleError
 
 
 @dataclass(frozen=True)
@@ -274,8 +275,8 @@ def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budg
         too_long = np.flatnonzero(split.big[split.group_of] & (per_sample > budget))
         if too_long.size:
             i = int(too_long[0])
-            raise ValueError(
-                f"sample {i} of {_name_group(split, members_of[split.group_of[i]])} has {int(per_sample[i])} {what}, "
+            raise SampleError.at(
+                i, f" of {_name_group(split, members_of[split.group_of[i]])} has {int(per_sample[i])} {what}, "
                 f"more than {name}={budget}; a group's samples are never cut: raise {name} or drop the sample "
                 f"({too_long.size} such sample(s))"
             )

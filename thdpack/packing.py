@@ -18,6 +18,7 @@ from dataclasses import asdict, astuple, dataclass, fields
 import numpy as np
 
 from thdpack.align import round_up
+from thdpack.samples import SampleError
 
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 
@@ -69,11 +70,12 @@ class Pieces:
     cuts: Cuts
 
 
-def overflow_error(index: int, length: int, pack_size: int, align: int, count: int = 1) -> ValueError:
+def overflow_error(index: int, length: int, pack_size: int, align: int, count: int = 1) -> SampleError:
     """The error of ``overflow="error"``: sample ``index`` has ``length`` tokens, too many for a
     pack (``count`` samples are)."""
-    return ValueError(
-        f"sample {index} has {length} tokens"
+    return SampleError.at(
+        index,
+        f" has {length} tokens"
         + (f" ({round_up(length, align)} after aligning to {align})" if align > 1 else "")
         + f", more than pack_size={pack_size}; {count} sample(s) are too long. "
         "Use overflow='truncate', 'split' or 'drop', or raise pack_size."

@@ -17,6 +17,7 @@ import numpy as np
 from thdpack import _binpack
 from thdpack.align import INT64_MAX, check_int, first_non_int64, round_up
 from thdpack.packing import PackStats, check_overflow, cut_overflow, usable_length
+from thdpack.samples import SampleError
 
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
 
@@ -104,20 +105,20 @@ def validate_lengths(lengths) -> np.ndarray:
         bad = first_non_int64(arr.tolist())  # None, beyond int64 (it would wrap to a negative length)
         if bad is not None:
             i, value = bad
-            raise ValueError(f"sample {i} has length {value!r}; lengths must be integers in int64 range")
+            raise SampleError.at(i, f" has length {value!r}; lengths must be integers in int64 range")
     if arr.size and arr.dtype.kind not in "iu":
         if arr.dtype.kind != "f":
             raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
         non_integral = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
         if non_integral.size:
             i = int(non_integral[0])
-            raise ValueError(f"lengths must be integers; sample {i} has length {arr[i].item()!r}")
+            raise SampleError.at(i, f" has length {arr[i].item()!r}; lengths must be integers")
     arr = arr.astype(np.int64, copy=False)
     bad = np.flatnonzero(arr < 1)
     if bad.size:
         i = int(bad[0])
         what = "is empty (length 0)" if arr[i] == 0 else f"has negative length {int(arr[i])}"
-        raise ValueError(f"sample {i} {what}; every sample needs at least one token ({bad.size} such samples)")
+        raise SampleError.at(i, f" {what}; every sample needs at least one token ({bad.size} such samples)")
     return arr
 
 
@@ -364,21 +365,21 @@ def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack
     bad = np.flatnonzero(vision < 0)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"sample {i} has negative vision length {int(vision[i])}")
+        raise SampleError.at(i, f" has negative vision length {int(vision[i])}")
     if overflow == "drop":
         return vision
     too_many = np.flatnonzero(vision > vision_budget)
     if too_many.size:
         i = int(too_many[0])
-        raise ValueError(
-            f"sample {i} has {int(vision[i])} vision patches, more than vision_budget={vision_budget}; "
+        raise SampleError.at(
+            i, f" has {int(vision[i])} vision patches, more than vision_budget={vision_budget}; "
             f"{too_many.size} sample(s) are over. Use overflow='drop' or raise vision_budget."
         )
     cut = np.flatnonzero(over & (vision > 0))
     if cut.size and overflow in ("truncate", "split"):
         i = int(cut[0])
-        raise ValueError(
-            f"sample {i} has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(vision[i])} "
+        raise SampleError.at(
+            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(vision[i])} "
             f"vision patches: a VLM sample cannot be {overflow} (its placeholders must match its grids). "
             "Use overflow='drop' or raise pack_size."
         )

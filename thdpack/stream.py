@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from thdpack.align import check_int, round_up
 from thdpack.packing import CUT_KEYS, PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
 from thdpack.sampler import check_state_dict, distributed_default
-from thdpack.samples import get_field, slice_sample, to_int_array
+from thdpack.samples import SampleError, get_field, slice_sample, to_int_array
 
 
 @dataclass
@@ -128,7 +128,7 @@ class StreamingPacker(IterableDataset):
         """(sample, length) pieces that fit a pack: the sample whole, or what the overflow
         policy (:func:`thdpack.packing.cut_overflow`) keeps of it."""
         if length < 1:
-            raise ValueError(f"sample {index} is empty; every sample needs at least one token")
+            raise SampleError.at(index, " is empty; every sample needs at least one token")
         self._totals.num_samples += 1
         if length <= self.limit:
             return [(sample, length)]
