@@ -34,7 +34,8 @@ from thdpack.offline import (  # noqa: E402
     load_packed,
     unpack_row,
 )
-from thdpack.offline.stats import attention_overcount, log2_histogram, summarize  # noqa: E402
+from thdpack.flops import attention_overcount_factor, lengths_squared_sum  # noqa: E402
+from thdpack.offline.stats import log2_histogram, summarize  # noqa: E402
 
 IGNORE = -100
 
@@ -447,7 +448,7 @@ def test_stats_formulas():
     # two packs of 8: [3, 5] and [8]
     s = summarize(np.array([3, 5, 8]), np.array([0, 2, 3]), 8, 1, eval_multiple=4)
     assert s["attention_flops"]["overcount"] == pytest.approx(2 * 64 / (9 + 25 + 64))
-    assert attention_overcount(np.array([3, 5, 8]), 2, 8) == pytest.approx(128 / 98)
+    assert attention_overcount_factor(2, 8, lengths_squared_sum(np.array([3, 5, 8]))) == pytest.approx(128 / 98)
     assert s["padding"]["pad_tokens"] == (4 - 3) + (8 - 5) + 0
     assert s["padding"]["stream_tokens"] == 4 + 8 + 8
     assert s["padding"]["packs_over_pack_size"] == 1  # [4, 8] > 8

@@ -10,20 +10,12 @@ import numpy as np
 
 from thdpack.align import round_up
 from thdpack.packing import PackStats, pack_sums, pack_totals
-from thdpack.flops import attention_overcount_factor
-from thdpack.flops import lengths_squared_sum as _square_sum  # summarize's Σ sᵢ²: the FLOPs module's exact sum
+from thdpack.flops import attention_overcount_factor, lengths_squared_sum
 
 
 # the build's counters that its statistics carry (metadata.json "stats"), shown by ``thdpack stats``
 BUILD_COUNTS = ("truncated", "dropped", "split", "skipped_rows", "samples_without_targets", "without_targets",
                 "target_tokens")
-
-
-def attention_overcount(seq_lens: np.ndarray, num_packs: int, pack_size: int) -> float:
-    """``num_packs · pack_size² / Σ sᵢ²`` of the real lengths ``seq_lens`` (int ``[m]``):
-    :func:`thdpack.flops.attention_overcount_factor`, the one definition, of their exact
-    :func:`thdpack.flops.lengths_squared_sum`. 1.0 means exact."""
-    return attention_overcount_factor(num_packs, pack_size, _square_sum(seq_lens))
 
 
 def log2_histogram(lengths: np.ndarray) -> list[list[int]]:
@@ -78,7 +70,7 @@ def summarize(
     per_pack = pack_sums(s, off)
     fill = per_pack / pack_size
     pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
-    sum_sq = _square_sum(s)
+    sum_sq = lengths_squared_sum(s)
     out = {
         "samples": plan.num_pieces,
         "packs": num_packs,
