@@ -7,7 +7,7 @@
 The data: ``--videos`` short MPEG-4 files generated here (PyAV; random frames of 112..224
 px a side, 12..40 frames at 6..30 fps), each in a chat row ``<video>`` + question +
 answer, written once to a temporary directory. Both methods decode with PyAV and prepare
-the frames by the same rules (:mod:`thdpack.offline.video`: Qwen2-VL's video processor
+the frames by the same rules (:mod:`thdpack.offline.vision.video`: Qwen2-VL's video processor
 rules, qwen-vl-utils' sampling; transformers' video processors need torchvision, which
 does not load beside the CPU torch here; thdpack runs with ``video: {backend: builtin}``
 wherever it runs), so the comparison is about the pipeline around them. The baseline
@@ -108,7 +108,7 @@ def run_baseline(d: Path, args) -> dict:
     import torch
     import transformers
 
-    from thdpack.offline.video import VideoOptions, load_video, video_patches, video_rule
+    from thdpack.offline.vision.video import VideoOptions, load_video, video_patches, video_rule
 
     tok = transformers.AutoTokenizer.from_pretrained(str(d / "tok"), local_files_only=True)
     rule = video_rule("qwen2_vl")  # Qwen2VLVideoProcessor's mean / std and resize rule
@@ -167,9 +167,9 @@ def run_thdpack(d: Path, args) -> dict:
 
 METHODS = {"baseline": run_baseline, "thdpack": run_thdpack}
 IMPORTS = {"baseline": ("datasets", "torch", "transformers", "transformers.video_processing_utils",
-                         "thdpack.offline.video"),
+                         "thdpack.offline.vision.video"),
            "thdpack": ("datasets", "torch", "transformers", "transformers.image_processing_utils", "thdpack.offline",
-                       "thdpack.offline.vlm")}
+                       "thdpack.offline.vision.vlm_setup")}
 
 
 def cpu_seconds() -> float:

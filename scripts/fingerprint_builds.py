@@ -184,7 +184,7 @@ def main() -> None:
         result[f"stats:{name}"] = hashlib.sha256(run("stats", str(out / name)).encode()).hexdigest()[:16]
         result[f"stats-json:{name}"] = hashlib.sha256(run("stats", str(out / name), "--json").encode()).hexdigest()[:16]
     result["stats:raw"] = hashlib.sha256(run("stats", str(inputs["chat"]), "--tokenizer", tok, "--pack-size", "2048",
-                                             "--cp-size", "2").encode()).hexdigest()[:16]
+                                             "--cp-size", "2", "--overflow", "split").encode()).hexdigest()[:16]
     result["inspect"] = hashlib.sha256(run("inspect", str(out / "demo"), "--pack", "3", "--max-tokens", "50")
                                        .encode()).hexdigest()[:16]
     json.dump(result, sys.stdout, indent=1, sort_keys=True)

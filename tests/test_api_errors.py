@@ -386,8 +386,8 @@ def test_layout_validated_when_made(keywords, message):
 
 
 def test_vlm_batch_without_a_registered_vision_extension(monkeypatch):
-    import thdpack.extensions
+    import thdpack.common.extensions
 
-    monkeypatch.setattr(thdpack.extensions, "_vision", None)
+    monkeypatch.setattr(thdpack.common.extensions, "_vision", None)
     with pytest.raises(RuntimeError, match=r"^no vision extension is registered: import thdpack.vlm"):
         build_thd_batch([_image_sample(24)], model_config=_vlm_config())

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import CostModel, TokenBudgetBatchSampler, plan_balanced, plan_packs
-from thdpack.balance import _deal
+from thdpack.planning.balance import _deal
 from test_sampler import take  # tests/ is on sys.path: the next n batches across epochs
 
 SETTINGS = settings(max_examples=60, deadline=None)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from thdpack.align import resolve_pad_multiple
+from thdpack.common.align import resolve_pad_multiple
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.chat_content import flatten_content  # noqa: E402
+from thdpack.offline.tokenizing.chat_content import flatten_content  # noqa: E402
 
 # Qwen2-VL's chat template: list content is rendered part by part, each text part as is.
 QWEN2_VL_TEMPLATE = (

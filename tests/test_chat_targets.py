@@ -31,10 +31,10 @@ transformers = pytest.importorskip("transformers")
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.offline import BuildConfig, ConfigError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline import fastenc  # noqa: E402
-from thdpack.offline.sources import JSON_COLUMN  # noqa: E402
-from thdpack.offline.tiktoken_bpe import TiktokenBPE  # noqa: E402
-from thdpack.offline.row_tokenizer import RowTokenizer  # noqa: E402
+from thdpack.offline.tokenizing import fastenc  # noqa: E402
+from thdpack.offline.inputs.sources import JSON_COLUMN  # noqa: E402
+from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE  # noqa: E402
+from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 # family -> (tokenizer, template file or None for the tokenizer's own, the turn regex of the reference)
@@ -355,8 +355,8 @@ def test_spans_equal_the_generation_spans_on_any_content(messages):
     header-like text, empty)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from thdpack.offline.chat_spans import assistant_spans, with_sentinels
-    from thdpack.offline.row_tokenizer import _turn_marks
+    from thdpack.offline.tokenizing.chat_spans import assistant_spans, with_sentinels
+    from thdpack.offline.tokenizing.row_tokenizer import _turn_marks
 
     tok = _demo_tokenizer()
     marked = tok.chat_template

@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 from thdpack import __version__  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.offline import load_packed  # noqa: E402
-from thdpack.offline.build import OutputLock  # noqa: E402
+from thdpack.offline.pipeline import OutputLock  # noqa: E402
 from thdpack.offline.errors import OutputError  # noqa: E402
-from thdpack.offline.merge import merge_slices  # noqa: E402
+from thdpack.offline.merging import merge_slices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -249,7 +249,7 @@ def test_failed_rename_puts_the_previous_dataset_back(packed, tmp_path, capsys, 
 # writes, the overlap that made both exit 0 and the second replace the first.
 GATED = """
 import os, sys, time
-import thdpack.offline.build as b
+import thdpack.offline.pipeline as b
 real = b.prepare
 def gated(*a, **k):
     while not os.path.exists(sys.argv[1]):

@@ -182,7 +182,7 @@ def test_bad_cp_tp_size(name, value):
 
 @pytest.mark.parametrize("value", [0, 2.0, True, "2"])
 def test_bad_cp_size_of_a_shard_has_the_same_message(value):
-    """One integer rule (thdpack.align.check_int), one message, wherever cp_size is checked."""
+    """One integer rule (thdpack.common.align.check_int), one message, wherever cp_size is checked."""
     batch = build_thd_batch([OK], cp_size=2)
     with pytest.raises(ValueError, match=rf"^cp_size must be an integer >= 1, got {value!r}$"):
         shard_for_cp(batch, value, 0)

@@ -10,7 +10,7 @@ pa = pytest.importorskip("pyarrow")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack.offline.gather import RowPieces  # noqa: E402
+from thdpack.offline.store.gather import RowPieces  # noqa: E402
 
 
 @st.composite

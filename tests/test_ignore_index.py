@@ -1,12 +1,12 @@
-"""``-100`` (no loss) is written once, as ``thdpack.samples.IGNORE_INDEX``, and imported elsewhere."""
+"""``-100`` (no loss) is written once, as ``thdpack.common.samples.IGNORE_INDEX``, and imported elsewhere."""
 
 import ast
 from pathlib import Path
 
-import thdpack.samples
+import thdpack.common.samples
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
-OWNER = PACKAGE_DIR / "samples.py"
+OWNER = PACKAGE_DIR / "common" / "samples.py"
 
 
 def _minus_100_literals(tree: ast.AST) -> list[int]:
@@ -31,8 +31,8 @@ def test_the_literal_is_written_once():
                   for line in _minus_100_literals(tree) + _defines_ignore_index(tree)]
     owner = str(OWNER.relative_to(PACKAGE_DIR.parent))
     assert len(found) == 2 and all(f.startswith(owner + ":") for f in found), (
-        f"-100 / IGNORE_INDEX written outside {owner}: {found}; import thdpack.samples.IGNORE_INDEX instead")
+        f"-100 / IGNORE_INDEX written outside {owner}: {found}; import thdpack.common.samples.IGNORE_INDEX instead")
 
 
 def test_the_value():
-    assert thdpack.samples.IGNORE_INDEX == -100
+    assert thdpack.common.samples.IGNORE_INDEX == -100

@@ -29,7 +29,7 @@ NOT_CORE = ("thdpack.vlm", "thdpack.offline", "thdpack.integrations", "thdpack.d
 
 # Core modules allowed to import thdpack.vlm, with the reason.
 VLM_INTEGRATION_POINTS = {
-    "thdpack.__init__": "imports thdpack.vlm so that it registers its thdpack.extensions hooks (issue 14 point 8)",
+    "thdpack.__init__": "imports thdpack.vlm so that it registers its thdpack.common.extensions hooks (issue 14 point 8)",
 }
 
 

@@ -338,9 +338,9 @@ def test_batch_reports_its_targets():
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    import thdpack.batch
+    import thdpack.batching.batch
 
-    monkeypatch.setattr(thdpack.batch, "_warned_no_targets", False)
+    monkeypatch.setattr(thdpack.batching.batch, "_warned_no_targets", False)
 
 
 def test_batch_without_targets_warns_once(fresh_warning):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
-from thdpack.offline import fastenc  # noqa: E402
+from thdpack.offline.tokenizing import fastenc  # noqa: E402
 
 UNICODE_CHATS = [
     [{"role": "user", "content": "Café? naïve — ünïcödé"}, {"role": "assistant", "content": "Oui, très bien 😀 ✓"}],
@@ -121,7 +121,7 @@ def span_cases(tok):
 
 @pytest.mark.parametrize("through_tiktoken", [False, True])
 def test_spans_fast_path_equals_offsets(through_tiktoken):
-    from thdpack.offline.tiktoken_bpe import TiktokenBPE
+    from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
 
     tok = load()
     bpe = TiktokenBPE.from_tokenizer(tok)[0] if through_tiktoken else None
@@ -184,7 +184,7 @@ def _span_tokenizer():
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_spans_equal_offsets_on_any_text(data):
-    from thdpack.offline.tiktoken_bpe import TiktokenBPE
+    from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
 
     tok = _span_tokenizer()
     bpe = TiktokenBPE.from_tokenizer(tok)[0]

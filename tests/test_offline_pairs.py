@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.row_formats import detect_format  # noqa: E402
+from thdpack.offline.tokenizing.row_formats import detect_format  # noqa: E402
 from test_losses import packed_dpo_step  # noqa: E402
 
 IGNORE = -100
@@ -294,7 +294,7 @@ def test_metadata_schema_checks_sample_values(tmp_path):
 
 
 def test_sharded_preference_builds_are_refused(tmp_path):
-    from thdpack.offline.input_slice import InputSlice
+    from thdpack.offline.inputs.input_slice import InputSlice
 
     cfg = BuildConfig(input=str(write_jsonl(tmp_path / "p.jsonl", string_rows(4, seed=8))),
                       tokenizer=str(TOKENIZER_DIR), pack_size=96)

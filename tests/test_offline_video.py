@@ -4,7 +4,7 @@ Everything is local: tiny MPEG-4 videos encoded here with PyAV from generated fr
 the demo tokenizer with Qwen-VL's vision tokens (tests/test_offline_vlm.py's assets),
 tiny random-weight configs of the four families.
 
-The reference side runs the frame preparation of :mod:`thdpack.offline.video` (checked
+The reference side runs the frame preparation of :mod:`thdpack.offline.vision.video` (checked
 on its own against the written-out rules of qwen-vl-utils and of transformers' video
 processors below), then expands every
 ``<video>`` itself (Qwen3: timestamps per temporal patch, as the processor writes them)
@@ -38,7 +38,7 @@ from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.videos import write_video  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
-from thdpack.offline.video import (  # noqa: E402
+from thdpack.offline.vision.video import (  # noqa: E402
     VideoOptions, frame_timestamps, load_video, sample_indices, video_patches, video_rule,
 )
 
@@ -142,12 +142,12 @@ def test_loaded_video_fps_timestamps_and_patches(assets):
     np.testing.assert_allclose(pv[0], x.transpose(3, 0, 1, 2).reshape(-1), rtol=0, atol=1e-6)
 
 
-# --------------------------------------------------------------------------- reference (no thdpack.offline.vlm)
+# --------------------------------------------------------------------------- reference (no thdpack.offline.vision.vlm_setup)
 
 
 def reference_samples(assets, family: str, rows) -> list[dict]:
     """Each row processed by hand: images by transformers' image processor, videos by
-    thdpack.offline.video, every marker expanded here as the family's processor does."""
+    thdpack.offline.vision.video, every marker expanded here as the family's processor does."""
     tok = transformers.AutoTokenizer.from_pretrained(str(assets / "tok"), local_files_only=True)
     proc = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TPATCH, **PROC_KW)
     frames_are_items = family in ("qwen3_vl", "qwen3_5")
@@ -332,8 +332,8 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
 
 
 def test_video_shards_merge(tmp_path, assets):
-    from thdpack.offline.input_slice import InputSlice
-    from thdpack.offline.merge import merge_slices
+    from thdpack.offline.inputs.input_slice import InputSlice
+    from thdpack.offline.merging import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False, pack_size=200, vision_budget=150)
     single = build_packed(c, tmp_path / "single", progress=False)
@@ -376,7 +376,7 @@ def test_video_backend_auto_is_recorded_and_processor_without_torchvision_is_nam
     tests/test_video_processor.py checks that path) and to ``builtin`` elsewhere; the build's
     metadata records which ran."""
     from thdpack.offline import ConfigError
-    from thdpack.offline.video_processor import processor_class
+    from thdpack.offline.vision.video_processor import processor_class
 
     cls, why = processor_class("qwen2_vl")
     path = tmp_path / "one.jsonl"
@@ -474,7 +474,7 @@ def test_frame_sizes_of_long_videos_and_the_qwen2_only_total_pixels(tmp_path, as
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
 
     from thdpack.offline import ConfigError
-    from thdpack.offline.video import frame_size
+    from thdpack.offline.vision.video import frame_size
 
     f = 28
     assert frame_size(720, 1280, 400, VideoOptions(), f, 2) == frame_resize(720, 1280, f, 128 * f * f, 768 * f * f)
@@ -493,7 +493,7 @@ def test_video_builds_tokenize_in_small_batches_and_free_each_pixel_row_once_cop
     """Peak memory (benchmarks/video.py): a map batch's float32 pixel rows are held until the batch is written,
     so VLM builds cap the batch at VISION_MAP_BATCH_SIZE rows, and each row's pixels are dropped as soon as
     they are copied into the Arrow column; the bytes written are those of any other batch size."""
-    import thdpack.offline.vlm_rows as vlm
+    import thdpack.offline.vision.vlm_rows as vlm
 
     path = tmp_path / "many.jsonl"
     write_rows(path, ROWS * 9)  # 36 rows

@@ -369,7 +369,7 @@ def test_image_parts_alone_make_a_vlm_build(tmp_path, assets):
 def test_the_row_tokenizer_keeps_no_state_between_its_steps(tmp_path, assets, monkeypatch):
     """The VLM row tokenizer's steps (media, tokenizing, columns) hand their results on as
     values: a map batch leaves the tokenizer's attributes as it found them."""
-    import thdpack.offline.vlm as vlm
+    import thdpack.offline.vision.vlm_setup as vlm
 
     calls = []
 
@@ -390,8 +390,8 @@ def _metadata_without_shards(meta: dict) -> dict:
 
 
 def test_vlm_shards_merge(tmp_path, assets):
-    from thdpack.offline.input_slice import InputSlice
-    from thdpack.offline.merge import merge_slices
+    from thdpack.offline.inputs.input_slice import InputSlice
+    from thdpack.offline.merging import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False)
     single = build_packed(c, tmp_path / "single", progress=False)

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import _binpack
-from thdpack.packing import (
+from thdpack.planning import binpack as _binpack
+from thdpack.planning.packing import (
     OVERFLOW_POLICIES, PACK_TOTALS_KEYS, Cuts, PackStats, PackTotals, cut_overflow, pack_totals, usable_length,
 )
-from thdpack.plan import ALGORITHMS, PackPlan, plan_packs
+from thdpack.planning.plan import ALGORITHMS, PackPlan, plan_packs
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -634,7 +634,7 @@ def test_plans_large_input_near_the_lower_bound():
 
 
 # --------------------------------------------------------------------------
-# the packing core (thdpack/packing.py): usable length, overflow, PackStats
+# the packing core (thdpack/planning/packing.py): usable length, overflow, PackStats
 # --------------------------------------------------------------------------
 def test_usable_length_is_pack_size_rounded_down_to_align():
     assert [usable_length(p, a) for p, a in ((10, 1), (10, 4), (8, 8), (4096, 6))] == [10, 8, 8, 4092]

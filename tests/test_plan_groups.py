@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import SampleError, TokenBudgetBatchSampler, plan_balanced, plan_packs
-from thdpack.plan import ALGORITHMS
+from thdpack.planning.plan import ALGORITHMS
 
 
 def round_up(x, m):
@@ -257,7 +257,7 @@ def test_plan_balanced_groups_over_one_pack(data, R, M, align, cost):
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 4), st.data())
 def test_deal_units_matches_reference(num_bins, slots, data):
-    from thdpack.balance import _deal_units
+    from thdpack.planning.balance import _deal_units
 
     n = data.draw(st.integers(0, num_bins * slots + 2))
     costs = data.draw(st.lists(st.one_of(st.integers(0, 4).map(float), st.floats(0, 1e6)), min_size=n, max_size=n))
@@ -267,7 +267,7 @@ def test_deal_units_matches_reference(num_bins, slots, data):
 
 
 def test_deal_units_small_cases_exactly():
-    from thdpack.balance import _deal_units
+    from thdpack.planning.balance import _deal_units
 
     # a bundle of 3 takes 3 of rank 0's 4 slots; 5 and 4 go to the lighter rank 1; at 9 vs 9 the tie
     # sends the last pack to rank 0

@@ -25,11 +25,11 @@ from hypothesis import strategies as st  # noqa: E402
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.demo import generate_rows  # noqa: E402
-from thdpack.offline import fastenc  # noqa: E402
-from thdpack.offline.build import build_packed  # noqa: E402
+from thdpack.offline.tokenizing import fastenc  # noqa: E402
+from thdpack.offline.pipeline import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
-from thdpack.offline.dataset import PackedDataset  # noqa: E402
-from thdpack.offline.tiktoken_bpe import TiktokenBPE  # noqa: E402
+from thdpack.offline.store.dataset import PackedDataset  # noqa: E402
+from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE  # noqa: E402
 
 NAMES = ("qwen3", "llama3.2", "deepseek")
 SPECIALS = {"qwen3": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"],

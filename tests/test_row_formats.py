@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.row_formats import (DETECTION_ORDER, SHAREGPT_ROLES, detect_format,  # noqa: E402
+from thdpack.offline.tokenizing.row_formats import (DETECTION_ORDER, SHAREGPT_ROLES, detect_format,  # noqa: E402
                                          prompt_completion, sharegpt_row, sharegpt_to_messages)
 
 TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
@@ -363,7 +363,7 @@ def test_any_json_value_converts_or_is_a_value_error():
     """Whatever JSON a row holds, the conversions return or raise ValueError (a row error), never
     another exception that would stop the build."""
     hypothesis = pytest.importorskip("hypothesis")
-    from thdpack.offline.chat_content import flatten_content
+    from thdpack.offline.tokenizing.chat_content import flatten_content
 
     st = hypothesis.strategies
     scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
@@ -431,8 +431,8 @@ def test_messages_without_a_chat_template_are_row_errors(tmp_path):
 
 
 def test_prompt_completion_rows_with_images_are_refused(tmp_path):
-    from thdpack.offline.sources import read_source
-    from thdpack.offline.tokenize import tokenize_source
+    from thdpack.offline.inputs.sources import read_source
+    from thdpack.offline.tokenizing.tokenize import tokenize_source
 
     cfg = BuildConfig(input=str(write_jsonl([GOOD_PC], tmp_path / "pc.jsonl")), tokenizer=str(TOKENIZER_DIR))
     with pytest.raises(ConfigError, match="rows with images must be chat .* not prompt_completion"):

@@ -33,12 +33,12 @@ from thdpack.offline import (
     build_packed,
     load_packed,
 )
-from thdpack.offline.build import prepare
+from thdpack.offline.pipeline import prepare
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.input_slice import InputSlice, parse_slice, slice_from_env
-from thdpack.offline.merge import SliceMismatchError, merge_slices
-from thdpack.offline.stats import summarize
-from thdpack.plan import plan_packs
+from thdpack.offline.inputs.input_slice import InputSlice, parse_slice, slice_from_env
+from thdpack.offline.merging import SliceMismatchError, merge_slices
+from thdpack.offline.summary import summarize
+from thdpack.planning.plan import plan_packs
 
 IGNORE = -100
 

@@ -150,7 +150,7 @@ def test_every_sample_once_and_packs_within_budget(case):
     assert stats.samples_dropped == (len(over) if pol == "drop" else 0)
     assert stats.tokens_dropped == (sum(over) if pol == "drop" else 0)
     assert stats.samples_split == (len(over) if pol == "split" else 0)
-    # the same PackStats a plan of these packs has (thdpack.packing: one derivation)
+    # the same PackStats a plan of these packs has (thdpack.planning.packing: one derivation)
     piece_lengths = np.array([n for pack in packs for _, _, n in pack], np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(pack) for pack in packs])]).astype(np.int64)
     assert stats == PackStats.from_packs(piece_lengths, offsets, pack_size, align=align, num_samples=len(lengths),

@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
-from thdpack.offline import fastenc  # noqa: E402
-from thdpack.offline.build import build_packed  # noqa: E402
+from thdpack.offline.tokenizing import fastenc  # noqa: E402
+from thdpack.offline.pipeline import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
 from thdpack.offline.errors import ConfigError  # noqa: E402
-from thdpack.offline.tiktoken_bpe import HEAD_ROWS, FastTokenizerMismatch, TiktokenBPE, byte_level_alphabet  # noqa: E402
+from thdpack.offline.tokenizing.tiktoken_bpe import HEAD_ROWS, FastTokenizerMismatch, TiktokenBPE, byte_level_alphabet  # noqa: E402
 
 QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
               r"\s*[\r\n]+|\s+(?!\S)|\s+")

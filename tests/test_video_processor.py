@@ -10,7 +10,7 @@ a video shorter than ``min_frames``):
 - ``builtin`` (numpy + PIL) gives exactly the processor's grid, frame indices,
   ``second_per_grid_ts`` (fractional values kept) and Qwen3 timestamps, and pixel values
   within :data:`PIXEL_ATOL`;
-- ``processor`` (:mod:`thdpack.offline.video_processor`) gives exactly the processor's output,
+- ``processor`` (:mod:`thdpack.offline.vision.video_processor`) gives exactly the processor's output,
   pixel values included, and is what ``backend: auto`` resolves to there;
 - a video shorter than the temporal patch is the same named error in both.
 """

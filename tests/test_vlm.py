@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import ThdCollator, build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
-from thdpack import _binpack  # noqa: E402
+from thdpack.planning import binpack as _binpack  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
 

@@ -5,8 +5,8 @@ stdin: ``{"videos": [[frames, fps, h, w], ...], "options": [{VideoOptions}, ...]
 "families": {model_type: [patch, temporal, merge], ...}}`` (fps: a number or ``"num/den"``).
 stdout (last line): ``{"cases": [...], "errors": [...], "backend": {model_type: resolved}}``, a
 case per family x options x video with what the processor gave (``ref``), what
-:func:`~thdpack.offline.video.builtin_patches` and
-:func:`~thdpack.offline.video_processor.processor_patches` gave, and the largest absolute
+:func:`~thdpack.offline.vision.video.builtin_patches` and
+:func:`~thdpack.offline.vision.video_processor.processor_patches` gave, and the largest absolute
 difference of their pixel values from the processor's.
 
 The reference is the processor alone, constructed here by class name: Qwen3VLVideoProcessor
@@ -33,8 +33,8 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 from thdpack.demo.videos import write_video
-from thdpack.offline.video import VideoGeometry, VideoOptions, builtin_patches
-from thdpack.offline.video_processor import processor_patches, resolve_backend
+from thdpack.offline.vision.video import VideoGeometry, VideoOptions, builtin_patches
+from thdpack.offline.vision.video_processor import processor_patches, resolve_backend
 
 QWEN3 = ("qwen3_vl", "qwen3_5")
 

@@ -16,24 +16,24 @@ The public surface, group by group in the order a user meets it (``__all__`` kee
 - offline: ``load_packed``, ``PackedDataset``, ``PackedRowCollator`` -- packs built ahead of time (lazy import).
 - losses: ``packed_loss`` -- a loss over a packed batch that means what it means unpacked.
 
-Low-level helpers stay importable from their modules (``thdpack.cp``, ``thdpack.layout``,
+Low-level helpers stay importable from their modules (``thdpack.parallel.cp``, ``thdpack.batching.layout``,
 ``thdpack.losses``, ``thdpack.vlm``, ...).
 """
 
 import thdpack.vlm  # noqa: F401  registers the vision extension that build_thd_batch(model_config=) calls
-from thdpack.align import cp_pad_multiple
-from thdpack.balance import BalancedPlan, CostModel, plan_balanced
-from thdpack.batch import ThdBatch, shard_for_cp
-from thdpack.build import build_thd_batch
-from thdpack.collate import PackedBatches, ThdCollator
-from thdpack.cp import local_seq_lens, thd_partition_indices
+from thdpack.common.align import cp_pad_multiple
+from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
+from thdpack.batching.batch import ThdBatch, shard_for_cp
+from thdpack.batching.builder import build_thd_batch
+from thdpack.loaders.collate import PackedBatches, ThdCollator
+from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
-from thdpack.layout import BatchLayout
+from thdpack.batching.layout import BatchLayout
 from thdpack.losses import packed_loss
-from thdpack.plan import PackPlan, PackStats, plan_packs
-from thdpack.sampler import TokenBudgetBatchSampler
-from thdpack.samples import SampleError
-from thdpack.stream import StreamingPacker
+from thdpack.planning.plan import PackPlan, PackStats, plan_packs
+from thdpack.loaders.sampler import TokenBudgetBatchSampler
+from thdpack.common.samples import SampleError
+from thdpack.loaders.stream import StreamingPacker
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from thdpack.values import sample_ids
+from thdpack.common.values import sample_ids
 
 REDUCTIONS = ("token", "sample")
 DEFAULT_CHUNK = 1024  # rows of [T, V] logits upcast and exponentiated at a time
@@ -156,7 +156,7 @@ def packed_loss(
             samples).
         num_items: the step's global normaliser (target tokens, or samples with targets,
             over all micro-batches and data-parallel ranks: :meth:`StepItems.num_items
-            <thdpack.sampler.StepItems.num_items>`, or :func:`count_items` +
+            <thdpack.loaders.sampler.StepItems.num_items>`, or :func:`count_items` +
             :func:`all_reduce_items`); an int or a scalar tensor > 0. Default: this batch's
             own count (a plain mean over the batch).
         sample_targets: ``"sample"`` on a CP shard only: int ``[n]`` each sample's target

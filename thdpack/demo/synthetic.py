@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from thdpack.align import check_int
+from thdpack.common.align import check_int
 
 _ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
            "br", "cl", "dr", "st", "tr", "sh", "ch", "th", "pl", "gr", "qu", "sk"]

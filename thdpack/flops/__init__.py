@@ -17,12 +17,12 @@ Conventions (the same as Megatron-LM's ``num_floating_point_operations``):
   ``6·d_q·Σ sᵢ²``. Bidirectional (vision) attention is twice that.
 
 The package does not import ``transformers``: a config is a ``transformers`` config
-object or a plain dict, read by :mod:`thdpack.model_config`; a VL config's
+object or a plain dict, read by :mod:`thdpack.common.model_config`; a VL config's
 ``text_config`` / ``vision_config`` are used when present. See ``docs/flops.md`` for
 the formulas and worked numbers. What lives where (import from here):
 
 - :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it;
-- :mod:`~thdpack.flops.vision`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
+- :mod:`~thdpack.flops.vision_stats`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
 - :mod:`~thdpack.flops.coefficients`: a config's FLOPs per count (:func:`flops_coefficients`);
 - :mod:`~thdpack.flops.model`: :func:`model_flops`, :func:`model_flops_breakdown`;
 - :mod:`~thdpack.flops.accumulator`: :class:`FlopsAccumulator`, counts micro-batch by micro-batch;
@@ -41,7 +41,7 @@ from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, t
 from thdpack.flops.model import model_flops, model_flops_breakdown
 from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
 from thdpack.flops.sequences import cp_seqlen_squared_share, lengths_squared_sum, segment_lengths, seqlen_squared_sum
-from thdpack.flops.vision import VisionStats, vision_seqlen_stats
+from thdpack.flops.vision_stats import VisionStats, vision_seqlen_stats
 
 __all__ = [
     "GATED_ATTENTION_MODEL_TYPES",

@@ -17,8 +17,8 @@ from thdpack.flops.sequences import (
     segment_lengths,
     segments_from_position_ids,
 )
-from thdpack.flops.vision import vision_config_of, vision_seqlen_stats, window_patches
-from thdpack.model_config import config_get
+from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
+from thdpack.common.model_config import config_get
 
 __all__ = ["FlopsAccumulator"]
 

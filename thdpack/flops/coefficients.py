@@ -1,7 +1,7 @@
 """What a model costs per count: the training-FLOPs coefficients of a model config.
 
 A config (``transformers`` object or dict, read with
-:func:`thdpack.model_config.config_get`) becomes a linear form in the counts of a
+:func:`thdpack.common.model_config.config_get`) becomes a linear form in the counts of a
 batch (:class:`FlopsCoefficients`): FLOPs per token, per unit of ``Σ sᵢ²``, per vision
 patch and per unit of the vision attention sums. :mod:`thdpack.flops.model` applies it.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thdpack.flops.vision import as_pair, window_patches
-from thdpack.model_config import config_get
+from thdpack.flops.vision_stats import as_pair, window_patches
+from thdpack.common.model_config import config_get
 
 __all__ = ["GATED_ATTENTION_MODEL_TYPES", "NON_GATED_MLP_MODEL_TYPES", "FlopsCoefficients", "flops_coefficients"]
 

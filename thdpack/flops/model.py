@@ -1,6 +1,6 @@
 """Model FLOPs of packed training: the coefficients of a config
 (:mod:`thdpack.flops.coefficients`) times the counts of the batches
-(:mod:`thdpack.flops.sequences`, :mod:`thdpack.flops.vision`), per term or in total.
+(:mod:`thdpack.flops.sequences`, :mod:`thdpack.flops.vision_stats`), per term or in total.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from thdpack.flops.coefficients import flops_coefficients
-from thdpack.flops.vision import vision_seqlen_stats
-from thdpack.model_config import config_get
+from thdpack.flops.vision_stats import vision_seqlen_stats
+from thdpack.common.model_config import config_get
 
 __all__ = ["model_flops", "model_flops_breakdown"]
 

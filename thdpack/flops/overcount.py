@@ -3,7 +3,7 @@
 Charging every pack as one ``pack_len``-token sequence counts attention as
 ``n_packs · pack_len²``; the kernels do ``Σ sᵢ²`` over the real lengths. The factors
 here are the one definition of that over-count: the offline build's statistics
-(:mod:`thdpack.offline.stats`, :mod:`thdpack.offline.model_config`) and the examples use them.
+(:mod:`thdpack.offline.summary`, :mod:`thdpack.offline.build_model`) and the examples use them.
 """
 
 from __future__ import annotations

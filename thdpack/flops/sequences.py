@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from thdpack.dual_chunk import chunk_length, rank_chunks
+from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 __all__ = [
     "cp_seqlen_squared_share",
@@ -124,7 +124,7 @@ def seqlen_squared_sum(
 
 def cp_seqlen_squared_share(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int):
     """CP rank ``cp_rank``'s exact share of ``Σ sᵢ²`` under the dual-chunk split
-    (:mod:`thdpack.dual_chunk`), from the real lengths ``seq_lens`` (int ``[n]``) and
+    (:mod:`thdpack.parallel.dual_chunk`), from the real lengths ``seq_lens`` (int ``[n]``) and
     ``cu_seqlens_padded`` (int ``[n+1]``), torch or numpy.
 
     Sample i's padded span ``Pᵢ`` is cut into ``2·cp`` chunks of ``hᵢ = Pᵢ / (2·cp)``;

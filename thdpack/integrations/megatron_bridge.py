@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from thdpack.batch import ThdBatch
+from thdpack.batching.batch import ThdBatch
 
 # the vision inputs of a VLM batch (ThdBatch.extras / token_extras) that Bridge's models take
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")

@@ -13,13 +13,13 @@ the build, ``pyarrow`` only when a dataset is opened.
 """
 
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
+from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
 
 
 def build_packed(*args, **kwargs):
-    """See :func:`thdpack.offline.build.build_packed`."""
-    from thdpack.offline.build import build_packed as _build
+    """See :func:`thdpack.offline.pipeline.build_packed`."""
+    from thdpack.offline.pipeline import build_packed as _build
 
     return _build(*args, **kwargs)
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thdpack.align import check_int
+from thdpack.common.align import check_int
 from thdpack.offline.errors import ConfigError
-from thdpack.packing import OVERFLOW_POLICIES
-from thdpack.plan import ALGORITHMS
+from thdpack.planning.packing import OVERFLOW_POLICIES
+from thdpack.planning.plan import ALGORITHMS
 
 FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized")  # row_formats.py, docs/build.md
 LOSS_MODES = ("assistant", "last_assistant", "all")
@@ -115,7 +115,7 @@ class BuildConfig:
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
-    # ---- model: FLOPs report, VLM rows (thdpack/offline/model_config.py, thdpack/offline/vlm.py)
+    # ---- model: FLOPs report, VLM rows (thdpack/offline/build_model.py, thdpack/offline/vision/vlm_setup.py)
     model_config: Any = _opt(
         None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
         "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",
@@ -242,7 +242,7 @@ class BuildConfig:
     @property
     def align(self) -> int:
         """The per-sample alignment multiple the plan and the loader use."""
-        from thdpack.align import resolve_pad_multiple
+        from thdpack.common.align import resolve_pad_multiple
 
         try:
             return resolve_pad_multiple(self.cp_size, self.tp_size, self.sequence_parallel, self.pad_multiple)
@@ -290,7 +290,7 @@ def _renamed(options: dict, origin: str) -> dict:
 
 
 def _positive_int(value, name: str) -> None:
-    """:func:`thdpack.align.check_int` (the one integer rule, ``>= 1``) as a :class:`ConfigError`."""
+    """:func:`thdpack.common.align.check_int` (the one integer rule, ``>= 1``) as a :class:`ConfigError`."""
     try:
         check_int(value, name, 1)
     except ValueError as exc:

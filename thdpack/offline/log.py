@@ -1,12 +1,12 @@
 """Messages of the offline commands: one ``logging`` tree under ``"thdpack"``.
 
 Every offline module logs its stage lines at INFO through ``logging.getLogger(__name__)``
-(``thdpack.offline.build``, ``thdpack.offline.merge``, ...). The ``thdpack`` command prints
+(``thdpack.offline.pipeline``, ``thdpack.offline.merging``, ...). The ``thdpack`` command prints
 them on stderr, message text only (:func:`cli_logging`); a Python caller sees them only once
 it configures logging (``logging.basicConfig(level=logging.INFO)``), as with any library.
 
-The ``log=`` callback that :func:`~thdpack.offline.build.build_packed` and
-:func:`~thdpack.offline.merge.merge_slices` took before still works for one release
+The ``log=`` callback that :func:`~thdpack.offline.pipeline.build_packed` and
+:func:`~thdpack.offline.merging.merge_slices` took before still works for one release
 (:func:`deprecated_log`): it warns, and receives the messages of that call.
 """
 
@@ -56,19 +56,3 @@ def deprecated_log(log, where: str):
     warnings.warn(f"{where}(log=...) is deprecated and will be removed in the next release: thdpack logs its "
                   f"messages through logging.getLogger({ROOT!r})", DeprecationWarning, stacklevel=3)
     return nullcontext() if log is None else _forward(log)
-
-
-@contextmanager
-def cli_logging(quiet: bool):
-    """The ``thdpack`` command's logging: each message's text alone on stderr, INFO unless ``quiet``
-    (then warnings and errors only). Undone when the command returns."""
-    root = logging.getLogger(ROOT)
-    handler, level = logging.StreamHandler(sys.stderr), root.level
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING if quiet else logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)

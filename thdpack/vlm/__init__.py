@@ -14,11 +14,11 @@ vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 vision fields (each sample's pixels and grids read, checked and concatenated in pack
 order, mRoPE rows added) in ``vision_fields.py``; CP positions of vision tokens in ``shard.py``.
 On import it registers :func:`attach_vision` and :func:`vision_lengths` with
-:mod:`thdpack.extensions`, through which the core calls them.
+:mod:`thdpack.common.extensions`, through which the core calls them.
 """
 
-from thdpack.batch import HF_VISION_KEYS
-from thdpack.extensions import VisionExtension, register_vision
+from thdpack.batching.batch import HF_VISION_KEYS
+from thdpack.common.extensions import VisionExtension, register_vision
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family, register_family, supported_model_types

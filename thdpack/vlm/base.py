@@ -26,8 +26,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from thdpack.samples import SampleError
-from thdpack.model_config import config_first, config_get
+from thdpack.common.samples import SampleError
+from thdpack.common.model_config import config_first, config_get
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
 from thdpack.vlm.items import MODE_F32, MODE_F64, MODE_INT, RopeItems
 from thdpack.vlm.mrope import mrope_for_stream

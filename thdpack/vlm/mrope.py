@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack._jit import njit
-from thdpack.samples import SampleError
+from thdpack.common.jit import njit
+from thdpack.common.samples import SampleError
 from thdpack.vlm.items import MODE_F32, MODE_F64, RopeItems
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4
 

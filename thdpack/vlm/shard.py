@@ -11,4 +11,4 @@ concatenated image embeddings goes to the ``j``-th image token of the stream)
 or, equivalently, gather the global stream at ``vision_token_positions``.
 """
 
-from thdpack.cp import VISION_SHARD_KEYS, vision_shard_extras  # noqa: F401 (defined with the CP split)
+from thdpack.parallel.cp import VISION_SHARD_KEYS, vision_shard_extras  # noqa: F401 (defined with the CP split)

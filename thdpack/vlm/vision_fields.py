@@ -1,7 +1,7 @@
 """Vision fields of a VLM pack: read and check each sample's pixels and grids,
 concatenate them in pack order, and add mRoPE rows and token types to the batch.
 
-Called by :func:`thdpack.build_thd_batch` (through :mod:`thdpack.extensions`) when
+Called by :func:`thdpack.build_thd_batch` (through :mod:`thdpack.common.extensions`) when
 ``model_config`` is given, after the text stream is built; it reads the stream (so
 ``max_length`` truncation and alignment padding are already applied) and never
 builds a ``[B, S]`` copy.
@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from thdpack.samples import SampleError, get_field
+from thdpack.common.samples import SampleError, get_field
 from thdpack.vlm.items import RopeItems
 from thdpack.vlm.convention import EXACT
 from thdpack.vlm.mrope import mrope_for_stream

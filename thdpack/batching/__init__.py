@@ -1,0 +1,1 @@
+"""One pack's THD stream: the layout options, the one-pass builder, its kernel and ThdBatch."""

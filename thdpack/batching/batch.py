@@ -1,0 +1,302 @@
+"""The packed THD batch, its CP shard (:func:`shard_for_cp`, over the index arithmetic
+of :mod:`thdpack.parallel.cp`) and its conversions to consumer formats."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
+from thdpack.common.samples import IGNORE_INDEX
+
+# keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
+HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+_warned_no_targets = False  # warn_if_no_targets warns once per process
+
+
+@dataclass
+class ThdBatch:
+    """One pack of samples in THD layout (no batch axis, no padding rows).
+
+    ``T`` is the stream length (sum of padded lengths), ``n`` the number of samples.
+
+    Attributes:
+        input_ids: int64 ``[T]``. Sample i occupies
+            ``cu_seqlens_padded[i] : cu_seqlens_padded[i] + seq_lens[i]``; the
+            ``pad_multiple`` alignment slots after it hold ``pad_token_id``.
+        labels: int64 ``[T]`` *target* labels, already shifted within each sample:
+            ``labels[t]`` is the token position t must predict. The last token of
+            every sample, prompt tokens and pad slots are ``ignore_index``.
+        loss_mask: bool ``[T]``, ``labels != ignore_index``.
+        position_ids: int64 ``[T]``, restarting at 0 for every sample. Pad slots
+            continue their sample's count (``s_i, s_i+1, ...``), so they stay in
+            their sample's attention segment, after all its real tokens.
+        cu_seqlens: int32 ``[n+1]`` cumulative real lengths.
+        cu_seqlens_padded: int32 ``[n+1]`` cumulative padded lengths (the layout).
+        max_seqlen: largest padded length (Python int).
+        seq_lens: int32 ``[n]`` real lengths.
+        sample_index: int64 ``[n]`` which input rows are in the pack, in order.
+        pad_multiple: every padded length is a multiple of this.
+        ignore_index: the label value that carries no loss.
+        tokens_truncated: tokens cut off the input samples to build this batch.
+        token_extras: more per-token tensors, token axis last (``[..., T]``), e.g.
+            mRoPE rows; CP sharding indexes them like ``input_ids``.
+        extras: other per-batch data added by later stages.
+        cp_size, cp_rank: ``1, 0`` for a whole batch; set on a CP shard
+            (:func:`thdpack.shard_for_cp`), whose per-token tensors are then the
+            rank's ``T / cp_size`` tokens while ``cu_seqlens``,
+            ``cu_seqlens_padded`` and ``max_seqlen`` stay global.
+        local_cu_seqlens_padded: shard only, int32 ``[n+1]``,
+            ``cu_seqlens_padded // cp_size`` (the local layout).
+        local_seq_lens: shard only, int32 ``[n]`` real tokens of each sample on this rank.
+        partition_indices: shard only, int64 ``[T / cp_size]`` position of each
+            local token in the global stream.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    seq_lens: torch.Tensor
+    sample_index: torch.Tensor
+    pad_multiple: int = 1
+    ignore_index: int = IGNORE_INDEX
+    tokens_truncated: int = 0
+    token_extras: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
+    cp_size: int = 1
+    cp_rank: int = 0
+    local_cu_seqlens_padded: torch.Tensor | None = None
+    local_seq_lens: torch.Tensor | None = None
+    partition_indices: torch.Tensor | None = None
+
+    # ---- sizes -----------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens in the pack."""
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def num_targets(self) -> int:
+        """Target tokens (``loss_mask.sum()``; on a CP shard, this rank's). 0 means the batch
+        trains nothing, and a mean loss over it is NaN (0/0): skip it, or weight the loss
+        by this count (the sum over targets divided by their total across batches / ranks)."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Length of the (local, for a shard) stream, alignment padding included."""
+        return int(self.input_ids.numel())
+
+    @property
+    def is_shard(self) -> bool:
+        return self.local_cu_seqlens_padded is not None
+
+    def shard(self, cp_size: int, cp_rank: int) -> "ThdBatch":
+        """This batch's CP shard for ``cp_rank`` (see :func:`shard_for_cp`)."""
+        return shard_for_cp(self, cp_size, cp_rank)
+
+    @property
+    def seq_lens_padded(self) -> torch.Tensor:
+        """int32 ``[n]`` padded lengths."""
+        return self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]
+
+    @property
+    def seqlen_squared_sum(self) -> int:
+        """``Σ sᵢ²`` over real lengths (Python int: no int32 overflow)."""
+        s = self.seq_lens.to(torch.int64)
+        return int((s * s).sum())
+
+    def __len__(self) -> int:
+        return self.num_padded_tokens
+
+    # ---- per-sample values (thdpack.common.values) -------------------------------
+    @property
+    def sample_values(self) -> dict:
+        """``{name: [n] or [n, k]}`` per-sample values read at build time (``sample_values=``)."""
+        from thdpack.common.values import batch_sample_values
+
+        return batch_sample_values(self)
+
+    def token_values(self, name: str) -> torch.Tensor:
+        """``[T]`` (or ``[T, k]``) per-sample value ``name`` on every slot of its sample."""
+        from thdpack.common.values import token_values
+
+        return token_values(self, name)
+
+    # ---- movement --------------------------------------------------------
+    def _map_tensors(self, fn) -> "ThdBatch":
+        changes = {
+            f.name: fn(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        for name in ("token_extras", "extras"):
+            changes[name] = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in getattr(self, name).items()}
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device, non_blocking: bool = False) -> "ThdBatch":
+        """A copy with every tensor on ``device``."""
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "ThdBatch":
+        """A copy with every tensor in pinned host memory (DataLoader ``pin_memory=True`` calls this)."""
+        return self._map_tensors(lambda t: t.pin_memory())
+
+    # ---- consumers -------------------------------------------------------
+    def hf_labels(self) -> torch.Tensor:
+        """int64 ``[T]`` labels for a transformers causal LM, whose loss shifts by one:
+        ``hf_labels[t + 1] == labels[t]``, so the model scores exactly the targets."""
+        out = torch.full_like(self.labels, self.ignore_index)
+        out[1:] = self.labels[:-1]
+        return out
+
+    def to_hf_kwargs(self, *, include_labels: bool = True) -> dict:
+        """Keyword arguments for ``model(**kw)`` of a transformers causal LM.
+
+        Tensors get a batch axis of 1. ``position_ids`` let sdpa / eager attention
+        find the sample boundaries; ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
+        padded layout) drive flash-attention varlen kernels.
+
+        On a CP shard the tensors are the rank's local tokens, ``cu_seq_lens_q/k``
+        the local layout, and the targets go in ``shift_labels`` (transformers'
+        loss uses them as they are; a one-token shift would cross the chunk
+        seams). transformers models do not attend across ranks by themselves: a
+        shard is for attention implementations that do (ring / all-gather CP).
+
+        A VLM batch (built with ``model_config``) gives ``position_ids`` as
+        ``[4, 1, T]`` (the text positions, then the 3 mRoPE rows: the text row is
+        what lets transformers keep packed samples apart), ``mm_token_type_ids``
+        ``[1, T]``, and the pack's pixel values, grids (and ``second_per_grid_ts``).
+        Vision inputs are the whole pack's, also on a CP shard (see
+        :mod:`thdpack.vlm.shard`). With a flash-attention *vision* tower, drop
+        ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
+        ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
+        """
+        cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
+        max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
+        kw = {
+            "input_ids": self.input_ids.unsqueeze(0),
+            "position_ids": self.position_ids.unsqueeze(0),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
+        mrope = self.token_extras.get("mrope_position_ids")
+        if mrope is not None:  # VLM batch (thdpack.vlm)
+            kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
+            kw["mm_token_type_ids"] = self.token_extras["mm_token_type_ids"].unsqueeze(0)
+            kw.update({k: self.extras[k] for k in HF_VISION_KEYS if self.extras.get(k) is not None})
+        if include_labels:
+            if self.is_shard:
+                kw["labels"] = self.labels.unsqueeze(0)
+                kw["shift_labels"] = self.labels.unsqueeze(0)
+            else:
+                kw["labels"] = self.hf_labels().unsqueeze(0)
+        return kw
+
+    def packed_seq_params_dict(self) -> dict:
+        """Megatron-core ``PackedSeqParams`` fields as a dict (global metadata, also on
+        a CP shard: TransformerEngine derives the per-rank layout itself).
+
+        ``total_tokens`` (int) is the global stream length ``cu_seqlens_padded[-1]``, on a CP
+        shard too: megatron-core (>= 0.19) builds ``seq_idx`` int32 ``[1, total_tokens]`` from it
+        and ``cu_seqlens_q_padded`` (sample i's slots hold i), which its Mamba mixer scans by;
+        Mamba's context parallelism exchanges sequence shards for head shards before the scan,
+        so the scan sees the whole stream. Without it ``seq_idx`` stays None and the mixer scans
+        the pack as one sequence."""
+        return {
+            "qkv_format": "thd",
+            "cu_seqlens_q": self.cu_seqlens,
+            "cu_seqlens_kv": self.cu_seqlens,
+            "cu_seqlens_q_padded": self.cu_seqlens_padded,
+            "cu_seqlens_kv_padded": self.cu_seqlens_padded,
+            "max_seqlen_q": self.max_seqlen,
+            "max_seqlen_kv": self.max_seqlen,
+            "total_tokens": int(self.cu_seqlens_padded[-1]),
+        }
+
+    def to_packed_seq_params(self):
+        """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,
+        else a dict with the same field names (see :meth:`packed_seq_params_dict`).
+        Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
+        megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none)."""
+        fields = self.packed_seq_params_dict()
+        try:
+            from megatron.core.packed_seq_params import PackedSeqParams
+        except ImportError:
+            return fields
+        known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+        return PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
+
+
+def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
+    """Rank ``cp_rank``'s shard of ``batch``: every per-token tensor indexed by
+    :func:`thdpack.thd_partition_indices` (:mod:`thdpack.parallel.cp`).
+
+    The shard keeps the *global* ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` (TransformerEngine divides by cp itself), and adds
+    ``local_cu_seqlens_padded`` (``cu_seqlens_padded // cp_size``: the local
+    layout), ``local_seq_lens`` (real tokens per sample on this rank) and
+    ``partition_indices`` (where each local token sits in the global stream).
+
+    VLM batches: ``mrope_position_ids`` and ``mm_token_type_ids`` (token extras) are
+    sharded with the same indices; vision inputs stay whole (vision embeddings are
+    scattered into the global stream before the CP split) and the shard's extras add
+    ``vision_token_positions``, ``image_embed_index`` and ``video_embed_index``
+    (:func:`thdpack.parallel.cp.vision_shard_extras`).
+    """
+    check_cp_args(cp_size, cp_rank)
+    if batch.cp_size != 1:
+        raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
+    index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
+    shard = dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[index],
+        labels=batch.labels[index],
+        loss_mask=batch.loss_mask[index],
+        position_ids=batch.position_ids[index],
+        token_extras={k: v[..., index] for k, v in batch.token_extras.items()},
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
+        local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
+        partition_indices=index,
+    )
+    if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
+        shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}
+    return shard
+
+
+def warn_if_no_targets(batch: ThdBatch, stacklevel: int = 3) -> None:
+    """Warn (once per process) when the whole batch ``batch`` has no target token. Not for a CP
+    shard: one rank's part of a pack may hold no targets while the others do. ``stacklevel``
+    as in :func:`warnings.warn`, counted from this function (3: the builder's caller)."""
+    global _warned_no_targets
+    if _warned_no_targets or batch.is_shard:
+        return
+    mask = batch.loss_mask  # any() through numpy: a third of a torch reduction's overhead (a per-batch hot path)
+    if mask.numpy().any() if mask.device.type == "cpu" else mask.any():
+        return
+    _warned_no_targets = True
+    index = batch.sample_index.tolist()
+    shown = ", ".join(map(str, index[:8])) + (", ..." if len(index) > 8 else "")
+    warnings.warn(
+        f"thdpack: a batch of {batch.num_samples} sample(s) (sample_index [{shown}]) has no target token "
+        f"(every label is ignore_index={batch.ignore_index}), so a mean loss over it is NaN: skip such batches "
+        "(if batch.num_targets == 0) or weight the loss by batch.num_targets; offline builds drop such samples "
+        "by default (without_targets: drop). Warned once per process.",
+        stacklevel=stacklevel,
+    )

@@ -1,0 +1,218 @@
+"""Build a THD batch straight from samples: one pass into preallocated arrays,
+no ``[B, S]`` padded intermediate, no remove-padding step.
+
+Which tokens are targets: a sample may give ``labels`` (HF style, ``ignore_index``
+= no loss), a ``loss_mask`` (1 = target), both, or neither. With both, a token is a
+target only where both say so (``labels[t] != ignore_index and loss_mask[t] == 1``):
+the mask narrows the labels and never adds targets, so it is the same as passing
+the labels alone with the masked-out tokens set to ``ignore_index``. With neither,
+every token but the first is a target (its own id is the label).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
+from thdpack.common.align import round_up
+from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
+from thdpack.common.extensions import vision
+from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.common.samples import SampleError, get_field, same_length, to_int_array
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def build_thd_batch(
+    samples: Sequence,
+    *,
+    sample_index: Sequence[int] | None = None,
+    model_config=None,
+    sample_values: Sequence[str] | None = None,
+    layout: BatchLayout | None = None,
+    **layout_keywords,
+) -> ThdBatch:
+    """Pack ``samples`` into one :class:`ThdBatch`.
+
+    Args:
+        samples: mappings with ``input_ids`` (``[s]`` integers >= 0) and optionally
+            ``labels`` (``[s]``, HF style: unshifted, ``ignore_index`` = no loss) and/or
+            ``loss_mask`` (``[s]``, 1 = the token is a target). With both, a token is a
+            target only where both say so (the labels' ``ignore_index`` or a mask 0
+            excludes it). Without either, every token but the first is a target.
+            Lists, numpy arrays, integer torch tensors and Arrow values are accepted;
+            anything else (floats, None, values beyond int64, meta tensors) is a
+            ``ValueError`` naming the sample and field.
+        layout, **layout_keywords: how the samples are padded and aligned and which CP
+            rank's shard is built: a :class:`thdpack.batching.layout.BatchLayout`, or its fields as
+            keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
+            ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
+            ``cp_rank``; each documented there).
+        sample_index: ``[n]`` input row of each sample, recorded in the batch
+            (defaults to ``0..n-1``).
+        model_config: for VLM samples, the transformers config (or its dict) of a
+            supported family (see :mod:`thdpack.vlm`): adds the concatenated vision
+            inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
+        sample_values: names of per-sample fields (a number or vector per sample: weights,
+            rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
+            :mod:`thdpack.common.values`).
+
+    Returns:
+        A :class:`ThdBatch` on the CPU.
+    """
+    layout = layout_from("build_thd_batch", layout, layout_keywords)
+    return build_batch(samples, layout, sample_index=sample_index, model_config=model_config,
+                       sample_values=sample_values, stacklevel=4)
+
+
+def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, model_config=None,
+                sample_values=None, stacklevel: int = 3) -> ThdBatch:
+    """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
+    batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
+    if isinstance(samples, Mapping):
+        raise ValueError("build_thd_batch expects a sequence of samples, got a single mapping")
+    samples = list(samples)
+    if not samples:
+        raise ValueError("build_thd_batch got no samples; a batch needs at least one")
+    multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
+    ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
+    seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
+    padded = _padded_lengths(seq_lens, layout)
+    ids = _concat(ids_parts)
+    source = _concat(label_parts) if label_parts is not None else _EMPTY
+    mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
+    direct_shard = cp_rank is not None and model_config is None
+    args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
+            int(layout.pad_token_id), int(layout.ignore_index))
+    if direct_shard:
+        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
+            assemble_shard(*args, cp_size, cp_rank)
+        )
+    else:
+        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded = assemble_stream(*args)
+    if status != OK:
+        _raise_bad_value(status, token, ids, source, mask, cu, layout.ignore_index)
+
+    index = _sample_index(sample_index, len(samples))
+    cu_padded_t = torch.from_numpy(cu_padded)
+    batch = ThdBatch(
+        input_ids=torch.from_numpy(input_ids),
+        labels=torch.from_numpy(labels),
+        loss_mask=torch.from_numpy(loss_mask),
+        position_ids=torch.from_numpy(position_ids),
+        cu_seqlens=torch.from_numpy(cu),
+        cu_seqlens_padded=cu_padded_t,
+        max_seqlen=int(padded.max()),
+        seq_lens=torch.from_numpy(cu[1:] - cu[:-1]),
+        sample_index=torch.from_numpy(index),
+        pad_multiple=multiple,
+        ignore_index=layout.ignore_index,
+        tokens_truncated=tokens_truncated,
+    )
+    if direct_shard:
+        batch.cp_size, batch.cp_rank = cp_size, cp_rank
+        batch.local_cu_seqlens_padded = cu_padded_t // cp_size
+        batch.local_seq_lens = torch.from_numpy(local_lens)
+        batch.partition_indices = torch.from_numpy(partition)
+    if sample_values:
+        from thdpack.common.values import attach_sample_values
+
+        attach_sample_values(batch, samples, sample_values)
+    if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
+        vision().attach(batch, samples, model_config)
+        if cp_rank is not None:
+            batch = shard_for_cp(batch, cp_size, cp_rank)
+    warn_if_no_targets(batch, stacklevel)
+    return batch
+
+
+def _read_samples(samples, max_length):
+    """Per-sample 1-D arrays of ids, labels (or None), loss masks (or None), and
+    the number of tokens cut by ``max_length``."""
+    ids_parts, label_parts, mask_parts = [], [], []
+    truncated = 0
+    any_labels = any_mask = False
+    for i, sample in enumerate(samples):
+        ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids")
+        if ids.size == 0:
+            raise SampleError.at(i, f": 'input_ids' is empty; every sample needs at least one token", field='input_ids')
+        labels = get_field(sample, "labels", i)
+        mask = get_field(sample, "loss_mask", i)
+        if labels is not None:
+            labels = same_length(to_int_array(labels, sample=i, field="labels"), ids, i, "labels")
+            any_labels = True
+        if mask is not None:
+            mask = same_length(to_int_array(mask, sample=i, field="loss_mask", allow_bool=True), ids, i, "loss_mask")
+            any_mask = True
+        if max_length is not None and ids.size > max_length:
+            truncated += ids.size - max_length
+            ids = ids[:max_length]
+            labels = None if labels is None else labels[:max_length]
+            mask = None if mask is None else mask[:max_length]
+        ids_parts.append(ids)
+        label_parts.append(labels)
+        mask_parts.append(mask)
+    if any_labels:
+        label_parts = [ids if lab is None else lab for lab, ids in zip(label_parts, ids_parts)]
+    if any_mask:
+        mask_parts = [np.ones(ids.size, bool) if m is None else m for m, ids in zip(mask_parts, ids_parts)]
+    return ids_parts, label_parts if any_labels else None, mask_parts if any_mask else None, truncated
+
+
+def _padded_lengths(seq_lens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+    """int64 ``[n]`` padded lengths: ``seq_lens`` rounded up to the layout's multiple, the
+    last extended to ``pad_to``; ``ValueError`` if the stream overflows int32 offsets."""
+    padded = round_up(seq_lens, layout.multiple)
+    if layout.pad_to is not None:
+        padded = _extend_last(padded, layout.pad_to)
+    total = int(padded.sum())
+    if total > _INT32_MAX:
+        raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
+    return padded
+
+
+def _sample_index(sample_index, n: int) -> np.ndarray:
+    """int64 ``[n]``: the given input rows of the samples, or ``0..n-1``."""
+    if sample_index is None:
+        return np.arange(n, dtype=np.int64)
+    index = np.asarray(sample_index, dtype=np.int64)
+    if index.size != n:
+        raise ValueError(f"sample_index has {index.size} entries for {n} samples")
+    return index
+
+
+def _extend_last(padded: np.ndarray, pad_to: int) -> np.ndarray:
+    """int64 ``[n]`` ``padded`` with the last span extended so the total is ``pad_to``."""
+    aligned_total = int(padded.sum())
+    if pad_to < aligned_total:
+        raise ValueError(f"pad_to={pad_to} is shorter than the pack ({aligned_total} tokens after alignment)")
+    padded = padded.copy()
+    padded[-1] += pad_to - aligned_total
+    return padded
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    """int64 ``[S]``: the parts end to end (read only by the kernels, so a view is fine)."""
+    if len(parts) == 1:
+        return parts[0].astype(np.int64, copy=False)
+    return np.concatenate(parts, dtype=np.int64, casting="unsafe")  # never via float64 for mixed int kinds
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+def _raise_bad_value(status, token, ids, source, mask, cu, ignore_index) -> None:
+    i = int(np.searchsorted(cu, token, side="right") - 1)
+    at = f"at token {token - int(cu[i])}"
+    if status == NEGATIVE_ID:
+        raise SampleError.at(i, f": 'input_ids' has negative id {int(ids[token])} {at}", field='input_ids')
+    if status == BAD_LABEL:
+        raise SampleError.at(
+            i, f": 'labels' has {int(source[token])} {at}; "
+            f"labels must be token ids >= 0 or ignore_index ({ignore_index})",
+            field='labels',
+        )
+    raise SampleError.at(i, f": 'loss_mask' has {mask[token].item()!r} {at}; expected 0 or 1", field='loss_mask')

@@ -1,0 +1,96 @@
+"""The layout of a built batch: how each sample is padded and aligned, what fills the
+pad slots, and which CP rank's shard is built. Defined once here; :func:`thdpack.build_thd_batch`
+takes its fields as keywords, :class:`thdpack.ThdCollator` and
+:class:`thdpack.offline.PackedRowCollator` hold one and pass it on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from thdpack.common.align import check_int, check_positive_int, resolve_pad_multiple
+from thdpack.parallel.cp import check_cp_args
+from thdpack.common.samples import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How samples sit in a THD stream; every field is validated on construction.
+
+    Attributes:
+        pad_token_id: fills alignment pad slots of ``input_ids`` (an integer >= 0).
+        ignore_index: label value of non-targets (an integer).
+        cp_size, tp_size, sequence_parallel: each sample is padded to the least
+            multiple these need (:func:`thdpack.cp_pad_multiple`).
+        pad_multiple: an extra multiple (e.g. 16 for FP8), combined by lcm.
+        max_length: bound on each sample's *padded* length: a sample keeps its
+            first ``max_length // m · m`` tokens, ``m`` the pad multiple (so
+            ``max_length=pack_size`` cuts exactly where ``plan_packs(...,
+            overflow="truncate")`` does). Cut tokens are counted in
+            ``batch.tokens_truncated``.
+        pad_to: pad the whole stream to exactly this many tokens (static shapes,
+            CUDA graphs) by extending the last sample's padded span; must be a
+            multiple of the pad multiple and at least the aligned total. Real
+            ``cu_seqlens`` are unchanged.
+        cp_rank: with ``cp_size > 1``, build only this rank's CP shard (as
+            :func:`thdpack.shard_for_cp` would), assembled directly without the
+            whole stream.
+        multiple: (derived) the multiple every padded length is rounded up to.
+    """
+
+    pad_token_id: int = 0
+    ignore_index: int = IGNORE_INDEX
+    cp_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    pad_multiple: int | None = None
+    max_length: int | None = None
+    pad_to: int | None = None
+    cp_rank: int | None = None
+    multiple: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        check_token_args(self.pad_token_id, self.ignore_index)
+        multiple = resolve_pad_multiple(self.cp_size, self.tp_size, self.sequence_parallel, self.pad_multiple)
+        object.__setattr__(self, "multiple", multiple)
+        if self.max_length is not None:
+            check_positive_int(self.max_length, "max_length")
+            if self.max_length < multiple:
+                raise ValueError(f"max_length={self.max_length} is smaller than the pad multiple {multiple}; nothing fits")
+        pad_to = self.pad_to
+        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to % multiple):
+            raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
+        if self.cp_rank is not None:
+            check_cp_args(self.cp_size, self.cp_rank)
+
+    @property
+    def cut_length(self) -> int | None:
+        """``max_length`` rounded down to the pad multiple: the tokens a sample keeps."""
+        return None if self.max_length is None else self.max_length // self.multiple * self.multiple
+
+
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchLayout) if f.init)
+
+
+def layout_from(owner: str, layout: BatchLayout | None, keywords: dict) -> BatchLayout:
+    """``layout``, or one built from ``keywords`` (the :class:`BatchLayout` fields a
+    caller of ``owner`` passed); ``TypeError`` naming ``owner`` for unknown keywords or both."""
+    unknown = sorted(set(keywords) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    if layout is None:
+        return BatchLayout(**keywords)
+    if keywords:
+        raise TypeError(f"{owner}() takes layout= or the layout keywords {sorted(keywords)}, not both")
+    return layout
+
+
+def check_token_args(pad_token_id, ignore_index) -> None:
+    """``ValueError`` naming the argument unless ``pad_token_id`` is an integer >= 0
+    (a token id) and ``ignore_index`` any int64 integer."""
+    hint = " (use the tokenizer's pad_token_id, or its eos_token_id when it has none)" if pad_token_id is None else ""
+    check_int(pad_token_id, "pad_token_id", 0, hint=hint)
+    check_int(ignore_index, "ignore_index", None)

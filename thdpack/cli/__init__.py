@@ -1,0 +1,82 @@
+"""The ``thdpack`` command: one module per subcommand.
+
+::
+
+    thdpack build --config configs/demo.yaml --output out/demo                 # cli/build.py
+    thdpack build --config C.yaml --slice 3/8 --output out/parts/{slice}     # one input slice of 8 (or --slice auto)
+    thdpack stats out/demo                                                   # cli/stats.py: a packed dataset
+    thdpack stats data.jsonl --tokenizer DIR --pack-size 4096                # or raw data: plan without writing
+    thdpack inspect out/demo --pack 0                                        # cli/inspect.py
+    thdpack merge out/full out/parts/*                                       # cli/merge.py: combine the slices
+    thdpack export out/demo --to megatron-bridge out/bridge                  # cli/export.py: Megatron-Bridge's Parquet
+
+Every build option is a YAML key of ``--config`` and a flag that overrides it
+(``pack_size`` / ``--pack-size``; cli/config_flags.py derives the flags from
+:class:`~thdpack.offline.config.BuildConfig`). What the commands share on their way out
+(logging, progress bars, the written line) is in cli/output.py. Nothing is downloaded: the
+tokenizer is a local directory or a name already in the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from thdpack.cli import build, export, inspect, merge, stats
+from thdpack.cli.output import cli_logging
+from thdpack.offline.errors import OfflineError
+from thdpack.offline.procs import Interrupted, signals_interrupt
+
+COMMANDS = (build, stats, inspect, merge, export)  # in the order --help lists them
+
+
+def _version() -> str:
+    from thdpack import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"thdpack {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge,export}")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with signals_interrupt(), cli_logging(getattr(args, "quiet", False)):  # signals unwind the command, which removes its temporary files
+            code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
+        outcome = getattr(exc, "outcome", None) or "nothing was written at the output path"
+        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; {outcome}",
+              file=sys.stderr)
+        return exc.exit_code if isinstance(exc, Interrupted) else 130
+    except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
+        if args.debug or os.environ.get("THDPACK_DEBUG"):
+            raise
+        print(f"thdpack {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``thdpack stats ... | head -1``): stop quietly, as Unix tools
+    do, with the status of a process ended by SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's exit flush must not raise again
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

@@ -1,0 +1,292 @@
+"""Packing a stream with a bounded buffer, resumable exactly.
+
+For data that does not fit a global plan (``IterableDataset``, ``datasets``
+streaming): samples arrive one by one; each goes to the open pack it fits
+best (best fit over at most ``buffer_size`` open packs); when too many packs
+are open, the fullest is emitted. Memory holds only the open packs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from thdpack.common.align import check_int, round_up
+from thdpack.planning.packing import CUT_KEYS, PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
+from thdpack.loaders.sampler import check_state_dict, distributed_default
+from thdpack.common.samples import SampleError, get_field, slice_sample, to_int_array
+
+
+@dataclass
+class _OpenPack:
+    room: int
+    items: list = field(default_factory=list)
+    real_tokens: int = 0
+
+
+def _default_length(sample, index: int) -> int:
+    return int(to_int_array(get_field(sample, "input_ids", index, required=True), sample=index, field="input_ids").size)
+
+
+class StreamingPacker(IterableDataset):
+    """An iterable of packs (each a list of samples) over an iterable of samples.
+
+    Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None,
+    collate_fn=ThdCollator())``, with any number of workers.
+
+    Stream shares: the stream is dealt into ``num_replicas × num_workers`` shares,
+    sample ``i`` going to share ``i % shares``; data-parallel rank ``r``'s
+    DataLoader worker ``w`` packs share ``r · num_workers + w`` alone, so every
+    sample is packed exactly once, deterministically. Each worker reads the whole
+    stream and skips the other shares' samples (without measuring them); give
+    ``num_replicas=1, rank=0`` if ``samples`` is already this rank's share.
+
+    Args:
+        samples: any iterable of samples (mappings with ``input_ids``); iterating
+            it again must give the same samples in the same order.
+        pack_size: token budget of a pack, after rounding each sample up to ``align``.
+        buffer_size: most packs held open at once (memory and reordering bound).
+            Larger buffers pack tighter; see ``benchmarks/balance.py``.
+        align: per-sample multiple (:func:`thdpack.cp_pad_multiple`).
+        overflow: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for a
+            sample longer than ``pack_size`` (as in :func:`thdpack.plan_packs`).
+        max_samples_per_pack: optional cap on samples per pack.
+        length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``).
+        num_replicas, rank: data-parallel world; default from ``torch.distributed``.
+
+    ``stats`` is the :class:`thdpack.PackStats` of the packs emitted so far (this
+    share's samples only), counted as :func:`thdpack.plan_packs` counts a plan.
+
+    Resuming (``docs/resume.md``): ``state_dict()`` holds the number of input
+    samples consumed (stream positions, all shares counted), the open packs
+    (with their samples), packs decided but not yet yielded, the statistics'
+    totals and the share. After
+    ``load_state_dict(state)``, iterating a fresh packer over the same stream
+    skips the consumed samples (or, with ``skip_consumed=False``, expects the
+    stream itself to resume after them) and yields exactly the packs an
+    uninterrupted run would have yielded next. With workers, each worker has its
+    own state: use torchdata's ``StatefulDataLoader``, which saves and restores
+    it inside every worker; a plain ``DataLoader`` resumes exactly only with
+    ``num_workers=0`` (then save ``packer.state_dict()``).
+    """
+
+    def __init__(
+        self,
+        samples: Iterable,
+        pack_size: int,
+        *,
+        buffer_size: int = 64,
+        align: int = 1,
+        overflow: str = "error",
+        max_samples_per_pack: int | None = None,
+        length_fn: Callable | None = None,
+        skip_consumed: bool = True,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ):
+        check_overflow(overflow)
+        for name, value in (("pack_size", pack_size), ("buffer_size", buffer_size), ("align", align)):
+            check_int(value, name, 1)
+        self.limit = usable_length(pack_size, align)
+        self.samples = samples
+        self.pack_size = pack_size
+        self.buffer_size = buffer_size
+        self.align = align
+        self.overflow = overflow
+        self.max_samples_per_pack = max_samples_per_pack
+        self.length_fn = length_fn or _default_length
+        self.skip_consumed = skip_consumed
+        self.num_replicas, self.rank = distributed_default(num_replicas, rank)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._consumed = 0
+        self._open: list[_OpenPack] = []
+        self._ready: list[list] = []
+        self._totals = PackTotals()
+        self._resumed = False
+        self._share: tuple[int, int] | None = None  # (share, shares) of the loaded state, or of the last run
+
+    @property
+    def stats(self) -> PackStats:
+        """The :class:`thdpack.PackStats` of the packs emitted so far."""
+        return PackStats.from_totals(self._totals, self.pack_size)
+
+    def _current_share(self) -> tuple[int, int]:
+        """``(share, shares)`` of the stream this process packs: DP rank-major, DataLoader worker-minor."""
+        info = get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return self.rank * workers + worker, self.num_replicas * workers
+
+    # ---- packing --------------------------------------------------------
+    def _pieces(self, sample, index: int, length: int):
+        """(sample, length) pieces that fit a pack: the sample whole, or what the overflow
+        policy (:func:`thdpack.planning.packing.cut_overflow`) keeps of it."""
+        if length < 1:
+            raise SampleError.at(index, " is empty; every sample needs at least one token")
+        self._totals.num_samples += 1
+        if length <= self.limit:
+            return [(sample, length)]
+        cut = cut_overflow(np.array([length], np.int64), self.overflow, self.pack_size, self.align,
+                           names=np.array([index]))
+        self._totals.add_cuts(cut.cuts)
+        return [(slice_sample(sample, a, a + n, index=index), n) for a, n in zip(cut.start.tolist(), cut.length.tolist())]
+
+    def _place(self, sample, length: int) -> None:
+        size = round_up(length, self.align)
+        best = None
+        for pack in self._open:
+            if pack.room >= size and (best is None or pack.room < best.room):
+                best = pack
+        if best is None:
+            best = _OpenPack(room=self.pack_size)
+            self._open.append(best)
+        best.room -= size
+        best.items.append(sample)
+        best.real_tokens += length
+        full = best.room < self.align or (
+            self.max_samples_per_pack is not None and len(best.items) >= self.max_samples_per_pack
+        )
+        if full:
+            self._emit(best)
+        elif len(self._open) > self.buffer_size:
+            self._emit(min(self._open, key=lambda p: p.room))  # the fullest; ties: the oldest
+
+    def _emit(self, pack: _OpenPack) -> None:
+        self._open.remove(pack)
+        self._ready.append(pack.items)
+        self._totals.add_pack(len(pack.items), pack.real_tokens, self.pack_size - pack.room)
+
+    def __iter__(self) -> Iterator[list]:
+        share, shares = self._current_share()
+        if self._resumed:
+            self._check_share(self._share)
+        else:
+            self._reset()
+        self._resumed, self._share = False, (share, shares)
+        source = iter(self.samples)
+        if self._consumed and self.skip_consumed:
+            source = itertools.islice(source, self._consumed, None)
+        while True:
+            while self._ready:
+                yield self._ready.pop(0)
+            sample = next(source, _END)
+            if sample is _END:
+                break
+            index = self._consumed
+            if index % shares == share:
+                for piece, length in self._pieces(sample, index, self.length_fn(sample, index)):
+                    self._place(piece, length)
+            self._consumed += 1
+        for pack in list(self._open):  # end of stream: flush in opening order
+            self._emit(pack)
+        while self._ready:
+            yield self._ready.pop(0)
+
+    # ---- resume ---------------------------------------------------------
+    def _fingerprint(self) -> str:
+        return (f"pack_size={self.pack_size}, buffer_size={self.buffer_size}, align={self.align}, "
+                f"overflow={self.overflow!r}, max_samples_per_pack={self.max_samples_per_pack}")
+
+    def state_dict(self) -> dict:
+        """A plain, picklable snapshot: ``{"consumed", "open", "ready", "stats", "share", "fingerprint"}``
+        (``stats``: the :class:`~thdpack.planning.packing.PackTotals` behind :attr:`stats`, as a dict)."""
+        return {
+            "consumed": self._consumed,
+            "open": [(p.room, list(p.items), p.real_tokens) for p in self._open],
+            "ready": [list(items) for items in self._ready],
+            "stats": self._totals.as_dict(),
+            "share": list(self._share or self._current_share()),
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` (see the class docstring).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, lacks a key, holds a negative or
+                non-integer count, was saved by a packer with other settings, or by
+                another DP rank / DataLoader worker.
+        """
+        state = _upgrade_state(state)
+        _check_state(state, self._fingerprint())
+        self._check_share(tuple(state["share"]))
+        self._consumed = int(state["consumed"])
+        self._open = [_OpenPack(room, list(items), real) for room, items, real in state["open"]]
+        self._ready = [list(items) for items in state["ready"]]
+        self._totals = PackTotals.from_dict(state["stats"])
+        self._share = tuple(state["share"])
+        self._resumed = True
+
+    def _check_share(self, saved: tuple[int, int]) -> None:
+        here = self._current_share()
+        if tuple(saved) != here:
+            raise ValueError(
+                f"state_dict['share'] is share {saved[0]} of {saved[1]}, but this packer reads share {here[0]} of "
+                f"{here[1]} (rank · num_workers + worker); resume every rank and worker from its own state, with "
+                "the same num_replicas and num_workers (StatefulDataLoader does this per worker)"
+            )
+
+
+_STATE_KEYS = ("consumed", "open", "ready", "stats", "share", "fingerprint")
+# The stream statistics of thdpack <= 0.1.0's state_dict (saved under "shard", not "share").
+_OLD_STATS = {"packs": "num_packs", "real_tokens": "real_tokens", **{k: k for k in CUT_KEYS}}
+
+
+def _upgrade_state(state):
+    """A state saved before the stream's part was called its share (keys ``"shard"`` and the old
+    ``stats`` dict) as today's state: the position in the stream is kept exactly; of the
+    statistics only packs, real tokens and overflow cuts were saved, so the others restart at 0
+    (a warning says so). Any other value is returned as it is, for :func:`_check_state`."""
+    if not (isinstance(state, dict) and "shard" in state and "share" not in state
+            and isinstance(state.get("stats"), dict) and set(state["stats"]) == set(_OLD_STATS)):
+        return state
+    warnings.warn("StreamingPacker: resuming from a state_dict of an older thdpack; the stream position is exact, "
+                  "but its statistics before the resume keep only packs, real tokens and overflow cuts", stacklevel=3)
+    totals = dict.fromkeys(PACK_TOTALS_KEYS, 0)
+    totals.update({new: state["stats"][old] for old, new in _OLD_STATS.items()})
+    new = {k: v for k, v in state.items() if k != "shard"}
+    return {**new, "stats": totals, "share": state["shard"]}
+
+
+def _check_state(state, fingerprint: str) -> None:
+    """Keys, types and settings of a :meth:`StreamingPacker.state_dict`; one ValueError naming the key."""
+    check_state_dict(state, _STATE_KEYS, "StreamingPacker", _check_state_values)
+    if state["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"state_dict was saved by a StreamingPacker with {state['fingerprint']}, but this one has {fingerprint}; "
+            "resume with the same settings"
+        )
+
+
+def _check_state_values(state: dict) -> None:
+    check_int(state["consumed"], "state_dict['consumed']", 0)
+    for key in ("open", "ready"):
+        if not isinstance(state[key], (list, tuple)):
+            raise ValueError(f"state_dict[{key!r}] must be a list, got {type(state[key]).__name__}")
+    if any(not isinstance(p, (list, tuple)) or len(p) != 3 for p in state["open"]):
+        raise ValueError("state_dict['open'] must hold (room, samples, real_tokens) triples")
+    _check_totals(state["stats"])
+    share = state["share"]
+    if not isinstance(share, (list, tuple)) or len(share) != 2:
+        raise ValueError(f"state_dict['share'] must be [share, shares], got {share!r}")
+    check_int(share[1], "state_dict['share'][1]", 1)
+    check_int(share[0], "state_dict['share'][0]", 0)
+
+
+def _check_totals(totals) -> None:
+    """``state_dict['stats']``: a dict of the :class:`~thdpack.planning.packing.PackTotals` counts, each an integer >= 0."""
+    if not isinstance(totals, dict):
+        raise ValueError(f"state_dict['stats'] must be a dict, got {type(totals).__name__}")
+    if sorted(totals) != sorted(PACK_TOTALS_KEYS):
+        raise ValueError(f"state_dict['stats'] must have the keys {', '.join(PACK_TOTALS_KEYS)}, got {sorted(totals)}")
+    for key in PACK_TOTALS_KEYS:
+        check_int(totals[key], f"state_dict['stats'][{key!r}]", 0)
+
+
+_END = object()

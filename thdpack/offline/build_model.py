@@ -1,0 +1,117 @@
+"""The model config of a build (``model_config:`` / ``--model-config``): loading it,
+recording it in the output and what the FLOPs report needs from it.
+
+A model config is a ``config.json`` file, a directory holding one, or (in YAML) the
+mapping itself; it is read as plain JSON (``transformers`` is not needed). The build
+uses it twice:
+
+- the whole-model FLOPs over-count of counting every pack as one ``pack_size``-token
+  sequence (:func:`thdpack.flops.model_overcount_factor`), next to the attention one;
+- for rows with images, the VLM family (placeholder token ids, merge size, image
+  processor defaults): see :mod:`thdpack.offline.vision.vlm_setup`.
+
+A copy is saved in the output (``model_config.json``) so that ``thdpack stats`` and the
+VLM collator of :func:`load_packed` find it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from thdpack.common.model_config import config_get
+from thdpack.offline.errors import ConfigError
+
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def read_model_config(path: str | Path) -> dict:
+    """The config dict of ``path``: a ``config.json`` file or a directory holding one."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model_config {path}: no such file (give a config.json or a directory holding one)")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model_config {p}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model_config {p}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_model_config(cfg) -> dict | None:
+    """``cfg.model_config`` as a dict (None when not given). Relative paths follow the
+    config's rules (relative to the YAML file; flags are made absolute)."""
+    spec = cfg.model_config
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if not isinstance(spec, str):
+        raise ConfigError(f"model_config must be a path or a mapping, got {type(spec).__name__}")
+    return read_model_config(cfg.resolve_path(spec))
+
+
+def model_info(config: dict, given) -> dict:
+    """What metadata.json records about the model config: as given, its ``model_type``
+    and a content fingerprint."""
+    return {
+        "given": given if isinstance(given, str) else "inline mapping",
+        "model_type": config.get("model_type"),
+        "fingerprint": hashlib.sha256(canonical_json(config).encode()).hexdigest(),
+        "saved_copy": MODEL_CONFIG_FILE,
+    }
+
+
+def canonical_json(config: dict) -> str:
+    """``config`` as indented JSON text with sorted keys: the saved copy, and what the fingerprint hashes."""
+    return json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int, seqlen_squared_sum: int,
+                        num_samples: int, vision_grid_thw=None) -> dict:
+    """The whole-model over-count factors for :func:`thdpack.offline.summary.summarize`.
+
+    ``overcount``: ``model_flops`` of ``num_packs`` sequences of ``pack_size`` tokens over
+    ``model_flops`` of the real tokens and ``Σ sᵢ²`` (:func:`thdpack.flops.model_overcount_factor`);
+    ``overcount_samples_at_pack_len``: the same when every *sample* is charged a whole
+    ``pack_size`` sequence. A VLM's vision tower (``vision_grid_thw`` given) counts the
+    same in both, as a pack-length count charges it. A config the FLOPs module does not
+    cover gives ``{"error": ...}`` instead of stopping the build.
+    """
+    from thdpack.flops import model_flops, model_overcount_factor
+
+    options = {}
+    if vision_grid_thw is not None and len(vision_grid_thw) and config_get(config, "vision_config", None) is not None:
+        options["vision_grid_thw"] = vision_grid_thw
+    out = {"model_type": config_get(config, "model_type", None)}
+    try:
+        if not seqlen_squared_sum:
+            raise ValueError("no tokens")
+        out["overcount"] = model_overcount_factor(config, num_packs, pack_size, real_tokens, seqlen_squared_sum, **options)
+        out["overcount_samples_at_pack_len"] = model_overcount_factor(
+            config, num_samples, pack_size, real_tokens, seqlen_squared_sum, **options)
+        out["real_flops"] = int(model_flops(config, real_tokens, seqlen_squared_sum, **options))
+        out["vision_included"] = bool(options)
+    except (KeyError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+        out = {"model_type": out["model_type"], "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def packed_model_config(ds, given: str | None = None) -> dict:
+    """``summarize`` keyword arguments for the FLOPs report of packed dataset ``ds``:
+    the model config ``given`` (a path), else the copy saved with the dataset, and the
+    image grids of a VLM dataset. ``{}`` when there is no model config."""
+    path = given if given else (ds.path / MODEL_CONFIG_FILE if (ds.path / MODEL_CONFIG_FILE).is_file() else None)
+    if path is None:
+        return {}
+    out = {"model_config": read_model_config(path)}
+    if "image_grid_thw" in getattr(ds, "columns", []):
+        from thdpack.offline.store.vision_readback import all_image_grids
+
+        out["vision_grid_thw"] = all_image_grids(ds)
+    return out

@@ -1,0 +1,1 @@
+"""Input rows of an offline build: files and sources, JSON Lines, memory-mapped rows, input slices."""

@@ -1,0 +1,339 @@
+"""Reading inputs into one ``datasets.Dataset`` of raw rows, remembering where each row came from.
+
+Supported inputs:
+
+- JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.json`` with one object per line) and JSON
+  arrays (``.json`` starting with ``[``). Lines are kept as raw bytes here and parsed
+  in the (parallel) tokenization step, so a malformed line becomes a row error that
+  names its file and line.
+- Parquet (``.parquet``) and Arrow (``.arrow``, IPC stream or file format; streams are
+  memory-mapped).
+- A directory written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` needs ``split``).
+- A directory or glob: every supported file in it, in sorted order.
+- ``{"demo": {...}}``: the bundled synthetic rows (:mod:`thdpack.demo`).
+
+Every row gets a location (``file:line`` or ``file row N``) for error messages, and
+the whole input a content fingerprint (sha256 of the files' bytes).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.store.format import bytes_sha256, file_sha256
+from thdpack.offline.inputs.jsonl import split_lines
+
+JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
+JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+@dataclass
+class SourceFile:
+    path: str  # as given (for messages and metadata)
+    kind: str  # jsonl | json | parquet | arrow | saved | demo
+    num_rows: int
+    sha256: str
+    line_numbers: np.ndarray | None = field(default=None, repr=False)  # JSON Lines: 1-based line of each row
+
+    def describe(self) -> dict:
+        return {"path": self.path, "kind": self.kind, "rows": self.num_rows, "sha256": self.sha256}
+
+
+def files_fingerprint(files) -> str:
+    """Hex sha256 naming the rows of ``files`` (:class:`SourceFile`: kind, rows and content hash)."""
+    return bytes_sha256("".join(f"{f.kind}:{f.num_rows}:{f.sha256}\n" for f in files))
+
+
+@dataclass
+class Source:
+    """Raw rows and where they came from.
+
+    ``dataset`` has either one column ``__json__`` (raw JSON bytes of each row) or
+    the typed columns of Parquet / Arrow / saved datasets.
+    """
+
+    dataset: object  # datasets.Dataset
+    files: list[SourceFile]
+    columns: list[str]  # fields available in the rows (for JSON: the first object's keys)
+    row_offsets: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.row_offsets = np.cumsum([0] + [f.num_rows for f in self.files])
+
+    @property
+    def is_json(self) -> bool:
+        return JSON_COLUMN in self.dataset.column_names
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets[-1])
+
+    @property
+    def fingerprint(self) -> str:
+        return files_fingerprint(self.files)
+
+    def where(self, row: int) -> str:
+        """``file:line`` (JSON Lines) or ``file row N`` for global row ``row``."""
+        k = int(np.searchsorted(self.row_offsets, row, side="right") - 1)
+        f = self.files[k]
+        local = row - int(self.row_offsets[k])
+        if f.line_numbers is not None:
+            return f"{f.path}:{int(f.line_numbers[local])}"
+        return f"{f.path} row {local}"
+
+
+def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
+    """Read ``cfg.input`` into a :class:`Source` (rows not yet parsed or tokenized)."""
+    import datasets
+
+    spec = cfg.input
+    if isinstance(spec, dict):
+        if set(spec) != {"demo"}:
+            raise ConfigError(f"input mapping must be {{demo: {{...}}}}, got keys {sorted(spec)}")
+        return _read_demo(spec["demo"] or {}, cfg)
+    specs = spec if isinstance(spec, list) else [spec]
+    if not specs or not all(isinstance(s, str) for s in specs):
+        raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
+
+    paths: list[tuple[str, Path]] = []
+    for s in specs:
+        paths.extend(_expand(s, cfg))
+    kinds = {_kind(p) for _, p in paths}
+    if "saved" in kinds and len(paths) > 1:
+        raise ConfigError("a save_to_disk directory must be the only input")
+    if kinds & {"jsonl", "json"} and kinds - {"jsonl", "json"}:
+        raise ConfigError(
+            f"inputs mix JSON with {sorted(kinds - {'jsonl', 'json'})} files; build them separately"
+        )
+
+    files: list[SourceFile] = []
+    tables = []
+    limit = cfg.max_rows
+    from tqdm.auto import tqdm
+
+    bar = tqdm(paths, desc="Reading", unit="file", disable=not progress or len(paths) < 2, leave=False)
+    for given, path in bar:
+        kind = _kind(path)
+        if kind in ("jsonl", "json"):
+            table, sf = _read_json(given, path, kind, limit)
+        elif kind == "parquet":
+            table, sf = _read_parquet(given, path, limit)
+        elif kind == "arrow":
+            table, sf = _read_arrow(given, path, limit)
+        else:
+            return _read_saved(given, path, cfg)
+        tables.append(table)
+        files.append(sf)
+        if limit is not None:
+            limit -= sf.num_rows
+            if limit <= 0:
+                break
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    if len(tables) == 1:
+        table = tables[0]
+    else:
+        try:
+            table = pa.concat_tables(tables, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise InputError(f"input files have incompatible columns: {exc}") from None
+    # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
+    ds = datasets.Dataset(InMemoryTable(table), fingerprint=files_fingerprint(files)[:16])
+    columns = _json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
+    return Source(ds, files, columns)
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def _expand(spec: str, cfg: BuildConfig) -> list[tuple[str, Path]]:
+    path = cfg.resolve_path(spec)
+    if any(ch in spec for ch in "*?["):
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+        found = [p for p in found if p.is_file() and _supported(p)]
+        if not found:
+            raise InputError(f"input pattern {spec!r} matches no .jsonl/.json/.parquet/.arrow file")
+        return [(_display(spec, p, cfg), p) for p in found]
+    if not path.exists():
+        raise InputError(f"input {spec!r} does not exist (looked at {path})")
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return [(spec, path)]
+        found = sorted(p for p in path.rglob("*") if p.is_file() and _supported(p))
+        if not found:
+            raise InputError(f"input directory {spec!r} has no .jsonl/.json/.parquet/.arrow file and is not a save_to_disk dataset")
+        return [(_display(spec, p, cfg), p) for p in found]
+    if not _supported(path):
+        raise InputError(f"input {spec!r}: unsupported file type; expected {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)}")
+    return [(spec, path)]
+
+
+def _display(spec: str, p: Path, cfg: BuildConfig) -> str:
+    """How a file found through a directory or glob is named in messages and metadata."""
+    return str(p) if Path(spec).is_absolute() else os.path.relpath(p, cfg.base_dir)
+
+
+def _supported(p: Path) -> bool:
+    name = p.name.lower()
+    return name.endswith(JSON_SUFFIXES + TABLE_SUFFIXES)
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _kind(path: Path) -> str:
+    if path.is_dir():
+        return "saved"
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    return "jsonl"  # JSON arrays are detected when reading
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def _map_file(path: Path):
+    """The file's bytes, memory-mapped read-only (``b""`` for an empty file)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _read_json(given: str, path: Path, kind: str, limit: int | None):
+    import pyarrow as pa
+
+    gz = path.name.lower().endswith(".gz")
+    # uncompressed: memory-mapped, the lines are views of the file's pages (page cache, shared
+    # with the tokenization workers' reads), not a private copy of a file that may exceed RAM
+    raw = path.read_bytes() if gz else _map_file(path)
+    sha = bytes_sha256(raw)  # of the file as stored
+    if gz:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise InputError(f"{given}: not a valid gzip file ({exc})") from None
+    start = raw[: 1 << 16]  # the first non-blank byte, without copying the whole file
+    head = start.lstrip()[:1] if start.strip() else bytes(raw).lstrip()[:1]
+    if head == b"[":  # a JSON array of objects
+        try:
+            rows = json.loads(bytes(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"{given}: invalid JSON ({exc})") from None
+        if limit is not None:
+            rows = rows[:limit]
+        lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
+        table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
+        return table, SourceFile(given, "json", len(lines), sha)
+    split = split_lines(raw, limit)  # zero-copy (thdpack/offline/inputs/jsonl.py)
+    if split is not None:
+        return pa.table({JSON_COLUMN: split[0]}), SourceFile(given, "jsonl", len(split[0]), sha, split[1])
+    parts = bytes(raw).split(b"\n")
+    keep = [i for i, line in enumerate(parts) if line.strip()]
+    if limit is not None:
+        keep = keep[:limit]
+    lines = [parts[i] for i in keep]
+    table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
+    return table, SourceFile(given, "jsonl", len(lines), sha, np.asarray(keep, dtype=np.int64) + 1)
+
+
+def _read_parquet(given: str, path: Path, limit: int | None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{given}: cannot read Parquet ({exc})") from None
+    if limit is not None:
+        table = table.slice(0, limit)
+    return table, SourceFile(given, "parquet", table.num_rows, file_sha256(path))
+
+
+def _read_arrow(given: str, path: Path, limit: int | None):
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        table = pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        try:
+            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        except pa.ArrowInvalid as exc:
+            raise InputError(f"{given}: not an Arrow IPC stream or file ({exc})") from None
+    if limit is not None:
+        table = table.slice(0, limit)
+    return table, SourceFile(given, "arrow", table.num_rows, file_sha256(path))
+
+
+def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises several types here
+        raise InputError(f"{given}: cannot load the saved dataset ({exc})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = cfg.split or ("train" if "train" in ds else None)
+        if split not in ds:
+            raise ConfigError(f"{given} is a DatasetDict with splits {list(ds)}; choose one with --split")
+        ds = ds[split]
+        files_dir = path / split
+    else:
+        if cfg.split:
+            raise ConfigError(f"{given} is a single Dataset; --split {cfg.split!r} does not apply")
+        files_dir = path
+    if cfg.max_rows is not None:
+        ds = ds.select(range(min(cfg.max_rows, len(ds))))
+    sha = bytes_sha256("".join(file_sha256(p) for p in sorted(files_dir.glob("*.arrow"))))
+    return Source(ds, [SourceFile(given, "saved", len(ds), sha)], list(ds.column_names))
+
+
+def _read_demo(opts: dict, cfg: BuildConfig) -> Source:
+    import datasets
+
+    from thdpack.demo import generate_rows
+
+    allowed = {"num_samples", "seed", "kind"}
+    if not isinstance(opts, dict) or set(opts) - allowed:
+        raise ConfigError(f"input: demo options are {sorted(allowed)}, got {opts!r}")
+    try:
+        rows = generate_rows(**opts)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"input: demo: {exc}") from None
+    if cfg.max_rows is not None:
+        rows = rows[: cfg.max_rows]
+    ds = datasets.Dataset.from_list(rows)
+    desc = ",".join(f"{k}={opts[k]}" for k in sorted(opts))
+    sha = bytes_sha256(json.dumps(rows, sort_keys=True))
+    return Source(ds, [SourceFile(f"demo({desc})", "demo", len(rows), sha)], list(ds.column_names))
+
+
+def _json_columns(files: list[SourceFile], ds) -> list[str]:
+    """Keys of the first parseable JSON object (to pick a format); [] if none parse."""
+    col = ds.data.column(JSON_COLUMN)
+    for i in range(min(len(ds), 100)):
+        try:
+            obj = json.loads(col[i].as_py())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            return list(obj)
+    return []

@@ -1,0 +1,467 @@
+"""``thdpack build`` as a function: read -> tokenize -> plan -> write, atomically.
+
+The output is written into a hidden temporary directory next to it
+(``.NAME.tmp-PID-RAND``) and renamed into place only once every data file and, last,
+``metadata.json`` are written and synced. An interrupted build (Ctrl-C, SIGTERM, an
+exception) removes its temporary directory; one killed outright leaves only that
+hidden directory, never a directory at the output path, and never one with
+``metadata.json`` that :func:`load_packed` would accept. From the existence check to the
+rename the build holds a lock on the output (:class:`OutputLock`), so a second build or
+merge of the same output fails at once; file-system failures become one
+:class:`~thdpack.offline.errors.OutputError` line naming the path (:func:`output_error`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.common.align import round_up
+from thdpack.offline import bridge_export
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.errors import ConfigError, InputError, require_hf
+from thdpack.offline.store.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata
+from thdpack.offline.log import UNSET, deprecated_log
+from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
+from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
+from thdpack.offline.inputs.sources import Source, read_source
+from thdpack.offline.store.staging import OutputLock, commit_staged, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
+from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
+from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
+from thdpack.offline.tokenizing.tokenizer import read_chat_template
+from thdpack.offline.vision.vlm_setup import vlm_build
+from thdpack.planning.packing import usable_length
+from thdpack.planning.plan import PackPlan, plan_packs
+from thdpack.common.samples import IGNORE_INDEX
+
+MAX_ERRORS_SHOWN = 5
+MAX_ERRORS_RECORDED = 20
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything before writing: rows read, tokenized, planned."""
+
+    source: Source
+    tokenized: Tokenized
+    plan: PackPlan
+    sample_rows: np.ndarray  # int64 [num_samples]: tokenized row of each planned sample (the input row, or
+    #                          for preference rows 2 * input row + 0 chosen / 1 rejected)
+    skipped: list[tuple[int, str]]  # (input row, reason)
+    piece_targets: np.ndarray  # int64 [pieces]: target tokens of each piece of plan
+    without_targets: "WithoutTargets"  # samples with no target in what the plan keeps (dropped or kept)
+    timings: dict = field(default_factory=dict)
+    model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/build_model.py)
+    vlm: object = None  # a thdpack.offline.vision.vlm_setup.VlmBuild for rows with images, else None
+
+    def counts(self) -> dict:
+        st = self.plan.stats
+        w = self.without_targets
+        pack_targets = (np.add.reduceat(self.piece_targets, self.plan.pack_offsets[:-1]) if len(self.plan)
+                        else np.zeros(0, np.int64))
+        return {
+            "input_rows": self.source.num_rows,
+            "skipped_rows": len(self.skipped),
+            "samples": int(self.sample_rows.size),
+            "pieces": st.num_pieces,
+            "samples_without_targets": int(w.rows.size),  # after truncation, before the policy
+            "truncated": {"samples": st.samples_truncated, "tokens": st.tokens_truncated},
+            "dropped": {"samples": st.samples_dropped, "tokens": st.tokens_dropped},
+            "split": {"samples": st.samples_split},
+            "without_targets": {
+                "policy": w.policy,
+                "dropped_samples": w.dropped_samples,
+                "dropped_tokens": w.dropped_tokens,
+                "pieces": int((self.piece_targets == 0).sum()),  # in the packs: kept samples, split pieces
+                "packs": int((pack_targets == 0).sum()),
+            },
+        }
+
+    def summary(self, eval_multiple: int | None = None) -> dict:
+        counts = self.counts()
+        extra = {k: counts[k] for k in BUILD_COUNTS if k in counts}  # target_tokens: added once written
+        return summarize(
+            self.plan.length,
+            self.plan.pack_offsets,
+            self.plan.pack_size,
+            self.plan.align,
+            eval_multiple=eval_multiple,
+            input_lengths=self.tokenized.lengths[self.sample_rows],
+            counts=extra,
+            model_config=self.model_config,
+            vision_grid_thw=None if self.vlm is None else self.vlm.packed_grids(
+                self.tokenized.dataset.data.table, self.sample_rows[self.plan.sample_index]),
+        )
+
+    def skipped_examples(self) -> list[dict]:
+        return [{"where": self.source.where(r), "error": m} for r, m in self.skipped[:MAX_ERRORS_RECORDED]]
+
+
+def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_slice=None) -> Prepared:
+    """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
+    with ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice's rows."""
+    require_hf("thdpack build")
+    cfg.validate()
+    model_config = load_model_config(cfg)  # before the long steps: a bad path fails fast
+    if cfg.chat_template:
+        read_chat_template(cfg)
+    t = {}
+    t0 = time.perf_counter()
+    source = read_source(cfg, progress=progress)
+    t["read"] = time.perf_counter() - t0
+    if source.num_rows == 0:
+        raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
+    logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
+    if input_slice is not None:  # tokenize and plan only this slice's rows (thdpack/offline/inputs/input_slice.py)
+        source = input_slice.select(source)
+    pairs = resolve_format(cfg, source) in PAIR_FORMATS
+    if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
+        _check_group_options(cfg, input_slice, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
+    vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vision/vlm_setup.py), else None
+
+    t0 = time.perf_counter()
+    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm)
+    t["tokenize"] = time.perf_counter() - t0
+    what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
+    logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
+
+    lengths = tokenized.lengths  # per tokenized sequence
+    seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
+    seq_group = _sequence_groups(tokenized, seq_row, cfg)  # group of each sequence (one pack each), or None
+    grouped = seq_group is not None
+    skipped = _row_errors(tokenized.errors, seq_row, pairs)  # from here on, per input row
+    row_tokens = _row_tokens(lengths, seq_row, seq_group, cfg.align) if grouped else lengths
+    usable = np.ones(row_tokens.size, dtype=bool)
+    usable[[r for r, _ in skipped]] = False
+    limit = usable_length(cfg.pack_size, cfg.align)  # the rest is plan_packs' overflow policy (thdpack/planning/packing.py)
+    too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
+    what = (f" in its group (group_column: {cfg.group_column})" if cfg.group_column else
+            " for chosen + rejected" if pairs else "")
+    if too_long.size and not cfg.skip_bad_rows:
+        shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
+                          for r in too_long[:MAX_ERRORS_SHOWN].tolist())
+        more = f" and {too_long.size - MAX_ERRORS_SHOWN} more" if too_long.size > MAX_ERRORS_SHOWN else ""
+        raise InputError(
+            f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
+            + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
+            + f": {shown}{more}. "
+            + ("A group (a preference pair, a group_column group) shares one pack: use a larger pack_size, or "
+               "--skip-bad-rows." if grouped else
+               "Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows.")
+        )
+    for r in too_long.tolist():
+        skipped.append((r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={cfg.pack_size} allows "
+                           "(overflow=error)"))
+    usable[too_long] = False
+    if vlm is not None:  # vision budget, and rows with images that cannot be cut
+        patches, bad = vlm.plan_checks(cfg, tokenized, usable)
+        skipped.extend(bad)
+        usable[[r for r, _ in bad]] = False
+    skipped.sort()
+    if skipped and not cfg.skip_bad_rows:
+        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
+        more = f" (and {len(skipped) - MAX_ERRORS_SHOWN} more)" if len(skipped) > MAX_ERRORS_SHOWN else ""
+        raise InputError(
+            f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
+        )
+    sample_rows = np.flatnonzero(usable[seq_row]).astype(np.int64)
+    if sample_rows.size == 0:
+        raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
+
+    def plan_rows(rows: np.ndarray) -> PackPlan:
+        return plan_packs(
+            lengths[rows],
+            cfg.pack_size,
+            algorithm=cfg.algorithm,
+            align=cfg.align,
+            overflow=cfg.overflow,
+            max_samples_per_pack=cfg.max_samples_per_pack,
+            seed=cfg.seed,
+            **(vlm.plan_kwargs(patches, rows) if vlm is not None else {}),
+            **({"groups": seq_group[rows]} if grouped else {}),  # a pair's / group's sequences in one pack
+        )
+
+    t0 = time.perf_counter()
+    table = tokenized.dataset.data.table
+    plan = plan_rows(sample_rows)
+    piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
+    without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
+    if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
+        drop = np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if grouped else without.rows  # whole groups
+        sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
+        if sample_rows.size == 0:
+            raise InputError(
+                f"no row has a target token in what overflow={cfg.overflow} keeps of it ({without.rows.size} rows, "
+                f"e.g. {source.where(int(seq_row[without.rows[0]]))}): nothing to train on. Check the loss / labels of the "
+                "rows, raise pack_size, or set without_targets: keep to pack them anyway"
+            )
+        plan = plan_rows(sample_rows)
+        piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
+    t["plan"] = time.perf_counter() - t0
+    logger.info(f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
+                f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s")
+    if without.rows.size:
+        logger.info(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
+                    f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
+                    f"(without_targets: {cfg.without_targets})")
+    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
+
+
+def _check_group_options(cfg: BuildConfig, input_slice, what: str) -> None:
+    """Preference rows and ``group_column`` builds (``what``): the options that would part a pair or a
+    group are refused (ConfigError saying what to use); so are slice builds (a group may span slices,
+    and ``thdpack merge`` does not know two samples per row)."""
+    if input_slice is not None:
+        raise ConfigError(f"--slice is not available with {what} yet; build in one process "
+                          "(num_proc: N parallelises the tokenization)")
+    if cfg.overflow != "error":
+        raise ConfigError(
+            f"overflow: {cfg.overflow} cannot be used with {what}: a pair or group shares one pack, and cutting or "
+            "dropping one of its sequences would part it. Use overflow: error with a larger pack_size, or "
+            "--skip-bad-rows to skip (and count) the rows of groups that do not fit"
+        )
+    if cfg.max_samples_per_pack is not None:
+        raise ConfigError(f"max_samples_per_pack cannot be used with {what} (a group is planned as one item); "
+                          "remove it")
+
+
+def _row_errors(errors: list[tuple[int, str]], seq_row: np.ndarray, pairs: bool) -> list[tuple[int, str]]:
+    """``(input row, message)`` of the tokenized sequences' errors: as they are, or for preference rows
+    one per row, naming the sequence (chosen / rejected) when only one of the two failed."""
+    if not pairs:
+        return list(errors)
+    by_row: dict[int, list[tuple[int, str]]] = {}
+    for seq, msg in errors:
+        by_row.setdefault(int(seq_row[seq]), []).append((seq, msg))
+    out = []
+    for row, errs in by_row.items():
+        if len(errs) == 2 and errs[0][1] == errs[1][1]:  # the row's own error (bad JSON, a missing field)
+            out.append((row, errs[0][1]))
+        else:
+            out.append((row, "; ".join(f"{'chosen' if seq % 2 == 0 else 'rejected'}: {msg}" for seq, msg in errs)))
+    return out
+
+
+def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, cfg: BuildConfig) -> np.ndarray | None:
+    """int64 ``[sequences]`` the group of each tokenized sequence, planned into one pack: the
+    ``group_column`` value's (numbered), else for preference rows the row's (its pair); None otherwise."""
+    if cfg.group_column:
+        keys = tokenized.dataset.data.table.column(GROUP_COLUMN).to_pylist()  # None on failed rows (0 tokens)
+        return np.unique(np.array([k or "" for k in keys], dtype=object), return_inverse=True)[1].astype(np.int64)
+    return seq_row if tokenized.fmt in PAIR_FORMATS else None
+
+
+def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray, align: int) -> np.ndarray:
+    """int64 ``[rows]`` the aligned tokens of each input row's group together (what the group takes in a pack)."""
+    group_tokens = np.bincount(seq_group, weights=round_up(lengths, align)).astype(np.int64)
+    row_group = np.zeros(int(seq_row[-1]) + 1 if seq_row.size else 0, np.int64)
+    row_group[seq_row] = seq_group
+    return group_tokens[row_group]
+
+
+@dataclass(frozen=True)
+class WithoutTargets:
+    """The samples left with no target token once cut to what the plan keeps of them."""
+
+    rows: np.ndarray  # int64 [k]: their input rows, ascending
+    policy: str  # BuildConfig.without_targets: "drop" or "keep"
+    dropped_samples: int  # k under "drop", else 0
+    dropped_tokens: int  # the tokens they would have taken in packs, under "drop"; else 0
+
+
+def _without_targets(sample_rows: np.ndarray, plan: PackPlan, piece_targets: np.ndarray, policy: str) -> WithoutTargets:
+    """Which planned samples hold no target token in any of their pieces. Samples that the
+    plan itself dropped (``overflow: drop``) have no pieces and are not counted here."""
+    n = sample_rows.size
+    pieces = np.bincount(plan.sample_index, minlength=n)
+    targets = np.bincount(plan.sample_index, weights=piece_targets, minlength=n)
+    empty = (pieces > 0) & (targets == 0)
+    drop = policy == "drop"
+    kept_tokens = np.bincount(plan.sample_index, weights=plan.length, minlength=n)
+    return WithoutTargets(
+        rows=sample_rows[empty],
+        policy=policy,
+        dropped_samples=int(empty.sum()) if drop else 0,
+        dropped_tokens=int(kept_tokens[empty].sum()) if drop else 0,
+    )
+
+
+def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan) -> np.ndarray:
+    """int64 ``[pieces]``: target tokens of each piece of ``plan`` (as the writer stores it:
+    ``targets`` of the tokenized row from the piece's start; a piece's first token starts a
+    sample in its pack, so it is never a target). Read a bounded chunk of pieces at a time."""
+    from thdpack.offline.store.gather import RowPieces
+    from thdpack.offline.store.writer import CHUNK_TOKENS, group_boundaries
+
+    reader = RowPieces(table, targets)
+    rows, starts, lengths = sample_rows[plan.sample_index], plan.start + 1, plan.length - 1
+    out = np.zeros(rows.size, np.int64)
+    cuts = group_boundaries(lengths, CHUNK_TOKENS)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        values = reader.gather(rows[a:b], starts[a:b], lengths[a:b])
+        is_t = values if targets == "loss_mask" else values != IGNORE_INDEX
+        c = np.zeros(is_t.size + 1, np.int64)
+        np.cumsum(is_t, out=c[1:])
+        end = np.cumsum(lengths[a:b])
+        out[a:b] = c[end] - c[end - lengths[a:b]]
+    return out
+
+
+# ---------------------------------------------------------------------------- build
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    metadata: PackedMetadata
+    timings: dict
+    summary: dict
+
+
+def build_packed(
+    cfg: BuildConfig,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    log=UNSET,
+    input_slice=None,
+    shard=None,
+) -> BuildResult:
+    """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
+    ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
+    Stage lines go to ``logging.getLogger("thdpack.offline.pipeline")``. ``log=`` and ``shard=`` (the old
+    name of ``input_slice=``) are deprecated."""
+    if shard is not None:
+        warnings.warn("build_packed(shard=...) is deprecated: use input_slice=", DeprecationWarning, stacklevel=2)
+        input_slice = shard
+    with deprecated_log(log, "build_packed"):
+        return _build(cfg, Path(output), overwrite, progress, input_slice)
+
+
+def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
+    from thdpack import __version__
+    from thdpack.offline.store.writer import sample_value_arrays, write_packs
+
+    require_hf("thdpack build")  # import the heavy libraries before touching the file system
+    cfg.validate()
+    t_start = time.perf_counter()
+    with staged_output(output, overwrite) as tmp:
+        work = tmp / "_work"
+        work.mkdir()
+        prep = prepare(cfg, work, progress=progress, input_slice=input_slice)
+        plan = prep.plan
+        if cfg.output_format == bridge_export.FORMAT:
+            bridge_export.check_text_only(prep.vlm)
+        t0 = time.perf_counter()
+        values = sample_value_arrays(prep.tokenized.dataset.data.table, cfg.value_columns(), prep.sample_rows)
+        order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
+                 else np.arange(len(plan)))
+        written = write_packs(
+            tmp,
+            prep.tokenized.dataset.data.table,
+            cfg.targets,
+            plan,
+            prep.sample_rows,
+            order,
+            file_format=bridge_export.data_file_format(cfg.output_format),
+            file_size_mb=cfg.file_size_mb,
+            progress=progress,
+            row_offset=prep.source.row_start if input_slice is not None else 0,
+            extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
+            values=values,
+        )
+        tok_info = prep.tokenized.tokenizer_info
+        if tok_info is not None:
+            tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
+            if cfg.save_tokenizer:
+                prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        if prep.model_config is not None:
+            (tmp / MODEL_CONFIG_FILE).write_text(canonical_json(prep.model_config), encoding="utf-8")
+        prep.timings["write"] = time.perf_counter() - t0
+
+        summary = prep.summary()
+        counts = prep.counts()
+        counts["tokens"] = summary["real_tokens"]
+        counts["target_tokens"] = written["target_tokens"]
+        summary["target_tokens"] = written["target_tokens"]
+        meta: PackedMetadata = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "complete": True,
+            "thdpack_version": __version__,
+            "file_format": bridge_export.data_file_format(cfg.output_format),
+            "targets": cfg.targets,
+            "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
+            "num_packs": len(plan),
+            "pack_size": cfg.pack_size,
+            "align": cfg.align,
+            "cp_size": cfg.cp_size,
+            "tp_size": cfg.tp_size,
+            "sequence_parallel": cfg.sequence_parallel,
+            "pad_multiple": cfg.pad_multiple,
+            "algorithm": cfg.algorithm,
+            "overflow": cfg.overflow,
+            "without_targets": cfg.without_targets,
+            "max_samples_per_pack": cfg.max_samples_per_pack,
+            "seed": cfg.seed,
+            "shuffle_packs": cfg.shuffle_packs,
+            **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
+            "counts": counts,
+            "source": {
+                "format": prep.tokenized.fmt,
+                "fingerprint": prep.source.fingerprint,
+                "files": [f.describe() for f in prep.source.files],
+            },
+            "tokenizer": tok_info,
+            "model": None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
+            "files": written["files"],
+            "stats": summary,
+            "skipped_examples": prep.skipped_examples(),
+            "config": cfg.as_dict(recorded=True),
+        }
+        if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
+            meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
+            meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
+        if cfg.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge_export.py)
+            meta["megatron_bridge"] = bridge_export.write_build(tmp, cfg, written["files"], tok_info)
+        if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
+            prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
+        if input_slice is not None:  # row range + input lengths, for thdpack merge
+            from thdpack.offline.inputs.input_slice import SLICE_KEY, record_slice
+
+            meta[SLICE_KEY] = record_slice(tmp, prep.source, prep.tokenized.lengths[prep.sample_rows])
+        # release the memory-mapped work files before removing them
+        timings = prep.timings
+        del prep
+        shutil.rmtree(work)
+        for f in written["files"]:
+            fsync_file(tmp / f["path"])
+        commit_staged(tmp, meta, output)
+    timings["total"] = time.perf_counter() - t_start
+    size = sum(f["num_bytes"] for f in written["files"])
+    logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} data file(s), {size / 1e6:.1f} MB "
+                f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
+    return BuildResult(output, meta, timings, summary)
+
+
+# ---------------------------------------------------------------------------- raw stats
+
+
+def analyze(cfg: BuildConfig, *, eval_multiple: int | None = None, progress: bool = True) -> dict:
+    """Statistics of planning ``cfg`` without writing anything (``thdpack stats`` on raw data)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="thdpack-stats-") as d:
+        prep = prepare(cfg, Path(d), progress=progress)
+        summary = prep.summary(eval_multiple)
+        summary["skipped_examples"] = prep.skipped_examples()
+        del prep
+    return summary

@@ -1,0 +1,312 @@
+"""The packed dataset on disk.
+
+A packed dataset is a directory::
+
+    metadata.json                   written last: its presence means the build completed
+    data-00000-of-00002.arrow       data files: Arrow IPC streams (or .parquet), one row per pack
+    data-00001-of-00002.arrow
+    tokenizer/                      optional copy of the tokenizer (save_pretrained)
+
+Each row is one pack, its samples (or sample pieces) back to back:
+
+=================  =================  =====================================================
+column             Arrow type         meaning
+=================  =================  =====================================================
+``input_ids``      list<int32>        the pack's real tokens (no alignment padding)
+``loss_mask``      list<bool>         1 = the token is a target (is predicted from the
+                                      token before it, within its sample); or instead:
+``labels``         list<int32>        HF-style unshifted labels, -100 = no loss
+``seq_lens``       list<int32>        real length of each sample, in stream order
+``sample_index``   list<int64>        input row of each sample
+``sample_start``   list<int32>        first token of each piece within its input row
+                                      (non-zero only for ``overflow="split"`` pieces)
+``sample_values.   list<int64 |       with ``sample_values: [NAME, ...]`` only: the value of
+NAME``             double>            column NAME of each sample's input row (its pieces too)
+=================  =================  =====================================================
+
+Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two samples per input row
+``r``, its chosen and rejected sequence, whose ``sample_index`` is ``2r`` and ``2r + 1``
+(the layout :func:`thdpack.losses.dpo_loss` reads); ``source.format`` is ``preference``.
+
+Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
+multiple in use (``metadata.json`` records the multiple the plan reserved room for).
+Arrow data files are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
+
+``metadata.json`` is one type, :class:`PackedMetadata`: build and merge write it
+(:func:`metadata_text`), and every reader gets it back through one schema
+(:func:`check_metadata`): every key a reader uses, its type and range, totals that agree,
+data file paths inside the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypedDict
+
+import numpy as np
+
+from thdpack.offline.errors import NotPackedError
+
+FORMAT_NAME = "thdpack.packed"
+FORMAT_VERSION = 1  # what text builds write
+VLM_FORMAT_VERSION = 2  # VLM builds: + pixel_values, image_grid_thw, image_counts (thdpack/offline/vision/vlm_setup.py)
+MAX_FORMAT_VERSION = 2  # what load_packed reads
+METADATA_FILE = "metadata.json"
+TOKENIZER_DIR = "tokenizer"
+LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", "sample_start")
+SAMPLE_COLUMNS = ("seq_lens", "sample_index", "sample_start")  # one entry per sample of the pack
+SAMPLE_VALUE_PREFIX = "sample_values."  # + NAME: a per-sample value column (``sample_values:``), one entry per sample
+SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
+TARGETS = ("loss_mask", "labels")
+REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
+
+
+def data_file_name(i: int, n: int, file_format: str) -> str:
+    """``data-00003-of-00008.arrow``: the name of data file ``i`` of ``n``."""
+    return f"data-{i:05d}-of-{n:05d}{SUFFIX[file_format]}"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read 4 MiB at a time (the checksums ``metadata.json`` records)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bytes_sha256(data) -> str:
+    """Hex sha256 of ``data`` (bytes, a memory map, or text, hashed as UTF-8): the fingerprints of
+    inputs, tokenizers and small files (:func:`file_sha256` for files of any size)."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+# ---------------------------------------------------------------------------- metadata.json
+
+
+class PackedMetadata(TypedDict, total=False):
+    """``metadata.json`` of a packed dataset, keys in the order build writes them (merge keeps it).
+    What a reader may rely on is :data:`METADATA_SCHEMA`, checked by :func:`check_metadata`."""
+
+    format: str  # FORMAT_NAME
+    format_version: int
+    complete: bool
+    thdpack_version: str
+    file_format: str  # arrow | parquet
+    targets: str  # loss_mask | labels
+    columns: list[str]
+    num_packs: int
+    pack_size: int
+    align: int
+    cp_size: int
+    tp_size: int
+    sequence_parallel: bool
+    pad_multiple: int | None
+    algorithm: str
+    overflow: str
+    without_targets: str
+    max_samples_per_pack: int | None
+    seed: int
+    shuffle_packs: bool
+    dataset_max_seqlen: int  # the NeMo / Megatron-Bridge fields (offline/stats.nemo_fields)
+    max_samples_per_bin: int
+    packing_factor: float
+    packing_efficiency: float
+    min_packed_seqlen: int
+    counts: dict  # COUNTS_SCHEMA
+    source: dict  # SOURCE_SCHEMA
+    tokenizer: dict | None  # TOKENIZER_SCHEMA
+    model: dict | None
+    files: list[dict]  # FILE_SCHEMA, one per data file
+    stats: dict
+    skipped_examples: list[dict]
+    config: dict  # BuildConfig.as_dict(recorded=True)
+    sample_values: dict[str, str]  # sample_values builds only
+    megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge_export.py)
+    vision: dict  # VLM builds only (offline/store/vision_columns.py)
+    input_slice: dict  # slice builds only (offline/inputs/input_slice.py; ``build_shard`` before)
+    input_slices: dict  # merged builds only (``build_shards`` before)
+
+
+def metadata_text(meta: PackedMetadata) -> str:
+    """The text of ``metadata.json``: indented JSON, non-ASCII kept, one final newline."""
+    return json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
+
+
+# ---------------------------------------------------------------------------- metadata.json schema
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one ``metadata.json`` value must be: ``what`` names it in the error, ``ok`` tests it;
+    a key that is not ``required`` may be absent (readers then use their default)."""
+
+    what: str
+    ok: Callable[[object], bool]
+    required: bool = True
+
+    def or_null(self) -> Rule:
+        return Rule(f"{self.what} or null", lambda v: v is None or self.ok(v), self.required)
+
+    def optional(self) -> Rule:
+        return dataclasses.replace(self, required=False)
+
+
+def _one_of(*choices: str) -> Rule:
+    return Rule(f"one of {', '.join(map(repr, choices))}", lambda v: isinstance(v, str) and v in choices)
+
+
+COUNT = Rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+POSITIVE = Rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+FLAG = Rule("true or false", lambda v: isinstance(v, bool))
+TEXT = Rule("a string", lambda v: isinstance(v, str))
+OBJECT = Rule("an object", lambda v: isinstance(v, dict))
+LIST = Rule("a list", lambda v: isinstance(v, list))
+NAMES = Rule("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None)
+
+# every key a reader of the dataset uses (load_packed, its collator, thdpack stats / inspect)
+METADATA_SCHEMA = {
+    "format_version": POSITIVE,
+    "file_format": _one_of(*SUFFIX),
+    "targets": _one_of(*TARGETS),
+    "columns": NAMES,
+    "num_packs": COUNT,
+    "pack_size": POSITIVE,
+    "align": POSITIVE,
+    "cp_size": POSITIVE.optional(),
+    "tp_size": POSITIVE.optional(),
+    "sequence_parallel": FLAG.optional(),
+    "pad_multiple": POSITIVE.or_null().optional(),
+    "counts": OBJECT,
+    "files": LIST,
+    "source": OBJECT,
+    "tokenizer": OBJECT.or_null().optional(),
+    "vision": OBJECT.or_null().optional(),
+    "stats": OBJECT.optional(),
+    # sample_values builds only: {NAME: "int64" | "float64"}, each with a sample_values.NAME column
+    "sample_values": Rule('an object {name: "int64" or "float64"}', lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and k and t in ("int64", "float64") for k, t in v.items())).optional(),
+}
+COUNTS_SCHEMA = {"samples": COUNT, "pieces": COUNT.optional(), "tokens": COUNT.optional(),
+                 "target_tokens": COUNT.optional()}
+FILE_SCHEMA = {"path": TEXT, "num_packs": COUNT, "num_tokens": COUNT, "num_bytes": COUNT, "sha256": SHA256}
+SOURCE_SCHEMA = {"format": TEXT, "files": LIST}
+SOURCE_FILE_SCHEMA = {"path": TEXT}
+TOKENIZER_SCHEMA = {"vocab_size": POSITIVE.optional(), "pad_token_id": COUNT.or_null().optional(),
+                    "name_or_path": TEXT.or_null().optional()}
+
+
+def _check_keys(obj, schema: dict, where: str, prefix: str = "") -> None:
+    """:class:`NotPackedError` naming the first key of ``obj`` (a JSON object) that breaks ``schema``."""
+    for key, rule in schema.items():
+        name = f"{prefix}{key}"
+        if key not in obj:
+            if rule.required:
+                raise NotPackedError(f"{where}: '{name}' is missing; {REBUILD}")
+            continue
+        value = obj[key]
+        if not rule.ok(value):
+            raise NotPackedError(f"{where}: '{name}' must be {rule.what}, got {value!r:.60} ({type(value).__name__}); "
+                                 f"{REBUILD}")
+
+
+def _check_items(items: list, schema: dict, where: str, name: str) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise NotPackedError(f"{where}: '{name}[{i}]' must be an object, got {item!r:.60}; {REBUILD}")
+        _check_keys(item, schema, where, f"{name}[{i}].")
+
+
+def check_metadata(meta, root: Path) -> PackedMetadata:
+    """Check the ``metadata.json`` of the packed dataset at ``root`` against the schema above:
+    every key present with its type and range, the counts consistent with each other, and
+    every data file a file inside ``root``. Raises :class:`NotPackedError` naming the key."""
+    where = str(root / METADATA_FILE)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or meta.get("complete") is not True:
+        raise NotPackedError(f"{where} does not describe a complete {FORMAT_NAME} dataset")
+    _check_keys(meta, METADATA_SCHEMA, where)
+    if meta["format_version"] > MAX_FORMAT_VERSION:
+        raise NotPackedError(f"{root} has format version {meta['format_version']}; this thdpack reads up to "
+                             f"{MAX_FORMAT_VERSION}: upgrade thdpack")
+    _check_keys(meta["counts"], COUNTS_SCHEMA, where, "counts.")
+    _check_keys(meta["source"], SOURCE_SCHEMA, where, "source.")
+    _check_items(meta["source"]["files"], SOURCE_FILE_SCHEMA, where, "source.files")
+    if meta.get("tokenizer") is not None:
+        _check_keys(meta["tokenizer"], TOKENIZER_SCHEMA, where, "tokenizer.")
+    _check_items(meta["files"], FILE_SCHEMA, where, "files")
+    missing = [c for c in ("input_ids", meta["targets"], *SAMPLE_COLUMNS) if c not in meta["columns"]]
+    if missing:
+        raise NotPackedError(f"{where}: 'columns' lacks {', '.join(map(repr, missing))}; {REBUILD}")
+    missing = [c for c in value_columns(meta) if c not in meta["columns"]]
+    if missing:
+        raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'sample_values'; {REBUILD}")
+    _check_totals(meta, where)
+    _check_data_file_paths(meta, root, where)
+    return meta
+
+
+def value_columns(meta: dict) -> list[str]:
+    """The per-sample value columns of a dataset (``sample_values.NAME``); [] for builds without them."""
+    return [SAMPLE_VALUE_PREFIX + name for name in meta.get("sample_values") or {}]
+
+
+def _check_totals(meta: dict, where: str) -> None:
+    """The data files' packs and tokens add up to the dataset's."""
+    packs = sum(f["num_packs"] for f in meta["files"])
+    if packs != meta["num_packs"]:
+        raise NotPackedError(f"{where}: 'num_packs' is {meta['num_packs']} but 'files' hold {packs} packs; {REBUILD}")
+    tokens = sum(f["num_tokens"] for f in meta["files"])
+    if meta["counts"].get("tokens", tokens) != tokens:
+        raise NotPackedError(f"{where}: 'counts.tokens' is {meta['counts']['tokens']} but 'files' hold {tokens} tokens; "
+                             f"{REBUILD}")
+
+
+def _check_data_file_paths(meta: dict, root: Path, where: str) -> None:
+    """Every data file is named once, with the suffix of ``file_format``, and lies inside ``root``."""
+    suffix = SUFFIX[meta["file_format"]]
+    seen = set()
+    for i, f in enumerate(meta["files"]):
+        key, rel = f"files[{i}].path", f["path"]
+        if rel in seen:
+            raise NotPackedError(f"{where}: '{key}' ({rel!r}) is listed twice; {REBUILD}")
+        seen.add(rel)
+        if not rel.endswith(suffix):
+            raise NotPackedError(f"{where}: '{key}' ({rel!r}) does not end in {suffix!r} "
+                                 f"(file_format {meta['file_format']!r}); {REBUILD}")
+        data_file_path(root, rel, where=f"{where}: '{key}'")
+
+
+def data_file_path(root: Path, rel: str, *, where: str) -> Path:
+    """``root / rel`` for a data file named in ``metadata.json``; :class:`NotPackedError` if it is
+    absolute or resolves (``..``, symbolic links) outside ``root``."""
+    path = root / rel
+    if Path(rel).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise NotPackedError(f"{where} ({rel!r}) points outside the dataset directory {root}: data files must be "
+                             f"files inside it, named relative to it; {REBUILD}")
+    return path
+
+
+def row_list(value, name: str) -> np.ndarray:
+    """A packed row's list field as a 1-D numpy array (numpy, list, tensor or Arrow value)."""
+    if not isinstance(value, np.ndarray):
+        module = type(value).__module__
+        if module.startswith("torch"):
+            value = value.detach().cpu().numpy()
+        elif module.startswith("pyarrow"):
+            value = getattr(value, "values", value)  # a ListScalar's child array
+            value = value.to_numpy(zero_copy_only=False)
+        else:
+            value = np.asarray(value)
+    if value.ndim != 1 or (value.size and value.dtype.kind not in "iub"):
+        raise ValueError(f"packed row: '{name}' must be a flat list of integers, got {value.dtype} {value.shape}")
+    return value

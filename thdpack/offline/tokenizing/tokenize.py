@@ -1,0 +1,160 @@
+"""The build's tokenizing step: :func:`tokenize_source` runs the row tokenizer over every row of a source.
+
+It resolves the row format (:func:`resolve_format`), checks the columns the format and the
+options need, loads the tokenizer (:mod:`thdpack.offline.tokenizing.tokenizer`), and maps
+:class:`~thdpack.offline.tokenizing.row_tokenizer.RowTokenizer` (or the VLM build's row tokenizer) over
+the rows with ``datasets.map`` (batched, ``num_proc`` processes, results memory-mapped in a
+work directory). With the tiktoken fast path, a row where it disagrees with the tokenizer
+makes the whole step run again without it. The result (:class:`Tokenized`) holds the
+tokenized rows, their lengths and the failed rows' errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.store.format import bytes_sha256
+from thdpack.offline.inputs.mmap_input import memory_mapped
+from thdpack.offline.procs import map_in_processes
+from thdpack.offline.tokenizing.row_formats import (DETECTION_ORDER, TOOLS_FORMATS, detect_format, format_fields, optional_fields,
+                                         GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN)
+from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
+from thdpack.offline.inputs.sources import JSON_COLUMN, Source
+from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
+from thdpack.offline.tokenizing.tokenizer import fast_bpe, load_tokenizer, tokenizer_info
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Tokenized:
+    """Tokenized rows (one per input row; two per row, chosen then rejected, for preference rows) and what
+    went wrong (indexed like the tokenized rows)."""
+
+    dataset: object  # datasets.Dataset: input_ids, loss_mask|labels, __error__
+    lengths: np.ndarray  # int64 [rows]; 0 for failed rows
+    errors: list[tuple[int, str]]  # (row, message) of failed rows
+    fmt: str
+    tokenizer: object | None
+    tokenizer_info: dict | None
+
+
+def resolve_format(cfg: BuildConfig, source: Source) -> str:
+    """The row format: ``cfg.format`` or, for ``auto``, the first format of
+    :data:`~thdpack.offline.tokenizing.row_formats.DETECTION_ORDER` whose fields the rows have."""
+    if cfg.format != "auto":
+        return cfg.format
+    fmt = detect_format(source.columns, cfg)
+    if fmt is None:
+        expected = "; ".join(f"{' + '.join(repr(f) for f in format_fields(f, cfg))} ({f})" for f in DETECTION_ORDER)
+        raise InputError(
+            f"{source.files[0].path}: cannot tell the row format from the fields {sorted(source.columns)}; "
+            f"expected {expected}. Set --format and --messages-field / --text-field."
+        )
+    return fmt
+
+
+def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
+    """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
+    (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images."""
+    import datasets
+
+    fmt = resolve_format(cfg, source)
+    if vlm is not None and fmt in ("prompt_completion", "preference"):
+        raise ConfigError(f"rows with images must be chat (messages or sharegpt) or text rows, not {fmt}")
+    if not source.is_json:
+        missing = [c for c in format_fields(fmt, cfg) if c not in source.columns]
+        if missing:
+            raise InputError(
+                f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
+            )
+        missing = [c for c in cfg.value_columns() + [cfg.group_column] if c and c not in source.columns]
+        if missing:
+            raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which "
+                             f"{'group_column' if missing[0] == cfg.group_column else 'sample_values'} names "
+                             f"(columns: {source.columns})")
+    tok = None
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg)
+    elif fmt != "tokenized":
+        raise ConfigError(f"format '{fmt}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
+
+    ds = source.dataset
+    keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
+        format_fields(fmt, cfg) + optional_fields(fmt)
+        + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else [])
+        + cfg.value_columns() + ([cfg.group_column] if cfg.group_column else []))]
+    if keep != ds.column_names:
+        ds = ds.select_columns(keep)
+    bpe, note = fast_bpe(cfg, tok, fmt)
+    if note:
+        logger.info(note)
+    target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            cfg.targets: datasets.List(target_type),
+            ERROR_COLUMN: datasets.Value("string"),
+            **(vlm.features() if vlm is not None else {}),
+            **{col.format(c): datasets.Value(kind) for c in cfg.value_columns()
+               for col, kind in ((VALUE_COLUMN, "float64"), (VALUE_IS_INT_COLUMN, "bool"))},
+            **({GROUP_COLUMN: datasets.Value("string")} if cfg.group_column else {}),
+        }
+    )
+    fingerprint = bytes_sha256(
+        json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
+                   sort_keys=True, default=str)
+    )[:16]
+
+    def row_tokenizer(bpe):
+        if vlm is None:
+            return RowTokenizer(fmt, cfg, tok, ds.column_names, bpe)
+        return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source, bpe)
+
+    batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
+    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
+    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
+        ds = memory_mapped(ds, work_dir / "rows.arrow")
+    if not progress:
+        datasets.disable_progress_bars()
+    def tokenize_all(fn):
+        kwargs = dict(
+            batched=True,
+            batch_size=batch_size,
+            remove_columns=ds.column_names,
+            with_indices=vlm is not None,
+            features=features,
+            cache_file_name=str(work_dir / "tokenized.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=fingerprint,
+            desc=f"Tokenizing ({fmt})",
+        )
+        if num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
+            return map_in_processes(ds.with_format("arrow"), fn, num_proc, **kwargs).with_format(None)
+        return ds.with_format("arrow").map(fn, **kwargs).with_format(None)
+
+    try:
+        try:
+            out = tokenize_all(row_tokenizer(bpe))
+        except FastTokenizerMismatch as exc:
+            if bpe is None:
+                raise
+            logger.info(f"tiktoken  {exc}; tokenizing again with the tokenizer itself")
+            out = tokenize_all(row_tokenizer(None))
+    finally:
+        if not progress:
+            datasets.enable_progress_bars()
+    col = out.data.table.column("input_ids")
+    lengths = np.concatenate(
+        [np.diff(np.asarray(c.offsets)).astype(np.int64) for c in col.chunks] or [np.zeros(0, np.int64)]
+    )
+    err_col = out.data.table.column(ERROR_COLUMN)
+    bad = np.flatnonzero(np.asarray(err_col.is_valid()))
+    errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
+    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, cfg.tokenizer) if tok else None)

@@ -1,0 +1,273 @@
+"""Offline VLM builds: rows with image paths, processed with the family's image processor.
+
+Rows (JSON Lines, Parquet, ...) in the common LLaMA-Factory layout::
+
+    {"messages": [{"role": "user", "content": "<image>What is this?"},
+                  {"role": "assistant", "content": "A cat."}],
+     "images": ["img/cat.png"]}
+
+(or ``{"text": "... <image> ...", "images": [...]}``). The build turns on when
+``model_config`` is a Qwen-VL family config (:func:`thdpack.vlm.supported_model_types`)
+and the rows have the ``images_field`` (or ``vision_budget`` / ``image_processor`` is
+set). Then, per row:
+
+1. every image is opened (PIL; a path relative to ``image_dir``, default the directory
+   of the row's input file; or ``{"bytes": ...}`` / ``{"path": ...}`` as ``datasets``'
+   ``Image`` feature stores it) and the row's images go through the image processor:
+   ``pixel_values`` ``[P, D]`` float32 and ``image_grid_thw`` ``[k, 3]``;
+2. the k-th ``image_placeholder`` marker in the text (messages in order) becomes
+   ``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|image_pad|>`` + ``<|vision_end|>`` (the
+   tokens of the config's ``vision_start_token_id`` / ``image_token_id`` /
+   ``vision_end_token_id``, as Qwen-VL processors expand them); markers and images must
+   match one to one;
+3. the text is tokenized as any chat / text row; the image tokens are never targets,
+   and their count must equal the grids' (a tokenizer that splits them fails the row).
+
+Planning adds the vision budget (``plan_packs(vision_lengths=..., vision_budget=...)``);
+a row with images is never truncated or split (its placeholders must match its
+grids): a too long one is a bad row, or dropped under ``overflow: drop``.
+
+Per pack, three more columns (format version 2):
+
+=================  ======================  ==========================================
+``pixel_values``   large_list<float32>     the pack's images' patches, row-major
+                                           ``[P_pack, pixel_dim]``, in sample order
+``image_grid_thw`` list<int32>             ``(t, h, w)`` of every image, 3 values each
+``image_counts``   list<int32>             images of each sample
+=================  ======================  ==========================================
+
+:func:`thdpack.offline.unpack_row` gives every sample its ``pixel_values`` /
+``image_grid_thw`` back, and ``load_packed(path).collator()`` passes the saved model
+config to :func:`thdpack.build_thd_batch`, so a batch carries the mRoPE rows, token
+types and vision inputs that ``to_hf_kwargs()`` feeds the model. The image processor
+and the model config are saved with the dataset (``image_processor/``,
+``model_config.json``).
+
+Message content may also be a list of parts, as ``transformers`` processors and TRL
+take it: ``[{"type": "image"}, {"type": "text", "text": "What is this?"}]`` with the
+images in the images field, or ``{"type": "image", "image": "img/cat.png"}`` naming its
+own (``"path"`` / ``"url"`` work too; local files only). Each image part stands where a
+marker would.
+
+Videos: a ``videos`` field (``videos_field``) with ``<video>`` markers
+(``video_placeholder``), or content parts ``{"type": "video", "video": PATH}``, mixed
+with images and text. Each video is decoded and its frames prepared as Qwen's
+preprocessing and the family's transformers video processor do it
+(:mod:`thdpack.offline.vision.video`: PyAV, options in ``video:``), with that video processor's
+mean / std (not the image processor's); the marker becomes
+``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|video_pad|>`` + ``<|vision_end|>``
+(Qwen3-VL / Qwen3.5: per temporal patch ``<{t:.1f} seconds>`` + start + ``h·w / merge²``
+pads + end, as their processors write it). Per pack, four more columns:
+``pixel_values_videos`` (large_list<float32>), ``video_grid_thw`` (list<int32>),
+``second_per_grid_ts`` (list<float32>, ``temporal / sampled fps`` of every video) and
+``video_counts`` (list<int32>). Video patches count in ``vision_budget`` with images.
+
+The build by stage, one module each: :func:`vlm_build` / :class:`VlmBuild` here (set-up
+and the planning checks, the one object the build calls); :mod:`thdpack.offline.vision.media`
+(images opened and processed, videos through :mod:`thdpack.offline.vision.video`);
+:mod:`thdpack.offline.vision.vlm_rows` (the row tokenizer, beside the text one);
+:mod:`thdpack.offline.store.vision_columns` (pack columns, vision metadata, per-row stats);
+:mod:`thdpack.offline.store.vision_readback` (a pack's samples get their images back).
+
+Not covered here: the rows' image / video bytes in the source fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from thdpack.offline.tokenizing.chat_content import IMAGE_PART_TYPES, VIDEO_PART_TYPES
+from thdpack.offline.errors import ConfigError
+from thdpack.offline.store.format import VLM_FORMAT_VERSION
+from thdpack.offline.vision.media import load_image_processor
+from thdpack.offline.inputs.sources import JSON_COLUMN
+from thdpack.offline.store.vision_columns import (PROCESSOR_DIR, VISION_COLUMNS, VisionColumns, image_stats,
+                                            row_grids, row_vision_patches, vision_metadata)
+from thdpack.offline.vision.vlm_rows import VISION_MAP_BATCH_SIZE, VlmRowTokenizer, row_features
+from thdpack.planning.packing import usable_length
+
+# the Qwen-VL families' defaults when a config dict leaves them out
+_DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
+_DEFAULT_VISION_END_ID = 151653
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class VlmBuild:
+    """What a VLM build needs besides the text pipeline (made by :func:`vlm_build`)."""
+
+    model_config: dict
+    family: object  # thdpack.vlm family
+    processor: object
+    pixel_dim: int
+    image_placeholder: str
+    images_field: str
+    image_dir: Path | None
+    vision_budget: int | None
+    vision_end_token_id: int
+    row_dirs: list = field(default_factory=list)  # directory of each input file (for relative image paths)
+    videos_field: str = "videos"
+    video_placeholder: str = "<video>"
+    video_options: object = None  # thdpack.offline.vision.video.VideoOptions
+    overflow: str = "error"  # cfg.overflow: "truncate" cuts videos over vision_budget to their first frames
+
+    # ---- tokenization
+    def map_batch_size(self, requested: int) -> int:
+        """Rows per tokenization batch: at most :data:`VISION_MAP_BATCH_SIZE`, since a batch's
+        float32 pixel rows (a short video: megabytes) are held together until it is written."""
+        return min(requested, VISION_MAP_BATCH_SIZE)
+
+    def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> VlmRowTokenizer:
+        return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source, bpe)
+
+    def features(self) -> dict:
+        return row_features()
+
+    def input_columns(self) -> list[str]:
+        return [self.images_field, self.videos_field]
+
+    # ---- planning
+    def plan_checks(self, cfg, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
+        """Vision patches of every row, and the usable rows that break a rule of VLM
+        planning (``(row, reason)``): more patches than ``vision_budget``, or too long
+        with images under ``overflow: truncate / split``."""
+        stats = image_stats(tokenized.dataset.data.table)
+        patches = row_vision_patches(tokenized.dataset.data.table)
+        bad = []
+        limit = usable_length(cfg.pack_size, cfg.align)
+        for r in np.flatnonzero(usable).tolist():
+            p = int(patches[r])
+            if not p or cfg.overflow == "drop":
+                continue
+            if self.vision_budget is not None and p > self.vision_budget:
+                bad.append((r, f"{p} vision patches, more than vision_budget={self.vision_budget} allows "
+                               f"(overflow={cfg.overflow}; use overflow: drop or a larger vision_budget)"))
+            elif cfg.overflow in ("truncate", "split") and tokenized.lengths[r] > limit:
+                bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={cfg.pack_size} allows, "
+                               f"with {int(stats.row_images[r])} image(s): a VLM row cannot be {cfg.overflow} "
+                               "(its placeholders must match its grids); use overflow: drop or a larger pack_size"))
+        return patches, bad
+
+    def plan_kwargs(self, patches: np.ndarray, sample_rows: np.ndarray) -> dict:
+        if self.vision_budget is None:
+            return {}
+        return {"vision_lengths": patches[sample_rows], "vision_budget": self.vision_budget}
+
+    # ---- writing
+    def writer(self, token_table) -> VisionColumns:
+        return VisionColumns(self.pixel_dim, token_table)
+
+    def packed_grids(self, token_table, rows: np.ndarray) -> np.ndarray:
+        """int64 ``[N, 3]`` grids of the images of ``rows`` (in order)."""
+        return row_grids(token_table, rows)
+
+    def finish(self, out_dir: Path, meta: dict, token_table, piece_rows: np.ndarray, plan) -> None:
+        """Add the vision part of ``metadata.json`` and save the image processor."""
+        self.processor.save_pretrained(str(out_dir / PROCESSOR_DIR))
+        meta["format_version"] = VLM_FORMAT_VERSION
+        meta["columns"] = list(meta["columns"]) + list(VISION_COLUMNS)
+        meta["vision"] = vision_metadata(self, token_table, piece_rows, plan)
+
+def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
+    """The :class:`VlmBuild` of ``cfg``, or None for a text build."""
+    from thdpack.vlm import get_family, supported_model_types
+    from thdpack.common.model_config import config_first
+
+    if model_config is None or model_config.get("model_type") not in supported_model_types():
+        if cfg.vision_budget is not None or cfg.image_processor is not None:
+            raise ConfigError(
+                "vision_budget / image_processor need a VLM model_config (model_type one of "
+                f"{', '.join(supported_model_types())}), got "
+                + ("none" if model_config is None else repr(model_config.get("model_type")))
+            )
+        return None
+    if (cfg.images_field not in source.columns and cfg.videos_field not in source.columns
+            and not _rows_have_images(source, cfg)
+            and cfg.vision_budget is None and cfg.image_processor is None):
+        return None  # a VL model's config, text rows: a text build
+    try:
+        family = get_family(model_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"model_config: {exc}") from None
+    processor = load_image_processor(cfg, model_config, family)
+    merge = int(getattr(processor, "merge_size", family.spatial_merge_size))
+    if merge != family.spatial_merge_size:
+        raise ConfigError(
+            f"image processor merge_size={merge} but model_config's vision_config.spatial_merge_size="
+            f"{family.spatial_merge_size}: the placeholders would not match the model's"
+        )
+    patch = int(processor.patch_size)
+    temporal = int(getattr(processor, "temporal_patch_size", 1) or 1)
+    pixel_dim = 3 * temporal * patch * patch
+    vc = model_config.get("vision_config") or {}
+    want = {"patch_size": vc.get("patch_size"), "temporal_patch_size": vc.get("temporal_patch_size")}
+    got = {"patch_size": patch, "temporal_patch_size": temporal}
+    for k, v in want.items():
+        if v is not None and int(v) != got[k]:
+            raise ConfigError(f"image processor {k}={got[k]} but model_config's vision_config.{k}={v}")
+    end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
+                       _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
+    row_dirs = [_file_dir(cfg, f) for f in source.files]
+    from thdpack.offline.vision.video import VideoOptions
+    from thdpack.offline.vision.video_processor import resolve_backend
+
+    try:
+        video_options = resolve_backend(VideoOptions.from_config(cfg.video), family.model_type)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    return VlmBuild(
+        model_config=model_config,
+        family=family,
+        processor=processor,
+        pixel_dim=pixel_dim,
+        image_placeholder=cfg.image_placeholder,
+        images_field=cfg.images_field,
+        image_dir=cfg.resolve_path(cfg.image_dir) if cfg.image_dir else None,
+        vision_budget=cfg.vision_budget,
+        vision_end_token_id=int(end),
+        row_dirs=row_dirs,
+        videos_field=cfg.videos_field,
+        video_placeholder=cfg.video_placeholder,
+        video_options=video_options,
+        overflow=cfg.overflow,
+    )
+
+
+def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
+    """Whether one of the first ``limit`` rows has the images field or an image part in
+    its messages (``source.columns`` holds the first JSON row's fields only)."""
+    import json
+
+    n = min(limit, len(source.dataset))
+    if source.is_json:
+        col = source.dataset.data.column(JSON_COLUMN)
+        rows = []
+        for i in range(n):
+            try:
+                obj = json.loads(col[i].as_py())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(obj, dict):
+                if cfg.images_field in obj or cfg.videos_field in obj:
+                    return True
+                rows.append(obj.get(cfg.messages_field))
+    elif cfg.messages_field in source.columns:
+        rows = source.dataset.data.column(cfg.messages_field).slice(0, n).to_pylist()
+    else:
+        return False
+    return any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES + VIDEO_PART_TYPES
+               for messages in rows if isinstance(messages, list)
+               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for part in m["content"])
+
+
+def _file_dir(cfg, source_file) -> Path:
+    if source_file.kind in ("demo",):
+        return cfg.base_dir
+    p = cfg.resolve_path(source_file.path)
+    return p if p.is_dir() else p.parent

@@ -1,0 +1,393 @@
+"""Pack planning: which samples go in which pack, computed from lengths only.
+
+Planning knows nothing of tensors. A plan is a flat list of *pieces*
+(``sample_index``, ``start``, ``length``: a token range of one input sample)
+grouped into packs by ``pack_offsets`` (CSR layout). Without truncation or
+splitting every piece is a whole sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from thdpack.planning import binpack
+from thdpack.common.align import INT64_MAX, check_int, first_non_int64, round_up
+from thdpack.planning.packing import PackStats, check_overflow, cut_overflow, usable_length
+from thdpack.common.samples import SampleError
+
+ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Which token ranges of which samples go in which pack.
+
+    Attributes (all int64 numpy arrays):
+        sample_index: ``[m]`` input row of each piece.
+        start: ``[m]`` first token of the piece within its sample.
+        length: ``[m]`` real tokens of the piece.
+        pack_offsets: ``[num_packs + 1]`` pieces of pack k are ``pack_offsets[k]:pack_offsets[k+1]``.
+        dropped: ``[d]`` input rows dropped by ``overflow="drop"``.
+        vision_length: ``[m]`` vision patches of each piece, or None when planned
+            without a vision budget.
+    """
+
+    sample_index: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    pack_offsets: np.ndarray
+    dropped: np.ndarray
+    pack_size: int
+    align: int
+    algorithm: str
+    overflow: str
+    seed: int
+    stats: PackStats = field(repr=False)
+    vision_length: np.ndarray | None = field(default=None, repr=False)
+    vision_budget: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    @cached_property
+    def packs(self) -> list[np.ndarray]:
+        """One int64 array of input sample indices per pack."""
+        if len(self) == 0:
+            return []
+        return np.split(self.sample_index, self.pack_offsets[1:-1])
+
+    def pack(self, k: int) -> np.ndarray:
+        """Input sample indices of pack ``k`` (int64 ``[n_k]``)."""
+        return self.sample_index[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+
+    def pieces(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sample_index, start, length)`` of the pieces in pack ``k``."""
+        sl = slice(self.pack_offsets[k], self.pack_offsets[k + 1])
+        return self.sample_index[sl], self.start[sl], self.length[sl]
+
+    def pack_vision(self, k: int) -> np.ndarray:
+        """Vision patches of the pieces in pack ``k`` (int64 ``[n_k]``; zeros without a vision budget)."""
+        if self.vision_length is None:
+            return np.zeros(int(self.pack_offsets[k + 1] - self.pack_offsets[k]), np.int64)
+        return self.vision_length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+
+    def pack_lengths(self, k: int) -> np.ndarray:
+        """Real lengths of the pieces in pack ``k`` (int64 ``[n_k]``)."""
+        return self.length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+
+    @property
+    def is_whole_samples(self) -> bool:
+        """True when every piece is a whole, untruncated sample."""
+        return self.stats.samples_truncated == 0 and self.stats.samples_split == 0
+
+    def gather(self, samples, k: int) -> list:
+        """The samples of pack ``k`` from an indexable ``samples``, cut to their pieces."""
+        from thdpack.common.samples import slice_sample
+
+        idx, start, length = self.pieces(k)
+        if self.is_whole_samples:
+            return [samples[i] for i in idx.tolist()]
+        return [
+            slice_sample(samples[i], a, a + n, index=i) for i, a, n in zip(idx.tolist(), start.tolist(), length.tolist())
+        ]
+
+
+def validate_lengths(lengths) -> np.ndarray:
+    """``lengths`` as a 1-D int64 array; ``ValueError`` naming the first bad sample."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.dtype == object or (arr.dtype == np.uint64 and arr.size and arr.max() > INT64_MAX):
+        bad = first_non_int64(arr.tolist())  # None, beyond int64 (it would wrap to a negative length)
+        if bad is not None:
+            i, value = bad
+            raise SampleError.at(i, f" has length {value!r}; lengths must be integers in int64 range")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind != "f":
+            raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+        non_integral = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if non_integral.size:
+            i = int(non_integral[0])
+            raise SampleError.at(i, f" has length {arr[i].item()!r}; lengths must be integers")
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        i = int(bad[0])
+        what = "is empty (length 0)" if arr[i] == 0 else f"has negative length {int(arr[i])}"
+        raise SampleError.at(i, f" {what}; every sample needs at least one token ({bad.size} such samples)")
+    return arr
+
+
+def plan_packs(
+    lengths: Sequence[int] | np.ndarray,
+    pack_size: int,
+    *,
+    algorithm: str = "bfd",
+    align: int = 1,
+    overflow: str = "error",
+    max_samples_per_pack: int | None = None,
+    seed: int = 0,
+    vision_lengths: Sequence[int] | np.ndarray | None = None,
+    vision_budget: int | None = None,
+    groups: Sequence[int] | np.ndarray | None = None,
+) -> PackPlan:
+    """Plan packs of at most ``pack_size`` tokens from sample lengths.
+
+    Args:
+        lengths: ``[n]`` integer token counts, each >= 1.
+        pack_size: token budget of a pack (after each piece is rounded up to ``align``).
+        algorithm: ``"bfd"`` best-fit decreasing over the whole input (global, not
+            windowed); ``"ffd"`` first-fit decreasing; ``"first_fit_shuffle"`` first fit
+            in an order randomised by ``seed`` (for curricula that must not sort);
+            ``"sequential"`` next fit in input order (streams).
+        align: each length is rounded up to a multiple of this before fitting, so
+            that per-sample CP/TP padding (see :func:`thdpack.cp_pad_multiple`) still fits.
+        overflow: what to do with a sample whose aligned length exceeds ``pack_size``:
+            ``"error"`` (ValueError naming it), ``"truncate"`` (keep its first tokens),
+            ``"split"`` (cut into pack-size pieces, all kept) or ``"drop"``. Truncated,
+            split and dropped tokens are counted in ``plan.stats``.
+        max_samples_per_pack: optional cap on pieces per pack.
+        seed: randomness for ``"first_fit_shuffle"``. Plans are deterministic.
+        vision_lengths, vision_budget: a second budget for VLMs: ``[n]`` vision
+            patches per sample (>= 0; :func:`thdpack.vlm.vision_lengths`) and the
+            most patches a pack may hold (the ViT's memory and time scale with
+            patches, not text tokens). Each pack then stays within both budgets
+            (2-D variants of the same algorithms; ``"bfd"``/``"ffd"`` place samples
+            by decreasing larger share of either budget). A sample with vision
+            patches is never truncated or split (its placeholders must match its
+            grids): if it is too long, or has more patches than ``vision_budget``,
+            only ``overflow="drop"`` applies; other policies raise.
+        groups: ``[n]`` integer group id of every sample (e.g. a preference pair's chosen
+            and rejected sequences): the samples of a group land in one pack. Each group is
+            planned as one item of its members' summed aligned length (and vision patches),
+            then expanded in the same pack order. A group longer than ``pack_size`` is a
+            ``ValueError`` naming it, whatever ``overflow`` says (members are never cut);
+            ``max_samples_per_pack`` is not available with groups.
+
+    Returns:
+        A :class:`PackPlan`. Within a pack, pieces are ordered by input index
+        (then by start, for split samples).
+    """
+    if groups is not None:
+        return _plan_groups(
+            lengths, pack_size, groups, algorithm=algorithm, align=align, overflow=overflow,
+            max_samples_per_pack=max_samples_per_pack, seed=seed, vision_lengths=vision_lengths,
+            vision_budget=vision_budget,
+        )
+    limit = _check_plan_args(pack_size, algorithm, align, overflow, max_samples_per_pack)
+    lengths = validate_lengths(lengths)
+    over = lengths > limit
+    vision = vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
+    if vision is not None and overflow == "drop":
+        over = over | (vision > vision_budget)
+    pieces = cut_overflow(lengths, overflow, pack_size, align, over=over)
+    vsizes = None if vision is None else vision[pieces.sample_index]  # pieces of cut samples have none
+    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, algorithm, seed, pack_size, vision_budget,
+                                max_samples_per_pack)
+    by_pack, pack_offsets = _csr(pack_of, num_packs)
+    length = pieces.length[by_pack]
+    vision_length = None if vision is None else vsizes[by_pack]
+    budget = None if vision is None else int(vision_budget)
+    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
+                                 cuts=pieces.cuts, vision_length=vision_length, vision_budget=budget)
+    return PackPlan(
+        sample_index=pieces.sample_index[by_pack], start=pieces.start[by_pack], length=length,
+        pack_offsets=pack_offsets, dropped=pieces.dropped, pack_size=int(pack_size), align=int(align),
+        algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats, vision_length=vision_length,
+        vision_budget=budget,
+    )
+
+
+def _check_plan_args(pack_size, algorithm: str, align, overflow: str, max_samples_per_pack) -> int:
+    """Check :func:`plan_packs`' settings (``ValueError`` naming the bad one); returns the
+    :func:`~thdpack.planning.packing.usable_length`."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    check_overflow(overflow)
+    check_int(pack_size, "pack_size", 1)
+    check_int(align, "align", 1)
+    if max_samples_per_pack is not None:
+        check_int(max_samples_per_pack, "max_samples_per_pack", 1)
+    if algorithm == "bfd" and pack_size > _BEST_FIT_MAX_PACK_SIZE:
+        raise ValueError(
+            f"pack_size={pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
+            f"limit {_BEST_FIT_MAX_PACK_SIZE}); use algorithm='ffd'"
+        )
+    return usable_length(pack_size, align)
+
+
+_KERNELS = {  # algorithm -> (one budget, two budgets: tokens and vision patches)
+    "bfd": (binpack.best_fit, binpack.best_fit_2d),
+    "ffd": (binpack.first_fit, binpack.first_fit_2d),
+    "first_fit_shuffle": (binpack.first_fit, binpack.first_fit_2d),
+    "sequential": (binpack.next_fit, binpack.next_fit_2d),
+}
+
+
+def _place(sizes: np.ndarray, vsizes: np.ndarray | None, algorithm: str, seed: int, pack_size: int, vision_budget,
+           max_items) -> tuple[np.ndarray, int]:
+    """Run the kernel of ``algorithm`` over int64 ``[m]`` aligned sizes (and ``[m]`` vision
+    patches, or None). Returns (int64 ``[m]`` pack of each piece, number of packs)."""
+    if vsizes is None:
+        order = _placement_order(sizes, algorithm, seed, pack_size)
+        budgets = (np.ascontiguousarray(sizes[order]), int(pack_size))
+    else:
+        order = _placement_order_2d(sizes, vsizes, algorithm, seed, pack_size, vision_budget)
+        budgets = (np.ascontiguousarray(sizes[order]), np.ascontiguousarray(vsizes[order]), int(pack_size),
+                   int(vision_budget))
+    kernel = _KERNELS[algorithm][vsizes is not None]
+    bin_sorted, num_packs = kernel(*budgets, int(max_items or 0))
+    pack_of = np.empty_like(bin_sorted)
+    pack_of[order] = bin_sorted
+    return pack_of, num_packs
+
+
+def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR layout of a placement: (int64 ``[m]`` piece order, pack after pack, int64
+    ``[num_packs + 1]`` pack offsets). Stable: pieces keep their (sample, start) order within a pack."""
+    by_pack = binpack.bucket_order(pack_of, num_packs, False)
+    pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(pack_of, minlength=num_packs), out=pack_offsets[1:])
+    return by_pack, pack_offsets
+
+
+def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_samples_per_pack, seed,
+                 vision_lengths, vision_budget) -> PackPlan:
+    """:func:`plan_packs` with ``groups``: each group planned as one item of its members'
+    summed aligned length (and vision patches), then expanded in the same pack order."""
+    lengths = validate_lengths(lengths)
+    check_int(align, "align", 1)
+    if max_samples_per_pack is not None:
+        raise ValueError("max_samples_per_pack is not available with groups (a group counts as one item); drop one")
+    gid = check_groups(groups, lengths.size)
+    group_of = number_groups(gid)
+    num_groups = int(group_of.max()) + 1 if group_of.size else 0
+    sizes = round_up(lengths, align)
+    group_sizes = np.bincount(group_of, weights=sizes, minlength=num_groups).astype(np.int64)
+    _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
+    vision, group_vision = None, None
+    if vision_lengths is not None or vision_budget is not None:
+        vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
+        group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
+        _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
+    outer = plan_packs(group_sizes, pack_size, algorithm=algorithm, align=1, overflow=overflow, seed=seed,
+                       vision_lengths=group_vision, vision_budget=vision_budget)
+    members = np.argsort(group_of, kind="stable")  # members of group g, by input index, are contiguous
+    member_counts = np.bincount(group_of, minlength=num_groups)
+    member_start = np.cumsum(member_counts) - member_counts
+    placed = outer.sample_index  # groups in pack order
+    counts = member_counts[placed]
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    sample_index = members[np.repeat(member_start[placed], counts) + within]
+    pack_offsets = np.concatenate([[0], np.cumsum(counts)])[outer.pack_offsets]
+    pack_of = np.repeat(np.arange(len(outer)), np.diff(pack_offsets))
+    sample_index = sample_index[np.lexsort((sample_index, pack_of))]  # by input index within a pack
+    length = lengths[sample_index]
+    vision_length = None if vision is None else vision[sample_index]
+    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
+                                 vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget))
+    return PackPlan(
+        sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
+        pack_offsets=pack_offsets.astype(np.int64), dropped=np.zeros(0, np.int64), pack_size=int(pack_size),
+        align=int(align), algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats,
+        vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget),
+    )
+
+
+def check_groups(groups, n: int) -> np.ndarray:
+    """``groups`` as int64 ``[n]``; ``ValueError`` naming what is wrong."""
+    gid = np.asarray(groups)
+    if gid.shape != (n,) or (gid.size and gid.dtype.kind not in "iu"):
+        raise ValueError(
+            f"groups must be integers with one group id per sample ({n}), got shape {gid.shape} and dtype {gid.dtype}"
+        )
+    return gid.astype(np.int64)
+
+
+def number_groups(gid: np.ndarray) -> np.ndarray:
+    """int64 ``[n]`` group of every sample, groups numbered 0.. by first appearance (so that
+    ``"sequential"`` keeps the input order)."""
+    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse.reshape(-1)]
+
+
+def _check_group_fits(group_totals, group_of, gid, budget, what: str, budget_name: str) -> None:
+    over = np.flatnonzero(group_totals > budget)
+    if over.size:
+        g = int(over[0])
+        members = np.flatnonzero(group_of == g)
+        shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
+        raise ValueError(
+            f"group {int(gid[members[0]])} (samples {shown}) has {int(group_totals[g])} {what}, more than "
+            f"{budget_name}={budget}; a group's samples share one pack here: raise {budget_name}, drop the group, "
+            f"or let groups span several packs of one rank with plan_balanced(groups=..., micro_batches=M) "
+            f"(TokenBudgetBatchSampler(balance='compute')) ({over.size} group(s) too large)"
+        )
+
+
+# counting sorts and the best-fit room index take O(pack_size) memory; beyond this, sort / refuse
+_BUCKET_SORT_MAX_KEYS = 1 << 24
+_BEST_FIT_MAX_PACK_SIZE = 1 << 26
+
+
+def _placement_order(sizes: np.ndarray, algorithm: str, seed: int, pack_size: int) -> np.ndarray:
+    if algorithm in ("bfd", "ffd"):  # decreasing size; ties in input order
+        if pack_size <= _BUCKET_SORT_MAX_KEYS:
+            return binpack.bucket_order(sizes, pack_size + 1, True)
+        return np.argsort(-sizes, kind="stable")
+    if algorithm == "first_fit_shuffle":
+        return np.random.default_rng(seed).permutation(sizes.size)
+    return np.arange(sizes.size)
+
+
+def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size) -> np.ndarray | None:
+    """Checked ``[n]`` int64 vision patches (None without a vision budget); raises for
+    samples that break the vision budget, or that would have to be cut, unless dropped."""
+    if (vision_lengths is None) != (vision_budget is None):
+        raise ValueError("vision_lengths and vision_budget go together: pass both or neither")
+    if vision_lengths is None:
+        return None
+    check_int(vision_budget, "vision_budget", 1)
+    if int(pack_size) * int(vision_budget) >= 2**56:
+        raise ValueError(f"pack_size · vision_budget must be < 2**56, got {pack_size} · {vision_budget}")
+    vision = np.asarray(vision_lengths)
+    if vision.ndim != 1 or vision.size != lengths.size:
+        raise ValueError(f"vision_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {vision.shape}")
+    if vision.size and vision.dtype.kind not in "iu":
+        raise ValueError(f"vision_lengths must be integers, got dtype {vision.dtype}")
+    vision = vision.astype(np.int64, copy=False)
+    bad = np.flatnonzero(vision < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise SampleError.at(i, f" has negative vision length {int(vision[i])}")
+    if overflow == "drop":
+        return vision
+    too_many = np.flatnonzero(vision > vision_budget)
+    if too_many.size:
+        i = int(too_many[0])
+        raise SampleError.at(
+            i, f" has {int(vision[i])} vision patches, more than vision_budget={vision_budget}; "
+            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise vision_budget."
+        )
+    cut = np.flatnonzero(over & (vision > 0))
+    if cut.size and overflow in ("truncate", "split"):
+        i = int(cut[0])
+        raise SampleError.at(
+            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(vision[i])} "
+            f"vision patches: a VLM sample cannot be {overflow} (its placeholders must match its grids). "
+            "Use overflow='drop' or raise pack_size."
+        )
+    return vision
+
+
+def _placement_order_2d(sizes, vsizes, algorithm: str, seed: int, pack_size: int, vision_budget: int) -> np.ndarray:
+    if algorithm in ("bfd", "ffd"):  # decreasing larger share of either budget; ties in input order
+        key = np.maximum(sizes * int(vision_budget), vsizes * int(pack_size))
+        return np.argsort(-key, kind="stable")
+    return _placement_order(sizes, algorithm, seed, pack_size)
