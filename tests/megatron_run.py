@@ -10,7 +10,8 @@ Tasks:
         ``megatron.core.packed_seq_params.PackedSeqParams(**fields)``; returns its ``seq_idx``.
     {"kind": "thdpack_packed_seq_params", "samples": [[ids], ...], "cp_size", "cp_rank"}
         thdpack's ``ThdBatch.to_packed_seq_params()`` with megatron-core importable; returns
-        ``total_tokens``, ``seq_idx`` and ``cu_seqlens_q_padded`` of the ``PackedSeqParams`` it made.
+        ``total_tokens``, ``seq_idx`` and ``cu_seqlens_q_padded`` of the ``PackedSeqParams`` it made
+        (None where a field is None: the padded fields of a batch without padding).
     {"kind": "bridge_steps", "samples", "cp_size"}
         the keys Bridge's gpt_step / vlm_step read (from their source), and thdpack's
         ``to_bridge_batch`` of the samples' batch read through Bridge's ``get_packed_seq_params``.
@@ -101,8 +102,12 @@ def thdpack_packed_seq_params(task: dict) -> dict:
         batch = batch.shard(task["cp_size"], task["cp_rank"])
     params = batch.to_packed_seq_params()
     assert isinstance(params, PackedSeqParams), type(params)
-    return {"total_tokens": params.total_tokens, "seq_idx": None if params.seq_idx is None else params.seq_idx.tolist(),
-            "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist()}
+    return {"total_tokens": params.total_tokens, "seq_idx": _list_or_none(params.seq_idx),
+            "cu_seqlens_q_padded": _list_or_none(params.cu_seqlens_q_padded)}
+
+
+def _list_or_none(tensor):
+    return None if tensor is None else tensor.tolist()
 
 
 def _step_keys(path: Path) -> dict:
@@ -150,8 +155,8 @@ def bridge_steps(task: dict) -> dict:
         "gpt": gpt, "vlm": vlm, "batch_keys": sorted(batch),
         "shapes": {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)},
         "params": {"cu_seqlens_q": params.cu_seqlens_q.tolist(), "cu_seqlens_kv": params.cu_seqlens_kv.tolist(),
-                   "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist(),
-                   "cu_seqlens_kv_padded": params.cu_seqlens_kv_padded.tolist(),
+                   "cu_seqlens_q_padded": _list_or_none(params.cu_seqlens_q_padded),
+                   "cu_seqlens_kv_padded": _list_or_none(params.cu_seqlens_kv_padded),
                    "max_seqlen_q": params.max_seqlen_q, "max_seqlen_kv": params.max_seqlen_kv,
                    "qkv_format": params.qkv_format},
         "visual_type": type(visual).__module__ + "." + type(visual).__name__,

@@ -234,13 +234,13 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
         # Megatron fields stay global on a shard
         params = shard.to_packed_seq_params()
         assert psp_field(params, "qkv_format") == "thd"
-        for name, want in (
-            ("cu_seqlens_q", cu),
-            ("cu_seqlens_kv", cu),
-            ("cu_seqlens_q_padded", cu_p),
-            ("cu_seqlens_kv_padded", cu_p),
-        ):
+        for name, want in (("cu_seqlens_q", cu), ("cu_seqlens_kv", cu)):
             assert torch.equal(psp_field(params, name), want), name
+        for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):  # None when no sample is padded
+            if torch.equal(cu_p, cu):
+                assert psp_field(params, name) is None, name
+            else:
+                assert torch.equal(psp_field(params, name), cu_p), name
         assert psp_field(params, "max_seqlen_q") == psp_field(params, "max_seqlen_kv") == batch.max_seqlen
         # transformers kwargs use the local layout and the targets as shift_labels
         kw = shard.to_hf_kwargs()

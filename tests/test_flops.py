@@ -141,6 +141,13 @@ lengths_st = st.lists(st.integers(0, 5000), min_size=0, max_size=40)
 def test_square_sum_matches_brute_force(lengths, use_numpy, dtype):
     cu = cumulative(lengths)
     arg = np.asarray(cu, dtype=np.int32 if dtype == torch.int32 else np.int64) if use_numpy else torch.tensor(cu, dtype=dtype)
+    if sum(lengths) == 0:  # no tokens: the micro-batch's token count is unknown here, so no 0
+        with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+            seqlen_squared_sum(arg)
+        if not lengths:  # [0]: visible without reading the values, also lazily
+            with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+                seqlen_squared_sum(arg, as_tensor=True)
+        return
     got = seqlen_squared_sum(arg)
     assert type(got) is int
     assert got == brute_square_sum(lengths)
@@ -173,6 +180,10 @@ def test_square_sum_argmin_minus_one_padded_rows(rows, pad, pass_argmin, garbage
     expected = sum(brute_square_sum(r) for r in rows)
     t = torch.from_numpy(table).to(torch.int32)
     am = torch.tensor(argmin).reshape(-1, 1) if pass_argmin else None
+    if expected == 0:  # no row holds a token: unknown token count, no 0 (test_empty_cu_seqlens_*)
+        with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+            seqlen_squared_sum(t, cu_seqlens_argmin=am)
+        return
     assert seqlen_squared_sum(t, cu_seqlens_argmin=am) == expected
     assert int(seqlen_squared_sum(t, cu_seqlens_argmin=am, as_tensor=True)) == expected
     assert seqlen_squared_sum(table, cu_seqlens_argmin=np.asarray(argmin) if pass_argmin else None) == expected
@@ -192,6 +203,11 @@ def test_square_sum_prefers_unpadded(real, multiple):
         cu_seqlens_unpadded=cu_real,
         cu_seqlens_unpadded_argmin=torch.tensor([[len(real) + 1]]),
     )
+    if sum(real) == 0:  # no real tokens and none in the layout either: an empty micro-batch
+        assert got == 0
+        with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+            seqlen_squared_sum(cu_pad)
+        return
     assert got == brute_square_sum(real)
     assert seqlen_squared_sum(cu_pad) == brute_square_sum(padded)
 
@@ -202,8 +218,11 @@ def test_zero_length_segments_are_ignored():
     assert seqlen_squared_sum(cu) == 25 + 49 + 9
     acc = FlopsAccumulator().add_cu_seqlens(cu)
     assert acc.counts()["samples"] == 3 and acc.tokens == 15 and acc.seqlen_squared_sum == 83
-    assert seqlen_squared_sum(torch.tensor([0], dtype=torch.int32)) == 0
-    assert seqlen_squared_sum([0, 0, 0]) == 0
+    # no tokens at all: Σ sᵢ² of the micro-batch is unknown here (test_empty_cu_seqlens_*)
+    with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+        seqlen_squared_sum(torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens holds no tokens"):
+        seqlen_squared_sum([0, 0, 0])
 
 
 def test_square_sum_int64_no_overflow():

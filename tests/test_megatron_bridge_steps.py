@@ -39,8 +39,13 @@ def test_bridge_batch_is_the_pack(cp_size):
     assert b["loss_mask"].dtype == torch.float32 and torch.equal(b["loss_mask"][0].bool(), thd.loss_mask)
     scored = thd.loss_mask
     assert torch.equal(b["labels"][0][scored], thd.labels[scored]) and (b["labels"][0][~scored] == 0).all()
-    assert torch.equal(b["cu_seqlens_q"][0], thd.cu_seqlens) and torch.equal(b["cu_seqlens_q_padded"][0],
-                                                                              thd.cu_seqlens_padded)
+    assert torch.equal(b["cu_seqlens_q"][0], thd.cu_seqlens)
+    if cp_size > 1:  # samples padded to 2·cp: the layout is given
+        assert torch.equal(b["cu_seqlens_q_padded"][0], thd.cu_seqlens_padded)
+        assert torch.equal(b["cu_seqlens_kv_padded"][0], thd.cu_seqlens_padded)
+    else:  # no sample padded: None, as Bridge leaves them (TransformerEngine's faster kernel)
+        assert torch.equal(thd.cu_seqlens_padded, thd.cu_seqlens)
+        assert b["cu_seqlens_q_padded"] is None and b["cu_seqlens_kv_padded"] is None
     assert b["max_seqlen_q"].item() == thd.max_seqlen and b["attention_mask"] is None
     assert "visual_inputs" not in b
     assert BridgeCollator(ThdCollator(cp_size=cp_size))([{"input_ids": s} for s in SAMPLES]).keys() == b.keys()
@@ -79,6 +84,22 @@ def test_bridge_steps_read_it():
     assert p["max_seqlen_q"] == p["max_seqlen_kv"] == thd["max_seqlen"]
     assert r["visual_type"].endswith("visual_inputs.GenericVisualInputs")
     assert r["visual_kwargs"] == ["image_grid_thw", "pixel_values"]
+
+
+def test_bridge_reads_an_unpadded_batch_without_padded_fields():
+    """Bridge's own get_packed_seq_params on a batch with no sample padded: no padded fields,
+    real boundaries as cu_seqlens_q (its legacy path does the same for pad_seq_to_mult 1)."""
+    site = megatron_env.bridge_site()
+    if isinstance(site, str):
+        warnings.warn(f"Megatron-Bridge's code is not available here ({site}); checked the batch only", stacklevel=1)
+        b = to_bridge_batch(build_thd_batch([{"input_ids": s} for s in SAMPLES]))
+        assert b["cu_seqlens_q_padded"] is None and b["cu_seqlens_kv_padded"] is None
+        return
+    (r,) = megatron_env.run(site, [{"kind": "bridge_steps", "samples": SAMPLES, "cp_size": 1}])
+    p, thd = r["params"], r["thd"]
+    assert thd["cu_seqlens_padded"] == thd["cu_seqlens"] == p["cu_seqlens_q"] == p["cu_seqlens_kv"]
+    assert p["cu_seqlens_q_padded"] is None and p["cu_seqlens_kv_padded"] is None
+    assert p["max_seqlen_q"] == p["max_seqlen_kv"] == thd["max_seqlen"] and p["qkv_format"] == "thd"
 
 
 def test_example_runs(monkeypatch, capsys, tmp_path):

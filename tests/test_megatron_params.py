@@ -1,5 +1,7 @@
 """``ThdBatch.to_packed_seq_params()`` sets ``total_tokens`` (issue 13 §2), so that megatron-core
-(>= 0.19) computes ``seq_idx`` and its Mamba mixer scans each sample on its own.
+(>= 0.19) computes ``seq_idx`` and its Mamba mixer scans each sample on its own; and it leaves
+``cu_seqlens_q/kv_padded`` None when no sample is padded, as Megatron-Bridge does (issue 20 §6:
+TransformerEngine picks a slower kernel when they are set).
 
 Checked with megatron-core 0.19.2's own ``PackedSeqParams`` (tests/megatron_env.py unpacks the
 wheel; tests/megatron_run.py imports it in a subprocess), and with a ``PackedSeqParams`` of
@@ -21,6 +23,12 @@ import megatron_env  # tests/megatron_env.py
 from thdpack import build_thd_batch
 
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
+
+
+def layout_of(params: dict) -> list[int]:
+    """The stream layout megatron-core reads: ``cu_seqlens_q_padded``, else ``cu_seqlens_q``."""
+    padded = params["cu_seqlens_q_padded"]
+    return (padded if padded is not None else params["cu_seqlens_q"]).tolist()
 
 
 def sample_of_each_slot(cu_padded: list[int]) -> list[int]:
@@ -49,13 +57,45 @@ def test_megatron_core_019_seq_idx_marks_each_sample():
         for task in tasks:
             batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
             d = batch.packed_seq_params_dict()
-            assert len(sample_of_each_slot(d["cu_seqlens_q_padded"].tolist())) == d["total_tokens"]
+            assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]
         return
     for task, got in zip(tasks, megatron_env.run(site, tasks)):
         full = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
         assert got["total_tokens"] == int(full.input_ids.numel())
-        assert got["cu_seqlens_q_padded"] == full.cu_seqlens_padded.tolist()
+        # cp 1: no sample padded, so no padded fields; seq_idx is the same, from cu_seqlens_q
+        want_padded = full.cu_seqlens_padded.tolist() if task["cp_size"] > 1 else None
+        assert got["cu_seqlens_q_padded"] == want_padded, task
         assert got["seq_idx"] == [sample_of_each_slot(full.cu_seqlens_padded.tolist())], task
+
+
+@pytest.mark.parametrize(
+    "lengths,kw,padded",
+    [
+        ([5, 2, 7, 1], {}, False),
+        ([5, 2, 7, 1], {"pad_multiple": 8}, True),
+        ([5, 2, 7, 1], {"cp_size": 2}, True),
+        ([4, 8, 12], {"cp_size": 2}, False),  # every length already a multiple of 2·cp
+        ([4, 8, 12], {"cp_size": 2, "pad_to": 32}, True),  # only the last sample padded, to pad_to
+        ([5, 2, 7, 1], {"pad_to": 16}, True),
+    ],
+)
+def test_padded_fields_only_when_a_sample_is_padded(lengths, kw, padded):
+    batch = build_thd_batch([{"input_ids": list(range(3, 3 + n))} for n in lengths], **kw)
+    assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != padded
+    views = [batch.packed_seq_params_dict()]
+    if kw.get("cp_size", 1) > 1:
+        views += [batch.shard(kw["cp_size"], r).packed_seq_params_dict() for r in range(kw["cp_size"])]
+    for d in views:
+        for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            if padded:
+                assert torch.equal(d[name], batch.cu_seqlens_padded), name
+            else:
+                assert d[name] is None, name
+        assert layout_of(d) == batch.cu_seqlens_padded.tolist()  # what megatron-core reads: the layout
+        assert torch.equal(d["cu_seqlens_q"], batch.cu_seqlens) and d["total_tokens"] == batch.input_ids.numel()
+    params = batch.to_packed_seq_params()
+    got = params["cu_seqlens_q_padded"] if isinstance(params, dict) else params.cu_seqlens_q_padded
+    assert (got is not None) == padded
 
 
 def test_megatron_core_016_without_total_tokens(monkeypatch):

@@ -213,16 +213,23 @@ class ThdBatch:
 
         ``total_tokens`` (int) is the global stream length ``cu_seqlens_padded[-1]``, on a CP
         shard too: megatron-core (>= 0.19) builds ``seq_idx`` int32 ``[1, total_tokens]`` from it
-        and ``cu_seqlens_q_padded`` (sample i's slots hold i), which its Mamba mixer scans by;
-        Mamba's context parallelism exchanges sequence shards for head shards before the scan,
-        so the scan sees the whole stream. Without it ``seq_idx`` stays None and the mixer scans
-        the pack as one sequence."""
+        and ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``; sample i's slots hold i), which its
+        Mamba mixer scans by; Mamba's context parallelism exchanges sequence shards for head
+        shards before the scan, so the scan sees the whole stream. Without it ``seq_idx`` stays
+        None and the mixer scans the pack as one sequence.
+
+        ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` are ``cu_seqlens_padded`` (int32
+        ``[n+1]``) when some sample is padded, and None when no sample is (``cu_seqlens_padded``
+        equals ``cu_seqlens``): as Megatron-Bridge leaves them, since TransformerEngine picks a
+        slower kernel when they are set. Megatron-core reads ``cu_seqlens_q`` where they are None
+        (``seq_idx`` included), so the layout is the same either way."""
+        padded = None if torch.equal(self.cu_seqlens_padded, self.cu_seqlens) else self.cu_seqlens_padded
         return {
             "qkv_format": "thd",
             "cu_seqlens_q": self.cu_seqlens,
             "cu_seqlens_kv": self.cu_seqlens,
-            "cu_seqlens_q_padded": self.cu_seqlens_padded,
-            "cu_seqlens_kv_padded": self.cu_seqlens_padded,
+            "cu_seqlens_q_padded": padded,
+            "cu_seqlens_kv_padded": padded,
             "max_seqlen_q": self.max_seqlen,
             "max_seqlen_kv": self.max_seqlen,
             "total_tokens": int(self.cu_seqlens_padded[-1]),
@@ -232,7 +239,8 @@ class ThdBatch:
         """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,
         else a dict with the same field names (see :meth:`packed_seq_params_dict`).
         Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
-        megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none)."""
+        megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none). The padded fields are
+        None when no sample is padded."""
         fields = self.packed_seq_params_dict()
         try:
             from megatron.core.packed_seq_params import PackedSeqParams

@@ -12,10 +12,13 @@ import torch
 
 from thdpack.flops.model import model_flops
 from thdpack.flops.sequences import (
+    check_count,
     cp_seqlen_squared_share,
+    dense_square_sum,
     lengths_squared_sum,
     segment_lengths,
     segments_from_position_ids,
+    shows_no_tokens,
 )
 from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
 from thdpack.common.model_config import config_get
@@ -58,7 +61,10 @@ class FlopsAccumulator:
     - a tensor of token ids ``[B, S]`` (BSHD) or ``[T]``.
 
     The BSHD fallback adds ``B·S`` tokens and ``B·S²`` to ``Σ sᵢ²``: exactly the legacy
-    pack-length count, so dense pretraining figures do not change.
+    pack-length count, so dense pretraining figures do not change. A packed micro-batch
+    whose ``cu_seqlens`` hold no tokens beside ``input_ids`` that do falls back the same
+    way (:meth:`add_cu_seqlens`), as Megatron-LM and Megatron-Bridge do: never zero work
+    for a micro-batch that has tokens.
 
     Counts are Python ints; counts read from tensors on an accelerator are kept as
     device tensors until read (no host sync per micro-batch).
@@ -121,26 +127,42 @@ class FlopsAccumulator:
                        cu_seqlens_unpadded_argmin=None, num_padded_tokens=None) -> "FlopsAccumulator":
         """Add a packed micro-batch given by its cumulative lengths (arguments as
         :func:`seqlen_squared_sum`). Padded tokens: ``num_padded_tokens`` or the total
-        of ``cu_seqlens`` (the padded layout when ``cu_seqlens_unpadded`` is given)."""
+        of ``cu_seqlens`` (the padded layout when ``cu_seqlens_unpadded`` is given).
+
+        Dense fallback: when the real lengths hold no tokens (``cu_seqlens=[0]``, or
+        NeMo's ``[0, -1, -1]`` with argmin 1) but the micro-batch has ``T > 0`` tokens
+        (``num_padded_tokens``, else the layout's total), it is counted as Megatron-LM and
+        Megatron-Bridge count it: ``B`` sequences of ``T / B`` tokens, ``B`` the rows of
+        ``cu_seqlens`` (1 for 1-D): ``B`` samples, ``T`` tokens, ``T² // B`` for ``Σ sᵢ²``.
+        With neither ``num_padded_tokens`` nor a layout beside ``cu_seqlens_unpadded`` the
+        token count is unknown, and such a micro-batch raises ``ValueError`` (on an
+        accelerator only when :func:`shows_no_tokens` sees it: the check reads no device
+        memory). ``num_padded_tokens=0`` adds an empty micro-batch: nothing.
+        """
         if cu_seqlens_unpadded is not None:
-            real = segment_lengths(cu_seqlens_unpadded, cu_seqlens_unpadded_argmin)
+            name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
         else:
-            real = segment_lengths(cu_seqlens, cu_seqlens_argmin)
+            name, cu, argmin = "cu_seqlens", cu_seqlens, cu_seqlens_argmin
+        real = segment_lengths(cu, argmin)
+        has_layout = cu_seqlens is not None and cu_seqlens_unpadded is not None
+        layout = segment_lengths(cu_seqlens, cu_seqlens_argmin) if has_layout else real
+        known = num_padded_tokens is not None or has_layout
         if num_padded_tokens is None:
-            layout = segment_lengths(cu_seqlens, cu_seqlens_argmin) if cu_seqlens is not None else real
             num_padded_tokens = layout.sum()
-        device_lazy = real.device.type != "cpu"
-        self._add(
-            samples=(real > 0).sum(),
-            tokens=real.sum(),
-            padded_tokens=num_padded_tokens,
-            seqlen_squared_sum=(real * real).sum() if device_lazy else lengths_squared_sum(real),
-        )
+        rows = layout.shape[0]
+        if real.device.type != "cpu":
+            if not known and shows_no_tokens(cu, argmin):
+                raise ValueError(_unknown_tokens_message(name))
+            self._add(**_lazy_packed_counts(real, num_padded_tokens, rows))
+        else:
+            self._add(**_packed_counts(real, _total(num_padded_tokens), rows, name if not known else None))
         return self
 
     def add_bshd(self, micro_batch_size: int, seq_len: int) -> "FlopsAccumulator":
         """The legacy count of ``micro_batch_size`` sequences of ``seq_len`` tokens:
-        ``B·S`` tokens and ``B·S²`` for ``Σ sᵢ²``."""
+        ``B·S`` tokens and ``B·S²`` for ``Σ sᵢ²``. Both must be integers >= 0."""
+        check_count(micro_batch_size, "micro_batch_size")
+        check_count(seq_len, "seq_len")
         b, s = int(micro_batch_size), int(seq_len)
         self._add(samples=b, tokens=b * s, padded_tokens=b * s, seqlen_squared_sum=b * s * s)
         return self
@@ -236,6 +258,42 @@ class FlopsAccumulator:
         inner = ", ".join(f"{n}={getattr(self, n)}" for n in _COUNTS)
         return f"FlopsAccumulator({inner})"
 
+
+
+def _packed_counts(real: torch.Tensor, padded, rows: int, unknown_name: str | None) -> dict:
+    """The counts of a packed micro-batch of CPU ``real`` lengths (int64 ``[B, N]``) in
+    ``padded`` stream tokens, or its dense count when ``real`` holds no tokens (see
+    :meth:`FlopsAccumulator.add_cu_seqlens`); ``unknown_name``: the argument to name when
+    the micro-batch's token count is unknown (None: ``padded`` is known)."""
+    square_sum = lengths_squared_sum(real)  # raises on a decreasing cu_seqlens first
+    if square_sum == 0 and unknown_name is not None:
+        raise ValueError(_unknown_tokens_message(unknown_name))
+    if square_sum == 0 and padded > 0:
+        return {"samples": rows, "tokens": padded, "padded_tokens": padded,
+                "seqlen_squared_sum": dense_square_sum(padded, rows)}
+    return {"samples": (real > 0).sum(), "tokens": real.sum(), "padded_tokens": padded,
+            "seqlen_squared_sum": square_sum}
+
+
+def _lazy_packed_counts(real: torch.Tensor, padded, rows: int) -> dict:
+    """:func:`_packed_counts` for ``real`` on an accelerator: the dense fallback chosen by
+    ``torch.where`` on the device, so that nothing is read back (no host sync)."""
+    tokens = real.sum()
+    dense = (tokens == 0) & (padded > 0)
+    return {
+        "samples": torch.where(dense, rows, (real > 0).sum()),
+        "tokens": torch.where(dense, padded, tokens),
+        "padded_tokens": padded,
+        "seqlen_squared_sum": torch.where(dense, dense_square_sum(padded, rows), (real * real).sum()),
+    }
+
+
+def _unknown_tokens_message(name: str) -> str:
+    return (
+        f"{name} holds no tokens before its cut and the micro-batch's token count is unknown: pass "
+        "num_padded_tokens (its tokens, e.g. input_ids.numel(); 0 for an empty micro-batch) or the inputs with "
+        "input_ids, so that it is counted dense (B·S²) instead of as no work"
+    )
 
 
 def _restarting_positions(input_ids: torch.Tensor, position_ids):

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from thdpack.flops.coefficients import flops_coefficients
+from thdpack.flops.sequences import check_count
 from thdpack.flops.vision_stats import vision_seqlen_stats
 from thdpack.common.model_config import config_get
 
@@ -23,6 +24,18 @@ def _as_count(x):
     if isinstance(x, np.generic):
         return int(x)
     return x
+
+
+def _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_squared_sum,
+                  vision_window_seqlen_squared_sum) -> None:
+    """Every count given to :func:`model_flops_breakdown` is an integer >= 0 (:func:`check_count`)."""
+    check_count(num_tokens, "num_tokens")
+    check_count(seqlen_squared_sum, "seqlen_squared_sum", square_sum=True)
+    for name, value, square_sum in (("vision_patches", vision_patches, False),
+                                    ("vision_seqlen_squared_sum", vision_seqlen_squared_sum, True),
+                                    ("vision_window_seqlen_squared_sum", vision_window_seqlen_squared_sum, True)):
+        if value is not None:
+            check_count(value, name, square_sum=square_sum)
 
 
 def model_flops_breakdown(
@@ -40,8 +53,11 @@ def model_flops_breakdown(
     :func:`model_flops` is their sum. Arguments as :func:`model_flops`: ``vision_patches``,
     ``vision_seqlen_squared_sum``, ``vision_window_seqlen_squared_sum`` are the vision
     tower's counts, or ``vision_grid_thw`` computes them; ``options`` go to
-    :func:`flops_coefficients`.
+    :func:`flops_coefficients`. Every count must be an integer >= 0 (``ValueError``
+    naming it otherwise; :func:`thdpack.flops.sequences.check_count`).
     """
+    _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_squared_sum,
+                  vision_window_seqlen_squared_sum)
     if vision_grid_thw is not None:
         if vision_patches is not None:
             raise ValueError("pass vision_grid_thw or the vision counts, not both")
@@ -89,6 +105,9 @@ def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_opti
         num_tokens: tokens through the language model (real tokens; padded ones to
             count the work done on pad slots too).
         seqlen_squared_sum: ``Σ sᵢ²`` (:func:`seqlen_squared_sum`).
+            Counts are integers >= 0 (a Python / numpy int, a one-element integer CPU
+            tensor; ``Σ`` sums may pass int64), else ``ValueError`` naming the argument;
+            tensors on an accelerator are used unchecked (reading them would sync).
         vision_counts_and_options: keywords of :func:`model_flops_breakdown`:
             ``vision_patches``, ``vision_seqlen_squared_sum``,
             ``vision_window_seqlen_squared_sum``, the vision tower's counts

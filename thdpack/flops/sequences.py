@@ -4,6 +4,10 @@
 Causal attention over a pack does ``Σ sᵢ²`` work over the real sub-sequence lengths
 ``sᵢ``, not ``pack_len²``. Lengths are int64 here (int32 ``cu_seqlens`` in): sums of
 squares overflow int32 quickly; exact sums switch to Python integers past int64.
+
+A micro-batch whose ``cu_seqlens`` holds no tokens (``[0]``, or NeMo's ``[0, -1, -1]``
+with argmin 1) beside tokens it does hold is counted the dense way, as Megatron-LM and
+Megatron-Bridge do: ``B`` sequences of ``S`` tokens, ``B·S²`` (:func:`dense_square_sum`).
 """
 
 from __future__ import annotations
@@ -11,14 +15,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from thdpack.common.align import INT64_MAX, check_int
 from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 __all__ = [
+    "check_count",
     "cp_seqlen_squared_share",
+    "dense_square_sum",
     "lengths_squared_sum",
     "segment_lengths",
     "segments_from_position_ids",
     "seqlen_squared_sum",
+    "shows_no_tokens",
 ]
 
 _INT64_LIMIT = 2**63  # a sum of squares below this fits int64
@@ -28,6 +36,45 @@ def _as_int64_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(torch.int64)
     return torch.as_tensor(np.asarray(x), dtype=torch.int64)
+
+
+def check_count(value, name: str, *, square_sum: bool = False) -> None:
+    """A FLOPs count (tokens, patches, ``Σ sᵢ²``, ...) must be an integer >= 0: the one
+    integer rule, :func:`thdpack.common.align.check_int`, which names ``name`` in its
+    ``ValueError``. A sum of squares (``square_sum=True``) may also be a Python int past
+    int64, as :func:`lengths_squared_sum` returns it. A CPU tensor must hold one integer;
+    a tensor on an accelerator is not read (that would be a host sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            return
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            shape = tuple(value.shape)
+            raise ValueError(f"{name} must be an integer >= 0, got a {value.dtype} tensor of shape {shape}")
+        value = int(value)
+    if square_sum and type(value) is int and value > INT64_MAX:
+        return
+    check_int(value, name, 0, hint="; counts of tokens, patches and squared lengths are integers "
+              "(FlopsAccumulator, seqlen_squared_sum and vision_seqlen_stats give them)")
+
+
+def dense_square_sum(num_tokens, rows: int = 1):
+    """``Σ sᵢ²`` of the dense count of a micro-batch of ``num_tokens`` tokens in ``rows``
+    sequences of ``S = num_tokens / rows``: ``B·S² = num_tokens² // rows`` (Megatron-LM's
+    ``mbs · seq_len²``). ``num_tokens`` may be an int or a tensor (then lazily, on its device)."""
+    return num_tokens * num_tokens // rows
+
+
+def shows_no_tokens(cu_seqlens, cu_seqlens_argmin=None) -> bool:
+    """Whether ``cu_seqlens`` visibly holds no segment, without reading accelerator memory:
+    fewer than 2 entries per row, or an ``argmin`` (an int, numpy or CPU tensor) that cuts
+    every row at index 1 or before. False when only the values could tell."""
+    if np.shape(cu_seqlens)[-1:] in ((0,), (1,)):
+        return True
+    if cu_seqlens_argmin is None:
+        return False
+    if isinstance(cu_seqlens_argmin, torch.Tensor) and cu_seqlens_argmin.device.type != "cpu":
+        return False
+    return int(np.max(np.asarray(cu_seqlens_argmin))) <= 1
 
 
 def segment_lengths(cu_seqlens, cu_seqlens_argmin=None) -> torch.Tensor:
@@ -97,29 +144,54 @@ def seqlen_squared_sum(
             whenever given: attention runs over the real lengths.
         cu_seqlens_unpadded_argmin: its cut index.
         as_tensor: return a 0-dim int64 tensor on the input's device, computed
-            without any host sync (nothing is validated then; exact while
-            ``Σ sᵢ² < 2⁶³``, always true for int32 ``cu_seqlens``). For numpy input a
-            ``numpy.int64``.
+            without any host sync (nothing is validated then, except what
+            :func:`shows_no_tokens` sees; exact while ``Σ sᵢ² < 2⁶³``, always true
+            for int32 ``cu_seqlens``). For numpy input a ``numpy.int64``.
 
     Returns:
         A Python int (exact: int64 arithmetic, switching to Python integers when the
         total could overflow), or the tensor described under ``as_tensor``.
         Zero-length segments contribute nothing.
 
+    When the real lengths hold no tokens (``[0]``, ``[0, 0]``, ``[0, -1, -1]`` cut at 1)
+    and ``cu_seqlens`` gives a layout beside ``cu_seqlens_unpadded`` that has ``T``
+    tokens in ``B`` rows, the micro-batch is counted dense, as Megatron-Bridge does:
+    ``T² // B`` (:func:`dense_square_sum`; 0 when ``T`` is 0). Without that layout the
+    token count of the micro-batch is unknown here, and ``ValueError`` says so rather
+    than report no attention work (:meth:`FlopsAccumulator.add_cu_seqlens` takes it).
+
     A :class:`thdpack.ThdBatch` gives it as ``batch.seqlen_squared_sum``.
     """
     if cu_seqlens_unpadded is not None:
-        cu, argmin = cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
+        name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
+        layout = None if cu_seqlens is None else segment_lengths(cu_seqlens, cu_seqlens_argmin)
     else:
-        cu, argmin = cu_seqlens, cu_seqlens_argmin
+        name, cu, argmin, layout = "cu_seqlens", cu_seqlens, cu_seqlens_argmin, None
     if cu is None:
         raise ValueError("pass cu_seqlens or cu_seqlens_unpadded")
-    is_numpy = not isinstance(cu, torch.Tensor)
     lengths = segment_lengths(cu, argmin)
     if as_tensor:
         out = (lengths * lengths).sum()
-        return np.int64(out.item()) if is_numpy else out
-    return lengths_squared_sum(lengths)
+        if layout is not None:
+            out = torch.where(out == 0, dense_square_sum(layout.sum(), layout.shape[0]), out)
+        elif shows_no_tokens(cu, argmin):
+            raise ValueError(_no_tokens_message(name))
+        return out if isinstance(cu, torch.Tensor) else np.int64(out.item())
+    total = lengths_squared_sum(lengths)
+    if total:
+        return total
+    if layout is None:
+        raise ValueError(_no_tokens_message(name))
+    return dense_square_sum(int(layout.sum()), layout.shape[0])
+
+
+def _no_tokens_message(name: str) -> str:
+    return (
+        f"{name} holds no tokens before its cut, so Σ sᵢ² of the micro-batch is unknown here (0 would report no "
+        "attention work for a micro-batch that has tokens): pass the layout as cu_seqlens beside "
+        "cu_seqlens_unpadded, or count it with FlopsAccumulator.add_cu_seqlens(..., num_padded_tokens=T) or "
+        "FlopsAccumulator.add(inputs with input_ids), which fall back to the dense B·S² count"
+    )
 
 
 def cp_seqlen_squared_share(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int):

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from thdpack.common.align import check_int
 from thdpack.common.model_config import config_get
 
-__all__ = ["VisionStats", "as_pair", "vision_config_of", "vision_seqlen_stats", "window_patches"]
+__all__ = ["VisionStats", "as_pair", "grid_rows", "vision_config_of", "vision_seqlen_stats", "window_patches"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,28 @@ def window_patches(vision_config) -> int | None:
     return int(window) // merge // as_pair(config_get(vision_config, "patch_size", None))[0]
 
 
+def grid_rows(grid_thw) -> np.ndarray:
+    """int64 ``[k, 3]`` rows of ``grid_thw`` (torch, numpy or nested lists). Every entry is
+    a count of patches: an integer >= 0, checked by :func:`thdpack.common.align.check_int`,
+    whose ``ValueError`` names the first entry that is not (``grid_thw[i, j]``)."""
+    if isinstance(grid_thw, torch.Tensor):
+        grid_thw = grid_thw.detach().cpu().numpy()
+    grid = np.asarray(grid_thw)
+    if grid.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if grid.size % 3:
+        raise ValueError(f"grid_thw must hold rows of 3 (t, h, w), got shape {grid.shape}")
+    rows = grid.reshape(-1, 3)
+    hint = " (patches along t, h, w of an image or video)"
+    if rows.dtype.kind not in "iu":  # floats, bools, objects: each entry by the rule
+        for (i, j), value in np.ndenumerate(rows):
+            check_int(value.item() if isinstance(value, np.generic) else value, f"grid_thw[{i}, {j}]", 0, hint=hint)
+    elif (rows < 0).any():
+        i, j = np.argwhere(rows < 0)[0].tolist()
+        check_int(rows[i, j].item(), f"grid_thw[{i}, {j}]", 0, hint=hint)
+    return rows.astype(np.int64)
+
+
 def vision_seqlen_stats(grid_thw, vision_config=None) -> VisionStats:
     """:class:`VisionStats` of ``grid_thw`` (int ``[k, 3]``: temporal, height, width in
     patches, per image or video; torch, numpy or nested lists).
@@ -73,13 +96,10 @@ def vision_seqlen_stats(grid_thw, vision_config=None) -> VisionStats:
     windows partial. A window of ``r × c`` merge units holds ``r·c·m²`` patches, so a
     frame contributes ``m⁴ · (Σ_rows rᵢ²) · (Σ_cols cⱼ²)`` with ``Σ rᵢ² = ⌊H/W⌋·W² + (H mod W)²``.
     ``vision_config`` (a config, its ``vision_config`` or a dict) is needed only for windows.
+    Every entry of ``grid_thw`` must be an integer >= 0 (:func:`grid_rows`).
     """
     vision_config = vision_config_of(vision_config)
-    if isinstance(grid_thw, torch.Tensor):
-        grid_thw = grid_thw.detach().cpu().numpy()
-    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-    if grid.size and (grid < 0).any():
-        raise ValueError("grid_thw must be non-negative")
+    grid = grid_rows(grid_thw)
     patches = full = window = 0
     side = window_patches(vision_config) if vision_config is not None else None
     merge = int(config_get(vision_config, "spatial_merge_size", 1)) if vision_config is not None else 1

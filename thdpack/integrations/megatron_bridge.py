@@ -65,7 +65,9 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     ``ignore_label`` where nothing is scored), ``loss_mask`` float32 ``[1, T]``, ``position_ids``
     int64 ``[1, T]``, ``attention_mask`` None, ``cu_seqlens_q`` / ``cu_seqlens_kv`` int32
     ``[1, n+1]`` (real lengths), ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` int32
-    ``[1, n+1]`` (the layout), ``max_seqlen_q`` / ``max_seqlen_kv`` int32 ``[1, 1]``; for a VLM
+    ``[1, n+1]`` (the layout; None when no sample is padded, as in
+    :meth:`~thdpack.ThdBatch.packed_seq_params_dict`: TransformerEngine picks a slower kernel
+    when they are set), ``max_seqlen_q`` / ``max_seqlen_kv`` int32 ``[1, 1]``; for a VLM
     batch also ``visual_inputs`` (pixel values, grids, ``mm_token_type_ids`` ``[1, T]``).
     """
     if batch.is_shard:
@@ -74,6 +76,7 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
             "packed batches themselves: collate the whole pack (ThdCollator without cp_rank) for them"
         )
     max_seqlen = torch.tensor([[batch.max_seqlen]], dtype=torch.int32)
+    layout = batch.packed_seq_params_dict()["cu_seqlens_q_padded"]  # None when no sample is padded
     out = {
         "tokens": batch.input_ids.long().unsqueeze(0),
         "labels": torch.where(batch.loss_mask, batch.labels, ignore_label).long().unsqueeze(0),
@@ -82,8 +85,8 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
         "attention_mask": None,
         "cu_seqlens_q": batch.cu_seqlens.unsqueeze(0),
         "cu_seqlens_kv": batch.cu_seqlens.unsqueeze(0),
-        "cu_seqlens_q_padded": batch.cu_seqlens_padded.unsqueeze(0),
-        "cu_seqlens_kv_padded": batch.cu_seqlens_padded.unsqueeze(0),
+        "cu_seqlens_q_padded": None if layout is None else layout.unsqueeze(0),
+        "cu_seqlens_kv_padded": None if layout is None else layout.unsqueeze(0),
         "max_seqlen_q": max_seqlen,
         "max_seqlen_kv": max_seqlen.clone(),
     }
