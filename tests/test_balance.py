@@ -486,7 +486,7 @@ def test_sampler_resume_at_and_across_epoch_boundary():
     # a prefetching loader ran ahead: the trainer's own step count decides
     a = make()
     take(a, steps + 7)
-    state = a.state_dict(step=3)
+    state = a.state_dict(consumed=3)
     b = make()
     b.load_state_dict(state)
     assert full[:steps + 3] + run_epochs(b, 3) == full

@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 from thdpack import __version__  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.offline import load_packed  # noqa: E402
-from thdpack.offline.pipeline import OutputLock  # noqa: E402
 from thdpack.offline.errors import OutputError  # noqa: E402
 from thdpack.offline.merging import merge_slices  # noqa: E402
+from thdpack.offline.store.staging import OutputLock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"

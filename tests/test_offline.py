@@ -478,9 +478,9 @@ def test_empty_or_blank_jsonl_is_a_clear_error(tmp_path, content):
     assert not (tmp_path / "out").exists()
 
 
-def test_build_logs_through_logging_and_log_callback_is_deprecated(tmp_path, chat_jsonl, caplog, capsys):
+def test_build_logs_through_logging_and_has_no_log_callback(tmp_path, chat_jsonl, caplog, capsys):
     """Stage lines go to logging.getLogger("thdpack..."): nothing on stderr unless logging is configured;
-    the old ``log=`` callback still receives them for one release, with a DeprecationWarning."""
+    thdpack 0.1.0's ``log=`` callback is gone (an unexpected keyword)."""
     import logging
 
     with caplog.at_level(logging.INFO, logger="thdpack"):
@@ -492,10 +492,10 @@ def test_build_logs_through_logging_and_log_callback_is_deprecated(tmp_path, cha
     build_packed(cfg(chat_jsonl), tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""  # a library prints nothing by itself
     logs: list[str] = []
-    with pytest.warns(DeprecationWarning, match=r"build_packed\(log=...\) is deprecated"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'log'"):
         build_packed(cfg(chat_jsonl), tmp_path / "c", progress=False, log=logs.append)
-    assert [line.split()[0] for line in logs] == [line.split()[0] for line in lines]
-    assert logging.getLogger("thdpack").handlers == []  # the callback is detached again
+    assert logs == [] and not (tmp_path / "c").exists()
+    assert logging.getLogger("thdpack").handlers == []  # nothing attached to the logger
 
 
 def test_chat_template_option_replaces_the_tokenizers(tmp_path, chat_rows):

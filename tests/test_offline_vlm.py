@@ -26,6 +26,7 @@ pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
+from log_capture import thdpack_messages  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
@@ -319,8 +320,8 @@ def test_content_given_as_parts_packs_like_markers(tmp_path, assets, inline):
     path = assets / f"parts-{inline}.jsonl"
     path.write_text("".join(json.dumps(as_parts(r, inline=inline)) + "\n" for r in CHAT_ROWS))
     assert any(isinstance(m["content"], list) for m in json.loads(path.read_text().splitlines()[1])["messages"])
-    logs = []
-    marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False, log=logs.append).path)
+    with thdpack_messages() as logs:
+        marked = load_packed(build_packed(cfg(assets), tmp_path / "markers", progress=False).path)
     assert any("through tiktoken" in line for line in logs)  # VLM rows take the tiktoken encoder too
     parts = load_packed(build_packed(cfg(assets, input=str(path)), tmp_path / "parts", progress=False).path)
     a, b = _pack_columns(marked), _pack_columns(parts)

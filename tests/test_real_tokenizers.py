@@ -22,6 +22,7 @@ pytest.importorskip("tiktoken")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from log_capture import thdpack_messages  # noqa: E402
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.demo import generate_rows  # noqa: E402
@@ -123,8 +124,8 @@ def _build(tmp_path, out, path, rows, **kw):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = BuildConfig(input=str(data), tokenizer=str(path), pack_size=8192, overflow="truncate",
                       save_tokenizer=False, map_batch_size=100, **kw)
-    logs: list[str] = []
-    build_packed(cfg, tmp_path / out, progress=False, log=logs.append)
+    with thdpack_messages() as logs:
+        build_packed(cfg, tmp_path / out, progress=False)
     return tmp_path / out, logs
 
 

@@ -511,22 +511,21 @@ def test_a_cut_sample_with_a_bad_field_is_named_by_its_stream_position(overflow)
         list(StreamingPacker(samples, 4, overflow=overflow, num_replicas=1, rank=0))
 
 
-def test_resumes_from_a_state_saved_by_thdpack_0_1_0():
-    """tests/data/stream_state_thdpack_0.1.0.json was written by the StreamingPacker of commit
-    eaa422d (its state said "shard" and kept a plain stats dict) after 3 packs: resuming from it
-    gives exactly the packs the uninterrupted run gives after its first 3, and says that the
-    statistics before the resume are partial."""
-    import json
-    from pathlib import Path
-
-    saved = json.loads((Path(__file__).parent / "data" / "stream_state_thdpack_0.1.0.json").read_text())
-    samples = make_samples(saved["lengths"])
-    kw = dict(buffer_size=saved["buffer_size"], overflow=saved["overflow"], num_replicas=1, rank=0)
-    whole = as_pieces(StreamingPacker(samples, saved["pack_size"], **kw))
-    packer = StreamingPacker(samples, saved["pack_size"], **kw)
-    with pytest.warns(UserWarning, match="older thdpack"):
-        packer.load_state_dict(saved["state"])
-    rest = as_pieces(packer)
-    assert rest == whole[saved["packs_before"]:]
-    assert packer.stats.num_packs == len(whole)
-    assert packer.state_dict()["share"] == [0, 1]
+def test_a_state_saved_by_thdpack_0_1_0_is_refused_naming_the_missing_key():
+    """thdpack 0.1.0's StreamingPacker state said "shard" (not "share") and kept a plain stats dict:
+    loading it is one ValueError naming the missing key (never a KeyError), and the packer is unchanged."""
+    samples = make_samples([5, 9, 3, 12, 7, 2, 8, 6, 11, 4, 1, 10, 3, 7])
+    first = StreamingPacker(samples, 16, buffer_size=3, overflow="split", num_replicas=1, rank=0)
+    whole = as_pieces(StreamingPacker(samples, 16, buffer_size=3, overflow="split", num_replicas=1, rank=0))
+    as_pieces(itertools.islice(iter(first), 3))
+    state = first.state_dict()
+    old = {k: v for k, v in state.items() if k != "share"}
+    old["shard"] = state["share"]
+    old["stats"] = {"packs": 3, "real_tokens": state["stats"]["real_tokens"],
+                    **{k: 0 for k in ("samples_truncated", "tokens_truncated", "samples_dropped", "tokens_dropped",
+                                      "samples_split")}}
+    packer = StreamingPacker(samples, 16, buffer_size=3, overflow="split", num_replicas=1, rank=0)
+    with pytest.raises(ValueError, match=r"state_dict is missing key\(s\) 'share'; pass the dict that "
+                                         r"StreamingPacker\.state_dict\(\) returned"):
+        packer.load_state_dict(old)
+    assert as_pieces(packer) == whole  # not resumed: the packer starts from the beginning

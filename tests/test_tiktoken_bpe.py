@@ -21,6 +21,7 @@ pytest.importorskip("tiktoken")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from log_capture import thdpack_messages  # noqa: E402
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
 from thdpack.offline.tokenizing import fastenc  # noqa: E402
@@ -351,8 +352,8 @@ def _build(tmp_path, name, **kw):
                "pack_size": 1024, "overflow": "truncate", "save_tokenizer": False, "map_batch_size": 100, **kw}
     cfg = BuildConfig(**options)
     out = tmp_path / name
-    logs = []
-    build_packed(cfg, out, progress=False, log=logs.append)
+    with thdpack_messages() as logs:
+        build_packed(cfg, out, progress=False)
     return out, logs
 
 

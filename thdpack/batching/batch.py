@@ -180,7 +180,7 @@ class ThdBatch:
         what lets transformers keep packed samples apart), ``mm_token_type_ids``
         ``[1, T]``, and the pack's pixel values, grids (and ``second_per_grid_ts``).
         Vision inputs are the whole pack's, also on a CP shard (see
-        :mod:`thdpack.vlm.shard`). With a flash-attention *vision* tower, drop
+        :func:`thdpack.parallel.cp.vision_shard_extras`). With a flash-attention *vision* tower, drop
         ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
         ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
         """

@@ -25,6 +25,7 @@ import signal
 import sys
 
 from thdpack.cli import build, export, inspect, merge, stats
+from thdpack.cli.config_flags import ThdpackParser
 from thdpack.cli.output import cli_logging
 from thdpack.offline.errors import OfflineError
 from thdpack.offline.procs import Interrupted, signals_interrupt
@@ -39,7 +40,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ThdpackParser(
         prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

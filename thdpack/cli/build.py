@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
-from thdpack.cli.config_flags import _Deprecated, add_config_flags, build_config
+from thdpack.cli.config_flags import add_config_flags, build_config
 from thdpack.cli.output import print_skipped, show_progress, written_line
 from thdpack.offline.errors import OfflineError
 
@@ -22,7 +20,6 @@ def add_parser(sub) -> None:
     b.add_argument("--slice", metavar="I/N|auto",
                    help="build only input slice I of N (contiguous input rows; merge the slices with thdpack merge); "
                    "auto: from torchrun's RANK/WORLD_SIZE or a Slurm array. --output may contain {slice}")
-    b.add_argument("--shard", action=_Deprecated, dest="slice", help=argparse.SUPPRESS)  # the old name of --slice
     add_config_flags(b)
     b.set_defaults(func=run)
 

@@ -1,14 +1,35 @@
 """The build options as flags: one per :class:`~thdpack.offline.config.BuildConfig` field.
 
-``build`` and ``stats`` (on raw input) take them; a flag not given leaves the ``--config`` value."""
+``build`` and ``stats`` (on raw input) take them; a flag not given leaves the ``--config`` value.
+A flag of thdpack 0.1.0 (``--shard-size-mb``) is an unrecognized argument whose error names its new
+name (:class:`ThdpackParser`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import warnings
 
-from thdpack.offline.config import RENAMED, BuildConfig
+from thdpack.offline.config import RENAMED_IN_0_2, BuildConfig
+
+
+class ThdpackParser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" error also names the new flag of each old one
+    given (``--shard`` -> ``--slice``: :data:`~thdpack.offline.config.RENAMED_IN_0_2`). Subcommand
+    parsers are of the same class; unknown arguments reach the top parser's :meth:`parse_args`."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{renamed_flags_hint(extras)}")
+        return namespace
+
+
+def renamed_flags_hint(arguments: list[str]) -> str:
+    """`` (--shard was renamed to --slice in thdpack 0.2.0)`` for the old flags among ``arguments``
+    (``--shard 0/2``, ``--shard=0/2``); ``""`` when there are none."""
+    flags = dict.fromkeys(a.split("=", 1)[0] for a in arguments if a.startswith("--"))  # in order, once each
+    renames = ", ".join(f"{f} was renamed to {RENAMED_IN_0_2[f]}" for f in flags if f in RENAMED_IN_0_2)
+    return f" ({renames} in thdpack 0.2.0)" if renames else ""
 
 
 def add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None, skip=()) -> None:
@@ -34,17 +55,6 @@ def add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = 
             kw["type"] = int
             kw["metavar"] = "N"
         g.add_argument(flag, **kw)
-    for old, new in RENAMED.items():  # the old flag names, still accepted
-        if not (new in skip or (only and new not in only)):
-            g.add_argument("--" + old.replace("_", "-"), action=_Deprecated, dest=new, type=float, help=argparse.SUPPRESS)
-
-
-class _Deprecated(argparse.Action):
-    """A flag's old name (``--shard``, ``--shard-size-mb``): stores under the new one's ``dest``, with a FutureWarning."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        warnings.warn(f"{option_string} is deprecated, use --{self.dest.replace('_', '-')}", FutureWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
 
 
 def _literal_help(text: str | None) -> str | None:

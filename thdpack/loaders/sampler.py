@@ -285,7 +285,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         h.update(repr(settings).encode())
         return h.hexdigest()
 
-    def state_dict(self, consumed: int | None = None, *, step: int | None = None) -> dict:
+    def state_dict(self, consumed: int | None = None) -> dict:
         """``{"epoch", "step", "seed", "fingerprint"}``: where the next pack comes from.
 
         Without arguments: the position after the last pack this sampler handed out,
@@ -296,30 +296,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             consumed: batches the training loop took from the current pass (the
                 current ``for batch in loader``); exact with any number of workers,
                 persistent or not, as a loader's prefetching runs ahead of training.
-            step: (older form) the absolute step in the current pass's epoch.
         """
-        if consumed is not None and step is not None:
-            raise ValueError("pass consumed= or step= to state_dict, not both")
-        epoch, step = self._consumed_position(consumed, step)
+        epoch, step = self._consumed_position(consumed)
         return {"epoch": epoch, "step": step, "seed": self.seed, "fingerprint": self._fingerprint()}
 
-    def _consumed_position(self, consumed: int | None, step: int | None) -> tuple[int, int]:
-        if consumed is None and step is None:
+    def _consumed_position(self, consumed: int | None) -> tuple[int, int]:
+        """``(epoch, step)`` after ``consumed`` batches of the current pass (None: after the last one drawn)."""
+        if consumed is None:
             return self.epoch, self._step
         epoch, start = self._pass_start
         steps = len(self._plan_for_epoch(epoch)[1])
-        if consumed is not None:
-            check_int(consumed, "consumed", 0)
-            drawn = self._step - start if self.epoch == epoch else steps - start
-            if consumed > drawn:
-                raise ValueError(
-                    f"consumed={consumed}, but the current pass over epoch {epoch} (from step {start}) has only "
-                    f"{drawn} drawn; pass the number of batches the loop took from the current `for batch in loader`"
-                )
-            return epoch, start + int(consumed)
-        check_int(step, "step", 0)
-        self._check_step(epoch, step)
-        return epoch, int(step)
+        check_int(consumed, "consumed", 0)
+        drawn = self._step - start if self.epoch == epoch else steps - start
+        if consumed > drawn:
+            raise ValueError(
+                f"consumed={consumed}, but the current pass over epoch {epoch} (from step {start}) has only "
+                f"{drawn} drawn; pass the number of batches the loop took from the current `for batch in loader`"
+            )
+        return epoch, start + int(consumed)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the passes that follow yield exactly the packs an

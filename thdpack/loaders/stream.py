@@ -9,7 +9,6 @@ are open, the fullest is emitted. Memory holds only the open packs.
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -17,7 +16,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from thdpack.common.align import check_int, round_up
-from thdpack.planning.packing import CUT_KEYS, PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
+from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
 from thdpack.loaders.sampler import check_state_dict, distributed_default
 from thdpack.common.samples import SampleError, get_field, slice_sample, to_int_array
 
@@ -213,7 +212,6 @@ class StreamingPacker(IterableDataset):
                 non-integer count, was saved by a packer with other settings, or by
                 another DP rank / DataLoader worker.
         """
-        state = _upgrade_state(state)
         _check_state(state, self._fingerprint())
         self._check_share(tuple(state["share"]))
         self._consumed = int(state["consumed"])
@@ -234,24 +232,6 @@ class StreamingPacker(IterableDataset):
 
 
 _STATE_KEYS = ("consumed", "open", "ready", "stats", "share", "fingerprint")
-# The stream statistics of thdpack <= 0.1.0's state_dict (saved under "shard", not "share").
-_OLD_STATS = {"packs": "num_packs", "real_tokens": "real_tokens", **{k: k for k in CUT_KEYS}}
-
-
-def _upgrade_state(state):
-    """A state saved before the stream's part was called its share (keys ``"shard"`` and the old
-    ``stats`` dict) as today's state: the position in the stream is kept exactly; of the
-    statistics only packs, real tokens and overflow cuts were saved, so the others restart at 0
-    (a warning says so). Any other value is returned as it is, for :func:`_check_state`."""
-    if not (isinstance(state, dict) and "shard" in state and "share" not in state
-            and isinstance(state.get("stats"), dict) and set(state["stats"]) == set(_OLD_STATS)):
-        return state
-    warnings.warn("StreamingPacker: resuming from a state_dict of an older thdpack; the stream position is exact, "
-                  "but its statistics before the resume keep only packs, real tokens and overflow cuts", stacklevel=3)
-    totals = dict.fromkeys(PACK_TOTALS_KEYS, 0)
-    totals.update({new: state["stats"][old] for old, new in _OLD_STATS.items()})
-    new = {k: v for k, v in state.items() if k != "shard"}
-    return {**new, "stats": totals, "share": state["shard"]}
 
 
 def _check_state(state, fingerprint: str) -> None:

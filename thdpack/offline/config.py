@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,15 @@ OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
-RENAMED = {"shard_size_mb": "file_size_mb"}  # old key -> key: the old one is still read, with a FutureWarning
+# thdpack 0.1.0's names -> today's, as a user writes them (CHANGELOG.md). An old name is not read: it is an
+# unknown option, flag, placeholder or metadata entry, and the error for it names the new one.
+RENAMED_IN_0_2 = {
+    "shard_size_mb": "file_size_mb",  # YAML key, BuildConfig.override keyword (BuildConfig.from_dict / override)
+    "--shard-size-mb": "--file-size-mb",  # flags (thdpack.cli.config_flags.ThdpackParser)
+    "--shard": "--slice",
+    "{shard}": "{slice}",  # placeholder of thdpack build --output (InputSlice.format_output)
+    "build_shard": "input_slice",  # metadata.json entry of a slice build (thdpack merge: check_slices)
+}
 RECORDED_IF_SET = ("sample_values", "group_column")  # recorded in metadata.json only when given (older builds stay byte-identical)
 
 
@@ -152,12 +159,10 @@ class BuildConfig:
     def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
-        data = _renamed(data, origin)
         unknown = [k for k in data if k not in cls.keys()]
         if unknown:
             k = unknown[0]
-            close = difflib.get_close_matches(k, cls.keys(), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = _renamed_hint(k, cls.keys()) or _close_hint(k, cls.keys())
             raise ConfigError(f"{origin}: unknown option '{k}'{hint}; options: {', '.join(cls.keys())}")
         cfg = cls(**data)
         if base_dir is not None:
@@ -182,10 +187,10 @@ class BuildConfig:
     def override(self, **changes) -> "BuildConfig":
         """A copy with ``changes`` applied (``None`` values are ignored). Paths given
         here are relative to the working directory."""
-        changes = _renamed({k: v for k, v in changes.items() if v is not None}, "option")
+        changes = {k: v for k, v in changes.items() if v is not None}
         unknown = [k for k in changes if k not in self.keys()]
         if unknown:
-            raise ConfigError(f"unknown option(s) {unknown}")
+            raise ConfigError(f"unknown option(s) {unknown}{_renamed_hint(unknown[0], self.keys())}")
         # paths given here are cwd-relative: make them absolute so that base_dir does not apply
         if "input" in changes:
             paths = changes["input"] if isinstance(changes["input"], (list, tuple)) else [changes["input"]]
@@ -276,17 +281,17 @@ class BuildConfig:
         return names
 
 
-def _renamed(options: dict, origin: str) -> dict:
-    """``options`` with the keys of :data:`RENAMED` under their new names (a FutureWarning each);
-    ConfigError when both names are given."""
-    out = dict(options)
-    for old, new in RENAMED.items():
-        if old in out:
-            if new in out:
-                raise ConfigError(f"{origin}: give {new!r} only ({old!r} is its old name)")
-            warnings.warn(f"{origin}: {old!r} is deprecated, use {new!r}", FutureWarning, stacklevel=3)
-            out[new] = out.pop(old)
-    return out
+def _renamed_hint(key: str, keys: list[str]) -> str:
+    """`` (renamed to 'NEW' ...)`` when the unknown option ``key`` is thdpack 0.1.0's name of option
+    ``NEW`` of ``keys`` (:data:`RENAMED_IN_0_2`); else ``""``."""
+    new = RENAMED_IN_0_2.get(key)
+    return f" (renamed to '{new}' in thdpack 0.2.0; see CHANGELOG.md)" if new in keys else ""
+
+
+def _close_hint(key: str, keys: list[str]) -> str:
+    """`` (did you mean 'NAME'?)`` for the option name of ``keys`` closest to ``key``, if one is close."""
+    close = difflib.get_close_matches(key, keys, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _positive_int(value, name: str) -> None:

@@ -38,8 +38,8 @@ from thdpack.offline.store.dataset import read_metadata
 from thdpack.offline.errors import NotPackedError, OfflineError
 from thdpack.offline.store.format import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
                                     file_sha256)
-from thdpack.offline.log import UNSET, deprecated_log
-from thdpack.offline.inputs.input_slice import MERGED_KEY, OLD_KEYS, SLICE_KEY, slice_info, slice_rows
+from thdpack.offline.config import RENAMED_IN_0_2
+from thdpack.offline.inputs.input_slice import MERGED_KEY, SLICE_KEY, slice_info, slice_rows
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.store.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
@@ -47,7 +47,7 @@ MAX_ERRORS_RECORDED = 20
 logger = logging.getLogger(__name__)
 # metadata entries that differ from slice to slice (recomputed); every other entry must agree
 PER_SLICE_KEYS = {
-    "num_packs", "counts", "files", "stats", "skipped_examples", SLICE_KEY, OLD_KEYS[SLICE_KEY],
+    "num_packs", "counts", "files", "stats", "skipped_examples", SLICE_KEY,
     "dataset_max_seqlen", "max_samples_per_bin", "packing_factor", "packing_efficiency", "min_packed_seqlen",
 }
 SAVED_COPIES = ("tokenizer", "model")  # metadata entries whose "saved_copy" file/dir is copied from slice 0
@@ -98,6 +98,13 @@ def expand_slice_paths(specs) -> list[Path]:
         raise NotPackedError("no slice directories given")
     return out
 
+def _old_slice_entry(meta: dict) -> str:
+    """What the not-a-slice error adds for a slice build of thdpack 0.1.0 (its entry was named
+    ``build_shard``): that the entry is there under its old name, so the slice must be rebuilt."""
+    old = [k for k, new in RENAMED_IN_0_2.items() if new == SLICE_KEY and k in meta]
+    return f"; its '{old[0]}' entry is thdpack 0.1.0's name of '{SLICE_KEY}': rebuild the slice" if old else ""
+
+
 
 def _diff_keys(a, b) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
@@ -126,8 +133,8 @@ def check_slices(paths) -> list[tuple[Path, PackedMetadata]]:
         info = slice_info(meta)
         if not isinstance(info, dict):
             raise SliceMismatchError(
-                f"{p} is a packed dataset but not a slice build (no '{SLICE_KEY}' in {METADATA_FILE}); "
-                "build slices with thdpack build --slice I/N"
+                f"{p} is a packed dataset but not a slice build (no '{SLICE_KEY}' in {METADATA_FILE}"
+                f"{_old_slice_entry(meta)}); build slices with thdpack build --slice I/N"
             )
         slices.append((Path(p), meta, info))
 
@@ -281,7 +288,7 @@ def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
     nemo = {k: v for k, v in nemo_fields(summary).items() if k != "pack_size"}
     meta: PackedMetadata = {}
     for key, value in first.items():
-        if key in (SLICE_KEY, OLD_KEYS[SLICE_KEY]):
+        if key == SLICE_KEY:
             continue
         if key in nemo:
             value = nemo[key]
@@ -305,7 +312,7 @@ def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
         meta[key] = value
     meta[MERGED_KEY] = {
         "count": len(metas),
-        "plan": "shard-local: each shard's rows were planned on their own; packs are in shard order",  # the wording of earlier versions, kept byte-identical
+        "plan": "slice-local: each input slice's rows were planned on their own; packs are in slice order",
         "row_ranges": [[slice_info(m)["row_start"], slice_info(m)["row_stop"]] for m in metas],
         "num_packs": [m["num_packs"] for m in metas],
     }
@@ -318,12 +325,10 @@ def merge_slices(
     *,
     overwrite: bool = False,
     link: bool = False,
-    log=UNSET,
 ) -> MergeResult:
     """Merge the slice builds at ``slice_paths`` (paths, globs or a parent directory) into ``output``.
-    The summary line goes to ``logging.getLogger("thdpack.offline.merging")`` (``log=``: deprecated)."""
-    with deprecated_log(log, "merge_slices"):
-        return _merge(slice_paths, Path(output), overwrite, link)
+    The summary line goes to ``logging.getLogger("thdpack.offline.merging")``."""
+    return _merge(slice_paths, Path(output), overwrite, link)
 
 
 def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResult:
@@ -400,6 +405,3 @@ def _vision_totals(grids: list, per_pack_images: list) -> tuple[np.ndarray, np.n
     first = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=first[1:])
     return g, cum[first[1:]] - cum[first[:-1]]
-
-
-# ---------------------------------------------------------------------------- command line

@@ -6,9 +6,10 @@ The output is written into a hidden temporary directory next to it
 exception) removes its temporary directory; one killed outright leaves only that
 hidden directory, never a directory at the output path, and never one with
 ``metadata.json`` that :func:`load_packed` would accept. From the existence check to the
-rename the build holds a lock on the output (:class:`OutputLock`), so a second build or
-merge of the same output fails at once; file-system failures become one
-:class:`~thdpack.offline.errors.OutputError` line naming the path (:func:`output_error`).
+rename the build holds a lock on the output (:class:`~thdpack.offline.store.staging.OutputLock`), so a
+second build or merge of the same output fails at once; file-system failures become one
+:class:`~thdpack.offline.errors.OutputError` line naming the path
+(:func:`~thdpack.offline.store.staging.output_error`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,11 +27,10 @@ from thdpack.offline import bridge_export
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, require_hf
 from thdpack.offline.store.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata
-from thdpack.offline.log import UNSET, deprecated_log
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
 from thdpack.offline.inputs.sources import Source, read_source
-from thdpack.offline.store.staging import OutputLock, commit_staged, fsync_file, output_error, staged_output  # noqa: F401 (OutputLock, output_error: re-exported)
+from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.tokenizing.tokenizer import read_chat_template
@@ -331,19 +330,13 @@ def build_packed(
     *,
     overwrite: bool = False,
     progress: bool = True,
-    log=UNSET,
     input_slice=None,
-    shard=None,
 ) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
     ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
-    Stage lines go to ``logging.getLogger("thdpack.offline.pipeline")``. ``log=`` and ``shard=`` (the old
-    name of ``input_slice=``) are deprecated."""
-    if shard is not None:
-        warnings.warn("build_packed(shard=...) is deprecated: use input_slice=", DeprecationWarning, stacklevel=2)
-        input_slice = shard
-    with deprecated_log(log, "build_packed"):
-        return _build(cfg, Path(output), overwrite, progress, input_slice)
+    Stage lines go to ``logging.getLogger("thdpack.offline.pipeline")`` (and the stages' own loggers under
+    ``"thdpack"``): configure logging to see them."""
+    return _build(cfg, Path(output), overwrite, progress, input_slice)
 
 
 def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:

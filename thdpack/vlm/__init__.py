@@ -12,17 +12,18 @@ Layout: one file per family (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``
 vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 (``get_family(cfg, mrope_convention=...)``, ``convention.py``; docs/vlm.md); a pack's
 vision fields (each sample's pixels and grids read, checked and concatenated in pack
-order, mRoPE rows added) in ``vision_fields.py``; CP positions of vision tokens in ``shard.py``.
+order, mRoPE rows added) in ``vision_fields.py``. CP positions of vision tokens
+(:func:`vision_shard_extras`) are defined with the CP split, in :mod:`thdpack.parallel.cp`.
 On import it registers :func:`attach_vision` and :func:`vision_lengths` with
 :mod:`thdpack.common.extensions`, through which the core calls them.
 """
 
 from thdpack.batching.batch import HF_VISION_KEYS
 from thdpack.common.extensions import VisionExtension, register_vision
+from thdpack.parallel.cp import vision_shard_extras
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family, register_family, supported_model_types
-from thdpack.vlm.shard import vision_shard_extras
 from thdpack.vlm.vision_fields import attach_vision, vision_lengths, vision_patch_count
 
 __all__ = [

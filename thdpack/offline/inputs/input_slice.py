@@ -7,15 +7,14 @@ in order. Each slice build reads (and fingerprints) the whole input, then tokeni
 plans only its rows: its packs never mix rows of two slices (a *slice-local* plan). The
 slice is written as a normal packed dataset whose ``sample_index`` holds *global* input
 rows and whose ``metadata.json`` has an ``input_slice`` entry (index, count, row range, the
-whole input's row count; ``build_shard`` in datasets of earlier versions, still read) next to
-the whole input's ``source`` fingerprint; a small ``slice_input_lengths.npy`` keeps the
+whole input's row count) next to the whole input's ``source`` fingerprint; a small ``slice_input_lengths.npy`` keeps the
 lengths of its planned rows so that :func:`thdpack.offline.merging.merge_slices` can
 recompute exact statistics. ("Shard" in thdpack means only a context-parallel rank's
 part of a batch.)
 
 ``--slice auto`` takes ``i/N`` from the environment: ``RANK`` / ``WORLD_SIZE``
 (``torchrun``) or ``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_COUNT`` (a Slurm job array,
-offset by ``SLURM_ARRAY_TASK_MIN``). ``--shard`` is its deprecated alias.
+offset by ``SLURM_ARRAY_TASK_MIN``).
 """
 
 from __future__ import annotations
@@ -28,20 +27,20 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256
 from thdpack.offline.store.staging import fsync_file
 
 SLICE_KEY = "input_slice"  # metadata.json entry of a slice build
 MERGED_KEY = "input_slices"  # metadata.json entry of a merged build
-OLD_KEYS = {SLICE_KEY: "build_shard", MERGED_KEY: "build_shards"}  # what datasets of earlier versions call them
 LENGTHS_FILE = "slice_input_lengths.npy"
 logger = logging.getLogger(__name__)
 
 
 def slice_info(meta: dict):
-    """The ``input_slice`` entry of a slice build's metadata (``build_shard`` in older ones); None if none."""
-    return meta.get(SLICE_KEY, meta.get(OLD_KEYS[SLICE_KEY]))
+    """The ``input_slice`` entry of a slice build's metadata; None if none."""
+    return meta.get(SLICE_KEY)
 
 
 def slice_rows(total: int, index: int, count: int) -> tuple[int, int]:
@@ -77,8 +76,8 @@ class InputSlice:
         return slice_rows(total, self.index, self.count)
 
     def format_output(self, output: str | os.PathLike) -> str:
-        """Expand ``{slice}`` (``00003-of-00008``; ``{shard}``, its old name, too), ``{index}`` and
-        ``{count}`` in ``output``.
+        """Expand ``{slice}`` (``00003-of-00008``), ``{index}`` and ``{count}`` in ``output``; any
+        other placeholder is a :class:`ConfigError`.
 
         Without a placeholder the path is used as given, except under ``--slice auto``
         with more than one slice, where every process would write the same directory.
@@ -92,10 +91,11 @@ class InputSlice:
                 )
             return text
         try:
-            return text.format(slice=self.label, shard=self.label, index=self.index, count=self.count)
+            return text.format(slice=self.label, index=self.index, count=self.count)
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(
                 f"--output {text!r}: only {{slice}}, {{index}} and {{count}} may appear in braces ({exc})"
+                f"{_renamed_placeholders(text)}"
             ) from None
 
     def select(self, source) -> SliceSource:
@@ -108,6 +108,12 @@ class InputSlice:
             )
         logger.info(f"slice     {self}: input rows {start:,}..{stop - 1:,} ({stop - start:,} of {total:,})")
         return SliceSource(source, self, start, stop)
+
+
+def _renamed_placeholders(text: str) -> str:
+    """``; {shard} was renamed to {slice} in thdpack 0.2.0`` for the old placeholders in ``text``."""
+    old = [name for name in RENAMED_IN_0_2 if name.startswith("{") and name in text]
+    return "".join(f"; {name} was renamed to {RENAMED_IN_0_2[name]} in thdpack 0.2.0" for name in old)
 
 
 def parse_slice(spec: str | None, environ: Mapping[str, str] | None = None) -> InputSlice | None:
