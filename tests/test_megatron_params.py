@@ -69,19 +69,22 @@ def test_megatron_core_019_seq_idx_marks_each_sample():
 
 
 @pytest.mark.parametrize(
-    "lengths,kw,padded",
+    "lengths,kw,layout_padded,padded",
     [
-        ([5, 2, 7, 1], {}, False),
-        ([5, 2, 7, 1], {"pad_multiple": 8}, True),
-        ([5, 2, 7, 1], {"cp_size": 2}, True),
-        ([4, 8, 12], {"cp_size": 2}, False),  # every length already a multiple of 2·cp
-        ([4, 8, 12], {"cp_size": 2, "pad_to": 32}, True),  # only the last sample padded, to pad_to
-        ([5, 2, 7, 1], {"pad_to": 16}, True),
+        ([5, 2, 7, 1], {}, False, False),
+        ([5, 2, 7, 1], {"pad_multiple": 8}, True, True),
+        ([5, 2, 7, 1], {"cp_size": 2}, True, True),
+        # every length already a multiple of 2·cp: equal layouts, but CP keeps the fields (megatron-core's
+        # CP partitioning reads cu_seqlens_q_padded unconditionally; Bridge sets them for pad_seq_to_mult > 1)
+        ([4, 8, 12], {"cp_size": 2}, False, True),
+        ([4, 8, 12], {"pad_multiple": 4}, False, True),
+        ([4, 8, 12], {"cp_size": 2, "pad_to": 32}, True, True),  # only the last sample padded, to pad_to
+        ([5, 2, 7, 1], {"pad_to": 16}, True, True),
     ],
 )
-def test_padded_fields_only_when_a_sample_is_padded(lengths, kw, padded):
+def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, layout_padded, padded):
     batch = build_thd_batch([{"input_ids": list(range(3, 3 + n))} for n in lengths], **kw)
-    assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != padded
+    assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != layout_padded
     views = [batch.packed_seq_params_dict()]
     if kw.get("cp_size", 1) > 1:
         views += [batch.shard(kw["cp_size"], r).packed_seq_params_dict() for r in range(kw["cp_size"])]

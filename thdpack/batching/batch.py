@@ -219,11 +219,16 @@ class ThdBatch:
         None and the mixer scans the pack as one sequence.
 
         ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` are ``cu_seqlens_padded`` (int32
-        ``[n+1]``) when some sample is padded, and None when no sample is (``cu_seqlens_padded``
-        equals ``cu_seqlens``): as Megatron-Bridge leaves them, since TransformerEngine picks a
-        slower kernel when they are set. Megatron-core reads ``cu_seqlens_q`` where they are None
-        (``seq_idx`` included), so the layout is the same either way."""
-        padded = None if torch.equal(self.cu_seqlens_padded, self.cu_seqlens) else self.cu_seqlens_padded
+        ``[n+1]``) when the batch has an alignment multiple (``pad_multiple > 1``: CP, FP8, ...) or
+        some sample is padded (``pad_to``), and None otherwise, when the padded and real layouts are
+        equal: as Megatron-Bridge leaves them (it sets them whenever ``pad_seq_to_mult > 1``), since
+        TransformerEngine picks a slower kernel when they are set. With an alignment they stay set
+        even when every length is already a multiple: megatron-core's CP paths hand
+        ``cu_seqlens_q_padded`` to TransformerEngine's partitioning unconditionally. Megatron-core
+        reads ``cu_seqlens_q`` where they are None (``seq_idx`` included), so the layout is the same
+        either way."""
+        unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)
+        padded = None if unpadded else self.cu_seqlens_padded
         return {
             "qkv_format": "thd",
             "cu_seqlens_q": self.cu_seqlens,
@@ -240,7 +245,7 @@ class ThdBatch:
         else a dict with the same field names (see :meth:`packed_seq_params_dict`).
         Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
         megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none). The padded fields are
-        None when no sample is padded."""
+        None when the batch has no alignment multiple and no sample is padded."""
         fields = self.packed_seq_params_dict()
         try:
             from megatron.core.packed_seq_params import PackedSeqParams
