@@ -11,7 +11,8 @@ from thdpack.planning import binpack as _binpack
 from thdpack.planning.packing import (
     OVERFLOW_POLICIES, PACK_TOTALS_KEYS, Cuts, PackStats, PackTotals, cut_overflow, pack_totals, usable_length,
 )
-from thdpack.planning.plan import ALGORITHMS, PackPlan, plan_packs
+from thdpack.planning.options import ALGORITHMS
+from thdpack.planning.plan import PackPlan, plan_packs
 
 SETTINGS = settings(max_examples=80, deadline=None)
 

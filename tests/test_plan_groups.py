@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import SampleError, TokenBudgetBatchSampler, plan_balanced, plan_packs
-from thdpack.planning.plan import ALGORITHMS
+from thdpack.planning.options import ALGORITHMS
 
 
 def round_up(x, m):

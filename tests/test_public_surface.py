@@ -28,3 +28,11 @@ def test_all_follows_the_documented_groups():
 def test_every_public_name_resolves():
     for name in thdpack.__all__:
         assert getattr(thdpack, name) is not None, name
+
+
+def test_plan_options_beside_plan_packs_and_indexed_dataset_with_the_loaders():
+    groups = documented_groups()
+    assert groups["plan"] == ["plan_packs", "PlanOptions", "PackPlan", "PackStats"]
+    assert groups["collate"][-1] == "IndexedDataset"
+    assert thdpack.PlanOptions.__module__ == "thdpack.planning.options"
+    assert thdpack.IndexedDataset.__module__ == "thdpack.loaders.collate"

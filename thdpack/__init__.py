@@ -7,9 +7,9 @@ Data flows one way::
 
 The public surface, group by group in the order a user meets it (``__all__`` keeps it):
 
-- plan: ``plan_packs``, ``PackPlan``, ``PackStats`` -- which samples share a pack, from lengths alone.
+- plan: ``plan_packs``, ``PlanOptions``, ``PackPlan``, ``PackStats`` -- which samples share a pack, from lengths alone.
 - build: ``build_thd_batch``, ``BatchLayout``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
-- collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker`` -- in a DataLoader.
+- collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
 - balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel`` -- packs dealt evenly over data-parallel ranks.
 - shard: ``cp_pad_multiple``, ``shard_for_cp``, ``thd_partition_indices``, ``local_seq_lens`` -- a CP rank's slice.
 - flops: ``seqlen_squared_sum``, ``model_flops``, ``FlopsMeter``, ``FlopsAccumulator``, ``throughput``, ``overcount_report`` -- Σsᵢ².
@@ -25,11 +25,12 @@ from thdpack.common.align import cp_pad_multiple
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batching.batch import ThdBatch, shard_for_cp
 from thdpack.batching.builder import build_thd_batch
-from thdpack.loaders.collate import PackedBatches, ThdCollator
+from thdpack.loaders.collate import IndexedDataset, PackedBatches, ThdCollator
 from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
 from thdpack.batching.layout import BatchLayout
 from thdpack.losses import packed_loss
+from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import PackPlan, PackStats, plan_packs
 from thdpack.loaders.sampler import TokenBudgetBatchSampler
 from thdpack.common.samples import SampleError
@@ -39,11 +40,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     # plan
-    "plan_packs", "PackPlan", "PackStats",
+    "plan_packs", "PlanOptions", "PackPlan", "PackStats",
     # build
     "build_thd_batch", "BatchLayout", "ThdBatch", "SampleError",
     # collate
-    "ThdCollator", "PackedBatches", "TokenBudgetBatchSampler", "StreamingPacker",
+    "ThdCollator", "PackedBatches", "TokenBudgetBatchSampler", "StreamingPacker", "IndexedDataset",
     # balance
     "plan_balanced", "BalancedPlan", "CostModel",
     # shard

@@ -39,7 +39,14 @@ class ThdBatch:
         cu_seqlens_padded: int32 ``[n+1]`` cumulative padded lengths (the layout).
         max_seqlen: largest padded length (Python int).
         seq_lens: int32 ``[n]`` real lengths.
-        sample_index: int64 ``[n]`` which input rows are in the pack, in order.
+        sample_index: int64 ``[n]`` where each sample of the pack came from, in pack order:
+            the ``sample_index`` given to :func:`thdpack.build_thd_batch` (default: the
+            samples' positions in its list, ``0..n-1``). Offline packs
+            (``PackedRowCollator``) hold the rows of the build's input; :class:`thdpack.ThdCollator`
+            the samples' ``"sample_index"`` field, which :class:`thdpack.IndexedDataset` sets to
+            the dataset row (behind a ``TokenBudgetBatchSampler``) and
+            :class:`thdpack.StreamingPacker` to the stream position; samples without it
+            are numbered by their position in the collator's call.
         pad_multiple: every padded length is a multiple of this.
         ignore_index: the label value that carries no loss.
         tokens_truncated: tokens cut off the input samples to build this batch.

@@ -1,18 +1,23 @@
-"""``collate_fn`` for a PyTorch DataLoader: a list of samples in, THD batches out."""
+"""``collate_fn`` for a PyTorch DataLoader: a list of samples in, THD batches out; and the
+sample field (``"sample_index"``) through which a batch learns where its samples came from."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
+from thdpack.common.align import INT64_MAX
 from thdpack.common.extensions import vision as vision_extension
 from thdpack.batching.layout import BatchLayout, layout_from
-from thdpack.planning.plan import PackStats, plan_packs
+from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
+from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, to_int_array
 
 
@@ -25,12 +30,63 @@ class PackedBatches(list):
         self.stats = stats
 
 
+SAMPLE_INDEX_FIELD = "sample_index"
+"""The sample field that tells :class:`ThdCollator` where a sample came from (an integer >= 0):
+:class:`IndexedDataset` adds the dataset index, :class:`thdpack.StreamingPacker` the stream position."""
+
+
+def with_sample_index(sample, index: int):
+    """``sample`` (a mapping) as a dict with :data:`SAMPLE_INDEX_FIELD` set to ``index``, unless it has
+    that field already; any other value is returned as it is (the builder's error will name it)."""
+    if not isinstance(sample, Mapping) or SAMPLE_INDEX_FIELD in sample:
+        return sample
+    return {**sample, SAMPLE_INDEX_FIELD: int(index)}
+
+
+class IndexedDataset(Dataset):
+    """A map-style dataset whose samples carry their index, so that batches can name their rows.
+
+    ``IndexedDataset(ds)[i]`` is ``ds[i]`` with ``"sample_index": i`` added (:func:`with_sample_index`),
+    and :class:`ThdCollator` puts those indices in ``batch.sample_index``::
+
+        loader = DataLoader(IndexedDataset(ds), batch_sampler=TokenBudgetBatchSampler(lengths, 4096),
+                            collate_fn=ThdCollator())
+        # every batch.sample_index holds the dataset rows of its pack, in stream order
+
+    ``dataset``: anything with ``__len__`` and ``__getitem__`` returning mappings (a
+    ``datasets.Dataset``, a list of dicts); its ``__getitems__`` is used when it has one.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return with_sample_index(self.dataset[index], index)
+
+    def __getitems__(self, indices: list) -> list:
+        """The samples of ``indices`` (what a DataLoader fetches for one batch), read in one call where
+        the dataset can."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        rows = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        return [with_sample_index(row, i) for row, i in zip(rows, indices)]
+
+
 class ThdCollator:
     """Turn a list of samples into a :class:`ThdBatch`.
 
     Use as ``DataLoader(dataset, batch_size=8, collate_fn=ThdCollator())`` or with
     :class:`thdpack.TokenBudgetBatchSampler` as ``batch_sampler`` (then each batch
     is already one pack).
+
+    ``batch.sample_index``: where every sample of the batch came from. A sample may say so in
+    its ``"sample_index"`` field (:data:`SAMPLE_INDEX_FIELD`, an integer >= 0; read here and not
+    otherwise carried into the batch): :class:`IndexedDataset` adds the dataset index (wrap the
+    dataset a sampler draws from), :class:`thdpack.StreamingPacker` the position in its stream.
+    Samples without the field (a plain list, a dataset not wrapped) are numbered by their
+    position in the call, ``0..n-1``. Give it to every sample of a call or to none.
 
     Args:
         layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout`, or its fields
@@ -42,15 +98,16 @@ class ThdCollator:
         cp_group: a ``torch.distributed`` process group of the CP ranks; when given
             and ``cp_rank`` is None, the rank is this process's rank in it.
             Without either, the whole (CP-padded) batch is returned.
-        pack_size: if given, the samples of a call are planned into packs of at
-            most ``pack_size`` tokens (after alignment) and the call returns a
-            :class:`PackedBatches` list, one batch per pack.
-        algorithm, overflow, max_samples_per_pack: planning options used with
-            ``pack_size`` (see :func:`thdpack.plan_packs`).
+        options, **plan_keywords: to plan the samples of a call into packs of at most
+            ``pack_size`` tokens (after alignment): a :class:`thdpack.PlanOptions`, or its
+            fields as keywords (``pack_size``, ``algorithm``, ``overflow``,
+            ``max_samples_per_pack``, ``seed``, ``vision_budget``; see
+            :func:`thdpack.plan_packs`), not both. The call then returns a
+            :class:`PackedBatches` list, one batch per pack. ``align`` is the layout's pad
+            multiple (``options.align`` must be 1 or equal to it); ``vision_budget`` keeps each
+            pack under that many vision patches. Without ``pack_size``, no planning.
         model_config: for VLM samples, the model's transformers config (or dict):
             see :func:`thdpack.build_thd_batch`.
-        vision_budget: with ``pack_size``, also keep each pack under this many
-            vision patches (``plan_packs(vision_budget=...)``).
         sample_values: per-sample fields carried into ``batch.sample_values`` (see
             :func:`thdpack.build_thd_batch`).
         group_field: with ``pack_size``, the sample field holding an integer group id: a
@@ -59,32 +116,29 @@ class ThdCollator:
     Attributes:
         layout: the :class:`BatchLayout` each batch is built with (``cp_rank`` resolved
             from ``cp_group``; None with one CP rank: the whole batch is returned).
+        options: the :class:`thdpack.PlanOptions` each call is planned with (``align`` the
+            layout's multiple), or None without planning.
     """
 
     def __init__(
         self,
         *,
         layout: BatchLayout | None = None,
+        options: PlanOptions | None = None,
         cp_group=None,
-        pack_size: int | None = None,
-        algorithm: str = "bfd",
-        overflow: str = "error",
-        max_samples_per_pack: int | None = None,
         model_config=None,
-        vision_budget: int | None = None,
         sample_values: Sequence[str] | None = None,
         group_field: str | None = None,
-        **layout_keywords,
+        **keywords,
     ):
-        layout = layout_from("ThdCollator", layout, layout_keywords)  # validated now, rather than in a worker
+        plan_keywords = {name: keywords.pop(name) for name in _PLAN_KEYWORDS if name in keywords}
+        layout = layout_from("ThdCollator", layout, keywords)  # validated now, rather than in a worker
         self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
+        self.options = _collator_options(options, plan_keywords, self.layout.multiple)
+        if self.options is not None:
+            check_kernel_limits(self.options)
         self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
-        self.vision_budget = vision_budget
         self.group_field = group_field
-        self.pack_size = pack_size
-        self.plan_kwargs = dict(algorithm=algorithm, overflow=overflow, max_samples_per_pack=max_samples_per_pack)
-        if pack_size is not None:  # validate planning options now rather than in a worker
-            plan_packs([1], pack_size, align=self.pad_multiple, **self.plan_kwargs)
 
     @property
     def pad_multiple(self) -> int:
@@ -92,8 +146,12 @@ class ThdCollator:
         return self.layout.multiple
 
     def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
-        if self.pack_size is None:
-            return build_batch(samples, self.layout, **self.build_kwargs)
+        source = None
+        if not isinstance(samples, Mapping):  # one mapping instead of a list: refused below, as before
+            samples = list(samples)
+            source = source_index(samples)
+        if self.options is None:
+            return build_batch(samples, self.layout, sample_index=source, **self.build_kwargs)
         samples = list(samples)
         lengths = np.zeros(len(samples), dtype=np.int64)
         for i, s in enumerate(samples):
@@ -104,25 +162,81 @@ class ThdCollator:
                 samples[i] = {**s, "input_ids": ids}  # convert a list once, not again when the pack is built
         if self.layout.max_length is not None:
             lengths = np.minimum(lengths, self.layout.max_length)
-        vision = {}
-        if self.vision_budget is not None:
-            vision = dict(vision_lengths=vision_extension().lengths(samples), vision_budget=self.vision_budget)
+        per_sample = {}
+        if self.options.vision_budget is not None:
+            per_sample["vision_lengths"] = vision_extension().lengths(samples)
         if self.group_field is not None:
-            vision["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
-        plan = plan_packs(lengths, self.pack_size, align=self.pad_multiple, **self.plan_kwargs, **vision)
-        batches = [self._build_pack(plan, samples, k) for k in range(len(plan))]
+            per_sample["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
+        plan = plan_packs(lengths, options=self.options, **per_sample)
+        batches = [self._build_pack(plan, samples, source, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)
 
-    def _build_pack(self, plan, samples, k: int) -> ThdBatch:
+    def _build_pack(self, plan, samples, source: np.ndarray | None, k: int) -> ThdBatch:
+        """Pack ``k`` of ``plan`` built from ``samples`` (the call's list); ``source``: int64
+        ``[n]`` their source indices, or None (then ``batch.sample_index`` holds positions in the call)."""
         index = plan.pack(k)
         pack = plan.gather(samples, k)  # its errors name input rows already
+        sample_index = index if source is None else source[index]
         try:
-            return build_batch(pack, self.layout, sample_index=index, **self.build_kwargs)
+            return build_batch(pack, self.layout, sample_index=sample_index, **self.build_kwargs)
         except SampleError as exc:  # name the sample by its position in this call, not in the pack
             if exc.sample is None or not 0 <= exc.sample < len(index):
                 raise
             j = exc.sample
             raise exc.renamed(int(index[j]), f" (position {j} of pack {k})") from None
+
+
+_PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple
+
+
+def _collator_options(options: PlanOptions | None, plan_keywords: dict, multiple: int) -> PlanOptions | None:
+    """The :class:`PlanOptions` a collator plans each call with, aligned to the layout's pad
+    ``multiple``; None when neither ``options`` nor a ``pack_size`` is given."""
+    if options is None:
+        if plan_keywords.get("pack_size") is None:
+            unused = sorted(name for name in plan_keywords if name != "pack_size")
+            if unused:
+                raise TypeError(f"ThdCollator() got the planning keyword(s) {unused} without pack_size; give "
+                                "pack_size= (or options=) to plan each call into packs, or drop them")
+            return None
+        return PlanOptions(**plan_keywords, align=multiple)
+    options = options_from("ThdCollator", options, plan_keywords, fields=_PLAN_KEYWORDS)
+    if options.align not in (1, multiple):
+        raise ValueError(f"ThdCollator plans with its layout's pad multiple ({multiple}) as align, but options has "
+                         f"align={options.align}; leave it at 1 or give {multiple}")
+    return dataclasses.replace(options, align=multiple)
+
+
+def source_index(samples: Sequence) -> np.ndarray | None:
+    """int64 ``[n]`` the :data:`SAMPLE_INDEX_FIELD` of every sample, or None when no sample has one.
+    ``SampleError`` naming the sample when only some have it, or when one is not an integer >= 0."""
+    values = [get_field(s, SAMPLE_INDEX_FIELD, i) for i, s in enumerate(samples)]
+    given = [v is not None for v in values]
+    if not any(given):
+        return None
+    if not all(given):
+        first, missing = given.index(True), given.index(False)
+        raise SampleError.at(
+            missing, f" has no '{SAMPLE_INDEX_FIELD}' field, but sample {first} has one; give every sample of a "
+            "call its source index (thdpack.IndexedDataset, StreamingPacker do) or none", field=SAMPLE_INDEX_FIELD,
+        )
+    index = np.empty(len(values), np.int64)
+    for i, value in enumerate(values):
+        index[i] = _checked_index(value, i)
+    return index
+
+
+def _checked_index(value, i: int) -> int:
+    """Sample ``i``'s source index ``value`` as an int; ``SampleError`` unless it is an integer >= 0
+    (a Python, numpy or one-element torch integer)."""
+    try:
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= INT64_MAX:
+        raise SampleError.at(i, f": '{SAMPLE_INDEX_FIELD}' must be an integer >= 0 (where the sample came from), "
+                             f"got {value!r}", field=SAMPLE_INDEX_FIELD)
+    return number
 
 
 def _cp_rank(layout: BatchLayout, cp_group) -> int | None:

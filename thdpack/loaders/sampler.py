@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -12,7 +12,7 @@ from torch.utils.data import Sampler
 
 from thdpack.common.align import check_int, check_positive_int
 from thdpack.planning.balance import CostModel, plan_balanced
-from thdpack.planning.packing import usable_length
+from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.plan import PackPlan, plan_packs, validate_lengths
 
 
@@ -42,6 +42,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     Pair it with a :class:`thdpack.ThdCollator`; with ``overflow="truncate"`` give
     the collator ``max_length=pack_size`` (it cuts rows where the plan did,
     ``sampler.max_length`` tokens, once alignment is accounted for): ``DataLoader(ds, batch_sampler=sampler, collate_fn=ThdCollator(...))``.
+    A DataLoader hands the collator the rows, not their indices: draw from
+    ``thdpack.IndexedDataset(ds)`` for batches whose ``sample_index`` are the dataset
+    rows (otherwise their positions in the pack, ``0..n-1``).
 
     Resuming (see ``docs/resume.md``): the sampler's position is the epoch and
     the step its next pack comes from. A DataLoader with workers draws packs
@@ -59,11 +62,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     Args:
         lengths: ``[n]`` token count of every dataset row.
-        pack_size, algorithm, align, overflow, max_samples_per_pack: see
-            :func:`thdpack.plan_packs` (``overflow="split"`` is not available here:
-            a batch sampler yields whole rows).
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or its fields
+            as keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
+            ``max_samples_per_pack``, ``seed``, ``vision_budget``), not both: see
+            :func:`thdpack.plan_packs` (``overflow="split"`` is not available here: a batch
+            sampler yields whole rows). ``seed`` is the base seed: epoch e is planned
+            with ``seed + e``.
         shuffle: visit packs in a seeded random order each epoch.
-        seed: base seed; epoch e uses ``seed + e``.
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
         drop_last: drop the packs that do not fill a step on every rank.
         balance: ``None`` (deal packs round-robin) or ``"compute"``: plan with
@@ -72,26 +77,25 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             Each step then gives every rank ``micro_batches`` consecutive packs.
         micro_batches: packs per rank per optimizer step (used with ``balance``).
         cost: a :class:`thdpack.planning.balance.CostModel` or ``(a, b)``.
-        vision_lengths, vision_budget: VLM second budget: ``[n]`` vision patches
-            per row (:func:`thdpack.vlm.vision_lengths`) and the most per pack.
+        vision_lengths: with ``vision_budget``, the VLM second budget: ``[n]`` vision
+            patches per row (:func:`thdpack.vlm.vision_lengths`).
         groups: ``[n]`` group id per row: a group's rows land in one pack (see
             :func:`thdpack.plan_packs`; e.g. DPO pairs, ``thdpack.losses.pair_groups``). With
             ``balance="compute"`` a group larger than one pack (e.g. GRPO rollouts of a prompt)
             spans up to ``micro_batches`` packs, all run by one rank in one step
             (:func:`thdpack.planning.balance.plan_balanced`).
+
+    Attributes:
+        options: the :class:`thdpack.PlanOptions` every epoch is planned with (its ``seed``
+            plus the epoch).
     """
 
     def __init__(
         self,
         lengths: Sequence[int] | np.ndarray,
-        pack_size: int,
+        pack_size: int | None = None,
         *,
-        algorithm: str = "bfd",
-        align: int = 1,
-        overflow: str = "error",
-        max_samples_per_pack: int | None = None,
         shuffle: bool = True,
-        seed: int = 0,
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
@@ -99,27 +103,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         micro_batches: int = 1,
         cost: CostModel | tuple[float, float] = CostModel(),
         vision_lengths: Sequence[int] | np.ndarray | None = None,
-        vision_budget: int | None = None,
         groups: Sequence[int] | np.ndarray | None = None,
+        options: PlanOptions | None = None,
+        **plan_keywords,
     ):
         if balance not in (None, "compute"):
             raise ValueError(f"balance must be None or 'compute', got {balance!r}")
-        if overflow == "split":
+        self.options = options_from("TokenBudgetBatchSampler", options, {"pack_size": pack_size, **plan_keywords})
+        if self.options.overflow == "split":
             raise ValueError(
                 "TokenBudgetBatchSampler yields whole dataset rows, so overflow='split' is not possible here; "
                 "use 'truncate' (with ThdCollator(max_length=pack_size)), 'drop', or split rows offline"
             )
         self.lengths = validate_lengths(lengths)
-        self.pack_size = pack_size
-        self.plan_kwargs = dict(
-            algorithm=algorithm, align=align, overflow=overflow, max_samples_per_pack=max_samples_per_pack
-        )
-        if vision_budget is not None:
-            self.plan_kwargs.update(vision_lengths=np.asarray(vision_lengths, dtype=np.int64), vision_budget=vision_budget)
-        if groups is not None:  # e.g. a preference pair's chosen and rejected rows share a pack
-            self.plan_kwargs.update(groups=np.asarray(groups))
+        with_vision = self.options.vision_budget is not None  # vision_lengths alone are not planned with
+        self.vision_lengths = np.asarray(vision_lengths, dtype=np.int64) if with_vision else None
+        self.groups = None if groups is None else np.asarray(groups)  # e.g. a preference pair's rows share a pack
         self.shuffle = shuffle
-        self.seed = int(seed)
+        self.seed = int(self.options.seed)
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
         self.drop_last = drop_last
         self.balance = balance
@@ -133,24 +134,31 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._plan_for_epoch(0)  # validate now: errors surface at construction, not in the loop
 
     @property
+    def pack_size(self) -> int:
+        """The token budget of a pack (``options.pack_size``)."""
+        return self.options.pack_size
+
+    @property
     def max_length(self) -> int:
         """Longest row the plan keeps whole: ``pack_size`` rounded down to ``align``
         (what a collator must truncate to with ``overflow="truncate"``)."""
-        return usable_length(self.pack_size, self.plan_kwargs["align"])
+        return self.options.usable_length
 
     # ---- planning -------------------------------------------------------
     def _plan_for_epoch(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
         """The epoch's plan and this rank's pack ids in the order it runs them."""
         if self._cached is None or self._cached[0] != epoch:
+            options = replace(self.options, seed=self.seed + epoch)
+            per_row = dict(vision_lengths=self.vision_lengths, groups=self.groups)
             if self.balance == "compute":
                 balanced = plan_balanced(
-                    self.lengths, self.pack_size, num_replicas=self.num_replicas, micro_batches=self.micro_batches,
-                    cost=self.cost, seed=self.seed + epoch, shuffle_steps=self.shuffle, **self.plan_kwargs,
+                    self.lengths, num_replicas=self.num_replicas, micro_batches=self.micro_batches, cost=self.cost,
+                    shuffle_steps=self.shuffle, options=options, **per_row,
                 )
                 plan = balanced.plan
                 schedules = balanced.steps.transpose(1, 0, 2).reshape(self.num_replicas, -1)
             else:
-                plan = plan_packs(self.lengths, self.pack_size, seed=self.seed + epoch, **self.plan_kwargs)
+                plan = plan_packs(self.lengths, options=options, **per_row)
                 order = np.arange(len(plan))
                 if self.shuffle:
                     order = np.random.default_rng([self.seed, epoch]).permutation(len(plan))
@@ -277,9 +285,21 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._pass_start = (epoch, step)
 
     # ---- resume ---------------------------------------------------------
+    def _planned_with(self) -> dict:
+        """The planning settings a state is fingerprinted with (the seed is saved apart): the
+        options but pack_size and seed, and the per-row vision patches and groups planned with."""
+        o = self.options
+        settings = dict(algorithm=o.algorithm, align=o.align, overflow=o.overflow,
+                        max_samples_per_pack=o.max_samples_per_pack)
+        if self.vision_lengths is not None:
+            settings.update(vision_lengths=self.vision_lengths, vision_budget=o.vision_budget)
+        if self.groups is not None:
+            settings.update(groups=self.groups)
+        return settings
+
     def _fingerprint(self) -> str:
         h = hashlib.sha1(self.lengths.tobytes())
-        kwargs = {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in self.plan_kwargs.items()}
+        kwargs = {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in self._planned_with().items()}
         settings = (self.pack_size, sorted(kwargs.items()), self.shuffle, self.num_replicas, self.drop_last,
                     self.balance, self.micro_batches, self.cost)
         h.update(repr(settings).encode())

@@ -16,7 +16,9 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from thdpack.common.align import check_int, round_up
-from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, check_overflow, cut_overflow, usable_length
+from thdpack.loaders.collate import with_sample_index
+from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
+from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, cut_overflow
 from thdpack.loaders.sampler import check_state_dict, distributed_default
 from thdpack.common.samples import SampleError, get_field, slice_sample, to_int_array
 
@@ -26,6 +28,10 @@ class _OpenPack:
     room: int
     items: list = field(default_factory=list)
     real_tokens: int = 0
+
+
+_STREAM_OPTIONS = ("pack_size", "align", "overflow", "max_samples_per_pack")  # the PlanOptions a stream uses
+_NOT_STREAM_OPTIONS = tuple(name for name in PLAN_FIELDS if name not in _STREAM_OPTIONS)  # must keep defaults
 
 
 def _default_length(sample, index: int) -> int:
@@ -38,6 +44,11 @@ class StreamingPacker(IterableDataset):
     Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None,
     collate_fn=ThdCollator())``, with any number of workers.
 
+    Each sample of a pack (a mapping) is yielded as a dict with ``"sample_index"``: its
+    position in the stream (all shares counted; a piece of a split sample has its sample's),
+    unless it has that field already; :class:`thdpack.ThdCollator` puts it in
+    ``batch.sample_index``. Other samples are yielded as they are.
+
     Stream shares: the stream is dealt into ``num_replicas × num_workers`` shares,
     sample ``i`` going to share ``i % shares``; data-parallel rank ``r``'s
     DataLoader worker ``w`` packs share ``r · num_workers + w`` alone, so every
@@ -48,13 +59,16 @@ class StreamingPacker(IterableDataset):
     Args:
         samples: any iterable of samples (mappings with ``input_ids``); iterating
             it again must give the same samples in the same order.
-        pack_size: token budget of a pack, after rounding each sample up to ``align``.
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or the fields of
+            it a stream uses as keywords, not both: ``pack_size`` (token budget of a pack,
+            after rounding each sample up to ``align``), ``align`` (per-sample multiple,
+            :func:`thdpack.cp_pad_multiple`), ``overflow`` (``"error"``, ``"truncate"``,
+            ``"split"`` or ``"drop"`` for a sample longer than ``pack_size``, as in
+            :func:`thdpack.plan_packs`) and ``max_samples_per_pack`` (optional cap on samples
+            per pack). ``options.algorithm``, ``seed`` and ``vision_budget`` must keep their
+            defaults (a stream is packed by best fit over its open packs).
         buffer_size: most packs held open at once (memory and reordering bound).
             Larger buffers pack tighter; see ``benchmarks/balance.py``.
-        align: per-sample multiple (:func:`thdpack.cp_pad_multiple`).
-        overflow: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for a
-            sample longer than ``pack_size`` (as in :func:`thdpack.plan_packs`).
-        max_samples_per_pack: optional cap on samples per pack.
         length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``).
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
 
@@ -77,27 +91,27 @@ class StreamingPacker(IterableDataset):
     def __init__(
         self,
         samples: Iterable,
-        pack_size: int,
+        pack_size: int | None = None,
         *,
         buffer_size: int = 64,
-        align: int = 1,
-        overflow: str = "error",
-        max_samples_per_pack: int | None = None,
         length_fn: Callable | None = None,
         skip_consumed: bool = True,
         num_replicas: int | None = None,
         rank: int | None = None,
+        options: PlanOptions | None = None,
+        **plan_keywords,
     ):
-        check_overflow(overflow)
-        for name, value in (("pack_size", pack_size), ("buffer_size", buffer_size), ("align", align)):
-            check_int(value, name, 1)
-        self.limit = usable_length(pack_size, align)
+        options = options_from("StreamingPacker", options, {"pack_size": pack_size, **plan_keywords},
+                               fields=_STREAM_OPTIONS)
+        options.check_unused("StreamingPacker", _NOT_STREAM_OPTIONS,
+                             "a stream is packed by best fit over its open packs, without a vision budget")
+        check_int(buffer_size, "buffer_size", 1)
+        self.options = options
         self.samples = samples
-        self.pack_size = pack_size
         self.buffer_size = buffer_size
-        self.align = align
-        self.overflow = overflow
-        self.max_samples_per_pack = max_samples_per_pack
+        # the options this packer reads, by name (and in its state's fingerprint)
+        self.pack_size, self.align, self.overflow = options.pack_size, options.align, options.overflow
+        self.max_samples_per_pack, self.limit = options.max_samples_per_pack, options.usable_length
         self.length_fn = length_fn or _default_length
         self.skip_consumed = skip_consumed
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
@@ -125,16 +139,18 @@ class StreamingPacker(IterableDataset):
     # ---- packing --------------------------------------------------------
     def _pieces(self, sample, index: int, length: int):
         """(sample, length) pieces that fit a pack: the sample whole, or what the overflow
-        policy (:func:`thdpack.planning.packing.cut_overflow`) keeps of it."""
+        policy (:func:`thdpack.planning.packing.cut_overflow`) keeps of it; each with its
+        stream position ``index`` as ``"sample_index"`` (:func:`thdpack.loaders.collate.with_sample_index`)."""
         if length < 1:
             raise SampleError.at(index, " is empty; every sample needs at least one token")
         self._totals.num_samples += 1
         if length <= self.limit:
-            return [(sample, length)]
+            return [(with_sample_index(sample, index), length)]
         cut = cut_overflow(np.array([length], np.int64), self.overflow, self.pack_size, self.align,
                            names=np.array([index]))
         self._totals.add_cuts(cut.cuts)
-        return [(slice_sample(sample, a, a + n, index=index), n) for a, n in zip(cut.start.tolist(), cut.length.tolist())]
+        return [(with_sample_index(slice_sample(sample, a, a + n, index=index), index), n)
+                for a, n in zip(cut.start.tolist(), cut.length.tolist())]
 
     def _place(self, sample, length: int) -> None:
         size = round_up(length, self.align)

@@ -20,7 +20,7 @@ from typing import Any
 from thdpack.common.align import check_int
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.packing import OVERFLOW_POLICIES
-from thdpack.planning.plan import ALGORITHMS
+from thdpack.planning.options import ALGORITHMS
 
 FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized")  # row_formats.py, docs/build.md
 LOSS_MODES = ("assistant", "last_assistant", "all")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from thdpack.common.align import check_int, check_positive_int, round_up
+from thdpack.common.align import check_positive_int, round_up
+from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
 from thdpack.common.samples import SampleError
@@ -102,20 +103,16 @@ def straggler_per_step(steps: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 def plan_balanced(
     lengths,
-    pack_size: int,
+    pack_size: int | None = None,
     *,
     num_replicas: int,
     micro_batches: int = 1,
     cost: CostModel | tuple[float, float] = CostModel(),
-    algorithm: str = "bfd",
-    align: int = 1,
-    overflow: str = "error",
-    max_samples_per_pack: int | None = None,
-    seed: int = 0,
     shuffle_steps: bool = True,
     vision_lengths=None,
-    vision_budget: int | None = None,
     groups=None,
+    options: PlanOptions | None = None,
+    **plan_keywords,
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
@@ -129,8 +126,10 @@ def plan_balanced(
     4. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
 
     Args:
-        lengths, pack_size, algorithm, align, overflow, max_samples_per_pack, seed,
-        vision_lengths, vision_budget: as in :func:`thdpack.plan_packs`.
+        lengths, vision_lengths: as in :func:`thdpack.plan_packs`.
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its fields as
+            keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
+            ``max_samples_per_pack``, ``seed``, ``vision_budget``), as in :func:`thdpack.plan_packs`.
         num_replicas: data-parallel ranks ``R``.
         micro_batches: packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
@@ -147,41 +146,44 @@ def plan_balanced(
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     if not isinstance(cost, CostModel):
         cost = CostModel(*cost)
+    options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
     if groups is not None:
-        split = _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budget)
+        split = _split_groups(lengths, groups, vision_lengths, options)
         if split is not None:  # some group needs several packs
-            return _plan_bundles(
-                split, pack_size, num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
-                algorithm=algorithm, align=align, overflow=overflow, max_samples_per_pack=max_samples_per_pack,
-                seed=seed, shuffle_steps=shuffle_steps, vision_budget=vision_budget,
-            )
-    plan = plan_packs(
-        lengths, pack_size, algorithm=algorithm, align=align, overflow=overflow,
-        max_samples_per_pack=max_samples_per_pack, seed=seed,
-        vision_lengths=vision_lengths, vision_budget=vision_budget, groups=groups,
-    )
-    per_step = num_replicas * micro_batches
+            return _plan_bundles(split, options, num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
+                                 shuffle_steps=shuffle_steps)
+    plan = plan_packs(lengths, vision_lengths=vision_lengths, groups=groups, options=options)
     if groups is None:
-        plan = _fill_last_step(plan, per_step, cost, max_samples_per_pack)
+        plan = _fill_last_step(plan, num_replicas * micro_batches, cost, options.max_samples_per_pack)
     costs = cost.pack_costs(plan)
-    num_packs = len(plan)
+    steps, repeated = _cost_sorted_steps(costs, num_replicas, micro_batches)
+    steps = _shuffled_steps(steps, options.seed, shuffle_steps)
+    return BalancedPlan(plan=plan, steps=steps, costs=costs, step_straggler=straggler_per_step(steps, costs),
+                        repeated_packs=repeated)
+
+
+def _cost_sorted_steps(costs: np.ndarray, num_replicas: int, micro_batches: int) -> tuple[np.ndarray, int]:
+    """Steps of packs of similar cost: float64 ``[num_packs]`` ``costs`` sorted decreasing, cut
+    into steps of ``R·M`` packs (the costliest packs repeated to fill the last one, when the
+    packs are not a multiple), each dealt by :func:`_deal`. Returns (int64 ``[S, R, M]`` pack
+    ids, number of repeated packs)."""
+    per_step = num_replicas * micro_batches
+    num_packs = costs.size
     order = np.argsort(-costs, kind="stable")
     repeated = (-num_packs) % per_step  # only when splitting could not reach a multiple
     if repeated:
         order = np.concatenate([order, order[np.arange(repeated) % num_packs]])
-    groups = order.reshape(-1, per_step)
-    steps = np.stack([_deal(g, costs, num_replicas, micro_batches) for g in groups]) if groups.size else np.zeros(
-        (0, num_replicas, micro_batches), np.int64
-    )
+    step_packs = order.reshape(-1, per_step)
+    if not step_packs.size:
+        return np.zeros((0, num_replicas, micro_batches), np.int64), int(repeated)
+    return np.stack([_deal(packs, costs, num_replicas, micro_batches) for packs in step_packs]), int(repeated)
+
+
+def _shuffled_steps(steps: np.ndarray, seed: int, shuffle_steps: bool) -> np.ndarray:
+    """``steps`` (``[S, R, M]``) in an order randomised by ``seed``, or as they are without ``shuffle_steps``."""
     if shuffle_steps and len(steps):
-        steps = steps[np.random.default_rng(seed).permutation(len(steps))]
-    return BalancedPlan(
-        plan=plan,
-        steps=steps,
-        costs=costs,
-        step_straggler=straggler_per_step(steps, costs),
-        repeated_packs=int(repeated),
-    )
+        return steps[np.random.default_rng(seed).permutation(len(steps))]
+    return steps
 
 
 def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches: int) -> np.ndarray:
@@ -234,16 +236,15 @@ class _GroupSplit:
     big: np.ndarray
 
 
-def _split_groups(lengths, pack_size, groups, align, vision_lengths, vision_budget) -> _GroupSplit | None:
+def _split_groups(lengths, groups, vision_lengths, options: PlanOptions) -> _GroupSplit | None:
     """Which groups need more than one pack (tokens or vision patches); None when none does
     (then :func:`thdpack.plan_packs` plans them, unchanged)."""
     lengths = validate_lengths(lengths)
-    check_int(pack_size, "pack_size", 1)
-    check_int(align, "align", 1)
+    pack_size, vision_budget = options.pack_size, options.vision_budget
     gid = check_groups(groups, lengths.size)
     group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
-    sizes = round_up(lengths, align)
+    sizes = round_up(lengths, options.align)
     big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
     vision = None
     if vision_lengths is not None or vision_budget is not None:
@@ -259,8 +260,9 @@ def _name_group(split: _GroupSplit, members: np.ndarray) -> str:
     return f"group {int(split.gid[members[0]])} (samples {shown})"
 
 
-def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budget, micro_batches: int):
-    """First-fit decreasing packs of every multi-pack group, its samples whole.
+def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: int):
+    """First-fit decreasing packs of every multi-pack group, its samples whole (``options``: the
+    pack size, alignment and vision budget of the plan).
 
     Returns ``(sample_index, pack_counts, bundle_sizes)``: int64 sample ids in pack order, int64
     ``[P]`` samples per pack, int64 ``[num_big_groups]`` packs per group (at most ``micro_batches``).
@@ -268,6 +270,7 @@ def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budg
     by_group = np.argsort(split.group_of, kind="stable")
     bounds = np.cumsum(np.bincount(split.group_of, minlength=split.big.size))[:-1]
     members_of = np.split(by_group, bounds)
+    pack_size, vision_budget = options.pack_size, options.vision_budget
     checks = [(split.sizes, pack_size, "tokens (aligned)", "pack_size")]
     if split.vision is not None:
         checks.append((split.vision, vision_budget, "vision patches", "vision_budget"))
@@ -284,9 +287,8 @@ def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budg
     for g in np.flatnonzero(split.big).tolist():
         members = members_of[g]
         sub = plan_packs(
-            split.lengths[members], pack_size, algorithm="ffd", align=align,
-            vision_lengths=None if split.vision is None else split.vision[members],
-            vision_budget=None if split.vision is None else vision_budget,
+            split.lengths[members], pack_size, algorithm="ffd", align=options.align,
+            vision_lengths=None if split.vision is None else split.vision[members], vision_budget=vision_budget,
         )
         if len(sub) > micro_batches:
             over.append((g, len(sub)))
@@ -304,9 +306,8 @@ def _pack_big_groups(split: _GroupSplit, pack_size: int, align: int, vision_budg
     return np.concatenate(sample_index), np.concatenate(pack_counts), np.asarray(bundle_sizes, np.int64)
 
 
-def _plan_bundles(split: _GroupSplit, pack_size: int, *, num_replicas: int, micro_batches: int, cost: CostModel,
-                  algorithm: str, align: int, overflow: str, max_samples_per_pack, seed: int, shuffle_steps: bool,
-                  vision_budget) -> BalancedPlan:
+def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int, micro_batches: int,
+                  cost: CostModel, shuffle_steps: bool) -> BalancedPlan:
     """:func:`plan_balanced` with groups some of which need several packs.
 
     Groups that fit one pack are planned by :func:`thdpack.plan_packs` (``groups=``); each larger
@@ -314,28 +315,23 @@ def _plan_bundles(split: _GroupSplit, pack_size: int, *, num_replicas: int, micr
     then scheduled by :func:`_bundle_steps`.
     """
     small = np.flatnonzero(~split.big[split.group_of])
-    small_plan = plan_packs(
-        split.lengths[small], pack_size, groups=split.gid[small], algorithm=algorithm, align=align,
-        overflow=overflow, max_samples_per_pack=max_samples_per_pack, seed=seed,
-        vision_lengths=None if split.vision is None else split.vision[small],
-        vision_budget=None if split.vision is None else vision_budget,
-    )
-    big_index, big_counts, bundle_sizes = _pack_big_groups(split, pack_size, align, vision_budget, micro_batches)
+    small_plan = plan_packs(split.lengths[small], groups=split.gid[small], options=options,
+                            vision_lengths=None if split.vision is None else split.vision[small])
+    big_index, big_counts, bundle_sizes = _pack_big_groups(split, options, micro_batches)
     sample_index = np.concatenate([small[small_plan.sample_index], big_index])
     pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
     length = split.lengths[sample_index]
     vision_length = None if split.vision is None else split.vision[sample_index]
-    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=align, num_samples=int(split.lengths.size),
-                                 vision_length=vision_length,
-                                 vision_budget=None if split.vision is None else int(vision_budget))
+    stats = PackStats.from_packs(length, pack_offsets, int(options.pack_size), align=options.align,
+                                 num_samples=int(split.lengths.size), vision_length=vision_length,
+                                 vision_budget=None if split.vision is None else int(options.vision_budget))
     plan = replace(small_plan, sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
                    pack_offsets=pack_offsets, stats=stats, vision_length=vision_length)
     costs = cost.pack_costs(plan)
     bundle_start = len(small_plan) + np.cumsum(bundle_sizes) - bundle_sizes
     bundles = [np.arange(a, a + k) for a, k in zip(bundle_start.tolist(), bundle_sizes.tolist())]
     steps, repeated = _bundle_steps(np.arange(len(small_plan)), bundles, costs, num_replicas, micro_batches)
-    if shuffle_steps and len(steps):
-        steps = steps[np.random.default_rng(seed).permutation(len(steps))]
+    steps = _shuffled_steps(steps, options.seed, shuffle_steps)
     return BalancedPlan(plan=plan, steps=steps, costs=costs, step_straggler=straggler_per_step(steps, costs),
                         repeated_packs=repeated)
 

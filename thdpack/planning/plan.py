@@ -8,18 +8,17 @@ splitting every piece is a whole sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 
 from thdpack.planning import binpack
-from thdpack.common.align import INT64_MAX, check_int, first_non_int64, round_up
-from thdpack.planning.packing import PackStats, check_overflow, cut_overflow, usable_length
+from thdpack.common.align import INT64_MAX, first_non_int64, round_up
+from thdpack.planning.options import PlanOptions, options_from
+from thdpack.planning.packing import PackStats, cut_overflow
 from thdpack.common.samples import SampleError
-
-ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
 
 
 @dataclass(frozen=True)
@@ -124,43 +123,39 @@ def validate_lengths(lengths) -> np.ndarray:
 
 def plan_packs(
     lengths: Sequence[int] | np.ndarray,
-    pack_size: int,
+    pack_size: int | None = None,
     *,
-    algorithm: str = "bfd",
-    align: int = 1,
-    overflow: str = "error",
-    max_samples_per_pack: int | None = None,
-    seed: int = 0,
     vision_lengths: Sequence[int] | np.ndarray | None = None,
-    vision_budget: int | None = None,
     groups: Sequence[int] | np.ndarray | None = None,
+    options: PlanOptions | None = None,
+    **plan_keywords,
 ) -> PackPlan:
     """Plan packs of at most ``pack_size`` tokens from sample lengths.
 
+    ``plan_packs(lengths, 4096, align=8, overflow="truncate")`` is
+    ``plan_packs(lengths, options=PlanOptions(4096, align=8, overflow="truncate"))``.
+
     Args:
         lengths: ``[n]`` integer token counts, each >= 1.
-        pack_size: token budget of a pack (after each piece is rounded up to ``align``).
-        algorithm: ``"bfd"`` best-fit decreasing over the whole input (global, not
-            windowed); ``"ffd"`` first-fit decreasing; ``"first_fit_shuffle"`` first fit
-            in an order randomised by ``seed`` (for curricula that must not sort);
-            ``"sequential"`` next fit in input order (streams).
-        align: each length is rounded up to a multiple of this before fitting, so
-            that per-sample CP/TP padding (see :func:`thdpack.cp_pad_multiple`) still fits.
-        overflow: what to do with a sample whose aligned length exceeds ``pack_size``:
-            ``"error"`` (ValueError naming it), ``"truncate"`` (keep its first tokens),
-            ``"split"`` (cut into pack-size pieces, all kept) or ``"drop"``. Truncated,
-            split and dropped tokens are counted in ``plan.stats``.
-        max_samples_per_pack: optional cap on pieces per pack.
-        seed: randomness for ``"first_fit_shuffle"``. Plans are deterministic.
-        vision_lengths, vision_budget: a second budget for VLMs: ``[n]`` vision
-            patches per sample (>= 0; :func:`thdpack.vlm.vision_lengths`) and the
-            most patches a pack may hold (the ViT's memory and time scale with
-            patches, not text tokens). Each pack then stays within both budgets
-            (2-D variants of the same algorithms; ``"bfd"``/``"ffd"`` place samples
-            by decreasing larger share of either budget). A sample with vision
-            patches is never truncated or split (its placeholders must match its
-            grids): if it is too long, or has more patches than ``vision_budget``,
-            only ``overflow="drop"`` applies; other policies raise.
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or its fields as
+            keywords (``pack_size``; ``algorithm="bfd"``, ``align=1``, ``overflow="error"``,
+            ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``; each documented
+            there), not both. ``algorithm``: ``"bfd"`` best-fit decreasing over the whole input
+            (global, not windowed), ``"ffd"`` first-fit decreasing, ``"first_fit_shuffle"``
+            (first fit in an order randomised by ``seed``, for curricula that must not sort)
+            or ``"sequential"`` (next fit in input order). ``overflow``: a sample whose
+            aligned length exceeds ``pack_size`` raises a ``ValueError`` naming it
+            (``"error"``), keeps its first tokens (``"truncate"``), is cut into pack-size
+            pieces, all kept (``"split"``), or is left out (``"drop"``); what is cut is
+            counted in ``plan.stats``.
+        vision_lengths: with ``vision_budget``, a second budget for VLMs: ``[n]`` vision
+            patches per sample (>= 0; :func:`thdpack.vlm.vision_lengths`); a pack holds at
+            most ``vision_budget`` of them (the ViT's memory and time scale with patches,
+            not text tokens). Each pack then stays within both budgets (2-D variants of the
+            same algorithms; ``"bfd"``/``"ffd"`` place samples by decreasing larger share of
+            either budget). A sample with vision patches is never truncated or split (its
+            placeholders must match its grids): if it is too long, or has more patches than
+            ``vision_budget``, only ``overflow="drop"`` applies; other policies raise.
         groups: ``[n]`` integer group id of every sample (e.g. a preference pair's chosen
             and rejected sequences): the samples of a group land in one pack. Each group is
             planned as one item of its members' summed aligned length (and vision patches),
@@ -172,52 +167,53 @@ def plan_packs(
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
         (then by start, for split samples).
     """
+    options = options_from("plan_packs", options, {"pack_size": pack_size, **plan_keywords})
     if groups is not None:
-        return _plan_groups(
-            lengths, pack_size, groups, algorithm=algorithm, align=align, overflow=overflow,
-            max_samples_per_pack=max_samples_per_pack, seed=seed, vision_lengths=vision_lengths,
-            vision_budget=vision_budget,
-        )
-    limit = _check_plan_args(pack_size, algorithm, align, overflow, max_samples_per_pack)
-    lengths = validate_lengths(lengths)
-    over = lengths > limit
+        return _plan_groups(lengths, groups, vision_lengths, options)
+    check_kernel_limits(options)
+    return _plan_pieces(validate_lengths(lengths), vision_lengths, options)
+
+
+def _plan_pieces(lengths: np.ndarray, vision_lengths, options: PlanOptions) -> PackPlan:
+    """:func:`plan_packs` without groups: int64 ``[n]`` checked ``lengths`` cut by the overflow
+    policy into pieces, which the kernel of ``options.algorithm`` places."""
+    pack_size, align, overflow, vision_budget = options.pack_size, options.align, options.overflow, options.vision_budget
+    over = lengths > options.usable_length
     vision = vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
     if vision is not None and overflow == "drop":
         over = over | (vision > vision_budget)
     pieces = cut_overflow(lengths, overflow, pack_size, align, over=over)
     vsizes = None if vision is None else vision[pieces.sample_index]  # pieces of cut samples have none
-    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, algorithm, seed, pack_size, vision_budget,
-                                max_samples_per_pack)
+    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, options)
     by_pack, pack_offsets = _csr(pack_of, num_packs)
     length = pieces.length[by_pack]
     vision_length = None if vision is None else vsizes[by_pack]
     budget = None if vision is None else int(vision_budget)
     stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
                                  cuts=pieces.cuts, vision_length=vision_length, vision_budget=budget)
+    return _plan_of(options, pieces.sample_index[by_pack], pieces.start[by_pack], length, pack_offsets,
+                    pieces.dropped, stats, vision_length, budget)
+
+
+def _plan_of(options: PlanOptions, sample_index, start, length, pack_offsets, dropped, stats: PackStats,
+             vision_length, vision_budget) -> PackPlan:
+    """The :class:`PackPlan` of placed pieces (int64 arrays as its attributes), planned with ``options``."""
     return PackPlan(
-        sample_index=pieces.sample_index[by_pack], start=pieces.start[by_pack], length=length,
-        pack_offsets=pack_offsets, dropped=pieces.dropped, pack_size=int(pack_size), align=int(align),
-        algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats, vision_length=vision_length,
-        vision_budget=budget,
+        sample_index=sample_index, start=start, length=length, pack_offsets=pack_offsets, dropped=dropped,
+        pack_size=int(options.pack_size), align=int(options.align), algorithm=options.algorithm,
+        overflow=options.overflow, seed=int(options.seed), stats=stats, vision_length=vision_length,
+        vision_budget=vision_budget,
     )
 
 
-def _check_plan_args(pack_size, algorithm: str, align, overflow: str, max_samples_per_pack) -> int:
-    """Check :func:`plan_packs`' settings (``ValueError`` naming the bad one); returns the
-    :func:`~thdpack.planning.packing.usable_length`."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    check_overflow(overflow)
-    check_int(pack_size, "pack_size", 1)
-    check_int(align, "align", 1)
-    if max_samples_per_pack is not None:
-        check_int(max_samples_per_pack, "max_samples_per_pack", 1)
-    if algorithm == "bfd" and pack_size > _BEST_FIT_MAX_PACK_SIZE:
+def check_kernel_limits(options: PlanOptions) -> None:
+    """``ValueError`` when the placement kernel of ``options.algorithm`` cannot take its
+    ``pack_size`` (``"bfd"``'s room index takes O(pack_size) memory)."""
+    if options.algorithm == "bfd" and options.pack_size > _BEST_FIT_MAX_PACK_SIZE:
         raise ValueError(
-            f"pack_size={pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
+            f"pack_size={options.pack_size} is too large for 'bfd' (its room index takes O(pack_size) memory; "
             f"limit {_BEST_FIT_MAX_PACK_SIZE}); use algorithm='ffd'"
         )
-    return usable_length(pack_size, align)
 
 
 _KERNELS = {  # algorithm -> (one budget, two budgets: tokens and vision patches)
@@ -228,19 +224,19 @@ _KERNELS = {  # algorithm -> (one budget, two budgets: tokens and vision patches
 }
 
 
-def _place(sizes: np.ndarray, vsizes: np.ndarray | None, algorithm: str, seed: int, pack_size: int, vision_budget,
-           max_items) -> tuple[np.ndarray, int]:
-    """Run the kernel of ``algorithm`` over int64 ``[m]`` aligned sizes (and ``[m]`` vision
+def _place(sizes: np.ndarray, vsizes: np.ndarray | None, options: PlanOptions) -> tuple[np.ndarray, int]:
+    """Run the kernel of ``options.algorithm`` over int64 ``[m]`` aligned sizes (and ``[m]`` vision
     patches, or None). Returns (int64 ``[m]`` pack of each piece, number of packs)."""
+    algorithm, seed, pack_size = options.algorithm, options.seed, options.pack_size
     if vsizes is None:
         order = _placement_order(sizes, algorithm, seed, pack_size)
         budgets = (np.ascontiguousarray(sizes[order]), int(pack_size))
     else:
-        order = _placement_order_2d(sizes, vsizes, algorithm, seed, pack_size, vision_budget)
+        order = _placement_order_2d(sizes, vsizes, algorithm, seed, pack_size, options.vision_budget)
         budgets = (np.ascontiguousarray(sizes[order]), np.ascontiguousarray(vsizes[order]), int(pack_size),
-                   int(vision_budget))
+                   int(options.vision_budget))
     kernel = _KERNELS[algorithm][vsizes is not None]
-    bin_sorted, num_packs = kernel(*budgets, int(max_items or 0))
+    bin_sorted, num_packs = kernel(*budgets, int(options.max_samples_per_pack or 0))
     pack_of = np.empty_like(bin_sorted)
     pack_of[order] = bin_sorted
     return pack_of, num_packs
@@ -255,13 +251,12 @@ def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     return by_pack, pack_offsets
 
 
-def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_samples_per_pack, seed,
-                 vision_lengths, vision_budget) -> PackPlan:
+def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions) -> PackPlan:
     """:func:`plan_packs` with ``groups``: each group planned as one item of its members'
     summed aligned length (and vision patches), then expanded in the same pack order."""
     lengths = validate_lengths(lengths)
-    check_int(align, "align", 1)
-    if max_samples_per_pack is not None:
+    pack_size, align, vision_budget = options.pack_size, options.align, options.vision_budget
+    if options.max_samples_per_pack is not None:
         raise ValueError("max_samples_per_pack is not available with groups (a group counts as one item); drop one")
     gid = check_groups(groups, lengths.size)
     group_of = number_groups(gid)
@@ -274,8 +269,7 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
         _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
-    outer = plan_packs(group_sizes, pack_size, algorithm=algorithm, align=1, overflow=overflow, seed=seed,
-                       vision_lengths=group_vision, vision_budget=vision_budget)
+    outer = plan_packs(group_sizes, vision_lengths=group_vision, options=replace(options, align=1))
     members = np.argsort(group_of, kind="stable")  # members of group g, by input index, are contiguous
     member_counts = np.bincount(group_of, minlength=num_groups)
     member_start = np.cumsum(member_counts) - member_counts
@@ -288,14 +282,11 @@ def _plan_groups(lengths, pack_size, groups, *, algorithm, align, overflow, max_
     sample_index = sample_index[np.lexsort((sample_index, pack_of))]  # by input index within a pack
     length = lengths[sample_index]
     vision_length = None if vision is None else vision[sample_index]
+    budget = None if vision is None else int(vision_budget)
     stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
-                                 vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget))
-    return PackPlan(
-        sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
-        pack_offsets=pack_offsets.astype(np.int64), dropped=np.zeros(0, np.int64), pack_size=int(pack_size),
-        align=int(align), algorithm=algorithm, overflow=overflow, seed=int(seed), stats=stats,
-        vision_length=vision_length, vision_budget=None if vision is None else int(vision_budget),
-    )
+                                 vision_length=vision_length, vision_budget=budget)
+    return _plan_of(options, sample_index, np.zeros(sample_index.size, np.int64), length,
+                    pack_offsets.astype(np.int64), np.zeros(0, np.int64), stats, vision_length, budget)
 
 
 def check_groups(groups, n: int) -> np.ndarray:
@@ -348,14 +339,12 @@ def _placement_order(sizes: np.ndarray, algorithm: str, seed: int, pack_size: in
 
 def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size) -> np.ndarray | None:
     """Checked ``[n]`` int64 vision patches (None without a vision budget); raises for
-    samples that break the vision budget, or that would have to be cut, unless dropped."""
+    samples that break the vision budget, or that would have to be cut, unless dropped.
+    ``vision_budget``, ``overflow``, ``pack_size``: as in a valid :class:`PlanOptions`."""
     if (vision_lengths is None) != (vision_budget is None):
         raise ValueError("vision_lengths and vision_budget go together: pass both or neither")
     if vision_lengths is None:
         return None
-    check_int(vision_budget, "vision_budget", 1)
-    if int(pack_size) * int(vision_budget) >= 2**56:
-        raise ValueError(f"pack_size · vision_budget must be < 2**56, got {pack_size} · {vision_budget}")
     vision = np.asarray(vision_lengths)
     if vision.ndim != 1 or vision.size != lengths.size:
         raise ValueError(f"vision_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {vision.shape}")
