@@ -62,14 +62,8 @@ def summarize(
     totals = pack_totals(s, off, align)
     plan = PackStats.from_totals(totals, int(pack_size))
     num_packs, real = plan.num_packs, plan.real_tokens
-    m = eval_multiple or align
     lengths = s if input_lengths is None else np.asarray(input_lengths, dtype=np.int64)
-    padded = round_up(s, m)
-    padded_per_pack = pack_sums(padded, off)
-    stream = int(padded.sum())
     per_pack = pack_sums(s, off)
-    fill = per_pack / pack_size
-    pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
     sum_sq = lengths_squared_sum(s)
     out = {
         "samples": plan.num_pieces,
@@ -83,38 +77,10 @@ def summarize(
         "efficiency": plan.efficiency,
         "packing_factor": plan.packing_factor,
         "max_samples_per_pack": plan.max_samples_per_pack,
-        "pack_fill": {
-            "min": plan.min_pack_fill,
-            "mean": float(fill.mean()) if num_packs else 0.0,
-            "max": plan.max_pack_fill,
-            "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
-        },
-        "lengths": {
-            "of": "input samples" if input_lengths is not None else "packed samples",
-            "count": int(lengths.size),
-            "min": int(lengths.min()) if lengths.size else 0,
-            "p50": pct(50),
-            "p90": pct(90),
-            "p99": pct(99),
-            "max": int(lengths.max()) if lengths.size else 0,
-            "mean": float(lengths.mean()) if lengths.size else 0.0,
-            "histogram": log2_histogram(lengths),
-        },
-        "padding": {
-            "multiple": int(m),
-            "pad_tokens": stream - real,
-            "stream_tokens": stream,
-            "fraction": (stream - real) / stream if stream else 0.0,
-            "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
-            "static_fraction": 1 - plan.efficiency if num_packs else 0.0,
-        },
-        "attention_flops": {
-            "sum_seqlen_squared": sum_sq,
-            "pack_len_count": num_packs * pack_size**2,
-            # None (JSON null, not the invalid NaN) when nothing was packed
-            "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq) if sum_sq else None,
-            "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else None,
-        },
+        "pack_fill": _pack_fill_summary(plan, per_pack / pack_size),
+        "lengths": _lengths_summary(lengths, "input samples" if input_lengths is not None else "packed samples"),
+        "padding": _padding_summary(s, off, eval_multiple or align, pack_size, plan),
+        "attention_flops": _attention_flops_summary(num_packs, pack_size, sum_sq, per_pack),
     }
     if model_config is not None:
         from thdpack.offline.build_model import model_flops_summary
@@ -123,6 +89,64 @@ def summarize(
                                                  vision_grid_thw)
     out.update(counts or {})
     return out
+
+
+def _pack_fill_summary(plan: PackStats, fill: np.ndarray) -> dict:
+    """``summarize``'s ``pack_fill``: min, mean, max and a 10-bucket histogram of each pack's
+    real tokens / pack_size (``fill``: float64 ``[num_packs]``)."""
+    num_packs = plan.num_packs
+    return {
+        "min": plan.min_pack_fill,
+        "mean": float(fill.mean()) if num_packs else 0.0,
+        "max": plan.max_pack_fill,
+        "histogram": np.histogram(fill, bins=10, range=(0.0, 1.0))[0].tolist() if num_packs else [],
+    }
+
+
+def _lengths_summary(lengths: np.ndarray, of: str) -> dict:
+    """``summarize``'s ``lengths``: count, min, percentiles, max, mean and the log2 histogram of
+    ``lengths`` (int64 ``[k]``); ``of`` names what they are the lengths of."""
+    pct = (lambda q: int(np.percentile(lengths, q, method="lower"))) if lengths.size else (lambda q: 0)
+    return {
+        "of": of,
+        "count": int(lengths.size),
+        "min": int(lengths.min()) if lengths.size else 0,
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": int(lengths.max()) if lengths.size else 0,
+        "mean": float(lengths.mean()) if lengths.size else 0.0,
+        "histogram": log2_histogram(lengths),
+    }
+
+
+def _padding_summary(s: np.ndarray, off: np.ndarray, multiple: int, pack_size: int, plan: PackStats) -> dict:
+    """``summarize``'s ``padding``: the pad tokens when every sample (real lengths ``s``, int64
+    ``[m]``, packs at ``off``) is padded to ``multiple``, and when every pack is padded to pack_size."""
+    padded = round_up(s, multiple)
+    padded_per_pack = pack_sums(padded, off)
+    stream = int(padded.sum())
+    real = plan.real_tokens
+    return {
+        "multiple": int(multiple),
+        "pad_tokens": stream - real,
+        "stream_tokens": stream,
+        "fraction": (stream - real) / stream if stream else 0.0,
+        "packs_over_pack_size": int((padded_per_pack > pack_size).sum()),
+        "static_fraction": 1 - plan.efficiency if plan.num_packs else 0.0,
+    }
+
+
+def _attention_flops_summary(num_packs: int, pack_size: int, sum_sq: int, per_pack: np.ndarray) -> dict:
+    """``summarize``'s ``attention_flops``: ``Σ sᵢ²`` against counting each pack as one
+    ``pack_size`` sequence, and against each pack's filled length (``per_pack``: int64 ``[num_packs]``)."""
+    return {
+        "sum_seqlen_squared": sum_sq,
+        "pack_len_count": num_packs * pack_size**2,
+        # None (JSON null, not the invalid NaN) when nothing was packed
+        "overcount": attention_overcount_factor(num_packs, pack_size, sum_sq) if sum_sq else None,
+        "overcount_at_fill": float((per_pack.astype(np.float64) ** 2).sum() / sum_sq) if sum_sq else None,
+    }
 
 
 def nemo_fields(summary: dict) -> dict:

@@ -13,6 +13,8 @@ stable argsort for ``bucket_order``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from thdpack.common.jit import njit
@@ -255,6 +257,7 @@ def best_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
 
 
 _RATIO_STEPS = 6  # balanced-room trees for ratios 2**k, k = -6..6
+_RATIO_TREES = 2 * _RATIO_STEPS + 1
 
 
 @njit
@@ -285,6 +288,114 @@ def _rebuild_max_tree(tree, leaves):
         tree[i] = left if left > right else right
 
 
+class _RoomTrees(NamedTuple):
+    """The bins of :func:`first_fit_2d` as the leaves of max trees (unopened bins: full rooms).
+
+    Each tree is an int64 array of ``2 · leaves`` nodes, leaves at ``[leaves:]``, each internal
+    node the max of its two children; a bin that takes no more items has room -1.
+    """
+
+    token: np.ndarray  # int64 [2·leaves]: token room
+    vision: np.ndarray  # int64 [2·leaves]: vision room
+    balanced: np.ndarray  # int64 [_RATIO_TREES, 2·leaves]: balanced room for the ratio 2**(q - _RATIO_STEPS)
+    leaves: int
+
+
+class _RatioWindow(NamedTuple):
+    """The two grid ratios around an item's ``X / Y``: rows ``lo`` and ``hi`` of
+    ``_RoomTrees.balanced`` and the balanced room the item needs in each (``lo = -1``:
+    a text-only item, which the token-room tree decides alone)."""
+
+    lo: int
+    hi: int
+    need_lo: int
+    need_hi: int
+
+
+@njit
+def _empty_room_trees(leaves, capacity, vcapacity):
+    """``_RoomTrees`` over ``leaves`` unopened bins: every room full."""
+    full_x = capacity * vcapacity
+    balanced = np.empty((_RATIO_TREES, 2 * leaves), np.int64)
+    for q in range(_RATIO_TREES):
+        balanced[q, :] = _balanced(full_x, full_x, q - _RATIO_STEPS)
+    token = np.full(2 * leaves, capacity, np.int64)
+    vision = np.full(2 * leaves, vcapacity, np.int64)
+    return _RoomTrees(token, vision, balanced, leaves)
+
+
+@njit
+def _grown_room_trees(trees, capacity, vcapacity):
+    """``trees`` over twice as many leaves: the bins kept as the first half, the rest unopened."""
+    leaves = trees.leaves
+    grown = _empty_room_trees(2 * leaves, capacity, vcapacity)
+    first = grown.leaves
+    grown.token[first : first + leaves] = trees.token[leaves:]
+    grown.vision[first : first + leaves] = trees.vision[leaves:]
+    _rebuild_max_tree(grown.token, first)
+    _rebuild_max_tree(grown.vision, first)
+    for q in range(_RATIO_TREES):
+        grown.balanced[q, first : first + leaves] = trees.balanced[q, leaves:]
+        _rebuild_max_tree(grown.balanced[q], first)
+    return grown
+
+
+@njit
+def _ratio_window(s, v, capacity, vcapacity):
+    """The ``_RatioWindow`` of an item of token size ``s`` and vision size ``v``: the grid
+    ratios ``2**k <= X / Y < 2**(k+1)`` (clamped to ±_RATIO_STEPS), ``X = s · vcapacity``,
+    ``Y = v · capacity``."""
+    if v <= 0:
+        return _RatioWindow(-1, -1, 0, 0)
+    big_x = s * vcapacity
+    big_y = v * capacity
+    k = -_RATIO_STEPS
+    while k < _RATIO_STEPS and _ratio_at_most(big_x, big_y, k + 1):
+        k += 1
+    lo = k + _RATIO_STEPS
+    hi = min(lo + 1, _RATIO_TREES - 1)
+    return _RatioWindow(lo, hi, _balanced(big_x, big_y, k), _balanced(big_x, big_y, hi - _RATIO_STEPS))
+
+
+@njit
+def _first_leaf_holding(trees, vroom, s, v, window, stack):
+    """The tree node (``leaves + bin``) of the lowest-numbered bin whose rooms hold ``(s, v)``,
+    else -1: depth first, left to right, pruning every subtree whose max rooms (token, vision,
+    balanced for ``window``) cannot hold the item. ``vroom`` (int64 [bins]) is each bin's exact
+    vision room; ``stack`` (int64 [>= 2·depth]) is scratch space."""
+    lo, hi, need_lo, need_hi = window
+    top = 0
+    stack[0] = 1
+    while top >= 0:
+        node = stack[top]
+        top -= 1
+        if trees.token[node] < s or trees.vision[node] < v:
+            continue
+        if lo >= 0 and (trees.balanced[lo, node] < need_lo or trees.balanced[hi, node] < need_hi):
+            continue
+        if node >= trees.leaves:
+            if vroom[node - trees.leaves] >= v:
+                return node
+            continue
+        top += 1
+        stack[top] = 2 * node + 1  # right after left
+        top += 1
+        stack[top] = 2 * node
+    return -1
+
+
+@njit
+def _set_bin_rooms(trees, b, rem, vrem, capacity, vcapacity):
+    """Write bin ``b``'s token room ``rem`` (-1: the bin is closed) and vision room ``vrem``
+    into every tree of ``trees``."""
+    _max_tree_set(trees.token, trees.leaves, b, rem)
+    _max_tree_set(trees.vision, trees.leaves, b, vrem if rem >= 0 else -1)
+    x = rem * vcapacity if rem >= 0 else -1
+    y = vrem * capacity if rem >= 0 else -1
+    for q in range(_RATIO_TREES):
+        _max_tree_set(trees.balanced[q], trees.leaves, b, _balanced(x, y, q - _RATIO_STEPS))
+
+
 @njit
 def first_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
     """First fit on two budgets: each item goes to the lowest-numbered bin that holds
@@ -304,79 +415,25 @@ def first_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
     ``capacity · vcapacity < 2**56`` (int64 headroom for the ratios).
     """
     n = sizes.shape[0]
-    nk = 2 * _RATIO_STEPS + 1
-    full_x = capacity * vcapacity
-    leaves = 1024
-    tree = np.full(2 * leaves, capacity, np.int64)  # token room
-    vtree = np.full(2 * leaves, vcapacity, np.int64)  # vision room
-    btree = np.empty((nk, 2 * leaves), np.int64)  # balanced rooms
-    for q in range(nk):
-        btree[q, :] = _balanced(full_x, full_x, q - _RATIO_STEPS)
+    trees = _empty_room_trees(1024, capacity, vcapacity)
     vroom = np.full(max(n, 1), vcapacity, np.int64)
     count = np.zeros(max(n, 1), np.int64)
     bin_of = np.empty(n, np.int64)
     stack = np.empty(128, np.int64)
     nbins = 0
     for j in range(n):
-        if nbins == leaves:  # every leaf is a bin: double, keeping the leaves
-            grown = 2 * leaves
-            t2 = np.full(2 * grown, capacity, np.int64)
-            v2 = np.full(2 * grown, vcapacity, np.int64)
-            b2 = np.empty((nk, 2 * grown), np.int64)
-            t2[grown : grown + leaves] = tree[leaves:]
-            v2[grown : grown + leaves] = vtree[leaves:]
-            _rebuild_max_tree(t2, grown)
-            _rebuild_max_tree(v2, grown)
-            for q in range(nk):
-                b2[q, :] = _balanced(full_x, full_x, q - _RATIO_STEPS)
-                b2[q, grown : grown + leaves] = btree[q, leaves:]
-                _rebuild_max_tree(b2[q], grown)
-            tree, vtree, btree, leaves = t2, v2, b2, grown
+        if nbins == trees.leaves:  # every leaf is a bin: double, keeping the leaves
+            trees = _grown_room_trees(trees, capacity, vcapacity)
         s = sizes[j]
         v = vsizes[j]
-        big_x = s * vcapacity
-        big_y = v * capacity
-        lo = hi = -1
-        need_lo = need_hi = 0
-        if v > 0:  # the grid ratios 2**k around X / Y: 2**k <= X / Y < 2**(k+1), clamped
-            k = -_RATIO_STEPS
-            while k < _RATIO_STEPS and _ratio_at_most(big_x, big_y, k + 1):
-                k += 1
-            lo = k + _RATIO_STEPS
-            hi = min(lo + 1, nk - 1)
-            need_lo = _balanced(big_x, big_y, k)
-            need_hi = _balanced(big_x, big_y, hi - _RATIO_STEPS)
-        top = 0
-        stack[0] = 1
-        i = -1
-        while top >= 0:
-            node = stack[top]
-            top -= 1
-            if tree[node] < s or vtree[node] < v:
-                continue
-            if lo >= 0 and (btree[lo, node] < need_lo or btree[hi, node] < need_hi):
-                continue
-            if node >= leaves:
-                if vroom[node - leaves] >= v:
-                    i = node
-                    break
-                continue
-            top += 1
-            stack[top] = 2 * node + 1  # right after left
-            top += 1
-            stack[top] = 2 * node
-        b = i - leaves
+        node = _first_leaf_holding(trees, vroom, s, v, _ratio_window(s, v, capacity, vcapacity), stack)
+        b = node - trees.leaves
         count[b] += 1
-        rem = tree[i] - s
+        rem = trees.token[node] - s
         vroom[b] -= v
         if max_items > 0 and count[b] >= max_items:
             rem = -1
-        _max_tree_set(tree, leaves, b, rem)
-        _max_tree_set(vtree, leaves, b, vroom[b] if rem >= 0 else -1)
-        x = rem * vcapacity if rem >= 0 else -1
-        y = vroom[b] * capacity if rem >= 0 else -1
-        for q in range(nk):
-            _max_tree_set(btree[q], leaves, b, _balanced(x, y, q - _RATIO_STEPS))
+        _set_bin_rooms(trees, b, rem, vroom[b], capacity, vcapacity)
         bin_of[j] = b
         if b >= nbins:
             nbins = b + 1

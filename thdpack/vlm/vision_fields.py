@@ -24,6 +24,33 @@ IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw")
 
 
+@dataclasses.dataclass(frozen=True)
+class _SampleVision:
+    """What the samples of a pack give, checked, one entry per sample unless said.
+
+    ``images`` / ``videos``: ``(pixels [patches, D] or None, grid int64 [k, 3])``.
+    ``intervals``: the family's ``(interval, mode)`` per sample *with videos*.
+    ``second_per_grid_ts``: float32 ``[k]`` per sample with videos (1.0 where it gave
+    none), or ``None`` when the family takes no ``second_per_grid_ts``.
+    """
+
+    images: list
+    videos: list
+    intervals: list
+    second_per_grid_ts: list | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackGrids:
+    """The pack's grids in pack order, int64 ``[N_img, 3]`` / ``[N_vid, 3]``, and the number
+    of images / videos of each sample, int64 ``[n]``."""
+
+    image_grid: np.ndarray
+    video_grid: np.ndarray
+    image_counts: np.ndarray
+    video_counts: np.ndarray
+
+
 def attach_vision(batch, samples, model_config):
     """Add the VLM fields to ``batch`` (in place; returns it).
 
@@ -53,8 +80,18 @@ def attach_vision(batch, samples, model_config):
         (:mod:`thdpack.vlm.convention`).
     """
     family = get_family(model_config)
-    samples = list(samples)
-    n = batch.num_samples
+    vision = _read_vision(list(samples), family)
+    grids = _pack_grids(vision, batch.num_samples)
+    rope = _stream_mrope(batch, family, vision, grids)
+    batch.token_extras["mm_token_type_ids"] = torch.from_numpy(rope.token_type.astype(np.int32))
+    batch.token_extras["mrope_position_ids"] = torch.from_numpy(rope.positions)
+    batch.extras.update(_vision_extras(family, vision, grids, rope.rope_deltas))
+    return batch
+
+
+def _read_vision(samples: list, family) -> _SampleVision:
+    """Read and check every sample's images, videos and video time spacing, in sample
+    order, then check that the pixel rows of all samples have one width."""
     uses_spg = bool(getattr(family, "USES_SECOND_PER_GRID_TS", False))
     images, videos, intervals, spg_parts = [], [], [], []
     for i, sample in enumerate(samples):
@@ -69,24 +106,34 @@ def attach_vision(batch, samples, model_config):
                 spg_parts.append(np.ones(n_vid, np.float32) if spg is None else _to_numpy(spg).astype(np.float32).reshape(-1))
     _check_columns(images, "pixel_values")
     _check_columns(videos, "pixel_values_videos")
+    return _SampleVision(images, videos, intervals, spg_parts if uses_spg else None)
 
-    # the pack's grids and items at once, in pack order
-    image_grid = _cat_grids([g for _, g in images])
-    video_grid = _cat_grids([g for _, g in videos])
-    image_counts = np.fromiter((g.shape[0] for _, g in images), np.int64, count=n)
-    video_counts = np.fromiter((g.shape[0] for _, g in videos), np.int64, count=n)
-    if intervals:
-        interval = np.concatenate([iv for iv, _ in intervals])
-        mode = np.concatenate([md for _, md in intervals])
+
+def _pack_grids(vision: _SampleVision, n: int) -> _PackGrids:
+    """The samples' grids concatenated in pack order, with the count per sample."""
+    return _PackGrids(
+        image_grid=_cat_grids([g for _, g in vision.images]),
+        video_grid=_cat_grids([g for _, g in vision.videos]),
+        image_counts=np.fromiter((g.shape[0] for _, g in vision.images), np.int64, count=n),
+        video_counts=np.fromiter((g.shape[0] for _, g in vision.videos), np.int64, count=n),
+    )
+
+
+def _stream_mrope(batch, family, vision: _SampleVision, grids: _PackGrids):
+    """:func:`~thdpack.vlm.mrope.mrope_for_stream` of the batch's stream: the pack's image and
+    video items (each numbered within its sample, for error messages) placed on its tokens."""
+    if vision.intervals:
+        interval = np.concatenate([iv for iv, _ in vision.intervals])
+        mode = np.concatenate([md for _, md in vision.intervals])
     else:
         interval, mode = family.time_intervals(None, 0)
-    image_items, image_items_per_sample = _localize(family.image_items(image_grid), image_counts)
-    video_items, video_items_per_sample = _localize(family.video_items(video_grid, interval, mode), video_counts)
-
+    image_items, image_items_per_sample = _localize(family.image_items(grids.image_grid), grids.image_counts)
+    video_items, video_items_per_sample = _localize(
+        family.video_items(grids.video_grid, interval, mode), grids.video_counts)
     hint = ""
     if batch.tokens_truncated:
         hint = f" (note: max_length truncation cut {batch.tokens_truncated} tokens from this batch's samples)"
-    rope = mrope_for_stream(
+    return mrope_for_stream(
         family,
         batch.input_ids.numpy(),
         batch.cu_seqlens_padded.numpy().astype(np.int64),
@@ -97,29 +144,37 @@ def attach_vision(batch, samples, model_config):
         video_items_per_sample,
         hint=hint,
     )
-    batch.token_extras["mm_token_type_ids"] = torch.from_numpy(rope.token_type.astype(np.int32))
-    batch.token_extras["mrope_position_ids"] = torch.from_numpy(rope.positions)
 
-    image_patches = image_grid.prod(axis=1)
-    video_patches = video_grid.prod(axis=1)
-    image_segments = family.vit_segments(image_grid)
-    segments = np.concatenate([image_segments, family.vit_segments(video_grid)])
+
+def _vit_cu_seqlens(family, grids: _PackGrids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(image segments, all segments, cu_seqlens int64 [segments + 1])`` of the ViT's
+    attention segments, images first then videos; raises when the patches overflow int32."""
+    image_segments = family.vit_segments(grids.image_grid)
+    segments = np.concatenate([image_segments, family.vit_segments(grids.video_grid)])
     vision_cu = np.zeros(segments.size + 1, np.int64)
     np.cumsum(segments, out=vision_cu[1:])
     if vision_cu[-1] > np.iinfo(np.int32).max:
         raise ValueError(f"pack has {int(vision_cu[-1])} vision patches; does not fit int32 vision_cu_seqlens")
-    image_sample = np.repeat(np.arange(n, dtype=np.int64), image_counts)
-    video_sample = np.repeat(np.arange(n, dtype=np.int64), video_counts)
+    return image_segments, segments, vision_cu
+
+
+def _vision_extras(family, vision: _SampleVision, grids: _PackGrids, rope_deltas: np.ndarray) -> dict:
+    """The per-batch ``batch.extras`` of :func:`attach_vision` (see there)."""
+    n = grids.image_counts.size
+    image_patches = grids.image_grid.prod(axis=1)
+    video_patches = grids.video_grid.prod(axis=1)
+    image_segments, segments, vision_cu = _vit_cu_seqlens(family, grids)
+    image_sample = np.repeat(np.arange(n, dtype=np.int64), grids.image_counts)
+    video_sample = np.repeat(np.arange(n, dtype=np.int64), grids.video_counts)
     sample_patches = np.bincount(image_sample, weights=image_patches, minlength=n).astype(np.int64)
     sample_patches += np.bincount(video_sample, weights=video_patches, minlength=n).astype(np.int64)
-
     extras = {
         "vlm_model_type": family.model_type,
         "mrope_convention": getattr(family, "mrope_convention", EXACT),
-        "pixel_values": _cat_pixels([p for p, _ in images]),
-        "pixel_values_videos": _cat_pixels([p for p, _ in videos]),
-        "image_grid_thw": torch.from_numpy(image_grid) if image_grid.shape[0] else None,
-        "video_grid_thw": torch.from_numpy(video_grid) if video_grid.shape[0] else None,
+        "pixel_values": _cat_pixels([p for p, _ in vision.images]),
+        "pixel_values_videos": _cat_pixels([p for p, _ in vision.videos]),
+        "image_grid_thw": torch.from_numpy(grids.image_grid) if grids.image_grid.shape[0] else None,
+        "video_grid_thw": torch.from_numpy(grids.video_grid) if grids.video_grid.shape[0] else None,
         "image_sample_index": torch.from_numpy(image_sample),
         "video_sample_index": torch.from_numpy(video_sample),
         "image_patch_counts": torch.from_numpy(image_patches),
@@ -128,12 +183,12 @@ def attach_vision(batch, samples, model_config):
         "vision_cu_seqlens": torch.from_numpy(vision_cu.astype(np.int32)),
         "num_image_segments": int(image_segments.size),
         "vision_max_seqlen": int(segments.max()) if segments.size else 0,
-        "rope_deltas": torch.from_numpy(rope.rope_deltas),
+        "rope_deltas": torch.from_numpy(rope_deltas),
     }
-    if uses_spg:
-        extras["second_per_grid_ts"] = torch.from_numpy(np.concatenate(spg_parts)) if spg_parts else None
-    batch.extras.update(extras)
-    return batch
+    if vision.second_per_grid_ts is not None:
+        parts = vision.second_per_grid_ts
+        extras["second_per_grid_ts"] = torch.from_numpy(np.concatenate(parts)) if parts else None
+    return extras
 
 
 def vision_patch_count(sample, index: int = 0) -> int:
