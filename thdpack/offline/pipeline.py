@@ -131,14 +131,70 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_sl
     what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
     logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
+    sequences = _sequences(tokenized, cfg, pairs)
+    sample_rows, skipped, patches = _select_rows(cfg, source, tokenized, sequences, vlm)
+    t0 = time.perf_counter()
+    planner = _Planner(cfg, sequences, vlm, patches)
+    plan, sample_rows, piece_targets, without = _plan_samples(planner, tokenized.dataset.data.table, source, sample_rows)
+    t["plan"] = time.perf_counter() - t0
+    _log_plan(cfg, plan, without, t["plan"])
+    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """The tokenized sequences of a build (one per input row; two for preference rows)."""
+
+    lengths: np.ndarray  # int64 [sequences]: tokens of each
+    row: np.ndarray  # int64 [sequences]: input row of each
+    group: np.ndarray | None  # int64 [sequences]: group of each (planned into one pack), or None
+    pairs: bool  # preference rows: a chosen and a rejected sequence per row
+
+
+def _sequences(tokenized: Tokenized, cfg: BuildConfig, pairs: bool) -> _Sequences:
+    """The :class:`_Sequences` of ``tokenized``."""
     lengths = tokenized.lengths  # per tokenized sequence
     seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
-    seq_group = _sequence_groups(tokenized, seq_row, cfg)  # group of each sequence (one pack each), or None
-    grouped = seq_group is not None
-    skipped = _row_errors(tokenized.errors, seq_row, pairs)  # from here on, per input row
-    row_tokens = _row_tokens(lengths, seq_row, seq_group, cfg.align) if grouped else lengths
+    return _Sequences(lengths, seq_row, _sequence_groups(tokenized, seq_row, cfg), pairs)
+
+
+def _select_rows(cfg: BuildConfig, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm):
+    """``(sample_rows, skipped, patches)``: the tokenized sequences to plan (int64, ascending), the
+    ``(input row, reason)`` of the rows left out (failed, too long, over the vision budget), sorted,
+    and the VLM builds' per-sequence patches (None without ``vlm``). Raises InputError listing the
+    bad rows unless ``cfg.skip_bad_rows``, and when no row is left."""
+    grouped = sequences.group is not None
+    skipped = _row_errors(tokenized.errors, sequences.row, sequences.pairs)  # from here on, per input row
+    row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, cfg.align) if grouped
+                  else sequences.lengths)
     usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
+    too_long = _too_long_rows(cfg, source, row_tokens, usable, grouped, sequences.pairs)
+    skipped.extend(too_long)
+    usable[np.array([r for r, _ in too_long], np.int64)] = False
+    patches = None
+    if vlm is not None:  # vision budget, and rows with images that cannot be cut
+        patches, bad = vlm.plan_checks(cfg, tokenized, usable)
+        skipped.extend(bad)
+        usable[[r for r, _ in bad]] = False
+    skipped.sort()
+    if skipped and not cfg.skip_bad_rows:
+        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
+        more = f" (and {len(skipped) - MAX_ERRORS_SHOWN} more)" if len(skipped) > MAX_ERRORS_SHOWN else ""
+        raise InputError(
+            f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
+        )
+    sample_rows = np.flatnonzero(usable[sequences.row]).astype(np.int64)
+    if sample_rows.size == 0:
+        raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
+    return sample_rows, skipped, patches
+
+
+def _too_long_rows(cfg: BuildConfig, source: Source, row_tokens: np.ndarray, usable: np.ndarray, grouped: bool,
+                   pairs: bool) -> list[tuple[int, str]]:
+    """``(input row, reason)`` of the usable rows whose tokens (``row_tokens``, int64 ``[rows]``: a
+    group's together) exceed what pack_size allows under ``overflow: error`` (other policies cut them in
+    :func:`plan_packs`). Raises InputError listing them unless ``cfg.skip_bad_rows``."""
     limit = usable_length(cfg.pack_size, cfg.align)  # the rest is plan_packs' overflow policy (thdpack/planning/packing.py)
     too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
     what = (f" in its group (group_column: {cfg.group_column})" if cfg.group_column else
@@ -155,62 +211,68 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_sl
                "--skip-bad-rows." if grouped else
                "Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows.")
         )
-    for r in too_long.tolist():
-        skipped.append((r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={cfg.pack_size} allows "
-                           "(overflow=error)"))
-    usable[too_long] = False
-    if vlm is not None:  # vision budget, and rows with images that cannot be cut
-        patches, bad = vlm.plan_checks(cfg, tokenized, usable)
-        skipped.extend(bad)
-        usable[[r for r, _ in bad]] = False
-    skipped.sort()
-    if skipped and not cfg.skip_bad_rows:
-        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
-        more = f" (and {len(skipped) - MAX_ERRORS_SHOWN} more)" if len(skipped) > MAX_ERRORS_SHOWN else ""
-        raise InputError(
-            f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
-        )
-    sample_rows = np.flatnonzero(usable[seq_row]).astype(np.int64)
-    if sample_rows.size == 0:
-        raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
+    return [(r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={cfg.pack_size} allows (overflow=error)")
+            for r in too_long.tolist()]
 
-    def plan_rows(rows: np.ndarray) -> PackPlan:
+
+@dataclass(frozen=True)
+class _Planner:
+    """:func:`plan_packs` with the build's options, for any subset of its tokenized sequences."""
+
+    cfg: BuildConfig
+    sequences: _Sequences
+    vlm: object  # a VlmBuild, or None
+    patches: object  # the VlmBuild's per-sequence patches (vlm.plan_checks), or None
+
+    def plan(self, rows: np.ndarray) -> PackPlan:
+        """The plan of the sequences ``rows`` (int64, ascending)."""
+        cfg, group = self.cfg, self.sequences.group
         return plan_packs(
-            lengths[rows],
+            self.sequences.lengths[rows],
             cfg.pack_size,
             algorithm=cfg.algorithm,
             align=cfg.align,
             overflow=cfg.overflow,
             max_samples_per_pack=cfg.max_samples_per_pack,
             seed=cfg.seed,
-            **(vlm.plan_kwargs(patches, rows) if vlm is not None else {}),
-            **({"groups": seq_group[rows]} if grouped else {}),  # a pair's / group's sequences in one pack
+            **(self.vlm.plan_kwargs(self.patches, rows) if self.vlm is not None else {}),
+            **({"groups": group[rows]} if group is not None else {}),  # a pair's / group's sequences in one pack
         )
 
-    t0 = time.perf_counter()
-    table = tokenized.dataset.data.table
-    plan = plan_rows(sample_rows)
+
+def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndarray):
+    """``(plan, sample_rows, piece_targets, without)``: the plan of ``sample_rows``, the target tokens of
+    each of its pieces (int64 ``[pieces]``) and the :class:`WithoutTargets`; under ``without_targets:
+    drop`` planned again without those samples (their whole groups), whose rows ``sample_rows`` no
+    longer holds. ``table``: the tokenized rows."""
+    cfg, sequences = planner.cfg, planner.sequences
+    plan = planner.plan(sample_rows)
     piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
-        drop = np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if grouped else without.rows  # whole groups
+        seq_group = sequences.group
+        drop = (np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if seq_group is not None
+                else without.rows)  # whole groups
         sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
         if sample_rows.size == 0:
             raise InputError(
                 f"no row has a target token in what overflow={cfg.overflow} keeps of it ({without.rows.size} rows, "
-                f"e.g. {source.where(int(seq_row[without.rows[0]]))}): nothing to train on. Check the loss / labels of the "
-                "rows, raise pack_size, or set without_targets: keep to pack them anyway"
+                f"e.g. {source.where(int(sequences.row[without.rows[0]]))}): nothing to train on. Check the loss / "
+                "labels of the rows, raise pack_size, or set without_targets: keep to pack them anyway"
             )
-        plan = plan_rows(sample_rows)
+        plan = planner.plan(sample_rows)
         piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
-    t["plan"] = time.perf_counter() - t0
+    return plan, sample_rows, piece_targets, without
+
+
+def _log_plan(cfg: BuildConfig, plan: PackPlan, without: "WithoutTargets", seconds: float) -> None:
+    """The ``planned`` log line, and the ``without targets`` one when some samples have none."""
     logger.info(f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
-                f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {t['plan']:.2f}s")
+                f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {seconds:.2f}s")
     if without.rows.size:
         logger.info(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
                     f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
                     f"(without_targets: {cfg.without_targets})")
-    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
 
 
 def _check_group_options(cfg: BuildConfig, input_slice, what: str) -> None:
@@ -340,8 +402,7 @@ def build_packed(
 
 
 def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
-    from thdpack import __version__
-    from thdpack.offline.store.writer import sample_value_arrays, write_packs
+    from thdpack.offline.store.writer import sample_value_arrays
 
     require_hf("thdpack build")  # import the heavy libraries before touching the file system
     cfg.validate()
@@ -355,74 +416,14 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
             bridge_export.check_text_only(prep.vlm)
         t0 = time.perf_counter()
         values = sample_value_arrays(prep.tokenized.dataset.data.table, cfg.value_columns(), prep.sample_rows)
-        order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
-                 else np.arange(len(plan)))
-        written = write_packs(
-            tmp,
-            prep.tokenized.dataset.data.table,
-            cfg.targets,
-            plan,
-            prep.sample_rows,
-            order,
-            file_format=bridge_export.data_file_format(cfg.output_format),
-            file_size_mb=cfg.file_size_mb,
-            progress=progress,
-            row_offset=prep.source.row_start if input_slice is not None else 0,
-            extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
-            values=values,
-        )
-        tok_info = prep.tokenized.tokenizer_info
-        if tok_info is not None:
-            tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
-            if cfg.save_tokenizer:
-                prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-        if prep.model_config is not None:
-            (tmp / MODEL_CONFIG_FILE).write_text(canonical_json(prep.model_config), encoding="utf-8")
+        row_offset = prep.source.row_start if input_slice is not None else 0
+        written = _write_pack_files(cfg, tmp, prep, values, row_offset=row_offset, progress=progress)
+        tok_info = _save_tokenizer_and_model(cfg, tmp, prep)
         prep.timings["write"] = time.perf_counter() - t0
 
         summary = prep.summary()
-        counts = prep.counts()
-        counts["tokens"] = summary["real_tokens"]
-        counts["target_tokens"] = written["target_tokens"]
         summary["target_tokens"] = written["target_tokens"]
-        meta: PackedMetadata = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "complete": True,
-            "thdpack_version": __version__,
-            "file_format": bridge_export.data_file_format(cfg.output_format),
-            "targets": cfg.targets,
-            "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
-            "num_packs": len(plan),
-            "pack_size": cfg.pack_size,
-            "align": cfg.align,
-            "cp_size": cfg.cp_size,
-            "tp_size": cfg.tp_size,
-            "sequence_parallel": cfg.sequence_parallel,
-            "pad_multiple": cfg.pad_multiple,
-            "algorithm": cfg.algorithm,
-            "overflow": cfg.overflow,
-            "without_targets": cfg.without_targets,
-            "max_samples_per_pack": cfg.max_samples_per_pack,
-            "seed": cfg.seed,
-            "shuffle_packs": cfg.shuffle_packs,
-            **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
-            "counts": counts,
-            "source": {
-                "format": prep.tokenized.fmt,
-                "fingerprint": prep.source.fingerprint,
-                "files": [f.describe() for f in prep.source.files],
-            },
-            "tokenizer": tok_info,
-            "model": None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
-            "files": written["files"],
-            "stats": summary,
-            "skipped_examples": prep.skipped_examples(),
-            "config": cfg.as_dict(recorded=True),
-        }
-        if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
-            meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
-            meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
+        meta = _metadata(cfg, prep, summary, written, values, tok_info)
         if cfg.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge_export.py)
             meta["megatron_bridge"] = bridge_export.write_build(tmp, cfg, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
@@ -443,6 +444,95 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
     logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} data file(s), {size / 1e6:.1f} MB "
                 f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
     return BuildResult(output, meta, timings, summary)
+
+
+def _write_pack_files(cfg: BuildConfig, tmp: Path, prep: Prepared, values: dict, *, row_offset: int,
+                      progress: bool) -> dict:
+    """Write the packs of ``prep`` (in ``cfg.shuffle_packs`` order) as data files into ``tmp``, with the
+    ``values`` columns (``{name: [samples]}``) and input rows numbered from ``row_offset``;
+    :func:`~thdpack.offline.store.writer.write_packs`'s result (``files``, ``target_tokens``)."""
+    from thdpack.offline.store.writer import write_packs
+
+    plan = prep.plan
+    order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
+             else np.arange(len(plan)))
+    return write_packs(
+        tmp,
+        prep.tokenized.dataset.data.table,
+        cfg.targets,
+        plan,
+        prep.sample_rows,
+        order,
+        file_format=bridge_export.data_file_format(cfg.output_format),
+        file_size_mb=cfg.file_size_mb,
+        progress=progress,
+        row_offset=row_offset,
+        extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
+        values=values,
+    )
+
+
+def _save_tokenizer_and_model(cfg: BuildConfig, tmp: Path, prep: Prepared) -> dict | None:
+    """Save a copy of the tokenizer (``cfg.save_tokenizer``) and the model config into ``tmp``; the
+    tokenizer's metadata entry (None for pre-tokenized input)."""
+    tok_info = prep.tokenized.tokenizer_info
+    if tok_info is not None:
+        tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
+        if cfg.save_tokenizer:
+            prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+    if prep.model_config is not None:
+        (tmp / MODEL_CONFIG_FILE).write_text(canonical_json(prep.model_config), encoding="utf-8")
+    return tok_info
+
+
+def _metadata(cfg: BuildConfig, prep: Prepared, summary: dict, written: dict, values: dict,
+              tok_info: dict | None) -> PackedMetadata:
+    """``metadata.json`` of a build: the format, the options, the counts and ``summary``, the source,
+    tokenizer and model, the data files ``written``, and the ``values`` columns' dtypes."""
+    from thdpack import __version__
+
+    counts = prep.counts()
+    counts["tokens"] = summary["real_tokens"]
+    counts["target_tokens"] = written["target_tokens"]
+    meta: PackedMetadata = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": True,
+        "thdpack_version": __version__,
+        "file_format": bridge_export.data_file_format(cfg.output_format),
+        "targets": cfg.targets,
+        "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
+        "num_packs": len(prep.plan),
+        "pack_size": cfg.pack_size,
+        "align": cfg.align,
+        "cp_size": cfg.cp_size,
+        "tp_size": cfg.tp_size,
+        "sequence_parallel": cfg.sequence_parallel,
+        "pad_multiple": cfg.pad_multiple,
+        "algorithm": cfg.algorithm,
+        "overflow": cfg.overflow,
+        "without_targets": cfg.without_targets,
+        "max_samples_per_pack": cfg.max_samples_per_pack,
+        "seed": cfg.seed,
+        "shuffle_packs": cfg.shuffle_packs,
+        **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
+        "counts": counts,
+        "source": {
+            "format": prep.tokenized.fmt,
+            "fingerprint": prep.source.fingerprint,
+            "files": [f.describe() for f in prep.source.files],
+        },
+        "tokenizer": tok_info,
+        "model": None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
+        "files": written["files"],
+        "stats": summary,
+        "skipped_examples": prep.skipped_examples(),
+        "config": cfg.as_dict(recorded=True),
+    }
+    if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
+        meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
+        meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
+    return meta
 
 
 # ---------------------------------------------------------------------------- raw stats

@@ -7,6 +7,7 @@ and memory bounded by the chunk, not the dataset.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -98,66 +99,116 @@ def write_packs(
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    num_packs = len(plan)
-    fill = np.add.reduceat(plan.length, plan.pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
-    fill = fill[order]
-    bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
-    file_cuts = group_boundaries(fill, int(file_size_mb * 1e6 / bytes_per_token))
-    chunk_weight, chunk_budget = fill, CHUNK_TOKENS
-    sch = schema(targets)
-    if extra is not None:  # size data files and record batches by bytes, extra columns included
-        for f in extra.fields():
-            sch = sch.append(f)
-        chunk_weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
-        chunk_budget = int(CHUNK_TOKENS * bytes_per_token)
-        file_cuts = group_boundaries(chunk_weight, int(file_size_mb * 1e6))
     values = values or {}
-    for f in value_fields(values):
-        sch = sch.append(f)
-    n_files = len(file_cuts) - 1
+    sch = _pack_schema(targets, extra, values)
+    sizing = _file_sizing(plan, order, targets, file_size_mb, extra, sample_rows)
     readers = {name: RowPieces(token_table, name) for name in ("input_ids", targets)}
+    writer = _PackWriter(readers, targets, plan, sample_rows, sch, file_format, row_offset, extra, values)
+    n_files = len(sizing.file_cuts) - 1
     files, target_tokens = [], 0
-    bar = tqdm(total=num_packs, desc="Writing packs", unit="pack", disable=not progress, leave=False)
+    bar = tqdm(total=len(plan), desc="Writing packs", unit="pack", disable=not progress, leave=False)
     for s in range(n_files):
-        a, b = file_cuts[s], file_cuts[s + 1]
+        a, b = sizing.file_cuts[s], sizing.file_cuts[s + 1]
         name = data_file_name(s, n_files, file_format)
         path = out_dir / name
-        if file_format == "arrow":
-            sink = pa.OSFile(str(path), "wb")
-            writer = pa.ipc.new_stream(sink, sch)
-        else:
-            sink = None
-            writer = pq.ParquetWriter(str(path), sch, compression="zstd")
-        try:
-            chunk_cuts = group_boundaries(chunk_weight[a:b], chunk_budget)
-            for c in range(len(chunk_cuts) - 1):
-                ks = order[a + chunk_cuts[c] : a + chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(readers, targets, plan, sample_rows, ks, sch, row_offset, extra, values)
-                target_tokens += n_targets
-                if file_format == "arrow":
-                    writer.write_batch(batch)
-                else:
-                    writer.write_table(pa.Table.from_batches([batch], sch))
-                bar.update(len(ks))
-        finally:
-            writer.close()
-            if sink is not None:
-                sink.close()
+        target_tokens += writer.write_file(path, order[a:b], sizing.chunk_weight[a:b], sizing.chunk_budget, bar)
         files.append(
             {
                 "path": name,
                 "num_packs": int(b - a),
-                "num_tokens": int(fill[a:b].sum()),
+                "num_tokens": int(sizing.fill[a:b].sum()),
                 "num_bytes": path.stat().st_size,
                 "sha256": file_sha256(path),
             }
         )
     bar.close()
     return {"files": files, "target_tokens": int(target_tokens)}
+
+
+def _pack_schema(targets: str, extra, values: dict):
+    """The data files' Arrow schema: the token columns, ``extra``'s fields, the ``values`` columns."""
+    sch = schema(targets)
+    if extra is not None:
+        for f in extra.fields():
+            sch = sch.append(f)
+    for f in value_fields(values):
+        sch = sch.append(f)
+    return sch
+
+
+@dataclass(frozen=True)
+class _FileSizing:
+    """How :func:`write_packs` cuts the packs, in output order, into data files and record batches."""
+
+    fill: np.ndarray  # int64 [num_packs]: real tokens of each pack
+    file_cuts: list[int]  # pack boundaries of the data files, [0, ..., num_packs]
+    chunk_weight: np.ndarray  # [num_packs]: each pack's tokens, or its bytes when there are extra columns
+    chunk_budget: int  # the weight of one record batch
+
+
+def _file_sizing(plan: PackPlan, order: np.ndarray, targets: str, file_size_mb: float, extra,
+                 sample_rows: np.ndarray) -> _FileSizing:
+    """Data files of about ``file_size_mb`` and record batches of about :data:`CHUNK_TOKENS` tokens,
+    counted in bytes (extra columns included) when there are ``extra`` columns."""
+    num_packs = len(plan)
+    fill = np.add.reduceat(plan.length, plan.pack_offsets[:-1]) if num_packs else np.zeros(0, np.int64)
+    fill = fill[order]
+    bytes_per_token = 4 + (0.125 if targets == "loss_mask" else 4)
+    if extra is None:
+        return _FileSizing(fill, group_boundaries(fill, int(file_size_mb * 1e6 / bytes_per_token)), fill, CHUNK_TOKENS)
+    weight = (fill * bytes_per_token).astype(np.int64) + extra.pack_bytes(plan, sample_rows)[order]
+    return _FileSizing(fill, group_boundaries(weight, int(file_size_mb * 1e6)), weight,
+                       int(CHUNK_TOKENS * bytes_per_token))
+
+
+@dataclass(frozen=True)
+class _PackWriter:
+    """Writes packs of ``plan`` as record batches of schema ``sch`` into Arrow or Parquet data files
+    (the arguments of :func:`write_packs`; ``readers``: a RowPieces per token column)."""
+
+    readers: dict
+    targets: str
+    plan: PackPlan
+    sample_rows: np.ndarray
+    sch: object  # pyarrow.Schema
+    file_format: str
+    row_offset: int
+    extra: object
+    values: dict
+
+    def write_file(self, path: Path, packs: np.ndarray, weights: np.ndarray, budget: int, bar) -> int:
+        """Write ``packs`` (int64 ``[k]`` pack indices in output order) as one data file at ``path``, in
+        record batches of about ``budget`` (``weights``: ``[k]`` each pack's); its target tokens.
+        Advances the progress ``bar`` by each batch's packs."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if self.file_format == "arrow":
+            sink = pa.OSFile(str(path), "wb")
+            writer = pa.ipc.new_stream(sink, self.sch)
+        else:
+            sink = None
+            writer = pq.ParquetWriter(str(path), self.sch, compression="zstd")
+        target_tokens = 0
+        try:
+            chunk_cuts = group_boundaries(weights, budget)
+            for c in range(len(chunk_cuts) - 1):
+                ks = packs[chunk_cuts[c] : chunk_cuts[c + 1]]
+                batch, n_targets = _chunk(self.readers, self.targets, self.plan, self.sample_rows, ks, self.sch,
+                                          self.row_offset, self.extra, self.values)
+                target_tokens += n_targets
+                if self.file_format == "arrow":
+                    writer.write_batch(batch)
+                else:
+                    writer.write_table(pa.Table.from_batches([batch], self.sch))
+                bar.update(len(ks))
+        finally:
+            writer.close()
+            if sink is not None:
+                sink.close()
+        return target_tokens
 
 
 def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,

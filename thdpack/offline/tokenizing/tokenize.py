@@ -63,9 +63,48 @@ def resolve_format(cfg: BuildConfig, source: Source) -> str:
 def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
     """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
     (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images."""
-    import datasets
-
     fmt = resolve_format(cfg, source)
+    _check_source_columns(cfg, source, fmt, vlm)
+    tok = _tokenizer_for_format(cfg, fmt)
+    ds = _columns_to_tokenize(cfg, source, fmt, vlm)
+    bpe, note = fast_bpe(cfg, tok, fmt)
+    if note:
+        logger.info(note)
+    features = _tokenized_features(cfg, vlm)
+    fingerprint = bytes_sha256(
+        json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
+                   sort_keys=True, default=str)
+    )[:16]
+    batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
+    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
+    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
+        ds = memory_mapped(ds, work_dir / "rows.arrow")
+    tokenizers = _RowTokenizers(fmt, cfg, tok, ds.column_names, source, vlm)
+    rows = _RowMap(ds, num_proc, dict(
+        batched=True,
+        batch_size=batch_size,
+        remove_columns=ds.column_names,
+        with_indices=vlm is not None,
+        features=features,
+        cache_file_name=str(work_dir / "tokenized.arrow"),
+        load_from_cache_file=False,
+        new_fingerprint=fingerprint,
+        desc=f"Tokenizing ({fmt})",
+    ))
+    out = _tokenize_rows(rows, tokenizers, bpe, progress)
+    col = out.data.table.column("input_ids")
+    lengths = np.concatenate(
+        [np.diff(np.asarray(c.offsets)).astype(np.int64) for c in col.chunks] or [np.zeros(0, np.int64)]
+    )
+    err_col = out.data.table.column(ERROR_COLUMN)
+    bad = np.flatnonzero(np.asarray(err_col.is_valid()))
+    errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
+    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, cfg.tokenizer) if tok else None)
+
+
+def _check_source_columns(cfg: BuildConfig, source: Source, fmt: str, vlm) -> None:
+    """Refuse a row format that cannot carry images (VLM builds), and, for inputs with columns,
+    a missing column of the format, of ``sample_values`` or of ``group_column``."""
     if vlm is not None and fmt in ("prompt_completion", "preference"):
         raise ConfigError(f"rows with images must be chat (messages or sharegpt) or text rows, not {fmt}")
     if not source.is_json:
@@ -79,12 +118,20 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which "
                              f"{'group_column' if missing[0] == cfg.group_column else 'sample_values'} names "
                              f"(columns: {source.columns})")
+
+
+def _tokenizer_for_format(cfg: BuildConfig, fmt: str):
+    """The build's tokenizer, or None for pre-tokenized rows without one; ConfigError when ``fmt`` needs one."""
     tok = None
     if cfg.tokenizer:
         tok = load_tokenizer(cfg)
     elif fmt != "tokenized":
         raise ConfigError(f"format '{fmt}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
+    return tok
 
+
+def _columns_to_tokenize(cfg: BuildConfig, source: Source, fmt: str, vlm):
+    """``source.dataset`` with only the columns the row tokenizer reads (JSON inputs: the raw row)."""
     ds = source.dataset
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
         format_fields(fmt, cfg) + optional_fields(fmt)
@@ -92,11 +139,16 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
         + cfg.value_columns() + ([cfg.group_column] if cfg.group_column else []))]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
-    bpe, note = fast_bpe(cfg, tok, fmt)
-    if note:
-        logger.info(note)
+    return ds
+
+
+def _tokenized_features(cfg: BuildConfig, vlm):
+    """The ``datasets.Features`` of the tokenized rows: ids, targets, the error, the VLM build's
+    columns, the ``sample_values`` and the ``group_column`` key."""
+    import datasets
+
     target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
-    features = datasets.Features(
+    return datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
             cfg.targets: datasets.List(target_type),
@@ -107,54 +159,56 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
             **({GROUP_COLUMN: datasets.Value("string")} if cfg.group_column else {}),
         }
     )
-    fingerprint = bytes_sha256(
-        json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
-                   sort_keys=True, default=str)
-    )[:16]
 
-    def row_tokenizer(bpe):
-        if vlm is None:
-            return RowTokenizer(fmt, cfg, tok, ds.column_names, bpe)
-        return vlm.row_tokenizer(fmt, cfg, tok, ds.column_names, source, bpe)
 
-    batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
-    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
-    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
-        ds = memory_mapped(ds, work_dir / "rows.arrow")
+@dataclass(frozen=True)
+class _RowTokenizers:
+    """Makes the build's row tokenizer (the VLM build's with ``vlm``), with or without a fast BPE."""
+
+    fmt: str
+    cfg: BuildConfig
+    tok: object
+    columns: list[str]  # the columns of the rows mapped
+    source: Source
+    vlm: object
+
+    def make(self, bpe):
+        """The row tokenizer, using the fast path ``bpe`` (None: the tokenizer itself)."""
+        if self.vlm is None:
+            return RowTokenizer(self.fmt, self.cfg, self.tok, self.columns, bpe)
+        return self.vlm.row_tokenizer(self.fmt, self.cfg, self.tok, self.columns, self.source, bpe)
+
+
+@dataclass(frozen=True)
+class _RowMap:
+    """One ``datasets.map`` over the rows ``ds``: in ``num_proc`` processes of our own, or in this one."""
+
+    ds: object  # datasets.Dataset
+    num_proc: int | None
+    kwargs: dict  # datasets.map's keyword arguments
+
+    def run(self, fn):
+        """The rows mapped by ``fn`` (a batched row tokenizer)."""
+        if self.num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
+            return map_in_processes(self.ds.with_format("arrow"), fn, self.num_proc, **self.kwargs).with_format(None)
+        return self.ds.with_format("arrow").map(fn, **self.kwargs).with_format(None)
+
+
+def _tokenize_rows(rows: _RowMap, tokenizers: _RowTokenizers, bpe, progress: bool):
+    """Map the row tokenizer over ``rows``; when the fast path ``bpe`` disagrees with the tokenizer on
+    a row, map again without it. ``progress=False`` silences ``datasets``' bars meanwhile."""
+    import datasets
+
     if not progress:
         datasets.disable_progress_bars()
-    def tokenize_all(fn):
-        kwargs = dict(
-            batched=True,
-            batch_size=batch_size,
-            remove_columns=ds.column_names,
-            with_indices=vlm is not None,
-            features=features,
-            cache_file_name=str(work_dir / "tokenized.arrow"),
-            load_from_cache_file=False,
-            new_fingerprint=fingerprint,
-            desc=f"Tokenizing ({fmt})",
-        )
-        if num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
-            return map_in_processes(ds.with_format("arrow"), fn, num_proc, **kwargs).with_format(None)
-        return ds.with_format("arrow").map(fn, **kwargs).with_format(None)
-
     try:
         try:
-            out = tokenize_all(row_tokenizer(bpe))
+            return rows.run(tokenizers.make(bpe))
         except FastTokenizerMismatch as exc:
             if bpe is None:
                 raise
             logger.info(f"tiktoken  {exc}; tokenizing again with the tokenizer itself")
-            out = tokenize_all(row_tokenizer(None))
+            return rows.run(tokenizers.make(None))
     finally:
         if not progress:
             datasets.enable_progress_bars()
-    col = out.data.table.column("input_ids")
-    lengths = np.concatenate(
-        [np.diff(np.asarray(c.offsets)).astype(np.int64) for c in col.chunks] or [np.zeros(0, np.int64)]
-    )
-    err_col = out.data.table.column(ERROR_COLUMN)
-    bad = np.flatnonzero(np.asarray(err_col.is_valid()))
-    errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
-    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, cfg.tokenizer) if tok else None)
