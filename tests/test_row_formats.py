@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.tokenizing.row_formats import (DETECTION_ORDER, SHAREGPT_ROLES, detect_format,  # noqa: E402
-                                         prompt_completion, sharegpt_row, sharegpt_to_messages)
+from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format  # noqa: E402
+from thdpack.offline.tokenizing.row_formats import (SHAREGPT_ROLES, prompt_completion, sharegpt_row,  # noqa: E402
+                                                    sharegpt_to_messages)
 
 TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
 
@@ -321,6 +322,106 @@ def test_format_option_overrides_detection(tmp_path, rows):
     assert data_bytes(chat.path) == data_bytes(plain.path)
     with pytest.raises(ConfigError, match="format must be one of"):
         build(tmp_path, path, "bad", format="alpaca")
+
+
+# ---------------------------------------------------------------------------- the registry of formats
+
+FORMAT_NAMES = ["chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized"]
+
+
+def format_flag_accepts(name: str) -> bool:
+    """Whether ``thdpack build --format NAME`` parses (its choices come from BuildConfig's field)."""
+    import argparse
+
+    from thdpack.cli.config_flags import add_config_flags
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_config_flags(parser, only=("format",))
+    try:
+        return parser.parse_args(["--format", name]).format == name
+    except argparse.ArgumentError:
+        return False
+
+
+def test_format_choices_are_auto_and_the_registered_formats():
+    """``format``'s choices (the option and the flag) are "auto" + the registered formats, in the order of
+    registration; ``auto`` tries every one of them."""
+    from thdpack.offline.tokenizing.formats import ROW_FORMATS
+
+    assert list(ROW_FORMATS) == FORMAT_NAMES and sorted(DETECTION_ORDER) == sorted(FORMAT_NAMES)
+    for name in ["auto", *FORMAT_NAMES]:
+        assert BuildConfig(input="-", format=name).validate().format == name and format_flag_accepts(name)
+    with pytest.raises(ConfigError, match="^format must be one of auto, chat, sharegpt, prompt_completion, "
+                                          "preference, text, tokenized; got 'alpaca'$"):
+        BuildConfig(input="-", format="alpaca").validate()
+    assert not format_flag_accepts("alpaca")
+
+
+def test_a_new_row_format_is_one_registered_class():
+    """A class that calls register_format is a format: a choice of ``format`` and ``--format``, and rows the
+    row tokenizer builds by asking it (its fields, the value it encodes, the encoder)."""
+    import pyarrow as pa
+
+    from thdpack.offline import config
+    from thdpack.offline.tokenizing import formats
+    from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer
+
+    saved = dict(formats.ROW_FORMATS), list(config.FORMATS)
+    try:
+        @formats.register_format
+        class Shouted(formats.TextFormat):
+            """Text rows in capitals."""
+
+            name = "shouted"
+
+            def fields(self, cfg):
+                return ["line"]
+
+            def value(self, v, field, messages):
+                return super().value(v, field, messages).upper()
+
+        cfg = BuildConfig(input="-", tokenizer=str(TOKENIZER_DIR), format="shouted").validate()
+        assert format_flag_accepts("shouted")
+        tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+        got = RowTokenizer("shouted", cfg, tok, ["line"])(pa.table({"line": ["Hello there", "", "ok"]}))
+        want = RowTokenizer("text", cfg.override(format="text"), tok, ["text"])(
+            pa.table({"text": ["HELLO THERE", "", "OK"]}))
+        assert got.column("__error__").to_pylist() == [None, "'line' is empty", None]
+        assert got.drop_columns(["__error__"]).equals(want.drop_columns(["__error__"]))
+    finally:
+        formats.ROW_FORMATS.clear()
+        formats.ROW_FORMATS.update(saved[0])
+        config.FORMATS[:] = saved[1]
+    assert not format_flag_accepts("shouted")
+
+
+def test_preference_rows_give_two_sequences_and_others_one():
+    from thdpack.offline.tokenizing.formats import row_format
+
+    pref = row_format("preference")
+    values, errors, tools = pref.sequences([("c0", "r0"), None, ("c2", "r2")], [None, "bad", None], ["t0", None, "t2"])
+    assert values == ["c0", "r0", None, None, "c2", "r2"] and errors == [None, None, "bad", "bad", None, None]
+    assert tools == ["t0", "t0", None, None, "t2", "t2"]
+    np.testing.assert_array_equal(pref.sequence_rows(6), [0, 0, 1, 1, 2, 2])
+    for name in [n for n in FORMAT_NAMES if n != "preference"]:
+        assert row_format(name).sequences(["v"], [None], ["t"]) == (["v"], [None], ["t"])
+        np.testing.assert_array_equal(row_format(name).sequence_rows(3), [0, 1, 2])
+    with pytest.raises(ValueError, match="^unknown row format 'alpaca'; use one of chat, sharegpt, "):
+        row_format("alpaca")
+
+
+def test_vlm_rows_refuse_formats_whose_text_cannot_hold_images():
+    """Tokenized rows (no text to expand the placeholders in) and prompt/completion rows."""
+    from thdpack.offline.vision.vlm_rows import VlmRowTokenizer
+
+    cfg = BuildConfig(input="-")
+    with pytest.raises(ConfigError, match=r"^rows with images must be chat or text rows: the image placeholders are "
+                                          r"expanded before tokenizing \(already tokenized VLM rows are not supported\)$"):
+        VlmRowTokenizer("tokenized", cfg, None, [], None, None)
+    for name in ("prompt_completion", "preference"):
+        with pytest.raises(ConfigError, match=f"^rows with images must be chat \\(messages or sharegpt\\) or text rows, "
+                                              f"not {name}$"):
+            VlmRowTokenizer(name, cfg, None, [], None, None)
 
 
 # ---------------------------------------------------------------------------- bad rows

@@ -15,6 +15,7 @@ the build, ``pyarrow`` only when a dataset is opened.
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
+import thdpack.offline.tokenizing.formats  # noqa: F401  registers the row formats: BuildConfig.format's choices
 
 
 def build_packed(*args, **kwargs):

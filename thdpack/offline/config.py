@@ -22,9 +22,11 @@ from thdpack.offline.errors import ConfigError
 from thdpack.planning.packing import OVERFLOW_POLICIES
 from thdpack.planning.options import ALGORITHMS
 
-FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized")  # row_formats.py, docs/build.md
+# "auto", then the name of each row format class registered (thdpack/offline/tokenizing/formats.py,
+# register_format, run on importing thdpack.offline); docs/build.md, "Row formats"
+FORMATS: list[str] = ["auto"]
 LOSS_MODES = ("assistant", "last_assistant", "all")
-TARGETS = ("loss_mask", "labels")
+TARGETS = ("loss_mask", "labels")  # the target column a build writes; store/format.py and store/dataset.py read it here
 OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")

@@ -28,7 +28,8 @@ from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError, require_hf
 from thdpack.offline.store.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
-from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN, PAIR_FORMATS, sequence_rows
+from thdpack.offline.tokenizing.formats import row_format
+from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN
 from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
@@ -120,7 +121,7 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_sl
     logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
     if input_slice is not None:  # tokenize and plan only this slice's rows (thdpack/offline/inputs/input_slice.py)
         source = input_slice.select(source)
-    pairs = resolve_format(cfg, source) in PAIR_FORMATS
+    pairs = row_format(resolve_format(cfg, source)).sequences_per_row > 1  # preference rows
     if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
         _check_group_options(cfg, input_slice, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
     vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vision/vlm_setup.py), else None
@@ -154,7 +155,7 @@ class _Sequences:
 def _sequences(tokenized: Tokenized, cfg: BuildConfig, pairs: bool) -> _Sequences:
     """The :class:`_Sequences` of ``tokenized``."""
     lengths = tokenized.lengths  # per tokenized sequence
-    seq_row = sequence_rows(lengths.size, tokenized.fmt)  # input row of each sequence
+    seq_row = row_format(tokenized.fmt).sequence_rows(lengths.size)  # input row of each sequence
     return _Sequences(lengths, seq_row, _sequence_groups(tokenized, seq_row, cfg), pairs)
 
 
@@ -316,7 +317,7 @@ def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, cfg: BuildConfig
     if cfg.group_column:
         keys = tokenized.dataset.data.table.column(GROUP_COLUMN).to_pylist()  # None on failed rows (0 tokens)
         return np.unique(np.array([k or "" for k in keys], dtype=object), return_inverse=True)[1].astype(np.int64)
-    return seq_row if tokenized.fmt in PAIR_FORMATS else None
+    return seq_row if row_format(tokenized.fmt).sequences_per_row > 1 else None
 
 
 def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray, align: int) -> np.ndarray:

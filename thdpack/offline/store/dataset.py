@@ -29,13 +29,12 @@ from thdpack.common.align import resolve_pad_multiple
 from thdpack.batching.batch import ThdBatch
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, require_pyarrow
 from thdpack.offline.store.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata,
                                     check_metadata, file_sha256, row_list, value_columns)
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.common.values import PREFIX
-
-_TOKEN_FIELDS = ("loss_mask", "labels")
 
 
 # ---------------------------------------------------------------------------- rows -> samples
@@ -61,7 +60,7 @@ def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
         raise ValueError(f"packed row: seq_lens {lens.tolist()[:8]}... sum to {int(lens.sum())} but input_ids has {ids.size} tokens")
     cuts = np.cumsum(lens)[:-1]
     fields = {"input_ids": np.split(ids, cuts)}
-    for name in _TOKEN_FIELDS:
+    for name in TARGETS:
         if name in row and row[name] is not None:
             arr = row_list(row[name], name)
             if arr.size != ids.size:

@@ -50,6 +50,7 @@ from typing import TypedDict
 
 import numpy as np
 
+from thdpack.offline.config import TARGETS  # the target columns a build writes: one of them
 from thdpack.offline.errors import NotPackedError
 
 FORMAT_NAME = "thdpack.packed"
@@ -62,7 +63,6 @@ LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", 
 SAMPLE_COLUMNS = ("seq_lens", "sample_index", "sample_start")  # one entry per sample of the pack
 SAMPLE_VALUE_PREFIX = "sample_values."  # + NAME: a per-sample value column (``sample_values:``), one entry per sample
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
-TARGETS = ("loss_mask", "labels")
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
 

@@ -1,4 +1,5 @@
-"""The row formats users have, besides OpenAI ``messages`` rows: ShareGPT and TRL's prompt/completion.
+"""The row-level conversions of the row formats besides OpenAI ``messages`` rows: ShareGPT and TRL's
+prompt/completion (the format classes that call them: :mod:`thdpack.offline.tokenizing.formats`).
 
 Each one becomes the representation the build already has, so that the chat code
 (templates, assistant targets) is written once (:mod:`thdpack.offline.tokenizing.row_tokenizer`):
@@ -16,10 +17,7 @@ Each one becomes the representation the build already has, so that the chat code
   one row gives two sequences, the chosen then the rejected one (the layout
   :func:`thdpack.losses.dpo_loss` reads: sequence ``2k`` and ``2k+1`` of input row ``k``).
 
-A ``tools`` column goes to the template for both (:data:`TOOLS_FORMATS`).
-
-:func:`detect_format` picks the format from a row's fields in the order of
-:data:`DETECTION_ORDER`; ``format:`` in the config overrides it.
+A ``tools`` column goes to the template for all three, as for chat rows.
 """
 
 from __future__ import annotations
@@ -37,10 +35,6 @@ PROMPT_FIELD = "prompt"
 COMPLETION_FIELD = "completion"
 CHOSEN_FIELD = "chosen"
 REJECTED_FIELD = "rejected"
-PAIR_FORMATS = ("preference",)  # one input row gives two sequences (chosen, rejected) kept in one pack
-CHAT_FORMATS = ("chat", "sharegpt")  # rows that are built as messages through the chat template
-WHOLE_ROW_FORMATS = ("tokenized", "prompt_completion", "sharegpt", "preference")  # their value is the row's mapping of fields
-TOOLS_FORMATS = CHAT_FORMATS + ("prompt_completion", "preference")  # rows whose ``tools`` the template gets (as in TRL)
 
 # ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
 # function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
@@ -55,36 +49,6 @@ SHAREGPT_ROLES = {
     "observation": "tool",
     "tool": "tool",
 }
-
-
-def format_fields(fmt: str, cfg) -> list[str]:
-    """The fields a row of format ``fmt`` must have (``cfg``: a BuildConfig)."""
-    return {
-        "chat": [cfg.messages_field],
-        "sharegpt": [SHAREGPT_FIELD],
-        "prompt_completion": [PROMPT_FIELD, COMPLETION_FIELD],
-        "preference": [PROMPT_FIELD, CHOSEN_FIELD, REJECTED_FIELD],
-        "tokenized": ["input_ids"],
-        "text": [cfg.text_field],
-    }[fmt]
-
-
-def optional_fields(fmt: str) -> list[str]:
-    """The fields a row of format ``fmt`` may have besides :func:`format_fields` (read when present)."""
-    return {"tokenized": ["labels", "loss_mask"], "sharegpt": [SYSTEM_FIELD]}.get(fmt, [])
-
-
-# the order ``format: auto`` tries; the first format whose fields a row has wins
-DETECTION_ORDER = ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
-
-
-def detect_format(columns, cfg) -> str | None:
-    """The first format of :data:`DETECTION_ORDER` whose fields are all in ``columns``; None if none."""
-    cols = set(columns)
-    for fmt in DETECTION_ORDER:
-        if all(f in cols for f in format_fields(fmt, cfg)):
-            return fmt
-    return None
 
 
 # ---------------------------------------------------------------------------- ShareGPT
@@ -191,24 +155,6 @@ def preference_row(row: dict, messages=lambda m: m) -> tuple[PromptCompletion, P
     ``rejected``), as TRL's DPO reads them: prompt + chosen and prompt + rejected, the response the
     target. ValueError naming the field as :func:`prompt_completion` does."""
     return tuple(prompt_completion(row, messages, name) for name in (CHOSEN_FIELD, REJECTED_FIELD))
-
-
-def pair_sequences(values: list, errors: list, *per_row: list) -> tuple[list, ...]:
-    """Preference rows -> their sequences: ``values[i]`` (a (chosen, rejected) pair where ``errors[i]``
-    is None) becomes sequences ``2i`` and ``2i + 1``; a row's error and its entry of every
-    ``per_row`` list (tools, sample values) go to both."""
-    seqs = [v for pair, e in zip(values, errors) for v in (pair if e is None else (None, None))]
-    return (seqs, *([x for x in column for _ in range(2)] for column in (errors, *per_row)))
-
-
-def sequences_per_row(fmt: str) -> int:
-    """Tokenized sequences an input row of format ``fmt`` gives: two for :data:`PAIR_FORMATS`, else one."""
-    return 2 if fmt in PAIR_FORMATS else 1
-
-
-def sequence_rows(num_sequences: int, fmt: str) -> np.ndarray:
-    """int64 ``[num_sequences]`` the input row of each tokenized sequence (:func:`sequences_per_row`)."""
-    return np.arange(num_sequences, dtype=np.int64) // sequences_per_row(fmt)
 
 
 # ---------------------------------------------------------------------------- per-sample values

@@ -31,11 +31,9 @@ from thdpack.offline.tokenizing.chat_spans import (TemplateNotSupported, assista
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
-from thdpack.offline.tokenizing.row_formats import (CHAT_FORMATS, PAIR_FORMATS, TOOLS_FORMATS, WHOLE_ROW_FORMATS,
-                                         brief as _brief, check_messages, encode_prompt_completion, format_fields,
-                                         optional_fields, pair_sequences, preference_row, prompt_completion,
-                                         sample_value, sharegpt_row, group_key, GROUP_COLUMN, VALUE_COLUMN,
-                                         VALUE_IS_INT_COLUMN)
+from thdpack.offline.tokenizing.formats import row_format
+from thdpack.offline.tokenizing.row_formats import (brief as _brief, encode_prompt_completion, sample_value, group_key,
+                                         GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN)
 from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
 from thdpack.offline.tokenizing.tokenizer import has_generation_markers
@@ -46,14 +44,18 @@ TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``
 
 
 class RowTokenizer:
-    """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors."""
+    """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors.
+
+    ``fmt`` names the row format (:mod:`thdpack.offline.tokenizing.formats`); what differs between
+    formats (fields, the value encoded, its encoder, tools, sequences per row) is asked of it."""
 
     def __init__(self, fmt: str, cfg: BuildConfig, tokenizer, columns: list[str], bpe=None):
         self.fmt = fmt
+        self.format = row_format(fmt)
         self.tok = tokenizer
         self.bpe = bpe  # a TiktokenBPE of ``tokenizer`` (thdpack/offline/tokenizing/tiktoken_bpe.py), or None
         self.json_rows = columns == [JSON_COLUMN]
-        self.fields = format_fields(fmt, cfg)
+        self.fields = self.format.fields(cfg)
         self.field = self.fields[0]
         self.loss = cfg.loss
         self.append_eos = cfg.append_eos
@@ -62,25 +64,24 @@ class RowTokenizer:
         self.group_column = cfg.group_column  # group_column: the rows of a group planned into one pack
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
-        if fmt in CHAT_FORMATS:
+        if self.format.chat_template:
             template = getattr(tokenizer, "chat_template", None)
             if not template:
                 raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
             self.has_generation = has_generation_markers(template)
             self.marks = None if self.has_generation or cfg.loss == "all" else _turn_marks(tokenizer)
-        if fmt in ("text", "prompt_completion", "preference") and cfg.append_eos and tokenizer.eos_token_id is None:
+        if self.format.appends_eos and cfg.append_eos and tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
 
     # ---- entry point
     def __call__(self, table):
-        n = table.num_rows
         values, errors = self._extract(table)
         media = self._media(table, values, errors)
         tools = self._row_tools(table, errors)
         numbers = self._sample_values(table, errors)
-        if self.fmt in PAIR_FORMATS:  # each row gives two sequences, written as two output rows
-            values, errors, tools, numbers = pair_sequences(values, errors, tools, numbers)
-            n = len(values)
+        # a preference row gives two sequences, written as two output rows
+        values, errors, tools, numbers = self.format.sequences(values, errors, tools, numbers)
+        n = len(values)
         ids: list = [None] * n
         targets: list = [None] * n
         ok = [i for i in range(n) if errors[i] is None]
@@ -114,92 +115,65 @@ class RowTokenizer:
         return None
 
     # ---- 1. field values out of the rows
-    def _extract(self, table):
+    def _extract(self, table) -> tuple[list, list]:
+        """``(values, errors)`` of the batch's rows: what :meth:`RowFormat.value` makes of each row's
+        field value (or mapping of fields), None where ``errors`` has the row's error."""
         n = table.num_rows
         errors: list = [None] * n
         if self.json_rows:
-            raw = table.column(JSON_COLUMN).to_pylist()
-            rows = []
-            for i, line in enumerate(raw):
-                try:
-                    obj = json.loads(line.rstrip(b" \t\r\n"))  # a line's value may end in newlines (jsonl.py)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    errors[i] = f"invalid JSON ({exc})"
-                    rows.append(None)
-                    continue
-                if not isinstance(obj, dict):
-                    errors[i] = f"expected a JSON object, got {type(obj).__name__}"
-                    rows.append(None)
-                    continue
-                rows.append(obj)
-            values = []
-            for i, obj in enumerate(rows):
-                missing = [f for f in self.fields if obj is not None and f not in obj]
-                if obj is None:
-                    values.append(None)
-                elif missing:
-                    errors[i] = f"no '{missing[0]}' field (fields: {sorted(obj)})"
-                    values.append(None)
-                else:
-                    values.append(obj if self.fmt in WHOLE_ROW_FORMATS else obj[self.field])
+            values = self._json_values(table.column(JSON_COLUMN).to_pylist(), errors)
         else:
-            missing = [f for f in self.fields if f not in table.column_names]
-            if missing:
-                raise InputError(f"the input has no '{missing[0]}' column (columns: {table.column_names})")
-            if self.fmt in WHOLE_ROW_FORMATS:
-                names = [c for c in self.fields + optional_fields(self.fmt) if c in table.column_names]
-                cols = {c: table.column(c).to_pylist() for c in names}
-                values = [{c: cols[c][i] for c in names} for i in range(n)]
-            else:
-                values = table.column(self.field).to_pylist()
+            values = self._column_values(table)
+        messages = self._chat_messages
         for i, v in enumerate(values):
             if errors[i] is None:
-                try:  # ShareGPT turns and prompt/completion rows are checked as they are converted
-                    if self.fmt == "sharegpt":
-                        v = sharegpt_row(v)
-                    elif self.fmt == "prompt_completion":
-                        values[i] = prompt_completion(v, self._chat_messages)
-                        continue
-                    elif self.fmt == "preference":
-                        values[i] = preference_row(v, self._chat_messages)
-                        continue
-                except ValueError as exc:  # ours: the message names the field and the turn
+                try:  # ours: the message names the field, the turn, the message and part
+                    values[i] = self.format.value(v, self.field, messages)
+                except ValueError as exc:
                     errors[i] = str(exc)
-                    continue
-                msg = self._check_value(v)
-                if msg:
-                    errors[i] = msg
-                elif self.fmt in CHAT_FORMATS:
-                    try:
-                        values[i] = self._chat_messages(v)
-                    except ValueError as exc:  # ours: the message names the message and part
-                        errors[i] = str(exc)
         return values, errors
+
+    def _json_values(self, lines: list, errors: list) -> list:
+        """The field values of JSON lines (bytes): the row's mapping with :attr:`RowFormat.whole_row`, else
+        the value of its field; None and an error in ``errors`` for a line that is not a JSON object with
+        the format's fields."""
+        values = []
+        for i, line in enumerate(lines):
+            try:
+                obj = json.loads(line.rstrip(b" \t\r\n"))  # a line's value may end in newlines (jsonl.py)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors[i] = f"invalid JSON ({exc})"
+                values.append(None)
+                continue
+            if not isinstance(obj, dict):
+                errors[i] = f"expected a JSON object, got {type(obj).__name__}"
+            elif missing := [f for f in self.fields if f not in obj]:
+                errors[i] = f"no '{missing[0]}' field (fields: {sorted(obj)})"
+            values.append(None if errors[i] is not None else obj if self.format.whole_row else obj[self.field])
+        return values
+
+    def _column_values(self, table) -> list:
+        """The field values of a table's rows, as :meth:`_json_values`; InputError naming a missing column."""
+        missing = [f for f in self.fields if f not in table.column_names]
+        if missing:
+            raise InputError(f"the input has no '{missing[0]}' column (columns: {table.column_names})")
+        if not self.format.whole_row:
+            return table.column(self.field).to_pylist()
+        names = [c for c in self.fields + list(self.format.optional_fields) if c in table.column_names]
+        cols = {c: table.column(c).to_pylist() for c in names}
+        return [{c: cols[c][i] for c in names} for i in range(table.num_rows)]
 
     def _chat_messages(self, messages: list) -> list:
         """The messages the template renders: content parts joined into strings
         (:func:`flatten_content`); an image part is a row error in a text build."""
         return flatten_content(messages)
 
-    def _check_value(self, v) -> str | None:
-        if self.fmt == "text":
-            if not isinstance(v, str):
-                return f"'{self.field}' must be a string, got {type(v).__name__}"
-            if not v:
-                return f"'{self.field}' is empty"
-        elif self.fmt in CHAT_FORMATS:
-            return check_messages(v, self.field)
-        else:
-            if v.get("input_ids") is None:
-                return "'input_ids' is null"
-        return None
-
     # ---- 2. encode
     def _row_tools(self, table, errors) -> list:
         """Each chat row's ``tools`` (a list of tool schemas, or its JSON text), None where it has
         none; a row whose ``tools`` is neither gets an error."""
         n = table.num_rows
-        if self.fmt not in TOOLS_FORMATS:
+        if not self.format.tools:
             return [None] * n
         if self.json_rows:  # parse again only the lines that mention the field
             key = f'"{TOOLS_FIELD}"'.encode()
@@ -241,17 +215,13 @@ class RowTokenizer:
                     errors[i] = str(exc)
         return out
 
-    def _encode_many(self, values: list, tools: list | None = None) -> list:
-        if self.fmt == "text":
-            return self._encode_text(values)
-        if self.fmt in CHAT_FORMATS:
-            return self._encode_chat(values, tools)
-        if self.fmt in ("prompt_completion", "preference"):  # preference: a chosen / rejected sequence each
-            return encode_prompt_completion(self.tok, values, self.bpe, tools=tools, loss=self.loss,
-                                            append_eos=self.append_eos)
-        return [self._encode_tokenized(v) for v in values]
+    def _encode_many(self, values: list, tools: list) -> list:
+        """``[(ids, targets) or error]`` of the rows' values, by the format's encoder (:meth:`RowFormat.encode`)."""
+        return self.format.encode(self, values, tools)
 
-    def _encode_text(self, texts):
+    def encode_text_rows(self, texts: list[str]) -> list:
+        """``[(input_ids int32 [T], targets bool [T])]`` of text rows: every token a target, EOS appended
+        with ``append_eos`` unless the text ends with it."""
         enc = encode_texts(self.tok, texts, self.bpe)  # == self.tok(texts)["input_ids"], faster (fastenc.py)
         eos = self.tok.eos_token_id
         out = []
@@ -262,8 +232,9 @@ class RowTokenizer:
             out.append((arr, np.ones(arr.size, dtype=bool)))
         return out
 
-    def _encode_chat(self, convs, tools=None):
-        """``[(ids, mask) or error]`` of conversations (``tools``: each one's tool schemas or None)."""
+    def encode_chat_rows(self, convs: list, tools: list | None = None) -> list:
+        """``[(input_ids int32 [T], targets bool [T]) or error]`` of conversations (``tools``: each one's tool
+        schemas or None), the targets as ``loss`` says."""
         if self.loss == "all":  # == apply_chat_template(convs, tokenize=True): render, then encode without specials
             texts = render_chats(self.tok, normalize_chats(convs), False, tools)
             enc = encode_texts(self.tok, texts, self.bpe, add_special_tokens=False)
@@ -324,6 +295,17 @@ class RowTokenizer:
                     out.append(template_failed("the conversation with its assistant messages replaced by a "
                                                "placeholder", row_error(exc)))
             return out
+
+    def encode_completion_rows(self, rows: list, tools: list) -> list:
+        """``[(input_ids int32 [T], targets bool [T])]`` of PromptCompletion values (a preference row's
+        chosen and rejected sequences each one), as TRL tokenizes them
+        (:func:`~thdpack.offline.tokenizing.row_formats.encode_prompt_completion`)."""
+        return encode_prompt_completion(self.tok, rows, self.bpe, tools=tools, loss=self.loss,
+                                        append_eos=self.append_eos)
+
+    def encode_tokenized_rows(self, rows: list) -> list:
+        """``[(input_ids int32 [T], targets) or error]`` of already tokenized rows (:meth:`_encode_tokenized`)."""
+        return [self._encode_tokenized(row) for row in rows]
 
     def _encode_tokenized(self, row):
         try:

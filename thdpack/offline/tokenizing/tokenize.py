@@ -22,8 +22,9 @@ from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.tokenizing.row_formats import (DETECTION_ORDER, TOOLS_FORMATS, detect_format, format_fields, optional_fields,
-                                         GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN)
+from thdpack.offline.tokenizing.formats import (DETECTION_ORDER, TOOLS_FORMATS, detect_format, format_fields,
+                                                optional_fields, row_format)
+from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
 from thdpack.offline.inputs.sources import JSON_COLUMN, Source
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
@@ -46,13 +47,15 @@ class Tokenized:
 
 
 def resolve_format(cfg: BuildConfig, source: Source) -> str:
-    """The row format: ``cfg.format`` or, for ``auto``, the first format of
-    :data:`~thdpack.offline.tokenizing.row_formats.DETECTION_ORDER` whose fields the rows have."""
+    """The name of the row format: ``cfg.format`` or, for ``auto``, the first format of
+    :data:`~thdpack.offline.tokenizing.formats.DETECTION_ORDER` whose fields the rows have
+    (:func:`~thdpack.offline.tokenizing.formats.row_format` gives the format object)."""
     if cfg.format != "auto":
         return cfg.format
     fmt = detect_format(source.columns, cfg)
     if fmt is None:
-        expected = "; ".join(f"{' + '.join(repr(f) for f in format_fields(f, cfg))} ({f})" for f in DETECTION_ORDER)
+        expected = "; ".join(f"{' + '.join(repr(f) for f in row_format(name).fields(cfg))} ({name})"
+                             for name in DETECTION_ORDER)
         raise InputError(
             f"{source.files[0].path}: cannot tell the row format from the fields {sorted(source.columns)}; "
             f"expected {expected}. Set --format and --messages-field / --text-field."

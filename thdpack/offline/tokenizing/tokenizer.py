@@ -16,6 +16,7 @@ import re
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256
+from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -95,7 +96,7 @@ def fast_bpe(cfg: BuildConfig, tok, fmt: str) -> tuple[TiktokenBPE | None, str |
     """``(bpe, note)``: the tiktoken form of ``tok`` (:mod:`thdpack.offline.tokenizing.tiktoken_bpe`) when
     ``cfg.tokenizer_backend`` allows it and the tokenizer converts exactly, else None; ``note``
     is the line to log about the choice (None when no tokenizer encodes the rows or ``hf`` is set)."""
-    if tok is None or fmt == "tokenized" or cfg.tokenizer_backend == "hf":
+    if tok is None or not row_format(fmt).needs_tokenizer or cfg.tokenizer_backend == "hf":
         return None, None
     bpe, why = TiktokenBPE.from_tokenizer(tok)
     if bpe is None and cfg.tokenizer_backend == "tiktoken":

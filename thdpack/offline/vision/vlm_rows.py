@@ -27,6 +27,7 @@ import numpy as np
 from thdpack.offline.tokenizing.chat_content import flatten_content
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.vision.media import RowVideos, row_images, row_videos
+from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer, row_error
 from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.store.vision_columns import CUT_COLUMN
@@ -69,9 +70,9 @@ class VlmRowTokenizer(RowTokenizer):
     plus ``pixel_values`` (flat float32) and ``image_grid_thw`` (flat int32) columns."""
 
     def __init__(self, fmt, cfg, tokenizer, columns, vlm, source, bpe=None):
-        if fmt == "tokenized":
-            raise ConfigError("rows with images must be chat or text rows: the image placeholders are expanded "
-                              "before tokenizing (already tokenized VLM rows are not supported)")
+        refused = row_format(fmt).images_refused  # tokenized rows: the placeholders are expanded in the text
+        if refused:
+            raise ConfigError(refused)
         super().__init__(fmt, cfg, tokenizer, [c for c in columns if c not in vlm.input_columns()], bpe)
         self.json_rows = columns == [JSON_COLUMN]
         self.vlm = vlm  # thdpack.offline.vision.vlm_setup.VlmBuild
