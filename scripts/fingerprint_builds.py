@@ -10,7 +10,8 @@ build + ``merge``, the Megatron-Bridge export and the Bridge output format, ``st
 ``--json``) and ``inspect``, text and tokenized rows, preference rows, a real Qwen3 chat template
 (when its tokenizer files are in the test cache), and a Qwen2-VL build of rows with images and a
 video. Inputs are generated into ``WORKDIR/inputs`` (seeded); outputs go to ``WORKDIR/out``.
-``metadata.json`` is hashed with the keys given by ``--ignore-key`` removed (dotted paths).
+The work directory's and the checkout's paths are written ``WORKDIR`` / ``REPO`` before hashing, so runs in two directories
+compare; ``metadata.json`` is hashed with the keys given by ``--ignore-key`` removed (dotted paths).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ def _drop(meta: dict, dotted: str) -> None:
     meta.pop(last, None)
 
 
-def digest(out: Path, ignore: list[str]) -> dict:
+def _hash(data: bytes, workdir: Path) -> str:
+    """sha256 (16 hex digits) of ``data`` with the work directory written as ``WORKDIR`` and the checkout
+    as ``REPO``, so runs in two directories compare."""
+    data = data.replace(str(workdir).encode(), b"WORKDIR").replace(str(REPO).encode(), b"REPO")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def digest(out: Path, ignore: list[str], workdir: Path) -> dict:
     files = {}
     for p in sorted(out.rglob("*")):
         if not p.is_file() or p.name.startswith("."):
@@ -58,7 +66,7 @@ def digest(out: Path, ignore: list[str]) -> dict:
             for key in ignore:
                 _drop(meta, key)
             data = json.dumps(meta, sort_keys=True).encode()
-        files[str(p.relative_to(out))] = hashlib.sha256(data).hexdigest()[:16]
+        files[str(p.relative_to(out))] = _hash(data, workdir)
     return files
 
 
@@ -173,20 +181,20 @@ def main() -> None:
     result: dict = {}
     for name, flags in builds.items():
         run("build", *flags, "--output", str(out / name), "-q")
-        result[name] = digest(out / name, args.ignore_key)
+        result[name] = digest(out / name, args.ignore_key, args.workdir)
     for i in range(2):
         run("build", "--config", demo, "--slice", f"{i}/2", "--output", str(out / "parts" / "{slice}"), "-q")
     run("merge", str(out / "merged"), str(out / "parts"), "-q")
-    result["merged"] = digest(out / "merged", args.ignore_key)
+    result["merged"] = digest(out / "merged", args.ignore_key, args.workdir)
     run("export", str(out / "demo"), "--to", "megatron-bridge", str(out / "exported"), "-q")
-    result["exported"] = digest(out / "exported", args.ignore_key)
+    result["exported"] = digest(out / "exported", args.ignore_key, args.workdir)
     for name in ("demo", "merged", "vlm", "pref"):
-        result[f"stats:{name}"] = hashlib.sha256(run("stats", str(out / name)).encode()).hexdigest()[:16]
-        result[f"stats-json:{name}"] = hashlib.sha256(run("stats", str(out / name), "--json").encode()).hexdigest()[:16]
-    result["stats:raw"] = hashlib.sha256(run("stats", str(inputs["chat"]), "--tokenizer", tok, "--pack-size", "2048",
-                                             "--cp-size", "2", "--overflow", "split").encode()).hexdigest()[:16]
-    result["inspect"] = hashlib.sha256(run("inspect", str(out / "demo"), "--pack", "3", "--max-tokens", "50")
-                                       .encode()).hexdigest()[:16]
+        result[f"stats:{name}"] = _hash(run("stats", str(out / name)).encode(), args.workdir)
+        result[f"stats-json:{name}"] = _hash(run("stats", str(out / name), "--json").encode(), args.workdir)
+    result["stats:raw"] = _hash(run("stats", str(inputs["chat"]), "--tokenizer", tok, "--pack-size", "2048",
+                                   "--cp-size", "2", "--overflow", "split").encode(), args.workdir)
+    result["inspect"] = _hash(run("inspect", str(out / "demo"), "--pack", "3", "--max-tokens", "50").encode(),
+                              args.workdir)
     json.dump(result, sys.stdout, indent=1, sort_keys=True)
     print()
 

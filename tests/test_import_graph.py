@@ -1,4 +1,7 @@
-"""The import graph of thdpack/ has no cycles, and the core does not import vlm/.
+"""The import graph of thdpack/ follows the layers, has no cycles, and the core does not import vlm/.
+
+The layers (:data:`LAYERS`, mirrored in docs/architecture.md): a module may import only from its
+own layer and the layers below it.
 
 Every ``import`` in a module counts as an edge, at module level or inside a
 function (an import hidden in a function is still a dependency).
@@ -13,6 +16,28 @@ import ast
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
+
+# The layers, lowest first: (name, the module prefixes in it). A module belongs to the first layer
+# one of whose prefixes it is or lies under; it may import from that layer and any layer above it
+# in this list, never from one below. docs/architecture.md draws the same table.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("common", ("thdpack.common",)),
+    ("demo, parallel", ("thdpack.demo", "thdpack.parallel")),
+    ("flops", ("thdpack.flops",)),
+    ("planning", ("thdpack.planning",)),
+    ("batching", ("thdpack.batching",)),
+    ("loaders, losses", ("thdpack.loaders", "thdpack.losses")),
+    ("vlm", ("thdpack.vlm",)),
+    ("integrations", ("thdpack.integrations",)),
+    ("offline base", ("thdpack.offline.errors", "thdpack.offline.config", "thdpack.offline.procs")),
+    ("offline store", ("thdpack.offline.store",)),
+    ("offline inputs", ("thdpack.offline.inputs",)),
+    ("offline tokenizing", ("thdpack.offline.tokenizing",)),
+    ("offline vision", ("thdpack.offline.vision",)),
+    ("offline commands", ("thdpack.offline",)),
+    ("cli", ("thdpack.cli",)),
+    ("package", ("thdpack.__init__", "thdpack.__main__")),
+]
 
 # Cycles known and not yet broken, as sorted tuples of module names, each with
 # the reason. The test fails on any cycle not listed here.
@@ -179,3 +204,63 @@ def test_core_does_not_import_vlm():
            for m in core}
     bad = {m: t for m, t in bad.items() if t}
     assert not bad, f"core modules import thdpack.vlm (pass family behaviour in instead): {bad}"
+
+
+def layer_of(module: str) -> int:
+    """Index in :data:`LAYERS` of the layer ``module`` belongs to (KeyError: a module no layer names)."""
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise KeyError(f"{module} is in no layer of LAYERS: add its package to the table (and docs/architecture.md)")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as 'module (layer) -> target (layer)'."""
+    return [f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+            for m in sorted(graph) for t in sorted(graph[m]) if layer_of(t) > layer_of(m)]
+
+
+def test_a_planted_upward_import_breaks_the_layers():
+    graph = {"thdpack.common.samples": {"thdpack.planning.plan"}, "thdpack.planning.plan": {"thdpack.common.align"},
+             "thdpack.common.align": set(), "thdpack.offline.store.writer": {"thdpack.offline.tokenizing.row_formats"},
+             "thdpack.offline.tokenizing.row_formats": {"thdpack.offline.store.format"},
+             "thdpack.offline.store.format": {"thdpack.offline.errors"}, "thdpack.offline.errors": set()}
+    assert layer_violations(graph) == [
+        "thdpack.common.samples (common) -> thdpack.planning.plan (planning)",
+        "thdpack.offline.store.writer (offline store) -> thdpack.offline.tokenizing.row_formats (offline tokenizing)",
+    ]
+
+
+def test_every_module_is_in_a_layer():
+    missing = []
+    for m in import_graph():
+        try:
+            layer_of(m)
+        except KeyError as exc:
+            missing.append(str(exc))
+    assert not missing, missing
+
+
+def test_modules_import_only_their_own_layer_and_below():
+    bad = layer_violations(import_graph())
+    assert not bad, ("imports from a higher layer (move the shared piece down to the layer that owns it; "
+                     f"the layers are LAYERS in {__file__}): {bad}")
+
+
+def test_at_most_twelve_modules_per_folder():
+    per_folder: dict[Path, int] = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        if path.name != "__init__.py":
+            per_folder[path.parent] = per_folder.get(path.parent, 0) + 1
+    crowded = {str(d.relative_to(PACKAGE_DIR.parent)): n for d, n in per_folder.items() if n > 12}
+    assert not crowded, f"folders of more than 12 modules (split them by stage): {crowded}"
+
+
+def test_module_names_do_not_collide_across_folders():
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
+    folders = {p.parent.name for p in PACKAGE_DIR.rglob("__init__.py")}  # packages (not data folders)
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1 or name in folders}
+    assert not twice, f"module names used twice (or also a folder's name): {twice}"

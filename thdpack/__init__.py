@@ -22,6 +22,7 @@ Low-level helpers stay importable from their modules (``thdpack.parallel.cp``, `
 
 import thdpack.vlm  # noqa: F401  registers the vision extension that build_thd_batch(model_config=) calls
 from thdpack.common.align import cp_pad_multiple
+from thdpack.common.version import __version__
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batching.batch import ThdBatch, shard_for_cp
 from thdpack.batching.builder import build_thd_batch
@@ -36,7 +37,6 @@ from thdpack.loaders.sampler import TokenBudgetBatchSampler
 from thdpack.common.samples import SampleError
 from thdpack.loaders.stream import StreamingPacker
 
-__version__ = "0.1.0"
 
 __all__ = [
     # plan

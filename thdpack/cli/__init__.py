@@ -34,7 +34,7 @@ COMMANDS = (build, stats, inspect, merge, export)  # in the order --help lists t
 
 
 def _version() -> str:
-    from thdpack import __version__
+    from thdpack.common.version import __version__
 
     return __version__
 

@@ -7,9 +7,8 @@ name (:class:`ThdpackParser`)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from thdpack.offline.config import RENAMED_IN_0_2, BuildConfig
+from thdpack.offline.config import RENAMED_IN_0_2, BuildConfig, options
 
 
 class ThdpackParser(argparse.ArgumentParser):
@@ -33,28 +32,29 @@ def renamed_flags_hint(arguments: list[str]) -> str:
 
 
 def add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None, skip=()) -> None:
-    """One flag per :class:`BuildConfig` field; default None = "not given" (the config's value stays)."""
+    """One flag per :class:`BuildConfig` option (:func:`~thdpack.offline.config.options`: its kind gives
+    the flag's type); default None = "not given" (the config's value stays)."""
     g = p.add_argument_group("build options (override the --config file)")
-    for f in dataclasses.fields(BuildConfig):
-        if f.metadata.get("internal") or f.name in skip or (only and f.name not in only):
+    for option in options():
+        if option.name in skip or (only and option.name not in only):
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=None, help=_literal_help(f.metadata.get("help")), dest=f.name)
-        if f.metadata.get("choices"):
-            kw["choices"] = f.metadata["choices"]
-        if f.name == "input":
-            kw["nargs"] = "+"
-            kw["metavar"] = "PATH"
-        if isinstance(f.default, bool):
+        flag = "--" + option.name.replace("_", "-")
+        kw = dict(default=None, help=_literal_help(option.help), dest=option.name)
+        if option.choices:
+            kw["choices"] = option.choices
+        if option.many:
+            kw.update(nargs="+", metavar="PATH")
+        if option.kind == "flag":
             g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if f.metadata.get("type") is float:
-            kw["type"] = float
-            kw["metavar"] = "X"
-        elif f.type in ("int", "int | None") or isinstance(f.default, int):
-            kw["type"] = int
-            kw["metavar"] = "N"
+        if option.kind in _FLAG_TYPES:
+            kw["type"], kw["metavar"] = _FLAG_TYPES[option.kind]
+        elif option.flag_type is not None:
+            kw["type"] = option.flag_type
         g.add_argument(flag, **kw)
+
+
+_FLAG_TYPES = {"int": (int, "N"), "number": (float, "X")}  # Option.kind -> (argparse type, metavar)
 
 
 def _literal_help(text: str | None) -> str | None:
@@ -65,7 +65,7 @@ def _literal_help(text: str | None) -> str | None:
 
 def build_config(args, *, input_override=None) -> BuildConfig:
     cfg = BuildConfig.from_yaml(args.config) if args.config else BuildConfig()
-    changes = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BuildConfig) if not f.metadata.get("internal")}
+    changes = {option.name: getattr(args, option.name, None) for option in options()}
     if input_override is not None:
         changes["input"] = input_override
     return cfg.override(**changes)

@@ -7,8 +7,9 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from thdpack.offline.errors import MAX_ERRORS_LISTED
+
 ROOT_LOGGER = "thdpack"
-MAX_ERRORS_SHOWN = 10  # bad rows printed on stderr by build (metadata.json keeps more: offline.errors)
 
 
 @contextmanager
@@ -45,13 +46,13 @@ def written_line(path: Path, summary: dict) -> str:
 
 
 def print_skipped(meta: dict) -> None:
-    """The bad rows a build skipped, on stderr: the count and the first :data:`MAX_ERRORS_SHOWN`."""
+    """The bad rows a build skipped, on stderr: the count and the first :data:`MAX_ERRORS_LISTED`."""
     skipped = meta["counts"]["skipped_rows"]
     if not skipped:
         return
     print(f"skipped {skipped} bad row(s):", file=sys.stderr)
-    for e in meta["skipped_examples"][:MAX_ERRORS_SHOWN]:
+    for e in meta["skipped_examples"][:MAX_ERRORS_LISTED]:
         print(f"  {e['where']}: {e['error']}", file=sys.stderr)
-    if skipped > MAX_ERRORS_SHOWN:
-        print(f"  ... ({skipped - MAX_ERRORS_SHOWN} more; the first {len(meta['skipped_examples'])} are in "
+    if skipped > MAX_ERRORS_LISTED:
+        print(f"  ... ({skipped - MAX_ERRORS_LISTED} more; the first {len(meta['skipped_examples'])} are in "
               "metadata.json)", file=sys.stderr)

@@ -5,6 +5,11 @@ Every field is a YAML key and a ``thdpack build`` flag (``pack_size`` ->
 YAML file (``input``, ``tokenizer``) are relative to the file's directory;
 relative paths given as flags are relative to the working directory.
 
+Each option is stated once, as a field: its type hint (``int``, ``bool``, ``float``, ``str``,
+``X | None``, ``Any``), default, choices and range (:func:`_opt`). :func:`options` reads them off the
+fields; :meth:`BuildConfig.validate` checks every option by that rule and ``thdpack.cli.config_flags``
+makes every flag from it.
+
 Hand-written, not pydantic (installed) nor HfArgumentParser: both keep none of the tested ConfigError
 messages and neither gives "flag not given = the YAML value stays"; each would add code, not remove it.
 """
@@ -13,6 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +51,14 @@ RENAMED_IN_0_2 = {
 RECORDED_IF_SET = ("sample_values", "group_column")  # recorded in metadata.json only when given (older builds stay byte-identical)
 
 
-def _opt(default, help: str, choices=None, flag_type=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "type": flag_type})
+def _opt(default, help: str, choices=None, *, minimum: int = 1, accepts: tuple | None = None, flag_type=None,
+         many: bool = False):
+    """A :class:`BuildConfig` field. Its type hint says what it holds (``bool``, ``int``, ``float``,
+    ``str``, ``X | None``: may be null, ``Any``: see ``accepts``); ``minimum`` is an ``int`` field's
+    least value, ``accepts`` an ``Any`` field's ``((types...), "what it must be")``, ``flag_type``
+    what an ``Any`` field's flag parses as, ``many`` a flag that takes several values."""
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum,
+                                            "accepts": accepts, "flag_type": flag_type, "many": many})
 
 
 @dataclass
@@ -57,7 +71,7 @@ class BuildConfig:
         "input file(s): .jsonl/.jsonl.gz/.json, .parquet, .arrow, a directory saved with "
         "datasets' save_to_disk, a directory or glob of such files; in YAML also a list, "
         "or {demo: {num_samples, seed, kind}} for the bundled synthetic rows",
-        flag_type=str,
+        flag_type=str, many=True,
     )
     split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
     max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
@@ -107,7 +121,7 @@ class BuildConfig:
         None, "column holding a group id per row (e.g. a GRPO prompt id): the rows of a group are planned into one "
         "pack (a group over pack_size is a row error); overflow must be error"
     )
-    seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order")
+    seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order", minimum=0)
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
     cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")
     tp_size: int = _opt(1, "tensor parallel size (matters with sequence_parallel)")
@@ -118,7 +132,7 @@ class BuildConfig:
         "arrow", "data file format: arrow (memory-mapped, zero-copy loading), parquet, or megatron-bridge (arrow files "
         "plus Megatron-Bridge's packed Parquet files *.idx.parquet and bridge_metadata.json, pre-padded for "
         "pad_seq_to_mult = the alignment multiple; docs/megatron.md)", OUTPUT_FORMATS)
-    file_size_mb: float = _opt(512, "approximate size of an output data file in MB", flag_type=float)
+    file_size_mb: float = _opt(512, "approximate size of an output data file in MB")
     num_proc: int = _opt(1, "processes for parsing and tokenization (datasets.map)")
     map_batch_size: int = _opt(1000, "rows per tokenization batch")
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
@@ -128,12 +142,12 @@ class BuildConfig:
     model_config: Any = _opt(
         None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
         "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",
-        flag_type=str,
+        accepts=((str, dict), "a path or a mapping"), flag_type=str,
     )
     image_processor: Any = _opt(
         None, "VLM rows: a local image processor directory (preprocessor_config.json); in YAML also a mapping of "
         "keyword arguments for the family's image processor (patch/merge sizes default to model_config's)",
-        flag_type=str,
+        accepts=((str, dict), "a path or a mapping"), flag_type=str,
     )
     images_field: str = _opt("images", "VLM rows: field holding each row's list of image paths")
     image_placeholder: str = _opt("<image>", "VLM rows: marker in the text where each image goes, in order")
@@ -146,7 +160,7 @@ class BuildConfig:
         None, "VLM rows with videos (YAML mapping): frame sampling and size as qwen-vl-utils does it: fps (2.0), "
         "min_frames (4), max_frames (768), min_pixels / max_pixels per frame and total_pixels per video "
         "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels); on the command line as YAML: '{fps: 1}'",
-        flag_type=str,
+        accepts=((dict, str), "a mapping of frame options (fps, min_frames, ...)"), flag_type=str,
     )
 
     # where relative paths in the YAML file are resolved (not a config key)
@@ -211,35 +225,9 @@ class BuildConfig:
         """Raise :class:`ConfigError` on the first invalid option; returns ``self``."""
         if self.input is None:
             raise ConfigError("no input: give --input PATH or 'input:' in the config")
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
-        if isinstance(self.file_size_mb, bool) or not isinstance(self.file_size_mb, (int, float)) or not self.file_size_mb > 0:
-            raise ConfigError(f"file_size_mb must be a positive number, got {self.file_size_mb!r}")
-        for name in ("pack_size", "cp_size", "tp_size", "num_proc", "map_batch_size"):
-            _positive_int(getattr(self, name), name)
-        for name in ("max_samples_per_pack", "pad_multiple", "max_rows", "vision_budget"):
-            if getattr(self, name) is not None:
-                _positive_int(getattr(self, name), name)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("append_eos", "shuffle_packs", "sequence_parallel", "skip_bad_rows", "save_tokenizer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, kinds in (("model_config", (str, dict)), ("image_processor", (str, dict)), ("image_dir", (str,))):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, kinds):
-                raise ConfigError(f"{name} must be a path{' or a mapping' if dict in kinds else ''}, got {value!r}")
+        for option in options():
+            option.check(getattr(self, option.name))
         self.value_columns()
-        if self.group_column is not None and (not isinstance(self.group_column, str) or not self.group_column):
-            raise ConfigError(f"group_column must be a column name, got {self.group_column!r}")
-        if self.video is not None and not isinstance(self.video, (dict, str)):
-            raise ConfigError(f"video must be a mapping of frame options (fps, min_frames, ...), got {self.video!r}")
-        for name in ("text_field", "messages_field", "images_field", "image_placeholder", "videos_field",
-                     "video_placeholder"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"{name} must be a non-empty string")
         if need_tokenizer and not self.tokenizer:
             raise ConfigError(f"format '{self.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
         if self.pack_size < self.align:
@@ -296,10 +284,76 @@ def _close_hint(key: str, keys: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _positive_int(value, name: str) -> None:
-    """:func:`thdpack.common.align.check_int` (the one integer rule, ``>= 1``) as a :class:`ConfigError`."""
+@dataclass(frozen=True)
+class Option:
+    """One :class:`BuildConfig` option as its field declares it: the rule :meth:`BuildConfig.validate`
+    checks and the flag ``thdpack build`` offers (:mod:`thdpack.cli.config_flags`) both come from here.
+
+    ``kind``: ``flag`` (bool), ``int`` (an integer >= ``minimum``), ``number`` (a positive finite
+    float), ``text`` (a non-empty string) or ``value`` (anything ``accepts`` allows; ``Any`` fields);
+    ``nullable``: None is allowed (``X | None``, or any ``Any`` field)."""
+
+    name: str
+    kind: str
+    nullable: bool
+    default: Any
+    help: str | None
+    choices: tuple | list | None  # FORMATS is a list that format registration fills
+    minimum: int
+    accepts: tuple | None
+    flag_type: type | None
+    many: bool
+
+    def check(self, value) -> None:
+        """:class:`ConfigError` naming the option when ``value`` breaks its rule."""
+        if value is None and self.nullable:
+            return
+        if self.choices:
+            if value not in self.choices:
+                raise ConfigError(f"{self.name} must be one of {', '.join(self.choices)}; got {value!r}")
+            return
+        if self.kind == "int":
+            _positive_int(value, self.name, self.minimum)
+        elif self.kind == "flag" and not isinstance(value, bool):
+            raise ConfigError(f"{self.name} must be true or false, got {value!r}")
+        elif self.kind == "number" and not _positive_number(value):
+            raise ConfigError(f"{self.name} must be a positive number, got {value!r}")
+        elif self.kind == "text" and not (isinstance(value, str) and value):
+            raise ConfigError(f"{self.name} must be a non-empty string, got {value!r}")
+        elif self.kind == "value" and self.accepts and not isinstance(value, self.accepts[0]):
+            raise ConfigError(f"{self.name} must be {self.accepts[1]}, got {value!r}")
+
+
+_KINDS = {bool: "flag", int: "int", float: "number", str: "text"}
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """The options of :class:`BuildConfig`, in field order, each read off its type hint and ``_opt``."""
+    hints = typing.get_type_hints(BuildConfig)
+    out = []
+    for f in dataclasses.fields(BuildConfig):
+        if f.metadata.get("internal"):
+            continue
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if len(args) == 1 else hint
+        kind = "value" if base is Any else _KINDS[base]
+        choices = f.metadata["choices"]
+        out.append(Option(f.name, kind, base is Any or len(args) < len(typing.get_args(hint)), f.default,
+                          f.metadata["help"], choices or None, f.metadata["minimum"],
+                          f.metadata["accepts"], f.metadata["flag_type"], f.metadata["many"]))
+    return tuple(out)
+
+
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _positive_int(value, name: str, minimum: int = 1) -> None:
+    """:func:`thdpack.common.align.check_int` (the one integer rule, ``>= minimum``) as a :class:`ConfigError`."""
     try:
-        check_int(value, name, 1)
+        check_int(value, name, minimum)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# How many bad rows each place names: the one table of these limits (build, merge and the CLI read them).
+MAX_ERRORS_RECORDED = 20  # metadata.json's skipped_examples (a merge keeps the first 20 of its slices')
+MAX_ERRORS_LISTED = 10  # thdpack build's stderr, one line each
+MAX_ERRORS_INLINE = 5  # inside a one-line error message ("... and 9 more")
+
 
 class OfflineError(ValueError):
     """Base class: a problem the user can fix (bad input, bad config, existing output)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.store.dataset import read_metadata
-from thdpack.offline.errors import NotPackedError, OfflineError
+from thdpack.offline.errors import MAX_ERRORS_RECORDED, NotPackedError, OfflineError
 from thdpack.offline.store.format import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
                                     file_sha256)
 from thdpack.offline.config import RENAMED_IN_0_2
@@ -43,7 +43,6 @@ from thdpack.offline.inputs.input_slice import MERGED_KEY, SLICE_KEY, slice_info
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.store.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
-MAX_ERRORS_RECORDED = 20
 logger = logging.getLogger(__name__)
 # metadata entries that differ from slice to slice (recomputed); every other entry must agree
 PER_SLICE_KEYS = {
@@ -98,12 +97,12 @@ def expand_slice_paths(specs) -> list[Path]:
         raise NotPackedError("no slice directories given")
     return out
 
+
 def _old_slice_entry(meta: dict) -> str:
     """What the not-a-slice error adds for a slice build of thdpack 0.1.0 (its entry was named
     ``build_shard``): that the entry is there under its old name, so the slice must be rebuilt."""
     old = [k for k, new in RENAMED_IN_0_2.items() if new == SLICE_KEY and k in meta]
     return f"; its '{old[0]}' entry is thdpack 0.1.0's name of '{SLICE_KEY}': rebuild the slice" if old else ""
-
 
 
 def _diff_keys(a, b) -> list[str]:

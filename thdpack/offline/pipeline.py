@@ -25,11 +25,11 @@ import numpy as np
 from thdpack.common.align import round_up
 from thdpack.offline import bridge_export
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.errors import ConfigError, InputError, require_hf
-from thdpack.offline.store.format import FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata
+from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED, require_hf
+from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
+                                          PackedMetadata, SourceInfo)
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
 from thdpack.offline.tokenizing.formats import row_format
-from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN
 from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
@@ -40,8 +40,6 @@ from thdpack.planning.packing import usable_length
 from thdpack.planning.plan import PackPlan, plan_packs
 from thdpack.common.samples import IGNORE_INDEX
 
-MAX_ERRORS_SHOWN = 5
-MAX_ERRORS_RECORDED = 20
 logger = logging.getLogger(__name__)
 
 
@@ -180,8 +178,8 @@ def _select_rows(cfg: BuildConfig, source: Source, tokenized: Tokenized, sequenc
         usable[[r for r, _ in bad]] = False
     skipped.sort()
     if skipped and not cfg.skip_bad_rows:
-        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_SHOWN])
-        more = f" (and {len(skipped) - MAX_ERRORS_SHOWN} more)" if len(skipped) > MAX_ERRORS_SHOWN else ""
+        shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_INLINE])
+        more = f" (and {len(skipped) - MAX_ERRORS_INLINE} more)" if len(skipped) > MAX_ERRORS_INLINE else ""
         raise InputError(
             f"{len(skipped)} bad row(s): {shown}{more}. Fix them, or pass --skip-bad-rows to skip and count them."
         )
@@ -202,8 +200,8 @@ def _too_long_rows(cfg: BuildConfig, source: Source, row_tokens: np.ndarray, usa
             " for chosen + rejected" if pairs else "")
     if too_long.size and not cfg.skip_bad_rows:
         shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
-                          for r in too_long[:MAX_ERRORS_SHOWN].tolist())
-        more = f" and {too_long.size - MAX_ERRORS_SHOWN} more" if too_long.size > MAX_ERRORS_SHOWN else ""
+                          for r in too_long[:MAX_ERRORS_INLINE].tolist())
+        more = f" and {too_long.size - MAX_ERRORS_INLINE} more" if too_long.size > MAX_ERRORS_INLINE else ""
         raise InputError(
             f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
             + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
@@ -490,46 +488,43 @@ def _metadata(cfg: BuildConfig, prep: Prepared, summary: dict, written: dict, va
               tok_info: dict | None) -> PackedMetadata:
     """``metadata.json`` of a build: the format, the options, the counts and ``summary``, the source,
     tokenizer and model, the data files ``written``, and the ``values`` columns' dtypes."""
-    from thdpack import __version__
+    from thdpack.common.version import __version__
 
     counts = prep.counts()
     counts["tokens"] = summary["real_tokens"]
     counts["target_tokens"] = written["target_tokens"]
-    meta: PackedMetadata = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "complete": True,
-        "thdpack_version": __version__,
-        "file_format": bridge_export.data_file_format(cfg.output_format),
-        "targets": cfg.targets,
-        "columns": ["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
-        "num_packs": len(prep.plan),
-        "pack_size": cfg.pack_size,
-        "align": cfg.align,
-        "cp_size": cfg.cp_size,
-        "tp_size": cfg.tp_size,
-        "sequence_parallel": cfg.sequence_parallel,
-        "pad_multiple": cfg.pad_multiple,
-        "algorithm": cfg.algorithm,
-        "overflow": cfg.overflow,
-        "without_targets": cfg.without_targets,
-        "max_samples_per_pack": cfg.max_samples_per_pack,
-        "seed": cfg.seed,
-        "shuffle_packs": cfg.shuffle_packs,
+    meta = PackedMetadata(
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        complete=True,
+        thdpack_version=__version__,
+        file_format=bridge_export.data_file_format(cfg.output_format),
+        targets=cfg.targets,
+        columns=["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
+        num_packs=len(prep.plan),
+        pack_size=cfg.pack_size,
+        align=cfg.align,
+        cp_size=cfg.cp_size,
+        tp_size=cfg.tp_size,
+        sequence_parallel=cfg.sequence_parallel,
+        pad_multiple=cfg.pad_multiple,
+        algorithm=cfg.algorithm,
+        overflow=cfg.overflow,
+        without_targets=cfg.without_targets,
+        max_samples_per_pack=cfg.max_samples_per_pack,
+        seed=cfg.seed,
+        shuffle_packs=cfg.shuffle_packs,
         **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
-        "counts": counts,
-        "source": {
-            "format": prep.tokenized.fmt,
-            "fingerprint": prep.source.fingerprint,
-            "files": [f.describe() for f in prep.source.files],
-        },
-        "tokenizer": tok_info,
-        "model": None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
-        "files": written["files"],
-        "stats": summary,
-        "skipped_examples": prep.skipped_examples(),
-        "config": cfg.as_dict(recorded=True),
-    }
+        counts=counts,
+        source=SourceInfo(format=prep.tokenized.fmt, fingerprint=prep.source.fingerprint,
+                          files=[f.describe() for f in prep.source.files]),
+        tokenizer=tok_info,
+        model=None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
+        files=written["files"],
+        stats=summary,
+        skipped_examples=prep.skipped_examples(),
+        config=cfg.as_dict(recorded=True),
+    )
     if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
         meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]

@@ -46,7 +46,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Annotated, TypedDict, get_origin, get_type_hints
 
 import numpy as np
 
@@ -62,6 +62,11 @@ TOKENIZER_DIR = "tokenizer"
 LIST_COLUMNS = ("input_ids", "loss_mask", "labels", "seq_lens", "sample_index", "sample_start")
 SAMPLE_COLUMNS = ("seq_lens", "sample_index", "sample_start")  # one entry per sample of the pack
 SAMPLE_VALUE_PREFIX = "sample_values."  # + NAME: a per-sample value column (``sample_values:``), one entry per sample
+# the tokenized (not yet packed) columns of sample value ``name`` (``sample_values:``): its number (float64) and whether
+# the row gave an integer (a value column is written as int64 when every kept row did)
+VALUE_COLUMN = "__value__.{}"
+VALUE_IS_INT_COLUMN = "__value_int__.{}"
+GROUP_COLUMN = "__group__"  # the tokenized column of a row's ``group_column`` value, as JSON text
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
@@ -86,59 +91,7 @@ def bytes_sha256(data) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-# ---------------------------------------------------------------------------- metadata.json
-
-
-class PackedMetadata(TypedDict, total=False):
-    """``metadata.json`` of a packed dataset, keys in the order build writes them (merge keeps it).
-    What a reader may rely on is :data:`METADATA_SCHEMA`, checked by :func:`check_metadata`."""
-
-    format: str  # FORMAT_NAME
-    format_version: int
-    complete: bool
-    thdpack_version: str
-    file_format: str  # arrow | parquet
-    targets: str  # loss_mask | labels
-    columns: list[str]
-    num_packs: int
-    pack_size: int
-    align: int
-    cp_size: int
-    tp_size: int
-    sequence_parallel: bool
-    pad_multiple: int | None
-    algorithm: str
-    overflow: str
-    without_targets: str
-    max_samples_per_pack: int | None
-    seed: int
-    shuffle_packs: bool
-    dataset_max_seqlen: int  # the NeMo / Megatron-Bridge fields (offline/stats.nemo_fields)
-    max_samples_per_bin: int
-    packing_factor: float
-    packing_efficiency: float
-    min_packed_seqlen: int
-    counts: dict  # COUNTS_SCHEMA
-    source: dict  # SOURCE_SCHEMA
-    tokenizer: dict | None  # TOKENIZER_SCHEMA
-    model: dict | None
-    files: list[dict]  # FILE_SCHEMA, one per data file
-    stats: dict
-    skipped_examples: list[dict]
-    config: dict  # BuildConfig.as_dict(recorded=True)
-    sample_values: dict[str, str]  # sample_values builds only
-    megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge_export.py)
-    vision: dict  # VLM builds only (offline/store/vision_columns.py)
-    input_slice: dict  # slice builds only (offline/inputs/input_slice.py; ``build_shard`` before)
-    input_slices: dict  # merged builds only (``build_shards`` before)
-
-
-def metadata_text(meta: PackedMetadata) -> str:
-    """The text of ``metadata.json``: indented JSON, non-ASCII kept, one final newline."""
-    return json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
-
-
-# ---------------------------------------------------------------------------- metadata.json schema
+# ---------------------------------------------------------------------------- metadata.json rules
 
 
 def _is_int(value) -> bool:
@@ -165,6 +118,10 @@ def _one_of(*choices: str) -> Rule:
     return Rule(f"one of {', '.join(map(repr, choices))}", lambda v: isinstance(v, str) and v in choices)
 
 
+def _value_types(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and k and t in ("int64", "float64") for k, t in v.items())
+
+
 COUNT = Rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 POSITIVE = Rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
 FLAG = Rule("true or false", lambda v: isinstance(v, bool))
@@ -173,37 +130,120 @@ OBJECT = Rule("an object", lambda v: isinstance(v, dict))
 LIST = Rule("a list", lambda v: isinstance(v, list))
 NAMES = Rule("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None)
+VALUE_TYPES = Rule('an object {name: "int64" or "float64"}', _value_types)
 
-# every key a reader of the dataset uses (load_packed, its collator, thdpack stats / inspect)
-METADATA_SCHEMA = {
-    "format_version": POSITIVE,
-    "file_format": _one_of(*SUFFIX),
-    "targets": _one_of(*TARGETS),
-    "columns": NAMES,
-    "num_packs": COUNT,
-    "pack_size": POSITIVE,
-    "align": POSITIVE,
-    "cp_size": POSITIVE.optional(),
-    "tp_size": POSITIVE.optional(),
-    "sequence_parallel": FLAG.optional(),
-    "pad_multiple": POSITIVE.or_null().optional(),
-    "counts": OBJECT,
-    "files": LIST,
-    "source": OBJECT,
-    "tokenizer": OBJECT.or_null().optional(),
-    "vision": OBJECT.or_null().optional(),
-    "stats": OBJECT.optional(),
+
+# ---------------------------------------------------------------------------- metadata.json types
+# Each key's type says what build and merge write; an ``Annotated[..., Rule]`` key is one a reader
+# uses (load_packed, its collator, thdpack stats / inspect), and its rule is what check_metadata
+# enforces. The schemas below are derived from these types: a key is described once.
+
+
+class Counts(TypedDict, total=False):
+    """``counts``: what the build read, kept and cut (offline/summary.py)."""
+
+    samples: Annotated[int, COUNT]
+    pieces: Annotated[int, COUNT.optional()]
+    tokens: Annotated[int, COUNT.optional()]
+    target_tokens: Annotated[int, COUNT.optional()]
+
+
+class SourceFile(TypedDict, total=False):
+    """One input file of ``source.files``."""
+
+    path: Annotated[str, TEXT]
+
+
+class SourceInfo(TypedDict, total=False):
+    """``source``: the input and its row format."""
+
+    format: Annotated[str, TEXT]
+    fingerprint: str  # of the input files and the options that read them (offline/inputs/sources.py)
+    files: Annotated[list[SourceFile], LIST]
+
+
+class TokenizerInfo(TypedDict, total=False):
+    """``tokenizer``: what the collator and inspect need of the tokenizer (offline/tokenizing/tokenizer.py)."""
+
+    vocab_size: Annotated[int, POSITIVE.optional()]
+    pad_token_id: Annotated[int | None, COUNT.or_null().optional()]
+    name_or_path: Annotated[str | None, TEXT.or_null().optional()]
+
+
+class DataFile(TypedDict, total=False):
+    """One data file of ``files``."""
+
+    path: Annotated[str, TEXT]
+    num_packs: Annotated[int, COUNT]
+    num_tokens: Annotated[int, COUNT]
+    num_bytes: Annotated[int, COUNT]
+    sha256: Annotated[str, SHA256]
+
+
+class PackedMetadata(TypedDict, total=False):
+    """``metadata.json`` of a packed dataset, keys in the order build writes them (merge keeps it).
+    What a reader may rely on are the ``Annotated`` keys: :data:`METADATA_SCHEMA`, checked by
+    :func:`check_metadata`."""
+
+    format: str  # FORMAT_NAME (checked first, with complete)
+    format_version: Annotated[int, POSITIVE]
+    complete: bool
+    thdpack_version: str
+    file_format: Annotated[str, _one_of(*SUFFIX)]  # arrow | parquet
+    targets: Annotated[str, _one_of(*TARGETS)]  # loss_mask | labels
+    columns: Annotated[list[str], NAMES]
+    num_packs: Annotated[int, COUNT]
+    pack_size: Annotated[int, POSITIVE]
+    align: Annotated[int, POSITIVE]
+    cp_size: Annotated[int, POSITIVE.optional()]
+    tp_size: Annotated[int, POSITIVE.optional()]
+    sequence_parallel: Annotated[bool, FLAG.optional()]
+    pad_multiple: Annotated[int | None, POSITIVE.or_null().optional()]
+    algorithm: str
+    overflow: str
+    without_targets: str
+    max_samples_per_pack: int | None
+    seed: int
+    shuffle_packs: bool
+    dataset_max_seqlen: int  # the NeMo / Megatron-Bridge fields (offline/summary.nemo_fields)
+    max_samples_per_bin: int
+    packing_factor: float
+    packing_efficiency: float
+    min_packed_seqlen: int
+    counts: Annotated[Counts, OBJECT]
+    source: Annotated[SourceInfo, OBJECT]
+    tokenizer: Annotated[TokenizerInfo | None, OBJECT.or_null().optional()]
+    model: dict | None
+    files: Annotated[list[DataFile], LIST]
+    stats: Annotated[dict, OBJECT.optional()]
+    skipped_examples: list[dict]
+    config: dict  # BuildConfig.as_dict(recorded=True)
     # sample_values builds only: {NAME: "int64" | "float64"}, each with a sample_values.NAME column
-    "sample_values": Rule('an object {name: "int64" or "float64"}', lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and k and t in ("int64", "float64") for k, t in v.items())).optional(),
-}
-COUNTS_SCHEMA = {"samples": COUNT, "pieces": COUNT.optional(), "tokens": COUNT.optional(),
-                 "target_tokens": COUNT.optional()}
-FILE_SCHEMA = {"path": TEXT, "num_packs": COUNT, "num_tokens": COUNT, "num_bytes": COUNT, "sha256": SHA256}
-SOURCE_SCHEMA = {"format": TEXT, "files": LIST}
-SOURCE_FILE_SCHEMA = {"path": TEXT}
-TOKENIZER_SCHEMA = {"vocab_size": POSITIVE.optional(), "pad_token_id": COUNT.or_null().optional(),
-                    "name_or_path": TEXT.or_null().optional()}
+    sample_values: Annotated[dict[str, str], VALUE_TYPES.optional()]
+    megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge_export.py)
+    vision: Annotated[dict | None, OBJECT.or_null().optional()]  # VLM builds only (offline/store/vision_columns.py)
+    input_slice: dict  # slice builds only (offline/inputs/input_slice.py)
+    input_slices: dict  # merged builds only
+
+
+def metadata_text(meta: PackedMetadata) -> str:
+    """The text of ``metadata.json``: indented JSON, non-ASCII kept, one final newline."""
+    return json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
+
+
+def schema_of(kind: type) -> dict[str, Rule]:
+    """The rules of a metadata TypedDict: ``{key: Rule}`` for each ``Annotated[..., Rule]`` key, in order."""
+    hints = get_type_hints(kind, include_extras=True)
+    return {key: rule for key, hint in hints.items() if get_origin(hint) is Annotated
+            for rule in hint.__metadata__ if isinstance(rule, Rule)}
+
+
+METADATA_SCHEMA = schema_of(PackedMetadata)
+COUNTS_SCHEMA = schema_of(Counts)
+FILE_SCHEMA = schema_of(DataFile)
+SOURCE_SCHEMA = schema_of(SourceInfo)
+SOURCE_FILE_SCHEMA = schema_of(SourceFile)
+TOKENIZER_SCHEMA = schema_of(TokenizerInfo)
 
 
 def _check_keys(obj, schema: dict, where: str, prefix: str = "") -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.store.format import SAMPLE_VALUE_PREFIX, data_file_name, file_sha256
+from thdpack.offline.store.format import SAMPLE_VALUE_PREFIX, VALUE_COLUMN, VALUE_IS_INT_COLUMN, data_file_name, file_sha256
 from thdpack.offline.store.gather import RowPieces
 from thdpack.planning.plan import PackPlan
 from thdpack.common.samples import IGNORE_INDEX
@@ -37,9 +37,8 @@ def schema(targets: str):
 
 def sample_value_arrays(token_table, names: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
     """``{name: [tokenized rows]}`` the ``sample_values`` of the tokenized rows (columns
-    :data:`~thdpack.offline.tokenizing.row_formats.VALUE_COLUMN`): int64 when every row of ``rows`` (the
+    :data:`~thdpack.offline.store.format.VALUE_COLUMN`): int64 when every row of ``rows`` (the
     planned ones) gave an integer, else float64."""
-    from thdpack.offline.tokenizing.row_formats import VALUE_COLUMN, VALUE_IS_INT_COLUMN
 
     out = {}
     for name in names:

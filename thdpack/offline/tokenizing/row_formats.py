@@ -159,12 +159,6 @@ def preference_row(row: dict, messages=lambda m: m) -> tuple[PromptCompletion, P
 
 # ---------------------------------------------------------------------------- per-sample values
 
-# the tokenized columns of sample value ``name`` (``sample_values:``): its number (float64) and whether
-# the row gave an integer (a value column is written as int64 when every kept row did)
-VALUE_COLUMN = "__value__.{}"
-VALUE_IS_INT_COLUMN = "__value_int__.{}"
-GROUP_COLUMN = "__group__"  # the tokenized column of a row's ``group_column`` value, as JSON text
-
 
 def group_key(v, name: str) -> str:
     """A row's ``group_column`` value (a string or an integer) as the key rows are grouped by

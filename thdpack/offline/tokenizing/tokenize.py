@@ -19,12 +19,11 @@ import numpy as np
 
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.store.format import bytes_sha256
+from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN, bytes_sha256
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
 from thdpack.offline.tokenizing.formats import (DETECTION_ORDER, TOOLS_FORMATS, detect_format, format_fields,
                                                 optional_fields, row_format)
-from thdpack.offline.tokenizing.row_formats import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
 from thdpack.offline.inputs.sources import JSON_COLUMN, Source
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch

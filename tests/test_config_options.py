@@ -1,0 +1,84 @@
+"""BuildConfig is the one place an option's type, default and range are stated: the YAML checks
+(:meth:`BuildConfig.validate`) and the ``thdpack build`` flags are both read off its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import pytest
+
+from thdpack.cli import build_parser
+from thdpack.offline import BuildConfig, ConfigError
+from thdpack.offline.config import options
+
+OPTIONS = {o.name: o for o in options()}
+
+
+def test_every_field_is_an_option_with_its_default():
+    fields = [f for f in dataclasses.fields(BuildConfig) if not f.metadata.get("internal")]
+    assert [f.name for f in fields] == list(OPTIONS) == BuildConfig.keys()
+    assert all(OPTIONS[f.name].default == f.default for f in fields)
+
+
+def test_kinds_come_from_the_type_hints():
+    kinds = {name: (o.kind, o.nullable) for name, o in OPTIONS.items()}
+    assert kinds["pack_size"] == ("int", False) and kinds["max_rows"] == ("int", True)
+    assert kinds["append_eos"] == ("flag", False) and kinds["file_size_mb"] == ("number", False)
+    assert kinds["text_field"] == ("text", False) and kinds["tokenizer"] == ("text", True)
+    assert kinds["model_config"] == ("value", True) and OPTIONS["seed"].minimum == 0
+
+
+def _bad_values(option) -> list:
+    if option.choices:
+        return ["no-such-choice", 3]
+    return {"int": [option.minimum - 1, 2.5, True, "4"], "flag": ["yes", 1], "number": [0, -1.5, math.inf, math.nan, "2"],
+            "text": ["", 5], "value": [5] if option.accepts else []}[option.kind]
+
+
+def _good_value(option):
+    if option.choices:
+        return list(option.choices)[-1]
+    return {"int": option.minimum + 3, "flag": True, "number": 2.5, "text": "x", "value": None}[option.kind]
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_option_refuses_what_its_kind_does_not_allow(name, tmp_path):
+    option = OPTIONS[name]
+    base = dict(input=str(tmp_path / "rows.jsonl"), pack_size=4096)
+    for value in _bad_values(option):
+        cfg = BuildConfig(**{**base, name: value})
+        with pytest.raises(ConfigError, match=rf"^{name} must be "):
+            cfg.validate()
+    if name not in ("input", "sample_values", "group_column", "pack_size"):
+        BuildConfig(**{**base, name: _good_value(option)}).validate()  # the same field with a valid value passes
+    if option.nullable and name != "input":
+        BuildConfig(**{**base, name: None}).validate()
+
+
+def _build_args(*argv):
+    return build_parser().parse_args(["build", "--output", "o", *argv])
+
+
+def test_flags_parse_as_their_kind():
+    args = _build_args("--pack-size", "3", "--file-size-mb", "1.5", "--no-shuffle-packs", "--tokenizer", "t",
+                       "--algorithm", "ffd", "--input", "a", "b")
+    assert (args.pack_size, args.file_size_mb, args.shuffle_packs, args.tokenizer) == (3, 1.5, False, "t")
+    assert args.algorithm == "ffd" and args.input == ["a", "b"]
+    assert all(getattr(_build_args(), name) is None for name in OPTIONS)  # not given: the YAML value stays
+
+
+def test_every_option_is_a_flag_of_its_kind():
+    build = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "build")[1]
+    actions = {a.dest: a for a in build._actions}
+    for name, option in OPTIONS.items():
+        action = actions[name]
+        assert action.option_strings == ["--" + name.replace("_", "-")] + (
+            ["--no-" + name.replace("_", "-")] if option.kind == "flag" else [])
+        if option.kind == "flag":
+            assert isinstance(action, argparse.BooleanOptionalAction)
+        else:
+            want = {"int": int, "number": float}.get(option.kind, option.flag_type)
+            assert action.type is want, name
+        assert list(action.choices or []) == list(option.choices or []), name
