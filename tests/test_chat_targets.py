@@ -31,10 +31,11 @@ transformers = pytest.importorskip("transformers")
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.offline import BuildConfig, ConfigError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.tokenizing import fastenc  # noqa: E402
+from thdpack.offline.tokenizing import chat_render, fastenc  # noqa: E402
 from thdpack.offline.inputs.sources import JSON_COLUMN  # noqa: E402
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE  # noqa: E402
 from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer  # noqa: E402
+from thdpack.offline.stages import TokenizeOptions  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 # family -> (tokenizer, template file or None for the tokenizer's own, the turn regex of the reference)
@@ -140,7 +141,7 @@ def encode(family: str, rows: list[dict], loss: str = "assistant", tiktoken: boo
     tiktoken form."""
     tok = load_tokenizer(family)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss=loss)
-    rt = RowTokenizer("chat", conf, tok, [JSON_COLUMN], _tiktoken(FAMILIES[family][0]) if tiktoken else None)
+    rt = RowTokenizer("chat", TokenizeOptions.from_config(conf), tok, [JSON_COLUMN], _tiktoken(FAMILIES[family][0]) if tiktoken else None)
     out = []
     for i in range(0, len(rows), 500):
         lines = [json.dumps(r).encode() for r in rows[i:i + 500]]
@@ -221,7 +222,7 @@ def test_qwen3_2000_conversations_no_row_rejected():
     assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) > 1000  # multi-turn
     tok = assert_encoded("qwen3", rows, "assistant", tiktoken=True)
     # and through the fast paths: batched rendering, ids from tiktoken with targets on byte spans
-    assert fastenc._render_checked[id(tok)][1] and fastenc._span_checked[id(tok)][1] is not None
+    assert chat_render._render_checked[id(tok)][1] and fastenc._span_checked[id(tok)][1] is not None
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "llama3"])
@@ -280,9 +281,10 @@ def test_a_template_it_cannot_handle_names_the_option(template, why):
     tok = _with_template("qwen3", template)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
     with pytest.raises(ConfigError, match=r"generation %} markers.*`chat_template:`") as err:
-        RowTokenizer("chat", conf, tok, [JSON_COLUMN], None)
+        RowTokenizer("chat", TokenizeOptions.from_config(conf), tok, [JSON_COLUMN], None)
     assert why in str(err.value) and "\n" not in str(err.value)
-    RowTokenizer("chat", BuildConfig(input="-", tokenizer="-", format="chat", loss="all"), tok, [JSON_COLUMN], None)
+    RowTokenizer("chat", TokenizeOptions.from_config(BuildConfig(input="-", tokenizer="-", format="chat", loss="all")),
+                 tok, [JSON_COLUMN], None)
 
 
 def test_rows_a_template_cannot_locate_are_row_errors(monkeypatch):
@@ -332,7 +334,7 @@ def test_generation_markers_give_the_same_targets():
     marked = _with_template("qwen3", (DATA / "qwen2_5_generation_chat_template.jinja").read_text())
     assert [_rendered(marked, r) for r in rows] == [_rendered(load_tokenizer("qwen2.5"), r) for r in rows]
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
-    rt = RowTokenizer("chat", conf, marked, [JSON_COLUMN], None)
+    rt = RowTokenizer("chat", TokenizeOptions.from_config(conf), marked, [JSON_COLUMN], None)
     assert rt.has_generation
     lines = [json.dumps(r).encode() for r in rows]
     got = rt(pa.table({JSON_COLUMN: pa.array(lines, pa.binary())})).to_pylist()

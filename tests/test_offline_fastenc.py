@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
-from thdpack.offline.tokenizing import fastenc  # noqa: E402
+from thdpack.offline.tokenizing import chat_render, fastenc  # noqa: E402
 
 UNICODE_CHATS = [
     [{"role": "user", "content": "Café? naïve — ünïcödé"}, {"role": "assistant", "content": "Oui, très bien 😀 ✓"}],
@@ -155,21 +155,21 @@ def test_spans_rows_that_are_not_nfc_and_ineligible_tokenizers_fall_back(tmp_pat
 @pytest.mark.parametrize("generation_prompt", [False, True])
 def test_render_chats_equals_apply_chat_template(generation_prompt):
     tok = load()
-    convs = fastenc.normalize_chats([r["messages"] for r in generate_rows(40, seed=9, kind="chat")] + UNICODE_CHATS)
+    convs = chat_render.normalize_chats([r["messages"] for r in generate_rows(40, seed=9, kind="chat")] + UNICODE_CHATS)
     prefixes = [c[:k] for c in convs for k in range(1, len(c) + 1)]
     want = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=generation_prompt) for c in prefixes]
-    assert fastenc.render_chats(tok, prefixes, generation_prompt) == want
-    assert fastenc._render_checked[id(tok)][1]  # the batched renderer was taken
+    assert chat_render.render_chats(tok, prefixes, generation_prompt) == want
+    assert chat_render._render_checked[id(tok)][1]  # the batched renderer was taken
 
 
 def test_render_chats_that_differ_fall_back(monkeypatch):
     tok = load()
-    fastenc._render_checked.pop(id(tok), None)
-    monkeypatch.setattr(fastenc, "_render_fast", lambda tok, convs, flag: [c + " " for c in fastenc._render_slow(tok, convs, flag)])
-    convs = fastenc.normalize_chats([r["messages"] for r in generate_rows(5, seed=1, kind="chat")])
+    chat_render._render_checked.pop(id(tok), None)
+    monkeypatch.setattr(chat_render, "_render_fast", lambda tok, convs, flag: [c + " " for c in chat_render._render_slow(tok, convs, flag)])
+    convs = chat_render.normalize_chats([r["messages"] for r in generate_rows(5, seed=1, kind="chat")])
     want = [tok.apply_chat_template(c, tokenize=False) for c in convs]
-    assert fastenc.render_chats(tok, convs, False) == want
-    assert fastenc._render_checked[id(tok)][1] is False
+    assert chat_render.render_chats(tok, convs, False) == want
+    assert chat_render._render_checked[id(tok)][1] is False
 
 
 _SPAN_PIECES = ["hello", " world", "  ", "\n", "\t", "'s", "123", " 42", "<|im_start|>", "<|im_end|>", "café",

@@ -116,7 +116,7 @@ def _shared(meta: dict, key: str):
     value = meta.get(key, object)
     if key == "vision" and isinstance(value, dict):
         return {k: v for k, v in value.items() if k not in VISION_PER_SLICE_KEYS}
-    if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per slice (bridge.py)
+    if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per slice (bridge_export.py)
         from thdpack.offline.bridge_export import SETTINGS
 
         return {k: value.get(k) for k in SETTINGS}

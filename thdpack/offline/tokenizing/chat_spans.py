@@ -51,7 +51,7 @@ class TurnMarks:
 def turn_marks(render, special_tokens) -> TurnMarks:
     """The header and end-of-turn text of a template. ``render(conversations,
     add_generation_prompt)`` renders normalized conversations (as
-    :func:`thdpack.offline.tokenizing.fastenc.render_chats`); ``special_tokens``: the tokenizer's
+    :func:`thdpack.offline.tokenizing.chat_render.render_chats`); ``special_tokens``: the tokenizer's
     special token strings. Raises :class:`TemplateNotSupported`, or the template's own error."""
     probe = [_PROBE_USER, {"role": "assistant", "content": SENTINEL}]
     plain, prompted, answered = render([probe[:1]], False)[0], render([probe[:1]], True)[0], render([probe], False)[0]

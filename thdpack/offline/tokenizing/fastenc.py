@@ -3,10 +3,11 @@
 - :func:`encode_texts`: ``tokenizer(texts)["input_ids"]`` (text rows);
 - :func:`encode_chat`: ``apply_chat_template(..., return_assistant_tokens_mask=True)``
   (chat templates with ``{% generation %}`` markers);
-- :func:`render_chats`: ``apply_chat_template(..., tokenize=False)`` for many
-  conversations at once;
 - :func:`encode_with_spans`: ids + the tokens overlapping character spans, as
   ``return_offsets_mapping`` gives them (templates without markers).
+
+Rendering chat templates to text is :mod:`thdpack.offline.tokenizing.chat_render`; the
+once-per-process check all of them make is :mod:`thdpack.offline.tokenizing.fast_checks`.
 
 Each one checks itself against the ``transformers`` call on the first rows of a
 process (and row by row where it can) and falls back to that call on any doubt. Ids
@@ -28,37 +29,24 @@ import json
 
 import numpy as np
 
+from thdpack.offline.tokenizing.chat_render import normalize_chats, render_template
+from thdpack.offline.tokenizing.fast_checks import CHECK_ROWS, LATER, decided, per_tools
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch, byte_level_alphabet
 
-_CHECK_ROWS = 32
-_LATER = object()  # a decision the first rows could not make: decide on a later call
 # (id(tokenizer), add_special_tokens) -> (tokenizer, fast path usable)
 _checked: dict[tuple[int, bool], tuple[object, bool]] = {}
-
-
-def _decided(cache: dict, key, tok, decide):
-    """What ``decide()`` said the first time for tokenizer ``tok`` in this process (kept in
-    ``cache[key]`` next to ``tok``, so a new tokenizer that reuses an id decides again);
-    ``_LATER`` is not kept."""
-    entry = cache.get(key)
-    if entry is None or entry[0] is not tok:
-        value = decide()
-        if value is _LATER:
-            return _LATER
-        cache[key] = entry = (tok, value)
-    return entry[1]
 
 
 def _checked_byte_lengths(tok, head_fast, head_slow, same):
     """The byte-length table of ``tok`` when the byte-span path (``head_fast(table)``) agrees with
     the transformers call (``head_slow()``) on the first rows; None when the tokenizer is not
-    eligible or they disagree; ``_LATER`` when those rows cannot take the fast path (not NFC)."""
+    eligible or they disagree; ``LATER`` when those rows cannot take the fast path (not NFC)."""
     table = _byte_lengths(tok)
     if table is None:
         return None
     got = head_fast(table)
     if got is None:
-        return _LATER
+        return LATER
     return table if same(got, head_slow()) else None
 
 
@@ -66,9 +54,9 @@ def encode_texts(tok, texts: list[str], bpe=None, *, add_special_tokens: bool = 
     """``tok(texts, add_special_tokens=...)["input_ids"]``, through the backend when that is equal,
     and through ``bpe`` (a :class:`~thdpack.offline.tokenizing.tiktoken_bpe.TiktokenBPE` of the backend,
     int32 arrays) when given."""
-    head = texts[:_CHECK_ROWS]
+    head = texts[:CHECK_ROWS]
     # (the reference call runs first: it also sets the backend's truncation/padding as transformers does)
-    ok = _decided(_checked, (id(tok), add_special_tokens), tok,
+    ok = decided(_checked, (id(tok), add_special_tokens), tok,
                   lambda: _slow(tok, head, add_special_tokens) == _fast(tok, head, add_special_tokens))
     if not ok:
         return _slow(tok, texts, add_special_tokens)
@@ -114,17 +102,17 @@ def encode_chat(tok, conversations: list, bpe=None, tools: list | None = None) -
     return_assistant_tokens_mask=True)``: ``{"input_ids": [...], "assistant_masks": [...]}``
     (numpy arrays on the fast path). ``tools``: each conversation's tool schemas (the
     template's ``tools``), None for none."""
-    pairs = _per_tools(conversations, tools, lambda convs, kw: _encode_chat_group(tok, convs, bpe, kw))
+    pairs = per_tools(conversations, tools, lambda convs, kw: _encode_chat_group(tok, convs, bpe, kw))
     return {"input_ids": [ids for ids, _ in pairs], "assistant_masks": [mask for _, mask in pairs]}
 
 
 def _encode_chat_group(tok, conversations, bpe, kw) -> list:
     """``[(ids, assistant mask)]`` of conversations that share their tools (``kw``: ``{"tools": ...}`` or ``{}``)."""
-    head = conversations[:_CHECK_ROWS]
-    table = _decided(_chat_checked, id(tok), tok, lambda: _checked_byte_lengths(
+    head = conversations[:CHECK_ROWS]
+    table = decided(_chat_checked, id(tok), tok, lambda: _checked_byte_lengths(
         tok, lambda t: _chat_fast(tok, head, t, bpe, **kw), lambda: _chat_slow(tok, head, **kw), _same))
     got = None
-    if table is not None and table is not _LATER:
+    if table is not None and table is not LATER:
         got = _chat_fast(tok, conversations, table, bpe, **kw)
     if got is None:
         got = _chat_slow(tok, conversations, **kw)
@@ -145,7 +133,7 @@ def _same(a, b) -> bool:
 
 def _chat_fast(tok, conversations, byte_len, bpe=None, tools=None):
     try:
-        rendered, spans_all = _render(tok, normalize_chats(conversations), False, assistant_spans=True, tools=tools)
+        rendered, spans_all = render_template(tok, normalize_chats(conversations), False, assistant_spans=True, tools=tools)
         encodings = _encode_ids(tok, rendered, bpe)
     except FastTokenizerMismatch:
         raise
@@ -201,92 +189,6 @@ def _byte_spans(text: str, spans) -> "np.ndarray":
                       dtype=np.int64).reshape(-1, 2)
 
 
-# ---------------------------------------------------------------------------- rendering many conversations
-#
-# ``apply_chat_template(conv, tokenize=False)`` per conversation spends about as long
-# normalizing the messages and setting up as rendering. ``render_chats`` renders a whole
-# list in one ``render_jinja_template`` call (what ``apply_chat_template`` calls), on
-# messages normalized once (``normalize_chats``; a prefix of a normalized conversation is
-# the normalized prefix). The first call in a process compares it with
-# ``apply_chat_template`` on the first conversations, with and without the generation
-# prompt; any difference, or another transformers version, and every call goes through
-# ``apply_chat_template``.
-
-_render_checked: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, batched rendering usable)
-
-
-def normalize_chats(conversations: list) -> list:
-    """The conversations as ``apply_chat_template`` normalizes them (message objects to dicts,
-    ``None`` values dropped); as given when this transformers version has no such step.
-    Content parts are already joined into strings by then (the row checks,
-    :func:`thdpack.offline.tokenizing.chat_content.flatten_content`)."""
-    try:
-        from transformers.tokenization_utils_base import _normalize_chat_messages
-    except ImportError:
-        return list(conversations)
-    return [_normalize_chat_messages(c) for c in conversations]
-
-
-def render_chats(tok, conversations: list, add_generation_prompt: bool, tools: list | None = None) -> list[str]:
-    """``[tok.apply_chat_template(c, tools=t, tokenize=False, add_generation_prompt=...) for c, t in
-    zip(conversations, tools)]`` for conversations already through :func:`normalize_chats`
-    (``tools``: each conversation's tool schemas or None; omitted: no tools)."""
-    return _per_tools(conversations, tools, lambda convs, kw: _render_group(tok, convs, add_generation_prompt, kw))
-
-
-def _render_group(tok, conversations, add_generation_prompt, kw) -> list[str]:
-    """:func:`render_chats` of conversations that share their tools (``kw``: ``{"tools": ...}`` or ``{}``)."""
-    head = conversations[:_CHECK_ROWS]
-    ok = _decided(_render_checked, id(tok), tok, lambda: all(
-        _render_fast(tok, head, flag, **kw) == _render_slow(tok, head, flag, **kw) for flag in (False, True)))
-    if ok and conversations:
-        out = _render_fast(tok, conversations, add_generation_prompt, **kw)
-        if out is not None:
-            return out
-    return _render_slow(tok, conversations, add_generation_prompt, **kw)
-
-
-def _per_tools(conversations: list, tools: list | None, fn) -> list:
-    """``fn(convs, kw)`` on each group of conversations with the same tools (``kw``: ``{"tools": t}``,
-    or ``{}`` for none; ``apply_chat_template`` takes one ``tools`` per call), results put back
-    in the conversations' order."""
-    if tools is None or all(t is None for t in tools):
-        return list(fn(conversations, {}))
-    groups: dict = {}
-    for i, t in enumerate(tools):
-        key = None if t is None else json.dumps(t, sort_keys=True, default=str)
-        groups.setdefault(key, (t, []))[1].append(i)
-    out: list = [None] * len(conversations)
-    for t, rows in groups.values():
-        for i, res in zip(rows, fn([conversations[i] for i in rows], {} if t is None else {"tools": t})):
-            out[i] = res
-    return out
-
-
-def _render(tok, conversations, add_generation_prompt: bool, *, assistant_spans: bool = False, tools=None):
-    """``(texts, {% generation %} character spans)``: the call ``apply_chat_template`` makes,
-    for normalized conversations."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    return render_jinja_template(
-        conversations=conversations, tools=tools, documents=None, chat_template=tok.get_chat_template(None, tools),
-        return_assistant_tokens_mask=assistant_spans, continue_final_message=False,
-        add_generation_prompt=add_generation_prompt, **tok.special_tokens_map,
-    )
-
-
-def _render_fast(tok, conversations, add_generation_prompt, tools=None):
-    try:
-        return list(_render(tok, conversations, add_generation_prompt, tools=tools)[0])
-    except Exception:  # noqa: BLE001 - another transformers version, or a conversation it rejects
-        return None
-
-
-def _render_slow(tok, conversations, add_generation_prompt, tools=None):
-    return [tok.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-            for c in conversations]
-
-
 # ---------------------------------------------------------------------------- text with character spans
 #
 # Chat templates without ``{% generation %}`` markers (Qwen's, Llama 3's): the build finds
@@ -302,11 +204,11 @@ _span_checked: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokeni
 def encode_with_spans(tok, texts: list[str], spans: list, bpe=None) -> list:
     """``[(ids, mask)]``: int32 ids of ``tok(text, add_special_tokens=False)`` and a bool mask of
     the tokens whose character offsets overlap one of the text's ``spans`` (``[(a, b), ...]``)."""
-    head, head_spans = texts[:_CHECK_ROWS], spans[:_CHECK_ROWS]
-    table = _decided(_span_checked, id(tok), tok, lambda: _checked_byte_lengths(
+    head, head_spans = texts[:CHECK_ROWS], spans[:CHECK_ROWS]
+    table = decided(_span_checked, id(tok), tok, lambda: _checked_byte_lengths(
         tok, lambda t: _spans_fast(tok, head, head_spans, t, bpe), lambda: _spans_slow(tok, head, head_spans),
         lambda a, b: all(np.array_equal(x, z) and np.array_equal(y, w) for (x, y), (z, w) in zip(a, b))))
-    if table is not None and table is not _LATER:
+    if table is not None and table is not LATER:
         got = _spans_fast(tok, texts, spans, table, bpe)
         if got is not None:
             return got

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.offline.tokenizing.fastenc import encode_texts, normalize_chats, render_chats
+from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats
+from thdpack.offline.tokenizing.fastenc import encode_texts
 
 SHAREGPT_FIELD = "conversations"
 SYSTEM_FIELD = "system"  # a ShareGPT row's optional system prompt (LLaMA-Factory's ``system`` column)

@@ -30,7 +30,8 @@ from thdpack.offline.tokenizing.chat_spans import (TemplateNotSupported, assista
                                         with_sentinels)
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans, normalize_chats, render_chats
+from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats
+from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
 from thdpack.offline.tokenizing.row_formats import brief as _brief, encode_prompt_completion, group_key, sample_value
