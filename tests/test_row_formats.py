@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format  # noqa: E402
+from thdpack.offline.stages import BuildStages, TokenizeOptions  # noqa: E402
 from thdpack.offline.tokenizing.row_formats import (SHAREGPT_ROLES, prompt_completion, sharegpt_row,  # noqa: E402
                                                     sharegpt_to_messages)
 
@@ -294,7 +295,7 @@ def test_prompt_completion_from_parquet_with_content_parts(tmp_path, rows):
 
 
 def test_detection_order(tmp_path):
-    cfg = BuildConfig()
+    cfg = TokenizeOptions.from_config(BuildConfig())
     assert DETECTION_ORDER == ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
     assert detect_format(["prompt", "chosen", "rejected", "text"], cfg) == "preference"
     assert detect_format(["messages", "conversations", "prompt", "completion"], cfg) == "chat"
@@ -383,8 +384,8 @@ def test_a_new_row_format_is_one_registered_class():
         cfg = BuildConfig(input="-", tokenizer=str(TOKENIZER_DIR), format="shouted").validate()
         assert format_flag_accepts("shouted")
         tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-        got = RowTokenizer("shouted", cfg, tok, ["line"])(pa.table({"line": ["Hello there", "", "ok"]}))
-        want = RowTokenizer("text", cfg.override(format="text"), tok, ["text"])(
+        got = RowTokenizer("shouted", TokenizeOptions.from_config(cfg), tok, ["line"])(pa.table({"line": ["Hello there", "", "ok"]}))
+        want = RowTokenizer("text", TokenizeOptions.from_config(cfg.override(format="text")), tok, ["text"])(
             pa.table({"text": ["HELLO THERE", "", "OK"]}))
         assert got.column("__error__").to_pylist() == [None, "'line' is empty", None]
         assert got.drop_columns(["__error__"]).equals(want.drop_columns(["__error__"]))
@@ -414,7 +415,7 @@ def test_vlm_rows_refuse_formats_whose_text_cannot_hold_images():
     """Tokenized rows (no text to expand the placeholders in) and prompt/completion rows."""
     from thdpack.offline.vision.vlm_rows import VlmRowTokenizer
 
-    cfg = BuildConfig(input="-")
+    cfg = TokenizeOptions.from_config(BuildConfig(input="-"))
     with pytest.raises(ConfigError, match=r"^rows with images must be chat or text rows: the image placeholders are "
                                           r"expanded before tokenizing \(already tokenized VLM rows are not supported\)$"):
         VlmRowTokenizer("tokenized", cfg, None, [], None, None)
@@ -536,8 +537,10 @@ def test_prompt_completion_rows_with_images_are_refused(tmp_path):
     from thdpack.offline.tokenizing.tokenize import tokenize_source
 
     cfg = BuildConfig(input=str(write_jsonl([GOOD_PC], tmp_path / "pc.jsonl")), tokenizer=str(TOKENIZER_DIR))
+    stages = BuildStages.from_config(cfg)
     with pytest.raises(ConfigError, match="rows with images must be chat .* not prompt_completion"):
-        tokenize_source(cfg, read_source(cfg, progress=False), tmp_path, progress=False, vlm=object())
+        tokenize_source(stages.tokenize, read_source(stages.inputs, progress=False), tmp_path, progress=False,
+                        vlm=object())
 
 
 def test_missing_column_names_the_file_and_format(tmp_path):

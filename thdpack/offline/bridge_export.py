@@ -323,11 +323,13 @@ def check_text_only(vlm) -> None:
                           "rows have images; use output_format arrow and thdpack's loader")
 
 
-def write_build(out_dir: Path, cfg, files: list[dict], tokenizer_info: dict | None) -> dict:
+def write_build(out_dir: Path, store, files: list[dict], tokenizer_info: dict | None) -> dict:
     """Bridge's files next to the data files ``files`` a build just wrote into ``out_dir``, pre-padded
-    for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.)."""
-    return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=cfg.targets, pack_size=cfg.pack_size,
-                        multiple=cfg.align, align=cfg.align, pad_id=bridge_pad_id({"tokenizer": tokenizer_info}))
+    for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.); ``store``: the build's
+    :class:`~thdpack.offline.stages.StoreOptions`."""
+    return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=store.targets,
+                        pack_size=store.pack_size, multiple=store.align, align=store.align,
+                        pad_id=bridge_pad_id({"tokenizer": tokenizer_info}))
 
 
 def write_merged(out_dir: Path, meta: dict, record: dict) -> dict:

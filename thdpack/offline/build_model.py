@@ -18,42 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from pathlib import Path
 
 from thdpack.common.model_config import config_get
-from thdpack.offline.errors import ConfigError
+from thdpack.offline.stages import read_model_config
 
 MODEL_CONFIG_FILE = "model_config.json"
-
-
-def read_model_config(path: str | Path) -> dict:
-    """The config dict of ``path``: a ``config.json`` file or a directory holding one."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"model_config {path}: no such file (give a config.json or a directory holding one)")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"model_config {p}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model_config {p}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def load_model_config(cfg) -> dict | None:
-    """``cfg.model_config`` as a dict (None when not given). Relative paths follow the
-    config's rules (relative to the YAML file; flags are made absolute)."""
-    spec = cfg.model_config
-    if spec is None:
-        return None
-    if isinstance(spec, Mapping):
-        return dict(spec)
-    if not isinstance(spec, str):
-        raise ConfigError(f"model_config must be a path or a mapping, got {type(spec).__name__}")
-    return read_model_config(cfg.resolve_path(spec))
 
 
 def model_info(config: dict, given) -> dict:

@@ -25,18 +25,17 @@ import numpy as np
 from thdpack.common.align import round_up
 from thdpack.offline import bridge_export
 from thdpack.offline.config import BuildConfig
+from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
 from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED, require_hf
 from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PackedMetadata, SourceInfo)
-from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, load_model_config, model_info
+from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, model_info
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
-from thdpack.offline.tokenizing.tokenizer import read_chat_template
 from thdpack.offline.vision.vlm_setup import vlm_build
-from thdpack.planning.packing import usable_length
 from thdpack.planning.plan import PackPlan, plan_packs
 from thdpack.common.samples import IGNORE_INDEX
 
@@ -56,7 +55,7 @@ class Prepared:
     piece_targets: np.ndarray  # int64 [pieces]: target tokens of each piece of plan
     without_targets: "WithoutTargets"  # samples with no target in what the plan keeps (dropped or kept)
     timings: dict = field(default_factory=dict)
-    model_config: dict | None = None  # cfg.model_config, loaded (thdpack/offline/build_model.py)
+    model_config: dict | None = None  # the build's model config, loaded (BuildStages.model_config)
     vlm: object = None  # a thdpack.offline.vision.vlm_setup.VlmBuild for rows with images, else None
 
     def counts(self) -> dict:
@@ -106,38 +105,45 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_sl
     """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
     with ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice's rows."""
     require_hf("thdpack build")
-    cfg.validate()
-    model_config = load_model_config(cfg)  # before the long steps: a bad path fails fast
-    if cfg.chat_template:
-        read_chat_template(cfg)
+    return prepare_stages(BuildStages.from_config(cfg), work_dir, progress=progress, input_slice=input_slice)
+
+
+def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True, input_slice=None) -> Prepared:
+    """:func:`prepare` of a configuration already resolved into its stages' options (``stages``):
+    each stage is handed only its own."""
+    require_hf("thdpack build")
+    planning = stages.planning
     t = {}
     t0 = time.perf_counter()
-    source = read_source(cfg, progress=progress)
+    source = read_source(stages.inputs, progress=progress)
     t["read"] = time.perf_counter() - t0
     if source.num_rows == 0:
-        raise InputError(f"{source.files[0].path if source.files else cfg.input}: no rows")
+        raise InputError(f"{source.files[0].path if source.files else stages.inputs.input}: no rows")
     logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
     if input_slice is not None:  # tokenize and plan only this slice's rows (thdpack/offline/inputs/input_slice.py)
         source = input_slice.select(source)
-    pairs = row_format(resolve_format(cfg, source)).sequences_per_row > 1  # preference rows
-    if pairs or cfg.group_column:  # before the long steps: options that would part a pair or a group
-        _check_group_options(cfg, input_slice, "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
-    vlm = vlm_build(cfg, model_config, source)  # rows with images (thdpack/offline/vision/vlm_setup.py), else None
+    pairs = row_format(resolve_format(stages.tokenize, source)).sequences_per_row > 1  # preference rows
+    if pairs or planning.group_column:  # before the long steps: options that would part a pair or a group
+        _check_group_options(planning, input_slice,
+                             "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
+    # rows with images (thdpack/offline/vision/vlm_setup.py), else None
+    vlm = vlm_build(stages.vision, stages.model_config, source)
 
     t0 = time.perf_counter()
-    tokenized = tokenize_source(cfg, source, work_dir, progress=progress, vlm=vlm)
+    tokenized = tokenize_source(stages.tokenize, source, work_dir, progress=progress, vlm=vlm)
     t["tokenize"] = time.perf_counter() - t0
-    what = tokenized.fmt + (f", loss on {cfg.loss}" if tokenized.fmt == "chat" else "")
+    what = tokenized.fmt + (f", loss on {stages.tokenize.loss}" if tokenized.fmt == "chat" else "")
     logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
-    sequences = _sequences(tokenized, cfg, pairs)
-    sample_rows, skipped, patches = _select_rows(cfg, source, tokenized, sequences, vlm)
+    sequences = _sequences(tokenized, planning, pairs)
+    sample_rows, skipped, patches = _select_rows(planning, source, tokenized, sequences, vlm)
     t0 = time.perf_counter()
-    planner = _Planner(cfg, sequences, vlm, patches)
+    planner = _Planner(planning, sequences, vlm, patches)
     plan, sample_rows, piece_targets, without = _plan_samples(planner, tokenized.dataset.data.table, source, sample_rows)
     t["plan"] = time.perf_counter() - t0
-    _log_plan(cfg, plan, without, t["plan"])
-    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, model_config, vlm)
+    _log_plan(planning, plan, without, t["plan"])
+    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, stages.model_config,
+                    vlm)
 
 
 @dataclass(frozen=True)
@@ -150,34 +156,34 @@ class _Sequences:
     pairs: bool  # preference rows: a chosen and a rejected sequence per row
 
 
-def _sequences(tokenized: Tokenized, cfg: BuildConfig, pairs: bool) -> _Sequences:
+def _sequences(tokenized: Tokenized, planning: PlanningOptions, pairs: bool) -> _Sequences:
     """The :class:`_Sequences` of ``tokenized``."""
     lengths = tokenized.lengths  # per tokenized sequence
     seq_row = row_format(tokenized.fmt).sequence_rows(lengths.size)  # input row of each sequence
-    return _Sequences(lengths, seq_row, _sequence_groups(tokenized, seq_row, cfg), pairs)
+    return _Sequences(lengths, seq_row, _sequence_groups(tokenized, seq_row, planning), pairs)
 
 
-def _select_rows(cfg: BuildConfig, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm):
+def _select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm):
     """``(sample_rows, skipped, patches)``: the tokenized sequences to plan (int64, ascending), the
     ``(input row, reason)`` of the rows left out (failed, too long, over the vision budget), sorted,
     and the VLM builds' per-sequence patches (None without ``vlm``). Raises InputError listing the
-    bad rows unless ``cfg.skip_bad_rows``, and when no row is left."""
+    bad rows unless ``planning.skip_bad_rows``, and when no row is left."""
     grouped = sequences.group is not None
     skipped = _row_errors(tokenized.errors, sequences.row, sequences.pairs)  # from here on, per input row
-    row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, cfg.align) if grouped
+    row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, planning.plan.align) if grouped
                   else sequences.lengths)
     usable = np.ones(row_tokens.size, dtype=bool)
     usable[[r for r, _ in skipped]] = False
-    too_long = _too_long_rows(cfg, source, row_tokens, usable, grouped, sequences.pairs)
+    too_long = _too_long_rows(planning, source, row_tokens, usable, grouped, sequences.pairs)
     skipped.extend(too_long)
     usable[np.array([r for r, _ in too_long], np.int64)] = False
     patches = None
     if vlm is not None:  # vision budget, and rows with images that cannot be cut
-        patches, bad = vlm.plan_checks(cfg, tokenized, usable)
+        patches, bad = vlm.plan_checks(planning.plan, tokenized, usable)
         skipped.extend(bad)
         usable[[r for r, _ in bad]] = False
     skipped.sort()
-    if skipped and not cfg.skip_bad_rows:
+    if skipped and not planning.skip_bad_rows:
         shown = "; ".join(f"{source.where(r)}: {m}" for r, m in skipped[:MAX_ERRORS_INLINE])
         more = f" (and {len(skipped) - MAX_ERRORS_INLINE} more)" if len(skipped) > MAX_ERRORS_INLINE else ""
         raise InputError(
@@ -189,28 +195,29 @@ def _select_rows(cfg: BuildConfig, source: Source, tokenized: Tokenized, sequenc
     return sample_rows, skipped, patches
 
 
-def _too_long_rows(cfg: BuildConfig, source: Source, row_tokens: np.ndarray, usable: np.ndarray, grouped: bool,
+def _too_long_rows(planning: PlanningOptions, source: Source, row_tokens: np.ndarray, usable: np.ndarray, grouped: bool,
                    pairs: bool) -> list[tuple[int, str]]:
     """``(input row, reason)`` of the usable rows whose tokens (``row_tokens``, int64 ``[rows]``: a
     group's together) exceed what pack_size allows under ``overflow: error`` (other policies cut them in
-    :func:`plan_packs`). Raises InputError listing them unless ``cfg.skip_bad_rows``."""
-    limit = usable_length(cfg.pack_size, cfg.align)  # the rest is plan_packs' overflow policy (thdpack/planning/packing.py)
-    too_long = np.flatnonzero(usable & (row_tokens > limit)) if cfg.overflow == "error" else np.zeros(0, np.int64)
-    what = (f" in its group (group_column: {cfg.group_column})" if cfg.group_column else
+    :func:`plan_packs`). Raises InputError listing them unless ``planning.skip_bad_rows``."""
+    opts = planning.plan
+    limit = opts.usable_length  # the rest is plan_packs' overflow policy (thdpack/planning/packing.py)
+    too_long = np.flatnonzero(usable & (row_tokens > limit)) if opts.overflow == "error" else np.zeros(0, np.int64)
+    what = (f" in its group (group_column: {planning.group_column})" if planning.group_column else
             " for chosen + rejected" if pairs else "")
-    if too_long.size and not cfg.skip_bad_rows:
+    if too_long.size and not planning.skip_bad_rows:
         shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
                           for r in too_long[:MAX_ERRORS_INLINE].tolist())
         more = f" and {too_long.size - MAX_ERRORS_INLINE} more" if too_long.size > MAX_ERRORS_INLINE else ""
         raise InputError(
-            f"{too_long.size} row(s) have more tokens than pack_size={cfg.pack_size}"
-            + (f" allows at align {cfg.align} ({limit})" if limit != cfg.pack_size else "")
+            f"{too_long.size} row(s) have more tokens than pack_size={opts.pack_size}"
+            + (f" allows at align {opts.align} ({limit})" if limit != opts.pack_size else "")
             + f": {shown}{more}. "
             + ("A group (a preference pair, a group_column group) shares one pack: use a larger pack_size, or "
                "--skip-bad-rows." if grouped else
                "Use overflow: truncate, split or drop, a larger pack_size, or --skip-bad-rows.")
         )
-    return [(r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={cfg.pack_size} allows (overflow=error)")
+    return [(r, f"{int(row_tokens[r])} tokens{what}, more than pack_size={opts.pack_size} allows (overflow=error)")
             for r in too_long.tolist()]
 
 
@@ -218,22 +225,22 @@ def _too_long_rows(cfg: BuildConfig, source: Source, row_tokens: np.ndarray, usa
 class _Planner:
     """:func:`plan_packs` with the build's options, for any subset of its tokenized sequences."""
 
-    cfg: BuildConfig
+    planning: PlanningOptions
     sequences: _Sequences
     vlm: object  # a VlmBuild, or None
     patches: object  # the VlmBuild's per-sequence patches (vlm.plan_checks), or None
 
     def plan(self, rows: np.ndarray) -> PackPlan:
         """The plan of the sequences ``rows`` (int64, ascending)."""
-        cfg, group = self.cfg, self.sequences.group
+        opts, group = self.planning.plan, self.sequences.group
         return plan_packs(
             self.sequences.lengths[rows],
-            cfg.pack_size,
-            algorithm=cfg.algorithm,
-            align=cfg.align,
-            overflow=cfg.overflow,
-            max_samples_per_pack=cfg.max_samples_per_pack,
-            seed=cfg.seed,
+            opts.pack_size,
+            algorithm=opts.algorithm,
+            align=opts.align,
+            overflow=opts.overflow,
+            max_samples_per_pack=opts.max_samples_per_pack,
+            seed=opts.seed,
             **(self.vlm.plan_kwargs(self.patches, rows) if self.vlm is not None else {}),
             **({"groups": group[rows]} if group is not None else {}),  # a pair's / group's sequences in one pack
         )
@@ -244,10 +251,10 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
     each of its pieces (int64 ``[pieces]``) and the :class:`WithoutTargets`; under ``without_targets:
     drop`` planned again without those samples (their whole groups), whose rows ``sample_rows`` no
     longer holds. ``table``: the tokenized rows."""
-    cfg, sequences = planner.cfg, planner.sequences
+    planning, sequences = planner.planning, planner.sequences
     plan = planner.plan(sample_rows)
-    piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
-    without = _without_targets(sample_rows, plan, piece_targets, cfg.without_targets)
+    piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
+    without = _without_targets(sample_rows, plan, piece_targets, planning.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
         seq_group = sequences.group
         drop = (np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if seq_group is not None
@@ -255,39 +262,40 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
         sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
         if sample_rows.size == 0:
             raise InputError(
-                f"no row has a target token in what overflow={cfg.overflow} keeps of it ({without.rows.size} rows, "
+                f"no row has a target token in what overflow={planning.plan.overflow} keeps of it ({without.rows.size} rows, "
                 f"e.g. {source.where(int(sequences.row[without.rows[0]]))}): nothing to train on. Check the loss / "
                 "labels of the rows, raise pack_size, or set without_targets: keep to pack them anyway"
             )
         plan = planner.plan(sample_rows)
-        piece_targets = _piece_targets(table, cfg.targets, sample_rows, plan)
+        piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
     return plan, sample_rows, piece_targets, without
 
 
-def _log_plan(cfg: BuildConfig, plan: PackPlan, without: "WithoutTargets", seconds: float) -> None:
+def _log_plan(planning: PlanningOptions, plan: PackPlan, without: "WithoutTargets", seconds: float) -> None:
     """The ``planned`` log line, and the ``without targets`` one when some samples have none."""
-    logger.info(f"planned   {len(plan):,} packs of {cfg.pack_size} ({cfg.algorithm}, align {cfg.align}): "
+    opts = planning.plan
+    logger.info(f"planned   {len(plan):,} packs of {opts.pack_size} ({opts.algorithm}, align {opts.align}): "
                 f"efficiency {plan.stats.efficiency:.4f}, lower bound {plan.stats.lower_bound:,} in {seconds:.2f}s")
     if without.rows.size:
         logger.info(f"without targets: {without.rows.size:,} samples have no target token in what overflow="
-                    f"{cfg.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
-                    f"(without_targets: {cfg.without_targets})")
+                    f"{opts.overflow} keeps of them; {'dropped' if without.dropped_samples else 'kept'} "
+                    f"(without_targets: {planning.without_targets})")
 
 
-def _check_group_options(cfg: BuildConfig, input_slice, what: str) -> None:
+def _check_group_options(planning: PlanningOptions, input_slice, what: str) -> None:
     """Preference rows and ``group_column`` builds (``what``): the options that would part a pair or a
     group are refused (ConfigError saying what to use); so are slice builds (a group may span slices,
     and ``thdpack merge`` does not know two samples per row)."""
     if input_slice is not None:
         raise ConfigError(f"--slice is not available with {what} yet; build in one process "
                           "(num_proc: N parallelises the tokenization)")
-    if cfg.overflow != "error":
+    if planning.plan.overflow != "error":
         raise ConfigError(
-            f"overflow: {cfg.overflow} cannot be used with {what}: a pair or group shares one pack, and cutting or "
+            f"overflow: {planning.plan.overflow} cannot be used with {what}: a pair or group shares one pack, and cutting or "
             "dropping one of its sequences would part it. Use overflow: error with a larger pack_size, or "
             "--skip-bad-rows to skip (and count) the rows of groups that do not fit"
         )
-    if cfg.max_samples_per_pack is not None:
+    if planning.plan.max_samples_per_pack is not None:
         raise ConfigError(f"max_samples_per_pack cannot be used with {what} (a group is planned as one item); "
                           "remove it")
 
@@ -309,10 +317,10 @@ def _row_errors(errors: list[tuple[int, str]], seq_row: np.ndarray, pairs: bool)
     return out
 
 
-def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, cfg: BuildConfig) -> np.ndarray | None:
+def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, planning: PlanningOptions) -> np.ndarray | None:
     """int64 ``[sequences]`` the group of each tokenized sequence, planned into one pack: the
     ``group_column`` value's (numbered), else for preference rows the row's (its pair); None otherwise."""
-    if cfg.group_column:
+    if planning.group_column:
         keys = tokenized.dataset.data.table.column(GROUP_COLUMN).to_pylist()  # None on failed rows (0 tokens)
         return np.unique(np.array([k or "" for k in keys], dtype=object), return_inverse=True)[1].astype(np.int64)
     return seq_row if row_format(tokenized.fmt).sequences_per_row > 1 else None
@@ -404,27 +412,29 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
     from thdpack.offline.store.writer import sample_value_arrays
 
     require_hf("thdpack build")  # import the heavy libraries before touching the file system
-    cfg.validate()
+    stages = BuildStages.from_config(cfg)  # validated and resolved once; each stage gets its own options
+    store = stages.store
     t_start = time.perf_counter()
     with staged_output(output, overwrite) as tmp:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare(cfg, work, progress=progress, input_slice=input_slice)
+        prep = prepare_stages(stages, work, progress=progress, input_slice=input_slice)
         plan = prep.plan
-        if cfg.output_format == bridge_export.FORMAT:
+        if store.output_format == bridge_export.FORMAT:
             bridge_export.check_text_only(prep.vlm)
         t0 = time.perf_counter()
-        values = sample_value_arrays(prep.tokenized.dataset.data.table, cfg.value_columns(), prep.sample_rows)
+        values = sample_value_arrays(prep.tokenized.dataset.data.table, list(stages.tokenize.value_columns),
+                                     prep.sample_rows)
         row_offset = prep.source.row_start if input_slice is not None else 0
-        written = _write_pack_files(cfg, tmp, prep, values, row_offset=row_offset, progress=progress)
-        tok_info = _save_tokenizer_and_model(cfg, tmp, prep)
+        written = _write_pack_files(store, tmp, prep, values, row_offset=row_offset, progress=progress)
+        tok_info = _save_tokenizer_and_model(store, tmp, prep)
         prep.timings["write"] = time.perf_counter() - t0
 
         summary = prep.summary()
         summary["target_tokens"] = written["target_tokens"]
         meta = _metadata(cfg, prep, summary, written, values, tok_info)
-        if cfg.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (thdpack/offline/bridge_export.py)
-            meta["megatron_bridge"] = bridge_export.write_build(tmp, cfg, written["files"], tok_info)
+        if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
+            meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
         if input_slice is not None:  # row range + input lengths, for thdpack merge
@@ -440,30 +450,30 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         commit_staged(tmp, meta, output)
     timings["total"] = time.perf_counter() - t_start
     size = sum(f["num_bytes"] for f in written["files"])
-    logger.info(f"wrote     {output}: {len(written['files'])} {cfg.output_format} data file(s), {size / 1e6:.1f} MB "
+    logger.info(f"wrote     {output}: {len(written['files'])} {store.output_format} data file(s), {size / 1e6:.1f} MB "
                 f"in {timings['write']:.1f}s (total {timings['total']:.1f}s)")
     return BuildResult(output, meta, timings, summary)
 
 
-def _write_pack_files(cfg: BuildConfig, tmp: Path, prep: Prepared, values: dict, *, row_offset: int,
+def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: dict, *, row_offset: int,
                       progress: bool) -> dict:
-    """Write the packs of ``prep`` (in ``cfg.shuffle_packs`` order) as data files into ``tmp``, with the
+    """Write the packs of ``prep`` (in ``store.shuffle_packs`` order) as data files into ``tmp``, with the
     ``values`` columns (``{name: [samples]}``) and input rows numbered from ``row_offset``;
     :func:`~thdpack.offline.store.writer.write_packs`'s result (``files``, ``target_tokens``)."""
     from thdpack.offline.store.writer import write_packs
 
     plan = prep.plan
-    order = (np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs
+    order = (np.random.default_rng(store.seed).permutation(len(plan)) if store.shuffle_packs
              else np.arange(len(plan)))
     return write_packs(
         tmp,
         prep.tokenized.dataset.data.table,
-        cfg.targets,
+        store.targets,
         plan,
         prep.sample_rows,
         order,
-        file_format=bridge_export.data_file_format(cfg.output_format),
-        file_size_mb=cfg.file_size_mb,
+        file_format=bridge_export.data_file_format(store.output_format),
+        file_size_mb=store.file_size_mb,
         progress=progress,
         row_offset=row_offset,
         extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
@@ -471,13 +481,13 @@ def _write_pack_files(cfg: BuildConfig, tmp: Path, prep: Prepared, values: dict,
     )
 
 
-def _save_tokenizer_and_model(cfg: BuildConfig, tmp: Path, prep: Prepared) -> dict | None:
-    """Save a copy of the tokenizer (``cfg.save_tokenizer``) and the model config into ``tmp``; the
+def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) -> dict | None:
+    """Save a copy of the tokenizer (``store.save_tokenizer``) and the model config into ``tmp``; the
     tokenizer's metadata entry (None for pre-tokenized input)."""
     tok_info = prep.tokenized.tokenizer_info
     if tok_info is not None:
-        tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if cfg.save_tokenizer else None)
-        if cfg.save_tokenizer:
+        tok_info = dict(tok_info, saved_copy=TOKENIZER_DIR if store.save_tokenizer else None)
+        if store.save_tokenizer:
             prep.tokenized.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
     if prep.model_config is not None:
         (tmp / MODEL_CONFIG_FILE).write_text(canonical_json(prep.model_config), encoding="utf-8")

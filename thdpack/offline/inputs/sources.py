@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.offline.config import BuildConfig
+from thdpack.offline.stages import InputOptions
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256, file_sha256
 from thdpack.offline.inputs.jsonl import split_lines
@@ -92,22 +92,22 @@ class Source:
         return f"{f.path} row {local}"
 
 
-def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
-    """Read ``cfg.input`` into a :class:`Source` (rows not yet parsed or tokenized)."""
+def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
+    """Read ``opts.input`` into a :class:`Source` (rows not yet parsed or tokenized)."""
     import datasets
 
-    spec = cfg.input
+    spec = opts.input
     if isinstance(spec, dict):
         if set(spec) != {"demo"}:
             raise ConfigError(f"input mapping must be {{demo: {{...}}}}, got keys {sorted(spec)}")
-        return _read_demo(spec["demo"] or {}, cfg)
+        return _read_demo(spec["demo"] or {}, opts)
     specs = spec if isinstance(spec, list) else [spec]
     if not specs or not all(isinstance(s, str) for s in specs):
         raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
 
     paths: list[tuple[str, Path]] = []
     for s in specs:
-        paths.extend(_expand(s, cfg))
+        paths.extend(_expand(s, opts))
     kinds = {_kind(p) for _, p in paths}
     if "saved" in kinds and len(paths) > 1:
         raise ConfigError("a save_to_disk directory must be the only input")
@@ -118,7 +118,7 @@ def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
 
     files: list[SourceFile] = []
     tables = []
-    limit = cfg.max_rows
+    limit = opts.max_rows
     from tqdm.auto import tqdm
 
     bar = tqdm(paths, desc="Reading", unit="file", disable=not progress or len(paths) < 2, leave=False)
@@ -131,7 +131,7 @@ def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
         elif kind == "arrow":
             table, sf = _read_arrow(given, path, limit)
         else:
-            return _read_saved(given, path, cfg)
+            return _read_saved(given, path, opts)
         tables.append(table)
         files.append(sf)
         if limit is not None:
@@ -157,14 +157,14 @@ def read_source(cfg: BuildConfig, *, progress: bool = True) -> Source:
 # ---------------------------------------------------------------------------- paths
 
 
-def _expand(spec: str, cfg: BuildConfig) -> list[tuple[str, Path]]:
-    path = cfg.resolve_path(spec)
+def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
+    path = opts.resolve_path(spec)
     if any(ch in spec for ch in "*?["):
         found = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
         found = [p for p in found if p.is_file() and _supported(p)]
         if not found:
             raise InputError(f"input pattern {spec!r} matches no .jsonl/.json/.parquet/.arrow file")
-        return [(_display(spec, p, cfg), p) for p in found]
+        return [(_display(spec, p, opts), p) for p in found]
     if not path.exists():
         raise InputError(f"input {spec!r} does not exist (looked at {path})")
     if path.is_dir():
@@ -173,15 +173,15 @@ def _expand(spec: str, cfg: BuildConfig) -> list[tuple[str, Path]]:
         found = sorted(p for p in path.rglob("*") if p.is_file() and _supported(p))
         if not found:
             raise InputError(f"input directory {spec!r} has no .jsonl/.json/.parquet/.arrow file and is not a save_to_disk dataset")
-        return [(_display(spec, p, cfg), p) for p in found]
+        return [(_display(spec, p, opts), p) for p in found]
     if not _supported(path):
         raise InputError(f"input {spec!r}: unsupported file type; expected {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)}")
     return [(spec, path)]
 
 
-def _display(spec: str, p: Path, cfg: BuildConfig) -> str:
+def _display(spec: str, p: Path, opts: InputOptions) -> str:
     """How a file found through a directory or glob is named in messages and metadata."""
-    return str(p) if Path(spec).is_absolute() else os.path.relpath(p, cfg.base_dir)
+    return str(p) if Path(spec).is_absolute() else os.path.relpath(p, opts.base_dir)
 
 
 def _supported(p: Path) -> bool:
@@ -283,7 +283,7 @@ def _read_arrow(given: str, path: Path, limit: int | None):
     return table, SourceFile(given, "arrow", table.num_rows, file_sha256(path))
 
 
-def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
+def _read_saved(given: str, path: Path, opts: InputOptions) -> Source:
     import datasets
 
     try:
@@ -291,37 +291,37 @@ def _read_saved(given: str, path: Path, cfg: BuildConfig) -> Source:
     except Exception as exc:  # datasets raises several types here
         raise InputError(f"{given}: cannot load the saved dataset ({exc})") from None
     if isinstance(ds, datasets.DatasetDict):
-        split = cfg.split or ("train" if "train" in ds else None)
+        split = opts.split or ("train" if "train" in ds else None)
         if split not in ds:
             raise ConfigError(f"{given} is a DatasetDict with splits {list(ds)}; choose one with --split")
         ds = ds[split]
         files_dir = path / split
     else:
-        if cfg.split:
-            raise ConfigError(f"{given} is a single Dataset; --split {cfg.split!r} does not apply")
+        if opts.split:
+            raise ConfigError(f"{given} is a single Dataset; --split {opts.split!r} does not apply")
         files_dir = path
-    if cfg.max_rows is not None:
-        ds = ds.select(range(min(cfg.max_rows, len(ds))))
+    if opts.max_rows is not None:
+        ds = ds.select(range(min(opts.max_rows, len(ds))))
     sha = bytes_sha256("".join(file_sha256(p) for p in sorted(files_dir.glob("*.arrow"))))
     return Source(ds, [SourceFile(given, "saved", len(ds), sha)], list(ds.column_names))
 
 
-def _read_demo(opts: dict, cfg: BuildConfig) -> Source:
+def _read_demo(demo: dict, opts: InputOptions) -> Source:
     import datasets
 
     from thdpack.demo import generate_rows
 
     allowed = {"num_samples", "seed", "kind"}
-    if not isinstance(opts, dict) or set(opts) - allowed:
-        raise ConfigError(f"input: demo options are {sorted(allowed)}, got {opts!r}")
+    if not isinstance(demo, dict) or set(demo) - allowed:
+        raise ConfigError(f"input: demo options are {sorted(allowed)}, got {demo!r}")
     try:
-        rows = generate_rows(**opts)
+        rows = generate_rows(**demo)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"input: demo: {exc}") from None
-    if cfg.max_rows is not None:
-        rows = rows[: cfg.max_rows]
+    if opts.max_rows is not None:
+        rows = rows[: opts.max_rows]
     ds = datasets.Dataset.from_list(rows)
-    desc = ",".join(f"{k}={opts[k]}" for k in sorted(opts))
+    desc = ",".join(f"{k}={demo[k]}" for k in sorted(demo))
     sha = bytes_sha256(json.dumps(rows, sort_keys=True))
     return Source(ds, [SourceFile(f"demo({desc})", "demo", len(rows), sha)], list(ds.column_names))
 

@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from thdpack.offline.config import FORMATS, BuildConfig
+from thdpack.offline.config import FORMATS
+from thdpack.offline.stages import TokenizeOptions
 from thdpack.offline.tokenizing.row_formats import (CHOSEN_FIELD, COMPLETION_FIELD, PROMPT_FIELD, REJECTED_FIELD,
                                                     SHAREGPT_FIELD, SYSTEM_FIELD, check_messages, preference_row,
                                                     prompt_completion, sharegpt_row)
@@ -60,11 +61,11 @@ def row_format(name: str) -> "RowFormat":
         raise ValueError(f"unknown row format {name!r}; use one of {', '.join(ROW_FORMATS)}") from None
 
 
-def detect_format(columns, cfg: BuildConfig) -> str | None:
+def detect_format(columns, opts: TokenizeOptions) -> str | None:
     """The name of the first format of :data:`DETECTION_ORDER` whose fields are all in ``columns``; None if none."""
     cols = set(columns)
     for name in DETECTION_ORDER:
-        if all(f in cols for f in ROW_FORMATS[name].fields(cfg)):
+        if all(f in cols for f in ROW_FORMATS[name].fields(opts)):
             return name
     return None
 
@@ -83,8 +84,8 @@ class RowFormat:
     needs_tokenizer: bool = True  # the rows are text to tokenize (not already token ids)
     images_refused: str | None = None  # why rows of this format cannot carry images; None: they can
 
-    def fields(self, cfg: BuildConfig) -> list[str]:
-        """The fields a row must have (``cfg`` names the chat and text fields)."""
+    def fields(self, opts: TokenizeOptions) -> list[str]:
+        """The fields a row must have (``opts`` names the chat and text fields)."""
         raise NotImplementedError
 
     def value(self, v, field: str, messages: Messages):
@@ -122,8 +123,8 @@ class ChatFormat(RowFormat):
     tools = True
     chat_template = True
 
-    def fields(self, cfg):
-        return [cfg.messages_field]
+    def fields(self, opts):
+        return [opts.messages_field]
 
     def value(self, v, field, messages):
         msg = check_messages(v, field)
@@ -144,7 +145,7 @@ class ShareGptFormat(ChatFormat):
     optional_fields = (SYSTEM_FIELD,)
     whole_row = True
 
-    def fields(self, cfg):
+    def fields(self, opts):
         return [SHAREGPT_FIELD]
 
     def value(self, v, field, messages):
@@ -164,7 +165,7 @@ class PromptCompletionFormat(RowFormat):
     def images_refused(self) -> str:
         return f"rows with images must be chat (messages or sharegpt) or text rows, not {self.name}"
 
-    def fields(self, cfg):
+    def fields(self, opts):
         return [PROMPT_FIELD, COMPLETION_FIELD]
 
     def value(self, v, field, messages):
@@ -182,7 +183,7 @@ class PreferenceFormat(PromptCompletionFormat):
     name = "preference"
     sequences_per_row = 2
 
-    def fields(self, cfg):
+    def fields(self, opts):
         return [PROMPT_FIELD, CHOSEN_FIELD, REJECTED_FIELD]
 
     def value(self, v, field, messages):
@@ -196,8 +197,8 @@ class TextFormat(RowFormat):
     name = "text"
     appends_eos = True
 
-    def fields(self, cfg):
-        return [cfg.text_field]
+    def fields(self, opts):
+        return [opts.text_field]
 
     def value(self, v, field, messages):
         if not isinstance(v, str):
@@ -221,7 +222,7 @@ class TokenizedFormat(RowFormat):
     images_refused = ("rows with images must be chat or text rows: the image placeholders are expanded "
                       "before tokenizing (already tokenized VLM rows are not supported)")
 
-    def fields(self, cfg):
+    def fields(self, opts):
         return ["input_ids"]
 
     def value(self, v, field, messages):
@@ -231,21 +232,3 @@ class TokenizedFormat(RowFormat):
 
     def encode(self, rows, values, tools):
         return rows.encode_tokenized_rows(values)
-
-
-# ---------------------------------------------------------------------------- by name, for tokenize_source
-# What tokenize_source (tokenize.py) still asks by name; it is being split into steps (issue 20 point 5),
-# after which it asks row_format(name) and these three go.
-
-
-def format_fields(fmt: str, cfg: BuildConfig) -> list[str]:
-    """``row_format(fmt).fields(cfg)``."""
-    return row_format(fmt).fields(cfg)
-
-
-def optional_fields(fmt: str) -> list[str]:
-    """``row_format(fmt).optional_fields`` as a list."""
-    return list(row_format(fmt).optional_fields)
-
-
-TOOLS_FORMATS = tuple(name for name, f in ROW_FORMATS.items() if f.tools)  # the formats whose ``tools`` the template gets

@@ -28,8 +28,8 @@ import numpy as np
 from thdpack.offline.tokenizing.chat_content import flatten_content
 from thdpack.offline.tokenizing.chat_spans import (TemplateNotSupported, assistant_spans, template_failed, turn_marks,
                                         with_sentinels)
-from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.stages import TokenizeOptions
 from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats
 from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans
 from thdpack.offline.tokenizing.formats import row_format
@@ -48,31 +48,32 @@ class RowTokenizer:
     """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors.
 
     ``fmt`` names the row format (:mod:`thdpack.offline.tokenizing.formats`); what differs between
-    formats (fields, the value encoded, its encoder, tools, sequences per row) is asked of it."""
+    formats (fields, the value encoded, its encoder, tools, sequences per row) is asked of it; ``opts``
+    (:class:`~thdpack.offline.stages.TokenizeOptions`) holds the build's tokenizing options."""
 
-    def __init__(self, fmt: str, cfg: BuildConfig, tokenizer, columns: list[str], bpe=None):
+    def __init__(self, fmt: str, opts: TokenizeOptions, tokenizer, columns: list[str], bpe=None):
         self.fmt = fmt
         self.format = row_format(fmt)
         self.tok = tokenizer
         self.bpe = bpe  # a TiktokenBPE of ``tokenizer`` (thdpack/offline/tokenizing/tiktoken_bpe.py), or None
         self.json_rows = columns == [JSON_COLUMN]
-        self.fields = self.format.fields(cfg)
+        self.fields = self.format.fields(opts)
         self.field = self.fields[0]
-        self.loss = cfg.loss
-        self.append_eos = cfg.append_eos
-        self.targets = cfg.targets
-        self.value_names = cfg.value_columns()  # sample_values: numbers carried with each row's samples
-        self.group_column = cfg.group_column  # group_column: the rows of a group planned into one pack
+        self.loss = opts.loss
+        self.append_eos = opts.append_eos
+        self.targets = opts.targets
+        self.value_names = list(opts.value_columns)  # sample_values: numbers carried with each row's samples
+        self.group_column = opts.group_column  # group_column: the rows of a group planned into one pack
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
         if self.format.chat_template:
             template = getattr(tokenizer, "chat_template", None)
             if not template:
-                raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no chat template; chat rows need one")
+                raise ConfigError(f"tokenizer {opts.tokenizer!r} has no chat template; chat rows need one")
             self.has_generation = has_generation_markers(template)
-            self.marks = None if self.has_generation or cfg.loss == "all" else _turn_marks(tokenizer)
-        if self.format.appends_eos and cfg.append_eos and tokenizer.eos_token_id is None:
-            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token; set append_eos: false")
+            self.marks = None if self.has_generation or opts.loss == "all" else _turn_marks(tokenizer)
+        if self.format.appends_eos and opts.append_eos and tokenizer.eos_token_id is None:
+            raise ConfigError(f"tokenizer {opts.tokenizer!r} has no EOS token; set append_eos: false")
 
     # ---- entry point
     def __call__(self, table):

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.stages import TokenizeOptions
 from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN, bytes_sha256
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.tokenizing.formats import (DETECTION_ORDER, TOOLS_FORMATS, detect_format, format_fields,
-                                                optional_fields, row_format)
+from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format, row_format
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
 from thdpack.offline.inputs.sources import JSON_COLUMN, Source
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
@@ -45,15 +44,15 @@ class Tokenized:
     tokenizer_info: dict | None
 
 
-def resolve_format(cfg: BuildConfig, source: Source) -> str:
-    """The name of the row format: ``cfg.format`` or, for ``auto``, the first format of
+def resolve_format(opts: TokenizeOptions, source: Source) -> str:
+    """The name of the row format: ``opts.format`` or, for ``auto``, the first format of
     :data:`~thdpack.offline.tokenizing.formats.DETECTION_ORDER` whose fields the rows have
     (:func:`~thdpack.offline.tokenizing.formats.row_format` gives the format object)."""
-    if cfg.format != "auto":
-        return cfg.format
-    fmt = detect_format(source.columns, cfg)
+    if opts.format != "auto":
+        return opts.format
+    fmt = detect_format(source.columns, opts)
     if fmt is None:
-        expected = "; ".join(f"{' + '.join(repr(f) for f in row_format(name).fields(cfg))} ({name})"
+        expected = "; ".join(f"{' + '.join(repr(f) for f in row_format(name).fields(opts))} ({name})"
                              for name in DETECTION_ORDER)
         raise InputError(
             f"{source.files[0].path}: cannot tell the row format from the fields {sorted(source.columns)}; "
@@ -62,26 +61,27 @@ def resolve_format(cfg: BuildConfig, source: Source) -> str:
     return fmt
 
 
-def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: bool = True, vlm=None) -> Tokenized:
-    """Tokenize every row of ``source`` with ``datasets.map`` into ``work_dir``; with ``vlm``
+def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress: bool = True,
+                    vlm=None) -> Tokenized:
+    """Tokenize every row of ``source`` by the options ``opts`` with ``datasets.map`` into ``work_dir``; with ``vlm``
     (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images."""
-    fmt = resolve_format(cfg, source)
-    _check_source_columns(cfg, source, fmt, vlm)
-    tok = _tokenizer_for_format(cfg, fmt)
-    ds = _columns_to_tokenize(cfg, source, fmt, vlm)
-    bpe, note = fast_bpe(cfg, tok, fmt)
+    fmt = resolve_format(opts, source)
+    _check_source_columns(opts, source, fmt, vlm)
+    tok = _tokenizer_for_format(opts, fmt)
+    ds = _columns_to_tokenize(opts, source, fmt, vlm)
+    bpe, note = fast_bpe(opts, tok, fmt)
     if note:
         logger.info(note)
-    features = _tokenized_features(cfg, vlm)
+    features = _tokenized_features(opts, vlm)
     fingerprint = bytes_sha256(
-        json.dumps([source.fingerprint, fmt, cfg.as_dict(recorded=True), tokenizer_info(tok, "") if tok else None],
+        json.dumps([source.fingerprint, fmt, opts.recorded, tokenizer_info(tok, "") if tok else None],
                    sort_keys=True, default=str)
     )[:16]
-    batch_size = cfg.map_batch_size if vlm is None else vlm.map_batch_size(cfg.map_batch_size)
-    num_proc = min(cfg.num_proc, max(1, len(ds) // max(1, batch_size))) if cfg.num_proc > 1 else None
+    batch_size = opts.map_batch_size if vlm is None else vlm.map_batch_size(opts.map_batch_size)
+    num_proc = min(opts.num_proc, max(1, len(ds) // max(1, batch_size))) if opts.num_proc > 1 else None
     if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
-    tokenizers = _RowTokenizers(fmt, cfg, tok, ds.column_names, source, vlm)
+    tokenizers = _RowTokenizers(fmt, opts, tok, ds.column_names, source, vlm)
     rows = _RowMap(ds, num_proc, dict(
         batched=True,
         batch_size=batch_size,
@@ -101,64 +101,66 @@ def tokenize_source(cfg: BuildConfig, source: Source, work_dir, *, progress: boo
     err_col = out.data.table.column(ERROR_COLUMN)
     bad = np.flatnonzero(np.asarray(err_col.is_valid()))
     errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
-    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, cfg.tokenizer) if tok else None)
+    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, opts.tokenizer) if tok else None)
 
 
-def _check_source_columns(cfg: BuildConfig, source: Source, fmt: str, vlm) -> None:
+def _check_source_columns(opts: TokenizeOptions, source: Source, fmt: str, vlm) -> None:
     """Refuse a row format that cannot carry images (VLM builds), and, for inputs with columns,
     a missing column of the format, of ``sample_values`` or of ``group_column``."""
-    if vlm is not None and fmt in ("prompt_completion", "preference"):
-        raise ConfigError(f"rows with images must be chat (messages or sharegpt) or text rows, not {fmt}")
+    row_fmt = row_format(fmt)
+    if vlm is not None and row_fmt.images_refused:
+        raise ConfigError(row_fmt.images_refused)
     if not source.is_json:
-        missing = [c for c in format_fields(fmt, cfg) if c not in source.columns]
+        missing = [c for c in row_fmt.fields(opts) if c not in source.columns]
         if missing:
             raise InputError(
                 f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
             )
-        missing = [c for c in cfg.value_columns() + [cfg.group_column] if c and c not in source.columns]
+        missing = [c for c in opts.extra_columns() if c not in source.columns]
         if missing:
             raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which "
-                             f"{'group_column' if missing[0] == cfg.group_column else 'sample_values'} names "
+                             f"{'group_column' if missing[0] == opts.group_column else 'sample_values'} names "
                              f"(columns: {source.columns})")
 
 
-def _tokenizer_for_format(cfg: BuildConfig, fmt: str):
+def _tokenizer_for_format(opts: TokenizeOptions, fmt: str):
     """The build's tokenizer, or None for pre-tokenized rows without one; ConfigError when ``fmt`` needs one."""
     tok = None
-    if cfg.tokenizer:
-        tok = load_tokenizer(cfg)
-    elif fmt != "tokenized":
+    if opts.tokenizer:
+        tok = load_tokenizer(opts)
+    elif row_format(fmt).needs_tokenizer:
         raise ConfigError(f"format '{fmt}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
     return tok
 
 
-def _columns_to_tokenize(cfg: BuildConfig, source: Source, fmt: str, vlm):
+def _columns_to_tokenize(opts: TokenizeOptions, source: Source, fmt: str, vlm):
     """``source.dataset`` with only the columns the row tokenizer reads (JSON inputs: the raw row)."""
     ds = source.dataset
+    row_fmt = row_format(fmt)
     keep = [JSON_COLUMN] if source.is_json else [c for c in ds.column_names if c in (
-        format_fields(fmt, cfg) + optional_fields(fmt)
-        + ([TOOLS_FIELD] if fmt in TOOLS_FORMATS else []) + (vlm.input_columns() if vlm is not None else [])
-        + cfg.value_columns() + ([cfg.group_column] if cfg.group_column else []))]
+        row_fmt.fields(opts) + list(row_fmt.optional_fields)
+        + ([TOOLS_FIELD] if row_fmt.tools else []) + (vlm.input_columns() if vlm is not None else [])
+        + opts.extra_columns())]
     if keep != ds.column_names:
         ds = ds.select_columns(keep)
     return ds
 
 
-def _tokenized_features(cfg: BuildConfig, vlm):
+def _tokenized_features(opts: TokenizeOptions, vlm):
     """The ``datasets.Features`` of the tokenized rows: ids, targets, the error, the VLM build's
     columns, the ``sample_values`` and the ``group_column`` key."""
     import datasets
 
-    target_type = datasets.Value("bool") if cfg.targets == "loss_mask" else datasets.Value("int32")
+    target_type = datasets.Value("bool") if opts.targets == "loss_mask" else datasets.Value("int32")
     return datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
-            cfg.targets: datasets.List(target_type),
+            opts.targets: datasets.List(target_type),
             ERROR_COLUMN: datasets.Value("string"),
             **(vlm.features() if vlm is not None else {}),
-            **{col.format(c): datasets.Value(kind) for c in cfg.value_columns()
+            **{col.format(c): datasets.Value(kind) for c in opts.value_columns
                for col, kind in ((VALUE_COLUMN, "float64"), (VALUE_IS_INT_COLUMN, "bool"))},
-            **({GROUP_COLUMN: datasets.Value("string")} if cfg.group_column else {}),
+            **({GROUP_COLUMN: datasets.Value("string")} if opts.group_column else {}),
         }
     )
 
@@ -168,7 +170,7 @@ class _RowTokenizers:
     """Makes the build's row tokenizer (the VLM build's with ``vlm``), with or without a fast BPE."""
 
     fmt: str
-    cfg: BuildConfig
+    opts: TokenizeOptions
     tok: object
     columns: list[str]  # the columns of the rows mapped
     source: Source
@@ -177,8 +179,8 @@ class _RowTokenizers:
     def make(self, bpe):
         """The row tokenizer, using the fast path ``bpe`` (None: the tokenizer itself)."""
         if self.vlm is None:
-            return RowTokenizer(self.fmt, self.cfg, self.tok, self.columns, bpe)
-        return self.vlm.row_tokenizer(self.fmt, self.cfg, self.tok, self.columns, self.source, bpe)
+            return RowTokenizer(self.fmt, self.opts, self.tok, self.columns, bpe)
+        return self.vlm.row_tokenizer(self.fmt, self.opts, self.tok, self.columns, self.source, bpe)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ about it, and whether its tiktoken form (:mod:`thdpack.offline.tokenizing.tiktok
 
 - :func:`load_tokenizer`: ``AutoTokenizer`` from a local directory or the local Hugging Face
   cache only (thdpack never downloads), with ``chat_template`` from a file when the config
-  gives one (:func:`read_chat_template`, which also checks it is valid Jinja);
+  gives one (read once, and checked to be Jinja, by :class:`~thdpack.offline.stages.TokenizeOptions`);
 - :func:`tokenizer_info`: a content fingerprint of the vocabulary and template, the special
   token ids and :func:`has_generation_markers` (``{% generation %}`` spans in the template);
 - :func:`fast_bpe`: the tiktoken fast path, chosen by ``tokenizer_backend``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.stages import TokenizeOptions
 from thdpack.offline.store.format import bytes_sha256
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
@@ -22,12 +22,13 @@ from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def load_tokenizer(cfg: BuildConfig):
-    """``AutoTokenizer`` for ``cfg.tokenizer``, from a local directory or the local HF cache only."""
+def load_tokenizer(opts: TokenizeOptions):
+    """``AutoTokenizer`` for ``opts.tokenizer``, from a local directory or the local HF cache only, with
+    ``opts.chat_template_text`` as its chat template when the build gives one."""
     from transformers import AutoTokenizer
 
-    spec = cfg.tokenizer
-    local = cfg.resolve_path(spec)
+    spec = opts.tokenizer
+    local = opts.tokenizer_path
     target = str(local) if local.exists() else spec
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise InputError(f"tokenizer {spec!r}: no such directory ({local})")
@@ -44,30 +45,9 @@ def load_tokenizer(cfg: BuildConfig):
             f"cache ({HF_HUB_CACHE}). thdpack never downloads; fetch it once with "
             f"`hf download {spec}` or give a local path."
         ) from None
-    if cfg.chat_template:
-        tok.chat_template = read_chat_template(cfg)
+    if opts.chat_template_text is not None:
+        tok.chat_template = opts.chat_template_text
     return tok
-
-
-def read_chat_template(cfg: BuildConfig) -> str:
-    """The text of ``cfg.chat_template`` (a file; relative to the config file)."""
-    path = cfg.resolve_path(cfg.chat_template)
-    if not path.is_file():
-        raise ConfigError(f"chat_template {cfg.chat_template!r}: no such file ({path})")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"chat_template {cfg.chat_template!r}: cannot read {path} ({exc})") from None
-    try:
-        from jinja2 import TemplateSyntaxError
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        _compile_jinja_template(text)
-    except ImportError:
-        pass
-    except TemplateSyntaxError as exc:
-        raise ConfigError(f"chat_template {path}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
-    return text
 
 
 def tokenizer_info(tok, spec: str) -> dict:
@@ -92,14 +72,14 @@ def has_generation_markers(template) -> bool:
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
-def fast_bpe(cfg: BuildConfig, tok, fmt: str) -> tuple[TiktokenBPE | None, str | None]:
+def fast_bpe(opts: TokenizeOptions, tok, fmt: str) -> tuple[TiktokenBPE | None, str | None]:
     """``(bpe, note)``: the tiktoken form of ``tok`` (:mod:`thdpack.offline.tokenizing.tiktoken_bpe`) when
-    ``cfg.tokenizer_backend`` allows it and the tokenizer converts exactly, else None; ``note``
+    ``opts.tokenizer_backend`` allows it and the tokenizer converts exactly, else None; ``note``
     is the line to log about the choice (None when no tokenizer encodes the rows or ``hf`` is set)."""
-    if tok is None or not row_format(fmt).needs_tokenizer or cfg.tokenizer_backend == "hf":
+    if tok is None or not row_format(fmt).needs_tokenizer or opts.tokenizer_backend == "hf":
         return None, None
     bpe, why = TiktokenBPE.from_tokenizer(tok)
-    if bpe is None and cfg.tokenizer_backend == "tiktoken":
-        raise ConfigError(f"tokenizer_backend: tiktoken, but tokenizer {cfg.tokenizer!r} cannot run on it: {why}")
+    if bpe is None and opts.tokenizer_backend == "tiktoken":
+        raise ConfigError(f"tokenizer_backend: tiktoken, but tokenizer {opts.tokenizer!r} cannot run on it: {why}")
     return bpe, "tokenizer " + ("byte-level BPE through tiktoken (checked against the tokenizer on a sample of rows)"
                                 if bpe is not None else f"through transformers ({why})")

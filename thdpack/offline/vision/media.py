@@ -23,15 +23,16 @@ from thdpack.offline.errors import ConfigError
 _PROCESSOR_CLASS = "Qwen2VLImageProcessor"  # what every supported family's processor config names
 
 
-def load_image_processor(cfg, model_config: dict, family):
-    """The image processor: a local directory (``AutoImageProcessor``, offline), or the
-    family's processor class built from ``image_processor`` keyword arguments, with
-    ``patch_size`` / ``temporal_patch_size`` / ``merge_size`` from the model config."""
+def load_image_processor(opts, model_config: dict, family):
+    """The image processor of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`):
+    a local directory (``AutoImageProcessor``, offline), or the family's processor class built from
+    ``image_processor`` keyword arguments, with ``patch_size`` / ``temporal_patch_size`` / ``merge_size``
+    from the model config."""
     import transformers
 
-    spec = cfg.image_processor
+    spec = opts.image_processor
     if isinstance(spec, str):
-        path = cfg.resolve_path(spec)
+        path = opts.image_processor_path
         if not path.is_dir():
             raise ConfigError(f"image_processor {spec!r}: no such directory ({path})")
         try:

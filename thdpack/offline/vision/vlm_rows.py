@@ -69,11 +69,11 @@ class VlmRowTokenizer(RowTokenizer):
     :class:`RowTokenizer` with the row's images processed and their placeholders expanded,
     plus ``pixel_values`` (flat float32) and ``image_grid_thw`` (flat int32) columns."""
 
-    def __init__(self, fmt, cfg, tokenizer, columns, vlm, source, bpe=None):
+    def __init__(self, fmt, opts, tokenizer, columns, vlm, source, bpe=None):
         refused = row_format(fmt).images_refused  # tokenized rows: the placeholders are expanded in the text
         if refused:
             raise ConfigError(refused)
-        super().__init__(fmt, cfg, tokenizer, [c for c in columns if c not in vlm.input_columns()], bpe)
+        super().__init__(fmt, opts, tokenizer, [c for c in columns if c not in vlm.input_columns()], bpe)
         self.json_rows = columns == [JSON_COLUMN]
         self.vlm = vlm  # thdpack.offline.vision.vlm_setup.VlmBuild
         self.row_offsets = np.asarray(source.row_offsets)

@@ -87,7 +87,6 @@ from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.store.vision_columns import (PROCESSOR_DIR, VISION_COLUMNS, VisionColumns, image_stats,
                                             row_grids, row_vision_patches, vision_metadata)
 from thdpack.offline.vision.vlm_rows import VISION_MAP_BATCH_SIZE, VlmRowTokenizer, row_features
-from thdpack.planning.packing import usable_length
 
 # the Qwen-VL families' defaults when a config dict leaves them out
 _DEFAULT_VISION_END = {"qwen3_5": 248054, "qwen3_5_moe": 248054}
@@ -114,7 +113,7 @@ class VlmBuild:
     videos_field: str = "videos"
     video_placeholder: str = "<video>"
     video_options: object = None  # thdpack.offline.vision.video.VideoOptions
-    overflow: str = "error"  # cfg.overflow: "truncate" cuts videos over vision_budget to their first frames
+    overflow: str = "error"  # the build's overflow: "truncate" cuts videos over vision_budget to their first frames
 
     # ---- tokenization
     def map_batch_size(self, requested: int) -> int:
@@ -122,8 +121,9 @@ class VlmBuild:
         float32 pixel rows (a short video: megabytes) are held together until it is written."""
         return min(requested, VISION_MAP_BATCH_SIZE)
 
-    def row_tokenizer(self, fmt: str, cfg, tokenizer, columns, source, bpe=None) -> VlmRowTokenizer:
-        return VlmRowTokenizer(fmt, cfg, tokenizer, columns, self, source, bpe)
+    def row_tokenizer(self, fmt: str, opts, tokenizer, columns, source, bpe=None) -> VlmRowTokenizer:
+        """The row tokenizer of this build (``opts``: the :class:`~thdpack.offline.stages.TokenizeOptions`)."""
+        return VlmRowTokenizer(fmt, opts, tokenizer, columns, self, source, bpe)
 
     def features(self) -> dict:
         return row_features()
@@ -132,24 +132,25 @@ class VlmBuild:
         return [self.images_field, self.videos_field]
 
     # ---- planning
-    def plan_checks(self, cfg, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
+    def plan_checks(self, plan, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
         """Vision patches of every row, and the usable rows that break a rule of VLM
         planning (``(row, reason)``): more patches than ``vision_budget``, or too long
-        with images under ``overflow: truncate / split``."""
+        with images under ``overflow: truncate / split`` (``plan``: the build's
+        :class:`~thdpack.planning.options.PlanOptions`)."""
         stats = image_stats(tokenized.dataset.data.table)
         patches = row_vision_patches(tokenized.dataset.data.table)
         bad = []
-        limit = usable_length(cfg.pack_size, cfg.align)
+        limit = plan.usable_length
         for r in np.flatnonzero(usable).tolist():
             p = int(patches[r])
-            if not p or cfg.overflow == "drop":
+            if not p or plan.overflow == "drop":
                 continue
             if self.vision_budget is not None and p > self.vision_budget:
                 bad.append((r, f"{p} vision patches, more than vision_budget={self.vision_budget} allows "
-                               f"(overflow={cfg.overflow}; use overflow: drop or a larger vision_budget)"))
-            elif cfg.overflow in ("truncate", "split") and tokenized.lengths[r] > limit:
-                bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={cfg.pack_size} allows, "
-                               f"with {int(stats.row_images[r])} image(s): a VLM row cannot be {cfg.overflow} "
+                               f"(overflow={plan.overflow}; use overflow: drop or a larger vision_budget)"))
+            elif plan.overflow in ("truncate", "split") and tokenized.lengths[r] > limit:
+                bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={plan.pack_size} allows, "
+                               f"with {int(stats.row_images[r])} image(s): a VLM row cannot be {plan.overflow} "
                                "(its placeholders must match its grids); use overflow: drop or a larger pack_size"))
         return patches, bad
 
@@ -173,28 +174,29 @@ class VlmBuild:
         meta["columns"] = list(meta["columns"]) + list(VISION_COLUMNS)
         meta["vision"] = vision_metadata(self, token_table, piece_rows, plan)
 
-def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
-    """The :class:`VlmBuild` of ``cfg``, or None for a text build."""
+def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
+    """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`)
+    and the build's ``model_config``, or None for a text build."""
     from thdpack.vlm import get_family, supported_model_types
     from thdpack.common.model_config import config_first
 
     if model_config is None or model_config.get("model_type") not in supported_model_types():
-        if cfg.vision_budget is not None or cfg.image_processor is not None:
+        if opts.vision_budget is not None or opts.image_processor is not None:
             raise ConfigError(
                 "vision_budget / image_processor need a VLM model_config (model_type one of "
                 f"{', '.join(supported_model_types())}), got "
                 + ("none" if model_config is None else repr(model_config.get("model_type")))
             )
         return None
-    if (cfg.images_field not in source.columns and cfg.videos_field not in source.columns
-            and not _rows_have_images(source, cfg)
-            and cfg.vision_budget is None and cfg.image_processor is None):
+    if (opts.images_field not in source.columns and opts.videos_field not in source.columns
+            and not _rows_have_images(source, opts)
+            and opts.vision_budget is None and opts.image_processor is None):
         return None  # a VL model's config, text rows: a text build
     try:
         family = get_family(model_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"model_config: {exc}") from None
-    processor = load_image_processor(cfg, model_config, family)
+    processor = load_image_processor(opts, model_config, family)
     merge = int(getattr(processor, "merge_size", family.spatial_merge_size))
     if merge != family.spatial_merge_size:
         raise ConfigError(
@@ -212,12 +214,12 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
             raise ConfigError(f"image processor {k}={got[k]} but model_config's vision_config.{k}={v}")
     end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
                        _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
-    row_dirs = [_file_dir(cfg, f) for f in source.files]
+    row_dirs = [_file_dir(opts, f) for f in source.files]
     from thdpack.offline.vision.video import VideoOptions
     from thdpack.offline.vision.video_processor import resolve_backend
 
     try:
-        video_options = resolve_backend(VideoOptions.from_config(cfg.video), family.model_type)
+        video_options = resolve_backend(VideoOptions.from_config(opts.video), family.model_type)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return VlmBuild(
@@ -225,20 +227,20 @@ def vlm_build(cfg, model_config: dict | None, source) -> VlmBuild | None:
         family=family,
         processor=processor,
         pixel_dim=pixel_dim,
-        image_placeholder=cfg.image_placeholder,
-        images_field=cfg.images_field,
-        image_dir=cfg.resolve_path(cfg.image_dir) if cfg.image_dir else None,
-        vision_budget=cfg.vision_budget,
+        image_placeholder=opts.image_placeholder,
+        images_field=opts.images_field,
+        image_dir=opts.image_dir,
+        vision_budget=opts.vision_budget,
         vision_end_token_id=int(end),
         row_dirs=row_dirs,
-        videos_field=cfg.videos_field,
-        video_placeholder=cfg.video_placeholder,
+        videos_field=opts.videos_field,
+        video_placeholder=opts.video_placeholder,
         video_options=video_options,
-        overflow=cfg.overflow,
+        overflow=opts.overflow,
     )
 
 
-def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
+def _rows_have_images(source, opts, limit: int = 1000) -> bool:
     """Whether one of the first ``limit`` rows has the images field or an image part in
     its messages (``source.columns`` holds the first JSON row's fields only)."""
     import json
@@ -253,11 +255,11 @@ def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             if isinstance(obj, dict):
-                if cfg.images_field in obj or cfg.videos_field in obj:
+                if opts.images_field in obj or opts.videos_field in obj:
                     return True
-                rows.append(obj.get(cfg.messages_field))
-    elif cfg.messages_field in source.columns:
-        rows = source.dataset.data.column(cfg.messages_field).slice(0, n).to_pylist()
+                rows.append(obj.get(opts.messages_field))
+    elif opts.messages_field in source.columns:
+        rows = source.dataset.data.column(opts.messages_field).slice(0, n).to_pylist()
     else:
         return False
     return any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES + VIDEO_PART_TYPES
@@ -266,8 +268,9 @@ def _rows_have_images(source, cfg, limit: int = 1000) -> bool:
                for part in m["content"])
 
 
-def _file_dir(cfg, source_file) -> Path:
+def _file_dir(opts, source_file) -> Path:
+    """The directory of the input file ``source_file`` (the base directory for demo rows)."""
     if source_file.kind in ("demo",):
-        return cfg.base_dir
-    p = cfg.resolve_path(source_file.path)
+        return opts.base_dir
+    p = opts.resolve_path(source_file.path)
     return p if p.is_dir() else p.parent
