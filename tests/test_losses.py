@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -491,3 +492,27 @@ def test_all_reduce_items_sums_over_ranks(tmp_path):
     mp.spawn(_all_reduce_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
     assert [int(open(f"{out}.{r}").read()) for r in range(2)] == [21, 21]
     assert all_reduce_items(7) == 7  # no process group: the count itself
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-4000, 4000).map(lambda k: k / 1000), min_size=2, max_size=6), st.integers(-300, 300))
+def test_group_advantages_do_not_depend_on_the_rewards_magnitude(rewards, exponent):
+    """Scaling every reward by 10**k (up to 1e±300) leaves the advantages (eps 0) unchanged: no r² or
+    sum overflows to inf or cancels to 0 (issue 21 point 8). Rewards that are all equal have no spread."""
+    hypothesis.assume(len(set(rewards)) > 1)
+    groups = [0] * len(rewards)
+    want = group_advantages(rewards, groups, eps=0.0)
+    got = group_advantages([r * 10.0 ** exponent for r in rewards], groups, eps=0.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_group_advantages_of_huge_rewards_and_non_finite_ones():
+    half = 0.5 ** 0.5  # a pair r, -r: (r - 0) / std with std = r·√2
+    torch.testing.assert_close(group_advantages([1e200, -1e200], [0, 0]),
+                               torch.tensor([half, -half], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(group_advantages([1.0, -1.0], [0, 0], eps=0.0),
+                               torch.tensor([half, -half], dtype=torch.float64), rtol=0, atol=1e-12)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=r"rewards must be finite: sample 1 has reward"):
+            group_advantages([1.0, bad, 0.0], [0, 0, 0])

@@ -197,6 +197,9 @@ def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) 
     """GRPO's group-normalised advantages: ``A_i = (r_i − mean_g(r)) / (std_g(r) + eps)``, the
     mean and (unbiased, ``N − 1``) standard deviation over the samples of ``i``'s group ``g``
     (a group of one sample has std 0, so ``A = 0``); ``scale=False`` leaves ``r_i − mean_g``.
+    Computed on each group's rewards divided by their largest magnitude, so rewards of any finite
+    size give the same advantages as small ones; a NaN or infinite reward is a ``ValueError``
+    naming the sample.
 
     Args:
         rewards: float ``[n]`` one reward per sample (dataset row).
@@ -211,14 +214,24 @@ def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) 
     if g.shape != r.shape or g.is_floating_point():
         raise ValueError(f"groups must be integers with one id per reward ({r.numel()}), got shape {tuple(g.shape)} "
                          f"and dtype {g.dtype}")
+    bad = torch.nonzero(~torch.isfinite(r))
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"rewards must be finite: sample {i} has reward {float(r[i])} (drop or replace such rollouts "
+                         "before computing advantages)")
     _, gid = torch.unique(g, return_inverse=True)
     size = torch.bincount(gid).to(torch.float64)
-    mean = torch.zeros_like(size).index_add_(0, gid, r) / size
-    centred = r - mean[gid]
+    # the mean and the spread are computed on rewards divided by the group's largest |reward|: the same
+    # value, without r² or the sum overflowing (rewards of 1e200 still give ±1/√2 for a pair)
+    top = torch.zeros_like(size).scatter_reduce_(0, gid, r.abs(), "amax")
+    top = torch.where(top > 0, top, torch.ones_like(top))
+    unit = r / top[gid]
+    mean = torch.zeros_like(size).index_add_(0, gid, unit) / size
+    centred = unit - mean[gid]
     if not scale:
-        return centred
+        return centred * top[gid]
     var = torch.zeros_like(size).index_add_(0, gid, centred * centred) / (size - 1).clamp_min(1)
-    return centred / (var.sqrt()[gid] + eps)
+    return centred / (var.sqrt()[gid] + eps / top[gid])
 
 
 def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, reduction: str = "token",
