@@ -78,7 +78,25 @@ def test_every_option_is_a_flag_of_its_kind():
             ["--no-" + name.replace("_", "-")] if option.kind == "flag" else [])
         if option.kind == "flag":
             assert isinstance(action, argparse.BooleanOptionalAction)
+        elif option.kind == "int":  # read as an int and refused below the option's minimum, as the flag is parsed
+            assert action.type(str(option.minimum)) == option.minimum, name
+            with pytest.raises(argparse.ArgumentTypeError, match=rf"must be an integer >= {option.minimum}"):
+                action.type(str(option.minimum - 1))
         else:
-            want = {"int": int, "number": float}.get(option.kind, option.flag_type)
-            assert action.type is want, name
+            assert action.type is {"number": float}.get(option.kind, option.flag_type), name
         assert list(action.choices or []) == list(option.choices or []), name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stats", "out", "--cp-size", "0"], "argument --cp-size: must be an integer >= 1, got 0"),
+    (["stats", "out", "--tp-size", "-2"], "argument --tp-size: must be an integer >= 1, got -2"),
+    (["build", "-o", "x", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["inspect", "out", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got 0"),
+    (["inspect", "out", "--max-tokens", "many"], "argument --max-tokens: must be an integer >= 1, got 'many'"),
+])
+def test_integer_flags_below_their_minimum_are_usage_errors(argv, message, capsys):
+    """``stats --cp-size 0`` used to be taken as "not given" and ``inspect --max-tokens 0`` an IndexError
+    (issue 21 point 1): the flag is refused as it is read, naming it."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -47,14 +47,30 @@ def add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = 
         if option.kind == "flag":
             g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if option.kind in _FLAG_TYPES:
-            kw["type"], kw["metavar"] = _FLAG_TYPES[option.kind]
+        if option.kind == "int":
+            kw["type"], kw["metavar"] = integer_at_least(option.minimum), "N"
+        elif option.kind == "number":
+            kw["type"], kw["metavar"] = float, "X"
         elif option.flag_type is not None:
             kw["type"] = option.flag_type
         g.add_argument(flag, **kw)
 
 
-_FLAG_TYPES = {"int": (int, "N"), "number": (float, "X")}  # Option.kind -> (argparse type, metavar)
+def integer_at_least(minimum: int):
+    """An argparse ``type``: the argument as an int, refused (a usage error naming the flag) below
+    ``minimum`` — the rule :class:`~thdpack.offline.config.Option` checks, applied as the flag is read."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # what argparse names in its messages
+    return parse
 
 
 def _literal_help(text: str | None) -> str | None:

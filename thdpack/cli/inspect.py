@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from thdpack.cli.config_flags import integer_at_least
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.offline.errors import OfflineError
 
@@ -15,7 +16,8 @@ def add_parser(sub) -> None:
     i.add_argument("path", help="packed dataset directory")
     i.add_argument("--pack", type=int, default=0, help="pack number (negative counts from the end)")
     i.add_argument("--tokenizer", help="tokenizer to decode with (default: the copy saved with the dataset)")
-    i.add_argument("--max-tokens", type=int, default=None, metavar="N", help="show at most N tokens per sample")
+    i.add_argument("--max-tokens", type=integer_at_least(1), default=None, metavar="N",
+                   help="show at most N tokens per sample")
     i.add_argument("--ids", action="store_true", help="show token ids instead of text")
     i.set_defaults(func=run)
 
