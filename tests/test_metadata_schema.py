@@ -320,3 +320,14 @@ def test_errors_are_offline_errors(ds_copy):
     edit_meta(ds_copy, lambda m: m.pop("files"))
     with pytest.raises(OfflineError):
         load_packed(ds_copy)
+
+
+def test_a_pack_index_out_of_range_names_the_index_given(built):
+    """``ds[-n - 1]`` said "pack -1 out of range" (the index after adding n), now the one the caller gave
+    (issue 21 point 6); negative indices count from the end."""
+    ds = load_packed(built)
+    n = len(ds)
+    for k in (n, -n - 1, n + 5):
+        with pytest.raises(IndexError, match=rf"^pack {k} out of range: the dataset has {n} packs \(0\.\.{n - 1}"):
+            ds[k]
+    assert ds[-n]["input_ids"].tolist() == ds[0]["input_ids"].tolist()

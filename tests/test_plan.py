@@ -697,3 +697,17 @@ def test_pack_totals_pack_by_pack_equal_the_arrays_and_round_trip():
     assert totals == pack_totals(lengths, offsets, 4, num_samples=0, cuts=Cuts(samples_split=1))
     assert PackTotals.from_dict(totals.as_dict()) == totals
     assert tuple(totals.as_dict()) == PACK_TOTALS_KEYS
+
+
+def test_a_pack_out_of_range_is_named():
+    """``plan.pieces(k)`` past the last pack was a bare numpy IndexError, and a negative k before the
+    first silently gave an empty pack (issue 21 point 6); negative k counts from the end."""
+    plan = plan_packs([5, 6, 7, 8, 9], 10)
+    n = len(plan.packs)
+    for k in (n, n + 1, -n - 1, 2.0, True):
+        for method in (plan.pieces, plan.pack_lengths, plan.pack_vision):
+            with pytest.raises(IndexError, match=rf"pack {k!r} out of range: the plan has {n} packs \(0\.\.{n - 1}"):
+                method(k)
+    for k in range(-n, n):
+        assert plan.pack_lengths(k).tolist() == plan.pack_lengths(k % n).tolist()
+        assert plan.pieces(k)[0].tolist() == list(plan.packs[k % n])

@@ -63,20 +63,30 @@ class PackPlan:
         """Input sample indices of pack ``k`` (int64 ``[n_k]``)."""
         return self.sample_index[self.pack_offsets[k] : self.pack_offsets[k + 1]]
 
+    def pack_slice(self, k: int) -> slice:
+        """Where pack ``k``'s pieces sit in the CSR arrays (``k`` from ``-len(plan)``, counting from the
+        end, to ``len(plan) - 1``); an IndexError naming ``k`` and the number of packs otherwise."""
+        n = len(self.pack_offsets) - 1
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -n <= k < n:
+            raise IndexError(f"pack {k!r} out of range: the plan has {n} packs (0..{n - 1}, or -{n}..-1 from the end)")
+        k = int(k) % n
+        return slice(int(self.pack_offsets[k]), int(self.pack_offsets[k + 1]))
+
     def pieces(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(sample_index, start, length)`` of the pieces in pack ``k``."""
-        sl = slice(self.pack_offsets[k], self.pack_offsets[k + 1])
+        sl = self.pack_slice(k)
         return self.sample_index[sl], self.start[sl], self.length[sl]
 
     def pack_vision(self, k: int) -> np.ndarray:
         """Vision patches of the pieces in pack ``k`` (int64 ``[n_k]``; zeros without a vision budget)."""
+        sl = self.pack_slice(k)
         if self.vision_length is None:
-            return np.zeros(int(self.pack_offsets[k + 1] - self.pack_offsets[k]), np.int64)
-        return self.vision_length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+            return np.zeros(sl.stop - sl.start, np.int64)
+        return self.vision_length[sl]
 
     def pack_lengths(self, k: int) -> np.ndarray:
         """Real lengths of the pieces in pack ``k`` (int64 ``[n_k]``)."""
-        return self.length[self.pack_offsets[k] : self.pack_offsets[k + 1]]
+        return self.length[self.pack_slice(k)]
 
     @property
     def is_whole_samples(self) -> bool:

@@ -386,10 +386,10 @@ class PackedDataset(torch.utils.data.Dataset):
             k = int(k)
         if not isinstance(k, int):
             raise TypeError(f"pack index must be an integer, got {type(k).__name__}")
+        if not -n <= k < n:
+            raise IndexError(f"pack {k} out of range: the dataset has {n} packs (0..{n - 1}, or -{n}..-1 from the end)")
         if k < 0:
             k += n
-        if not 0 <= k < n:
-            raise IndexError(f"pack {k} out of range for {n} packs")
         b = int(np.searchsorted(self._starts, k, side="right") - 1)
         i = k - int(self._starts[b])
         row = {}
