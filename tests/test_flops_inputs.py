@@ -183,3 +183,35 @@ def test_add_bshd_counts_must_be_non_negative_integers():
     with pytest.raises(ValueError, match="seq_len must be an integer >= 0"):
         FlopsAccumulator().add_bshd(2, 12.5)
     assert FlopsAccumulator().add_bshd(np.int64(2), 128).seqlen_squared_sum == 2 * 128**2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seconds=float("nan")), r"seconds must be a positive finite number, got nan"),
+    (dict(seconds=0.0), r"seconds must be a positive finite number, got 0.0"),
+    (dict(seconds=float("inf")), r"seconds must be a positive finite number, got inf"),
+    (dict(world_size=0), r"world_size must be an integer >= 1, got 0"),
+    (dict(world_size=2.5), r"world_size must be an integer >= 1, got 2.5"),
+    (dict(flops=-1.0), r"flops must be a non-negative finite number, got -1.0"),
+    (dict(flops=float("nan")), r"flops must be a non-negative finite number, got nan"),
+    (dict(peak_tflops=-312.0), r"peak_tflops must be a positive finite number, got -312.0"),
+    (dict(peak_tflops=float("nan")), r"peak_tflops must be a positive finite number, got nan"),
+])
+def test_throughput_refuses_what_is_not_a_count_time_or_peak(kwargs, message):
+    """NaN seconds gave a NaN TFLOP/s, a negative peak a negative MFU, world_size 0 a ZeroDivisionError
+    (issue 21 point 1): each is a ValueError naming the argument and the value."""
+    from thdpack.flops import throughput
+
+    args = dict(flops=1e15, seconds=1.0, world_size=1, peak_tflops=312.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        throughput(**args)
+
+
+def test_flops_meter_checks_world_size_and_the_gpu_when_made():
+    from thdpack.flops import FlopsMeter
+
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100, intermediate_size=128)
+    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got 0"):
+        FlopsMeter(config, world_size=0)
+    with pytest.raises(KeyError, match=r"unknown GPU 'H1OO'"):
+        FlopsMeter(config, peak_tflops="H1OO")
+    assert FlopsMeter(config, peak_tflops="H100").peak_tflops == 989.0

@@ -5,8 +5,11 @@ step by step with a :class:`thdpack.flops.FlopsAccumulator`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from thdpack.common.align import check_int
 from thdpack.flops.accumulator import FlopsAccumulator
 from thdpack.flops.coefficients import flops_coefficients
 
@@ -59,19 +62,31 @@ def throughput(flops, seconds: float, world_size: int = 1, peak_tflops: float | 
         ``{"tflops_per_gpu": flops / seconds / world_size / 1e12, "mfu": tflops_per_gpu
         / peak (None when the peak is unknown), "peak_tflops": peak}``.
     """
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if isinstance(peak_tflops, str):
-        name = peak_tflops
-        peak_tflops = GPU_PEAK_TFLOPS.get(name, peak_tflops_for(name))
-        if peak_tflops is None:
-            raise KeyError(f"unknown GPU {name!r}; known: {sorted(GPU_PEAK_TFLOPS)}")
-    elif peak_tflops is None:
-        peak_tflops = peak_tflops_for()
+    _check_number(seconds, "seconds", positive=True)
+    check_int(world_size, "world_size", 1)
+    _check_number(float(flops), "flops", positive=False)
+    peak_tflops = peak_tflops_for() if peak_tflops is None else resolve_peak(peak_tflops)
     tflops = float(flops) / seconds / world_size / 1e12
     return {"tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None, "peak_tflops": peak_tflops}
+
+
+def resolve_peak(peak_tflops: float | str) -> float:
+    """A peak TFLOP/s given as a number (positive, finite) or a GPU name (:data:`GPU_PEAK_TFLOPS`); a
+    ValueError naming what was given otherwise (KeyError for an unknown GPU name)."""
+    if isinstance(peak_tflops, str):
+        peak = GPU_PEAK_TFLOPS.get(peak_tflops, peak_tflops_for(peak_tflops))
+        if peak is None:
+            raise KeyError(f"unknown GPU {peak_tflops!r}; known: {sorted(GPU_PEAK_TFLOPS)}")
+        return peak
+    _check_number(peak_tflops, "peak_tflops", positive=True)
+    return float(peak_tflops)
+
+
+def _check_number(value, name: str, *, positive: bool) -> None:
+    """A finite real number, > 0 (``positive``) or >= 0; a ValueError naming ``name`` and the value."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {value!r}")
 
 
 class FlopsMeter:
@@ -111,8 +126,9 @@ class FlopsMeter:
         self.group = group
         if world_size is None:
             world_size = dist.get_world_size() if (self.all_reduce and distributed) else 1
+        check_int(world_size, "world_size", 1)
         self.world_size = world_size
-        self.peak_tflops = peak_tflops
+        self.peak_tflops = None if peak_tflops is None else resolve_peak(peak_tflops)  # an unknown GPU fails here
         self.count_padding = count_padding
         self.flops_options = flops_options
         self.accumulator = FlopsAccumulator(config)
