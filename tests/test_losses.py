@@ -282,6 +282,12 @@ def test_errors_name_the_argument():
         packed_loss(logits, batch, "mean")
     with pytest.raises(ValueError, match="num_items must be > 0"):
         packed_loss(logits, batch, "token", 0)
+    for inf in (float("inf"), torch.tensor(float("inf"))):  # a 0 loss, silently (issue 21 point 1)
+        with pytest.raises(ValueError, match="num_items must be finite"):
+            packed_loss(logits, batch, "token", inf)
+    for beta in (-0.1, 0, float("nan"), float("inf"), "0.1", True, None):
+        with pytest.raises(ValueError, match=r"beta must be a positive finite number \(the DPO temperature"):
+            dpo_loss(torch.zeros(2), torch.zeros(2), batch, beta=beta)
     with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
         token_logps(logits, batch, chunk_size=0)
     with pytest.raises(ValueError, match="outside the logits' vocabulary"):

@@ -23,6 +23,9 @@ Built on the same reductions: :func:`dpo_loss` for preference pairs packed toget
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from thdpack.common.values import sample_ids
@@ -293,7 +296,17 @@ def _checked_num_items(num_items):
             f"num_items must be > 0 (the step's global count of target tokens or samples), got {float(value)}; "
             "a step with nothing to score has no loss: skip it"
         )
+    if not math.isfinite(float(value)):
+        raise ValueError(f"num_items must be finite (the step's global count of target tokens or samples), "
+                         f"got {float(value)}")
     return num_items
+
+
+def _checked_beta(beta) -> float:
+    """DPO's temperature: a positive finite number (a Python or numpy float or int, not a bool or a string)."""
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
+        raise ValueError(f"beta must be a positive finite number (the DPO temperature, e.g. 0.1), got {beta!r}")
+    return float(beta)
 
 
 # --------------------------------------------------------------------------- preference pairs (DPO)
@@ -334,6 +347,7 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, b
     Returns:
         A scalar: the sum of the pack's pair losses / ``num_items``.
     """
+    beta = _checked_beta(beta)
     chosen, rejected = _pair_positions(batch)
     for name, value in (("policy_logps", policy_logps), ("reference_logps", reference_logps)):
         if value.shape != (batch.num_samples,):
