@@ -24,10 +24,10 @@ Built on the same reductions: :func:`dpo_loss` for preference pairs packed toget
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
+from thdpack.common.align import check_number
 from thdpack.common.values import sample_ids
 
 REDUCTIONS = ("token", "sample")
@@ -304,8 +304,7 @@ def _checked_num_items(num_items):
 
 def _checked_beta(beta) -> float:
     """DPO's temperature: a positive finite number (a Python or numpy float or int, not a bool or a string)."""
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
-        raise ValueError(f"beta must be a positive finite number (the DPO temperature, e.g. 0.1), got {beta!r}")
+    check_number(beta, "beta", positive=True, what=" (the DPO temperature, e.g. 0.1)")
     return float(beta)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -73,6 +74,16 @@ def check_int(value, name: str, minimum: int | None, *, hint: str = "") -> None:
         if minimum is not None and isinstance(value, int) and value > INT64_MAX:
             what += " and < 2**63"
         raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+
+
+def check_number(value, name: str, *, positive: bool, what: str = "") -> None:
+    """The one rule for real-valued arguments (times, sizes, scales): a Python or numpy real number,
+    not a bool, finite, ``> 0`` (``positive``) or ``>= 0``. ``ValueError`` naming the argument
+    otherwise; ``what`` (e.g. `` (the DPO temperature)``) follows the rule in the message."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a {kind} finite number{what}, got {value!r}")
 
 
 def first_non_int64(values) -> tuple[int, object] | None:

@@ -5,11 +5,9 @@ step by step with a :class:`thdpack.flops.FlopsAccumulator`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_int, check_number
 from thdpack.flops.accumulator import FlopsAccumulator
 from thdpack.flops.coefficients import flops_coefficients
 
@@ -62,9 +60,9 @@ def throughput(flops, seconds: float, world_size: int = 1, peak_tflops: float | 
         ``{"tflops_per_gpu": flops / seconds / world_size / 1e12, "mfu": tflops_per_gpu
         / peak (None when the peak is unknown), "peak_tflops": peak}``.
     """
-    _check_number(seconds, "seconds", positive=True)
+    check_number(seconds, "seconds", positive=True)
     check_int(world_size, "world_size", 1)
-    _check_number(float(flops), "flops", positive=False)
+    check_number(float(flops), "flops", positive=False)
     peak_tflops = peak_tflops_for() if peak_tflops is None else resolve_peak(peak_tflops)
     tflops = float(flops) / seconds / world_size / 1e12
     return {"tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None, "peak_tflops": peak_tflops}
@@ -78,15 +76,8 @@ def resolve_peak(peak_tflops: float | str) -> float:
         if peak is None:
             raise KeyError(f"unknown GPU {peak_tflops!r}; known: {sorted(GPU_PEAK_TFLOPS)}")
         return peak
-    _check_number(peak_tflops, "peak_tflops", positive=True)
+    check_number(peak_tflops, "peak_tflops", positive=True)
     return float(peak_tflops)
-
-
-def _check_number(value, name: str, *, positive: bool) -> None:
-    """A finite real number, > 0 (``positive``) or >= 0; a ValueError naming ``name`` and the value."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {value!r}")
 
 
 class FlopsMeter:

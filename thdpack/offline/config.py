@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_int, check_number
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.packing import OVERFLOW_POLICIES
 from thdpack.planning.options import ALGORITHMS
@@ -316,8 +315,11 @@ class Option:
             _positive_int(value, self.name, self.minimum)
         elif self.kind == "flag" and not isinstance(value, bool):
             raise ConfigError(f"{self.name} must be true or false, got {value!r}")
-        elif self.kind == "number" and not _positive_number(value):
-            raise ConfigError(f"{self.name} must be a positive number, got {value!r}")
+        elif self.kind == "number":
+            try:
+                check_number(value, self.name, positive=True)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         elif self.kind == "text" and not (isinstance(value, str) and value):
             raise ConfigError(f"{self.name} must be a non-empty string, got {value!r}")
         elif self.kind == "value" and self.accepts and not isinstance(value, self.accepts[0]):
@@ -344,10 +346,6 @@ def options() -> tuple[Option, ...]:
                           f.metadata["help"], choices or None, f.metadata["minimum"],
                           f.metadata["accepts"], f.metadata["flag_type"], f.metadata["many"]))
     return tuple(out)
-
-
-def _positive_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def _positive_int(value, name: str, minimum: int = 1) -> None:
