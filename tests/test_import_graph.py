@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("thdpack.integrations",)),
     ("offline base", ("thdpack.offline.errors", "thdpack.offline.config", "thdpack.offline.procs",
                       "thdpack.offline.stages")),
+    ("offline cluster", ("thdpack.offline.cluster",)),
     ("offline store", ("thdpack.offline.store",)),
     ("offline inputs", ("thdpack.offline.inputs",)),
     ("offline tokenizing", ("thdpack.offline.tokenizing",)),

@@ -37,7 +37,10 @@ TARGETS = ("loss_mask", "labels")  # the target column a build writes; store/for
 OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
-EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend")  # options that never change the output
+ENGINES = ("local", "ray")  # where a build tokenizes and writes (docs/distributed.md)
+RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir")  # YAML ray: section
+EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
+                  *(f"ray_{k}" for k in RAY_KEYS))  # options that never change the output
 # thdpack 0.1.0's names -> today's, as a user writes them (CHANGELOG.md). An old name is not read: it is an
 # unknown option, flag, placeholder or metadata entry, and the error for it names the new one.
 RENAMED_IN_0_2 = {
@@ -134,6 +137,19 @@ class BuildConfig:
     file_size_mb: float = _opt(512, "approximate size of an output data file in MB")
     num_proc: int = _opt(1, "processes for parsing and tokenization (datasets.map)")
     map_batch_size: int = _opt(1000, "rows per tokenization batch")
+    engine: str = _opt("local", "where the build tokenizes and writes: local (this machine, num_proc processes) or ray "
+                       "(a Ray cluster, or a local Ray instance; the same output byte for byte; docs/distributed.md)",
+                       ENGINES)
+    ray_address: str | None = _opt(None, "engine ray: the cluster to join (auto, HOST:PORT or ray://HOST:PORT; default "
+                                   "RAY_ADDRESS, else a local Ray instance started and stopped by the build); in YAML "
+                                   "also ray: {address: ...}")
+    ray_num_cpus: int | None = _opt(None, "engine ray, local instance: its CPUs (default: every CPU of this machine)")
+    ray_cpus_per_actor: float = _opt(1.0, "engine ray: CPUs each tokenizing actor and each pack-writing task reserves")
+    ray_concurrency: int | None = _opt(None, "engine ray: tokenizing actors (default: the cluster's CPUs / "
+                                       "ray_cpus_per_actor)")
+    ray_object_store_mb: int | None = _opt(None, "engine ray, local instance: object store size in MB (default: Ray's)")
+    ray_spill_dir: str | None = _opt(None, "engine ray, local instance: directory objects spill to when the object "
+                                     "store is full (default: Ray's session directory)")
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
@@ -174,6 +190,7 @@ class BuildConfig:
     def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
+        data = _flatten_ray_section(data, origin)
         unknown = [k for k in data if k not in cls.keys()]
         if unknown:
             k = unknown[0]
@@ -268,6 +285,35 @@ class BuildConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"sample_values names a column twice: {names}")
         return names
+
+
+def _flatten_ray_section(data: dict, origin: str) -> dict:
+    """``ray: {address: ..., num_cpus: ...}`` as the options ``ray_address``, ``ray_num_cpus``, ... (:data:`RAY_KEYS`)."""
+    if "ray" not in data:
+        return data
+    section = data["ray"]
+    if not isinstance(section, dict):
+        raise ConfigError(f"{origin}: ray must be a mapping of {', '.join(RAY_KEYS)}, got {section!r}")
+    unknown = [k for k in section if k not in RAY_KEYS]
+    if unknown:
+        raise ConfigError(f"{origin}: unknown key ray.{unknown[0]}{_close_hint(str(unknown[0]), list(RAY_KEYS))}; "
+                          f"ray keys: {', '.join(RAY_KEYS)}")
+    both = [k for k in section if f"ray_{k}" in data]
+    if both:
+        raise ConfigError(f"{origin}: ray.{both[0]} and ray_{both[0]} both given; keep one")
+    return {**{k: v for k, v in data.items() if k != "ray"}, **{f"ray_{k}": v for k, v in section.items()}}
+
+
+def yaml_error_line(path, exc) -> str:
+    """``FILE:LINE:COL: invalid YAML: PROBLEM (CONTEXT at LINE:COL)``: PyYAML's error ``exc`` (several
+    lines, quoting the text) as one line naming where in ``path`` it is."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and (mark is None or (start.line, start.column) != (mark.line, mark.column)):
+        context = f"{context} at {start.line + 1}:{start.column + 1}"
+    return f"{where}: invalid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def _renamed_hint(key: str, keys: list[str]) -> str:

@@ -14,6 +14,8 @@ second build or merge of the same output fails at once; file-system failures bec
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -108,9 +110,10 @@ def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_sl
     return prepare_stages(BuildStages.from_config(cfg), work_dir, progress=progress, input_slice=input_slice)
 
 
-def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True, input_slice=None) -> Prepared:
+def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True, input_slice=None,
+                   ray_session=None) -> Prepared:
     """:func:`prepare` of a configuration already resolved into its stages' options (``stages``):
-    each stage is handed only its own."""
+    each stage is handed only its own. ``ray_session``: tokenize on that Ray cluster (``engine: ray``)."""
     require_hf("thdpack build")
     planning = stages.planning
     t = {}
@@ -130,7 +133,12 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     vlm = vlm_build(stages.vision, stages.model_config, source)
 
     t0 = time.perf_counter()
-    tokenized = tokenize_source(stages.tokenize, source, work_dir, progress=progress, vlm=vlm)
+    mapper = None
+    if ray_session is not None:
+        from thdpack.offline.cluster.ray_map import map_on_ray
+
+        mapper = functools.partial(map_on_ray, ray_session, progress=progress)
+    tokenized = tokenize_source(stages.tokenize, source, work_dir, progress=progress, vlm=vlm, mapper=mapper)
     t["tokenize"] = time.perf_counter() - t0
     what = tokenized.fmt + (f", loss on {stages.tokenize.loss}" if tokenized.fmt == "chat" else "")
     logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
@@ -415,10 +423,10 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
     stages = BuildStages.from_config(cfg)  # validated and resolved once; each stage gets its own options
     store = stages.store
     t_start = time.perf_counter()
-    with staged_output(output, overwrite) as tmp:
+    with staged_output(output, overwrite) as tmp, _engine(stages) as session:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare_stages(stages, work, progress=progress, input_slice=input_slice)
+        prep = prepare_stages(stages, work, progress=progress, input_slice=input_slice, ray_session=session)
         plan = prep.plan
         if store.output_format == bridge_export.FORMAT:
             bridge_export.check_text_only(prep.vlm)
@@ -426,7 +434,8 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         values = sample_value_arrays(prep.tokenized.dataset.data.table, list(stages.tokenize.value_columns),
                                      prep.sample_rows)
         row_offset = prep.source.row_start if input_slice is not None else 0
-        written = _write_pack_files(store, tmp, prep, values, row_offset=row_offset, progress=progress)
+        written = _write_pack_files(store, tmp, prep, values, row_offset=row_offset, progress=progress,
+                                    ray_session=session)
         tok_info = _save_tokenizer_and_model(store, tmp, prep)
         prep.timings["write"] = time.perf_counter() - t0
 
@@ -455,30 +464,40 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
     return BuildResult(output, meta, timings, summary)
 
 
+@contextlib.contextmanager
+def _engine(stages: BuildStages):
+    """The build's :class:`~thdpack.offline.cluster.ray_session.RaySession` under ``engine: ray`` (a local
+    instance started here is shut down on leaving), else None."""
+    if stages.engine != "ray":
+        yield None
+        return
+    from thdpack.offline.cluster.ray_session import ray_session
+
+    with ray_session(stages.ray, debug=logger.isEnabledFor(logging.DEBUG)) as session:
+        yield session
+
+
 def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: dict, *, row_offset: int,
-                      progress: bool) -> dict:
+                      progress: bool, ray_session=None) -> dict:
     """Write the packs of ``prep`` (in ``store.shuffle_packs`` order) as data files into ``tmp``, with the
-    ``values`` columns (``{name: [samples]}``) and input rows numbered from ``row_offset``;
+    ``values`` columns (``{name: [samples]}``) and input rows numbered from ``row_offset``; on the
+    ``ray_session``'s cluster when given (one task per file);
     :func:`~thdpack.offline.store.writer.write_packs`'s result (``files``, ``target_tokens``)."""
-    from thdpack.offline.store.writer import write_packs
+    from thdpack.offline.store.writer import pack_files, write_packs
 
     plan = prep.plan
     order = (np.random.default_rng(store.seed).permutation(len(plan)) if store.shuffle_packs
              else np.arange(len(plan)))
-    return write_packs(
-        tmp,
-        prep.tokenized.dataset.data.table,
-        store.targets,
-        plan,
-        prep.sample_rows,
-        order,
-        file_format=bridge_export.data_file_format(store.output_format),
-        file_size_mb=store.file_size_mb,
-        progress=progress,
-        row_offset=row_offset,
-        extra=None if prep.vlm is None else prep.vlm.writer(prep.tokenized.dataset.data.table),
-        values=values,
-    )
+    # on Ray the tokenized rows travel as their file paths (a file-backed datasets.Dataset), not as a table
+    rows = prep.tokenized.dataset if ray_session is not None else prep.tokenized.dataset.data.table
+    kwargs = dict(file_format=bridge_export.data_file_format(store.output_format), file_size_mb=store.file_size_mb,
+                  row_offset=row_offset, extra=None if prep.vlm is None else prep.vlm.writer(rows), values=values)
+    if ray_session is None:
+        return write_packs(tmp, rows, store.targets, plan, prep.sample_rows, order, progress=progress, **kwargs)
+    from thdpack.offline.cluster.ray_write import write_on_ray
+
+    files = pack_files(rows, store.targets, plan, prep.sample_rows, order, **kwargs)
+    return write_on_ray(ray_session, files, tmp, progress=progress)
 
 
 def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) -> dict | None:

@@ -11,6 +11,7 @@ template) and splits it into what each stage reads:
 :class:`PlanningOptions`  planning the samples into packs (:mod:`thdpack.offline.pipeline`)
 :class:`StoreOptions`     writing the packs and the files beside them (:mod:`thdpack.offline.store`,
                           :mod:`thdpack.offline.bridge_export`)
+:class:`RayOptions`       ``engine: ray``: the cluster or local instance (:mod:`thdpack.offline.cluster`)
 ==================  ==========================================================================
 
 A stage is handed its own options, never the whole config; each options object is a frozen
@@ -239,6 +240,36 @@ class StoreOptions:
 
 
 @dataclass(frozen=True)
+class RayOptions:
+    """The ``ray_*`` options of an ``engine: ray`` build (the YAML ``ray:`` section;
+    :mod:`thdpack.offline.cluster.ray_session`).
+
+    Attributes:
+        address: the cluster to join (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``); None: ``RAY_ADDRESS``,
+            else a local instance.
+        num_cpus: CPUs of a local instance (None: every CPU of this machine).
+        cpus_per_actor: CPUs each tokenizing actor and each writing task reserves.
+        concurrency: tokenizing actors (None: the cluster's CPUs / ``cpus_per_actor``).
+        object_store_mb: object store of a local instance, in MB (None: Ray's default, 30% of memory).
+        spill_dir: where a local instance spills objects when its store is full (None: Ray's default).
+    """
+
+    address: str | None = None
+    num_cpus: int | None = None
+    cpus_per_actor: float = 1.0
+    concurrency: int | None = None
+    object_store_mb: int | None = None
+    spill_dir: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: BuildConfig) -> "RayOptions":
+        """The Ray options of ``cfg`` (not validated); ``spill_dir`` resolved against its directory."""
+        return cls(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus, cpus_per_actor=cfg.ray_cpus_per_actor,
+                   concurrency=cfg.ray_concurrency, object_store_mb=cfg.ray_object_store_mb,
+                   spill_dir=str(resolve_path(cfg.base_dir, cfg.ray_spill_dir)) if cfg.ray_spill_dir else None)
+
+
+@dataclass(frozen=True)
 class BuildStages:
     """A build's configuration resolved once: each stage's options, and the model config read.
 
@@ -246,6 +277,7 @@ class BuildStages:
         inputs, tokenize, vision, planning, store: the stages' options.
         model_config: the model config, read (a dict), or None.
         model_given: ``BuildConfig.model_config`` as given (metadata.json records it).
+        engine: ``local`` or ``ray`` (``BuildConfig.engine``); ray: its options (used with ``engine: ray``).
     """
 
     inputs: InputOptions
@@ -255,6 +287,8 @@ class BuildStages:
     store: StoreOptions
     model_config: dict | None = None
     model_given: Any = None
+    engine: str = "local"
+    ray: RayOptions = RayOptions()
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "BuildStages":
@@ -263,7 +297,8 @@ class BuildStages:
         cfg.validate()
         model_config = load_model_config(cfg.model_config, cfg.base_dir)  # before the long steps: fail fast
         return cls(InputOptions.from_config(cfg), TokenizeOptions.from_config(cfg), VisionOptions.from_config(cfg),
-                   PlanningOptions.from_config(cfg), StoreOptions.from_config(cfg), model_config, cfg.model_config)
+                   PlanningOptions.from_config(cfg), StoreOptions.from_config(cfg), model_config, cfg.model_config,
+                   cfg.engine, RayOptions.from_config(cfg))
 
 
 # ---------------------------------------------------------------------------- the files the config names
@@ -276,8 +311,14 @@ def read_chat_template(base_dir: Path, given: str) -> str:
         raise ConfigError(f"chat_template {given!r}: no such file ({path})")
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"chat_template {given!r}: cannot read {path} ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"chat_template {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}); save the template as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"chat_template {given!r}: cannot read {path} ({exc.strerror or exc})") from None
+    if not text.strip():
+        raise ConfigError(f"chat_template {path} is empty; give a Jinja chat template file (or remove "
+                          "chat_template to use the tokenizer's own)")
     try:
         from jinja2 import TemplateSyntaxError
         from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -312,7 +353,40 @@ def load_model_config(spec, base_dir: Path) -> dict | None:
     if spec is None:
         return None
     if isinstance(spec, Mapping):
-        return dict(spec)
+        return check_model_config(dict(spec), "model_config (inline mapping)")
     if not isinstance(spec, str):
         raise ConfigError(f"model_config must be a path or a mapping, got {type(spec).__name__}")
-    return read_model_config(resolve_path(base_dir, spec))
+    path = resolve_path(base_dir, spec)
+    return check_model_config(read_model_config(path), f"model_config {path / 'config.json' if path.is_dir() else path}")
+
+
+# what the build's FLOPs report reads of a model config (thdpack/flops/coefficients.py): a positive integer each
+MODEL_CONFIG_NEEDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MODEL_CONFIG_COUNTS = ("num_key_value_heads", "head_dim", "intermediate_size")  # checked the same when set
+
+
+def check_model_config(config: dict, what: str) -> dict:
+    """``config`` when it holds what the build reads of a model config: :data:`MODEL_CONFIG_NEEDS` as
+    positive integers (at the top or in ``text_config``, as the FLOPs module reads them), the counts of
+    :data:`MODEL_CONFIG_COUNTS` likewise when set, a string ``model_type``. ConfigError naming the key
+    (``what``: the option and file, for the message) otherwise."""
+    if not config:
+        raise ConfigError(f"{what} is empty; give the model's config.json (the build reads "
+                          f"{', '.join(MODEL_CONFIG_NEEDS)} from it)")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        raise ConfigError(f"{what}: 'text_config' must be a mapping, got {text!r:.60}")
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"{what}: 'model_type' must be a string, got {model_type!r:.60}")
+    for key in MODEL_CONFIG_NEEDS + MODEL_CONFIG_COUNTS:
+        value = (text or {}).get(key)
+        value = config.get(key) if value is None else value
+        if value is None:
+            if key in MODEL_CONFIG_COUNTS:
+                continue
+            raise ConfigError(f"{what} has no '{key}'; the build needs {', '.join(MODEL_CONFIG_NEEDS)} "
+                              "(give the model's config.json)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{what}: '{key}' must be a positive integer, got {value!r:.60}")
+    return config

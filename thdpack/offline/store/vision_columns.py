@@ -88,8 +88,12 @@ class VisionColumns:
     """The vision columns of :func:`thdpack.offline.store.writer.write_packs` (its ``extra``)."""
 
     def __init__(self, pixel_dim: int, token_table):
+        """``token_table``: the tokenized rows, a ``pyarrow.Table`` or a file-backed ``datasets.Dataset``
+        (which pickles as its file paths: an ``engine: ray`` writing task rebuilds the readers from it)."""
         from thdpack.offline.store.gather import RowPieces
 
+        self._rows = token_table
+        token_table = token_table.data.table if hasattr(token_table, "data") else token_table
         self.pixel_dim = pixel_dim
         self.row_patches = row_vision_patches(token_table)
         # (column, reader, large list, values per image / video) in the order of fields()
@@ -97,6 +101,9 @@ class VisionColumns:
                         for name, large, per in (("pixel_values", True, 0), ("image_grid_thw", False, 3),
                                                  ("pixel_values_videos", True, 0), ("video_grid_thw", False, 3),
                                                  ("second_per_grid_ts", False, 1))]
+
+    def __reduce__(self):
+        return VisionColumns, (self.pixel_dim, self._rows)
 
     def fields(self):
         import pyarrow as pa

@@ -7,7 +7,7 @@ and memory bounded by the chunk, not the dataset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -100,30 +100,60 @@ def write_packs(
     """
     from tqdm.auto import tqdm
 
+    files = pack_files(token_table, targets, plan, sample_rows, order, file_format=file_format,
+                       file_size_mb=file_size_mb, row_offset=row_offset, extra=extra, values=values)
+    bar = tqdm(total=len(plan), desc="Writing packs", unit="pack", disable=not progress, leave=False)
+    written = [files.write(out_dir, s, bar) for s in range(files.num_files)]
+    bar.close()
+    return files.result(written)
+
+
+def pack_files(token_rows, targets: str, plan: PackPlan, sample_rows: np.ndarray, order: np.ndarray, *,
+               file_format: str = "arrow", file_size_mb: float = 512, row_offset: int = 0, extra=None,
+               values: dict | None = None) -> "PackFiles":
+    """The :class:`PackFiles` of :func:`write_packs`'s arguments (``token_rows``: its ``token_table``, or a
+    file-backed ``datasets.Dataset`` of the tokenized rows, which pickles as its file paths)."""
     values = values or {}
     sch = _pack_schema(targets, extra, values)
     sizing = _file_sizing(plan, order, targets, file_size_mb, extra, sample_rows)
-    readers = {name: RowPieces(token_table, name) for name in ("input_ids", targets)}
-    writer = _PackWriter(readers, targets, plan, sample_rows, sch, file_format, row_offset, extra, values)
-    n_files = len(sizing.file_cuts) - 1
-    files, target_tokens = [], 0
-    bar = tqdm(total=len(plan), desc="Writing packs", unit="pack", disable=not progress, leave=False)
-    for s in range(n_files):
-        a, b = sizing.file_cuts[s], sizing.file_cuts[s + 1]
-        name = data_file_name(s, n_files, file_format)
+    writer = _PackWriter(token_rows, targets, plan, sample_rows, sch, file_format, row_offset, extra, values)
+    return PackFiles(writer, sizing, order)
+
+
+@dataclass(frozen=True)
+class PackFiles:
+    """:func:`write_packs`'s work cut into data files, each written on its own: by this process in
+    order, or by any process that unpickles it (``engine: ray``: one Ray task per file)."""
+
+    writer: "_PackWriter"
+    sizing: "_FileSizing"
+    order: np.ndarray  # int64 [num_packs]: pack indices in output order
+
+    @property
+    def num_files(self) -> int:
+        return len(self.sizing.file_cuts) - 1
+
+    def write(self, out_dir: Path, s: int, bar=None) -> tuple[dict, int]:
+        """Write data file ``s`` into ``out_dir``: its ``files`` entry of :func:`write_packs`'s result
+        and its target tokens. Advances the progress ``bar`` (if any) by each record batch's packs."""
+        a, b = self.sizing.file_cuts[s], self.sizing.file_cuts[s + 1]
+        name = data_file_name(s, self.num_files, self.writer.file_format)
         path = out_dir / name
-        target_tokens += writer.write_file(path, order[a:b], sizing.chunk_weight[a:b], sizing.chunk_budget, bar)
-        files.append(
-            {
-                "path": name,
-                "num_packs": int(b - a),
-                "num_tokens": int(sizing.fill[a:b].sum()),
-                "num_bytes": path.stat().st_size,
-                "sha256": file_sha256(path),
-            }
-        )
-    bar.close()
-    return {"files": files, "target_tokens": int(target_tokens)}
+        target_tokens = self.writer.write_file(path, self.order[a:b], self.sizing.chunk_weight[a:b],
+                                               self.sizing.chunk_budget, bar)
+        entry = {
+            "path": name,
+            "num_packs": int(b - a),
+            "num_tokens": int(self.sizing.fill[a:b].sum()),
+            "num_bytes": path.stat().st_size,
+            "sha256": file_sha256(path),
+        }
+        return entry, target_tokens
+
+    @staticmethod
+    def result(written: list[tuple[dict, int]]) -> dict:
+        """:func:`write_packs`'s result from every file's :meth:`write`, in file order."""
+        return {"files": [entry for entry, _ in written], "target_tokens": int(sum(t for _, t in written))}
 
 
 def _pack_schema(targets: str, extra, values: dict):
@@ -165,9 +195,9 @@ def _file_sizing(plan: PackPlan, order: np.ndarray, targets: str, file_size_mb: 
 @dataclass(frozen=True)
 class _PackWriter:
     """Writes packs of ``plan`` as record batches of schema ``sch`` into Arrow or Parquet data files
-    (the arguments of :func:`write_packs`; ``readers``: a RowPieces per token column)."""
+    (the arguments of :func:`write_packs`; ``token_rows``: as :func:`pack_files` takes them)."""
 
-    readers: dict
+    token_rows: object
     targets: str
     plan: PackPlan
     sample_rows: np.ndarray
@@ -176,6 +206,20 @@ class _PackWriter:
     row_offset: int
     extra: object
     values: dict
+    _readers: dict = field(default_factory=dict, repr=False, compare=False)  # made at the first write
+
+    def readers(self) -> dict:
+        """A :class:`RowPieces` of the tokenized rows per token column (made once per process)."""
+        if not self._readers:
+            table = self.token_rows.data.table if hasattr(self.token_rows, "data") else self.token_rows
+            self._readers.update({name: RowPieces(table, name) for name in ("input_ids", self.targets)})
+        return self._readers
+
+    def __getstate__(self):  # a pickled writer (a Ray task's) makes its own readers
+        return {**self.__dict__, "_readers": {}}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     def write_file(self, path: Path, packs: np.ndarray, weights: np.ndarray, budget: int, bar) -> int:
         """Write ``packs`` (int64 ``[k]`` pack indices in output order) as one data file at ``path``, in
@@ -190,19 +234,21 @@ class _PackWriter:
         else:
             sink = None
             writer = pq.ParquetWriter(str(path), self.sch, compression="zstd")
+        readers = self.readers()
         target_tokens = 0
         try:
             chunk_cuts = group_boundaries(weights, budget)
             for c in range(len(chunk_cuts) - 1):
                 ks = packs[chunk_cuts[c] : chunk_cuts[c + 1]]
-                batch, n_targets = _chunk(self.readers, self.targets, self.plan, self.sample_rows, ks, self.sch,
+                batch, n_targets = _chunk(readers, self.targets, self.plan, self.sample_rows, ks, self.sch,
                                           self.row_offset, self.extra, self.values)
                 target_tokens += n_targets
                 if self.file_format == "arrow":
                     writer.write_batch(batch)
                 else:
                     writer.write_table(pa.Table.from_batches([batch], self.sch))
-                bar.update(len(ks))
+                if bar is not None:
+                    bar.update(len(ks))
         finally:
             writer.close()
             if sink is not None:

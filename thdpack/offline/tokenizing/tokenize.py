@@ -62,9 +62,11 @@ def resolve_format(opts: TokenizeOptions, source: Source) -> str:
 
 
 def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress: bool = True,
-                    vlm=None) -> Tokenized:
+                    vlm=None, mapper=None) -> Tokenized:
     """Tokenize every row of ``source`` by the options ``opts`` with ``datasets.map`` into ``work_dir``; with ``vlm``
-    (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images."""
+    (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images. ``mapper``: runs the
+    map elsewhere, with :func:`~thdpack.offline.procs.map_in_processes`'s arguments and result (``engine: ray``:
+    :func:`thdpack.offline.cluster.ray_map.map_on_ray`); None: in ``opts.num_proc`` local processes."""
     fmt = resolve_format(opts, source)
     _check_source_columns(opts, source, fmt, vlm)
     tok = _tokenizer_for_format(opts, fmt)
@@ -79,10 +81,10 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
     )[:16]
     batch_size = opts.map_batch_size if vlm is None else vlm.map_batch_size(opts.map_batch_size)
     num_proc = min(opts.num_proc, max(1, len(ds) // max(1, batch_size))) if opts.num_proc > 1 else None
-    if num_proc:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
+    if num_proc or mapper:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
     tokenizers = _RowTokenizers(fmt, opts, tok, ds.column_names, source, vlm)
-    rows = _RowMap(ds, num_proc, dict(
+    rows = _RowMap(ds, num_proc, mapper, dict(
         batched=True,
         batch_size=batch_size,
         remove_columns=ds.column_names,
@@ -185,14 +187,17 @@ class _RowTokenizers:
 
 @dataclass(frozen=True)
 class _RowMap:
-    """One ``datasets.map`` over the rows ``ds``: in ``num_proc`` processes of our own, or in this one."""
+    """One ``datasets.map`` over the rows ``ds``: by ``mapper``, in ``num_proc`` processes of our own, or in this one."""
 
     ds: object  # datasets.Dataset
     num_proc: int | None
+    mapper: object  # None, or map_in_processes's stand-in (tokenize_source)
     kwargs: dict  # datasets.map's keyword arguments
 
     def run(self, fn):
         """The rows mapped by ``fn`` (a batched row tokenizer)."""
+        if self.mapper is not None:
+            return self.mapper(self.ds.with_format("arrow"), fn, **self.kwargs).with_format(None)
         if self.num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
             return map_in_processes(self.ds.with_format("arrow"), fn, self.num_proc, **self.kwargs).with_format(None)
         return self.ds.with_format("arrow").map(fn, **self.kwargs).with_format(None)
