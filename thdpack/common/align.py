@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -84,6 +85,52 @@ def check_number(value, name: str, *, positive: bool, what: str = "") -> None:
     if not ok or value < 0 or (positive and value == 0):
         kind = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a {kind} finite number{what}, got {value!r}")
+
+
+def integer_array(x, name: str, hint: str = ""):
+    """``x`` as an array of integers (offsets, lengths, counts): a torch tensor is returned as it is, its
+    dtype checked (not its values: reading accelerator memory would sync); anything else becomes a numpy
+    array, int64 when empty. ``ValueError`` naming ``name`` for floats, bools, strings or objects (the
+    first such value shown), or values beyond int64; ``TypeError`` for a string or a
+    mapping in place of the array. ``hint`` follows the rule in the messages."""
+    if type(x).__module__.startswith("torch"):
+        dtype = x.dtype
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise ValueError(f"{name} must hold integers{hint}, got a {dtype} tensor")
+        return x
+    if isinstance(x, (str, bytes, Mapping)) or x is None:
+        got = "None" if x is None else type(x).__name__
+        raise TypeError(f"{name} must be integers (a list, numpy array or tensor){hint}, got {got}")
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged nested lists
+        raise ValueError(f"{name} must be a rectangular array of integers{hint}, got ragged rows") from None
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    kind = arr.dtype.kind
+    if kind in "iu" and not isinstance(x, (list, tuple)):
+        if kind == "i" or arr.dtype.itemsize < 8 or arr.max() <= INT64_MAX:
+            return arr
+    values = (np.asarray(x, dtype=object) if isinstance(x, (list, tuple)) else arr).reshape(-1).tolist()
+    bad = _first_not_integer(values)
+    if bad is None:  # a list of ints (bools none), an object array of ints
+        return arr if kind in "iu" else arr.astype(np.int64)
+    t, value = bad
+    at = f" at [{', '.join(map(str, np.unravel_index(t, arr.shape)))}]" if arr.ndim else ""
+    dtype = f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else ""
+    raise ValueError(f"{name} must hold integers in int64 range{hint}, got {value!r}{at}{dtype}")
+
+
+def _first_not_integer(values: list) -> tuple[int, object] | None:
+    """``(position, value)`` of the first value that is not an integer in int64 range (a bool is
+    not), preferring one that is not integral (in a float array); None when all are integers."""
+    first = None
+    for t, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not INT64_MIN <= v <= INT64_MAX:
+            if not isinstance(v, float) or not v.is_integer():
+                return t, v
+            first = (t, v) if first is None else first
+    return first
 
 
 def first_non_int64(values) -> tuple[int, object] | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from thdpack.common.align import check_int, check_number
+
 _MISSING = object()
 
 
@@ -48,6 +50,33 @@ def config_first(config, paths: tuple[str, ...], default=_MISSING):
     if default is _MISSING:
         raise KeyError(paths[0])
     return default
+
+
+def check_config(config, name: str = "config") -> None:
+    """``TypeError`` unless ``config`` can be read as a model config: a mapping (a config's
+    ``to_dict()``, a hub ``config.json``) or a config object (not None, a number, a string or a list)."""
+    if config is None or isinstance(config, (str, bytes, int, float, list, tuple)):
+        got = "None" if config is None else type(config).__name__
+        raise TypeError(f"{name} must be a transformers config or its dict (config.to_dict()), got {got}")
+
+
+def config_int(config, path: str, default=_MISSING, *, minimum: int = 1, where: str = "") -> int:
+    """``config_get(config, path, default)`` checked by the one integer rule (an integer >= ``minimum``:
+    a size is >= 1, a count >= 0): ``ValueError`` naming the key (``where`` + ``path``, e.g.
+    ``"text_config."``) when it is missing without a default, or of another type or range."""
+    value = config_get(config, path, default if default is not _MISSING else None)
+    if value is None:
+        raise ValueError(f"the model config has no {where}{path}; pass a complete config of the model")
+    check_int(value, f"the model config's {where}{path}", minimum)
+    return int(value)
+
+
+def config_number(config, path: str, default: float, *, where: str = "") -> float:
+    """A positive finite real ``config_get(config, path, default)`` (``mlp_ratio``, ...); ``ValueError``
+    naming the key otherwise (:func:`thdpack.common.align.check_number`)."""
+    value = config_get(config, path, default)
+    check_number(value, f"the model config's {where}{path}", positive=True)
+    return float(value)
 
 
 def model_type_of(config) -> str:

@@ -143,9 +143,13 @@ class FlopsAccumulator:
             name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
         else:
             name, cu, argmin = "cu_seqlens", cu_seqlens, cu_seqlens_argmin
-        real = segment_lengths(cu, argmin)
+        if cu is None:
+            raise ValueError("pass cu_seqlens or cu_seqlens_unpadded")
+        real = segment_lengths(cu, argmin, name=name)
         has_layout = cu_seqlens is not None and cu_seqlens_unpadded is not None
         layout = segment_lengths(cu_seqlens, cu_seqlens_argmin) if has_layout else real
+        if num_padded_tokens is not None:
+            check_count(num_padded_tokens, "num_padded_tokens")
         known = num_padded_tokens is not None or has_layout
         if num_padded_tokens is None:
             num_padded_tokens = layout.sum()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thdpack.flops.vision_stats import as_pair, window_patches
-from thdpack.common.model_config import config_get
+from thdpack.common.model_config import check_config, config_get, config_int, config_number
 
 __all__ = ["GATED_ATTENTION_MODEL_TYPES", "NON_GATED_MLP_MODEL_TYPES", "FlopsCoefficients", "flops_coefficients"]
 
@@ -46,18 +46,19 @@ def _text_terms(config, gated_mlp, attention_output_gate, layer_types) -> dict:
     """The language model's terms (``mlp``, ``moe``, ``attention_projections``,
     ``core_attention``, ``linear_attention``, ``logits``) of :func:`flops_coefficients`."""
     text = config_get(config, "text_config", config)
+    where = "" if text is config else "text_config."
     model_types = {config_get(text, "model_type", None), config_get(config, "model_type", None)} - {None}
 
-    h = int(config_get(text, "hidden_size", None))
-    num_layers = int(config_get(text, "num_hidden_layers", None))
-    vocab = int(config_get(text, "vocab_size", None))
-    heads = int(config_get(text, "num_attention_heads", None))
-    kv_heads = int(config_get(text, "num_key_value_heads", heads))
-    head_dim = int(config_get(text, "head_dim", h // heads))
+    h = config_int(text, "hidden_size", where=where)
+    num_layers = config_int(text, "num_hidden_layers", where=where)
+    vocab = config_int(text, "vocab_size", where=where)
+    heads = config_int(text, "num_attention_heads", where=where)
+    kv_heads = config_int(text, "num_key_value_heads", heads, where=where)
+    head_dim = config_int(text, "head_dim", max(h // heads, 1), where=where)
     if config_get(text, "kv_lora_rank", None) is not None or config_get(text, "q_lora_rank", None) is not None:
         raise NotImplementedError("multi-latent attention (DeepSeek MLA) is not covered")
-    n_attn, n_linear = _attention_layer_counts(text, num_layers, layer_types)
-    n_moe = _moe_layer_count(text, num_layers)
+    n_attn, n_linear = _attention_layer_counts(text, num_layers, layer_types, where)
+    n_moe = _moe_layer_count(text, num_layers, where)
     n_dense = num_layers - n_moe
 
     if gated_mlp is None:
@@ -73,20 +74,20 @@ def _text_terms(config, gated_mlp, attention_output_gate, layer_types) -> dict:
 
     terms: dict = {}
     if n_dense:
-        ffn = int(config_get(text, "intermediate_size", None))
+        ffn = config_int(text, "intermediate_size", where=where)
         terms["mlp"] = ("tokens", 6 * h * e * ffn * n_dense)
     if n_moe:
-        terms["moe"] = ("tokens", 6 * h * e * _moe_ffn_per_token(text) * n_moe)
+        terms["moe"] = ("tokens", 6 * h * e * _moe_ffn_per_token(text, where) * n_moe)
     if n_attn:
         terms["attention_projections"] = ("tokens", 6 * (h * (d_q + 2 * d_kv + gate) + d_q * h) * n_attn)
         terms["core_attention"] = ("seqlen_squared_sum", 6 * d_q * n_attn)
     if n_linear:
-        terms["linear_attention"] = ("tokens", 6 * _linear_attention_macs(text, h) * n_linear)
+        terms["linear_attention"] = ("tokens", 6 * _linear_attention_macs(text, h, where) * n_linear)
     terms["logits"] = ("tokens", 6 * h * vocab)
     return terms
 
 
-def _attention_layer_counts(text, num_layers: int, layer_types) -> tuple[int, int]:
+def _attention_layer_counts(text, num_layers: int, layer_types, where: str) -> tuple[int, int]:
     """``(L_attn, L_linear)``: full-attention and linear-attention (Gated DeltaNet) layers, from
     ``layer_types`` (the argument, else the config's), else ``full_attention_interval``."""
     if layer_types is None:
@@ -94,7 +95,8 @@ def _attention_layer_counts(text, num_layers: int, layer_types) -> tuple[int, in
     if layer_types is None:
         interval = config_get(text, "full_attention_interval", None)
         if interval:
-            layer_types = ["linear_attention" if (i + 1) % int(interval) else "full_attention" for i in range(num_layers)]
+            interval = config_int(text, "full_attention_interval", where=where)
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
         else:
             layer_types = ["full_attention"] * num_layers
     layer_types = list(layer_types)
@@ -109,40 +111,40 @@ def _attention_layer_counts(text, num_layers: int, layer_types) -> tuple[int, in
     return layer_types.count("full_attention"), layer_types.count("linear_attention")
 
 
-def _moe_layer_count(text, num_layers: int) -> int:
+def _moe_layer_count(text, num_layers: int, where: str) -> int:
     """``N_moe``: layers with experts (``mlp_only_layers``, ``decoder_sparse_step``,
     ``first_k_dense_replace``, ``moe_layer_freq`` respected); 0 for a dense model."""
-    num_experts = int(config_get(text, "num_experts", 0) or config_get(text, "num_local_experts", 0)
-                      or config_get(text, "n_routed_experts", 0))
+    num_experts = 0
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):  # the first one set and non-zero
+        num_experts = num_experts or config_int(text, key, 0, minimum=0, where=where)
     if not num_experts:
         return 0
     mlp_only = set(config_get(text, "mlp_only_layers", []) or [])
-    sparse_step = int(config_get(text, "decoder_sparse_step", 1))
-    first_dense = int(config_get(text, "first_k_dense_replace", 0))
-    layer_freq = int(config_get(text, "moe_layer_freq", 1))
+    sparse_step = config_int(text, "decoder_sparse_step", 1, where=where)
+    first_dense = config_int(text, "first_k_dense_replace", 0, minimum=0, where=where)
+    layer_freq = config_int(text, "moe_layer_freq", 1, where=where)
     return sum(
         i not in mlp_only and (i + 1) % sparse_step == 0 and i >= first_dense and i % layer_freq == 0
         for i in range(num_layers)
     )
 
 
-def _moe_ffn_per_token(text) -> int:
+def _moe_ffn_per_token(text, where: str) -> int:
     """``moe_ffn·k + shared_ffn``: the expert MLP width a token goes through in a MoE layer."""
-    moe_ffn = int(config_get(text, "moe_intermediate_size", config_get(text, "intermediate_size", None)))
-    top_k = int(config_get(text, "num_experts_per_tok", None))
-    shared = int(config_get(text, "shared_expert_intermediate_size", 0))
+    key = "moe_intermediate_size" if config_get(text, "moe_intermediate_size", None) is not None else "intermediate_size"
+    moe_ffn = config_int(text, key, where=where)
+    top_k = config_int(text, "num_experts_per_tok", where=where)
+    shared = config_int(text, "shared_expert_intermediate_size", 0, minimum=0, where=where)
     if not shared and config_get(text, "n_shared_experts", None):
-        shared = int(config_get(text, "n_shared_experts", None)) * moe_ffn
+        shared = config_int(text, "n_shared_experts", minimum=0, where=where) * moe_ffn
     return moe_ffn * top_k + shared
 
 
-def _linear_attention_macs(text, h: int) -> int:
+def _linear_attention_macs(text, h: int, where: str) -> int:
     """Multiply-adds per token of one Gated DeltaNet layer (hidden size ``h``)."""
-    dhk = int(config_get(text, "linear_key_head_dim", None))
-    dhv = int(config_get(text, "linear_value_head_dim", None))
-    nk = int(config_get(text, "linear_num_key_heads", None))
-    nv = int(config_get(text, "linear_num_value_heads", None))
-    conv = int(config_get(text, "linear_conv_kernel_dim", 4))
+    dhk, dhv, nk, nv = (config_int(text, key, where=where) for key in (
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"))
+    conv = config_int(text, "linear_conv_kernel_dim", 4, where=where)
     dk, dv = dhk * nk, dhv * nv
     return (
         h * (2 * dk + 2 * dv + 2 * nv)  # in_proj: q, k, v, z (output gate), b, a
@@ -155,19 +157,20 @@ def _linear_attention_macs(text, h: int) -> int:
 def _vision_terms(vision, config, vision_gated_mlp, vision_backward) -> dict:
     """The vision tower's terms (``vision_*``) of :func:`flops_coefficients`."""
     # Qwen2-VL: embed_dim is the ViT width, hidden_size the merger output
+    at = "vision_config."
     if config_get(vision, "embed_dim", None) is not None:
-        width = int(config_get(vision, "embed_dim", None))
-        out = int(config_get(vision, "hidden_size", None))
-        inter = int(width * float(config_get(vision, "mlp_ratio", 4)))
+        width = config_int(vision, "embed_dim", where=at)
+        out = config_int(vision, "hidden_size", where=at)
+        inter = int(width * config_number(vision, "mlp_ratio", 4, where=at))
     else:  # Qwen2.5-VL, Qwen3-VL, Qwen3.5
-        width = int(config_get(vision, "hidden_size", None))
-        out = int(config_get(vision, "out_hidden_size", None))
-        inter = int(config_get(vision, "intermediate_size", None))
-    depth = int(config_get(vision, "depth", None))
-    ph, pw = as_pair(config_get(vision, "patch_size", None))
-    temporal = int(config_get(vision, "temporal_patch_size", 1))
-    channels = int(config_get(vision, "in_channels", config_get(vision, "in_chans", 3)))
-    merge = int(config_get(vision, "spatial_merge_size", 1))
+        width = config_int(vision, "hidden_size", where=at)
+        out = config_int(vision, "out_hidden_size", where=at)
+        inter = config_int(vision, "intermediate_size", where=at)
+    depth = config_int(vision, "depth", where=at)
+    ph, pw = as_pair(config_get(vision, "patch_size", None), "vision_config.patch_size")
+    temporal = config_int(vision, "temporal_patch_size", 1, where=at)
+    channels = config_int(vision, "in_channels", config_get(vision, "in_chans", 3), where=at)
+    merge = config_int(vision, "spatial_merge_size", 1, where=at)
     n_mergers = 1 + len(config_get(vision, "deepstack_visual_indexes", []) or [])
     if vision_gated_mlp is None:
         types = {config_get(vision, "model_type", None), config_get(config, "model_type", None)} - {None}
@@ -238,6 +241,7 @@ def flops_coefficients(
     ``vision_window_attention = 2·f·w · window_blocks`` per unit of the window sum
     (bidirectional: twice the causal figure). ``e_v = 3`` for Qwen2.5-VL's gated MLP.
     """
+    check_config(config)
     terms = _text_terms(config, gated_mlp, attention_output_gate, layer_types)
     vision = config_get(config, "vision_config", None)
     if include_vision and vision is not None:

@@ -62,7 +62,7 @@ def throughput(flops, seconds: float, world_size: int = 1, peak_tflops: float | 
     """
     check_number(seconds, "seconds", positive=True)
     check_int(world_size, "world_size", 1)
-    check_number(float(flops), "flops", positive=False)
+    check_number(float(flops) if isinstance(flops, torch.Tensor) else flops, "flops", positive=False)
     peak_tflops = peak_tflops_for() if peak_tflops is None else resolve_peak(peak_tflops)
     tflops = float(flops) / seconds / world_size / 1e12
     return {"tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else None, "peak_tflops": peak_tflops}
@@ -132,7 +132,9 @@ class FlopsMeter:
 
     def step(self, seconds: float) -> dict:
         """Close a step that took ``seconds``: reduce, compute, reset. Returns the record
-        (``model_flops``, ``seconds``, ``tflops_per_gpu``, ``mfu``, ``peak_tflops`` and the counts)."""
+        (``model_flops``, ``seconds``, ``tflops_per_gpu``, ``mfu``, ``peak_tflops`` and the counts).
+        ``seconds`` is a positive finite number (``ValueError`` before anything is reduced or reset)."""
+        check_number(seconds, "seconds", positive=True)
         acc = self.accumulator
         if self.all_reduce:
             acc.all_reduce(self.group)

@@ -10,23 +10,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from thdpack.common.align import check_int, integer_array
 from thdpack.flops.model import model_flops
-from thdpack.flops.sequences import lengths_squared_sum
+from thdpack.flops.sequences import check_count, lengths_squared_sum
 
 __all__ = ["attention_overcount_factor", "model_overcount_factor", "overcount_report"]
 
 
+def _check_overcount_args(n_packs, pack_len, real_tokens, seqlen_squared_sum) -> None:
+    """The counts of an over-count: ``n_packs`` an integer >= 0, ``pack_len`` >= 1, the real counts
+    integers >= 0 and not zero (no real tokens: nothing to compare with); ``ValueError`` naming the argument."""
+    check_int(n_packs, "n_packs", 0)
+    check_int(pack_len, "pack_len", 1)
+    if real_tokens is not None:
+        check_count(real_tokens, "num_tokens")
+    check_count(seqlen_squared_sum, "seqlen_squared_sum", square_sum=True)
+    if not seqlen_squared_sum or (real_tokens is not None and not real_tokens):
+        raise ValueError("no real tokens (num_tokens and seqlen_squared_sum are 0): the over-count of a pack-length "
+                         "count is undefined; count a plan or packs that hold tokens")
+
+
 def attention_overcount_factor(n_packs: int, pack_len: int, seqlen_squared_sum) -> float:
-    """``n_packs · pack_len² / Σ sᵢ²``: how much a pack-length count over-states attention
-    (NaN when ``Σ sᵢ² = 0``)."""
-    sq = float(seqlen_squared_sum)
-    return n_packs * pack_len * pack_len / sq if sq else float("nan")
+    """``n_packs · pack_len² / Σ sᵢ²``: how much a pack-length count over-states attention.
+    ``n_packs`` is an integer >= 0, ``pack_len`` >= 1, ``Σ sᵢ²`` an integer > 0 (``ValueError``
+    naming the argument otherwise; ``Σ sᵢ² = 0``, no real tokens, has no over-count)."""
+    _check_overcount_args(n_packs, pack_len, None, seqlen_squared_sum)
+    return int(n_packs) * int(pack_len) ** 2 / float(seqlen_squared_sum)
 
 
 def model_overcount_factor(config, n_packs: int, pack_len: int, num_tokens, seqlen_squared_sum, **options) -> float:
     """Whole-model over-count of a pack-length count: ``model_flops`` of ``n_packs``
     sequences of ``pack_len`` (the legacy BSHD count) over ``model_flops`` of the real
-    ``num_tokens`` and ``Σ sᵢ²``."""
+    ``num_tokens`` and ``Σ sᵢ²``. Counts checked as in :func:`attention_overcount_factor`
+    (``num_tokens`` > 0 too)."""
+    _check_overcount_args(n_packs, pack_len, num_tokens, seqlen_squared_sum)
     claimed = model_flops(config, n_packs * pack_len, n_packs * pack_len * pack_len, **options)
     real = model_flops(config, num_tokens, seqlen_squared_sum, **options)
     return claimed / real
@@ -42,6 +59,9 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
             ``pack_size``).
         config: a model config: adds the whole-model factor.
 
+    ``pack_len`` is an integer >= 1 and the packs must hold tokens (``ValueError`` otherwise:
+    an empty plan has no over-count).
+
     Returns:
         ``{"n_packs", "n_samples", "pack_len", "real_tokens", "seqlen_squared_sum",
         "attention"}``; with ``config`` also ``"model"`` (:func:`model_overcount_factor`)
@@ -54,13 +74,16 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
         n_packs = len(plan)
         pack_len = plan.pack_size if pack_len is None else pack_len
     elif pack_lengths is not None:
+        if isinstance(pack_lengths, (str, bytes)) or not hasattr(pack_lengths, "__len__"):
+            raise TypeError(f"pack_lengths must be a list of per-pack length arrays, got {type(pack_lengths).__name__}")
         n_packs = len(pack_lengths)
-        parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in pack_lengths]
+        parts = [integer_array(p, f"pack_lengths[{k}]").reshape(-1).astype(np.int64) for k, p in enumerate(pack_lengths)]
         lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if pack_len is None:
             raise ValueError("pass pack_len with pack_lengths")
     else:
         raise ValueError("pass plan or pack_lengths")
+    check_int(pack_len, "pack_len", 1)
     sq = lengths_squared_sum(lengths)
     tokens = int(lengths.sum())
     out = {

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from thdpack.common.align import INT64_MAX, check_int
+from thdpack.common.align import INT64_MAX, check_int, integer_array
+from thdpack.parallel.cp import check_cp_args
 from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 __all__ = [
@@ -32,10 +33,13 @@ __all__ = [
 _INT64_LIMIT = 2**63  # a sum of squares below this fits int64
 
 
-def _as_int64_tensor(x) -> torch.Tensor:
+def _as_int64_tensor(x, name: str) -> torch.Tensor:
+    """``x`` as an int64 tensor (a tensor keeps its device); ``ValueError`` / ``TypeError`` naming
+    ``name`` unless it holds integers (:func:`thdpack.common.align.integer_array`)."""
+    x = integer_array(x, name)
     if isinstance(x, torch.Tensor):
         return x.to(torch.int64)
-    return torch.as_tensor(np.asarray(x), dtype=torch.int64)
+    return torch.as_tensor(x, dtype=torch.int64)
 
 
 def check_count(value, name: str, *, square_sum: bool = False) -> None:
@@ -77,7 +81,7 @@ def shows_no_tokens(cu_seqlens, cu_seqlens_argmin=None) -> bool:
     return int(np.max(np.asarray(cu_seqlens_argmin))) <= 1
 
 
-def segment_lengths(cu_seqlens, cu_seqlens_argmin=None) -> torch.Tensor:
+def segment_lengths(cu_seqlens, cu_seqlens_argmin=None, *, name: str = "cu_seqlens") -> torch.Tensor:
     """Lengths of the valid segments of ``cu_seqlens`` (int64, same device, no host sync).
 
     Args:
@@ -88,37 +92,67 @@ def segment_lengths(cu_seqlens, cu_seqlens_argmin=None) -> torch.Tensor:
             (an int, or a ``[B]`` / ``[B, 1]`` tensor): only ``cu_seqlens[:argmin]``
             is read. This is the NeMo convention, where ``argmin`` of a ``-1``
             padded row points at its first ``-1``.
+        name: the argument named in errors (``"cu_seqlens_unpadded"``, ...).
+
+    Both hold integers (``ValueError`` naming the argument for floats, NaN, bools, strings).
+    On the CPU the values are checked too: every row starts at 0 and does not decrease
+    before its cut, and ``argmin`` is >= 0; on an accelerator they are not read (no host sync).
 
     Returns:
         int64 ``[B, N-1]`` (``[1, n]`` for a 1-D input): segment lengths, 0 for
         entries past the cut. Zero-length segments stay 0 and so add nothing.
     """
-    cu = _as_int64_tensor(cu_seqlens)
+    cu = _as_int64_tensor(cu_seqlens, name)
     if cu.ndim == 1:
         cu = cu.unsqueeze(0)
     if cu.ndim != 2:
-        raise ValueError(f"cu_seqlens must be 1-D or 2-D, got shape {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be 1-D or 2-D, got shape {tuple(cu.shape)}")
     if cu.shape[1] == 0:
         return cu.new_zeros((cu.shape[0], 0))
     valid = torch.cumsum((cu < 0).to(torch.int64), dim=1) == 0  # before the first negative entry
     if cu_seqlens_argmin is not None:
-        limit = torch.as_tensor(cu_seqlens_argmin, device=cu.device).to(torch.int64).reshape(-1, 1)
+        limit = _as_int64_tensor(cu_seqlens_argmin, f"{name}_argmin").to(cu.device).reshape(-1, 1)
         if limit.shape[0] not in (1, cu.shape[0]):
-            raise ValueError(f"cu_seqlens_argmin has {limit.shape[0]} rows, cu_seqlens {cu.shape[0]}")
+            raise ValueError(f"{name}_argmin has {limit.shape[0]} rows, {name} {cu.shape[0]}")
+        if limit.device.type == "cpu" and bool((limit < 0).any()):
+            raise ValueError(f"{name}_argmin must be >= 0 (the index of each row's first padding entry), "
+                             f"got {int(limit.min())}")
         valid = valid & (torch.arange(cu.shape[1], device=cu.device).unsqueeze(0) < limit)
     lengths = cu[:, 1:] - cu[:, :-1]
+    if cu.device.type == "cpu":
+        _check_offsets(cu, valid, lengths, name)
     return torch.where(valid[:, 1:], lengths, torch.zeros_like(lengths))  # valid is a prefix per row
+
+
+def _check_offsets(cu: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, name: str) -> None:
+    """``ValueError`` naming ``name`` and the entry unless every row of the CPU int64 ``cu``
+    (``[B, N]``) starts at 0 (a negative first entry: a row of padding only) and does not
+    decrease within its ``valid`` prefix."""
+    start = cu[:, 0]
+    bad = torch.nonzero((start != 0) & (start >= 0))
+    if bad.numel():
+        b = int(bad[0, 0])
+        where = f"[{b}, 0]" if cu.shape[0] > 1 else "[0]"
+        raise ValueError(f"{name}{where} is {int(start[b])}; cumulative lengths start at 0")
+    falls = torch.nonzero(valid[:, 1:] & (lengths < 0))
+    if falls.numel():
+        b, i = falls[0].tolist()
+        where = (lambda j: f"[{b}, {j}]") if cu.shape[0] > 1 else (lambda j: f"[{j}]")
+        raise ValueError(f"{name} must be non-decreasing within its valid entries, got {name}{where(i)} = "
+                         f"{int(cu[b, i])} then {name}{where(i + 1)} = {int(cu[b, i + 1])}")
 
 
 def lengths_squared_sum(lengths) -> int:
     """``Σ x²`` of int lengths (any shape; torch on any device, numpy or a list) as an
     exact Python int: int64 arithmetic, Python integers when the total could overflow.
-    Host sync; raises ``ValueError`` on a negative length (a decreasing ``cu_seqlens``)."""
-    lengths = _as_int64_tensor(lengths).cpu()
+    Host sync; raises ``ValueError`` on a negative length or one that is not an integer."""
+    lengths = _as_int64_tensor(lengths, "lengths").cpu()
     if lengths.numel() == 0:
         return 0
     if bool((lengths < 0).any()):
-        raise ValueError("cu_seqlens must be non-decreasing within its valid entries")
+        t = int(torch.nonzero(lengths.reshape(-1) < 0)[0, 0])
+        raise ValueError(f"lengths must be >= 0, got {int(lengths.reshape(-1)[t])} at flat position {t} "
+                         "(a decreasing cu_seqlens gives negative lengths)")
     if int(lengths.max()) * int(lengths.sum()) < _INT64_LIMIT:  # Σ x² <= max(x)·Σ x: int64 is exact
         return int((lengths * lengths).sum())
     return sum(v * v for v in lengths.flatten().tolist())  # Python ints: exact for any length
@@ -143,9 +177,12 @@ def seqlen_squared_sum(
             holds padded lengths (Megatron-Bridge with CP / FP8 padding). Preferred
             whenever given: attention runs over the real lengths.
         cu_seqlens_unpadded_argmin: its cut index.
+            Offsets and cut indices are integers: ``ValueError`` naming the argument for
+            floats, NaN, bools or strings, and (on the CPU) for a row that does not start at 0,
+            decreases before its cut, or a negative cut (:func:`segment_lengths`).
         as_tensor: return a 0-dim int64 tensor on the input's device, computed
-            without any host sync (nothing is validated then, except what
-            :func:`shows_no_tokens` sees; exact while ``Σ sᵢ² < 2⁶³``, always true
+            without any host sync (the values of an accelerator tensor are not
+            validated then, except what :func:`shows_no_tokens` sees; exact while ``Σ sᵢ² < 2⁶³``, always true
             for int32 ``cu_seqlens``). For numpy input a ``numpy.int64``.
 
     Returns:
@@ -164,12 +201,12 @@ def seqlen_squared_sum(
     """
     if cu_seqlens_unpadded is not None:
         name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
-        layout = None if cu_seqlens is None else segment_lengths(cu_seqlens, cu_seqlens_argmin)
+        layout = None if cu_seqlens is None else segment_lengths(cu_seqlens, cu_seqlens_argmin, name="cu_seqlens")
     else:
         name, cu, argmin, layout = "cu_seqlens", cu_seqlens, cu_seqlens_argmin, None
     if cu is None:
         raise ValueError("pass cu_seqlens or cu_seqlens_unpadded")
-    lengths = segment_lengths(cu, argmin)
+    lengths = segment_lengths(cu, argmin, name=name)
     if as_tensor:
         out = (lengths * lengths).sum()
         if layout is not None:
@@ -208,8 +245,9 @@ def cp_seqlen_squared_share(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: 
 
     Returns an int64 0-dim tensor on the device of ``seq_lens`` (no host sync).
     """
-    s = _as_int64_tensor(seq_lens)
-    cu = _as_int64_tensor(cu_seqlens_padded).to(s.device)
+    check_cp_args(cp_size, cp_rank)
+    s = _as_int64_tensor(seq_lens, "seq_lens")
+    cu = _as_int64_tensor(cu_seqlens_padded, "cu_seqlens_padded").to(s.device)
     h = chunk_length(cu[1:] - cu[:-1], cp_size)
     share = torch.zeros((), dtype=torch.int64, device=s.device)
     for c in rank_chunks(cp_size, cp_rank):  # the two chunks: two vector steps

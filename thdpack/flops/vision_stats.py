@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from thdpack.common.align import check_int
-from thdpack.common.model_config import config_get
+from thdpack.common.model_config import config_get, config_int
 
 __all__ = ["VisionStats", "as_pair", "grid_rows", "vision_config_of", "vision_seqlen_stats", "window_patches"]
 
@@ -39,11 +39,15 @@ class VisionStats:
         return VisionStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-def as_pair(v) -> tuple[int, int]:
-    """``(a, b)`` of a size given as one int or a pair (``patch_size: 14`` or ``[14, 14]``)."""
-    if isinstance(v, (list, tuple)):
-        return (int(v[0]), int(v[-1]))
-    return (int(v), int(v))
+def as_pair(v, name: str = "vision_config.patch_size") -> tuple[int, int]:
+    """``(a, b)`` of a size given as one int or a pair (``patch_size: 14`` or ``[14, 14]``), each an
+    integer >= 1; ``ValueError`` naming the config key ``name`` otherwise."""
+    if v is None:
+        raise ValueError(f"the model config has no {name}; pass a complete config of the model")
+    pair = (v[0], v[-1]) if isinstance(v, (list, tuple)) and v else (v, v)
+    for x in pair:
+        check_int(x, f"the model config's {name}", 1)
+    return int(pair[0]), int(pair[1])
 
 
 def vision_config_of(config):
@@ -60,8 +64,9 @@ def window_patches(vision_config) -> int | None:
     window = config_get(vision_config, "window_size", None)
     if window is None or config_get(vision_config, "fullatt_block_indexes", None) is None:
         return None
-    merge = int(config_get(vision_config, "spatial_merge_size", 1))
-    return int(window) // merge // as_pair(config_get(vision_config, "patch_size", None))[0]
+    merge = config_int(vision_config, "spatial_merge_size", 1, where="vision_config.")
+    window = config_int(vision_config, "window_size", where="vision_config.")
+    return window // merge // as_pair(config_get(vision_config, "patch_size", None))[0]
 
 
 def grid_rows(grid_thw) -> np.ndarray:
@@ -77,6 +82,10 @@ def grid_rows(grid_thw) -> np.ndarray:
         raise ValueError(f"grid_thw must hold rows of 3 (t, h, w), got shape {grid.shape}")
     rows = grid.reshape(-1, 3)
     hint = " (patches along t, h, w of an image or video)"
+    if isinstance(grid_thw, (list, tuple)) and rows.dtype.kind in "iu":  # bools in a list read as 0 / 1
+        for (i, j), value in np.ndenumerate(np.asarray(grid_thw, dtype=object).reshape(-1, 3)):
+            if isinstance(value, bool):
+                check_int(value, f"grid_thw[{i}, {j}]", 0, hint=hint)
     if rows.dtype.kind not in "iu":  # floats, bools, objects: each entry by the rule
         for (i, j), value in np.ndenumerate(rows):
             check_int(value.item() if isinstance(value, np.generic) else value, f"grid_thw[{i}, {j}]", 0, hint=hint)
@@ -102,7 +111,7 @@ def vision_seqlen_stats(grid_thw, vision_config=None) -> VisionStats:
     grid = grid_rows(grid_thw)
     patches = full = window = 0
     side = window_patches(vision_config) if vision_config is not None else None
-    merge = int(config_get(vision_config, "spatial_merge_size", 1)) if vision_config is not None else 1
+    merge = config_int(vision_config, "spatial_merge_size", 1, where="vision_config.") if vision_config is not None else 1
     for t, h, w in grid.tolist():
         patches += t * h * w
         full += t * (h * w) ** 2

@@ -17,20 +17,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_int, integer_array
 from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 
 def check_cp_args(cp_size, cp_rank) -> None:
     """``ValueError`` unless ``cp_size >= 1`` and ``0 <= cp_rank < cp_size``."""
     check_int(cp_size, "cp_size", 1)
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}")
 
 
 def _padded_lengths(cu_seqlens_padded, cp_size: int):
     """``(cu, lengths)`` as int64 (numpy for host data, torch for device tensors), validated."""
-    cu = _as_int64(cu_seqlens_padded)
+    cu = _as_int64(cu_seqlens_padded, "cu_seqlens_padded")
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens_padded must be 1-D with at least one entry, got shape {tuple(cu.shape)}")
     lengths = cu[1:] - cu[:-1]
@@ -98,13 +98,15 @@ class _ArrayOps:
         return torch.stack([a, b], 1).reshape(-1) if self.torch else np.stack([a, b], 1).reshape(-1)
 
 
-def _as_int64(cu_seqlens_padded):
-    """numpy int64 for host data (fast), torch int64 for device tensors."""
-    if isinstance(cu_seqlens_padded, torch.Tensor) and cu_seqlens_padded.device.type != "cpu":
-        return cu_seqlens_padded.to(torch.int64)
-    if isinstance(cu_seqlens_padded, torch.Tensor):
-        return cu_seqlens_padded.numpy().astype(np.int64)
-    return np.asarray(cu_seqlens_padded, dtype=np.int64)
+def _as_int64(values, name: str):
+    """numpy int64 for host data (fast), torch int64 for device tensors; integers only
+    (:func:`thdpack.common.align.integer_array` names ``name`` otherwise)."""
+    values = integer_array(values, name)
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(torch.int64)
+    if isinstance(values, torch.Tensor):
+        return values.numpy().astype(np.int64)
+    return values.astype(np.int64, copy=False)
 
 
 def partition_indices(cu_seqlens_padded, cp_size: int, cp_rank: int):
@@ -143,7 +145,7 @@ def local_seq_lens(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int) -> t
     """
     check_cp_args(cp_size, cp_rank)
     _, lengths = _padded_lengths(cu_seqlens_padded, cp_size)
-    s = _as_int64(seq_lens)
+    s = _as_int64(seq_lens, "seq_lens")
     if isinstance(lengths, torch.Tensor):
         s = torch.as_tensor(s, device=lengths.device)
     if cp_size == 1:
