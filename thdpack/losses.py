@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from thdpack.common.align import check_number
+from thdpack.batching.batch import ThdBatch
+from thdpack.common.align import check_int, check_number, integer_array
 from thdpack.common.values import sample_ids
 
 REDUCTIONS = ("token", "sample")
@@ -57,8 +59,8 @@ def token_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK)
         positions, 0 elsewhere. Differentiable (once).
     """
     logits = _stream_logits(logits, batch)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", 1)
+    chunk_size = int(chunk_size)
     mask = batch.loss_mask.to(logits.device)
     labels = torch.where(mask, batch.labels.to(logits.device), 0)
     _check_label_range(labels, mask, logits.shape[1])
@@ -164,7 +166,9 @@ def packed_loss(
             own count (a plain mean over the batch).
         sample_targets: ``"sample"`` on a CP shard only: int ``[n]`` each sample's target
             tokens over all CP ranks (:func:`sample_target_counts` of the whole batch, or
-            the shard's all-reduced over the CP group).
+            the shard's all-reduced over the CP group); each at least the sample's targets
+            in ``batch`` (a smaller count, negative or 0 where the batch has targets, is a
+            ``ValueError`` naming the sample).
 
     Returns:
         A scalar (the logits' dtype, at least float32). A batch with nothing to score gives
@@ -205,15 +209,19 @@ def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) 
     naming the sample.
 
     Args:
-        rewards: float ``[n]`` one reward per sample (dataset row).
+        rewards: float ``[n]`` one reward per sample (dataset row): numbers (a list, numpy array or
+            tensor; strings and bools are a ``ValueError``).
         groups: int ``[n]`` group id per sample (the completions of one prompt).
+        eps: added to the spread, a finite number >= 0 (a group whose rewards are all equal has
+            advantages 0, also with ``eps=0``).
 
     Returns:
         float64 ``[n]`` advantages: carry them as a per-sample value (``sample_values=``) and
         broadcast with ``batch.token_values``.
     """
-    r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
-    g = torch.as_tensor(groups).reshape(-1)
+    check_number(eps, "eps", positive=False, what=" (added to each group's standard deviation)")
+    r = torch.as_tensor(_numbers(rewards, "rewards"), dtype=torch.float64).reshape(-1)
+    g = torch.as_tensor(integer_array(groups, "groups")).reshape(-1)
     if g.shape != r.shape or g.is_floating_point():
         raise ValueError(f"groups must be integers with one id per reward ({r.numel()}), got shape {tuple(g.shape)} "
                          f"and dtype {g.dtype}")
@@ -234,7 +242,29 @@ def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) 
     if not scale:
         return centred * top[gid]
     var = torch.zeros_like(size).index_add_(0, gid, centred * centred) / (size - 1).clamp_min(1)
-    return centred / (var.sqrt()[gid] + eps / top[gid])
+    spread = var.sqrt()[gid] + eps / top[gid]
+    return torch.where(spread > 0, centred / spread, 0.0)  # no spread (eps 0): centred is 0, not 0/0
+
+
+def _numbers(values, name: str):
+    """``values`` (a list, numpy array or tensor of real numbers) as a numpy array or tensor; ``ValueError``
+    naming ``name`` for strings, bools, None or objects."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool or values.is_complex():
+            raise ValueError(f"{name} must be real numbers, got a {values.dtype} tensor")
+        return values
+    if isinstance(values, (str, bytes, dict)) or values is None:
+        got = "None" if values is None else type(values).__name__
+        raise TypeError(f"{name} must be numbers (a list, numpy array or tensor), got {got}")
+    try:
+        arr = np.asarray(values)
+    except ValueError:
+        raise ValueError(f"{name} must be a flat sequence of numbers, got ragged rows") from None
+    if arr.size and arr.dtype.kind not in "iuf":
+        first = next((v for v in arr.reshape(-1).tolist() if isinstance(v, bool) or not isinstance(v, (int, float))),
+                     arr.reshape(-1)[0])
+        raise ValueError(f"{name} must be real numbers, got {first!r} (dtype {arr.dtype})")
+    return arr.astype(np.float64)
 
 
 def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, reduction: str = "token",
@@ -249,9 +279,17 @@ def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, 
         logits, batch, reduction, num_items, sample_targets, chunk_size: as in :func:`packed_loss`.
         advantages: float ``[T]`` per token (e.g. ``batch.token_values("advantage")``).
         old_logps: float ``[T]`` :func:`token_logps` of the policy that sampled the data, or None.
-        clip: PPO's ε.
+        clip: PPO's ε, a finite number >= 0.
     """
+    check_number(clip, "clip", positive=False, what=" (PPO's ε, e.g. 0.2)")
     logps = token_logps(logits, batch, chunk_size=chunk_size)
+    for name, value in (("advantages", advantages), ("old_logps", old_logps)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a float tensor [T] (batch.token_values(name) of a per-sample value), "
+                            f"got {type(value).__name__}")
+    if old_logps is not None and old_logps.shape != logps.shape:
+        raise ValueError(f"old_logps have shape {tuple(old_logps.shape)}; expected [T] = [{logps.shape[0]}] "
+                         "(token_logps of the sampling policy on this batch)")
     if advantages.shape != logps.shape:
         raise ValueError(f"advantages have shape {tuple(advantages.shape)}; expected [T] = [{logps.shape[0]}] "
                          "(batch.token_values(name) of a per-sample advantage)")
@@ -276,11 +314,20 @@ def _sample_counts(batch, sample_targets) -> torch.Tensor:
                 "over all CP ranks (sample_target_counts(batch) of the whole batch, or the shard's all-reduced)"
             )
         return sample_target_counts(batch)
-    counts = torch.as_tensor(sample_targets)
-    if counts.shape != (batch.num_samples,) or counts.is_floating_point():
+    counts = torch.as_tensor(integer_array(sample_targets, "sample_targets", " (one per sample of the pack)"))
+    if counts.shape != (batch.num_samples,):
         raise ValueError(
             f"sample_targets must be integers of shape [{batch.num_samples}] (one per sample of the pack), "
-            f"got shape {tuple(counts.shape)} and dtype {counts.dtype}"
+            f"got shape {tuple(counts.shape)}"
+        )
+    here = sample_target_counts(batch).to(counts.device)
+    short = torch.nonzero(counts < here)
+    if short.numel():
+        i = int(short[0, 0])
+        raise ValueError(
+            f"sample_targets[{i}] is {int(counts[i])}, but sample {i} has {int(here[i])} target tokens in this batch; "
+            "pass each sample's target count over all CP ranks (sample_target_counts of the whole batch, or the "
+            "shard's all-reduced over the CP group)"
         )
     return counts
 
@@ -302,6 +349,18 @@ def _checked_num_items(num_items):
     return num_items
 
 
+def _check_logps(name: str, value, batch) -> None:
+    """``value`` is a float tensor ``[n]``, one per sample of ``batch``; ``TypeError`` / ``ValueError``
+    naming ``name`` otherwise."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float tensor [n] (sequence_logps of this batch), got {type(value).__name__}")
+    if value.shape != (batch.num_samples,):
+        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected [{batch.num_samples}] (sequence_logps "
+                         "of this batch: one sum per sample)")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} has dtype {value.dtype}; expected a float tensor (sequence_logps of this batch)")
+
+
 def _checked_beta(beta) -> float:
     """DPO's temperature: a positive finite number (a Python or numpy float or int, not a bool or a string)."""
     check_number(beta, "beta", positive=True, what=" (the DPO temperature, e.g. 0.1)")
@@ -316,8 +375,9 @@ def pair_groups(num_rows: int):
     it (row ``2k`` the chosen, row ``2k+1`` the rejected sequence of pair ``k``): pass them as
     ``plan_packs(..., groups=...)`` / ``TokenBudgetBatchSampler(groups=...)`` so that both
     sequences of a pair share a pack."""
-    import numpy as np
-
+    check_int(num_rows, "num_rows", 0)
+    if num_rows % 2:
+        raise ValueError(f"num_rows must be even (a chosen and a rejected row per pair), got {num_rows}")
     return np.arange(num_rows, dtype=np.int64) // 2
 
 
@@ -347,11 +407,10 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, b
         A scalar: the sum of the pack's pair losses / ``num_items``.
     """
     beta = _checked_beta(beta)
+    check_batch(batch)
     chosen, rejected = _pair_positions(batch)
-    for name, value in (("policy_logps", policy_logps), ("reference_logps", reference_logps)):
-        if value.shape != (batch.num_samples,):
-            raise ValueError(f"{name} has shape {tuple(value.shape)}; expected [{batch.num_samples}] (sequence_logps "
-                             "of this batch: one sum per sample)")
+    _check_logps("policy_logps", policy_logps, batch)
+    _check_logps("reference_logps", reference_logps, batch)
     margin = (policy_logps[chosen] - reference_logps[chosen]) - (policy_logps[rejected] - reference_logps[rejected])
     losses = -torch.nn.functional.logsigmoid(beta * margin)
     return losses.sum() / (len(chosen) if num_items is None else _checked_num_items(num_items))
@@ -382,6 +441,12 @@ def count_items(batches, reduction: str = "token") -> int:
     """The ``num_items`` of ``reduction`` over ``batches`` (one rank's micro-batches of a step,
     whole batches, not CP shards): target tokens, or samples with at least one target."""
     _check_reduction(reduction)
+    if isinstance(batches, ThdBatch):
+        raise TypeError("count_items takes a list of batches (one rank's micro-batches of a step), got one ThdBatch: "
+                        "pass [batch]")
+    batches = list(batches)
+    for k, b in enumerate(batches):
+        check_batch(b, f"batches[{k}]")
     if reduction == "token":
         return sum(b.num_targets for b in batches)
     return sum(int((sample_target_counts(b) > 0).sum()) for b in batches)
@@ -392,6 +457,8 @@ def all_reduce_items(count, group=None) -> int:
     ``count`` itself when torch.distributed is not initialised. Call it on every rank."""
     import torch.distributed as dist
 
+    if not isinstance(count, torch.Tensor):
+        check_int(count, "count", 0)
     if not (dist.is_available() and dist.is_initialized()):
         return int(count)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
@@ -405,8 +472,21 @@ def all_reduce_items(count, group=None) -> int:
 # --------------------------------------------------------------------------- checks
 
 
+def check_batch(batch, name: str = "batch") -> None:
+    """``TypeError`` unless ``batch`` is a :class:`~thdpack.ThdBatch` (or a CP shard of one)."""
+    if not isinstance(batch, ThdBatch):
+        raise TypeError(f"{name} must be a thdpack.ThdBatch (build_thd_batch, ThdCollator), got {type(batch).__name__}")
+
+
 def _stream_logits(logits: torch.Tensor, batch) -> torch.Tensor:
-    """``logits`` as ``[T, V]``; ``ValueError`` unless they fit ``batch``."""
+    """``logits`` as ``[T, V]``; ``TypeError`` / ``ValueError`` unless they are a tensor with data that fits
+    ``batch``."""
+    check_batch(batch)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a float tensor [T, V] or [1, T, V] (the model's output), got "
+                        f"{type(logits).__name__}")
+    if logits.is_meta:
+        raise ValueError("logits are on the meta device (no data); pass the model's logits computed on a real device")
     T = batch.num_padded_tokens
     if logits.dim() == 3 and logits.shape[0] == 1:
         logits = logits[0]
