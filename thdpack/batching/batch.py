@@ -278,6 +278,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     ``vision_token_positions``, ``image_embed_index`` and ``video_embed_index``
     (:func:`thdpack.parallel.cp.vision_shard_extras`).
     """
+    if not isinstance(batch, ThdBatch):
+        raise TypeError(f"shard_for_cp takes a thdpack.ThdBatch (build_thd_batch, ThdCollator), got "
+                        f"{type(batch).__name__}; for raw offsets use thdpack.thd_partition_indices")
     check_cp_args(cp_size, cp_rank)
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")

@@ -11,7 +11,7 @@ every token but the first is a target (its own id is the label).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from thdpack.common.align import round_up
 from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
 from thdpack.common.extensions import vision
 from thdpack.batching.layout import BatchLayout, layout_from
-from thdpack.common.samples import SampleError, get_field, same_length, to_int_array
+from thdpack.common.samples import SampleError, get_field, same_length, sample_list, to_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -43,9 +43,12 @@ def build_thd_batch(
             ``loss_mask`` (``[s]``, 1 = the token is a target). With both, a token is a
             target only where both say so (the labels' ``ignore_index`` or a mask 0
             excludes it). Without either, every token but the first is a target.
-            Lists, numpy arrays, integer torch tensors and Arrow values are accepted;
-            anything else (floats, None, values beyond int64, meta tensors) is a
-            ``ValueError`` naming the sample and field.
+            Lists, numpy arrays (object arrays of Python ints too), integer torch tensors
+            and Arrow values are accepted; anything else (floats, None, bools in
+            ``input_ids`` / ``labels``, values beyond int64, meta tensors) is a
+            ``ValueError`` naming the sample and field. ``samples`` itself must be a list
+            (any iterable) of them: one mapping is a ``ValueError``, None, a number or a
+            string a ``TypeError``.
         layout, **layout_keywords: how the samples are padded and aligned and which CP
             rank's shard is built: a :class:`thdpack.batching.layout.BatchLayout`, or its fields as
             keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
@@ -58,7 +61,8 @@ def build_thd_batch(
             inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
         sample_values: names of per-sample fields (a number or vector per sample: weights,
             rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
-            :mod:`thdpack.common.values`).
+            :mod:`thdpack.common.values`); a NaN or infinite value is a ``ValueError``
+            naming the sample and field.
 
     Returns:
         A :class:`ThdBatch` on the CPU.
@@ -72,9 +76,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
                 sample_values=None, stacklevel: int = 3) -> ThdBatch:
     """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
     batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
-    if isinstance(samples, Mapping):
-        raise ValueError("build_thd_batch expects a sequence of samples, got a single mapping")
-    samples = list(samples)
+    samples = sample_list(samples, "build_thd_batch")
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
     multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from thdpack.common.align import check_int, check_positive_int, resolve_pad_multiple
 from thdpack.parallel.cp import check_cp_args
 from thdpack.common.samples import IGNORE_INDEX
@@ -61,8 +59,10 @@ class BatchLayout:
             if self.max_length < multiple:
                 raise ValueError(f"max_length={self.max_length} is smaller than the pad multiple {multiple}; nothing fits")
         pad_to = self.pad_to
-        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to % multiple):
-            raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
+        if pad_to is not None:
+            check_int(pad_to, "pad_to", 1, hint=f" (a multiple of the pad multiple {multiple})")
+            if pad_to % multiple:
+                raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
         if self.cp_rank is not None:
             check_cp_args(self.cp_size, self.cp_rank)
 

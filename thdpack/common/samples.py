@@ -69,10 +69,14 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
             if kind == "u":
                 return _within_int64(arr, sample=sample, field=field)
     if type(value) is list and value:
+        if not allow_bool and (type(value[0]) is bool or type(value[-1]) is bool):  # O(1): a list of bools
+            raise _bool_values(sample, field)
         try:
             return np.frombuffer(array.array("q", value), dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             pass  # not all ints: the checked path below gives the error message
+    if isinstance(value, np.ndarray) and value.dtype == object:  # Python objects: read as a list of them
+        value = value.tolist()
     arr = _as_numpy(value, sample=sample, field=field)
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
@@ -81,12 +85,20 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
     if arr.dtype.kind not in ("iub" if allow_bool else "iu"):
         if arr.size == 0:
             return arr.astype(np.int64)
+        if arr.dtype.kind == "b":
+            raise _bool_values(sample, field)
         raise SampleError.at(
             sample, f": field '{field}' must hold integers, got dtype {arr.dtype}"
             + (f" (first value {arr[0].item()!r})" if arr.size else ""),
             field=field,
         )
     return _within_int64(arr, sample=sample, field=field)
+
+
+def _bool_values(sample: int, field: str) -> SampleError:
+    detail = (f": field '{field}' holds bools; token ids and labels are integers (a bool mask belongs in "
+              "'loss_mask'), so convert them (e.g. .long()) if they really are ids 0 and 1")
+    return SampleError.at(sample, detail, field=field)
 
 
 def _within_int64(arr: np.ndarray, *, sample: int, field: str) -> np.ndarray:
@@ -173,6 +185,22 @@ def _torch_to_numpy(value, *, sample: int, field: str) -> np.ndarray:
             field=field,
         )
     return value.detach().cpu().numpy()
+
+
+def check_sample_stream(samples, owner: str) -> None:
+    """``samples`` must be an iterable of samples: ``ValueError`` for one mapping (a sample, not a list
+    of them), ``TypeError`` naming ``owner`` for None, a number, a string or anything not iterable."""
+    if isinstance(samples, Mapping):
+        raise ValueError(f"{owner} expects a sequence of samples, got a single mapping; pass [sample]")
+    if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
+        raise TypeError(f"{owner} takes a list of samples (mappings with 'input_ids'), got "
+                        f"{'None' if samples is None else type(samples).__name__}")
+
+
+def sample_list(samples, owner: str) -> list:
+    """``samples`` (an iterable of samples) as a list, checked by :func:`check_sample_stream`."""
+    check_sample_stream(samples, owner)
+    return samples if type(samples) is list else list(samples)
 
 
 def get_field(sample, field: str, index: int, *, required: bool = False):

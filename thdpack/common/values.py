@@ -24,7 +24,8 @@ def read_sample_values(samples: Sequence, names: Sequence[str]) -> dict[str, tor
 
     A field holds one number per sample (int64 if every value is an integer, else float64) or a
     vector of the same length ``k`` for every sample. ``SampleError`` names the sample and the
-    field that is missing, not numeric or of another length.
+    field that is missing, not numeric, not finite (NaN or ±inf: it would reach the loss as NaN)
+    or of another length. Bools count as the integers 0 and 1.
     """
     if isinstance(names, str):
         names = (names,)
@@ -45,6 +46,11 @@ def _read_one(samples: Sequence, name: str) -> torch.Tensor:
             raise SampleError.at(
                 i, f": '{name}' is {value!r}; a per-sample value is a number or a 1-D vector of numbers",
                 field=name,
+            )
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise SampleError.at(
+                i, f": '{name}' is {value!r}; a per-sample value must be finite (a NaN or infinite reward reaches "
+                "the loss as NaN): drop the sample or replace the value", field=name,
             )
         if rows and arr.shape != rows[0].shape:
             raise SampleError.at(i, f": '{name}' has shape {arr.shape}, sample 0's has {rows[0].shape}; give every "

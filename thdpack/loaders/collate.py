@@ -18,7 +18,7 @@ from thdpack.common.extensions import vision as vision_extension
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
-from thdpack.common.samples import SampleError, get_field, to_int_array
+from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 
 
 class PackedBatches(list):
@@ -146,10 +146,8 @@ class ThdCollator:
         return self.layout.multiple
 
     def __call__(self, samples: Sequence) -> ThdBatch | PackedBatches:
-        source = None
-        if not isinstance(samples, Mapping):  # one mapping instead of a list: refused below, as before
-            samples = list(samples)
-            source = source_index(samples)
+        samples = sample_list(samples, "ThdCollator")
+        source = source_index(samples)
         if self.options is None:
             return build_batch(samples, self.layout, sample_index=source, **self.build_kwargs)
         samples = list(samples)

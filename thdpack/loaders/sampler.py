@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from thdpack.common.align import check_int, check_positive_int
+from thdpack.common.align import check_int, check_positive_int, integer_array
 from thdpack.planning.balance import CostModel, plan_balanced
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.plan import PackPlan, plan_packs, validate_lengths
@@ -117,15 +117,18 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             )
         self.lengths = validate_lengths(lengths)
         with_vision = self.options.vision_budget is not None  # vision_lengths alone are not planned with
-        self.vision_lengths = np.asarray(vision_lengths, dtype=np.int64) if with_vision else None
+        self.vision_lengths = None
+        if with_vision and vision_lengths is not None:  # integers: never rounded to them
+            self.vision_lengths = integer_array(vision_lengths, "vision_lengths").astype(np.int64)
         self.groups = None if groups is None else np.asarray(groups)  # e.g. a preference pair's rows share a pack
         self.shuffle = shuffle
         self.seed = int(self.options.seed)
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
         self.drop_last = drop_last
         self.balance = balance
+        check_positive_int(micro_batches, "micro_batches")
         self.micro_batches = micro_batches
-        self.cost = cost if isinstance(cost, CostModel) else CostModel(*cost)
+        self.cost = CostModel.of(cost)
         self.epoch = 0
         self._step = 0  # position: the next pack is step `_step` of `epoch` (== len: the epoch is used up)
         self._pass = 0  # id of the newest pass; older passes no longer move the position

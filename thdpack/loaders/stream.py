@@ -15,12 +15,12 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.common.align import check_int, round_up
+from thdpack.common.align import INT64_MAX, check_int, round_up
 from thdpack.loaders.collate import with_sample_index
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, cut_overflow
 from thdpack.loaders.sampler import check_state_dict, distributed_default
-from thdpack.common.samples import SampleError, get_field, slice_sample, to_int_array
+from thdpack.common.samples import SampleError, check_sample_stream, get_field, slice_sample, to_int_array
 
 
 @dataclass
@@ -69,7 +69,8 @@ class StreamingPacker(IterableDataset):
             defaults (a stream is packed by best fit over its open packs).
         buffer_size: most packs held open at once (memory and reordering bound).
             Larger buffers pack tighter; see ``benchmarks/balance.py``.
-        length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``).
+        length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``): an
+            integer >= 1 (a float, a negative count or None is a ``ValueError`` naming the sample).
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
 
     ``stats`` is the :class:`thdpack.PackStats` of the packs emitted so far (this
@@ -101,11 +102,14 @@ class StreamingPacker(IterableDataset):
         options: PlanOptions | None = None,
         **plan_keywords,
     ):
+        check_sample_stream(samples, "StreamingPacker")
         options = options_from("StreamingPacker", options, {"pack_size": pack_size, **plan_keywords},
                                fields=_STREAM_OPTIONS)
         options.check_unused("StreamingPacker", _NOT_STREAM_OPTIONS,
                              "a stream is packed by best fit over its open packs, without a vision budget")
         check_int(buffer_size, "buffer_size", 1)
+        if length_fn is not None and not callable(length_fn):
+            raise TypeError(f"length_fn must be a function (sample, index) -> int, got {type(length_fn).__name__}")
         self.options = options
         self.samples = samples
         self.buffer_size = buffer_size
@@ -152,6 +156,16 @@ class StreamingPacker(IterableDataset):
         return [(with_sample_index(slice_sample(sample, a, a + n, index=index), index), n)
                 for a, n in zip(cut.start.tolist(), cut.length.tolist())]
 
+    def _length(self, sample, index: int) -> int:
+        """``length_fn(sample, index)``, checked to be an integer >= 1 (a count of tokens)."""
+        length = self.length_fn(sample, index)
+        if self.length_fn is _default_length:
+            return length  # len(input_ids): 0 is an empty sample, named as such
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 1 <= length <= INT64_MAX:
+            raise SampleError.at(index, f": length_fn returned {length!r}; it must return the sample's token count, "
+                                 "an integer >= 1")
+        return int(length)
+
     def _place(self, sample, length: int) -> None:
         size = round_up(length, self.align)
         best = None
@@ -195,7 +209,7 @@ class StreamingPacker(IterableDataset):
                 break
             index = self._consumed
             if index % shares == share:
-                for piece, length in self._pieces(sample, index, self.length_fn(sample, index)):
+                for piece, length in self._pieces(sample, index, self._length(sample, index)):
                     self._place(piece, length)
             self._consumed += 1
         for pack in list(self._open):  # end of stream: flush in opening order

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from thdpack.common.align import check_positive_int, round_up
+from thdpack.common.align import check_number, check_positive_int, round_up
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
@@ -28,12 +28,28 @@ class CostModel:
     """``cost(pack) = linear · Σ sᵢ + quadratic · Σ sᵢ² + vision · Σ patchesᵢ``.
 
     ``vision`` is the cost of one ViT patch (e.g. FLOPs per patch of the vision
-    tower); it applies to plans made with a vision budget.
+    tower); it applies to plans made with a vision budget. Each is a finite number >= 0
+    (``ValueError`` naming it otherwise: a negative or NaN cost would deal packs by nonsense).
     """
 
     linear: float = 1.0
     quadratic: float = 0.0
     vision: float = 0.0
+
+    def __post_init__(self):
+        for name in ("linear", "quadratic", "vision"):
+            check_number(getattr(self, name), f"CostModel.{name}", positive=False,
+                         what=" (the cost of a token, of a unit of Σ sᵢ², of a vision patch)")
+
+    @classmethod
+    def of(cls, cost) -> "CostModel":
+        """``cost`` as a :class:`CostModel`: one already, or ``(linear, quadratic[, vision])``;
+        ``TypeError`` naming ``cost`` otherwise."""
+        if isinstance(cost, CostModel):
+            return cost
+        if isinstance(cost, (tuple, list)) and 1 <= len(cost) <= 3:
+            return cls(*cost)
+        raise TypeError(f"cost must be a CostModel or (linear, quadratic), got {cost!r}")
 
     @classmethod
     def from_config(cls, config) -> "CostModel":
@@ -144,8 +160,7 @@ def plan_balanced(
     check_positive_int(num_replicas, "num_replicas")
     check_positive_int(micro_batches, "micro_batches")
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
-    if not isinstance(cost, CostModel):
-        cost = CostModel(*cost)
+    cost = CostModel.of(cost)
     options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
     if groups is not None:
         split = _split_groups(lengths, groups, vision_lengths, options)

@@ -172,12 +172,15 @@ def group_key(v, name: str) -> str:
 
 def sample_value(v, name: str) -> tuple[float, bool]:
     """``(number, is_integer)`` of a row's value ``v`` of column ``name`` (``sample_values:``).
-    ValueError naming the column for a missing, boolean or non-numeric value."""
+    ValueError naming the column for a missing, boolean, non-numeric or non-finite (NaN, ±inf) value."""
     if v is None:
         raise ValueError(f"no '{name}' value; every row needs one when sample_values names it")
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise ValueError(f"'{name}' is {brief(v)}; a per-sample value of an offline build is one number "
                          "(write vectors as several columns)")
+    if isinstance(v, (float, np.floating)) and not np.isfinite(v):
+        raise ValueError(f"'{name}' is {float(v)}; a per-sample value must be finite (a NaN or infinite reward "
+                         "reaches the loss as NaN): drop the row or fill the value")
     return float(v), isinstance(v, (int, np.integer))
 
 
