@@ -66,7 +66,8 @@ def test_a_build_resolves_each_option_once(tmp_path, monkeypatch):
 
 
 def test_stage_options_pickle_and_unpickle_equal(tmp_path):
-    stages = BuildStages.from_config(_config(tmp_path).override(model_config={"model_type": "llama"}))
+    model = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}
+    stages = BuildStages.from_config(_config(tmp_path).override(model_config=model))
     for f in dataclasses.fields(stages):
         opts = getattr(stages, f.name)
         assert not isinstance(opts, BuildConfig)

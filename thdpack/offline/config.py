@@ -208,12 +208,21 @@ class BuildConfig:
         except ImportError:
             raise ConfigError("reading a YAML config needs pyyaml: pip install pyyaml (or 'thdpack[hf]')") from None
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; give the YAML file in it")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                              "save the config as UTF-8") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path} ({exc.strerror or exc})") from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+            raise ConfigError(yaml_error_line(path, exc)) from None
         return cls.from_dict(data, base_dir=path.resolve().parent, origin=str(path))
 
     def override(self, **changes) -> "BuildConfig":

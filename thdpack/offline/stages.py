@@ -307,6 +307,8 @@ class BuildStages:
 def read_chat_template(base_dir: Path, given: str) -> str:
     """The text of the chat template file ``given`` (relative to ``base_dir``), checked to be Jinja."""
     path = resolve_path(base_dir, given)
+    if path.is_dir():
+        raise ConfigError(f"chat_template {given!r}: {path} is a directory; give the template file")
     if not path.is_file():
         raise ConfigError(f"chat_template {given!r}: no such file ({path})")
     try:

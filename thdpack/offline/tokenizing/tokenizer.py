@@ -11,6 +11,7 @@ about it, and whether its tiktoken form (:mod:`thdpack.offline.tokenizing.tiktok
 
 from __future__ import annotations
 
+import os
 import re
 
 from thdpack.offline.errors import ConfigError, InputError
@@ -24,7 +25,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def load_tokenizer(opts: TokenizeOptions):
     """``AutoTokenizer`` for ``opts.tokenizer``, from a local directory or the local HF cache only, with
-    ``opts.chat_template_text`` as its chat template when the build gives one."""
+    ``opts.chat_template_text`` as its chat template when the build gives one. InputError naming the
+    file when a local tokenizer directory is missing or holds a damaged one (:func:`tokenizer_dir_problem`)."""
     from transformers import AutoTokenizer
 
     spec = opts.tokenizer
@@ -32,13 +34,19 @@ def load_tokenizer(opts: TokenizeOptions):
     target = str(local) if local.exists() else spec
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise InputError(f"tokenizer {spec!r}: no such directory ({local})")
+    if local.exists() and not local.is_dir():
+        raise InputError(f"tokenizer {spec!r}: {local} is a file; give the directory holding {TOKENIZER_FILE} "
+                         f"and tokenizer_config.json{f' ({local.parent})' if local.name == TOKENIZER_FILE else ''}")
     try:
         tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a damaged file
+        if local.exists():
+            problem = tokenizer_dir_problem(local) or " ".join(str(exc).split())[:300]
+            raise InputError(f"tokenizer {spec!r}: cannot load {local}: {problem}") from None
+        if not isinstance(exc, (OSError, ValueError)):
+            raise
         from huggingface_hub.constants import HF_HUB_CACHE
 
-        if local.exists():
-            raise InputError(f"tokenizer {spec!r}: cannot load {local} ({exc})") from None
         raise InputError(
             f"tokenizer {spec!r} was not found offline: it is not a local directory "
             f"(relative paths in a config file are relative to the file) and not in the Hugging Face "
@@ -47,7 +55,45 @@ def load_tokenizer(opts: TokenizeOptions):
         ) from None
     if opts.chat_template_text is not None:
         tok.chat_template = opts.chat_template_text
+    # packs are planned from the full length; transformers' "longer than the maximum sequence length" warning
+    # (a second line on a build that stops for a long row) does not apply
+    getattr(tok, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
+
+
+TOKENIZER_FILE = "tokenizer.json"
+_JSON_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_SLOW_VOCABS = (("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",), ("spiece.model",))
+
+
+def tokenizer_dir_problem(path) -> str | None:
+    """What is wrong with tokenizer directory ``path``, for a message (None when nothing is found):
+    a tokenizer file that cannot be read, is empty or is not valid JSON (truncated, damaged), or no
+    ``tokenizer.json`` (nor a slow tokenizer's vocabulary files) at all. Called only once loading failed."""
+    import json
+
+    for name in _JSON_FILES:
+        f = path / name
+        if not os.path.lexists(f):
+            continue
+        try:
+            data = f.read_bytes()
+        except OSError as exc:
+            return f"cannot read {name} ({exc.strerror or exc})"
+        if not data.strip():
+            return f"{name} is empty; copy the tokenizer files again"
+        try:
+            json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return f"{name} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): damaged; copy it again"
+        except (json.JSONDecodeError, RecursionError) as exc:
+            return f"{name} is not valid JSON ({getattr(exc, 'msg', exc)} at line {getattr(exc, 'lineno', '?')}" \
+                   f" column {getattr(exc, 'colno', '?')}): truncated or damaged; copy it again"
+    if not (path / TOKENIZER_FILE).exists() and not any(all((path / n).exists() for n in v) for v in _SLOW_VOCABS):
+        held = sorted(p.name for p in path.iterdir())[:8] if path.is_dir() else []
+        return (f"no {TOKENIZER_FILE} (the directory holds {', '.join(held) if held else 'nothing'}); a tokenizer "
+                f"directory needs {TOKENIZER_FILE} and tokenizer_config.json, as save_pretrained writes them")
+    return None
 
 
 def tokenizer_info(tok, spec: str) -> dict:
