@@ -261,6 +261,8 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
     longer holds. ``table``: the tokenized rows."""
     planning, sequences = planner.planning, planner.sequences
     plan = planner.plan(sample_rows)
+    if plan.stats.samples_dropped and plan.stats.samples_dropped == sample_rows.size:
+        _all_dropped(planning, source, sequences, sample_rows)
     piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, planning.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
@@ -277,6 +279,19 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
         plan = planner.plan(sample_rows)
         piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
     return plan, sample_rows, piece_targets, without
+
+
+def _all_dropped(planning: PlanningOptions, source: Source, sequences: _Sequences, sample_rows: np.ndarray) -> None:
+    """InputError for a plan that ``overflow: drop`` left empty: every sample is longer than a pack
+    (as a build whose samples all lack targets stops, rather than writing a dataset of no packs)."""
+    opts = planning.plan
+    longest = int(sample_rows[np.argmax(sequences.lengths[sample_rows])])
+    raise InputError(
+        f"every row is longer than pack_size={opts.pack_size}"
+        + (f" allows at align {opts.align} ({opts.usable_length})" if opts.usable_length != opts.pack_size else "")
+        + f", so overflow=drop dropped all {sample_rows.size} (the longest: {source.where(int(sequences.row[longest]))}, "
+        f"{int(sequences.lengths[longest])} tokens): use a larger pack_size, or overflow: truncate or split"
+    )
 
 
 def _log_plan(planning: PlanningOptions, plan: PackPlan, without: "WithoutTargets", seconds: float) -> None:

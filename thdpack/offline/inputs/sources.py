@@ -159,11 +159,14 @@ def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
 
 def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
     path = opts.resolve_path(spec)
-    if any(ch in spec for ch in "*?["):
-        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+    if any(ch in spec for ch in "*?[") and not path.exists():  # a pattern (a path that exists is taken as named)
+        given = Path(spec).expanduser()
+        pattern = str(given) if given.is_absolute() else os.path.join(glob.escape(str(opts.base_dir)), str(given))
+        found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
         found = [p for p in found if p.is_file() and _supported(p)]
         if not found:
             raise InputError(f"input pattern {spec!r} matches no .jsonl/.json/.parquet/.arrow file")
+        _refuse_packed(spec, found, _glob_root(given, opts), opts, pattern=True)
         return [(_display(spec, p, opts), p) for p in found]
     if not path.exists():
         raise InputError(f"input {spec!r} does not exist (looked at {path})")
@@ -171,12 +174,67 @@ def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
         if _is_saved_dataset(path):
             return [(spec, path)]
         found = sorted(p for p in path.rglob("*") if p.is_file() and _supported(p))
+        _refuse_packed(spec, found, path, opts)
         if not found:
             raise InputError(f"input directory {spec!r} has no .jsonl/.json/.parquet/.arrow file and is not a save_to_disk dataset")
         return [(_display(spec, p, opts), p) for p in found]
     if not _supported(path):
         raise InputError(f"input {spec!r}: unsupported file type; expected {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)}")
     return [(spec, path)]
+
+
+def _glob_root(given: Path, opts: InputOptions) -> Path:
+    """The directory a pattern's matches are under: its leading components without ``*?[``."""
+    parts = []
+    for part in given.parts[:-1]:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return opts.resolve_path(str(Path(*parts))) if parts else opts.base_dir
+
+
+def _refuse_packed(spec: str, found: list[Path], root: Path, opts: InputOptions, pattern: bool = False) -> None:
+    """InputError when a file of ``found`` (under directory ``root``) lies in a packed dataset (a
+    directory with a thdpack ``metadata.json``, e.g. an earlier build's output inside the input
+    directory): its data files, tokenizer and metadata are not rows."""
+    from thdpack.offline.store.format import FORMAT_NAME, METADATA_FILE
+
+    seen: dict[Path, bool] = {}
+
+    def packed(d: Path) -> bool:
+        if d not in seen:
+            try:
+                seen[d] = json.loads((d / METADATA_FILE).read_bytes()).get("format") == FORMAT_NAME
+            except (OSError, ValueError, AttributeError, RecursionError):
+                seen[d] = False
+        return seen[d]
+
+    for p in found:
+        for d in p.parents:
+            if packed(d):
+                _packed_found(spec, d, root, [f for f in found if d not in f.parents], opts, pattern)
+            if d == root or root not in d.parents:
+                break
+
+
+def _packed_found(spec: str, d: Path, root: Path, rows: list[Path], opts: InputOptions, pattern: bool):
+    """Raise the InputError of :func:`_refuse_packed` for packed dataset ``d`` (``rows``: the files found outside it)."""
+    name = _display(spec, d, opts)
+    example = f" (e.g. {str(Path(spec) / ('*' + _suffix(rows[0])))!r})" if rows and not pattern else ""
+    if d == root and not pattern:
+        raise InputError(f"input {spec!r} is a packed dataset (thdpack build's output), not rows: give the files it "
+                         "was built from (thdpack stats and inspect read packed datasets)")
+    raise InputError(
+        f"input {'pattern' if pattern else 'directory'} {spec!r} {'matches the files of' if pattern else 'holds'} a "
+        f"packed dataset, {name} (an earlier thdpack build's output), whose files are not rows: "
+        f"{'narrow the pattern to' if pattern else 'point the input at'} the row files{example} or move the "
+        "packed output out of the input directory")
+
+
+def _suffix(p: Path) -> str:
+    """The supported suffix of input file ``p`` (``.jsonl``, ``.jsonl.gz``, ``.parquet``, ...)."""
+    name = p.name.lower()
+    return next(s for s in sorted(JSON_SUFFIXES + TABLE_SUFFIXES, key=len, reverse=True) if name.endswith(s))
 
 
 def _display(spec: str, p: Path, opts: InputOptions) -> str:
@@ -231,12 +289,15 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
         except (OSError, EOFError) as exc:
             raise InputError(f"{given}: not a valid gzip file ({exc})") from None
     start = raw[: 1 << 16]  # the first non-blank byte, without copying the whole file
+    check_utf8_start(given, start)
     head = start.lstrip()[:1] if start.strip() else bytes(raw).lstrip()[:1]
     if head == b"[":  # a JSON array of objects
         try:
             rows = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InputError(f"{given}: invalid JSON ({exc})") from None
+        except RecursionError:
+            raise InputError(f"{given}: invalid JSON ({NESTED_TOO_DEEP})") from None
         if limit is not None:
             rows = rows[:limit]
         lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
@@ -252,6 +313,37 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
     lines = [parts[i] for i in keep]
     table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
     return table, SourceFile(given, "jsonl", len(lines), sha, np.asarray(keep, dtype=np.int64) + 1)
+
+
+NESTED_TOO_DEEP = "nested deeper than the JSON parser's recursion limit"
+# byte order marks, longest first (UTF-32 LE starts with UTF-16 LE's)
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def check_utf8_start(given: str, start: bytes) -> None:
+    """InputError naming the encoding when ``start`` (the first 64 KiB of JSON file ``given``) is not
+    UTF-8: a UTF-16 / UTF-32 byte order mark, NUL bytes among the first four (JSON text starts with an
+    ASCII character, so they give the code unit's width, as RFC 4627 detects it), or a byte that is not
+    UTF-8 (Latin-1, cp1252, ...: the first one's offset and line). Only the first bytes are looked at;
+    a later bad byte is a row error (its line's)."""
+    start = bytes(start)
+    head = start[:4]
+    name = next((n for bom, n in _BOMS if head.startswith(bom)), None)
+    why = "it starts with a byte order mark"
+    if name is None and len(head) >= 2 and b"\x00" in head:
+        name = ("UTF-32" if b"\x00\x00\x00" in head else "UTF-16") + ("LE" if head[0] else "BE")
+        why = "NUL bytes between its first characters"
+    if name is not None:
+        raise InputError(f"{given} is {name} ({why}): convert it to UTF-8, e.g. iconv -f {name} -t UTF-8")
+    try:
+        start.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data" and exc.start >= len(start) - 3 and len(start) == 1 << 16:
+            return  # a character cut by the 64 KiB boundary
+        line = start.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{given}:{line}: not UTF-8: byte {start[exc.start]:#04x} at offset {exc.start} (Latin-1 or "
+                         "another 8-bit encoding?); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
 
 
 def _read_parquet(given: str, path: Path, limit: int | None):
@@ -326,13 +418,28 @@ def _read_demo(demo: dict, opts: InputOptions) -> Source:
     return Source(ds, [SourceFile(f"demo({desc})", "demo", len(rows), sha)], list(ds.column_names))
 
 
+def json_fields(source: Source, rows: int = 100) -> list[str]:
+    """The keys of the first ``rows`` JSON objects of ``source`` together, in the order first seen
+    (a field absent from all of them is taken as missing from the input, not from each row)."""
+    col = source.dataset.data.column(JSON_COLUMN)
+    seen: dict[str, None] = {}
+    for i in range(min(len(source.dataset), rows)):
+        try:
+            obj = json.loads(col[i].as_py())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            seen.update(dict.fromkeys(obj))
+    return list(seen)
+
+
 def _json_columns(files: list[SourceFile], ds) -> list[str]:
     """Keys of the first parseable JSON object (to pick a format); [] if none parse."""
     col = ds.data.column(JSON_COLUMN)
     for i in range(min(len(ds), 100)):
         try:
             obj = json.loads(col[i].as_py())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             continue
         if isinstance(obj, dict):
             return list(obj)

@@ -91,7 +91,8 @@ def start_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE) 
         raise output_error(exc, output) from exc
     try:
         _check_output(output, overwrite, marker)
-        stale = sorted(output.parent.glob(f".{output.name}.tmp-*"))
+        # listed, not globbed: the output's name may hold * ? [
+        stale = sorted(p for p in output.parent.iterdir() if p.name.startswith(f".{output.name}.tmp-"))
         if stale:
             logger.info(f"note: {len(stale)} leftover temporary dir(s) of interrupted builds next to the output "
                 f"(e.g. {stale[0]}); they are not datasets and can be deleted")

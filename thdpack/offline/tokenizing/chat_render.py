@@ -73,3 +73,25 @@ def _render_fast(tok, conversations, add_generation_prompt, tools=None):
 def _render_slow(tok, conversations, add_generation_prompt, tools=None):
     return [tok.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
             for c in conversations]
+
+
+# ---------------------------------------------------------------------------- roles the template drops
+
+_ROLE_PROBE = "thdpack role probe 7f3a"
+
+
+def role_renders(tok, role: str) -> bool:
+    """Whether ``tok``'s chat template renders a message of ``role`` at all (a template that knows a
+    fixed set of roles, like Qwen3's, prints nothing for another, e.g. ``wizard``: the message would
+    vanish from the packs). A role the template's text names is taken as rendered; another is probed
+    once with a conversation holding a message of it between a user and an assistant message. A probe
+    the template refuses decides nothing (True): the row's own render then fails or not by itself."""
+    template = getattr(tok, "chat_template", None)
+    if f"'{role}'" in str(template) or f'"{role}"' in str(template):
+        return True
+    probe = [{"role": "user", "content": "hello"}, {"role": role, "content": _ROLE_PROBE},
+             {"role": "assistant", "content": "hello"}]
+    try:
+        return _ROLE_PROBE in tok.apply_chat_template(probe, tokenize=False)
+    except Exception:  # noqa: BLE001 - the template's own refusal of the role
+        return True

@@ -22,6 +22,7 @@ header through its end-of-turn token (:mod:`thdpack.offline.tokenizing.chat_span
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -30,12 +31,12 @@ from thdpack.offline.tokenizing.chat_spans import (TemplateNotSupported, assista
                                         with_sentinels)
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.stages import TokenizeOptions
-from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats
+from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats, role_renders
 from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
 from thdpack.offline.tokenizing.row_formats import brief as _brief, encode_prompt_completion, group_key, sample_value
-from thdpack.offline.inputs.sources import JSON_COLUMN
+from thdpack.offline.inputs.sources import JSON_COLUMN, NESTED_TOO_DEEP
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
 from thdpack.offline.tokenizing.tokenizer import has_generation_markers
 from thdpack.common.samples import IGNORE_INDEX
@@ -66,6 +67,7 @@ class RowTokenizer:
         self.group_column = opts.group_column  # group_column: the rows of a group planned into one pack
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.has_generation = False
+        self.roles: dict = {}  # role -> whether the chat template renders it (role_renders), asked once each
         if self.format.chat_template:
             template = getattr(tokenizer, "chat_template", None)
             if not template:
@@ -100,7 +102,7 @@ class RowTokenizer:
                     except FastTokenizerMismatch:
                         raise
                     except Exception as exc:  # noqa: BLE001 - reported as a row error
-                        results.append(row_error(exc))
+                        results.append(surrogate_error(values[i], self.field) or row_error(exc))
             for i, res in zip(ok, results):
                 if isinstance(res, str):
                     errors[i] = res
@@ -126,7 +128,7 @@ class RowTokenizer:
             values = self._json_values(table.column(JSON_COLUMN).to_pylist(), errors)
         else:
             values = self._column_values(table)
-        messages = self._chat_messages
+        messages = self._template_messages
         for i, v in enumerate(values):
             if errors[i] is None:
                 try:  # ours: the message names the field, the turn, the message and part
@@ -143,8 +145,17 @@ class RowTokenizer:
         for i, line in enumerate(lines):
             try:
                 obj = json.loads(line.rstrip(b" \t\r\n"))  # a line's value may end in newlines (jsonl.py)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except json.JSONDecodeError as exc:
                 errors[i] = f"invalid JSON ({exc})"
+                values.append(None)
+                continue
+            except UnicodeDecodeError as exc:
+                errors[i] = (f"not UTF-8: byte {exc.object[exc.start]:#04x} at column {exc.start + 1}; convert the "
+                             "file to UTF-8")
+                values.append(None)
+                continue
+            except RecursionError:  # json's C parser stops at Python's recursion limit
+                errors[i] = f"invalid JSON ({NESTED_TOO_DEEP})"
                 values.append(None)
                 continue
             if not isinstance(obj, dict):
@@ -169,6 +180,20 @@ class RowTokenizer:
         """The messages the template renders: content parts joined into strings
         (:func:`flatten_content`); an image part is a row error in a text build."""
         return flatten_content(messages)
+
+    def _template_messages(self, messages: list) -> list:
+        """:meth:`_chat_messages`, and a ValueError (the row's error) for a message whose role the chat
+        template renders as nothing (:func:`role_renders`): it would be lost from the pack without a word."""
+        messages = self._chat_messages(messages)
+        for j, m in enumerate(messages):
+            role = m.get("role")
+            if role not in self.roles:
+                self.roles[role] = role_renders(self.tok, role)
+            if not self.roles[role]:
+                raise ValueError(f"message {j} has role {role!r}, which the chat template renders as nothing (the "
+                                 "message would be lost from the pack); use a role it renders (user, assistant, "
+                                 "system, tool) or remove the message")
+        return messages
 
     # ---- 2. encode
     def _row_tools(self, table, errors) -> list:
@@ -437,3 +462,45 @@ def row_error(exc: Exception) -> str:
     """A row's error message for an exception its tokenizing raised: the type and the first line, at most 500 characters."""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {msg}"[:500]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_error(value, field: str) -> str | None:
+    """The row error for a value holding a lone surrogate (a JSON ``"\\ud800"`` escape with no pair: a
+    Python string, but no Unicode text a tokenizer encodes), naming where in ``field`` (or in the whole
+    row, a mapping or dataclass) it is; None when there is none. Asked only of a row whose encoding failed."""
+    try:
+        found = _find_surrogate(value, [])
+    except RecursionError:
+        return None
+    if found is None:
+        return None
+    path, char = found
+    if isinstance(value, dict) or hasattr(value, "__dataclass_fields__"):  # a whole row: its first key is the field
+        field, path = path[0], path[1:]
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+    return (f"'{field}'{where} holds a lone surrogate {char!r} (an unpaired \\uD800-\\uDFFF escape): not valid "
+            "Unicode text; fix or remove it")
+
+
+def _find_surrogate(value, path: list):
+    """``(path, character)`` of the first lone surrogate in the strings of ``value`` (nested lists,
+    mappings and dataclasses; ``path``: the keys and indices down to it), or None."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return (path, m.group()) if m else None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(enumerate(value))
+    elif hasattr(value, "__dataclass_fields__"):
+        items = [(k, getattr(value, k)) for k in value.__dataclass_fields__]
+    else:
+        return None
+    for key, v in items:
+        found = _find_surrogate(v, path + [key])
+        if found is not None:
+            return found
+    return None

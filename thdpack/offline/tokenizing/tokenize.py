@@ -24,7 +24,7 @@ from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
 from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format, row_format
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
-from thdpack.offline.inputs.sources import JSON_COLUMN, Source
+from thdpack.offline.inputs.sources import JSON_COLUMN, Source, json_fields
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
 from thdpack.offline.tokenizing.tokenizer import fast_bpe, load_tokenizer, tokenizer_info
 
@@ -107,22 +107,28 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
 
 
 def _check_source_columns(opts: TokenizeOptions, source: Source, fmt: str, vlm) -> None:
-    """Refuse a row format that cannot carry images (VLM builds), and, for inputs with columns,
-    a missing column of the format, of ``sample_values`` or of ``group_column``."""
+    """Refuse a row format that cannot carry images (VLM builds), a missing column of the format (inputs
+    with columns), and a column of ``sample_values`` or ``group_column`` the input lacks (JSON rows: a field
+    none of the first rows has, named once rather than as an error of every row)."""
     row_fmt = row_format(fmt)
     if vlm is not None and row_fmt.images_refused:
         raise ConfigError(row_fmt.images_refused)
-    if not source.is_json:
-        missing = [c for c in row_fmt.fields(opts) if c not in source.columns]
+    fields = source.columns
+    if source.is_json:
+        if any(c not in fields for c in opts.extra_columns()):
+            fields = json_fields(source)
+    else:
+        missing = [c for c in row_fmt.fields(opts) if c not in fields]
         if missing:
             raise InputError(
                 f"{source.files[0].path}: no '{missing[0]}' column for format '{fmt}' (columns: {source.columns})"
             )
-        missing = [c for c in opts.extra_columns() if c not in source.columns]
-        if missing:
-            raise InputError(f"{source.files[0].path}: no '{missing[0]}' column, which "
-                             f"{'group_column' if missing[0] == opts.group_column else 'sample_values'} names "
-                             f"(columns: {source.columns})")
+    missing = [c for c in opts.extra_columns() if c not in fields]
+    if missing:
+        what = "field in its rows" if source.is_json else "column"
+        raise InputError(f"{source.files[0].path}: no '{missing[0]}' {what}, which "
+                         f"{'group_column' if missing[0] == opts.group_column else 'sample_values'} names "
+                         f"({'fields' if source.is_json else 'columns'}: {fields})")
 
 
 def _tokenizer_for_format(opts: TokenizeOptions, fmt: str):
