@@ -213,6 +213,16 @@ def test_a_later_non_utf8_row_is_a_row_error(tmp_path, capsys):
     assert load_packed(tmp_path / "out").metadata["counts"]["skipped_rows"] == 1
 
 
+def test_rows_that_are_no_json_object_are_named(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{bad\n"a string"\n')
+    line = _build(capsys, "--input", rows, "--tokenizer", TOK, "--output", tmp_path / "out")
+    assert f"none of the first rows is a JSON object ({rows}:1: invalid JSON (Expecting property name" in line
+    rows.write_text('"a string"\n')
+    line = _build(capsys, "--input", rows, "--tokenizer", TOK, "--output", tmp_path / "out")
+    assert f"({rows}:1: a JSON str, not an object)" in line
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_deeply_nested_json_is_a_row_error(tmp_path, capsys, skip):
     rows = tmp_path / "rows.jsonl"

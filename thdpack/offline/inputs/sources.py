@@ -433,6 +433,22 @@ def json_fields(source: Source, rows: int = 100) -> list[str]:
     return list(seen)
 
 
+def first_json_problem(source: Source, rows: int = 100) -> str | None:
+    """``FILE:LINE: why`` of the first of the first ``rows`` JSON rows of ``source`` that is not a JSON
+    object (invalid JSON, or a list, string, ...); None when there is none."""
+    col = source.dataset.data.column(JSON_COLUMN)
+    for i in range(min(len(source.dataset), rows)):
+        try:
+            obj = json.loads(col[i].as_py())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return f"{source.where(i)}: invalid JSON ({exc})"
+        except RecursionError:
+            return f"{source.where(i)}: invalid JSON ({NESTED_TOO_DEEP})"
+        if not isinstance(obj, dict):
+            return f"{source.where(i)}: a JSON {type(obj).__name__}, not an object"
+    return None
+
+
 def _json_columns(files: list[SourceFile], ds) -> list[str]:
     """Keys of the first parseable JSON object (to pick a format); [] if none parse."""
     col = ds.data.column(JSON_COLUMN)

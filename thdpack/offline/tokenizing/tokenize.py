@@ -24,7 +24,7 @@ from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
 from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format, row_format
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
-from thdpack.offline.inputs.sources import JSON_COLUMN, Source, json_fields
+from thdpack.offline.inputs.sources import JSON_COLUMN, Source, first_json_problem, json_fields
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
 from thdpack.offline.tokenizing.tokenizer import fast_bpe, load_tokenizer, tokenizer_info
 
@@ -51,6 +51,10 @@ def resolve_format(opts: TokenizeOptions, source: Source) -> str:
     if opts.format != "auto":
         return opts.format
     fmt = detect_format(source.columns, opts)
+    problem = first_json_problem(source) if fmt is None and source.is_json and not source.columns else None
+    if problem:
+        raise InputError(f"cannot tell the row format: none of the first rows is a JSON object ({problem}); "
+                         "each line of a JSON Lines file is one object, e.g. {\"messages\": [...]}")
     if fmt is None:
         expected = "; ".join(f"{' + '.join(repr(f) for f in row_format(name).fields(opts))} ({name})"
                              for name in DETECTION_ORDER)
