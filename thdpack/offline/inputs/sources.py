@@ -159,15 +159,16 @@ def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
 
 def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
     path = opts.resolve_path(spec)
-    if any(ch in spec for ch in "*?[") and not path.exists():  # a pattern (a path that exists is taken as named)
+    if any(ch in spec for ch in "*?["):  # a pattern, under the config's directory taken as named
         given = Path(spec).expanduser()
         pattern = str(given) if given.is_absolute() else os.path.join(glob.escape(str(opts.base_dir)), str(given))
         found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
         found = [p for p in found if p.is_file() and _supported(p)]
-        if not found:
+        if found:
+            _refuse_packed(spec, found, _glob_root(given, opts), opts, pattern=True)
+            return [(_display(spec, p, opts), p) for p in found]
+        if not path.exists():  # else a file or directory whose name holds * ? [
             raise InputError(f"input pattern {spec!r} matches no .jsonl/.json/.parquet/.arrow file")
-        _refuse_packed(spec, found, _glob_root(given, opts), opts, pattern=True)
-        return [(_display(spec, p, opts), p) for p in found]
     if not path.exists():
         raise InputError(f"input {spec!r} does not exist (looked at {path})")
     if path.is_dir():
