@@ -20,6 +20,7 @@ tokenizer is a local directory or a name already in the Hugging Face cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -27,8 +28,8 @@ import sys
 from thdpack.cli import build, export, inspect, merge, stats
 from thdpack.cli.config_flags import ThdpackParser
 from thdpack.cli.output import cli_logging
-from thdpack.offline.errors import OfflineError
-from thdpack.offline.procs import Interrupted, signals_interrupt
+from thdpack.offline.errors import OfflineError, read_error
+from thdpack.offline.procs import Interrupted, signals_interrupt, signals_raise
 
 COMMANDS = (build, stats, inspect, merge, export)  # in the order --help lists them
 
@@ -52,26 +53,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default: the process's arguments); the exit status: 0, 2 for an
+    error (one line), 130 / 143 after SIGINT / SIGTERM (one line saying what became of the output)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
     parser = build_parser()
     args = parser.parse_args(argv)
+    listener = None
     try:
-        with signals_interrupt(), cli_logging(getattr(args, "quiet", False)):  # signals unwind the command, which removes its temporary files
-            code = args.func(args)
+        # signals are recorded and stop the command at its checkpoints, which removes its temporary files
+        with signals_interrupt() as listener, cli_logging(getattr(args, "quiet", False)):
+            # a command that writes nothing has nothing to clean up: a signal may stop it anywhere
+            with signals_raise() if not getattr(args, "writes", True) else contextlib.nullcontext():
+                code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return code
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
-        outcome = getattr(exc, "outcome", None) or "nothing was written at the output path"
+        outcome = (getattr(exc, "outcome", None) or getattr(listener, "outcome", None)
+                   or "nothing was written at the output path")
         print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; {outcome}",
               file=sys.stderr)
         return exc.exit_code if isinstance(exc, Interrupted) else 130
     except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
         if args.debug or os.environ.get("THDPACK_DEBUG"):
             raise
+        if isinstance(exc, OSError) and not isinstance(exc, OfflineError) and exc.filename is not None:
+            exc = read_error(exc)  # outside a staged output, every file a command opens is one it reads
         print(f"thdpack {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if argv is None:  # the process's own command: a signal from here on ends it as that signal does
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_DFL)
 
 
 def _quiet_broken_pipe() -> int:

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                    help="Bridge's pad_seq_to_mult (2*cp with context parallelism); default: the build's alignment "
                    "multiple")
     e.add_argument("--pad-id", type=int, default=None, metavar="ID",
-                   help="token id of the pre-padding (Bridge's tokenizer EOS id); default: the one the build recorded")
+                   help="token id of the pre-padding (Bridge's tokenizer EOS id), within the tokenizer's vocabulary; "
+                   "default: the one the build recorded")
     e.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUT")
     e.add_argument("--quiet", "-q", action="store_true", help="no summary line")
     e.set_defaults(func=run)

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     i.add_argument("--max-tokens", type=integer_at_least(1), default=None, metavar="N",
                    help="show at most N tokens per sample")
     i.add_argument("--ids", action="store_true", help="show token ids instead of text")
-    i.set_defaults(func=run)
+    i.set_defaults(func=run, writes=False)
 
 
 def run(args) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from thdpack.cli.config_flags import add_config_flags, build_config
 from thdpack.cli.output import show_progress
-from thdpack.offline.errors import OfflineError
+from thdpack.offline.errors import NotPackedError, OfflineError
 
 ALIGN_FLAGS = ("cp_size", "tp_size", "sequence_parallel", "pad_multiple")  # given: the pad fraction at that alignment
 
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     s.add_argument("--verify", action="store_true", help="packed dataset: check data file checksums")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_config_flags(s, skip=("input",))
-    s.set_defaults(func=run)
+    s.set_defaults(func=run, writes=False)
 
 
 def run(args) -> int:
@@ -61,9 +61,16 @@ def run(args) -> int:
                  f"source {', '.join(f['path'] for f in meta['source']['files'])} ({meta['source']['format']})")
     else:
         from thdpack.offline.pipeline import analyze
+        from thdpack.offline.store.format import looks_packed
 
         if not path.exists() and not args.config:
             raise OfflineError(f"{path} does not exist")
+        if looks_packed(path):
+            raise NotPackedError(
+                f"{path} is not a packed dataset: it holds data files of one but no metadata.json (its build did not "
+                f"complete, or the file was removed); rebuild it (thdpack build ... --output {path}, after removing "
+                "the directory), or plan raw input: thdpack stats DATA.jsonl --tokenizer DIR --pack-size N"
+            )
         cfg = build_config(args, input_override=str(path) if str(path) != "-" else None)
         summary = analyze(cfg, eval_multiple=eval_multiple, progress=show_progress(args))
         title = f"{path}: raw dataset, planned (not written) with pack_size {cfg.pack_size}, {cfg.algorithm}"

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.procs import check_signals, signals_deferred
 from thdpack.offline.store.format import file_sha256
 from thdpack.offline.store.staging import fsync_dir, fsync_file, move_into_place, staged_output
 from thdpack.common.samples import IGNORE_INDEX
@@ -49,6 +50,7 @@ METADATA = "bridge_metadata.json"  # Bridge's packed_metadata_path (a JSON list 
 SUFFIX = ".idx.parquet"  # what Bridge's path resolution recognises as a packed Parquet file
 ROW_GROUP = 500  # rows per Parquet row group, as Bridge's own writer (its reader caches one group)
 SETTINGS = ("metadata", "pad_seq_to_mult", "pad_id", "pack_size")  # of the metadata.json record: equal across slice builds
+PAD_ID_MAX = 2**31 - 1  # Bridge's input_ids are int32
 logger = logging.getLogger(__name__)
 
 
@@ -251,6 +253,7 @@ def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_si
         with pq.ParquetWriter(str(path), _schema()) as writer:
             row = 0
             for batch in read_data_file(data_file, damaged="rebuild it").to_batches():
+                check_signals()
                 where_pack = (lambda j, r=row: f"{data_file}: pack {r + j}")
                 rows = _batch_rows(batch, targets, multiple, pad, where_pack)
                 _check_fits(rows, pack_size, multiple, align, where_pack)
@@ -286,7 +289,6 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
     from thdpack.common.align import check_int
-    from thdpack.offline.procs import signals_deferred
     from thdpack.offline.store.dataset import load_packed
 
     ds = load_packed(path)
@@ -296,7 +298,7 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     multiple = meta["align"] if pad_seq_to_mult is None else pad_seq_to_mult
     check_int(multiple, "pad_seq_to_mult", 1)
     if pad_id is not None:
-        check_int(pad_id, "pad_id", 0, hint=" (the tokenizer's EOS id, which Bridge pads with)")
+        _check_pad_id(pad_id, ds)
     output = Path(output)
     with staged_output(output, overwrite, marker=METADATA) as tmp:
         record = write_bridge(tmp, [ds.path / f["path"] for f in meta["files"]], targets=meta["targets"],
@@ -306,6 +308,22 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
         with signals_deferred(f"the export was complete and is at {output}"):  # never half moved
             move_into_place(tmp, output)
     return record
+
+
+def _check_pad_id(pad_id, ds) -> None:
+    """``pad_id`` is a token id Bridge's int32 ``input_ids`` hold and, where the build recorded its
+    tokenizer's vocabulary, one of its ids; ``ValueError`` naming the value (and the metadata file) otherwise."""
+    from thdpack.common.align import check_int
+    from thdpack.offline.store.format import METADATA_FILE
+
+    hint = " (the tokenizer's EOS id, which Bridge pads with)"
+    check_int(pad_id, "pad_id", 0, hint=hint)
+    if pad_id > PAD_ID_MAX:
+        raise ValueError(f"pad_id must be an integer <= {PAD_ID_MAX} (Bridge's input_ids are int32), got {pad_id}{hint}")
+    vocab = (ds.metadata.get("tokenizer") or {}).get("vocab_size")
+    if vocab is not None and pad_id >= vocab:
+        raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's vocabulary of {vocab} ids recorded in "
+                          f"{ds.path / METADATA_FILE}: give an id in 0..{vocab - 1}, the tokenizer's EOS id")
 
 
 # ---------------------------------------------------------------------------- thdpack build --output-format

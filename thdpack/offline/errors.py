@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 # How many bad rows each place names: the one table of these limits (build, merge and the CLI read them).
 MAX_ERRORS_RECORDED = 20  # metadata.json's skipped_examples (a merge keeps the first 20 of its slices')
 MAX_ERRORS_LISTED = 10  # thdpack build's stderr, one line each
@@ -27,6 +30,30 @@ class OutputExistsError(OfflineError, FileExistsError):
 class OutputError(OfflineError):
     """The output cannot be written: another process is writing it, or the file system refused
     (read-only, permission, full disk); the message names the path."""
+
+
+class ReadError(OfflineError):
+    """A file or directory the command must read cannot be read (permission, I/O error); the
+    message names the path (:func:`read_error`)."""
+
+
+_READ_HINTS = {
+    errno.EACCES: "no permission to read it: fix its permissions (chmod u+r, and u+x on its directories) or run as its owner",
+    errno.EPERM: "no permission to read it: fix its permissions (chmod u+r, and u+x on its directories) or run as its owner",
+    errno.ENOENT: "it does not exist: check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.EISDIR: "it is a directory, not a file: check the path",
+    errno.EIO: "the disk reported an I/O error: copy it again from a good source",
+}
+
+
+def read_error(exc: OSError, path=None) -> ReadError:
+    """One line for a failure to read ``path`` (default: the file ``exc`` names): the path, the
+    reason and what to do."""
+    path = path if path is not None else exc.filename
+    reason = os.strerror(exc.errno) if exc.errno else " ".join(str(exc).split()) or type(exc).__name__
+    hint = _READ_HINTS.get(exc.errno, "check the path and its permissions")
+    return ReadError(f"cannot read {os.fsdecode(path) if path is not None else 'a file'}: {reason}; {hint}")
 
 
 class NotPackedError(OfflineError):

@@ -40,6 +40,7 @@ from thdpack.offline.store.format import (LIST_COLUMNS, METADATA_FILE, PackedMet
                                     file_sha256)
 from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.inputs.input_slice import MERGED_KEY, SLICE_KEY, slice_info, slice_rows
+from thdpack.offline.procs import check_signals
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.store.vision_columns import PROCESSOR_DIR, VISION_COLUMNS
 
@@ -218,6 +219,23 @@ def _copy_checked(src: Path, dst: Path, entry: dict, *, link: bool) -> None:
         raise NotPackedError(f"{src} does not match its sha256 in {METADATA_FILE} (modified or corrupt)")
 
 
+def _copy_saved(src: Path, dst: Path) -> None:
+    """Copy a slice's saved file or directory (tokenizer, model config, image processor) to ``dst``:
+    a file as ``shutil.copyfile``, a directory as ``shutil.copytree``, except that a file it cannot
+    read raises its own ``OSError`` naming it (copytree gathers every failure into one
+    ``shutil.Error`` of strings)."""
+    if not src.is_dir():
+        shutil.copyfile(src, dst)
+        return
+    dst.mkdir()
+    for child in sorted(src.iterdir()):
+        if child.is_dir():
+            _copy_saved(child, dst / child.name)
+        else:
+            shutil.copy2(child, dst / child.name)
+    shutil.copystat(src, dst)
+
+
 def _list_columns(path: Path, file_format: str, names: list[str]) -> dict:
     """``{name: (values, values per pack)}`` (int64) of list columns ``names`` of one data file,
     reading the file once and only those columns."""
@@ -346,9 +364,11 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
         grid_columns = [c for c in ("image_grid_thw", "video_grid_thw") if vision_entry and c in first["columns"]]
         for p, meta in slices:
             for f in meta["files"]:
+                check_signals()
                 name = data_file_name(len(files), n_files, fmt)
                 _copy_checked(p / f["path"], tmp / name, f, link=link)
                 files.append(dict(f, path=name))
+                check_signals()
                 read = _list_columns(tmp / name, fmt, ["seq_lens"] + grid_columns)
                 s, c = read["seq_lens"]
                 if c.size != f["num_packs"]:
@@ -359,7 +379,9 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
                     g, n3 = read[column]
                     grids[column].append(g.reshape(-1, 3))
                     per_pack_images[column].append(n3 // 3)
+            check_signals()
             lengths.append(_load_lengths(p, slice_info(meta)))
+        check_signals()
         seq_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
         offsets = np.zeros(sum(c.size for c in per_pack) + 1, dtype=np.int64)
         if per_pack:
@@ -371,7 +393,7 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
                 src = first_path / entry["saved_copy"]
                 if not src.exists():
                     raise NotPackedError(f"{first_path}: {entry['saved_copy']} (the saved {key}) is missing")
-                (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp / entry["saved_copy"])
+                _copy_saved(src, tmp / entry["saved_copy"])
                 if key == "model":
                     model_config = json.loads(src.read_text(encoding="utf-8"))
         vision = None
@@ -379,7 +401,7 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
             saved = vision_entry.get("saved_processor", PROCESSOR_DIR)
             if not (first_path / saved).is_dir():
                 raise NotPackedError(f"{first_path}: {saved} (the saved image processor) is missing")
-            shutil.copytree(first_path / saved, tmp / saved)
+            _copy_saved(first_path / saved, tmp / saved)
             image_grids, image_patches = _vision_totals(grids["image_grid_thw"], per_pack_images["image_grid_thw"])
             video_grids, video_patches = _vision_totals(grids["video_grid_thw"], per_pack_images["video_grid_thw"])
             vision = (image_grids, image_patches + (video_patches if video_patches.size else 0), video_grids)

@@ -34,6 +34,7 @@ from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COL
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, model_info
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
+from thdpack.offline.procs import signals_raise
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
@@ -441,7 +442,8 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
     with staged_output(output, overwrite) as tmp, _engine(stages) as session:
         work = tmp / "_work"
         work.mkdir()
-        prep = prepare_stages(stages, work, progress=progress, input_slice=input_slice, ray_session=session)
+        with signals_raise():  # reading and tokenizing run in other libraries: a signal stops them at once
+            prep = prepare_stages(stages, work, progress=progress, input_slice=input_slice, ray_session=session)
         plan = prep.plan
         if store.output_format == bridge_export.FORMAT:
             bridge_export.check_text_only(prep.vlm)

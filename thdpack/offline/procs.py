@@ -10,9 +10,11 @@ pool). Owning the processes is what makes stopping them reliable:
   map other than by finishing it: an error, Ctrl-C, a signal (:func:`stop`);
 - a worker dies with the main process, even one killed with SIGKILL
   (:func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` on Linux, a watchdog elsewhere);
-- the command line turns SIGINT and SIGTERM into :class:`Interrupted`
-  (:func:`signals_interrupt`), which unwinds the build so that it removes its
-  temporary directory, and exits with ``128 + signal``: 130 (SIGINT), 143 (SIGTERM).
+- the command line records SIGINT and SIGTERM (:func:`signals_interrupt`) and stops at the
+  command's next checkpoint (:func:`check_signals`) with :class:`Interrupted`, which unwinds
+  it so that it removes its temporary directory, and exits with ``128 + signal``: 130
+  (SIGINT), 143 (SIGTERM); a signal during the rename into place waits for it
+  (:func:`signals_deferred`).
 """
 
 from __future__ import annotations
@@ -51,53 +53,139 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted by {signal.Signals(self.signum).name}"
 
 
-_held_back: list[list[int]] = []  # one list per open signals_deferred block: the signals that arrived in it
+_RECORD, _RAISE, _HOLD = "record", "raise", "hold"  # what the handler does with a signal (Listener.mode)
+
+
+class Listener:
+    """The SIGINT / SIGTERM a command has received (:func:`signals_interrupt`), in order.
+
+    The handler records each signal, every one (a repeat is never dropped), and by default
+    does nothing else: the command acts on it at a checkpoint it owns (:func:`check_signals`:
+    between files, between record batches, before the commit). An exception raised from a
+    handler lands wherever the main thread happens to be, inside third-party code that may
+    swallow it (pyarrow importing pandas lazily did), so the record, not the exception, is
+    what stops the command. Within :func:`signals_raise` (a long step of other libraries,
+    with no checkpoint of ours inside) the handler also raises :class:`Interrupted` at once;
+    within :func:`signals_held` (the rename into place, the clean-up) it only records.
+    ``outcome``: what became of the output once it is in place (:func:`signals_deferred`)."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.mode = _RECORD
+        self.outcome: str | None = None
+
+    def interrupted(self) -> Interrupted:
+        """The :class:`Interrupted` of the first signal received."""
+        return Interrupted(self.received[0], self.outcome)
+
+    def handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        if self.mode == _RAISE:
+            raise Interrupted(signum, self.outcome)
+
+
+_listener: Listener | None = None  # the innermost signals_interrupt block's
+
+
+def _listening() -> Listener | None:
+    """The listener checkpoints act on: None outside :func:`signals_interrupt` and off the main thread."""
+    if _listener is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return _listener
+
+
+def check_signals() -> None:
+    """A checkpoint: raise :class:`Interrupted` if a SIGINT or SIGTERM has been received (and the
+    block is not :func:`signals_held`). Free outside :func:`signals_interrupt` (library use)."""
+    listener = _listening()
+    if listener is not None and listener.received and listener.mode != _HOLD:
+        raise listener.interrupted()
 
 
 @contextlib.contextmanager
 def signals_interrupt():
-    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread
-    (once: a repeat while the build cleans up is ignored; SIGKILL still ends it), or at the
-    end of a :func:`signals_deferred` block. Handlers someone else installed are left
-    alone, and everything is restored on exit. Outside the main thread this does nothing
-    (Python only lets the main thread set handlers)."""
+    """Within the block, SIGINT and SIGTERM are recorded (:class:`Listener`, yielded) and the
+    command stops at its next checkpoint with :class:`Interrupted`; one received and not yet acted
+    on when the block ends (the output already in place, or another error on its way out) raises
+    :class:`Interrupted` there: a command that received a signal never ends as if it had not.
+    Handlers someone else installed are left alone, and everything is restored on exit. Outside
+    the main thread this does nothing (Python only lets the main thread set handlers)."""
+    global _listener
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield None
         return
-    raised = []
-
-    def _raise(signum, frame):
-        if raised:
-            return
-        raised.append(signum)
-        if _held_back:
-            _held_back[-1].append(signum)
-            return
-        raise Interrupted(signum)
-
+    listener, outer = Listener(), _listener
     previous = {s: signal.getsignal(s) for s in _INTERRUPT_SIGNALS}
     ours = [s for s, h in previous.items() if h in (signal.SIG_DFL, signal.default_int_handler, None)]
+
+    def restore() -> None:
+        global _listener
+        for s in ours:
+            signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+        _listener = outer
+
+    _listener = listener
     for s in ours:
-        signal.signal(s, _raise)
+        signal.signal(s, listener.handle)
+    try:
+        yield listener
+    except BaseException as exc:
+        restore()
+        if listener.received and not isinstance(exc, Interrupted):
+            raise listener.interrupted() from exc
+        raise
+    restore()
+    if listener.received:
+        raise listener.interrupted()
+
+
+@contextlib.contextmanager
+def _mode(mode: str):
+    """Within the block the handler does ``mode`` with a signal (see :class:`Listener`)."""
+    listener = _listening()
+    if listener is None:
+        yield
+        return
+    before = listener.mode
+    listener.mode = mode
     try:
         yield
     finally:
-        for s in ours:
-            signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+        listener.mode = before
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """A long step of other libraries (reading and tokenizing the input) that holds no checkpoint
+    of ours: a signal raises :class:`Interrupted` at once within it, and one that was swallowed
+    there is raised as the block ends (a checkpoint on either side)."""
+    check_signals()
+    with _mode(_RAISE):
+        yield
+    check_signals()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """A step that must run to its end (removing the temporary directory, the rename into place):
+    signals are only recorded within it, and acted on at the next checkpoint after it."""
+    with _mode(_HOLD):
+        yield
 
 
 @contextlib.contextmanager
 def signals_deferred(outcome: str):
-    """A step that must not be cut in two (moving a finished dataset into place): a signal
-    that :func:`signals_interrupt` receives within the block raises :class:`Interrupted`
-    with ``outcome`` once the block has completed."""
-    _held_back.append([])
-    try:
+    """The commit (moving a finished output into place): a signal received before it stops the
+    command here, with nothing moved; one that arrives within it waits for the block to complete,
+    then raises :class:`Interrupted` with ``outcome`` (the output is complete and in place).
+    ``outcome`` is also what a signal after the block reports (:func:`signals_interrupt`)."""
+    check_signals()
+    with signals_held():
         yield
-    finally:
-        held = _held_back.pop()
-    if held:
-        raise Interrupted(held[0], outcome)
+    listener = _listening()
+    if listener is not None:
+        listener.outcome = outcome
+    check_signals()
 
 
 # ---------------------------------------------------------------------------- in a worker
@@ -213,9 +301,10 @@ def map_in_processes(ds, function, num_proc: int, *, cache_file_name: str, new_f
         with hf_tqdm(unit=" examples", total=len(ds), desc=f"{desc or 'Map'} (num_proc={num_proc})") as bar:
             _collect(procs, readers, results, bar)
     finally:
-        stop(procs)
-        for reader in readers:
-            reader.close()
+        with signals_held():  # a repeat signal must not leave a worker unreaped
+            stop(procs)
+            for reader in readers:
+                reader.close()
     return datasets.concatenate_datasets(results)
 
 
@@ -225,12 +314,14 @@ def _collect(procs, readers, results: list, bar) -> None:
 
     waiting = dict(zip(readers, range(len(readers))))
     while waiting:
-        for reader in wait(list(waiting)):
+        check_signals()
+        for reader in wait(list(waiting), _WATCHDOG_PERIOD_S):  # a checkpoint at least this often
             r = waiting[reader]
             try:
                 kind, value, *extra = reader.recv()
             except (EOFError, OSError):
                 procs[r].join(_JOIN_TIMEOUT_S)
+                check_signals()  # a signal to the process group ends the workers too: report the signal
                 raise WorkerDied(
                     f"tokenizing worker {r} (pid {procs[r].pid}) ended without its result ({_how(procs[r].exitcode)}); "
                     "if it ran out of memory, lower --num-proc or --map-batch-size"

@@ -16,6 +16,7 @@ into memory when opened. Needs ``pyarrow`` only (not ``datasets``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,7 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
-from thdpack.offline.errors import NotPackedError, require_pyarrow
+from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
 from thdpack.offline.store.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata,
                                     check_metadata, file_sha256, row_list, value_columns)
 from thdpack.common.samples import IGNORE_INDEX
@@ -54,6 +55,7 @@ def unpack_row(row: Mapping) -> list[dict]:
 def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
     """:func:`unpack_row`; ``copy_pixels=False``: the pixel tensors too are views of the row's
     arrays (read-only memory for a memory-mapped data file), for a collator that copies them."""
+    check_pack_row(row, ("input_ids", "seq_lens"))
     ids = row_list(row["input_ids"], "input_ids")
     lens = row_list(row["seq_lens"], "seq_lens").astype(np.int64)
     if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
@@ -72,6 +74,22 @@ def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
 
         add_vision(samples, row, copy=copy_pixels)
     return samples
+
+
+PACK_ROW = "input_ids, seq_lens, sample_index, sample_start and loss_mask or labels"  # what a pack row holds
+
+
+def check_pack_row(row, fields: Sequence[str], where: str = "packed row") -> None:
+    """``row`` is a pack (a row of :func:`load_packed`) holding ``fields``; ``TypeError`` /
+    ``ValueError`` naming ``where``, the missing field and what a pack row holds otherwise."""
+    if not isinstance(row, Mapping):
+        raise TypeError(f"{where} must be a mapping (a row of load_packed), got {type(row).__name__}")
+    missing = [name for name in fields if name not in row]
+    if missing:
+        raise ValueError(
+            f"{where} has no {', '.join(map(repr, missing))}: it is not a pack. A pack (a row of load_packed) holds "
+            f"{PACK_ROW}; collate plain samples with thdpack.ThdCollator"
+        )
 
 
 class PackedRowCollator:
@@ -105,7 +123,8 @@ class PackedRowCollator:
         if isinstance(rows, Mapping):
             rows = [rows]
         samples, index = [], []
-        for row in rows:  # pixels: views of the rows, copied once by the collator's concatenation
+        for i, row in enumerate(rows):  # pixels: views of the rows, copied once by the collator's concatenation
+            check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
             samples.extend(_unpack(row, copy_pixels=False))
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
         batch = _own_pixels(self.collator(samples), samples)
@@ -143,7 +162,8 @@ def _row_values(rows, name: str) -> np.ndarray:
 
 def read_data_file(path: Path, damaged: str):
     """The ``pyarrow.Table`` of one data file (Arrow: memory-mapped); :class:`NotPackedError` naming
-    ``path`` if Arrow cannot read it."""
+    ``path`` if it is not a valid data file, :class:`~thdpack.offline.errors.ReadError` if this
+    process may not read it (``damaged``: what to do about a damaged one)."""
     pa = require_pyarrow("load_packed")
     import pyarrow.parquet as pq
 
@@ -152,10 +172,22 @@ def read_data_file(path: Path, damaged: str):
         if parquet:
             return pq.read_table(path, memory_map=True)
         return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
-    except (pa.ArrowException, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        kind = "Parquet file" if parquet else "Arrow stream"
-        raise NotPackedError(f"{path}: not a valid {kind} ({reason}); {damaged}") from None
+    except OSError as exc:
+        if exc.errno in _UNREADABLE:  # not damaged: this process may not read it
+            raise read_error(exc, path) from None
+        raise _not_valid(path, parquet, exc, damaged) from None
+    except pa.ArrowException as exc:
+        raise _not_valid(path, parquet, exc, damaged) from None
+
+
+_UNREADABLE = (errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def _not_valid(path: Path, parquet: bool, exc: Exception, damaged: str) -> NotPackedError:
+    """The error of a data file Arrow cannot read as one."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    kind = "Parquet file" if parquet else "Arrow stream"
+    return NotPackedError(f"{path}: not a valid {kind} ({reason}); {damaged}")
 
 
 def _pack_where(path: Path, pack: int, k: int) -> str:
@@ -278,14 +310,20 @@ def read_metadata(path: str | Path) -> PackedMetadata:
     meta_path = path / METADATA_FILE
     if not path.is_dir():
         raise NotPackedError(f"{path} is not a directory (a packed dataset is a directory with {METADATA_FILE})")
-    if not meta_path.is_file():
+    try:
+        text = meta_path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
         raise NotPackedError(
             f"{path} has no {METADATA_FILE}: it is not a thdpack packed dataset, or its build did not complete "
             "(metadata.json is written last)"
-        )
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
+    except OSError as exc:  # there, but this process may not read it (or the directory)
+        raise read_error(exc, meta_path) from None
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise NotPackedError(f"{meta_path} is not valid JSON ({exc})") from None
     return check_metadata(meta, path)
 

@@ -76,6 +76,20 @@ def data_file_name(i: int, n: int, file_format: str) -> str:
     return f"data-{i:05d}-of-{n:05d}{SUFFIX[file_format]}"
 
 
+_DATA_FILE_NAME = re.compile(r"data-\d{5}-of-\d{5}\.(arrow|parquet)")
+
+
+def looks_packed(path: Path) -> bool:
+    """``path`` is a directory holding data files named as a build names them (:func:`data_file_name`)
+    and no ``state.json`` (``datasets``' ``save_to_disk`` names its files alike and writes one): a packed
+    dataset, or one whose ``metadata.json`` is missing."""
+    try:
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    except OSError:
+        return False
+    return "state.json" not in names and any(_DATA_FILE_NAME.fullmatch(n) for n in names)
+
+
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file's bytes, read 4 MiB at a time (the checksums ``metadata.json`` records)."""
     h = hashlib.sha256()
@@ -283,6 +297,7 @@ def check_metadata(meta, root: Path) -> PackedMetadata:
     _check_items(meta["source"]["files"], SOURCE_FILE_SCHEMA, where, "source.files")
     if meta.get("tokenizer") is not None:
         _check_keys(meta["tokenizer"], TOKENIZER_SCHEMA, where, "tokenizer.")
+        _check_token_ids(meta["tokenizer"], where)
     _check_items(meta["files"], FILE_SCHEMA, where, "files")
     missing = [c for c in ("input_ids", meta["targets"], *SAMPLE_COLUMNS) if c not in meta["columns"]]
     if missing:
@@ -293,6 +308,25 @@ def check_metadata(meta, root: Path) -> PackedMetadata:
     _check_totals(meta, where)
     _check_data_file_paths(meta, root, where)
     return meta
+
+
+TOKEN_ID_KEYS = ("pad_token_id", "eos_token_id", "bos_token_id")  # of ``tokenizer``: what pads, ends, begins
+
+
+def _check_token_ids(tok: dict, where: str) -> None:
+    """The tokenizer's special ids are token ids (an integer >= 0, or null) and, where ``vocab_size`` is
+    recorded, within its vocabulary: the collator pads with one, the Bridge export with another."""
+    vocab = tok.get("vocab_size")
+    for key in TOKEN_ID_KEYS:
+        value = tok.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise NotPackedError(f"{where}: 'tokenizer.{key}' must be a token id (an integer >= 0) or null, "
+                                 f"got {value!r}; {REBUILD}")
+        if vocab is not None and value >= vocab:
+            raise NotPackedError(f"{where}: 'tokenizer.{key}' is {value}, outside the tokenizer's vocabulary of "
+                                 f"{vocab} ids (0..{vocab - 1}, 'tokenizer.vocab_size'); {REBUILD}")
 
 
 def value_columns(meta: dict) -> list[str]:

@@ -14,9 +14,9 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from thdpack.offline.errors import OfflineError, OutputError, OutputExistsError
+from thdpack.offline.errors import OfflineError, OutputError, OutputExistsError, read_error
 from thdpack.offline.store.format import METADATA_FILE, PackedMetadata, metadata_text
-from thdpack.offline.procs import signals_deferred
+from thdpack.offline.procs import check_signals, signals_deferred, signals_held
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +110,24 @@ def start_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE) 
 def staged_output(output: Path, overwrite: bool, *, marker: str = METADATA_FILE):
     """The hidden temporary directory a writer fills, under the output lock (:func:`start_output`).
 
-    The writer ends by moving it into place (:func:`commit_staged`, or :func:`move_into_place`). On
-    any exception the directory is removed and a file-system failure becomes one
-    :class:`OutputError` naming the path; the lock is released in every case.
+    The writer ends by moving it into place (:func:`commit_staged`, or :func:`move_into_place` within
+    :func:`~thdpack.offline.procs.signals_deferred`). On any exception the directory is removed and a
+    file-system failure becomes one line naming the path (:func:`file_error`: a file it could not
+    read, or the output it could not write); the lock is released in every case.
     """
-    tmp, lock = start_output(output, overwrite, marker=marker)
+    with signals_held():  # a signal here is acted on at the writer's first checkpoint, after the try
+        tmp, lock = start_output(output, overwrite, marker=marker)
     try:
         yield tmp
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
         if is_file_system_error(exc):
-            raise output_error(exc, output, tmp) from exc
+            raise file_error(exc, output, tmp) from exc
         raise
     finally:
-        lock.release()
+        with signals_held():
+            lock.release()
 
 
 def is_file_system_error(exc: BaseException) -> bool:
@@ -140,6 +144,40 @@ _OS_HINTS = {
     errno.ENOTDIR: "a part of the path is a file, not a directory: choose another --output",
     errno.EEXIST: "a part of the path is a file, not a directory: choose another --output",
 }
+
+
+_WRITE_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # failures only a write meets
+
+
+def file_error(exc: OSError, output: Path, tmp: Path | None = None) -> OfflineError:
+    """One line for a file-system failure of a command writing ``output`` (from ``tmp``): a path of
+    its own (``output``, ``tmp``, the lock, their parent directories) or a failure only writes meet is
+    :func:`output_error`; any other path is an input the command could not read
+    (:func:`~thdpack.offline.errors.read_error`), not a place it writes."""
+    path = exc.filename
+    if path is None or exc.errno in _WRITE_ONLY or _own_path(Path(os.fsdecode(path)), output, tmp):
+        return output_error(exc, output, tmp)
+    if exc.errno in (errno.EACCES, errno.EPERM) and _readable(path):  # so it was a write elsewhere
+        return output_error(exc, output, tmp)
+    return read_error(exc)
+
+
+def _readable(path) -> bool:
+    """This process may read ``path`` (checked with its effective ids and capabilities, as open() is)."""
+    effective = os.access in os.supports_effective_ids
+    return os.access(path, os.R_OK, effective_ids=effective)
+
+
+def _own_path(path: Path, output: Path, tmp: Path | None) -> bool:
+    """``path`` is one the command writes: within ``output`` or ``tmp``, a hidden sibling of the output
+    (its lock, its old copy), or a directory on the way to the output (created for it)."""
+    path, output = Path(os.path.abspath(path)), Path(os.path.abspath(output))
+    ours = [output] + ([Path(os.path.abspath(tmp))] if tmp is not None else [])
+    if any(path == o or o in path.parents for o in ours):
+        return True
+    if path.parent == output.parent and path.name.startswith(f".{output.name}."):
+        return True
+    return path in output.parents
 
 
 def output_error(exc: OSError, output: Path, tmp: Path | None = None) -> OutputError:
@@ -170,8 +208,10 @@ def _check_output(output: Path, overwrite: bool, marker: str = METADATA_FILE) ->
 
 def commit_staged(tmp: Path, meta: PackedMetadata, output: Path) -> None:
     """Write ``metadata.json`` last (its presence marks a complete dataset), durably, then
-    move the finished ``tmp`` directory to ``output``. A SIGINT/SIGTERM arriving meanwhile waits
-    until the dataset is in place (never half moved), then stops the command."""
+    move the finished ``tmp`` directory to ``output``. A SIGINT/SIGTERM received before the rename
+    stops the command with the old output untouched; one arriving during it waits until the
+    dataset is in place (never half moved), then stops the command saying so."""
+    check_signals()
     meta_tmp = tmp / (METADATA_FILE + ".partial")
     meta_tmp.write_text(metadata_text(meta), encoding="utf-8")
     fsync_file(meta_tmp)

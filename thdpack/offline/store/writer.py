@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline.procs import check_signals
 from thdpack.offline.store.format import SAMPLE_VALUE_PREFIX, VALUE_COLUMN, VALUE_IS_INT_COLUMN, data_file_name, file_sha256
 from thdpack.offline.store.gather import RowPieces
 from thdpack.planning.plan import PackPlan
@@ -239,6 +240,7 @@ class _PackWriter:
         try:
             chunk_cuts = group_boundaries(weights, budget)
             for c in range(len(chunk_cuts) - 1):
+                check_signals()
                 ks = packs[chunk_cuts[c] : chunk_cuts[c + 1]]
                 batch, n_targets = _chunk(readers, self.targets, self.plan, self.sample_rows, ks, self.sch,
                                           self.row_offset, self.extra, self.values)
