@@ -149,6 +149,19 @@ def test_an_unreadable_input_directory_is_named(inputs, tmp_path, capsys):
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("what", ["directory", "tokenizer.json"])
+def test_an_unreadable_tokenizer_is_named_as_one(inputs, tmp_path, capsys, what):
+    tok = Path(shutil.copytree(TOKENIZER_DIR, tmp_path / "tok"))
+    out = tmp_path / "o" / "out"
+    flags = [a if a != str(TOKENIZER_DIR) else str(tok) for a in TEXT]
+    with unreadable(tok if what == "directory" else tok / "tokenizer.json"):
+        assert main(["build", "--input", str(inputs["src"]), *flags, "--output", str(out)]) == 2
+    line = _error_line(capsys.readouterr().err, "build")
+    assert str(tok) in line and "tokenizer.json" in line and "Permission denied" in line, line
+    assert "cannot write" not in line, line
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
 def test_an_unwritable_output_is_still_named_as_the_output(inputs, tmp_path, capsys):
     """The neighbour: what the build writes is reported as a write (its output, its parent)."""
     parent = tmp_path / "ro"
@@ -272,6 +285,20 @@ def test_the_packed_row_collator_names_a_row_that_is_not_a_pack(inputs):
     with pytest.raises(ValueError, match=r"^packed row has no 'seq_lens': it is not a pack"):
         unpack_row(sample)
     assert collate([ds[0], ds[1]]).cu_seqlens.numel() > 2  # the neighbour: packs still collate
+
+
+def test_the_sample_collator_names_a_pack_given_as_a_sample(inputs):
+    """thdpack.ThdCollator given a pack: was "'sample_index' must be an integer >= 0, got array([...])",
+    or, without sample_index, one sample of the whole pack."""
+    import thdpack
+    from thdpack.common.samples import SampleError
+
+    pack = load_packed(inputs["packed"])[0]
+    for row in (pack, {k: v for k, v in pack.items() if k != "sample_index"}):
+        with pytest.raises(SampleError, match=r"^sample 1 is a pack \(a row of load_packed: it has 'seq_lens'\), not a "
+                                              r"sample; collate packs with PackedDataset\.collator\(\)"):
+            thdpack.ThdCollator()([{"input_ids": [1, 2, 3]}, row])
+    assert thdpack.ThdCollator()(unpack_row(pack)).cu_seqlens.numel() == pack["seq_lens"].size + 1
 
 
 # ---------------------------------------------------------------------------- pad ids outside the vocabulary

@@ -207,7 +207,12 @@ def _collator_options(options: PlanOptions | None, plan_keywords: dict, multiple
 
 def source_index(samples: Sequence) -> np.ndarray | None:
     """int64 ``[n]`` the :data:`SAMPLE_INDEX_FIELD` of every sample, or None when no sample has one.
-    ``SampleError`` naming the sample when only some have it, or when one is not an integer >= 0."""
+    ``SampleError`` naming the sample when only some have it, when one is not an integer >= 0, or
+    when one is a pack of :func:`~thdpack.offline.load_packed` (it has ``seq_lens``)."""
+    for i, s in enumerate(samples):
+        if isinstance(s, Mapping) and "seq_lens" in s:  # its samples would be collated as one
+            raise SampleError.at(i, " is a pack (a row of load_packed: it has 'seq_lens'), not a sample; collate packs "
+                                 "with PackedDataset.collator() or thdpack.PackedRowCollator", field="seq_lens")
     values = [get_field(s, SAMPLE_INDEX_FIELD, i) for i, s in enumerate(samples)]
     given = [v is not None for v in values]
     if not any(given):
