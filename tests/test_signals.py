@@ -687,15 +687,15 @@ def test_merge_stops_cleanly_whenever_a_signal_comes(zygote, sweeps):
     """Issue 21 point 7: a signal 0.3-0.4 s into a merge (while pyarrow imported pandas) was swallowed, the
     merge exited 0 and wrote its output. Now, at every moment of the run: 128 + signal and the old
     output, or the complete new one (and a line saying so), never exit 0 after the signal."""
-    sweeps["merge"].sweep(zygote, 20)
+    sweeps["merge"].sweep(zygote, 16)
 
 
 @needs_proc
 def test_export_stops_cleanly_whenever_a_signal_comes(zygote, sweeps):
-    sweeps["export"].sweep(zygote, 12)
+    sweeps["export"].sweep(zygote, 10)
 
 
 @needs_proc
 def test_build_stops_cleanly_whenever_a_signal_comes(zygote, sweeps):
     """With two tokenizing workers (--num-proc 2): none outlives the build, whatever the moment."""
-    sweeps["build"].sweep(zygote, 8)
+    sweeps["build"].sweep(zygote, 6)

@@ -157,15 +157,18 @@ def file_error(exc: OSError, output: Path, tmp: Path | None = None) -> OfflineEr
     path = exc.filename
     if path is None or exc.errno in _WRITE_ONLY or _own_path(Path(os.fsdecode(path)), output, tmp):
         return output_error(exc, output, tmp)
-    if exc.errno in (errno.EACCES, errno.EPERM) and _readable(path):  # so it was a write elsewhere
+    if exc.errno in (errno.EACCES, errno.EPERM) and not _unreadable(os.fsdecode(path)):  # a write elsewhere (a cache)
         return output_error(exc, output, tmp)
     return read_error(exc)
 
 
-def _readable(path) -> bool:
-    """This process may read ``path`` (checked with its effective ids and capabilities, as open() is)."""
+def _unreadable(path: str) -> bool:
+    """``path`` is there and this process may not read it, or a directory on its way may not be searched
+    (checked with the effective ids and capabilities, as ``open`` is); False for a file being created."""
     effective = os.access in os.supports_effective_ids
-    return os.access(path, os.R_OK, effective_ids=effective)
+    if os.path.lexists(path):
+        return not os.access(path, os.R_OK, effective_ids=effective)
+    return not os.access(os.path.dirname(os.path.abspath(path)), os.X_OK, effective_ids=effective)
 
 
 def _own_path(path: Path, output: Path, tmp: Path | None) -> bool:
