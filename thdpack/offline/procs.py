@@ -36,7 +36,7 @@ _JOIN_TIMEOUT_S = 5.0
 
 
 class Interrupted(KeyboardInterrupt):
-    """The build was stopped by signal ``signum`` (SIGINT or SIGTERM); exit with ``exit_code``.
+    """The command was stopped by signal ``signum`` (SIGINT or SIGTERM); exit with ``exit_code``.
     ``outcome``: what became of the output, when it is not "nothing was written"."""
 
     def __init__(self, signum: int, outcome: str | None = None):
