@@ -8,6 +8,7 @@
     python benchmarks/build.py --kind text --trl-style none --tokenizer-backend hf   # thdpack alone
     python benchmarks/build.py --kind chat --tokenizer QWEN3_DIR --chat-template \
         benchmarks/templates/qwen3_training.jinja --reasoning 0.5 --trl-style sft   # real Qwen3 template
+    python benchmarks/build.py --engine local ray --num-proc 2   # + engine: ray (a local Ray instance of 2 CPUs)
 
 The same JSONL file (``--num-samples`` rows of thdpack's seeded demo generator,
 ``thdpack/demo/synthetic.py``, written to a temporary directory) and the bundled
@@ -31,6 +32,11 @@ template with those markers: it renders every conversation exactly as Qwen3's do
 ``--reasoning P`` puts a ``<think>...</think>`` block before each assistant answer with
 probability P (seeded), as Qwen3 reasoning data has it; the template drops it from the
 turns before the last user message.
+
+``--engine local ray`` adds **thdpack-ray**: the same ``thdpack build`` with ``--engine ray
+--ray-num-cpus N`` (a local Ray instance of ``num_proc`` CPUs, started and stopped by the build, so its
+start-up is in the wall time), with its ratio to the local build and the driver's own peak memory
+(the ``ray: driver peak memory`` line of the build) per million rows.
 
 Both truncate rows longer than the pack and use the same ``num_proc``. Each run is a
 fresh subprocess with its own empty Hugging Face datasets cache, so nothing is reused;
@@ -64,6 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_SPEEDUP = 3.0
 TRL_NAMES = {"batched": "trl", "sft": "trl-sft"}
+RAY_TARGET = 1.3  # engine: ray within 1.3x of the local build's wall time on one machine (issue 22)
 
 
 # ---------------------------------------------------------------------------- the TRL pipeline (child process)
@@ -205,7 +212,16 @@ def trl_result(out: Path, pack_size: int) -> dict:
 
 
 def stage_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith(("read ", "tokenized ", "planned ", "wrote "))]
+    return [line for line in output.splitlines()
+            if line.startswith(("read ", "tokenized ", "planned ", "wrote ", "ray: "))]
+
+
+def driver_peak_mb(output: str) -> float | None:
+    """The ``ray: driver peak memory N MB`` of an ``engine: ray`` build's log, or None."""
+    for line in output.splitlines():
+        if line.startswith("ray: driver peak memory "):
+            return float(line.split()[4])
+    return None
 
 
 # ---------------------------------------------------------------------------- main
@@ -233,6 +249,8 @@ def main() -> int:
                    help="batched: one batched datasets.map tokenization (the fastest TRL pipeline); sft: the "
                    "per-example maps of trl.SFTTrainer (add EOS, tokenize, build labels); none: thdpack alone "
                    "(e.g. to compare --tokenizer-backend values without TRL installed)")
+    p.add_argument("--engine", nargs="+", choices=["local", "ray"], default=["local"],
+                   help="thdpack's engines to run (ray: a local Ray instance of --num-proc CPUs)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every pipeline (in rotating order); the "
                    "table shows the fastest run of each (all runs are in --json)")
     p.add_argument("--workdir", help="keep the data and outputs here (default: a temporary directory, removed)")
@@ -269,14 +287,15 @@ def main() -> int:
                       file=sys.stderr)
             env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
             row = {}
-            names = ["thdpack"] + [TRL_NAMES[s] for s in args.trl_style if s != "none"]
+            names = (["thdpack"] + (["thdpack-ray"] if "ray" in args.engine else [])
+                     + [TRL_NAMES[s] for s in args.trl_style if s != "none"])
             runs = [names[r % len(names):] + names[: r % len(names)] for r in range(args.repeats)]
             for name in [n for order in runs for n in order]:
                 out = work / f"out-{name}-{kind}"
                 shutil.rmtree(out, ignore_errors=True)
                 cache = Path(tempfile.mkdtemp(prefix="hf-cache-", dir=work))
                 run_env = dict(env, HF_DATASETS_CACHE=str(cache))
-                if name == "thdpack":
+                if name.startswith("thdpack"):
                     cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--tokenizer", tokenizer,
                            "--tokenizer-backend", args.tokenizer_backend,
                            "--pack-size", str(args.pack_size), "--overflow", "truncate", "--num-proc", str(args.num_proc),
@@ -284,6 +303,8 @@ def main() -> int:
                            "--no-save-tokenizer", "--output", str(out)]
                     if args.chat_template:
                         cmd += ["--chat-template", args.chat_template]
+                    if name == "thdpack-ray":
+                        cmd += ["--engine", "ray", "--ray-num-cpus", str(args.num_proc)]
                 else:
                     cmd = [sys.executable, __file__, "--num-proc", str(args.num_proc), "--map-batch-size",
                            str(args.map_batch_size), *(["--chat-template", args.chat_template] if args.chat_template
@@ -291,9 +312,13 @@ def main() -> int:
                            str(args.pack_size), name.split("-")[-1] if "-" in name else "batched"]
                 print(f"running {name} on {kind} ...", file=sys.stderr)
                 m = measure(cmd, run_env)
-                res = thdpack_result(out, args.pack_size) if name == "thdpack" else trl_result(out, args.pack_size)
-                if name == "thdpack":
+                res = (thdpack_result(out, args.pack_size) if name.startswith("thdpack")
+                       else trl_result(out, args.pack_size))
+                if name.startswith("thdpack"):
                     m["stages"] = stage_lines(m["output"])
+                if name == "thdpack-ray":
+                    peak = driver_peak_mb(m["output"])
+                    m["driver_peak_mb_per_million_rows"] = None if peak is None else peak / (args.num_samples / 1e6)
                 m.pop("output")
                 m.update(res)
                 if name in row:  # keep the fastest run; remember every run's wall and CPU time
@@ -307,7 +332,10 @@ def main() -> int:
                 shutil.rmtree(cache, ignore_errors=True)
                 if not args.workdir:
                     shutil.rmtree(out, ignore_errors=True)
-            for name in names[1:]:
+            if "thdpack-ray" in row:
+                row["thdpack-ray"]["vs_local"] = row["thdpack-ray"]["wall_s"] / row["thdpack"]["wall_s"]
+                row["thdpack-ray"]["target_met"] = row["thdpack-ray"]["vs_local"] <= RAY_TARGET
+            for name in [n for n in names[1:] if n != "thdpack-ray"]:
                 row[name]["speedup"] = row[name]["wall_s"] / row["thdpack"]["wall_s"]
                 row[name]["cpu_ratio"] = min(r["cpu_s"] for r in row[name]["runs"]) / min(
                     r["cpu_s"] for r in row["thdpack"]["runs"])
@@ -367,23 +395,32 @@ def profile_thdpack(data: Path, pack_size: int, work: Path, tokenizer: str, back
 def print_table(r: dict) -> None:
     print(f"\nthdpack build vs TRL (datasets.map + pack_dataset bfd + save_to_disk): {r['num_samples']:,} rows, "
           f"pack {r['pack_size']}, num_proc {r['num_proc']} on {r['cpus']} CPUs")
-    head = f"{'kind':<6}{'pipeline':<9}{'wall s':>8}{'CPU s':>8}{'peak tree RSS MB':>18}{'peak proc RSS MB':>18}{'packs':>9}{'efficiency':>12}{'disk MB':>9}"
+    head = f"{'kind':<6}{'pipeline':<12}{'wall s':>8}{'CPU s':>8}{'peak tree RSS MB':>18}{'peak proc RSS MB':>18}{'packs':>9}{'efficiency':>12}{'disk MB':>9}"
     print(head)
     print("-" * len(head))
     for kind, row in r["runs"].items():
-        names = [n for n in ("thdpack", "trl", "trl-sft") if n in row]
+        names = [n for n in ("thdpack", "thdpack-ray", "trl", "trl-sft") if n in row]
         for name in names:
             x = row[name]
             cpu = min(r["cpu_s"] for r in x["runs"])
-            print(f"{kind:<6}{name:<9}{x['wall_s']:>8.1f}{cpu:>8.1f}{x['peak_tree_rss_mb']:>18.0f}{x['peak_proc_rss_mb']:>18.0f}"
+            print(f"{kind:<6}{name:<12}{x['wall_s']:>8.1f}{cpu:>8.1f}{x['peak_tree_rss_mb']:>18.0f}{x['peak_proc_rss_mb']:>18.0f}"
                   f"{x['packs']:>9,}{x['efficiency']:>12.4f}{x['disk_mb']:>9.0f}")
-        for name in names[1:]:
+        if "thdpack-ray" in row:
+            x = row["thdpack-ray"]
+            peak = x.get("driver_peak_mb_per_million_rows")
+            print(f"{kind:<6}{'ratio':<12}{x['vs_local']:>7.2f}x  thdpack-ray / thdpack local wall time (target <= "
+                  f"{RAY_TARGET}x: {'met' if x['target_met'] else 'NOT met'}); driver peak memory "
+                  + (f"{peak:.0f} MB per million rows" if peak is not None else "not reported"))
+        for name in [n for n in names[1:] if n != "thdpack-ray"]:
             x = row[name]
             verdict = "met" if x["target_met"] else "NOT met"
-            print(f"{kind:<6}{'ratio':<9}{x['speedup']:>7.2f}x  thdpack vs {name} (CPU time {x['cpu_ratio']:.2f}x; target "
+            print(f"{kind:<6}{'ratio':<12}{x['speedup']:>7.2f}x  thdpack vs {name} (CPU time {x['cpu_ratio']:.2f}x; target "
                   f">= {TARGET_SPEEDUP:.0f}x wall at equal or better efficiency: {verdict})")
-        for line in row["thdpack"].get("stages", []):
-            print(f"        thdpack {line}")
+            if "thdpack-ray" in row:
+                print(f"{kind:<6}{'ratio':<12}{x['wall_s'] / row['thdpack-ray']['wall_s']:>7.2f}x  thdpack-ray vs {name}")
+        for engine in ("thdpack", "thdpack-ray"):
+            for line in row.get(engine, {}).get("stages", []):
+                print(f"        {engine} {line}")
 
 
 if __name__ == "__main__":

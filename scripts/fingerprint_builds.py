@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -155,7 +156,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--ignore-key", action="append", default=[], help="dotted metadata.json key to leave out")
+    ap.add_argument("--build-flags", default="", help="flags added to every thdpack build, e.g. '--engine ray' "
+                    "(the digests must equal those of the same checkout without them)")
     args = ap.parse_args()
+    extra = shlex.split(args.build_flags)
     inputs = make_inputs(args.workdir / "inputs")
     out = args.workdir / "out"
     shutil.rmtree(out, ignore_errors=True)
@@ -180,10 +184,10 @@ def main() -> None:
                                 "--pack-size", "4096", "--loss", "last_assistant", "--overflow", "truncate"]
     result: dict = {}
     for name, flags in builds.items():
-        run("build", *flags, "--output", str(out / name), "-q")
+        run("build", *flags, *extra, "--output", str(out / name), "-q")
         result[name] = digest(out / name, args.ignore_key, args.workdir)
     for i in range(2):
-        run("build", "--config", demo, "--slice", f"{i}/2", "--output", str(out / "parts" / "{slice}"), "-q")
+        run("build", "--config", demo, "--slice", f"{i}/2", *extra, "--output", str(out / "parts" / "{slice}"), "-q")
     run("merge", str(out / "merged"), str(out / "parts"), "-q")
     result["merged"] = digest(out / "merged", args.ignore_key, args.workdir)
     run("export", str(out / "demo"), "--to", "megatron-bridge", str(out / "exported"), "-q")

@@ -41,6 +41,8 @@ NEEDS_EXTERNAL = {
     "#SBATCH": "a Slurm batch script (sbatch on a cluster)",
     "sbatch --": "submits jobs to Slurm",
     "torchrun --": "a multi-node torchrun launch over a shared file system",
+    "ray start": "starts Ray on the nodes of a cluster",
+    "--ray-address auto": "joins a running Ray cluster",
 }
 # Inline spans that name a flag or a sub-command rather than give a command to run.
 FRAGMENTS = {

@@ -2,7 +2,7 @@
 
 - :mod:`~thdpack.offline.cluster.ray_session`: start a local Ray instance or join a cluster, say where
   the build runs, shut a local instance down however the build ends.
-- :mod:`~thdpack.offline.cluster.ray_map`: the tokenizing map as a Ray Data operator (one actor per
+- :mod:`~thdpack.offline.cluster.ray_map`: the tokenizing map on a pool of Ray actors (one per
   CPU, the row tokenizer loaded once per actor), the same rows and files as the local map.
 - :mod:`~thdpack.offline.cluster.ray_write`: the data files written by Ray tasks, one file each.
 

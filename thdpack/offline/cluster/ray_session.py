@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 
 from thdpack.offline.errors import ConfigError
@@ -52,9 +54,8 @@ def import_ray():
     """The ``ray`` module, or a ConfigError saying how to install it."""
     try:
         import ray
-        import ray.data  # noqa: F401 - the tokenizing map's operator
     except ImportError:
-        raise ConfigError('engine: ray needs Ray Data: pip install "thdpack[ray]"') from None
+        raise ConfigError('engine: ray needs Ray: pip install "thdpack[ray]"') from None
     return ray
 
 
@@ -65,31 +66,65 @@ def ray_session(options: RayOptions, *, debug: bool = False):
     ray = import_ray()
     address = options.address or os.environ.get("RAY_ADDRESS") or None
     local = False
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if options.address not in (None, "auto") and options.address.split("://", 1)[-1] != current:
+            raise ConfigError(f"ray_address {options.address}: this process is already connected to the Ray "
+                              f"instance at {current}; leave ray_address unset to use it")
+    else:
         kwargs = dict(include_dashboard=False, log_to_driver=debug, configure_logging=False,
                       logging_level=logging.INFO if debug else logging.WARNING)
         if address:
             _check_reachable(address)
             try:
-                ray.init(address=address, **kwargs)
+                with _keep_signal_handlers():
+                    ray.init(address=address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ConfigError(f"ray_address {address}: cannot join the Ray cluster there "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         else:
             local = True
-            ray.init(num_cpus=options.num_cpus or os.cpu_count() or 1,
-                     object_store_memory=None if options.object_store_mb is None else options.object_store_mb << 20,
-                     object_spilling_directory=options.spill_dir, **kwargs)
+            with _keep_signal_handlers():
+                ray.init(num_cpus=options.num_cpus or os.cpu_count() or 1,
+                         object_store_memory=None if options.object_store_mb is None else options.object_store_mb << 20,
+                         object_spilling_directory=options.spill_dir, **kwargs)
     try:
-        _quiet_ray_data(ray, debug)
         resources = ray.cluster_resources()
         session = RaySession(options, local, ray.get_runtime_context().gcs_address,
                              sum(1 for n in ray.nodes() if n.get("Alive")), int(resources.get("CPU", 0)))
         logger.info(session.describe())
         yield session
+        logger.info(f"ray: driver peak memory {_peak_rss_mb():.0f} MB")
     finally:
         if local:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers():
+    """Put back this process's SIGINT / SIGTERM handlers after ``ray.init``: Ray's core installs its own
+    C handler for SIGTERM in the driver (it prints a stack and exits 1), which would bypass the build's
+    clean stop (exit 143, temporary directory removed). Python's ``getsignal`` does not see Ray's handler,
+    so the saved handlers are set again unconditionally."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (Linux reports ``ru_maxrss`` in kB, macOS in bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _check_reachable(address: str) -> None:
@@ -107,12 +142,3 @@ def _check_reachable(address: str) -> None:
     except OSError as exc:
         raise ConfigError(f"ray_address {address}: no Ray cluster answers there ({exc.strerror or exc}); "
                           "start one (ray start --head) or leave ray_address unset for a local instance") from None
-
-
-def _quiet_ray_data(ray, debug: bool) -> None:
-    """Ray Data's own progress bars and per-dataset log lines off (the build shows one bar per stage)."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = debug
-    ctx.print_on_execution_start = debug
-    if not debug:
-        logging.getLogger("ray.data").setLevel(logging.WARNING)

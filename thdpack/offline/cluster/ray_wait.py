@@ -1,5 +1,6 @@
-"""Waiting on Ray work from the driver: in short steps of our own code, so that Ctrl-C and SIGTERM are
-acted on within a fraction of a second, and with a worker's exception raised as it was raised there."""
+"""Waiting on Ray work from the driver: in steps of :data:`POLL_S` in Ray's code, each followed by a
+checkpoint of ours (:func:`~thdpack.offline.procs.check_signals`), so that Ctrl-C and SIGTERM are acted on
+within a fraction of a second; a worker's exception is raised as it was raised there."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import deque
 from typing import Callable
 
 from thdpack.offline.errors import OfflineError
+from thdpack.offline.procs import check_signals
 
 POLL_S = 0.2  # how long the driver waits in Ray's code at a time
 
@@ -33,6 +35,7 @@ def collect(actors: list, work: list[tuple[object, Callable]], *, on_done: Calla
             submit(actor)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        check_signals()
         for ref in ready:
             key, actor = pending.pop(ref)
             on_done(key, result_of(ref))
@@ -47,6 +50,7 @@ def collect_tasks(refs: dict, *, on_done: Callable) -> None:
     pending = dict(refs)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        check_signals()
         for ref in ready:
             on_done(pending.pop(ref), result_of(ref))
 

@@ -1,0 +1,265 @@
+"""``engine: ray`` (thdpack/offline/cluster): the same bytes as the local build, on a real local Ray instance.
+
+Every build here runs twice through ``thdpack build`` (in this process): once with ``engine: local``
+(the reference: the code every other test checks) and once with ``--engine ray`` on one Ray instance
+of 2 CPUs shared by the module; the two output trees must be identical file for file. Then the faults
+a Ray user meets: a worker killed (``kill -9``) while tokenizing and while writing (Ray retries; still
+identical), Ctrl-C / SIGTERM to the driver (exit 130 / 143, nothing written, no process of its local
+Ray instance left), bad rows (the local build's message), an address nobody answers at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from thdpack.cli import main  # noqa: E402
+from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.offline import BuildConfig, build_packed  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them all: one Ray instance
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo.yaml")
+TOK = str(TOKENIZER_DIR)
+RAY_BANNER = "Token authentication is enabled"  # Ray's own line when it starts a local instance (its C++ core)
+
+
+def _fingerprint_script():
+    spec = importlib.util.spec_from_file_location("fingerprint_builds", ROOT / "scripts" / "fingerprint_builds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One local Ray instance of 2 CPUs for the module; builds find it initialised and use it."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    """The fixture inputs of scripts/fingerprint_builds.py: text, tokenized, preference rows with a score,
+    chat rows, Qwen2-VL rows with images and a video (``vlm_yaml``)."""
+    return _fingerprint_script().make_inputs(tmp_path_factory.mktemp("ray-inputs"))
+
+
+def tree_digest(path: Path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def build_both(tmp_path: Path, flags: list[str], *ray_flags: str) -> tuple[Path, Path]:
+    """``thdpack build FLAGS`` with engine local and with engine ray; the two outputs."""
+    local, on_ray = tmp_path / "local", tmp_path / "ray"
+    assert main(["build", *flags, "--output", str(local), "-q"]) == 0
+    assert main(["build", *flags, "--output", str(on_ray), "-q", "--engine", "ray", *ray_flags]) == 0
+    return local, on_ray
+
+
+BUILDS = {
+    "demo": ["--config", DEMO, "--max-rows", "1500"],
+    "demo_parquet_cp2_files": ["--config", DEMO, "--max-rows", "1500", "--output-format", "parquet", "--cp-size", "2",
+                               "--file-size-mb", "0.5"],
+    "demo_split_labels": ["--config", DEMO, "--max-rows", "800", "--overflow", "split", "--algorithm", "ffd",
+                          "--targets", "labels"],
+    "demo_bridge": ["--config", DEMO, "--output-format", "megatron-bridge", "--max-rows", "500"],
+    "text_drop": ["--input", "{text}", "--tokenizer", TOK, "--format", "text", "--pack-size", "1024", "--overflow",
+                  "drop"],
+    "tokenized_keep": ["--input", "{tokenized}", "--format", "tokenized", "--pack-size", "2048", "--algorithm",
+                       "first_fit_shuffle", "--without-targets", "keep"],
+    "preference_values": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size", "4096",
+                          "--sample-values", "score"],
+    "vlm_images_video": ["--config", "{vlm_yaml}"],
+}
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_ray_build_is_byte_identical_to_the_local_build(name, inputs, ray_instance, tmp_path):
+    flags = [f.format(**inputs) for f in BUILDS[name]]
+    local, on_ray = build_both(tmp_path, flags)
+    digest = tree_digest(local)
+    assert len(digest) >= 2  # data file(s) and metadata.json at least
+    assert tree_digest(on_ray) == digest
+    if name == "demo_parquet_cp2_files":
+        assert len(json.loads((local / "metadata.json").read_text())["files"]) > 1  # one Ray task per file
+
+
+def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_path):
+    q3 = _fingerprint_script().qwen3_tokenizer()
+    if q3 is None:
+        pytest.skip("the Qwen3 tokenizer is not in the test cache (tests/real_tokenizers.py fetches it)")
+    flags = ["--input", str(inputs["chat"]), "--tokenizer", str(q3), "--format", "chat", "--pack-size", "4096",
+             "--loss", "last_assistant", "--overflow", "truncate"]
+    local, on_ray = build_both(tmp_path, flags)
+    assert tree_digest(on_ray) == tree_digest(local)
+
+
+def test_ray_options_from_yaml_and_a_small_actor_pool(inputs, ray_instance, tmp_path):
+    """The YAML ray: section reaches the build (one actor), and the output is still the local one's."""
+    cfg = tmp_path / "ray.yaml"
+    cfg.write_text(f"input: {inputs['text']}\ntokenizer: {TOK}\nformat: text\npack_size: 1024\noverflow: drop\n"
+                   "map_batch_size: 20\nray:\n  concurrency: 1\n  cpus_per_actor: 1\n")
+    local, on_ray = build_both(tmp_path, ["--config", str(cfg)])
+    assert tree_digest(on_ray) == tree_digest(local)
+    assert BuildConfig.from_yaml(cfg).ray_concurrency == 1
+
+
+def test_bad_rows_give_the_local_message_and_skip_the_same_rows(inputs, ray_instance, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    lines = Path(inputs["text"]).read_text().splitlines()
+    lines[7] = "{not json"
+    lines[40] = json.dumps({"no_text": 1})
+    bad.write_text("\n".join(lines) + "\n")
+    flags = ["--input", str(bad), "--tokenizer", TOK, "--format", "text", "--pack-size", "1024", "--overflow", "drop"]
+    messages = []
+    for engine in ("local", "ray"):
+        assert main(["build", *flags, "--output", str(tmp_path / engine), "-q", "--engine", engine]) == 2
+        messages.append(capsys.readouterr().err.strip().splitlines()[-1])
+    assert messages[0] == messages[1] and "bad.jsonl:8" in messages[0] and "bad.jsonl:41" in messages[0]
+    local, on_ray = build_both(tmp_path / "skip", [*flags, "--skip-bad-rows"])
+    assert tree_digest(on_ray) == tree_digest(local)
+
+
+def test_an_unreachable_address_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "thdpack", "build", "--config", DEMO, "--max-rows", "50", "--output",
+                           str(tmp_path / "o"), "-q", "--engine", "ray", "--ray-address", "127.0.0.1:9"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith(RAY_BANNER)]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "ray_address 127.0.0.1:9" in err[0] and "no Ray cluster answers there" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_address_other_than_the_connected_instance_is_refused(ray_instance, tmp_path, capsys):
+    assert main(["build", "--config", DEMO, "--max-rows", "50", "--output", str(tmp_path / "o"), "-q",
+                 "--engine", "ray", "--ray-address", "127.0.0.1:9"]) == 2
+    assert "already connected to the Ray instance at" in capsys.readouterr().err
+
+
+def test_the_local_engine_imports_no_ray(tmp_path):
+    code = ("import sys; from thdpack.cli import main; "
+            f"rc = main(['build', '--config', {DEMO!r}, '--max-rows', '100', '--output', {str(tmp_path / 'o')!r}, '-q']); "
+            "assert rc == 0; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_ray_section_with_an_unknown_key_is_refused(tmp_path):
+    from thdpack.offline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown key ray.adress \(did you mean 'address'\?\)"):
+        BuildConfig.from_dict({"input": "x.jsonl", "ray": {"adress": "auto"}})
+    with pytest.raises(ConfigError, match="ray must be a mapping"):
+        BuildConfig.from_dict({"input": "x.jsonl", "ray": "auto"})
+
+
+# ---------------------------------------------------------------------------- a worker killed mid-build
+
+
+def _kill_one_worker(title: str, stop: threading.Event, killed: list) -> None:
+    """Kill (SIGKILL) the first process whose title starts with ``title`` (Ray names a worker after the
+    task it runs: ``ray::_PartMapper.map_part``, ``ray::_write_file``), once."""
+    while not stop.is_set() and not killed:
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if cmd.startswith(title):
+                try:
+                    p.kill()
+                    killed.append(cmd)
+                except psutil.NoSuchProcess:
+                    continue
+                return
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("title, overrides", [
+    ("ray::_PartMapper.map_part", {"map_batch_size": 25}),
+    ("ray::_write_file", {"file_size_mb": 0.2}),
+])
+def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides, ray_instance, tmp_path):
+    cfg = BuildConfig.from_yaml(DEMO).override(max_rows=2000, **overrides)
+    local = build_packed(cfg, tmp_path / "local", progress=False)
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_one_worker, args=(title, stop, killed), daemon=True)
+    killer.start()
+    try:
+        on_ray = build_packed(cfg.override(engine="ray"), tmp_path / "ray", progress=False)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, f"no {title} process was seen to kill"
+    assert tree_digest(on_ray.path) == tree_digest(local.path)
+
+
+# ---------------------------------------------------------------------------- signals to the driver
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_driver_stops_the_build_and_its_local_ray(signum, tmp_path):
+    """The driver's own local Ray instance (no address): SIGINT / SIGTERM while its actors tokenize ->
+    exit 130 / 143, one line, no output or temporary directory, none of its processes left."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thdpack", "build", "--config", DEMO, "--output", str(out), "-q", "--engine", "ray",
+         "--ray-num-cpus", "2", "--map-batch-size", "25"],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120
+    tokenizing = False
+    while time.monotonic() < deadline and proc.poll() is None and not tokenizing:
+        seen |= _descendants(proc.pid)
+        tokenizing = any(" ".join(psutil.Process(p).cmdline()).startswith("ray::_PartMapper.map_part")
+                         for p in seen if psutil.pid_exists(p) and _alive(p))
+        time.sleep(0.05)
+    assert tokenizing, "the build never reached its tokenizing actors"
+    seen |= _descendants(proc.pid)
+    proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    lines = [line for line in err.strip().splitlines() if not line.startswith(RAY_BANNER)]
+    assert proc.returncode == 128 + signum, err
+    assert len(lines) == 1 and lines[0].startswith(f"thdpack build: interrupted by {signal.Signals(signum).name}"), err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(_alive(p) for p in seen):
+        time.sleep(0.2)
+    assert not [p for p in seen if _alive(p)], "processes of the build's local Ray instance outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
