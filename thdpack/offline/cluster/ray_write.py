@@ -36,11 +36,21 @@ def write_on_ray(session: RaySession, files, out_dir: Path, *, progress: bool = 
 
     try:
         collect_tasks(refs, on_done=done)
+    except BaseException:
+        _cancel_unfinished(ray, refs)
+        raise
     finally:
         bar.close()
-        for ref in refs:
-            ray.cancel(ref, force=True)  # nothing to cancel once all are done
     return files.result(written)
+
+
+def _cancel_unfinished(ray, refs) -> None:
+    """Cancel the writing tasks still running (the build stops: an error, a signal). Only those not
+    finished, and without ``force``: Ray 2.60's driver aborts (``Check failed: ... Tried to complete task
+    that was not pending``) when a force-cancel races the reply of a task that has just finished."""
+    done, running = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in running:
+        ray.cancel(ref, force=False)
 
 
 def _write_file(files, out_dir: str, s: int):
