@@ -49,8 +49,13 @@ def _fingerprint_script():
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    """One local Ray instance of 2 CPUs for the module; builds find it initialised and use it."""
+    """One local Ray instance of 2 CPUs for the module; builds find it initialised and use it. Ray's
+    ``init`` installs a SIGTERM handler that exits the process (and keeps it after ``shutdown``): the
+    handlers are put back, or a later test that signals this process would end the pytest worker."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    for s, handler in saved.items():
+        signal.signal(s, handler)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -154,6 +159,19 @@ def test_an_address_other_than_the_connected_instance_is_refused(ray_instance, t
     assert main(["build", "--config", DEMO, "--max-rows", "50", "--output", str(tmp_path / "o"), "-q",
                  "--engine", "ray", "--ray-address", "127.0.0.1:9"]) == 2
     assert "already connected to the Ray instance at" in capsys.readouterr().err
+
+
+def test_a_build_on_ray_leaves_the_signal_handlers_as_they_were(tmp_path):
+    """build_packed (library use, no command-line handlers) starting its own local instance leaves
+    SIGTERM's handler as it was: Ray's init installs one that exits the process, and keeps it."""
+    code = ("import signal; from thdpack.offline import BuildConfig, build_packed; "
+            f"cfg = BuildConfig.from_yaml({DEMO!r}).override(max_rows=60, engine='ray', ray_num_cpus=1); "
+            f"build_packed(cfg, {str(tmp_path / 'o')!r}, progress=False); "
+            "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_the_local_engine_imports_no_ray(tmp_path):

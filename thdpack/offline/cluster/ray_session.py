@@ -102,10 +102,10 @@ def ray_session(options: RayOptions, *, debug: bool = False):
 
 @contextlib.contextmanager
 def _keep_signal_handlers():
-    """Put back this process's SIGINT / SIGTERM handlers after ``ray.init``: Ray's core installs its own
-    C handler for SIGTERM in the driver (it prints a stack and exits 1), which would bypass the build's
-    clean stop (exit 143, temporary directory removed). Python's ``getsignal`` does not see Ray's handler,
-    so the saved handlers are set again unconditionally."""
+    """Put back this process's SIGINT / SIGTERM handlers after ``ray.init``: Ray 2.60's ``init`` installs a
+    SIGTERM handler of its own in the driver (``sys.exit``, and its core prints a stack), which would
+    bypass the build's clean stop (exit 143, temporary directory removed) and stays installed after
+    ``ray.shutdown``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
