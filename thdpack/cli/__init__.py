@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
         outcome = (getattr(exc, "outcome", None) or getattr(listener, "outcome", None)
                    or "nothing was written at the output path")
-        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted'}; {outcome}",
+        # a plain KeyboardInterrupt is Python's own SIGINT handler's (a Ctrl-C before the listener was set)
+        print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted by SIGINT'}; {outcome}",
               file=sys.stderr)
         return exc.exit_code if isinstance(exc, Interrupted) else 130
     except (OfflineError, ValueError, OSError) as exc:  # OSError: a file the command could not read or write
