@@ -194,6 +194,10 @@ def test_slices_plus_merge_equal_the_single_build_with_slice_local_plans(c):
             a, b = i * len(rows) // n, (i + 1) * len(rows) // n
             assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.align * cfg.align)
                        and (opts["without_targets"] == "keep" or len(r) > 1) for r in rows[a:b]))
+        # overflow: drop of every row of the whole input stops the build (test_offline_hardening.py,
+        # test_overflow_drop_of_every_row_stops); a slice whose rows are all dropped is written empty
+        assume(opts["overflow"] != "drop" or any(r is not None and len(r) <= opts["pack_size"] // cfg.align * cfg.align
+                                                  for r in rows))
         parts = build_slices(cfg, d / "parts", n)
         merged = merge_slices(parts[::-1], d / "merged")  # any argument order
         ds = load_packed(merged.path, verify=True)
@@ -467,3 +471,18 @@ def test_old_shard_names_are_refused_naming_the_new_ones(tmp_path, slice_set, ca
         merge_slices(parts, tmp_path / "m-log", log=print)
     plan = merge_slices(parts, tmp_path / "m-new").metadata["input_slices"]["plan"]
     assert plan == "slice-local: each input slice's rows were planned on their own; packs are in slice order"
+
+
+def test_a_slice_whose_rows_are_all_dropped_is_written_empty(tmp_path):
+    """overflow: drop of every row stops a whole build; an input slice whose rows are all longer than a pack
+    is written with no packs (and counted), and the merge holds the other slice's packs."""
+    rows = [list(range(1, 101)), list(range(1, 91))] + [list(range(1, 21)) for _ in range(6)]
+    cfg = BuildConfig(input=str(write_rows(tmp_path / "rows.jsonl", rows)), format="tokenized", pack_size=48,
+                      overflow="drop")
+    parts = build_slices(cfg, tmp_path / "parts", 4)
+    assert [load_packed(p).metadata["num_packs"] for p in parts][0] == 0
+    merged = load_packed(merge_slices(parts, tmp_path / "merged").path, verify=True)
+    assert merged.metadata["counts"]["dropped"]["samples"] == 2 and merged.metadata["num_packs"] > 0
+    with pytest.raises(InputError, match="every row is longer than pack_size=48"):
+        build_packed(BuildConfig(input=str(write_rows(tmp_path / "long.jsonl", rows[:2])), format="tokenized",
+                                 pack_size=48, overflow="drop"), tmp_path / "none", progress=False)

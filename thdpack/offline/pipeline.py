@@ -148,7 +148,8 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     sample_rows, skipped, patches = _select_rows(planning, source, tokenized, sequences, vlm)
     t0 = time.perf_counter()
     planner = _Planner(planning, sequences, vlm, patches)
-    plan, sample_rows, piece_targets, without = _plan_samples(planner, tokenized.dataset.data.table, source, sample_rows)
+    plan, sample_rows, piece_targets, without = _plan_samples(planner, tokenized.dataset.data.table, source, sample_rows,
+                                                              whole_input=input_slice is None)
     t["plan"] = time.perf_counter() - t0
     _log_plan(planning, plan, without, t["plan"])
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, stages.model_config,
@@ -255,15 +256,20 @@ class _Planner:
         )
 
 
-def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndarray):
+def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndarray, *, whole_input: bool = True):
     """``(plan, sample_rows, piece_targets, without)``: the plan of ``sample_rows``, the target tokens of
     each of its pieces (int64 ``[pieces]``) and the :class:`WithoutTargets`; under ``without_targets:
     drop`` planned again without those samples (their whole groups), whose rows ``sample_rows`` no
-    longer holds. ``table``: the tokenized rows."""
+    longer holds. ``table``: the tokenized rows. ``overflow: drop`` of every row stops the build of a
+    ``whole_input``; an input slice whose rows are all dropped is written empty with a warning (the
+    other slices may hold packs; merge adds up the counts)."""
     planning, sequences = planner.planning, planner.sequences
     plan = planner.plan(sample_rows)
     if plan.stats.samples_dropped and plan.stats.samples_dropped == sample_rows.size:
-        _all_dropped(planning, source, sequences, sample_rows)
+        if whole_input:
+            _all_dropped(planning, source, sequences, sample_rows)
+        logger.warning(f"warning: every row of this input slice is longer than pack_size={planning.plan.pack_size}: "
+                       f"overflow=drop dropped all {sample_rows.size} (counted in metadata.json); the slice has no packs")
     piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, planning.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
