@@ -118,13 +118,23 @@ def signals_interrupt():
     previous = {s: signal.getsignal(s) for s in _INTERRUPT_SIGNALS}
     ours = [s for s, h in previous.items() if h in (signal.SIG_DFL, signal.default_int_handler, None)]
 
+    previous_hook = sys.unraisablehook
+
+    def quiet_interrupted(unraisable) -> None:
+        # an Interrupted raised inside a callback from C (numba's compile cache, a ctypes callback) is
+        # printed and dropped there; the listener's record still stops the command at its next checkpoint
+        if not isinstance(unraisable.exc_value, Interrupted):
+            previous_hook(unraisable)
+
     def restore() -> None:
         global _listener
         for s in ours:
             signal.signal(s, previous[s] if previous[s] is not None else signal.SIG_DFL)
+        sys.unraisablehook = previous_hook
         _listener = outer
 
     _listener = listener
+    sys.unraisablehook = quiet_interrupted
     for s in ours:
         signal.signal(s, listener.handle)
     try:
