@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
 # in this list, never from one below. docs/architecture.md draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("common", ("thdpack.common",)),
-    ("demo, parallel", ("thdpack.demo", "thdpack.parallel")),
+    ("demo, parallel, attention", ("thdpack.demo", "thdpack.parallel", "thdpack.attention")),
     ("flops", ("thdpack.flops",)),
     ("planning", ("thdpack.planning",)),
     ("batching", ("thdpack.batching",)),
