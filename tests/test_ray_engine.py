@@ -108,6 +108,29 @@ def test_ray_build_is_byte_identical_to_the_local_build(name, inputs, ray_instan
         assert len(json.loads((local / "metadata.json").read_text())["files"]) > 1  # one Ray task per file
 
 
+def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, monkeypatch):
+    """The planned pieces' target tokens are counted by Ray tasks over runs of pieces (the driver reads no
+    targets): several tasks here, and the output (counts in metadata.json included) is the local one's."""
+    import thdpack.offline.cluster.ray_tasks as ray_tasks
+    from thdpack.offline import pipeline
+
+    monkeypatch.setattr(pipeline, "RAY_COUNT_TOKENS", 4000)
+    calls = []
+    real = ray_tasks.run_tasks
+
+    def spy(session, function, shared, items, **kw):
+        calls.append((function.__name__, len(items)))
+        return real(session, function, shared, items, **kw)
+
+    monkeypatch.setattr(ray_tasks, "run_tasks", spy)
+    flags = ["--config", DEMO, "--max-rows", "800", "--overflow", "split", "--pack-size", "512", "--targets", "labels",
+             "--without-targets", "drop"]
+    local, on_ray = build_both(tmp_path, flags)
+    assert tree_digest(on_ray) == tree_digest(local)
+    counted = [n for name, n in calls if name == "count_targets_of_dataset"]
+    assert counted and counted[0] > 1, calls
+
+
 def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_path):
     q3 = _fingerprint_script().qwen3_tokenizer()
     if q3 is None:

@@ -40,7 +40,6 @@ from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.vision.vlm_setup import vlm_build
 from thdpack.planning.plan import PackPlan, plan_packs
-from thdpack.common.samples import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,8 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     sample_rows, skipped, patches = _select_rows(planning, source, tokenized, sequences, vlm)
     t0 = time.perf_counter()
     planner = _Planner(planning, sequences, vlm, patches)
-    plan, sample_rows, piece_targets, without = _plan_samples(planner, tokenized.dataset.data.table, source, sample_rows,
+    count = _target_counter(planning.targets, tokenized, ray_session)
+    plan, sample_rows, piece_targets, without = _plan_samples(planner, count, source, sample_rows,
                                                               whole_input=input_slice is None)
     t["plan"] = time.perf_counter() - t0
     _log_plan(planning, plan, without, t["plan"])
@@ -256,11 +256,11 @@ class _Planner:
         )
 
 
-def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndarray, *, whole_input: bool = True):
+def _plan_samples(planner: _Planner, count, source: Source, sample_rows: np.ndarray, *, whole_input: bool = True):
     """``(plan, sample_rows, piece_targets, without)``: the plan of ``sample_rows``, the target tokens of
     each of its pieces (int64 ``[pieces]``) and the :class:`WithoutTargets`; under ``without_targets:
     drop`` planned again without those samples (their whole groups), whose rows ``sample_rows`` no
-    longer holds. ``table``: the tokenized rows. ``overflow: drop`` of every row stops the build of a
+    longer holds. ``count``: the target counter of the tokenized rows (:func:`_target_counter`). ``overflow: drop`` of every row stops the build of a
     ``whole_input``; an input slice whose rows are all dropped is written empty with a warning (the
     other slices may hold packs; merge adds up the counts)."""
     planning, sequences = planner.planning, planner.sequences
@@ -270,7 +270,7 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
             _all_dropped(planning, source, sequences, sample_rows)
         logger.warning(f"warning: every row of this input slice is longer than pack_size={planning.plan.pack_size}: "
                        f"overflow=drop dropped all {sample_rows.size} (counted in metadata.json); the slice has no packs")
-    piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
+    piece_targets = _piece_targets(count, sample_rows, plan)
     without = _without_targets(sample_rows, plan, piece_targets, planning.without_targets)
     if without.dropped_samples:  # the plan's cuts are per sample: the other samples keep theirs
         seq_group = sequences.group
@@ -284,7 +284,7 @@ def _plan_samples(planner: _Planner, table, source: Source, sample_rows: np.ndar
                 "labels of the rows, raise pack_size, or set without_targets: keep to pack them anyway"
             )
         plan = planner.plan(sample_rows)
-        piece_targets = _piece_targets(table, planning.targets, sample_rows, plan)
+        piece_targets = _piece_targets(count, sample_rows, plan)
     return plan, sample_rows, piece_targets, without
 
 
@@ -391,25 +391,34 @@ def _without_targets(sample_rows: np.ndarray, plan: PackPlan, piece_targets: np.
     )
 
 
-def _piece_targets(table, targets: str, sample_rows: np.ndarray, plan: PackPlan) -> np.ndarray:
-    """int64 ``[pieces]``: target tokens of each piece of ``plan`` (as the writer stores it:
-    ``targets`` of the tokenized row from the piece's start; a piece's first token starts a
-    sample in its pack, so it is never a target). Read a bounded chunk of pieces at a time."""
-    from thdpack.offline.store.gather import RowPieces
-    from thdpack.offline.store.writer import CHUNK_TOKENS, group_boundaries
+def _piece_targets(count, sample_rows: np.ndarray, plan: PackPlan) -> np.ndarray:
+    """int64 ``[pieces]``: target tokens of each piece of ``plan`` (as the writer stores it: the
+    tokenized row's targets from the piece's start; a piece's first token starts a sample in its pack,
+    so it is never a target), by ``count(rows, starts, lengths)`` (:func:`_target_counter`)."""
+    return count(sample_rows[plan.sample_index], plan.start + 1, plan.length - 1)
 
-    reader = RowPieces(table, targets)
-    rows, starts, lengths = sample_rows[plan.sample_index], plan.start + 1, plan.length - 1
-    out = np.zeros(rows.size, np.int64)
-    cuts = group_boundaries(lengths, CHUNK_TOKENS)
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        values = reader.gather(rows[a:b], starts[a:b], lengths[a:b])
-        is_t = values if targets == "loss_mask" else values != IGNORE_INDEX
-        c = np.zeros(is_t.size + 1, np.int64)
-        np.cumsum(is_t, out=c[1:])
-        end = np.cumsum(lengths[a:b])
-        out[a:b] = c[end] - c[end - lengths[a:b]]
-    return out
+
+def _target_counter(targets: str, tokenized: Tokenized, ray_session=None):
+    """``count(rows, starts, lengths)`` -> int64 target tokens of each piece of the tokenized rows: read
+    here, or under ``engine: ray`` by Ray tasks over contiguous runs of the pieces (about
+    :data:`RAY_COUNT_TOKENS` tokens each), which read the rows where they run: only the piece arrays and
+    the counts cross the network, never the targets."""
+    from thdpack.offline.store.gather import count_targets, count_targets_of_dataset, group_boundaries
+
+    if ray_session is None:
+        return functools.partial(count_targets, tokenized.dataset.data.table, targets)
+    from thdpack.offline.cluster.ray_tasks import run_tasks
+
+    def count(rows, starts, lengths):
+        cuts = group_boundaries(lengths, RAY_COUNT_TOKENS)
+        items = [(rows[a:b], starts[a:b], lengths[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        parts = run_tasks(ray_session, count_targets_of_dataset, (tokenized.dataset, targets), items)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    return count
+
+
+RAY_COUNT_TOKENS = 1 << 25  # tokens of pieces per Ray task counting targets (~32M: a second or two of work)
 
 
 # ---------------------------------------------------------------------------- build

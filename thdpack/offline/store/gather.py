@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.common.jit import njit
+from thdpack.common.samples import IGNORE_INDEX
+
+CHUNK_TOKENS = 1 << 22  # tokens per record batch / row group, and per step of counting targets
 
 
 @njit
@@ -90,3 +93,38 @@ class RowPieces:
             sel = order[a:b]
             copy(self._buffers[c], src_pos[sel], dst_pos[sel], lengths[sel], out)
         return out.view(np.bool_) if bits else out
+
+
+def group_boundaries(tokens: np.ndarray, budget: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` splitting consecutive items into groups of about ``budget`` tokens."""
+    if tokens.size == 0:
+        return [0, 0]
+    group = (np.cumsum(tokens) - 1) // max(1, budget)
+    starts = np.flatnonzero(np.diff(group)) + 1
+    return [0] + starts.tolist() + [int(tokens.size)]
+
+
+def count_targets(table, targets: str, rows, starts, lengths) -> np.ndarray:
+    """int64 ``[k]``: the target tokens of each piece ``table[targets][rows[k]][starts[k] :][: lengths[k]]``
+    (``targets``: ``loss_mask``, True = target, or ``labels``, not ``IGNORE_INDEX``), read
+    :data:`CHUNK_TOKENS` tokens at a time (memory bounded by a chunk, not the rows)."""
+    reader = RowPieces(table, targets)
+    lengths = np.asarray(lengths, np.int64)
+    out = np.zeros(lengths.size, np.int64)
+    cuts = group_boundaries(lengths, CHUNK_TOKENS)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        values = reader.gather(rows[a:b], starts[a:b], lengths[a:b])
+        is_t = values if targets == "loss_mask" else values != IGNORE_INDEX
+        c = np.zeros(is_t.size + 1, np.int64)
+        np.cumsum(is_t, out=c[1:])
+        end = np.cumsum(lengths[a:b])
+        out[a:b] = c[end] - c[end - lengths[a:b]]
+    return out
+
+
+def count_targets_of_dataset(shared: tuple, rows, starts, lengths) -> np.ndarray:
+    """:func:`count_targets` with ``shared = (dataset, targets)``, ``dataset`` a file-backed
+    ``datasets.Dataset`` of tokenized rows (it pickles as its file paths: a Ray task of
+    ``engine: ray`` reads the rows where it runs, from the filesystem every node reaches)."""
+    dataset, targets = shared
+    return count_targets(dataset.data.table, targets, rows, starts, lengths)

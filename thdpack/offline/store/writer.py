@@ -14,11 +14,9 @@ import numpy as np
 
 from thdpack.offline.procs import check_signals
 from thdpack.offline.store.format import SAMPLE_VALUE_PREFIX, VALUE_COLUMN, VALUE_IS_INT_COLUMN, data_file_name, file_sha256
-from thdpack.offline.store.gather import RowPieces
+from thdpack.offline.store.gather import CHUNK_TOKENS, RowPieces, group_boundaries
 from thdpack.planning.plan import PackPlan
 from thdpack.common.samples import IGNORE_INDEX
-
-CHUNK_TOKENS = 1 << 22  # tokens per record batch / row group
 
 
 def schema(targets: str):
@@ -54,15 +52,6 @@ def value_fields(values: dict):
     import pyarrow as pa
 
     return [pa.field(SAMPLE_VALUE_PREFIX + name, pa.list_(pa.from_numpy_dtype(v.dtype))) for name, v in values.items()]
-
-
-def group_boundaries(tokens: np.ndarray, budget: int) -> list[int]:
-    """Boundaries ``[0, ..., n]`` splitting consecutive items into groups of about ``budget`` tokens."""
-    if tokens.size == 0:
-        return [0, 0]
-    group = (np.cumsum(tokens) - 1) // max(1, budget)
-    starts = np.flatnonzero(np.diff(group)) + 1
-    return [0] + starts.tolist() + [int(tokens.size)]
 
 
 def write_packs(

@@ -1,0 +1,45 @@
+"""Independent pieces of work as Ray tasks: :func:`run_tasks`, one task per item, each retried when its
+worker dies, waited on in steps of our own code (:mod:`~thdpack.offline.cluster.ray_wait`), the
+unfinished ones cancelled when the build stops."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from thdpack.offline.cluster.ray_session import RaySession, import_ray
+from thdpack.offline.cluster.ray_wait import collect_tasks
+
+MAX_RETRIES = 5  # a task, run again when its worker dies (not on an exception of its own)
+
+
+def run_tasks(session: RaySession, function: Callable, shared, items: list, *, on_done: Callable | None = None) -> list:
+    """``[function(shared, *item) for item in items]``, each call a Ray task on the cluster of ``session``.
+    ``shared`` is put in the object store once (every task reads the same copy); each item is a tuple of
+    the task's other arguments. ``on_done(k, result)`` is called as item ``k`` finishes (in any order);
+    the results come back in the order of ``items``. A task's exception is raised here as its own."""
+    ray = import_ray()
+    task = ray.remote(num_cpus=session.options.cpus_per_actor, max_retries=MAX_RETRIES)(function)
+    shared_ref = ray.put(shared)
+    refs = {task.remote(shared_ref, *item): k for k, item in enumerate(items)}
+    results: list = [None] * len(items)
+
+    def done(k, result):
+        results[k] = result
+        if on_done is not None:
+            on_done(k, result)
+
+    try:
+        collect_tasks(refs, on_done=done)
+    except BaseException:
+        _cancel_unfinished(ray, refs)
+        raise
+    return results
+
+
+def _cancel_unfinished(ray, refs) -> None:
+    """Cancel the tasks still running (the build stops: an error, a signal). Only those not finished, and
+    without ``force``: Ray 2.60's driver aborts (``Check failed: ... Tried to complete task that was not
+    pending``) when a force-cancel races the reply of a task that has just finished."""
+    done, running = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in running:
+        ray.cancel(ref, force=False)
