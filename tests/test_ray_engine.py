@@ -131,6 +131,23 @@ def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, mon
     assert counted and counted[0] > 1, calls
 
 
+def test_a_uri_input_on_ray_is_byte_identical(inputs, ray_instance, tmp_path):
+    """Rows named by a filesystem URI (fsspec's memory:// standing for s3:// / gs://) are fetched into the
+    build's work directory, where the Ray actors read them: the local build's bytes."""
+    import fsspec
+
+    remote = f"/thdpack-ray-{tmp_path.name}/text.jsonl"
+    fsspec.filesystem("memory").pipe(remote, Path(inputs["text"]).read_bytes())
+    try:
+        flags = ["--input", f"memory://{remote}", "--tokenizer", TOK, "--format", "text", "--pack-size", "1024",
+                 "--overflow", "split"]
+        local, on_ray = build_both(tmp_path, flags)
+    finally:
+        fsspec.filesystem("memory").rm(remote)
+    assert tree_digest(on_ray) == tree_digest(local)
+    assert json.loads((on_ray / "metadata.json").read_text())["source"]["files"][0]["path"] == f"memory://{remote}"
+
+
 def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_path):
     q3 = _fingerprint_script().qwen3_tokenizer()
     if q3 is None:

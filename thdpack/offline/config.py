@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,13 @@ from thdpack.common.align import check_int, check_number
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.packing import OVERFLOW_POLICIES
 from thdpack.planning.options import ALGORITHMS
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def is_uri(spec: str) -> bool:
+    """Whether input ``spec`` is a filesystem URI (``PROTOCOL://...``, read with fsspec) rather than a path."""
+    return bool(_URI.match(spec))
 
 # "auto", then the name of each row format class registered (thdpack/offline/tokenizing/formats.py,
 # register_format, run on importing thdpack.offline); docs/build.md, "Row formats"
@@ -236,7 +244,7 @@ class BuildConfig:
         if "input" in changes:
             paths = changes["input"] if isinstance(changes["input"], (list, tuple)) else [changes["input"]]
             if all(isinstance(p, str) for p in paths):
-                paths = [str(Path(p).expanduser().absolute()) for p in paths]
+                paths = [p if is_uri(p) else str(Path(p).expanduser().absolute()) for p in paths]
                 changes["input"] = paths[0] if len(paths) == 1 else paths
         if "tokenizer" in changes and Path(changes["tokenizer"]).expanduser().exists():
             changes["tokenizer"] = str(Path(changes["tokenizer"]).expanduser().absolute())

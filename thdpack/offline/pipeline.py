@@ -118,7 +118,7 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     planning = stages.planning
     t = {}
     t0 = time.perf_counter()
-    source = read_source(stages.inputs, progress=progress)
+    source = read_source(stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
     t["read"] = time.perf_counter() - t0
     if source.num_rows == 0:
         raise InputError(f"{source.files[0].path if source.files else stages.inputs.input}: no rows")

@@ -10,6 +10,8 @@ Supported inputs:
   memory-mapped).
 - A directory written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` needs ``split``).
 - A directory or glob: every supported file in it, in sorted order.
+- A filesystem URI (``s3://``, ``gs://``, ``hf://``, ...) of any of these, fetched with fsspec
+  (:mod:`thdpack.offline.inputs.remote`).
 - ``{"demo": {...}}``: the bundled synthetic rows (:mod:`thdpack.demo`).
 
 Every row gets a location (``file:line`` or ``file row N``) for error messages, and
@@ -22,6 +24,7 @@ import glob
 import gzip
 import os
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from thdpack.offline.stages import InputOptions
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256, file_sha256
 from thdpack.offline.inputs.jsonl import split_lines
+from thdpack.offline.inputs.remote import fetch, filesystem, is_local, is_uri
 
 JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")
@@ -66,6 +70,7 @@ class Source:
     files: list[SourceFile]
     columns: list[str]  # fields available in the rows (for JSON: the first object's keys)
     row_offsets: np.ndarray = field(init=False, repr=False)
+    fetched: object = field(default=None, repr=False)  # the temporary directory of fetched URI inputs, kept alive
 
     def __post_init__(self):
         self.row_offsets = np.cumsum([0] + [f.num_rows for f in self.files])
@@ -92,8 +97,10 @@ class Source:
         return f"{f.path} row {local}"
 
 
-def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
-    """Read ``opts.input`` into a :class:`Source` (rows not yet parsed or tokenized)."""
+def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | None = None) -> Source:
+    """Read ``opts.input`` into a :class:`Source` (rows not yet parsed or tokenized). Inputs named by a
+    URI are fetched into ``fetch_dir`` (a build's work directory), else into a temporary directory that
+    lives as long as the Source."""
     import datasets
 
     spec = opts.input
@@ -106,8 +113,14 @@ def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
         raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
 
     paths: list[tuple[str, Path]] = []
-    for s in specs:
-        paths.extend(_expand(s, opts))
+    fetched = None
+    for k, s in enumerate(specs):
+        if is_uri(s):
+            if fetch_dir is None and fetched is None:
+                fetched = tempfile.TemporaryDirectory(prefix="thdpack-input-")
+            paths.extend(_expand_uri(s, opts, Path(fetch_dir or fetched.name) / f"input-{k}"))
+        else:
+            paths.extend(_expand(s, opts))
     kinds = {_kind(p) for _, p in paths}
     if "saved" in kinds and len(paths) > 1:
         raise ConfigError("a save_to_disk directory must be the only input")
@@ -131,7 +144,9 @@ def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
         elif kind == "arrow":
             table, sf = _read_arrow(given, path, limit)
         else:
-            return _read_saved(given, path, opts)
+            saved = _read_saved(given, path, opts)
+            saved.fetched = fetched
+            return saved
         tables.append(table)
         files.append(sf)
         if limit is not None:
@@ -151,10 +166,19 @@ def read_source(opts: InputOptions, *, progress: bool = True) -> Source:
     # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
     ds = datasets.Dataset(InMemoryTable(table), fingerprint=files_fingerprint(files)[:16])
     columns = _json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
-    return Source(ds, files, columns)
+    return Source(ds, files, columns, fetched)
 
 
 # ---------------------------------------------------------------------------- paths
+
+
+def _expand_uri(spec: str, opts: InputOptions, into: Path) -> list[tuple[str, Path]]:
+    """:func:`_expand` of a URI: ``file://`` read in place, any other protocol fetched under ``into``."""
+    fs, path = filesystem(spec)
+    if is_local(fs):
+        found = _expand(path, opts)
+        return [(spec, p) for _, p in found] if len(found) == 1 and not glob.has_magic(path) else found
+    return fetch(spec, into, lambda name: _supported(Path(name)))
 
 
 def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
