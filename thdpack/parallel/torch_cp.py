@@ -22,7 +22,6 @@ load balancer (``_generate_indices``), without importing torch's private classes
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from thdpack.common.align import check_int
@@ -46,16 +45,11 @@ def torch_cp_indices(batch_or_cu_seqlens_padded, cp_size: int) -> tuple[torch.Te
     """
     check_int(cp_size, "cp_size", 1)
     cu = _cu_seqlens_padded(batch_or_cu_seqlens_padded)
-    pieces = [partition_indices(cu, cp_size, rank) for rank in range(cp_size)]  # cp pieces, each vectorised
-    if isinstance(pieces[0], torch.Tensor):
-        rearrange = torch.cat(pieces)
-        restore = torch.empty_like(rearrange)
-        restore[rearrange] = torch.arange(rearrange.numel(), dtype=torch.int64, device=rearrange.device)
-        return rearrange, restore
-    rearrange = np.concatenate(pieces)
-    restore = np.empty_like(rearrange)
-    restore[rearrange] = np.arange(rearrange.shape[0], dtype=np.int64)
-    return torch.from_numpy(rearrange), torch.from_numpy(restore)
+    # one vectorised piece per rank (numpy for host offsets, torch on the offsets' device otherwise)
+    rearrange = torch.cat([torch.as_tensor(partition_indices(cu, cp_size, rank)) for rank in range(cp_size)])
+    restore = torch.empty_like(rearrange)
+    restore[rearrange] = torch.arange(rearrange.numel(), dtype=torch.int64, device=rearrange.device)
+    return rearrange, restore
 
 
 class TorchCPLoadBalancer:
