@@ -11,7 +11,7 @@ The public surface, group by group in the order a user meets it (``__all__`` kee
 - build: ``build_thd_batch``, ``BatchLayout``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
 - collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
 - balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel`` -- packs dealt evenly over data-parallel ranks.
-- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP rank's slice.
+- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``shard_for_ulysses``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP or Ulysses SP rank's slice.
 - flops: ``seqlen_squared_sum``, ``model_flops``, ``FlopsMeter``, ``FlopsAccumulator``, ``throughput``, ``overcount_report`` -- Σsᵢ².
 - offline: ``load_packed``, ``PackedDataset``, ``PackedRowCollator`` -- packs built ahead of time (lazy import).
 - losses: ``packed_loss`` -- a loss over a packed batch that means what it means unpacked.
@@ -29,6 +29,7 @@ from thdpack.batching.builder import build_thd_batch
 from thdpack.loaders.collate import IndexedDataset, PackedBatches, ThdCollator
 from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.parallel.torch_cp import TorchCPLoadBalancer, torch_cp_indices
+from thdpack.parallel.ulysses import shard_for_ulysses
 from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
 from thdpack.batching.layout import BatchLayout
 from thdpack.losses import packed_loss
@@ -49,7 +50,7 @@ __all__ = [
     # balance
     "plan_balanced", "BalancedPlan", "CostModel",
     # shard
-    "cp_pad_multiple", "shard_for_cp", "thd_partition_indices", "local_seq_lens",
+    "cp_pad_multiple", "shard_for_cp", "shard_for_ulysses", "thd_partition_indices", "local_seq_lens",
     "torch_cp_indices", "TorchCPLoadBalancer",
     # flops
     "seqlen_squared_sum", "model_flops", "FlopsMeter", "FlopsAccumulator", "throughput", "overcount_report",

@@ -62,6 +62,11 @@ class ThdBatch:
         local_seq_lens: shard only, int32 ``[n]`` real tokens of each sample on this rank.
         partition_indices: shard only, int64 ``[T / cp_size]`` position of each
             local token in the global stream.
+        sp_size, sp_rank: ``1, 0`` but on a Ulysses shard (:func:`thdpack.shard_for_ulysses`):
+            its per-token tensors are then the rank's contiguous ``T' / (cp_size·sp_size)`` tokens
+            of the stream padded to ``T'`` (``cu_seqlens_padded[-1]``); the ``local_*`` fields and
+            ``partition_indices`` are set as on a CP shard (``local_*``: the layout attention sees
+            after the all-to-all, the whole padded stream when ``cp_size == 1``).
     """
 
     input_ids: torch.Tensor
@@ -83,6 +88,8 @@ class ThdBatch:
     local_cu_seqlens_padded: torch.Tensor | None = None
     local_seq_lens: torch.Tensor | None = None
     partition_indices: torch.Tensor | None = None
+    sp_size: int = 1
+    sp_rank: int = 0
 
     # ---- sizes -----------------------------------------------------------
     @property
@@ -284,6 +291,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     check_cp_args(cp_size, cp_rank)
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
+    if batch.sp_size != 1:
+        raise ValueError(f"batch is a Ulysses shard (sp_size={batch.sp_size}, rank {batch.sp_rank}); for Ulysses x ring "
+                         "shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, cp_rank=)")
     index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
     shard = dataclasses.replace(
         batch,

@@ -13,9 +13,10 @@ from torch.utils.data import Dataset
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
-from thdpack.common.align import INT64_MAX
+from thdpack.common.align import INT64_MAX, check_int
 from thdpack.common.extensions import vision as vision_extension
 from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
@@ -98,6 +99,14 @@ class ThdCollator:
         cp_group: a ``torch.distributed`` process group of the CP ranks; when given
             and ``cp_rank`` is None, the rank is this process's rank in it.
             Without either, the whole (CP-padded) batch is returned.
+        ulysses_sp_size, ulysses_rank, sp_group: Ulysses sequence parallelism (DeepSpeed ALST, verl):
+            with ``ulysses_sp_size > 1`` and an SP rank (``ulysses_rank``, or this process's rank
+            in the ``torch.distributed`` group ``sp_group``), each call returns that rank's
+            :func:`thdpack.shard_for_ulysses` (with ``cp_size > 1``, of the CP rank's shard: give
+            ``cp_rank`` or ``cp_group`` too; the tail slots get the layout's ``pad_token_id``).
+            Without an SP rank, the whole batch, its stream padded to the Ulysses multiple
+            (:func:`thdpack.parallel.ulysses.pad_for_ulysses`: for an adapter that cuts the slices
+            itself, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` does).
         options, **plan_keywords: to plan the samples of a call into packs of at most
             ``pack_size`` tokens (after alignment): a :class:`thdpack.PlanOptions`, or its
             fields as keywords (``pack_size``, ``algorithm``, ``overflow``,
@@ -115,7 +124,10 @@ class ThdCollator:
 
     Attributes:
         layout: the :class:`BatchLayout` each batch is built with (``cp_rank`` resolved
-            from ``cp_group``; None with one CP rank: the whole batch is returned).
+            from ``cp_group``; None with one CP rank: the whole batch is returned). With Ulysses the
+            whole batch is built (a ``cp_rank`` is applied by :func:`thdpack.shard_for_ulysses`).
+        ulysses_sp_size, ulysses_rank: the Ulysses SP size and rank (from ``sp_group``); ``1, None``
+            without Ulysses, ``ulysses_rank`` None for the whole padded batch.
         options: the :class:`thdpack.PlanOptions` each call is planned with (``align`` the
             layout's multiple), or None without planning.
     """
@@ -126,6 +138,9 @@ class ThdCollator:
         layout: BatchLayout | None = None,
         options: PlanOptions | None = None,
         cp_group=None,
+        ulysses_sp_size: int = 1,
+        ulysses_rank: int | None = None,
+        sp_group=None,
         model_config=None,
         sample_values: Sequence[str] | None = None,
         group_field: str | None = None,
@@ -139,6 +154,9 @@ class ThdCollator:
             check_kernel_limits(self.options)
         self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
         self.group_field = group_field
+        self.ulysses_sp_size, self.ulysses_rank = _ulysses_rank(self.layout, ulysses_sp_size, ulysses_rank, sp_group)
+        # with Ulysses the whole batch is built, then sliced (a CP rank's shard too)
+        self._build_layout = self.layout if ulysses_sp_size == 1 else dataclasses.replace(self.layout, cp_rank=None)
 
     @property
     def pad_multiple(self) -> int:
@@ -149,7 +167,7 @@ class ThdCollator:
         samples = sample_list(samples, "ThdCollator")
         source = source_index(samples)
         if self.options is None:
-            return build_batch(samples, self.layout, sample_index=source, **self.build_kwargs)
+            return self._finish(build_batch(samples, self._build_layout, sample_index=source, **self.build_kwargs))
         samples = list(samples)
         lengths = np.zeros(len(samples), dtype=np.int64)
         for i, s in enumerate(samples):
@@ -176,12 +194,23 @@ class ThdCollator:
         pack = plan.gather(samples, k)  # its errors name input rows already
         sample_index = index if source is None else source[index]
         try:
-            return build_batch(pack, self.layout, sample_index=sample_index, **self.build_kwargs)
+            return self._finish(build_batch(pack, self._build_layout, sample_index=sample_index, **self.build_kwargs))
         except SampleError as exc:  # name the sample by its position in this call, not in the pack
             if exc.sample is None or not 0 <= exc.sample < len(index):
                 raise
             j = exc.sample
             raise exc.renamed(int(index[j]), f" (position {j} of pack {k})") from None
+
+
+    def _finish(self, batch: ThdBatch) -> ThdBatch:
+        """``batch`` as the collator returns it: its Ulysses shard, or padded for Ulysses, or itself."""
+        if self.ulysses_sp_size == 1:
+            return batch
+        sizes = dict(cp_size=self.layout.cp_size, pad_token_id=self.layout.pad_token_id)
+        if self.ulysses_rank is None:
+            return pad_for_ulysses(batch, self.ulysses_sp_size, **sizes)
+        return shard_for_ulysses(batch, self.ulysses_sp_size, self.ulysses_rank, cp_rank=self.layout.cp_rank or 0,
+                                 **sizes)
 
 
 _PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple
@@ -253,3 +282,24 @@ def _cp_rank(layout: BatchLayout, cp_group) -> int | None:
         if dist.get_world_size(group=cp_group) != layout.cp_size:
             raise ValueError(f"cp_group has {dist.get_world_size(group=cp_group)} ranks but cp_size={layout.cp_size}")
     return cp_rank if layout.cp_size > 1 else None
+
+
+def _ulysses_rank(layout: BatchLayout, sp_size, rank, sp_group) -> tuple[int, int | None]:
+    """``(sp_size, SP rank)`` a collator shards for: ``rank``, else this process's rank in
+    ``sp_group``, else None (the whole batch, padded); ``ValueError`` for sizes and ranks out of range
+    or a CP layout without the CP rank an SP rank needs."""
+    check_int(sp_size, "ulysses_sp_size", 1)
+    if rank is None and sp_group is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group=sp_group)
+        if dist.get_world_size(group=sp_group) != sp_size:
+            raise ValueError(f"sp_group has {dist.get_world_size(group=sp_group)} ranks but ulysses_sp_size={sp_size}")
+    if rank is not None:
+        check_ulysses_args(sp_size, rank, names=("ulysses_sp_size", "ulysses_rank"))
+    if sp_size > 1 and layout.cp_size > 1 and (rank is None) != (layout.cp_rank is None):
+        given, missing = ("ulysses_rank", "cp_rank= or cp_group=") if layout.cp_rank is None else (
+            "cp_rank", "ulysses_rank= or sp_group=")
+        raise ValueError(f"ThdCollator with ulysses_sp_size={sp_size} and cp_size={layout.cp_size} got a {given} "
+                         f"but no {missing}: give both ranks (one shard) or neither (the whole batch)")
+    return sp_size, rank if sp_size > 1 else None
