@@ -259,6 +259,7 @@ def test_torch_context_parallel_on_two_gloo_processes(tmp_path):
     q, k, v = (torch.randn(1, CP_HEADS, CP_T, CP_DIM, generator=gen, dtype=torch.float64) for _ in range(3))
     for r, res in enumerate(results):
         assert torch.equal(res["context_parallel_shard"], whole[r])
+        assert "sdpa_error" in res, "torch's CP SDPA ran on CPU: test its output and update the docs"
         assert "_scaled_dot_product_flash_attention_for_cpu" in res["sdpa_error"]
         shard = shard_for_cp(batch, 2, r)
         for name in ("input_ids", "labels", "position_ids"):

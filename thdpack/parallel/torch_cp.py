@@ -16,16 +16,18 @@ document-major (document, then rank), so torch's contiguous pieces of a multi-do
 not the documented per-document chunks (the first rank gets the first documents whole) and
 their attention cost is not balanced.
 
-Only torch is imported: :class:`TorchCPLoadBalancer` has the one method torch's CP calls on a
-load balancer (``_generate_indices``), without importing torch's private classes.
+Nothing of torch's CP is imported: :class:`TorchCPLoadBalancer` has the one method torch's CP calls
+on a load balancer (``_generate_indices``), without torch's private classes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from thdpack.common.align import check_int
-from thdpack.parallel.cp import partition_indices
+from thdpack.parallel.cp import _padded_lengths  # the offsets' one validation, shared with thd_partition_indices
+from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 
 def torch_cp_indices(batch_or_cu_seqlens_padded, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,11 +47,28 @@ def torch_cp_indices(batch_or_cu_seqlens_padded, cp_size: int) -> tuple[torch.Te
     """
     check_int(cp_size, "cp_size", 1)
     cu = _cu_seqlens_padded(batch_or_cu_seqlens_padded)
-    # one vectorised piece per rank (numpy for host offsets, torch on the offsets' device otherwise)
-    rearrange = torch.cat([torch.as_tensor(partition_indices(cu, cp_size, rank)) for rank in range(cp_size)])
-    restore = torch.empty_like(rearrange)
-    restore[rearrange] = torch.arange(rearrange.numel(), dtype=torch.int64, device=rearrange.device)
-    return rearrange, restore
+    device = cu.device if isinstance(cu, torch.Tensor) else torch.device("cpu")
+    if device.type != "cpu":  # n+1 offsets read back once: numpy is far faster than torch on these small arrays
+        cu = cu.cpu()
+    cu, lengths = _padded_lengths(cu, cp_size)  # numpy int64, validated as for thd_partition_indices
+    rearrange = _rank_major(cu, lengths, int(cp_size))
+    restore = np.empty_like(rearrange)
+    restore[rearrange] = np.arange(rearrange.shape[0], dtype=np.int64)
+    return torch.from_numpy(rearrange).to(device), torch.from_numpy(restore).to(device)
+
+
+def _rank_major(cu: np.ndarray, lengths: np.ndarray, cp_size: int) -> np.ndarray:
+    """int64 ``[T]``: every rank's dual chunks (:mod:`thdpack.parallel.dual_chunk`), rank after rank,
+    document after document within a rank; all ``2·cp·n`` chunks at once (no loop over ranks)."""
+    total = int(cu[-1])
+    if cp_size == 1:
+        return np.arange(total, dtype=np.int64)
+    h = chunk_length(lengths, cp_size)  # [n]
+    first, second = rank_chunks(cp_size, np.arange(cp_size, dtype=np.int64))  # [cp] each
+    chunk = np.stack([first, second], 1)  # [cp, 2]: the chunk numbers rank r keeps, in order
+    starts = (cu[:-1, None] + chunk[:, None, :] * h[:, None]).reshape(-1)  # [cp, n, 2] stream starts
+    sizes = np.broadcast_to(h[None, :, None], (cp_size, h.shape[0], 2)).reshape(-1)
+    return np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(total, dtype=np.int64)
 
 
 class TorchCPLoadBalancer:
@@ -58,7 +77,11 @@ class TorchCPLoadBalancer:
     Pass it as ``load_balancer=`` to ``torch.distributed.tensor.experimental._attention``'s
     ``_context_parallel_shard`` (tensors and FlexAttention ``BlockMask`` buffers) and
     ``context_parallel_unshard``; rank ``r``'s shard of a ``[1, T]`` (or ``[1, H, T, D]``)
-    buffer is then the buffer at :func:`thdpack.thd_partition_indices` ``(cu, cp, r)``.
+    buffer is then the buffer at :func:`thdpack.thd_partition_indices` ``(cu, cp, r)``, the
+    tokens of :func:`thdpack.shard_for_cp`. A ``BlockMask`` buffer needs ``T`` to be a multiple
+    of ``cp · 128`` (torch's block size; build with ``pad_to=``). The ``context_parallel``
+    context manager (SDPA) takes no load balancer: it splits the whole stream head-tail, as
+    for one document, and SDPA has no document mask there.
 
     Args:
         batch_or_cu_seqlens_padded, cp_size: as in :func:`torch_cp_indices`.
