@@ -116,8 +116,11 @@ def exchange(buffer: torch.Tensor, rank: int, cp: int, group):
 
     recv = torch.empty_like(buffer)
     nxt, prev = (dist.get_global_rank(group, (rank + d) % cp) for d in (1, -1))
-    ops = [lambda: dist.isend(buffer, nxt, group=group), lambda: dist.irecv(recv, prev, group=group)]
-    return recv, [op() for op in (ops if rank % 2 == 0 else ops[::-1])]
+    if rank % 2 == 0:
+        requests = [dist.isend(buffer, nxt, group=group), dist.irecv(recv, prev, group=group)]
+    else:
+        requests = [dist.irecv(recv, prev, group=group), dist.isend(buffer, nxt, group=group)]
+    return recv, requests
 
 
 def ring_attention(q, k, v, shard, group) -> torch.Tensor:
