@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thdpack.attention.backends import attention_kind
+from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, check_block_size
+from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
+from thdpack.attention.documents import documents_of
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
 from thdpack.common.samples import IGNORE_INDEX
 
@@ -168,6 +172,49 @@ class ThdBatch:
         """A copy with every tensor in pinned host memory (DataLoader ``pin_memory=True`` calls this)."""
         return self._map_tensors(lambda t: t.pin_memory())
 
+    # ---- document ids and attention masks (thdpack.attention) -------------
+    @property
+    def document_ids(self) -> torch.Tensor:
+        """int32 ``[T]``: the sample (``0..n-1``) of every slot, by ``cu_seqlens_padded``: pad
+        slots and a ``pad_to`` tail hold the id of the sample before them, as ``position_ids``
+        continue its count (:mod:`thdpack.attention.documents`). On a CP or Ulysses shard: the
+        sample of each local token (the whole stream's ids at ``partition_indices``)."""
+        cu = self.cu_seqlens_padded.to(torch.int64)
+        slots = self.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        return documents_of(cu, slots.to(cu.device)).to(torch.int32)
+
+    def block_mask(self, block_size=DEFAULT_BLOCK_SIZE, *, device=None):
+        """The document-causal FlexAttention ``BlockMask`` of the stream, ``shape (1, 1, T, T)``, built
+        from ``cu_seqlens_padded`` (:func:`thdpack.attention.block_mask.document_block_mask`: no
+        ``[T, T]`` tensor; equal to ``create_block_mask`` over a document mask_mod, block for block).
+
+        Args:
+            block_size: tile size, an integer or a ``(q_block, kv_block)`` pair.
+            device: where to build it (default: the batch's); build it where attention runs.
+        """
+        q_block, kv_block = check_block_size(block_size)
+        cu = self._whole_stream_offsets("block_mask()", device)
+        return build_block_mask(cu, self.num_padded_tokens, q_block, kv_block)
+
+    def attention_mask_4d(self, dtype: torch.dtype = torch.bool, *, device=None) -> torch.Tensor:
+        """The dense block-diagonal causal mask ``[1, 1, T, T]`` for SDPA (``torch.bool``, True =
+        attend) or eager attention (a floating ``dtype``: additive, 0 or ``finfo(dtype).min``).
+        ``T²`` elements (1 GiB as bool for 32k tokens): for small packs; prefer :meth:`block_mask`
+        or flash-attn varlen for long ones (:mod:`thdpack.attention.dense_mask`)."""
+        check_mask_dtype(dtype)
+        return build_dense_mask(self._whole_stream_offsets("attention_mask_4d()", device), self.num_padded_tokens, dtype)
+
+    def _whole_stream_offsets(self, what: str, device) -> torch.Tensor:
+        """int64 ``cu_seqlens_padded`` on ``device`` (default: the batch's); ``ValueError`` on a shard."""
+        if self.is_shard:
+            kind = f"Ulysses shard (sp_size={self.sp_size}" if self.sp_size > 1 else f"CP shard (cp_size={self.cp_size}"
+            rank = self.sp_rank if self.sp_size > 1 else self.cp_rank
+            raise ValueError(f"{what} is for a whole batch, and this is a {kind}, rank {rank}): masks span "
+                             "the whole stream; build them on the batch before sharding, or attend across ranks "
+                             "with a CP attention (ring / all-gather) over the flash kwargs")
+        cu = self.cu_seqlens_padded.to(torch.int64)
+        return cu if device is None else cu.to(device)
+
     # ---- consumers -------------------------------------------------------
     def hf_labels(self) -> torch.Tensor:
         """int64 ``[T]`` labels for a transformers causal LM, whose loss shifts by one:
@@ -176,7 +223,7 @@ class ThdBatch:
         out[1:] = self.labels[:-1]
         return out
 
-    def to_hf_kwargs(self, *, include_labels: bool = True) -> dict:
+    def to_hf_kwargs(self, *, include_labels: bool = True, attn_implementation: str | None = None) -> dict:
         """Keyword arguments for ``model(**kw)`` of a transformers causal LM.
 
         Tensors get a batch axis of 1. ``position_ids`` let sdpa / eager attention
@@ -197,7 +244,15 @@ class ThdBatch:
         :func:`thdpack.parallel.cp.vision_shard_extras`). With a flash-attention *vision* tower, drop
         ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
         ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
+
+        ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention inputs
+        (:mod:`thdpack.attention.backends`): None, flash names and hub kernels get the flash kwargs above;
+        ``"flex_attention"`` gets ``attention_mask`` = :meth:`block_mask` in their place; ``"sdpa"`` /
+        ``"eager"`` get neither: transformers derives the per-sample mask from ``position_ids`` (a VLM's
+        text row) when there is no cache, so call the model with ``use_cache=False``. Masks are for a
+        whole batch: on a CP or Ulysses shard, anything but the flash kwargs is a ``ValueError``.
         """
+        kind = attention_kind(attn_implementation)
         cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
         max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
         kw = {
@@ -208,6 +263,8 @@ class ThdBatch:
             "max_length_q": max_len,
             "max_length_k": max_len,
         }
+        if kind != "flash":
+            kw = self._mask_kwargs(kw, kind)
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
@@ -219,6 +276,15 @@ class ThdBatch:
                 kw["shift_labels"] = self.labels.unsqueeze(0)
             else:
                 kw["labels"] = self.hf_labels().unsqueeze(0)
+        return kw
+
+    def _mask_kwargs(self, kw: dict, kind: str) -> dict:
+        """``kw`` without the flash kwargs, plus the ``BlockMask`` for ``kind == "flex"``."""
+        kw = {k: v for k, v in kw.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        if self.is_shard:
+            self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
+        if kind == "flex":
+            kw["attention_mask"] = self.block_mask()
         return kw
 
     def packed_seq_params_dict(self) -> dict:
