@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
+from thdpack.attention.static import pad_cu_seqlens, static_seq_params
 from thdpack.attention.backends import attention_kind
 from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, check_block_size
 from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
@@ -66,6 +68,10 @@ class ThdBatch:
         local_seq_lens: shard only, int32 ``[n]`` real tokens of each sample on this rank.
         partition_indices: shard only, int64 ``[T / cp_size]`` position of each
             local token in the global stream.
+        max_num_seqs: None, or the fixed number of sequences the kernels see (static shapes,
+            ``BatchLayout.max_num_seqs``): ``to_hf_kwargs`` and ``packed_seq_params_dict`` pad
+            their offsets to ``max_num_seqs + 1`` entries (``static_cu_seqlens``); every field
+            above stays real.
         sp_size, sp_rank: ``1, 0`` but on a Ulysses shard (:func:`thdpack.shard_for_ulysses`):
             its per-token tensors are then the rank's contiguous ``T' / (cp_size·sp_size)`` tokens
             of the stream padded to ``T'`` (``cu_seqlens_padded[-1]``); the ``local_*`` fields and
@@ -92,6 +98,7 @@ class ThdBatch:
     local_cu_seqlens_padded: torch.Tensor | None = None
     local_seq_lens: torch.Tensor | None = None
     partition_indices: torch.Tensor | None = None
+    max_num_seqs: int | None = None
     sp_size: int = 1
     sp_rank: int = 0
 
@@ -138,6 +145,34 @@ class ThdBatch:
 
     def __len__(self) -> int:
         return self.num_padded_tokens
+
+    # ---- seq_idx and static shapes (thdpack.attention.seq_idx, thdpack.attention.static) ----
+    @property
+    def seq_idx(self) -> torch.Tensor:
+        """int32 ``[1, T]``: the sample of every stream slot, as transformers'
+        ``DataCollatorWithFlattening(return_seq_idx=True)`` and megatron-core's ``PackedSeqParams``
+        (from ``total_tokens``) give it to Mamba-2 / Gated-DeltaNet layers. Pad slots and a ``pad_to``
+        tail hold their sample's id (the span of ``cu_seqlens_padded`` they are in). On a CP shard:
+        the whole stream's (``T`` global), since such a layer scans the whole stream."""
+        return seq_idx_from_cu_seqlens(self.cu_seqlens_padded)
+
+    @property
+    def static_cu_seqlens(self) -> torch.Tensor:
+        """int32 ``[max_num_seqs + 1]``: ``cu_seqlens`` with its last value repeated (zero-length
+        sequences, :func:`thdpack.attention.static.pad_cu_seqlens`); ``cu_seqlens`` without ``max_num_seqs``."""
+        return self.cu_seqlens if self.max_num_seqs is None else pad_cu_seqlens(self.cu_seqlens, self.max_num_seqs)
+
+    @property
+    def static_cu_seqlens_padded(self) -> torch.Tensor:
+        """int32 ``[max_num_seqs + 1]``: ``cu_seqlens_padded`` likewise (its repeated last value is ``T``)."""
+        cu = self.cu_seqlens_padded
+        return cu if self.max_num_seqs is None else pad_cu_seqlens(cu, self.max_num_seqs)
+
+    @property
+    def static_max_seqlen(self) -> int:
+        """``max_seqlen`` for the kernels: with ``max_num_seqs`` the stream length ``T`` (global), an
+        upper bound every batch of a ``pad_to`` epoch shares; else ``max_seqlen``."""
+        return self.max_seqlen if self.max_num_seqs is None else int(self.cu_seqlens_padded[-1])
 
     # ---- per-sample values (thdpack.common.values) -------------------------------
     @property
@@ -245,6 +280,9 @@ class ThdBatch:
         ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
         ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
 
+        With ``max_num_seqs`` (static shapes), ``cu_seq_lens_q/k`` are int32 ``[max_num_seqs + 1]``
+        (the last value repeated) and ``max_length_q/k`` the stream length (:mod:`thdpack.attention.static`).
+
         ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention inputs
         (:mod:`thdpack.attention.backends`): None, flash names and hub kernels get the flash kwargs above;
         ``"flex_attention"`` gets ``attention_mask`` = :meth:`block_mask` in their place; ``"sdpa"`` /
@@ -255,6 +293,8 @@ class ThdBatch:
         kind = attention_kind(attn_implementation)
         cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
         max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
+        if self.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
+            cu, max_len = pad_cu_seqlens(cu, self.max_num_seqs), self.static_max_seqlen // self.cp_size
         kw = {
             "input_ids": self.input_ids.unsqueeze(0),
             "position_ids": self.position_ids.unsqueeze(0),
@@ -306,10 +346,14 @@ class ThdBatch:
         even when every length is already a multiple: megatron-core's CP paths hand
         ``cu_seqlens_q_padded`` to TransformerEngine's partitioning unconditionally. Megatron-core
         reads ``cu_seqlens_q`` where they are None (``seq_idx`` included), so the layout is the same
-        either way."""
+        either way.
+
+        With ``max_num_seqs`` (static shapes): every offset field int32 ``[max_num_seqs + 1]``, the
+        padded ones always set, ``max_seqlen_q/kv`` = ``total_tokens``
+        (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged."""
         unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)
         padded = None if unpadded else self.cu_seqlens_padded
-        return {
+        fields = {
             "qkv_format": "thd",
             "cu_seqlens_q": self.cu_seqlens,
             "cu_seqlens_kv": self.cu_seqlens,
@@ -319,6 +363,7 @@ class ThdBatch:
             "max_seqlen_kv": self.max_seqlen,
             "total_tokens": int(self.cu_seqlens_padded[-1]),
         }
+        return fields if self.max_num_seqs is None else static_seq_params(fields, self.max_num_seqs)
 
     def to_packed_seq_params(self):
         """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from thdpack.attention.static import check_num_seqs
 from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.common.align import round_up
 from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
@@ -53,7 +54,7 @@ def build_thd_batch(
             rank's shard is built: a :class:`thdpack.batching.layout.BatchLayout`, or its fields as
             keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
             ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
-            ``cp_rank``; each documented there).
+            ``cp_rank``, ``max_num_seqs``; each documented there).
         sample_index: ``[n]`` input row of each sample, recorded in the batch
             (defaults to ``0..n-1``).
         model_config: for VLM samples, the transformers config (or its dict) of a
@@ -79,6 +80,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     samples = sample_list(samples, "build_thd_batch")
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
+    check_num_seqs(len(samples), layout.max_num_seqs)
     multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
     ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
@@ -113,6 +115,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
         pad_multiple=multiple,
         ignore_index=layout.ignore_index,
         tokens_truncated=tokens_truncated,
+        max_num_seqs=layout.max_num_seqs,
     )
     if direct_shard:
         batch.cp_size, batch.cp_rank = cp_size, cp_rank

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from thdpack.attention.static import check_max_num_seqs
 from thdpack.common.align import check_int, check_positive_int, resolve_pad_multiple
 from thdpack.parallel.cp import check_cp_args
 from thdpack.common.samples import IGNORE_INDEX
@@ -32,7 +33,16 @@ class BatchLayout:
         pad_to: pad the whole stream to exactly this many tokens (static shapes,
             CUDA graphs) by extending the last sample's padded span; must be a
             multiple of the pad multiple and at least the aligned total. Real
-            ``cu_seqlens`` are unchanged.
+            ``cu_seqlens`` are unchanged. The tail is the last sample's: its ``position_ids``
+            continue that sample's count and ``seq_idx`` gives it that sample's id (a causal
+            layer's real tokens never see it).
+        max_num_seqs: the most samples a batch holds (an integer >= 1, or None): a batch of more
+            is a ``ValueError`` naming its number of samples, and the offsets handed to kernels
+            (``to_hf_kwargs``, ``packed_seq_params_dict``) are padded to ``max_num_seqs + 1``
+            entries by repeating their last value, with the stream length as ``max_seqlen``
+            (:mod:`thdpack.attention.static`); with ``pad_to``, every batch then has one shape
+            (CUDA graphs, ``torch.compile(dynamic=False)``). The batch's own ``cu_seqlens`` stay
+            real. :class:`thdpack.ThdCollator` plans at most this many samples per pack.
         cp_rank: with ``cp_size > 1``, build only this rank's CP shard (as
             :func:`thdpack.shard_for_cp` would), assembled directly without the
             whole stream.
@@ -48,6 +58,7 @@ class BatchLayout:
     max_length: int | None = None
     pad_to: int | None = None
     cp_rank: int | None = None
+    max_num_seqs: int | None = None
     multiple: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -63,6 +74,7 @@ class BatchLayout:
             check_int(pad_to, "pad_to", 1, hint=f" (a multiple of the pad multiple {multiple})")
             if pad_to % multiple:
                 raise ValueError(f"pad_to must be an integer multiple of the pad multiple {multiple}, got {pad_to!r}")
+        check_max_num_seqs(self.max_num_seqs)
         if self.cp_rank is not None:
             check_cp_args(self.cp_size, self.cp_rank)
 

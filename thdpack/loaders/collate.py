@@ -93,7 +93,7 @@ class ThdCollator:
         layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout`, or its fields
             as keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
             ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
-            ``cp_rank``), as in :func:`thdpack.build_thd_batch`; with ``cp_size > 1``
+            ``cp_rank``, ``max_num_seqs``), as in :func:`thdpack.build_thd_batch`; with ``cp_size > 1``
             and a ``cp_rank``, each call returns this rank's CP shard
             (:func:`thdpack.shard_for_cp`) instead of the whole batch.
         cp_group: a ``torch.distributed`` process group of the CP ranks; when given
@@ -114,7 +114,9 @@ class ThdCollator:
             :func:`thdpack.plan_packs`), not both. The call then returns a
             :class:`PackedBatches` list, one batch per pack. ``align`` is the layout's pad
             multiple (``options.align`` must be 1 or equal to it); ``vision_budget`` keeps each
-            pack under that many vision patches. Without ``pack_size``, no planning.
+            pack under that many vision patches. With the layout's ``max_num_seqs``, a pack holds at
+            most that many samples (``max_samples_per_pack`` is capped to it). Without ``pack_size``,
+            no planning.
         model_config: for VLM samples, the model's transformers config (or dict):
             see :func:`thdpack.build_thd_batch`.
         sample_values: per-sample fields carried into ``batch.sample_values`` (see
@@ -149,7 +151,8 @@ class ThdCollator:
         plan_keywords = {name: keywords.pop(name) for name in _PLAN_KEYWORDS if name in keywords}
         layout = layout_from("ThdCollator", layout, keywords)  # validated now, rather than in a worker
         self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
-        self.options = _collator_options(options, plan_keywords, self.layout.multiple)
+        self.options = _cap_samples(_collator_options(options, plan_keywords, self.layout.multiple),
+                                    self.layout.max_num_seqs)
         if self.options is not None:
             check_kernel_limits(self.options)
         self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
@@ -232,6 +235,15 @@ def _collator_options(options: PlanOptions | None, plan_keywords: dict, multiple
         raise ValueError(f"ThdCollator plans with its layout's pad multiple ({multiple}) as align, but options has "
                          f"align={options.align}; leave it at 1 or give {multiple}")
     return dataclasses.replace(options, align=multiple)
+
+
+def _cap_samples(options: PlanOptions | None, max_num_seqs: int | None) -> PlanOptions | None:
+    """``options`` planning at most ``max_num_seqs`` samples per pack (static shapes: a pack of more
+    could not be built), the smaller of it and ``options.max_samples_per_pack``."""
+    if options is None or max_num_seqs is None:
+        return options
+    cap = options.max_samples_per_pack
+    return dataclasses.replace(options, max_samples_per_pack=max_num_seqs if cap is None else min(cap, max_num_seqs))
 
 
 def source_index(samples: Sequence) -> np.ndarray | None:
