@@ -304,6 +304,7 @@ def test_batch_masks_agree_with_cu_seqlens(lengths, align, block_size):
     for i, (a, s) in enumerate(zip(cu[:-1], batch.seq_lens.tolist())):
         assert bool((ids[a : cu[i + 1]] == i).all())
         assert batch.position_ids[a : a + s].tolist() == list(range(s))
+    assert torch.equal(ids, batch.seq_idx[0])  # thdpack.attention.seq_idx: the same documents
     want = reference_mask(cu, T)
     assert torch.equal(batch.attention_mask_4d()[0, 0], want)
     assert torch.equal(token_dense(batch.block_mask(block_size), T), want)
@@ -318,8 +319,8 @@ def test_batch_masks_agree_with_cu_seqlens(lengths, align, block_size):
 
 def test_bad_arguments():
     batch = build_thd_batch(te.plain_samples([3, 5]), cp_size=2)
-    for bad in (0, -1, True, 1.5, (8,), (8, 8, 8), (8, 0), "128", None):
-        with pytest.raises(ValueError, match=r"block_size must be an integer >= 1 or a \(q_block, kv_block\) pair"):
+    for bad in (0, -1, True, 1.5, (8,), (8, 8, 8), (8, 0), (8, 2**31), "128", None):
+        with pytest.raises(ValueError, match=r"block_size must be an integer >= 1 \(and < 2\*\*31\) or a \(q_blo"):
             batch.block_mask(bad)
     for bad in (torch.int64, "bool", float, None):
         with pytest.raises(ValueError, match="dtype must be torch.bool or a floating torch dtype"):
@@ -327,7 +328,8 @@ def test_bad_arguments():
     for bad in ("xformers", "flex", "SDPA", 3):
         with pytest.raises(ValueError, match="attn_implementation must be None, 'flash_attention_2'"):
             batch.to_hf_kwargs(attn_implementation=bad)
-    for name in (None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3", "paged|flash_attention_2"):
+    for name in (None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3",
+                 "paged|flash_attention_2"):
         assert batch.to_hf_kwargs(attn_implementation=name).keys() == batch.to_hf_kwargs().keys()
     shard = batch.shard(2, 1)
     for call in (shard.block_mask, shard.attention_mask_4d,

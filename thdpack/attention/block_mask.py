@@ -32,11 +32,14 @@ DEFAULT_BLOCK_SIZE = 128  # torch.nn.attention.flex_attention._DEFAULT_SPARSE_BL
 
 
 def check_block_size(block_size) -> tuple[int, int]:
-    """``(q_block, kv_block)`` from an integer >= 1 or a pair of them; ``ValueError`` naming the value otherwise."""
+    """``(q_block, kv_block)`` from an integer in ``[1, 2**31)`` or a pair of them (the tables are int32);
+    ``ValueError`` naming the value otherwise."""
     pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
-    ok = len(pair) == 2 and all(not isinstance(b, bool) and isinstance(b, (int, np.integer)) and b >= 1 for b in pair)
+    ok = len(pair) == 2 and all(
+        not isinstance(b, bool) and isinstance(b, (int, np.integer)) and 1 <= b < 2**31 for b in pair)
     if not ok:
-        raise ValueError(f"block_size must be an integer >= 1 or a (q_block, kv_block) pair of them, got {block_size!r}")
+        raise ValueError(f"block_size must be an integer >= 1 (and < 2**31) or a (q_block, kv_block) pair of them, "
+                         f"got {block_size!r}")
     return int(pair[0]), int(pair[1])
 
 

@@ -237,7 +237,8 @@ class ThdBatch:
         ``T²`` elements (1 GiB as bool for 32k tokens): for small packs; prefer :meth:`block_mask`
         or flash-attn varlen for long ones (:mod:`thdpack.attention.dense_mask`)."""
         check_mask_dtype(dtype)
-        return build_dense_mask(self._whole_stream_offsets("attention_mask_4d()", device), self.num_padded_tokens, dtype)
+        cu = self._whole_stream_offsets("attention_mask_4d()", device)
+        return build_dense_mask(cu, self.num_padded_tokens, dtype)
 
     def _whole_stream_offsets(self, what: str, device) -> torch.Tensor:
         """int64 ``cu_seqlens_padded`` on ``device`` (default: the batch's); ``ValueError`` on a shard."""
@@ -320,7 +321,8 @@ class ThdBatch:
 
     def _mask_kwargs(self, kw: dict, kind: str) -> dict:
         """``kw`` without the flash kwargs, plus the ``BlockMask`` for ``kind == "flex"``."""
-        kw = {k: v for k, v in kw.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        flash = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+        kw = {k: v for k, v in kw.items() if k not in flash}
         if self.is_shard:
             self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
         if kind == "flex":
