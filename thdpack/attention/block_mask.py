@@ -76,7 +76,11 @@ def document_block_mask(cu_seqlens_padded, total: int | None = None, *, block_si
 def build_block_mask(cu: torch.Tensor, total: int, q_block: int, kv_block: int):
     """:func:`document_block_mask` on validated offsets: ``cu`` int64 ``[n+1]`` (its device is the
     mask's), ``total >= max(cu[-1], 1)``."""
-    from torch.nn.attention.flex_attention import BlockMask
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        raise ImportError(f"a BlockMask needs FlexAttention (torch >= 2.5), and this is torch {torch.__version__}; "
+                          "use attention_mask_4d() or the flash kwargs") from None
 
     partial, full = block_layout(cu, total, q_block, kv_block)
     q_rows = -(-total // q_block) * q_block  # the kernels may evaluate rows of the last tile past T
@@ -85,8 +89,12 @@ def build_block_mask(cu: torch.Tensor, total: int, q_block: int, kv_block: int):
     def document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx >= starts[q_idx])
 
-    mask = BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block),
-                                    mask_mod=document_causal, seq_lengths=(total, total), compute_q_blocks=False)
+    tables = (*_ordered(partial), *_ordered(full))
+    options = dict(BLOCK_SIZE=(q_block, kv_block), mask_mod=document_causal, seq_lengths=(total, total))
+    try:
+        mask = BlockMask.from_kv_blocks(*tables, **options, compute_q_blocks=False)
+    except TypeError:  # an older torch without compute_q_blocks: it builds the q tables itself
+        mask = BlockMask.from_kv_blocks(*tables, **options)
     # the q-major tables the backward pass reads, from the tile masks we hold (from_kv_blocks would
     # rebuild these dense masks from the kv tables and argsort them: half the cost of the whole mask)
     mask.q_num_blocks, mask.q_indices = _ordered(partial.T)
