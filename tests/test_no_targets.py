@@ -385,3 +385,34 @@ def test_training_example_never_reports_nan_on_packs_without_targets(tmp_path, c
     assert printed and all(math.isfinite(x) for x in printed), out
     assert result["skipped"] == 4 and len(result["losses"]) == len(ds) - 4
     assert all(math.isfinite(x) for x in result["losses"])
+
+
+@pytest.mark.parametrize("targets", ["loss_mask", "labels"])
+def test_whole_row_target_counts_equal_the_targets_read_back(targets, tmp_path):
+    """The planner counts a whole row's targets from the count tokenizing wrote (``__tail_targets__``), a cut
+    piece's from the targets themselves: both equal a count of the targets read back, also for rows whose
+    only target is their first token (never a target in a pack) and rows without any."""
+    from thdpack.offline import pipeline
+    from thdpack.offline.store.gather import count_targets
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(300):
+        n = int(rng.integers(1, 40))
+        mask = (rng.random(n) < [0.0, 0.3, 0.9][i % 3]).astype(int).tolist()
+        if i % 7 == 0:
+            mask = [1] + [0] * (n - 1)  # the first token alone
+        rows.append({"input_ids": rng.integers(5, 400, n).tolist(), "loss_mask": mask})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = BuildConfig.from_dict({"input": str(data), "format": "tokenized", "pack_size": 24, "overflow": "split",
+                                 "targets": targets, "without_targets": "keep"}, base_dir=tmp_path)
+    prep = pipeline.prepare(cfg, tmp_path)
+    plan, sample_rows = prep.plan, prep.sample_rows
+    table = prep.tokenized.dataset.data.table
+    want = count_targets(table, targets, sample_rows[plan.sample_index], plan.start + 1, plan.length - 1)
+    whole = (plan.start == 0) & (plan.length == prep.tokenized.lengths[sample_rows[plan.sample_index]])
+    assert whole.sum() > 100 and (~whole).sum() > 10  # both paths taken
+    np.testing.assert_array_equal(prep.piece_targets, want)
+    expected = [sum(r["loss_mask"][1:]) for r in rows]
+    np.testing.assert_array_equal(table.column("__tail_targets__").to_numpy(), expected)

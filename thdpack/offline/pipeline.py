@@ -37,6 +37,7 @@ from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.procs import signals_raise
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
+from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.vision.vlm_setup import vlm_build
 from thdpack.planning.plan import PackPlan, plan_packs
@@ -399,26 +400,40 @@ def _piece_targets(count, sample_rows: np.ndarray, plan: PackPlan) -> np.ndarray
 
 
 def _target_counter(targets: str, tokenized: Tokenized, ray_session=None):
-    """``count(rows, starts, lengths)`` -> int64 target tokens of each piece of the tokenized rows: read
-    here, or under ``engine: ray`` by Ray tasks over contiguous runs of the pieces (about
-    :data:`RAY_COUNT_TOKENS` tokens each), which read the rows where they run: only the piece arrays and
-    the counts cross the network, never the targets."""
+    """``count(rows, starts, lengths)`` -> int64 target tokens of each piece ``rows[k][starts[k]:][:lengths[k]]``
+    of the tokenized rows. A piece that is its whole row after the first token (no cut by ``overflow``: most
+    pieces) has its row's :data:`TAIL_TARGETS_COLUMN` count, one integer per row that tokenizing wrote; the
+    other pieces' targets are read: here, or under ``engine: ray``, when they are more than
+    :data:`RAY_COUNT_TOKENS` tokens, by Ray tasks over runs of that many tokens, which read the rows where
+    they run (only the piece arrays and the counts cross the network, never the targets)."""
     from thdpack.offline.store.gather import count_targets, count_targets_of_dataset, group_boundaries
 
-    if ray_session is None:
-        return functools.partial(count_targets, tokenized.dataset.data.table, targets)
-    from thdpack.offline.cluster.ray_tasks import run_tasks
+    table = tokenized.dataset.data.table
+    tail = table.column(TAIL_TARGETS_COLUMN).to_numpy()
+    row_length = tokenized.lengths
 
-    def count(rows, starts, lengths):
+    def read(rows, starts, lengths):
+        if ray_session is None or int(lengths.sum()) <= RAY_COUNT_TOKENS:
+            return count_targets(table, targets, rows, starts, lengths)
+        from thdpack.offline.cluster.ray_tasks import run_tasks
+
         cuts = group_boundaries(lengths, RAY_COUNT_TOKENS)
         items = [(rows[a:b], starts[a:b], lengths[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
-        parts = run_tasks(ray_session, count_targets_of_dataset, (tokenized.dataset, targets), items)
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return np.concatenate(run_tasks(ray_session, count_targets_of_dataset, (tokenized.dataset, targets), items))
+
+    def count(rows, starts, lengths):
+        whole = (starts == 1) & (lengths == row_length[rows] - 1)
+        out = np.zeros(rows.size, np.int64)
+        out[whole] = tail[rows[whole]]
+        cut = np.flatnonzero(~whole)
+        if cut.size:
+            out[cut] = read(rows[cut], starts[cut], lengths[cut])
+        return out
 
     return count
 
 
-RAY_COUNT_TOKENS = 1 << 25  # tokens of pieces per Ray task counting targets (~32M: a second or two of work)
+RAY_COUNT_TOKENS = 1 << 25  # tokens of cut pieces per Ray task counting targets (~32M: a second or two of work)
 
 
 # ---------------------------------------------------------------------------- build

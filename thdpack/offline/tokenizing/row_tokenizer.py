@@ -42,6 +42,9 @@ from thdpack.offline.tokenizing.tokenizer import has_generation_markers
 from thdpack.common.samples import IGNORE_INDEX
 
 ERROR_COLUMN = "__error__"
+# int64 per tokenized row: its target tokens after its first (a whole row planned as one piece has exactly
+# these in its pack: the planner reads them here instead of the targets themselves; 0 for failed rows)
+TAIL_TARGETS_COLUMN = "__tail_targets__"
 TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``tools``
 
 
@@ -395,6 +398,7 @@ class RowTokenizer:
                 "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat_ids, pa.int32())),
                 self.targets: pa.ListArray.from_arrays(offsets, pa.array(flat_t, arrow_type)),
                 ERROR_COLUMN: pa.array(errors, pa.string()),
+                TAIL_TARGETS_COLUMN: pa.array(_tail_targets(flat_t, lengths), pa.int64()),
             }
         )
 
@@ -410,6 +414,17 @@ class RowTokenizer:
             keys = [numbers[i][GROUP_COLUMN] if errors[i] is None else None for i in range(len(errors))]
             table = table.append_column(GROUP_COLUMN, pa.array(keys, pa.string()))
         return table
+
+
+def _tail_targets(flat_targets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64 ``[rows]``: each row's target tokens after its first (:data:`TAIL_TARGETS_COLUMN`), from the
+    rows' concatenated targets (bool, or labels with ``IGNORE_INDEX``) and their lengths (int64 ``[rows]``)."""
+    is_target = flat_targets if flat_targets.dtype == bool else flat_targets != IGNORE_INDEX
+    c = np.zeros(is_target.size + 1, np.int64)
+    np.cumsum(is_target, out=c[1:])
+    end = np.cumsum(lengths)
+    start = np.minimum(end - lengths + 1, end)  # after the first token (an empty row: nothing)
+    return c[end] - c[start]
 
 
 def _turn_marks(tok):

@@ -23,7 +23,7 @@ from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_IN
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
 from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format, row_format
-from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TOOLS_FIELD, RowTokenizer
+from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TAIL_TARGETS_COLUMN, TOOLS_FIELD, RowTokenizer
 from thdpack.offline.inputs.sources import JSON_COLUMN, Source, first_json_problem, json_fields
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
 from thdpack.offline.tokenizing.tokenizer import fast_bpe, load_tokenizer, tokenizer_info
@@ -169,6 +169,7 @@ def _tokenized_features(opts: TokenizeOptions, vlm):
             "input_ids": datasets.List(datasets.Value("int32")),
             opts.targets: datasets.List(target_type),
             ERROR_COLUMN: datasets.Value("string"),
+            TAIL_TARGETS_COLUMN: datasets.Value("int64"),
             **(vlm.features() if vlm is not None else {}),
             **{col.format(c): datasets.Value(kind) for c in opts.value_columns
                for col, kind in ((VALUE_COLUMN, "float64"), (VALUE_IS_INT_COLUMN, "bool"))},
