@@ -11,6 +11,7 @@ The public surface, group by group in the order a user meets it (``__all__`` kee
 - build: ``build_thd_batch``, ``BatchLayout``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
 - collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
 - balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel`` -- packs dealt evenly over data-parallel ranks.
+- rebalance: ``rebalance``, ``RebalanceHandle`` -- samples made at run time (RL rollouts) moved to the ranks that run them, results back.
 - shard: ``cp_pad_multiple``, ``shard_for_cp``, ``shard_for_ulysses``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP or Ulysses SP rank's slice.
 - flops: ``seqlen_squared_sum``, ``model_flops``, ``FlopsMeter``, ``FlopsAccumulator``, ``throughput``, ``overcount_report`` -- Σsᵢ².
 - offline: ``load_packed``, ``PackedDataset``, ``PackedRowCollator`` -- packs built ahead of time (lazy import).
@@ -27,6 +28,7 @@ from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batching.batch import ThdBatch, shard_for_cp
 from thdpack.batching.builder import build_thd_batch
 from thdpack.loaders.collate import IndexedDataset, PackedBatches, ThdCollator
+from thdpack.loaders.rebalance import RebalanceHandle, rebalance
 from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.parallel.torch_cp import TorchCPLoadBalancer, torch_cp_indices
 from thdpack.parallel.ulysses import shard_for_ulysses
@@ -49,6 +51,8 @@ __all__ = [
     "ThdCollator", "PackedBatches", "TokenBudgetBatchSampler", "StreamingPacker", "IndexedDataset",
     # balance
     "plan_balanced", "BalancedPlan", "CostModel",
+    # rebalance
+    "rebalance", "RebalanceHandle",
     # shard
     "cp_pad_multiple", "shard_for_cp", "shard_for_ulysses", "thd_partition_indices", "local_seq_lens",
     "torch_cp_indices", "TorchCPLoadBalancer",

@@ -1,0 +1,292 @@
+"""Run-time rebalancing across data-parallel ranks: samples whose lengths appear only at run time
+(RL rollouts, generated on whichever rank sampled the prompt) dealt to the ranks that run them.
+
+::
+
+    rank 0: rollouts a b c (long)     all_gather: lengths,      rank 0: packs [a f] [d h]
+    rank 1: rollouts d e   (short) ─▶ group ids, sizes     ─▶   rank 1: packs [b e] [c g]
+    rank 2: rollouts f g h (short)    plan_balanced, all_to_all rank 2: packs [...]
+                                                  ▲
+    handle.restore(values) ───────────────────────┘ one value per sample back to its rank and order
+
+Every rank runs the same :func:`thdpack.plan_balanced` on the same gathered lengths (so no second
+round), then one all-to-all moves each sample's fields to the rank that runs it, and
+:meth:`RebalanceHandle.restore` sends per-sample results (log-probs, rewards) back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from thdpack.batching.batch import ThdBatch
+from thdpack.batching.builder import build_thd_batch
+from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_from
+from thdpack.common.align import check_positive_int
+from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
+from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
+from thdpack.loaders.routing import RankRecord, Route, plan_route
+from thdpack.planning.balance import CostModel
+from thdpack.planning.options import PlanOptions
+
+# build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. Shared-prefix
+# packing adds its "share_prefix" here, and counts the prefix once in _plan_options / plan_route's plan.
+BUILD_KEYWORDS = ("model_config", "sample_values")
+
+
+def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batches: int = 1, cost=None, groups=None,
+              **layout) -> tuple[list[ThdBatch], "RebalanceHandle"]:
+    """Deal this step's samples, wherever they were made, to the data-parallel ranks by cost, and pack them.
+
+    A collective: call it on every rank of ``group`` with that rank's samples. It all-gathers every
+    sample's length (and group id and encoded size), runs the same :func:`thdpack.plan_balanced` on
+    every rank, moves each sample to the rank that runs it in one all-to-all, and builds that rank's
+    packs::
+
+        batches, handle = thdpack.rebalance(rollouts, 8192, groups=prompt_ids, micro_batches=4)
+        logps = torch.cat([sequence_logps(model(**b.to_hf_kwargs()).logits, b)[0] for b in batches])
+        mine = handle.restore(logps.detach())   # [len(rollouts)], in the order of rollouts
+
+    Args:
+        local_samples: this rank's samples (mappings with ``input_ids`` and ``labels`` / ``loss_mask``,
+            as :func:`thdpack.build_thd_batch` reads them); may be empty. Every field crosses the
+            network with its sample (tensors as arrays, other values pickled).
+        pack_size: token budget of a micro-batch, counted after alignment (an integer >= 1).
+        group: the ``torch.distributed`` process group of the data-parallel ranks (None: the default
+            group). Without an initialised ``torch.distributed`` the call is world size 1: the
+            samples are planned into packs here, nothing is sent. With context parallelism give the DP
+            group; the CP ranks of a replica, holding the same samples, then get the same packs.
+        micro_batches: ``M``: every rank gets ``S·M`` micro-batches, ``S`` the plan's steps (the same
+            on every rank: lock-step collectives such as FSDP's stay matched). A group spans at most
+            ``M`` packs.
+        cost: a :class:`thdpack.CostModel` or ``(linear, quadratic)`` (None: tokens,
+            ``CostModel()``; ``CostModel.from_config(config)`` weighs attention's ``Σ s²``).
+        groups: ``[n]`` integer group id of every local sample (e.g. a GRPO prompt): a group's samples
+            stay on one rank, in one pack or at most ``M`` packs of one step. Ids are per rank (the
+            same id on two ranks is two groups). Give it on every rank or none.
+        **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
+            :class:`thdpack.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
+            or ``layout=``, and ``model_config``, ``sample_values``. The plan aligns to the layout's
+            multiple and cuts lengths to its ``max_length``.
+
+    Returns:
+        ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches, their
+        ``sample_index`` the samples' global ids (rank ``r``'s local sample ``i`` is
+        ``handle.offsets[r] + i``), and the :class:`RebalanceHandle` that sends results back. Every
+        sample is scored in exactly one micro-batch. When the plan has to repeat a pack to give every
+        rank ``S·M`` micro-batches (fewer packs than ranks × ``M``, or grouped plans), the slot is a
+        *filler* (``handle.filler[k]``): one short sample with no targets (no loss, no gradient).
+
+    Raises ``ValueError`` (on every rank, naming the rank and its local sample or group) for a
+    sample longer than ``pack_size``, ``groups`` of the wrong length, a sample that is not a
+    mapping with integer ``input_ids``, a group over ``M`` packs; ``TypeError`` for unknown keywords.
+    """
+    check_positive_int(pack_size, "pack_size")
+    check_positive_int(micro_batches, "micro_batches")
+    cost = CostModel() if cost is None else CostModel.of(cost)
+    batch_layout, build_kwargs = _split_layout(layout)
+    options = _plan_options(int(pack_size), batch_layout)
+    comm = Comm.of(group)
+    samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout)
+    try:
+        route = plan_route(comm.all_gather_object(record), options, micro_batches=int(micro_batches), cost=cost)
+    except ValueError as exc:
+        raise exc from local_error
+    held = _fetch_samples(comm, route, samples, blobs)
+    batches = _build_batches(route, comm.rank, held, batch_layout, build_kwargs)
+    return batches, RebalanceHandle(comm, route, options, cost)
+
+
+def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
+    """``**layout`` as ``(BatchLayout, build_thd_batch keywords)``; ``TypeError`` naming unknown keywords."""
+    build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
+    given = layout.pop("layout", None)
+    unknown = sorted(set(layout) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise TypeError(f"rebalance() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} (it takes "
+                        f"the BatchLayout fields, layout=, and {', '.join(BUILD_KEYWORDS)})")
+    return layout_from("rebalance", given, layout), build
+
+
+def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
+    """Packs of ``pack_size`` tokens after the layout's alignment, at most ``max_num_seqs`` samples each."""
+    if layout.pad_to is not None and layout.pad_to < pack_size:
+        raise ValueError(f"rebalance: pad_to={layout.pad_to} is shorter than pack_size={pack_size}; a full pack "
+                         "could not be padded to it (give pad_to >= pack_size)")
+    if pack_size < layout.multiple:
+        raise ValueError(f"rebalance: pack_size={pack_size} is smaller than the layout's pad multiple "
+                         f"{layout.multiple}; nothing fits")
+    return PlanOptions(pack_size, align=layout.multiple, max_samples_per_pack=layout.max_num_seqs)
+
+
+def _read_local(local_samples, groups, layout: BatchLayout):
+    """``(samples, encoded samples, RankRecord, error)`` of this rank; a problem is not raised here
+    but carried in the record (every rank raises it after the gather) and returned as ``error``."""
+    try:
+        samples = sample_list(local_samples, "rebalance")
+        lengths = np.zeros(len(samples), np.int64)
+        blobs = []
+        for i, sample in enumerate(samples):
+            lengths[i] = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i,
+                                      field="input_ids").size
+            if lengths[i] == 0:
+                raise SampleError.at(i, ": 'input_ids' is empty; every sample needs at least one token",
+                                     field="input_ids")
+            if not isinstance(sample, Mapping):  # get_field also reads objects with keys(); they are not encoded
+                raise SampleError.at(i, f" is a {type(sample).__name__}; rebalance sends mappings (dicts)")
+            blobs.append(encode_sample(sample))
+        gid = None if groups is None else _local_groups(groups, len(samples))
+    except (TypeError, ValueError) as exc:
+        error = str(exc).replace("\n", " ")
+        return [], [], RankRecord(np.zeros(0, np.int64), None, np.zeros(0, np.int64), error), exc
+    if layout.cut_length is not None:
+        lengths = np.minimum(lengths, layout.cut_length)
+    sizes = np.array([len(b) for b in blobs], np.int64)
+    return samples, blobs, RankRecord(lengths, gid, sizes), None
+
+
+def _local_groups(groups, n: int) -> np.ndarray:
+    gid = np.asarray(groups.detach().cpu() if isinstance(groups, torch.Tensor) else groups)
+    if gid.shape != (n,) or (gid.size and gid.dtype.kind not in "iu"):
+        raise ValueError(f"groups must hold one integer group id per local sample ({n}), got shape {gid.shape} "
+                         f"and dtype {gid.dtype}")
+    return gid.astype(np.int64)
+
+
+def _fetch_samples(comm: Comm, route: Route, samples: list, blobs: list) -> dict:
+    """``{global id: sample}`` of every sample this rank's micro-batches hold: its own as they are, the
+    others' decoded from one all-to-all (each rank sends each other rank what that one needs)."""
+    me, base = comm.rank, int(route.offsets[comm.rank])
+    send = [[] if d == me else [blobs[i] for i in (route.sends(me, d) - base).tolist()]
+            for d in range(comm.world_size)]
+    incoming = [route.sends(s, me) for s in range(comm.world_size)]
+    sizes = route.sizes
+    receive = [np.zeros(0, np.int64) if s == me else sizes[ids] for s, ids in enumerate(incoming)]
+    held = {int(g): samples[int(g) - base] for g in incoming[me].tolist()}
+    for s, items in enumerate(exchange_blobs(comm, send, receive)):
+        held.update((int(g), decode_sample(item)) for g, item in zip(incoming[s].tolist(), items))
+    return held
+
+
+def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, build_kwargs: dict) -> list[ThdBatch]:
+    """This rank's micro-batches, built from ``held`` (``{global id: sample}``) in the route's order."""
+    ids, bounds, filler = route.batch_ids[rank], route.batch_bounds[rank], route.filler[rank]
+    batches = []
+    for k, is_filler in enumerate(filler.tolist()):
+        part = ids[bounds[k] : bounds[k + 1]]
+        samples = [held[g] for g in part.tolist()]
+        try:
+            if not is_filler:
+                batches.append(build_thd_batch(samples, sample_index=part, layout=layout, **build_kwargs))
+                continue
+            with warnings.catch_warnings():  # a filler has no targets by design
+                warnings.simplefilter("ignore")
+                masked = [_without_targets(s, layout.ignore_index) for s in samples]
+                batches.append(build_thd_batch(masked, sample_index=part, layout=layout, **build_kwargs))
+        except SampleError as exc:
+            if exc.sample is None or not 0 <= exc.sample < part.size:
+                raise
+            g = int(part[exc.sample])
+            owner = int(route.owner(np.array([g]))[0])
+            raise exc.renamed(g - int(route.offsets[owner]), f" (local sample of rank {owner}, in micro-batch {k} "
+                              f"of rank {rank})") from None
+    return batches
+
+
+def _without_targets(sample: Mapping, ignore_index: int) -> dict:
+    """``sample`` with every label ``ignore_index`` (a filler's copy scores nothing)."""
+    n = to_int_array(get_field(sample, "input_ids", 0, required=True), sample=0, field="input_ids").size
+    return {**sample, "labels": np.full(n, ignore_index, np.int64)}
+
+
+class RebalanceHandle:
+    """What :func:`rebalance` did on this rank, and the way back for per-sample results.
+
+    Attributes:
+        rank, world_size: this rank in the rebalance's group, and the group's size.
+        offsets: int64 ``[R+1]``: rank ``r``'s local sample ``i`` is global sample ``offsets[r] + i``.
+        sample_ids: int64 ``[m]`` global ids of the samples of this rank's ``batches``, in order
+            (each batch's ``sample_index``, concatenated; fillers included).
+        batch_sizes: int64 ``[b]`` samples per micro-batch.
+        filler: bool ``[b]``: micro-batch ``k`` only fills a repeated slot (no targets; its values
+            are dropped by :meth:`restore`).
+        plan: the :class:`thdpack.BalancedPlan` every rank computed (global sample ids).
+        rank_costs: float64 ``[R]`` every rank's cost of its micro-batches under the call's cost model.
+        straggler: ``max / mean`` of ``rank_costs`` (1.0 is perfect balance).
+    """
+
+    def __init__(self, comm: Comm, route: Route, options: PlanOptions, cost: CostModel):
+        self._comm, self._route = comm, route
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.offsets = route.offsets
+        self.plan = route.plan
+        self.sample_ids = route.batch_ids[comm.rank]
+        self.batch_sizes = np.diff(route.batch_bounds[comm.rank])
+        self.filler = route.filler[comm.rank]
+        self.options = options
+        self.rank_costs = route.rank_costs(route.lengths, cost)
+        mean = self.rank_costs.mean() if self.rank_costs.size else 0.0
+        self.straggler = float(self.rank_costs.max() / mean) if mean > 0 else 1.0
+        real = np.repeat(~self.filler, self.batch_sizes)
+        self._real = np.flatnonzero(real)
+        real_ids = self.sample_ids[real]
+        self._send_order = np.argsort(real_ids, kind="stable")  # to each origin rank, its samples by id
+        self._send_counts = np.bincount(route.owner(real_ids), minlength=self.world_size)
+        mine = np.arange(route.offsets[self.rank], route.offsets[self.rank + 1])
+        runner = route.runner[mine]
+        self._receive_order = np.argsort(runner, kind="stable")  # from each runner, my samples by id
+        self._receive_counts = np.bincount(runner, minlength=self.world_size)
+
+    @property
+    def num_local_samples(self) -> int:
+        """Samples this rank gave to :func:`rebalance` (what :meth:`restore` returns one value for)."""
+        return int(self._receive_order.size)
+
+    def restore(self, values):
+        """One value per sample of this rank's ``batches`` in, one per sample of its ``local_samples`` out.
+
+        A collective: call it on every rank of the group. ``values``: a tensor ``[m, ...]`` (any
+        dtype and device; the same dtype and trailing shape on every rank; detached), a numpy array,
+        or a list of picklable objects, in the order of the batches' samples, concatenated: ``m`` is
+        ``sample_ids.size`` (fillers' values included, then dropped) or the number of non-filler
+        samples. Returns the same kind, ``[num_local_samples, ...]``, in ``local_samples``' order.
+        """
+        if isinstance(values, np.ndarray):
+            return self.restore(torch.from_numpy(values)).numpy()
+        if isinstance(values, torch.Tensor):
+            rows = self._real_rows(values, values.shape[0] if values.dim() else None)
+            order = torch.as_tensor(self._send_order, device=rows.device)
+            received = exchange_rows(self._comm, rows[order], self._send_counts, self._receive_counts)
+            out = torch.empty_like(received)
+            out[torch.as_tensor(self._receive_order, device=out.device)] = received
+            return out
+        if isinstance(values, (list, tuple)):
+            rows = self._real_rows(list(values), len(values))
+            received = exchange_objects(self._comm, [rows[i] for i in self._send_order.tolist()], self._send_counts,
+                                        self._receive_counts)
+            out = [None] * len(received)
+            for j, i in enumerate(self._receive_order.tolist()):
+                out[i] = received[j]
+            return out
+        raise TypeError(f"restore takes a tensor, numpy array or list of per-sample values, got {type(values).__name__}")
+
+    def _real_rows(self, values, m):
+        """``values`` without the fillers' rows; ``ValueError`` unless ``m`` is one of the two accepted counts."""
+        total, real = int(self.sample_ids.size), int(self._real.size)
+        if m not in (total, real):
+            expected = f"{total}" if total == real else f"{total} (or {real} without the {int(self.filler.sum())} " \
+                                                        "filler micro-batches)"
+            raise ValueError(f"restore got {'a 0-d tensor' if m is None else m} values on rank {self.rank}; expected "
+                             f"one per sample of its batches, {expected}")
+        if m == real or total == real:
+            return values
+        if isinstance(values, list):
+            return [values[i] for i in self._real.tolist()]
+        return values[torch.as_tensor(self._real, device=values.device)]
+
+    def __repr__(self) -> str:
+        return (f"RebalanceHandle(rank={self.rank}, world_size={self.world_size}, micro_batches={self.filler.size}, "
+                f"samples={self.sample_ids.size}, fillers={int(self.filler.sum())}, straggler={self.straggler:.4f})")

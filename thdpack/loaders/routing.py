@@ -1,0 +1,200 @@
+"""Where every sample of a run-time rebalance goes: integers only, the same on every rank.
+
+Every rank computes :func:`plan_route` from the same gathered :class:`RankRecord` list, so
+every rank knows, without a second round, which samples each rank runs, which samples each
+rank sends to each other one, and the way back. Global sample ids number the ranks' local
+samples rank by rank: rank ``r``'s local sample ``i`` is global sample ``offsets[r] + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from thdpack.common.align import round_up
+from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
+from thdpack.planning.options import PlanOptions
+from thdpack.planning.plan import number_groups
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank tells the others before planning (``n`` its local samples).
+
+    Attributes:
+        lengths: int64 ``[n]`` tokens each sample is planned with (cut to the layout's ``max_length``).
+        groups: int64 ``[n]`` the group id of each sample (ids are per rank: the same id on two
+            ranks is two groups), or None without groups.
+        sizes: int64 ``[n]`` bytes of each encoded sample (what the all-to-all moves).
+        error: None, or why this rank's input is refused (every rank raises it).
+    """
+
+    lengths: np.ndarray
+    groups: np.ndarray | None
+    sizes: np.ndarray
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which rank runs which samples (``R`` ranks, ``N`` samples over all of them).
+
+    Attributes:
+        offsets: int64 ``[R+1]``: rank ``r``'s local sample ``i`` is global sample ``offsets[r] + i``.
+        plan: the :class:`thdpack.BalancedPlan` of the ``N`` lengths (global ids).
+        batch_ids: per rank, int64 ``[m_r]``: the global ids of its micro-batches' samples, in order.
+        batch_bounds: per rank, int64 ``[b_r + 1]``: where each of its ``b_r`` micro-batches starts
+            in ``batch_ids`` (``b_r`` the same on every rank).
+        filler: per rank, bool ``[b_r]``: the micro-batch only fills a slot the plan had to repeat
+            (one short sample, run with no targets).
+        runner: int64 ``[N]`` the rank whose non-filler micro-batch holds each sample (each exactly once).
+        lengths, sizes: int64 ``[N]`` every sample's planned length and encoded bytes.
+    """
+
+    offsets: np.ndarray
+    plan: BalancedPlan
+    batch_ids: list
+    batch_bounds: list
+    filler: list
+    runner: np.ndarray
+    lengths: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def world_size(self) -> int:
+        return int(self.offsets.size - 1)
+
+    def owner(self, ids: np.ndarray) -> np.ndarray:
+        """int64 ``[k]`` the rank whose local sample each global id in ``ids`` is."""
+        return np.searchsorted(self.offsets, ids, side="right") - 1
+
+    def needs(self, rank: int) -> np.ndarray:
+        """int64 sorted unique global ids of the samples ``rank``'s micro-batches hold."""
+        return np.unique(self.batch_ids[rank])
+
+    def sends(self, source: int, dest: int) -> np.ndarray:
+        """int64 sorted global ids of ``source``'s samples that ``dest`` needs (what goes from one to the other)."""
+        need = self.needs(dest)
+        lo, hi = np.searchsorted(need, self.offsets[source : source + 2])
+        return need[lo:hi]
+
+    def real_ids(self, rank: int) -> np.ndarray:
+        """int64 ``[k]`` global ids of the samples of ``rank``'s non-filler micro-batches, in batch order."""
+        counts = np.diff(self.batch_bounds[rank])
+        return self.batch_ids[rank][np.repeat(~self.filler[rank], counts)]
+
+    def rank_costs(self, lengths: np.ndarray, cost: CostModel) -> np.ndarray:
+        """float64 ``[R]`` each rank's cost (``lengths``: int64 ``[N]``; fillers included: they run)."""
+        out = np.zeros(self.world_size)
+        for r, ids in enumerate(self.batch_ids):
+            s = lengths[ids].astype(np.float64)
+            out[r] = cost.linear * s.sum() + cost.quadratic * (s * s).sum()
+        return out
+
+
+def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches: int, cost: CostModel) -> Route:
+    """The :class:`Route` of every rank's ``records`` (one per rank, in rank order), planned by
+    :func:`thdpack.plan_balanced` with ``options`` (pack size, the layout's ``align``), ``R`` =
+    ``len(records)`` replicas, ``micro_batches`` and ``cost``, steps unshuffled.
+
+    Rank ``r`` runs ``plan.steps[:, r, :]`` (its ``S·M`` micro-batches, step by step). A pack the
+    plan repeats to fill a step is scored once, where it first appears; its other slots become
+    filler micro-batches holding one short sample (the rank's shortest, else the shortest of
+    all), so every rank still runs ``S·M`` micro-batches. ``ValueError`` (the same on every rank)
+    for a record's error, groups given on some ranks only, a sample longer than a pack, or a
+    group longer than ``micro_batches`` packs, naming the rank and its local sample or group.
+    """
+    check_records(records, options, micro_batches)
+    counts = np.array([r.lengths.size for r in records], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    lengths = np.concatenate([r.lengths for r in records]).astype(np.int64)
+    groups = _global_groups(records)
+    try:
+        plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
+                             shuffle_steps=False, groups=groups, options=options)
+    except ValueError as exc:
+        raise ValueError(f"rebalance: {exc} (samples are numbered rank by rank: rank r's first local sample is "
+                         f"global sample offsets[r], offsets {offsets[:-1].tolist()[:16]})") from None
+    sizes = np.concatenate([r.sizes for r in records]).astype(np.int64)
+    return _route_of(plan, offsets, lengths, sizes)
+
+
+def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int) -> None:
+    """``ValueError`` naming the rank (and its local sample or group) for what no plan can take."""
+    failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error is not None]
+    if failed:
+        r, message = failed[0]
+        more = f" ({len(failed)} ranks failed)" if len(failed) > 1 else ""
+        raise ValueError(f"rebalance: rank {r}: {message}{more}")
+    with_groups = [rec.groups is not None for rec in records]
+    if any(with_groups) and not all(with_groups):
+        raise ValueError(f"rebalance: groups= was given on ranks {np.flatnonzero(with_groups).tolist()} but not on "
+                         f"ranks {np.flatnonzero(~np.array(with_groups)).tolist()}; give it on every rank or none")
+    pack_size, align = options.pack_size, options.align
+    for r, rec in enumerate(records):
+        sizes = round_up(rec.lengths, align)
+        over = np.flatnonzero(sizes > pack_size)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"rebalance: sample {i} of rank {r} has {int(rec.lengths[i])} tokens ({int(sizes[i])} "
+                             f"aligned to {align}), more than pack_size={pack_size}; a rollout is never cut here: "
+                             f"raise pack_size or drop it ({over.size} such sample(s) on rank {r})")
+        if rec.groups is not None and rec.groups.size:
+            _check_group_sizes(r, rec.groups, sizes, pack_size * micro_batches, micro_batches)
+
+
+def _check_group_sizes(rank: int, gid: np.ndarray, sizes: np.ndarray, budget: int, micro_batches: int) -> None:
+    group_of = number_groups(gid)
+    totals = np.bincount(group_of, weights=sizes)
+    over = np.flatnonzero(totals > budget)
+    if over.size:
+        g = int(over[0])
+        raise ValueError(f"rebalance: group {int(gid[np.argmax(group_of == g)])} of rank {rank} has {int(totals[g])} "
+                         f"tokens (aligned), more than micro_batches={micro_batches} packs hold ({budget}); a group "
+                         "runs on one rank in one step: raise micro_batches or pack_size")
+
+
+def _global_groups(records: list[RankRecord]) -> np.ndarray | None:
+    """int64 ``[N]`` group numbers unique over ranks (each rank's ids numbered, then offset), or None."""
+    if records[0].groups is None:
+        return None
+    out, base = [], 0
+    for rec in records:
+        local = number_groups(rec.groups) if rec.groups.size else np.zeros(0, np.int64)
+        out.append(local + base)
+        base += int(local.max()) + 1 if local.size else 0
+    return np.concatenate(out).astype(np.int64)
+
+
+def _route_of(plan: BalancedPlan, offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> Route:
+    """Rank ``r``'s micro-batches: ``plan.steps[:, r, :]`` in order, repeats turned into fillers."""
+    steps = plan.steps
+    num_ranks = offsets.size - 1
+    flat = steps.reshape(-1)
+    _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    repeat = (first[inverse.reshape(-1)] != np.arange(flat.size)).reshape(steps.shape)
+    pack_offsets, sample_index = plan.plan.pack_offsets, plan.plan.sample_index
+    batch_ids, batch_bounds, filler, reals = [], [], [], []
+    runner = np.full(lengths.size, -1, np.int64)
+    shortest_all = int(np.argmin(lengths)) if lengths.size else -1
+    for r in range(num_ranks):
+        packs, fill = steps[:, r, :].reshape(-1), repeat[:, r, :].reshape(-1)
+        parts = [sample_index[pack_offsets[k] : pack_offsets[k + 1]] for k in packs.tolist()]
+        real = np.concatenate([p for p, f in zip(parts, fill.tolist()) if not f] or [np.zeros(0, np.int64)])
+        runner[real] = r
+        reals.append(real)
+        if fill.any():  # the shortest sample this rank holds anyway (none to fetch), else the shortest of all
+            short = int(real[np.argmin(lengths[real])]) if real.size else shortest_all
+            parts = [np.array([short]) if f else p for p, f in zip(parts, fill.tolist())]
+        counts = np.array([p.size for p in parts], np.int64)
+        batch_ids.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+        batch_bounds.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        filler.append(fill.astype(bool))
+    scored = np.bincount(np.concatenate(reals or [np.zeros(0, np.int64)]).astype(np.int64),
+                         minlength=lengths.size)
+    if lengths.size and not (scored == 1).all():  # the plan's guarantee, checked: cheap, and loud if ever broken
+        raise RuntimeError(f"rebalance: the plan scores sample {int(np.flatnonzero(scored != 1)[0])} "
+                           f"{int(scored[scored != 1][0])} times; this is a bug in thdpack")
+    return Route(offsets=offsets, plan=plan, batch_ids=batch_ids, batch_bounds=batch_bounds, filler=filler,
+                 runner=runner, lengths=lengths, sizes=sizes)
