@@ -36,7 +36,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import ThdCollator, build_thd_batch, shard_for_cp, shard_for_ulysses  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
-from thdpack.parallel.ulysses import check_head_counts, pad_for_ulysses, ulysses_pad_multiple  # noqa: E402
+from thdpack.parallel.ulysses import (  # noqa: E402
+    check_head_counts, pad_for_ulysses, ulysses_pad_multiple, ulysses_positions)
 
 IGNORE = -100
 VOCAB = 128
@@ -268,7 +269,8 @@ def _all_gather_cp_attention(shard, cp_group):
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         length = query.shape[2]
-        assert torch.equal(kwargs["cu_seq_lens_q"], shard.local_cu_seqlens_padded) and length == total // cp
+        cu_local = kwargs["cu_seq_lens_q"]  # what to_hf_kwargs handed the model: the CP rank's layout
+        assert torch.equal(cu_local * cp, shard.cu_seqlens_padded) and int(cu_local[-1]) == length == total // cp
         q_pos = _dual_chunk_positions(cu, cp, shard.cp_rank)
         k_all, v_all = (torch.empty(*x.shape[:2], total, x.shape[3]) for x in (key, value))
         k_all[:, :, pos], v_all[:, :, pos] = torch.cat(_all_gather(key, cp_group), 2), torch.cat(_all_gather(value, cp_group), 2)
@@ -445,24 +447,44 @@ def test_vlm_shards():
     assert torch.equal(torch.cat([s.extras["image_embed_index"] for s in shards]), torch.arange(8))
 
 
-def test_collator_option():
-    """ThdCollator(ulysses_sp_size=..., ulysses_rank=...) gives shard_for_ulysses of what it builds
-    (planned packs too, the tail with its pad_token_id); without a rank the padded whole batch; with
-    CP the CP rank's."""
+def _same(got, want) -> None:
+    for name in FIELDS + ("partition_indices", "cu_seqlens", "cu_seqlens_padded", "local_cu_seqlens_padded"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.max_seqlen, got.sp_size, got.sp_rank, got.cp_size, got.cp_rank) == (
+        want.max_seqlen, want.sp_size, want.sp_rank, want.cp_size, want.cp_rank)
+
+
+@pytest.mark.parametrize("layout", [dict(pad_token_id=5), dict(pad_token_id=5, max_length=10),
+                                    dict(pad_token_id=5, pad_multiple=4)], ids=["plain", "max_length", "pad_multiple"])
+def test_collator_option(layout):
+    """ThdCollator(ulysses_sp_size=..., ulysses_rank=...) gives shard_for_ulysses of the batch it would
+    build without Ulysses (planned packs too, the tail with its pad_token_id, a max_length cut and a pad
+    multiple kept); without a rank the padded whole batch; with CP the CP rank's."""
     samples = make_samples((13, 7, 22, 5, 9), seed=4)
-    whole = ThdCollator(pad_token_id=5, pack_size=32)(samples)
-    for r in range(3):
-        packs = ThdCollator(pad_token_id=5, pack_size=32, ulysses_sp_size=3, ulysses_rank=r)(samples)
-        assert len(packs) == len(whole) > 1
-        for got, batch in zip(packs, whole):
-            want = shard_for_ulysses(batch, 3, r, pad_token_id=5)
-            assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in FIELDS + ("partition_indices",))
-    padded = ThdCollator(pad_token_id=5, ulysses_sp_size=5)(samples)  # 56 tokens: a tail of 4
-    assert torch.equal(padded.input_ids, pad_for_ulysses(build_thd_batch(samples), 5, pad_token_id=5).input_ids)
-    assert padded.num_padded_tokens == 60 and padded.input_ids[-4:].tolist() == [5] * 4 and not padded.is_shard
-    got = ThdCollator(cp_size=2, cp_rank=1, ulysses_sp_size=2, ulysses_rank=0)(samples)
-    want = shard_for_ulysses(build_thd_batch(samples, cp_size=2), 2, 0, cp_size=2, cp_rank=1)
-    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in FIELDS + ("partition_indices",))
+    for plan in ({}, dict(pack_size=32)):
+        whole = ThdCollator(**layout, **plan)(samples)
+        whole = whole if plan else [whole]
+        for r in range(3):
+            got = ThdCollator(**layout, **plan, ulysses_sp_size=3, ulysses_rank=r)(samples)
+            got = got if plan else [got]
+            assert len(got) == len(whole)
+            for g, batch in zip(got, whole):
+                _same(g, shard_for_ulysses(batch, 3, r, pad_token_id=5))
+    padded = ThdCollator(**layout, ulysses_sp_size=5)(samples)
+    want = pad_for_ulysses(ThdCollator(**layout)(samples), 5, pad_token_id=5)
+    assert all(torch.equal(getattr(padded, f), getattr(want, f)) for f in FIELDS + ("cu_seqlens_padded",))
+    assert padded.num_padded_tokens % 5 == 0 and padded.input_ids[-1] == 5 and not padded.is_shard
+    got = ThdCollator(**layout, cp_size=2, cp_rank=1, ulysses_sp_size=2, ulysses_rank=1)(samples)
+    _same(got, shard_for_ulysses(ThdCollator(**layout, cp_size=2)(samples), 2, 1, cp_size=2, cp_rank=1, pad_token_id=5))
+
+
+def test_collator_pad_to():
+    """A layout pad_to the Ulysses ranks split is kept (static shapes); one they cannot is refused."""
+    samples = make_samples((13, 7), seed=5)
+    got = ThdCollator(pad_to=24, ulysses_sp_size=4, ulysses_rank=3)(samples)
+    assert got.cu_seqlens_padded[-1] == 24 and got.num_padded_tokens == 6
+    with pytest.raises(ValueError, match=r"pad_to=30 is not a multiple of 4, which ulysses_sp_size=4 needs"):
+        ThdCollator(pad_to=30, ulysses_sp_size=4)
 
 
 # --------------------------------------------------------------------------- argument errors
@@ -494,6 +516,12 @@ _B = build_thd_batch(make_samples((5, 3), seed=0))
      ValueError, r"takes a whole batch, got a shard \(cp_size=2, sp_size=1\)"),
     (lambda: shard_for_cp(shard_for_ulysses(_B, 2, 1), 2, 0), ValueError, r"batch is a Ulysses shard \(sp_size=2, rank 1\)"),
     (lambda: pad_for_ulysses(_B, 0), ValueError, r"sp_size must be an integer >= 1, got 0"),
+    (lambda: pad_for_ulysses(_B, 2, cp_size=2), ValueError, r"sample 0 has padded length 5, not a multiple of 2·cp = 4"),
+    (lambda: ulysses_positions([0, 5, 7], 4, 0), ValueError,
+     r"cu_seqlens_padded ends at 7, not a multiple of cp·sp = 4; pad the stream first"),
+    (lambda: ulysses_positions([1, 5], 2, 0), ValueError, r"cu_seqlens_padded must be 1-D .* starting at 1"),
+    (lambda: ulysses_positions([0, 6, 8], 2, 0, cp_size=2), ValueError, r"sample 0 has padded length 6, not a multiple"),
+    (lambda: ulysses_positions([0.0, 4.0], 2, 0), ValueError, r"cu_seqlens_padded must hold integers"),
     (lambda: ThdCollator(ulysses_sp_size=0), ValueError, r"ulysses_sp_size must be an integer >= 1, got 0"),
     (lambda: ThdCollator(ulysses_sp_size=2, ulysses_rank=2), ValueError, r"ulysses_rank must be an integer in \[0, 2\)"),
     (lambda: ThdCollator(ulysses_sp_size=2, ulysses_rank=0, cp_size=2), ValueError,
@@ -511,3 +539,26 @@ def test_head_counts_accepted():
     for sp, heads, kv in [(4, 8, 8), (4, 8, 4), (4, 8, 2), (4, 8, 1), (8, 8, 2), (2, 4, None), (3, None, 6)]:
         check_head_counts(sp, heads, kv)
         shard_for_ulysses(_B, sp, 0, num_heads=heads, num_kv_heads=kv)
+
+
+NUMBER_ARGS = {  # argument -> a call taking the value there
+    "sp_size": lambda v: shard_for_ulysses(_B, v, 0),
+    "rank": lambda v: shard_for_ulysses(_B, 2, v),
+    "cp_size": lambda v: shard_for_ulysses(_B, 2, 0, cp_size=v),
+    "cp_rank": lambda v: shard_for_ulysses(_B, 2, 0, cp_size=2, cp_rank=v),
+    "pad_token_id": lambda v: shard_for_ulysses(_B, 2, 0, pad_token_id=v),
+    "num_heads": lambda v: shard_for_ulysses(_B, 2, 0, num_heads=v),
+    "num_kv_heads": lambda v: shard_for_ulysses(_B, 2, 0, num_kv_heads=v),
+    "ulysses_sp_size": lambda v: ThdCollator(ulysses_sp_size=v),
+    "ulysses_rank": lambda v: ThdCollator(ulysses_sp_size=2, ulysses_rank=v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMBER_ARGS))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 2.5, True, 2**63, "2"], ids=repr)
+def test_number_rule(name, value):
+    """Every size, rank and count: NaN, inf, negatives, fractions, bools, past int64 and strings are one
+    ValueError naming the argument."""
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer") as info:
+        NUMBER_ARGS[name](value)
+    assert "\n" not in str(info.value)

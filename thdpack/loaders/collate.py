@@ -16,7 +16,7 @@ from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
 from thdpack.common.extensions import vision as vision_extension
 from thdpack.batching.layout import BatchLayout, layout_from
-from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses
+from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
@@ -204,7 +204,6 @@ class ThdCollator:
             j = exc.sample
             raise exc.renamed(int(index[j]), f" (position {j} of pack {k})") from None
 
-
     def _finish(self, batch: ThdBatch) -> ThdBatch:
         """``batch`` as the collator returns it: its Ulysses shard, or padded for Ulysses, or itself."""
         if self.ulysses_sp_size == 1:
@@ -298,8 +297,8 @@ def _cp_rank(layout: BatchLayout, cp_group) -> int | None:
 
 def _ulysses_rank(layout: BatchLayout, sp_size, rank, sp_group) -> tuple[int, int | None]:
     """``(sp_size, SP rank)`` a collator shards for: ``rank``, else this process's rank in
-    ``sp_group``, else None (the whole batch, padded); ``ValueError`` for sizes and ranks out of range
-    or a CP layout without the CP rank an SP rank needs."""
+    ``sp_group``, else None (the whole batch, padded); ``ValueError`` for sizes and ranks out of range,
+    a ``pad_to`` the SP ranks cannot split, or a CP layout without the CP rank an SP rank needs."""
     check_int(sp_size, "ulysses_sp_size", 1)
     if rank is None and sp_group is not None:
         import torch.distributed as dist
@@ -309,6 +308,10 @@ def _ulysses_rank(layout: BatchLayout, sp_size, rank, sp_group) -> tuple[int, in
             raise ValueError(f"sp_group has {dist.get_world_size(group=sp_group)} ranks but ulysses_sp_size={sp_size}")
     if rank is not None:
         check_ulysses_args(sp_size, rank, names=("ulysses_sp_size", "ulysses_rank"))
+    multiple = ulysses_pad_multiple(sp_size, layout.cp_size, layout.multiple)
+    if layout.pad_to is not None and layout.pad_to % multiple:  # static shapes: the shards would add a tail
+        raise ValueError(f"pad_to={layout.pad_to} is not a multiple of {multiple}, which ulysses_sp_size={sp_size} "
+                         f"needs (with cp_size={layout.cp_size} and the pad multiple {layout.multiple})")
     if sp_size > 1 and layout.cp_size > 1 and (rank is None) != (layout.cp_rank is None):
         given, missing = ("ulysses_rank", "cp_rank= or cp_group=") if layout.cp_rank is None else (
             "cp_rank", "ulysses_rank= or sp_group=")

@@ -21,7 +21,7 @@ slot's count (the last sample's ``s, s+1, ...`` as its own alignment pads), mRoP
 token extra (``mm_token_type_ids``: text). They join the last sample's attention segment after all
 its real tokens, so under causal attention no real token sees them.
 
-Ulysses × ring (``cp_size > 1``, the "USP" of yunchang / verl): the batch, built with
+Ulysses × ring (``cp_size > 1``, Ulysses inside ring context parallelism): the batch, built with
 ``cp_size`` (every padded length a multiple of ``2·cp``), is padded to a multiple of
 ``lcm(2·cp, cp·sp)``, split into CP shards by TransformerEngine's dual-chunk rule
 (:mod:`thdpack.parallel.cp`), and each CP shard's local stream is cut into ``sp`` contiguous
@@ -46,9 +46,11 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_int, integer_array
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, partition_indices, vision_shard_extras
+from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 POSITION_EXTRAS = ("mrope_position_ids",)
 """Token extras whose tail slots continue counting (each row from the last slot); others get 0."""
@@ -98,63 +100,131 @@ def ulysses_pad_multiple(sp_size: int, cp_size: int = 1, pad_multiple: int = 1) 
     return math.lcm(multiple, int(pad_multiple))
 
 
-def ulysses_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, multiple: int) -> torch.Tensor:
-    """int32 ``[n+1]``: ``cu_seqlens_padded`` with its last entry rounded up to ``multiple`` (the
-    stream tail joins the last sample); the tensor itself when it is one already."""
-    total = int(cu_seqlens_padded[-1])
-    padded_total = -(-total // multiple) * multiple
-    if padded_total == total:
-        return cu_seqlens_padded
-    out = cu_seqlens_padded.to(torch.int32, copy=True)
-    out[-1] = padded_total
-    return out
+def ulysses_positions(cu_seqlens_padded, sp_size: int, rank: int, cp_size: int = 1, cp_rank: int = 0) -> np.ndarray:
+    """Stream positions of Ulysses rank ``rank`` (of CP rank ``cp_rank``): int64 ``[T / (cp·sp)]``.
+
+    ``cu_seqlens_padded``: int ``[n+1]`` of the stream *already padded* for Ulysses (its total a
+    multiple of :func:`ulysses_pad_multiple`; with ``cp_size > 1`` every padded length a multiple of
+    ``2·cp``). Without CP the positions are ``[rank·L, (rank+1)·L)``; with CP they are the slice
+    ``[rank·L, (rank+1)·L)`` of the CP rank's dual-chunk positions (:func:`thdpack.thd_partition_indices`),
+    found chunk by chunk (``O(n + L)``, never the CP rank's ``T / cp`` positions).
+    """
+    check_ulysses_args(sp_size, rank, cp_size, cp_rank)
+    cu = integer_array(cu_seqlens_padded, "cu_seqlens_padded")
+    cu = (cu.cpu().numpy() if isinstance(cu, torch.Tensor) else cu).astype(np.int64, copy=False)
+    if cu.ndim != 1 or cu.shape[0] < 1 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens_padded must be 1-D with at least one entry and start at 0, got shape "
+                         f"{tuple(cu.shape)}{f' starting at {cu.flat[0]}' if cu.size else ''}")
+    if int(cu[-1]) % (cp_size * sp_size):
+        raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])}, not a multiple of cp·sp = {cp_size * sp_size}; "
+                         "pad the stream first (pad_for_ulysses, or build with pad_to=)")
+    length = int(cu[-1]) // (cp_size * sp_size)
+    start, stop = rank * length, (rank + 1) * length
+    if cp_size == 1:
+        return np.arange(start, stop, dtype=np.int64)
+    _check_cp_aligned(cu, cp_size)
+    h = chunk_length(cu[1:] - cu[:-1], cp_size)
+    first_chunk, second_chunk = rank_chunks(cp_size, cp_rank)
+    chunk_len = np.repeat(h, 2)  # the rank's chunks in local order: sample 0's two, sample 1's two, ...
+    chunk_first = np.stack([cu[:-1] + first_chunk * h, cu[:-1] + second_chunk * h], 1).reshape(-1)
+    local_end = np.cumsum(chunk_len)
+    local_start = local_end - chunk_len
+    # each chunk cut to the slice (np.minimum / np.maximum: a fifth of np.clip's cost on small arrays)
+    lo, hi = np.minimum(np.maximum(local_start, start), stop), np.minimum(np.maximum(local_end, start), stop)
+    taken = hi - lo
+    offset = chunk_first + (lo - local_start) - (np.cumsum(taken) - taken)
+    return np.repeat(offset, taken) + np.arange(stop - start, dtype=np.int64)
+
+
+def _check_cp_aligned(cu: np.ndarray, cp_size: int) -> None:
+    """``ValueError`` naming the first sample whose padded length (of int64 ``cu``) is negative or not a
+    multiple of ``2·cp`` (the message of :func:`thdpack.thd_partition_indices`)."""
+    lengths = cu[1:] - cu[:-1]
+    if cp_size > 1 and (bool((lengths % (2 * cp_size)).any()) or bool((lengths < 0).any())):
+        partition_indices(cu, cp_size, 0)  # raises, naming the sample and the fix
+
+
+class PaddedLayout:
+    """The stream of ``batch`` padded for Ulysses: ``total`` tokens before, ``padded_total`` after;
+    ``cu_seqlens_padded`` (int32 ``[n+1]``, the last entry extended; the batch's own tensor when
+    there is no tail) and ``max_seqlen`` of the padded stream."""
+
+    def __init__(self, batch, sp_size: int, cp_size: int):
+        multiple = ulysses_pad_multiple(sp_size, cp_size, batch.pad_multiple)
+        cu = batch.cu_seqlens_padded
+        self.total = batch.num_padded_tokens
+        self.padded_total = -(-self.total // multiple) * multiple
+        self.cu_seqlens_padded, self.max_seqlen = cu, batch.max_seqlen
+        if self.padded_total > self.total:  # the tail joins the last sample's padded span
+            # through numpy on the host: a quarter of the cost of the same three torch operations
+            host = cu.device.type == "cpu"
+            extended = (cu if host else cu.cpu()).numpy().astype(np.int32)  # a copy
+            extended[-1] = self.padded_total
+            self.cu_seqlens_padded = torch.from_numpy(extended) if host else torch.from_numpy(extended).to(cu.device)
+            self.max_seqlen = max(self.max_seqlen, self.padded_total - (int(extended[-2]) if extended.size > 1 else 0))
 
 
 # ---------------------------------------------------------------------------- the stream tail
 
 
-def _tail(batch, length: int, pad_token_id: int) -> dict:
-    """The ``length`` tail slots of every per-token tensor (see the module docstring), keyed as the
-    batch's fields; token extras under ``("token_extras", key)``."""
-    steps = torch.arange(1, length + 1, dtype=torch.int64)
-    ids = batch.input_ids
-    out = {
-        "input_ids": torch.full((length,), pad_token_id, dtype=ids.dtype),
-        "labels": torch.full((length,), batch.ignore_index, dtype=batch.labels.dtype),
-        "loss_mask": torch.zeros(length, dtype=batch.loss_mask.dtype),
-        "position_ids": (batch.position_ids[-1:].cpu() + steps).to(batch.position_ids.dtype),
-    }
-    for key, value in batch.token_extras.items():
-        if key in POSITION_EXTRAS:
-            out["token_extras", key] = (value[..., -1:].cpu() + steps).to(value.dtype)
-        else:
-            out["token_extras", key] = torch.zeros((*value.shape[:-1], length), dtype=value.dtype)
-    return {k: v.to(ids.device) for k, v in out.items()}
+def _fills(batch, pad_token_id: int) -> dict:
+    """What the tail slots of each per-token tensor hold: a constant, or None (count on from the last
+    slot, each row); keyed as the batch's fields, token extras under ``("token_extras", key)``."""
+    fills = {"input_ids": pad_token_id, "labels": batch.ignore_index, "loss_mask": False, "position_ids": None}
+    fills.update({("token_extras", k): None if k in POSITION_EXTRAS else 0 for k in batch.token_extras})
+    return fills
 
 
 class _Take:
-    """One rank's tokens of the padded stream (the batch's ``total`` tokens, then its tail): a
-    contiguous range ``[start, stop)`` (SP alone) or the stream positions ``index`` (with CP)."""
+    """One rank's tokens of the padded stream (the batch's ``total`` tokens, then a tail up to
+    ``padded_total``): the contiguous range ``[start, stop)`` (SP alone: views of the batch's
+    tensors when it holds no tail slot, as DeepSpeed's adapter slices; no copy) or the stream
+    positions ``index`` (with CP: a gather)."""
 
-    def __init__(self, total: int, start: int, stop: int, index: torch.Tensor | None):
-        self.total, self.start, self.stop, self.index = total, start, stop, index
+    def __init__(self, total: int, padded_total: int, start: int, stop: int, index: torch.Tensor | None = None,
+                 needs_tail: bool = True):
+        self.total, self.padded_total, self.start, self.stop = total, padded_total, start, stop
+        self.index, self.needs_tail = index, needs_tail
 
-    def __call__(self, values: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
-        """``values`` ``[..., total]`` and its ``tail`` ``[..., k]`` (None when k = 0) → ``[..., L]``."""
-        if self.index is not None:
-            whole = values if tail is None else torch.cat([values, tail], -1)
-            return whole[..., self.index]
-        head = values[..., min(self.start, self.total):min(self.stop, self.total)]
-        if self.stop <= self.total:
-            return head.clone()  # the rank's own memory: a DataLoader worker ships only these tokens
-        return torch.cat([head, tail[..., max(self.start, self.total) - self.total:self.stop - self.total]], -1)
+    def __call__(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """``values`` ``[..., total]`` → ``[..., L]``; ``fill``: the tail's constant, or None to count on."""
+        if not self.needs_tail:
+            if self.index is None:
+                return values[..., self.start:self.stop]
+            return values.index_select(-1, self.index)  # a third of the cost of values[..., index]
+        lo, hi = (self.start, self.stop) if self.index is None else (0, self.padded_total)
+        first = min(lo, self.total)
+        skip, slots = max(lo, self.total) - self.total, hi - max(lo, self.total)  # tail slots before / in [lo, hi)
+        out = _with_tail(values, first, skip, slots, fill)
+        return out if self.index is None else out.index_select(-1, self.index)
 
 
-def _per_token(batch, take, tail: dict) -> dict:
+_NUMPY_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
+                 torch.float32, torch.float16}
+
+
+def _with_tail(values: torch.Tensor, first: int, skip: int, slots: int, fill) -> torch.Tensor:
+    """``values[..., first:]`` followed by ``slots`` tail slots (the tail's ``skip`` first ones left
+    out): ``fill``, or with ``fill`` None each row counting on from its last slot (``+skip+1, ...``)."""
+    if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:  # numpy: a fifth of the torch calls' cost
+        v = values.numpy()
+        out = np.empty((*v.shape[:-1], v.shape[-1] - first + slots), v.dtype)
+        head = v.shape[-1] - first
+        out[..., :head] = v[..., first:]
+        out[..., head:] = fill if fill is not None else v[..., -1:] + np.arange(skip + 1, skip + slots + 1)
+        return torch.from_numpy(out)
+    head = values.narrow(-1, first, values.shape[-1] - first)
+    if fill is not None:
+        return F.pad(head, (0, slots), value=fill)
+    steps = torch.arange(skip + 1, skip + slots + 1, device=values.device)
+    return torch.cat([head, (values[..., -1:] + steps).to(values.dtype)], -1)
+
+
+def _per_token(batch, take: _Take, pad_token_id: int) -> dict:
     """The ``dataclasses.replace`` changes that give every per-token tensor of ``batch`` through ``take``."""
-    changes = {name: take(getattr(batch, name), tail.get(name))
-               for name in ("input_ids", "labels", "loss_mask", "position_ids")}
-    changes["token_extras"] = {k: take(v, tail.get(("token_extras", k))) for k, v in batch.token_extras.items()}
+    fills = _fills(batch, pad_token_id)
+    changes = {name: take(getattr(batch, name), fills[name]) for name in ("input_ids", "labels", "loss_mask", "position_ids")}
+    changes["token_extras"] = {k: take(v, fills["token_extras", k]) for k, v in batch.token_extras.items()}
     return changes
 
 
@@ -186,13 +256,12 @@ def pad_for_ulysses(batch, sp_size: int, *, cp_size: int = 1, pad_token_id: int 
     """
     _check_batch(batch, "pad_for_ulysses")
     check_int(pad_token_id, "pad_token_id", 0)
-    cu = ulysses_cu_seqlens_padded(batch.cu_seqlens_padded, ulysses_pad_multiple(sp_size, cp_size, batch.pad_multiple))
-    total, padded_total = batch.num_padded_tokens, int(cu[-1])
-    if padded_total == total:
+    layout = PaddedLayout(batch, sp_size, cp_size)
+    _check_cp_aligned(batch.cu_seqlens_padded.cpu().numpy().astype(np.int64), cp_size)
+    if layout.padded_total == layout.total:
         return batch
-    tail = _tail(batch, padded_total - total, pad_token_id)
-    changes = _per_token(batch, _Take(total, 0, padded_total, None), tail)
-    return dataclasses.replace(batch, **changes, cu_seqlens_padded=cu, max_seqlen=_max_seqlen(cu))
+    changes = _per_token(batch, _Take(layout.total, layout.padded_total, 0, layout.padded_total), pad_token_id)
+    return dataclasses.replace(batch, **changes, cu_seqlens_padded=layout.cu_seqlens_padded, max_seqlen=layout.max_seqlen)
 
 
 def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_rank: int = 0, pad_token_id: int = 0,
@@ -223,36 +292,36 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         cp``), which :meth:`ThdBatch.to_hf_kwargs` passes as ``cu_seq_lens_q/k``, with the targets
         as ``shift_labels``; ``partition_indices`` (int64 ``[L]``) are the tokens' positions in the
         padded stream. A VLM batch's shard also gets :func:`thdpack.parallel.cp.vision_shard_extras`.
+        Without CP and away from the tail, the per-token tensors are views of the batch's (no copy,
+        as DeepSpeed's adapter slices); with CP, or on the rank holding the tail, new tensors.
     """
     _check_batch(batch, "shard_for_ulysses")
     check_ulysses_args(sp_size, rank, cp_size, cp_rank)
     check_head_counts(sp_size, num_heads, num_kv_heads)
     check_int(pad_token_id, "pad_token_id", 0)
-    cu = ulysses_cu_seqlens_padded(batch.cu_seqlens_padded, ulysses_pad_multiple(sp_size, cp_size, batch.pad_multiple))
-    total, padded_total = batch.num_padded_tokens, int(cu[-1])
-    length = padded_total // (cp_size * sp_size)
+    layout = PaddedLayout(batch, sp_size, cp_size)
+    cu, total = layout.cu_seqlens_padded, layout.total
+    length = layout.padded_total // (cp_size * sp_size)
     start, stop = rank * length, (rank + 1) * length
     device = batch.input_ids.device
     if cp_size == 1:
-        index, positions = None, torch.arange(start, stop, dtype=torch.int64, device=device)
+        take = _Take(total, layout.padded_total, start, stop, needs_tail=stop > total)
+        positions = torch.from_numpy(np.arange(start, stop, dtype=np.int64))  # via numpy: a third of torch.arange
+        positions = positions if device.type == "cpu" else positions.to(device)
+        local_cu, local_lens = cu, batch.seq_lens
     else:  # the CP rank's positions (validates the 2·cp alignment), then the SP rank's slice of them
-        positions = torch.as_tensor(partition_indices(cu, cp_size, cp_rank)[start:stop], device=device)
-        index = positions
-    tail = _tail(batch, padded_total - total, pad_token_id) if padded_total > total else {}
+        index = ulysses_positions(cu, sp_size, rank, cp_size, cp_rank)
+        needs_tail = layout.padded_total > total and index.shape[0] > 0 and int(index.max()) >= total
+        positions = torch.as_tensor(index, device=device)
+        take = _Take(total, layout.padded_total, start, stop, positions, needs_tail)
+        local_cu, local_lens = (cu // cp_size).to(torch.int32), local_seq_lens(batch.seq_lens, cu, cp_size, cp_rank)
     shard = dataclasses.replace(
-        batch, **_per_token(batch, _Take(total, start, stop, index), tail),
-        cu_seqlens_padded=cu, max_seqlen=_max_seqlen(cu), cp_size=cp_size, cp_rank=cp_rank,
-        sp_size=sp_size, sp_rank=rank, local_cu_seqlens_padded=(cu // cp_size).to(torch.int32),
-        local_seq_lens=local_seq_lens(batch.seq_lens, cu, cp_size, cp_rank), partition_indices=positions,
+        batch, **_per_token(batch, take, pad_token_id), cu_seqlens_padded=cu,
+        max_seqlen=layout.max_seqlen, cp_size=cp_size, cp_rank=cp_rank, sp_size=sp_size, sp_rank=rank,
+        local_cu_seqlens_padded=local_cu, local_seq_lens=local_lens, partition_indices=positions,
     )
     types = batch.token_extras.get("mm_token_type_ids")
     if types is not None:  # VLM: global positions of this rank's vision tokens (tail slots are text)
-        tail_types = tail.get(("token_extras", "mm_token_type_ids"))
-        whole = types if tail_types is None else torch.cat([types, tail_types], -1)
+        whole = F.pad(types, (0, layout.padded_total - total), value=0)
         shard.extras = {**batch.extras, **vision_shard_extras(whole, positions)}
     return shard
-
-
-def _max_seqlen(cu: torch.Tensor) -> int:
-    """The largest padded length of ``cu`` (int32 ``[n+1]``)."""
-    return int((cu[1:] - cu[:-1]).max())
