@@ -27,6 +27,7 @@ CASES = {
     "cp": (["--packs", "50", "--repeats", "1"], "shard"),
     "collate": (["--batches", "20", "--warmup", "2", "--repeats", "1"], "same output"),
     "losses": (["--tokens", "256", "--vocab", "1000", "--repeats", "1", "--rounds", "1"], "token_logps"),
+    "rebalance": (["--samples-per-rank", "40", "--repeats", "1"], "saved/cost"),
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile"], "thdpack batch.block_mask()"),
 }
 

@@ -90,7 +90,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     batch_layout, build_kwargs = _split_layout(layout)
     options = _plan_options(int(pack_size), batch_layout)
     comm = Comm.of(group)
-    samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout)
+    samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout, comm.world_size > 1)
     try:
         route = plan_route(comm.all_gather_object(record), options, micro_batches=int(micro_batches), cost=cost)
     except ValueError as exc:
@@ -122,9 +122,10 @@ def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
     return PlanOptions(pack_size, align=layout.multiple, max_samples_per_pack=layout.max_num_seqs)
 
 
-def _read_local(local_samples, groups, layout: BatchLayout):
-    """``(samples, encoded samples, RankRecord, error)`` of this rank; a problem is not raised here
-    but carried in the record (every rank raises it after the gather) and returned as ``error``."""
+def _read_local(local_samples, groups, layout: BatchLayout, encode: bool):
+    """``(samples, encoded samples, RankRecord, error)`` of this rank (encoded only with ``encode``: one
+    process sends nothing); a problem is not raised here but carried in the record (every rank raises
+    it after the gather) and returned as ``error``."""
     try:
         samples = sample_list(local_samples, "rebalance")
         lengths = np.zeros(len(samples), np.int64)
@@ -137,7 +138,7 @@ def _read_local(local_samples, groups, layout: BatchLayout):
                                      field="input_ids")
             if not isinstance(sample, Mapping):  # get_field also reads objects with keys(); they are not encoded
                 raise SampleError.at(i, f" is a {type(sample).__name__}; rebalance sends mappings (dicts)")
-            blobs.append(encode_sample(sample))
+            blobs.append(encode_sample(sample) if encode else b"")
         gid = None if groups is None else _local_groups(groups, len(samples))
     except (TypeError, ValueError) as exc:
         error = str(exc).replace("\n", " ")
@@ -214,6 +215,7 @@ class RebalanceHandle:
         filler: bool ``[b]``: micro-batch ``k`` only fills a repeated slot (no targets; its values
             are dropped by :meth:`restore`).
         plan: the :class:`thdpack.BalancedPlan` every rank computed (global sample ids).
+        options: the :class:`thdpack.PlanOptions` it was planned with (``align``: the layout's multiple).
         rank_costs: float64 ``[R]`` every rank's cost of its micro-batches under the call's cost model.
         straggler: ``max / mean`` of ``rank_costs`` (1.0 is perfect balance).
     """

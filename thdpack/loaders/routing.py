@@ -50,6 +50,7 @@ class Route:
             (one short sample, run with no targets).
         runner: int64 ``[N]`` the rank whose non-filler micro-batch holds each sample (each exactly once).
         lengths, sizes: int64 ``[N]`` every sample's planned length and encoded bytes.
+        held: per rank, int64 sorted unique global ids of the samples its micro-batches hold.
     """
 
     offsets: np.ndarray
@@ -60,6 +61,7 @@ class Route:
     runner: np.ndarray
     lengths: np.ndarray
     sizes: np.ndarray
+    held: list
 
     @property
     def world_size(self) -> int:
@@ -69,13 +71,9 @@ class Route:
         """int64 ``[k]`` the rank whose local sample each global id in ``ids`` is."""
         return np.searchsorted(self.offsets, ids, side="right") - 1
 
-    def needs(self, rank: int) -> np.ndarray:
-        """int64 sorted unique global ids of the samples ``rank``'s micro-batches hold."""
-        return np.unique(self.batch_ids[rank])
-
     def sends(self, source: int, dest: int) -> np.ndarray:
-        """int64 sorted global ids of ``source``'s samples that ``dest`` needs (what goes from one to the other)."""
-        need = self.needs(dest)
+        """int64 sorted global ids of ``source``'s samples that ``dest`` holds (what goes from one to the other)."""
+        need = self.held[dest]
         lo, hi = np.searchsorted(need, self.offsets[source : source + 2])
         return need[lo:hi]
 
@@ -197,4 +195,4 @@ def _route_of(plan: BalancedPlan, offsets: np.ndarray, lengths: np.ndarray, size
         raise RuntimeError(f"rebalance: the plan scores sample {int(np.flatnonzero(scored != 1)[0])} "
                            f"{int(scored[scored != 1][0])} times; this is a bug in thdpack")
     return Route(offsets=offsets, plan=plan, batch_ids=batch_ids, batch_bounds=batch_bounds, filler=filler,
-                 runner=runner, lengths=lengths, sizes=sizes)
+                 runner=runner, lengths=lengths, sizes=sizes, held=[np.unique(ids) for ids in batch_ids])
