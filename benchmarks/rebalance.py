@@ -134,7 +134,8 @@ def table(per_rank: list[dict], args) -> list[dict]:
         saved = step_before - step_after
         rows.append(dict(input=how, samples=total, megabytes=sum(r["bytes"] for r in runs) / 1e6,
                          rebalance_ms=1e3 * seconds, per_1000_ms=1e3 * seconds * 1000 / total,
-                         restore_ms=1e3 * restore, collate_ms=1e3 * collate, straggler_before=before.max() / before.mean(),
+                         restore_ms=1e3 * restore, collate_ms=1e3 * collate,
+                         straggler_before=before.max() / before.mean(),
                          straggler_after=after.max() / after.mean(), step_before_s=step_before,
                          step_after_s=step_after, saved_s=saved, saved_per_cost=saved / (seconds + restore),
                          micro_batches=runs[0]["micro_batches"]))

@@ -124,8 +124,9 @@ def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
 
 def _read_local(local_samples, groups, layout: BatchLayout, encode: bool):
     """``(samples, encoded samples, RankRecord, error)`` of this rank (encoded only with ``encode``: one
-    process sends nothing); a problem is not raised here but carried in the record (every rank raises
-    it after the gather) and returned as ``error``."""
+    process sends nothing; every sample is encoded before the gather, since a receiver must know its
+    size, though those that stay here are neither sent nor decoded). A problem is not raised here but
+    carried in the record (every rank raises it after the gather) and returned as ``error``."""
     try:
         samples = sample_list(local_samples, "rebalance")
         lengths = np.zeros(len(samples), np.int64)
@@ -273,7 +274,8 @@ class RebalanceHandle:
             for j, i in enumerate(self._receive_order.tolist()):
                 out[i] = received[j]
             return out
-        raise TypeError(f"restore takes a tensor, numpy array or list of per-sample values, got {type(values).__name__}")
+        raise TypeError("restore takes a tensor, numpy array or list of per-sample values, got "
+                        f"{type(values).__name__}")
 
     def _real_rows(self, values, m):
         """``values`` without the fillers' rows; ``ValueError`` unless ``m`` is one of the two accepted counts."""
