@@ -31,7 +31,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import ThdCollator, build_thd_batch, shard_for_cp, shard_for_ulysses  # noqa: E402
@@ -345,7 +345,7 @@ def with_extras(batch, seed: int):
     g = torch.Generator().manual_seed(seed)
     t = batch.num_padded_tokens
     batch.token_extras = {"mrope_position_ids": batch.position_ids[None] + torch.tensor([[0], [3], [5]]),
-                          "weights": torch.rand(2, t, generator=g)}
+                          "weights": torch.rand(2, t, generator=g).to(torch.bfloat16)}  # numpy has no bfloat16
     return batch
 
 
@@ -355,11 +355,26 @@ def padded_extras(batch, total: int) -> dict:
     k = total - batch.num_padded_tokens
     mrope, weights = batch.token_extras["mrope_position_ids"], batch.token_extras["weights"]
     return {"mrope_position_ids": torch.cat([mrope, mrope[:, -1:] + torch.arange(1, k + 1)], 1),
-            "weights": torch.cat([weights, torch.zeros(2, k)], 1)}
+            "weights": torch.cat([weights, torch.zeros(2, k, dtype=weights.dtype)], 1)}
+
+
+@pytest.mark.parametrize("fill", [None, 7])
+def test_tail_without_numpy_is_the_same(fill):
+    """The tail of a tensor numpy cannot view (bfloat16 here; a device tensor likewise) is the numpy one."""
+    from thdpack.parallel.ulysses import _with_tail
+
+    values = torch.arange(30, dtype=torch.int64).reshape(3, 10)
+    for first, skip, slots in [(4, 0, 3), (10, 2, 2), (0, 0, 1)]:
+        want = _with_tail(values, first, skip, slots, fill)
+        got = _with_tail(values.to(torch.bfloat16), first, skip, slots, fill)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.to(torch.int64), want), (first, skip, slots)
+    assert _with_tail(values, 4, 1, 2, None)[:, -2:].tolist() == [[11, 12], [21, 22], [31, 32]]
 
 
 @pytest.mark.filterwarnings("ignore:thdpack. a batch of")  # one-token samples have no target
 @settings(deadline=None, max_examples=40)
+@example(lengths=[1], sp=4, cp=1, pad_multiple=None, extras=True)  # ranks 1..3 all tail: a tail slot skipped
+@example(lengths=[3, 1], sp=5, cp=2, pad_multiple=None, extras=True)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), sp=st.integers(1, 5),
        cp=st.sampled_from([1, 1, 2, 3]), pad_multiple=st.sampled_from([None, 4]), extras=st.booleans())
 def test_slices_are_the_padded_stream(lengths, sp, cp, pad_multiple, extras):
