@@ -76,12 +76,6 @@ def document_block_mask(cu_seqlens_padded, total: int | None = None, *, block_si
 def build_block_mask(cu: torch.Tensor, total: int, q_block: int, kv_block: int):
     """:func:`document_block_mask` on validated offsets: ``cu`` int64 ``[n+1]`` (its device is the
     mask's), ``total >= max(cu[-1], 1)``."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask
-    except ImportError:
-        raise ImportError(f"a BlockMask needs FlexAttention (torch >= 2.5), and this is torch {torch.__version__}; "
-                          "use attention_mask_4d() or the flash kwargs") from None
-
     partial, full = block_layout(cu, total, q_block, kv_block)
     q_rows = -(-total // q_block) * q_block  # the kernels may evaluate rows of the last tile past T
     starts = document_starts(cu, torch.arange(q_rows, device=cu.device))
@@ -89,8 +83,20 @@ def build_block_mask(cu: torch.Tensor, total: int, q_block: int, kv_block: int):
     def document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx >= starts[q_idx])
 
+    return block_mask_from_tiles(partial, full, document_causal, total, q_block, kv_block)
+
+
+def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor, mask_mod, total: int, q_block: int,
+                          kv_block: int):
+    """A ``BlockMask`` of a ``(total, total)`` stream from bool ``[R, C]`` tile masks (``partial``: some pairs
+    visible, ``mask_mod`` decides; ``full``: every pair visible), through ``BlockMask.from_kv_blocks``."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        raise ImportError(f"a BlockMask needs FlexAttention (torch >= 2.5), and this is torch {torch.__version__}; "
+                          "use attention_mask_4d() or the flash kwargs") from None
     tables = (*_ordered(partial), *_ordered(full))
-    options = dict(BLOCK_SIZE=(q_block, kv_block), mask_mod=document_causal, seq_lengths=(total, total))
+    options = dict(BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod, seq_lengths=(total, total))
     try:
         mask = BlockMask.from_kv_blocks(*tables, **options, compute_q_blocks=False)
     except TypeError:  # an older torch without compute_q_blocks: it builds the q tables itself

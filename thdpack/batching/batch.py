@@ -15,6 +15,9 @@ from thdpack.attention.backends import attention_kind
 from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, check_block_size
 from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
 from thdpack.attention.documents import documents_of
+from thdpack.flops.sequences import tree_seqlen_squared_sum
+from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_mask
+from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
 from thdpack.common.samples import IGNORE_INDEX
 
@@ -77,6 +80,19 @@ class ThdBatch:
             of the stream padded to ``T'`` (``cu_seqlens_padded[-1]``); the ``local_*`` fields and
             ``partition_indices`` are set as on a CP shard (``local_*``: the layout attention sees
             after the all-to-all, the whole padded stream when ``cp_size == 1``).
+        prefix_tree: None, or for a shared-prefix batch (``build_thd_batch(share_prefix=...)``) its
+            :class:`thdpack.batching.prefix_tree.PrefixTree`. Then the stream's segments (``cu_seqlens``,
+            ``cu_seqlens_padded``, ``seq_lens``, ``max_seqlen``, ``document_ids``) are the shared prefixes,
+            the members' own tokens after them and the samples alone; ``position_ids`` continue each
+            prefix's count in its members; ``labels`` / ``loss_mask`` are each row's target where it has
+            one label (a prefix's last row predicts every member's first token: ``ignore_index`` there,
+            the targets in the tree's table); ``num_samples``, ``sample_index``, ``sample_values`` and the
+            losses of :mod:`thdpack.losses` are per sample, in the order given; ``num_targets``, and what
+            :func:`thdpack.losses.token_logps` and :meth:`token_values` return, per entry of the target
+            table (``[N]``, the unshared batch's targets in order). Masks: :meth:`block_mask`,
+            :meth:`attention_mask_4d` and ``to_hf_kwargs(attn_implementation="flex_attention" | "sdpa" |
+            "eager")``; the varlen / Megatron / Mamba dialects (flash kwargs, ``packed_seq_params_dict``,
+            ``seq_idx``) and CP shards cannot express the tree and raise ``ValueError``.
     """
 
     input_ids: torch.Tensor
@@ -101,10 +117,13 @@ class ThdBatch:
     max_num_seqs: int | None = None
     sp_size: int = 1
     sp_rank: int = 0
+    prefix_tree: PrefixTree | None = None
 
     # ---- sizes -----------------------------------------------------------
     @property
     def num_samples(self) -> int:
+        if self.prefix_tree is not None:  # segments are not samples: prefixes hold several samples' tokens
+            return int(self.sample_index.numel())
         return int(self.seq_lens.numel())
 
     @property
@@ -116,7 +135,10 @@ class ThdBatch:
     def num_targets(self) -> int:
         """Target tokens (``loss_mask.sum()``; on a CP shard, this rank's). 0 means the batch
         trains nothing, and a mean loss over it is NaN (0/0): skip it, or weight the loss
-        by this count (the sum over targets divided by their total across batches / ranks)."""
+        by this count (the sum over targets divided by their total across batches / ranks). On a
+        shared-prefix batch, the target table's entries: the unshared batch's count."""
+        if self.prefix_tree is not None:
+            return self.prefix_tree.num_targets
         return int(self.loss_mask.sum())
 
     @property
@@ -139,7 +161,11 @@ class ThdBatch:
 
     @property
     def seqlen_squared_sum(self) -> int:
-        """``Σ sᵢ²`` over real lengths (Python int: no int32 overflow)."""
+        """``Σ sᵢ²`` over real lengths (Python int: no int32 overflow). On a shared-prefix batch the tree's
+        attention work in the same convention, ``Σ_prefix p² + Σ_member c·(2p + c)``
+        (:func:`thdpack.flops.sequences.tree_seqlen_squared_sum`)."""
+        if self.prefix_tree is not None:
+            return tree_seqlen_squared_sum(self.seq_lens, self.prefix_tree.parents)
         s = self.seq_lens.to(torch.int64)
         return int((s * s).sum())
 
@@ -153,7 +179,9 @@ class ThdBatch:
         ``DataCollatorWithFlattening(return_seq_idx=True)`` and megatron-core's ``PackedSeqParams``
         (from ``total_tokens``) give it to Mamba-2 / Gated-DeltaNet layers. Pad slots and a ``pad_to``
         tail hold their sample's id (the span of ``cu_seqlens_padded`` they are in). On a CP shard:
-        the whole stream's (``T`` global), since such a layer scans the whole stream."""
+        the whole stream's (``T`` global), since such a layer scans the whole stream. A scan cannot
+        restart from a shared prefix: ``ValueError`` on a shared-prefix batch."""
+        refuse_tree("seq_idx (a per-sequence scan)", self)
         return seq_idx_from_cu_seqlens(self.cu_seqlens_padded)
 
     @property
@@ -183,8 +211,14 @@ class ThdBatch:
         return batch_sample_values(self)
 
     def token_values(self, name: str) -> torch.Tensor:
-        """``[T]`` (or ``[T, k]``) per-sample value ``name`` on every slot of its sample."""
-        from thdpack.common.values import token_values
+        """``[T]`` (or ``[T, k]``) per-sample value ``name`` on every slot of its sample. On a shared-prefix
+        batch ``[N]`` (or ``[N, k]``): its sample's value for every entry of the target table, where
+        :func:`thdpack.losses.token_logps` puts each target (a prefix row serves several samples)."""
+        from thdpack.common.values import batch_sample_values, token_values
+
+        values = batch_sample_values(self)
+        if self.prefix_tree is not None and name in values:
+            return values[name][self.prefix_tree.target_samples.to(values[name].device)]
 
         return token_values(self, name)
 
@@ -197,6 +231,8 @@ class ThdBatch:
         }
         for name in ("token_extras", "extras"):
             changes[name] = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in getattr(self, name).items()}
+        if self.prefix_tree is not None:
+            changes["prefix_tree"] = self.prefix_tree.map(fn)
         return dataclasses.replace(self, **changes)
 
     def to(self, device, non_blocking: bool = False) -> "ThdBatch":
@@ -213,10 +249,20 @@ class ThdBatch:
         """int32 ``[T]``: the sample (``0..n-1``) of every slot, by ``cu_seqlens_padded``: pad
         slots and a ``pad_to`` tail hold the id of the sample before them, as ``position_ids``
         continue its count (:mod:`thdpack.attention.documents`). On a CP or Ulysses shard: the
-        sample of each local token (the whole stream's ids at ``partition_indices``)."""
+        sample of each local token (the whole stream's ids at ``partition_indices``). On a shared-prefix
+        batch: the segment of every slot (:attr:`document_parents` tells which prefix a member sees)."""
         cu = self.cu_seqlens_padded.to(torch.int64)
         slots = self.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
         return documents_of(cu, slots.to(cu.device)).to(torch.int32)
+
+    @property
+    def document_parents(self) -> torch.Tensor:
+        """int32 ``[S]`` the parent of every document (segment) of :attr:`document_ids`: on a shared-prefix
+        batch a member's prefix (it attends to the prefix's real tokens, then to itself causally), ``-1``
+        for a prefix or a sample alone; all ``-1`` for an unshared batch."""
+        if self.prefix_tree is not None:
+            return self.prefix_tree.parents.to(torch.int32)
+        return torch.full((int(self.seq_lens.numel()),), -1, dtype=torch.int32, device=self.seq_lens.device)
 
     def block_mask(self, block_size=DEFAULT_BLOCK_SIZE, *, device=None):
         """The document-causal FlexAttention ``BlockMask`` of the stream, ``shape (1, 1, T, T)``, built
@@ -226,19 +272,31 @@ class ThdBatch:
         Args:
             block_size: tile size, an integer or a ``(q_block, kv_block)`` pair.
             device: where to build it (default: the batch's); build it where attention runs.
+
+        On a shared-prefix batch, the tree's mask (:func:`thdpack.attention.tree_mask.tree_block_mask`).
         """
         q_block, kv_block = check_block_size(block_size)
         cu = self._whole_stream_offsets("block_mask()", device)
+        if self.prefix_tree is not None:
+            lens, parents = self._tree_segments(cu.device)
+            return build_tree_block_mask(cu, lens, parents, self.num_padded_tokens, q_block, kv_block)
         return build_block_mask(cu, self.num_padded_tokens, q_block, kv_block)
 
     def attention_mask_4d(self, dtype: torch.dtype = torch.bool, *, device=None) -> torch.Tensor:
         """The dense block-diagonal causal mask ``[1, 1, T, T]`` for SDPA (``torch.bool``, True =
         attend) or eager attention (a floating ``dtype``: additive, 0 or ``finfo(dtype).min``).
         ``T²`` elements (1 GiB as bool for 32k tokens): for small packs; prefer :meth:`block_mask`
-        or flash-attn varlen for long ones (:mod:`thdpack.attention.dense_mask`)."""
+        or flash-attn varlen for long ones (:mod:`thdpack.attention.dense_mask`). On a shared-prefix
+        batch, the tree's mask (:func:`thdpack.attention.tree_mask.dense_tree_mask`)."""
         check_mask_dtype(dtype)
         cu = self._whole_stream_offsets("attention_mask_4d()", device)
+        if self.prefix_tree is not None:
+            return build_dense_tree_mask(cu, *self._tree_segments(cu.device), self.num_padded_tokens, dtype)
         return build_dense_mask(cu, self.num_padded_tokens, dtype)
+
+    def _tree_segments(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[S]`` real lengths and parents of the segments, on ``device``."""
+        return self.seq_lens.to(device, torch.int64), self.prefix_tree.parents.to(device, torch.int64)
 
     def _whole_stream_offsets(self, what: str, device) -> torch.Tensor:
         """int64 ``cu_seqlens_padded`` on ``device`` (default: the batch's); ``ValueError`` on a shard."""
@@ -254,7 +312,12 @@ class ThdBatch:
     # ---- consumers -------------------------------------------------------
     def hf_labels(self) -> torch.Tensor:
         """int64 ``[T]`` labels for a transformers causal LM, whose loss shifts by one:
-        ``hf_labels[t + 1] == labels[t]``, so the model scores exactly the targets."""
+        ``hf_labels[t + 1] == labels[t]``, so the model scores exactly the targets. Not for a
+        shared-prefix batch (a prefix's last row has several targets): use :mod:`thdpack.losses`."""
+        if self.prefix_tree is not None:
+            raise ValueError("hf_labels() / to_hf_kwargs(include_labels=True) cannot score a shared-prefix batch (a "
+                             "prefix's last row predicts every member's first token): pass include_labels=False and "
+                             "compute the loss with thdpack.losses (packed_loss, sequence_logps, dpo_loss, ...)")
         out = torch.full_like(self.labels, self.ignore_index)
         out[1:] = self.labels[:-1]
         return out
@@ -290,8 +353,16 @@ class ThdBatch:
         ``"eager"`` get neither: transformers derives the per-sample mask from ``position_ids`` (a VLM's
         text row) when there is no cache, so call the model with ``use_cache=False``. Masks are for a
         whole batch: on a CP or Ulysses shard, anything but the flash kwargs is a ``ValueError``.
+
+        A shared-prefix batch (``prefix_tree``) needs its tree mask: ``"flex_attention"`` gets its
+        ``BlockMask``, ``"sdpa"`` a bool and ``"eager"`` a float32 additive ``[1, 1, T, T]``
+        :meth:`attention_mask_4d` (transformers cannot derive it from ``position_ids``); the flash
+        kwargs (None, flash names) cannot express it and ``include_labels=True`` cannot score it: both are
+        a ``ValueError``.
         """
         kind = attention_kind(attn_implementation)
+        if kind == "flash":
+            refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", self)
         cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
         max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
         if self.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
@@ -306,6 +377,8 @@ class ThdBatch:
         }
         if kind != "flash":
             kw = self._mask_kwargs(kw, kind)
+            if kind == "dense" and self.prefix_tree is not None:
+                kw["attention_mask"] = self.attention_mask_4d(torch.bool if attn_implementation == "sdpa" else torch.float32)
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
@@ -352,7 +425,9 @@ class ThdBatch:
 
         With ``max_num_seqs`` (static shapes): every offset field int32 ``[max_num_seqs + 1]``, the
         padded ones always set, ``max_seqlen_q/kv`` = ``total_tokens``
-        (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged."""
+        (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged.
+        A shared-prefix batch is a ``ValueError`` (varlen kernels cannot express its tree)."""
+        refuse_tree("packed_seq_params_dict() (varlen cu_seqlens: TE THD, megatron-core)", self)
         unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)
         padded = None if unpadded else self.cu_seqlens_padded
         fields = {
@@ -373,6 +448,7 @@ class ThdBatch:
         Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
         megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none). The padded fields are
         None when the batch has no alignment multiple and no sample is padded."""
+        refuse_tree("megatron-core PackedSeqParams (varlen cu_seqlens)", self)
         fields = self.packed_seq_params_dict()
         try:
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -402,6 +478,7 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
         raise TypeError(f"shard_for_cp takes a thdpack.ThdBatch (build_thd_batch, ThdCollator), got "
                         f"{type(batch).__name__}; for raw offsets use thdpack.thd_partition_indices")
     check_cp_args(cp_size, cp_rank)
+    refuse_tree("shard_for_cp (TE / Megatron ring attention over cu_seqlens)", batch)
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
     if batch.sp_size != 1:
@@ -434,7 +511,11 @@ def warn_if_no_targets(batch: ThdBatch, stacklevel: int = 3) -> None:
     if _warned_no_targets or batch.is_shard:
         return
     mask = batch.loss_mask  # any() through numpy: a third of a torch reduction's overhead (a per-batch hot path)
-    if mask.numpy().any() if mask.device.type == "cpu" else mask.any():
+    if batch.prefix_tree is not None:
+        mask = batch.prefix_tree.target_rows  # the targets of a shared-prefix batch are its table's entries
+        if mask.numel():
+            return
+    elif mask.numpy().any() if mask.device.type == "cpu" else mask.any():
         return
     _warned_no_targets = True
     index = batch.sample_index.tolist()

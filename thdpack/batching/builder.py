@@ -18,13 +18,11 @@ import torch
 
 from thdpack.attention.static import check_num_seqs
 from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
-from thdpack.common.align import round_up
 from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
 from thdpack.common.extensions import vision
-from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
 from thdpack.common.samples import SampleError, get_field, same_length, sample_list, to_int_array
-
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def build_thd_batch(
@@ -33,6 +31,8 @@ def build_thd_batch(
     sample_index: Sequence[int] | None = None,
     model_config=None,
     sample_values: Sequence[str] | None = None,
+    share_prefix: str | None = None,
+    min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
     layout: BatchLayout | None = None,
     **layout_keywords,
 ) -> ThdBatch:
@@ -64,19 +64,32 @@ def build_thd_batch(
             rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
             :mod:`thdpack.common.values`); a NaN or infinite value is a ``ValueError``
             naming the sample and field.
+        share_prefix: None (every sample alone), or the name of a sample field holding a group id
+            (e.g. ``"group"``): the samples of a group that begin with the same tokens are laid out
+            once as ``[prefix][member 1][member 2]...`` (:mod:`thdpack.batching.shared_prefix`: the
+            prefix is each member's ``"prefix_len"`` field or the longest common one; the batch's
+            ``prefix_tree`` carries the segments and every sample's targets). Masks for
+            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP, no VLM samples.
+        min_prefix_len: with ``share_prefix``, the shortest prefix worth sharing (default 32 tokens);
+            a group with a shorter one is laid out unshared.
 
     Returns:
         A :class:`ThdBatch` on the CPU.
     """
     layout = layout_from("build_thd_batch", layout, layout_keywords)
     return build_batch(samples, layout, sample_index=sample_index, model_config=model_config,
-                       sample_values=sample_values, stacklevel=4)
+                       sample_values=sample_values, share_prefix=share_prefix, min_prefix_len=min_prefix_len,
+                       stacklevel=4)
 
 
 def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, model_config=None,
-                sample_values=None, stacklevel: int = 3) -> ThdBatch:
+                sample_values=None, share_prefix=None, min_prefix_len=DEFAULT_MIN_PREFIX_LEN,
+                stacklevel: int = 3) -> ThdBatch:
     """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
     batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
+    if share_prefix is not None:
+        return _build_shared(samples, layout, share_prefix, min_prefix_len, sample_index=sample_index,
+                             model_config=model_config, sample_values=sample_values, stacklevel=stacklevel + 1)
     samples = sample_list(samples, "build_thd_batch")
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
@@ -84,7 +97,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
     ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
-    padded = _padded_lengths(seq_lens, layout)
+    padded = padded_lengths(seq_lens, layout)
     ids = _concat(ids_parts)
     source = _concat(label_parts) if label_parts is not None else _EMPTY
     mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
@@ -134,6 +147,21 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     return batch
 
 
+def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *, sample_index, model_config,
+                  sample_values, stacklevel: int) -> ThdBatch:
+    """:func:`build_batch` with ``share_prefix``: the unshared stream first (its checks, its targets), then
+    the tree gathered from it (:mod:`thdpack.batching.shared_prefix`); the plain batch when no group shares."""
+    check_share_args(share_prefix, min_prefix_len, layout, model_config)
+    samples = sample_list(samples, "build_thd_batch")
+    check_num_seqs(len(samples), layout.max_num_seqs)
+    flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, sample_values=sample_values,
+                       stacklevel=stacklevel + 1)
+    tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len))
+    if tree is not None:
+        return tree
+    return build_batch(samples, layout, sample_index=sample_index, sample_values=sample_values, stacklevel=stacklevel + 1)
+
+
 def _read_samples(samples, max_length):
     """Per-sample 1-D arrays of ids, labels (or None), loss masks (or None), and
     the number of tokens cut by ``max_length``."""
@@ -167,18 +195,6 @@ def _read_samples(samples, max_length):
     return ids_parts, label_parts if any_labels else None, mask_parts if any_mask else None, truncated
 
 
-def _padded_lengths(seq_lens: np.ndarray, layout: BatchLayout) -> np.ndarray:
-    """int64 ``[n]`` padded lengths: ``seq_lens`` rounded up to the layout's multiple, the
-    last extended to ``pad_to``; ``ValueError`` if the stream overflows int32 offsets."""
-    padded = round_up(seq_lens, layout.multiple)
-    if layout.pad_to is not None:
-        padded = _extend_last(padded, layout.pad_to)
-    total = int(padded.sum())
-    if total > _INT32_MAX:
-        raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
-    return padded
-
-
 def _sample_index(sample_index, n: int) -> np.ndarray:
     """int64 ``[n]``: the given input rows of the samples, or ``0..n-1``."""
     if sample_index is None:
@@ -187,16 +203,6 @@ def _sample_index(sample_index, n: int) -> np.ndarray:
     if index.size != n:
         raise ValueError(f"sample_index has {index.size} entries for {n} samples")
     return index
-
-
-def _extend_last(padded: np.ndarray, pad_to: int) -> np.ndarray:
-    """int64 ``[n]`` ``padded`` with the last span extended so the total is ``pad_to``."""
-    aligned_total = int(padded.sum())
-    if pad_to < aligned_total:
-        raise ValueError(f"pad_to={pad_to} is shorter than the pack ({aligned_total} tokens after alignment)")
-    padded = padded.copy()
-    padded[-1] += pad_to - aligned_total
-    return padded
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from thdpack.attention.static import check_max_num_seqs
-from thdpack.common.align import check_int, check_positive_int, resolve_pad_multiple
+from thdpack.common.align import check_int, check_positive_int, resolve_pad_multiple, round_up
 from thdpack.parallel.cp import check_cp_args
 from thdpack.common.samples import IGNORE_INDEX
 
@@ -106,3 +108,28 @@ def check_token_args(pad_token_id, ignore_index) -> None:
     hint = " (use the tokenizer's pad_token_id, or its eos_token_id when it has none)" if pad_token_id is None else ""
     check_int(pad_token_id, "pad_token_id", 0, hint=hint)
     check_int(ignore_index, "ignore_index", None)
+
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def padded_lengths(seq_lens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+    """int64 ``[n]`` padded lengths: ``seq_lens`` rounded up to the layout's multiple, the
+    last extended to ``pad_to``; ``ValueError`` if the stream overflows int32 offsets."""
+    padded = round_up(seq_lens, layout.multiple)
+    if layout.pad_to is not None:
+        padded = _extend_last(padded, layout.pad_to)
+    total = int(padded.sum())
+    if total > _INT32_MAX:
+        raise ValueError(f"pack of {total} tokens does not fit int32 cu_seqlens")
+    return padded
+
+
+def _extend_last(padded: np.ndarray, pad_to: int) -> np.ndarray:
+    """int64 ``[n]`` ``padded`` with the last span extended so the total is ``pad_to``."""
+    aligned_total = int(padded.sum())
+    if pad_to < aligned_total:
+        raise ValueError(f"pad_to={pad_to} is shorter than the pack ({aligned_total} tokens after alignment)")
+    padded = padded.copy()
+    padded[-1] += pad_to - aligned_total
+    return padded

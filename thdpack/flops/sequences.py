@@ -28,6 +28,7 @@ __all__ = [
     "segments_from_position_ids",
     "seqlen_squared_sum",
     "shows_no_tokens",
+    "tree_seqlen_squared_sum",
 ]
 
 _INT64_LIMIT = 2**63  # a sum of squares below this fits int64
@@ -156,6 +157,31 @@ def lengths_squared_sum(lengths) -> int:
     if int(lengths.max()) * int(lengths.sum()) < _INT64_LIMIT:  # Σ x² <= max(x)·Σ x: int64 is exact
         return int((lengths * lengths).sum())
     return sum(v * v for v in lengths.flatten().tolist())  # Python ints: exact for any length
+
+
+def tree_seqlen_squared_sum(seq_lens, parents) -> int:
+    """The causal attention work of a prefix tree (shared-prefix packing) in the ``Σ sᵢ²`` convention.
+
+    A root segment of ``s`` real tokens (a shared prefix, or a sample alone) costs ``s²``, as a
+    sequence; a member of ``c`` own tokens after a prefix of ``p`` sees all ``p`` and itself causally,
+    ``c·p + c·(c + 1)/2`` pairs, counted ``c·(2p + c)`` (the convention charges ``s²`` for the
+    ``s·(s + 1)/2`` pairs of a sequence: twice the pairs less the tokens). So a group of ``k`` members
+    of lengths ``Lⱼ = p + cⱼ`` costs ``p² + Σ cⱼ·(2p + cⱼ) = Σ Lⱼ² − (k − 1)·p²``.
+
+    Args:
+        seq_lens: int ``[S]`` real lengths of the segments (``ThdBatch.seq_lens``).
+        parents: int ``[S]`` the parent segment of each, ``-1`` for a root (``ThdBatch.document_parents``).
+
+    Returns:
+        A Python int (exact, as :func:`lengths_squared_sum`).
+    """
+    lens = _as_int64_tensor(seq_lens, "seq_lens").cpu().reshape(-1)
+    par = _as_int64_tensor(parents, "parents").cpu().reshape(-1)
+    if par.shape != lens.shape or bool(((par < -1) | (par >= lens.numel())).any()):
+        raise ValueError(f"parents must hold one segment index (or -1) per segment ({lens.numel()}), got shape "
+                         f"{tuple(par.shape)}")
+    above = torch.where(par >= 0, lens[par.clamp_min(0)], 0)
+    return lengths_squared_sum(lens + above) - lengths_squared_sum(above)
 
 
 def seqlen_squared_sum(
