@@ -10,6 +10,9 @@ to [1, 4096] (the last cut to fit), built with ``build_thd_batch(..., pad_multip
 Sections (``--sections``; :data:`SECTIONS` maps each name to a function ``(args, batch) -> rows``,
 a row ``{"section", "case", "seconds", "ratio", "equal"}``; add a section by adding a function):
 
+* ``ulysses``: ``shard_for_ulysses`` of one rank, the tail rank, all ranks, under ring CP and through
+  the collator, each against building the pack (``ratio``: the shard's cost over the build's; the
+  target: at most 1.2x), checked to be the padded stream (benchmarks/layouts_ulysses.py).
 * ``block_mask``: the document-causal FlexAttention ``BlockMask``. thdpack's ``batch.block_mask()``
   (tiles from the offsets, ``BlockMask.from_kv_blocks``) against torchtitan's way: its
   ``get_causal_mask_mod`` and ``get_document_mask_mod(positions)`` (from ``batch.position_ids``) through
@@ -115,7 +118,26 @@ def block_mask_section(args, batch) -> list[dict]:
     return rows
 
 
-SECTIONS = {"block_mask": block_mask_section}
+def ulysses_section(args, batch) -> list[dict]:
+    """benchmarks/layouts_ulysses.py's cases (its own pack of ``args.tokens`` tokens, one short so that the
+    stream needs a tail): each shard's cost over the build's (``ratio``: shard / build)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from layouts_ulysses import SPEED_TARGET, bench_ulysses
+
+    rows, same = bench_ulysses(argparse.Namespace(sp=args.sp, tokens=args.tokens, seed=args.seed,
+                                                  repeats=max(args.repeats, 3), inner=args.inner))
+    out = []
+    for row in rows:
+        ratio = 1.0 if row["vs"] is None else row["shard_vs_build"]
+        case = row["case"] + ("" if row["vs"] is None else f" / {row['vs']}")
+        if row["judged"]:
+            case += f" (target <= {SPEED_TARGET}x)"
+        out.append({"section": f"ulysses sp={args.sp}", "case": case, "seconds": row["us"] / 1e6, "ratio": ratio,
+                    "equal": same})
+    return out
+
+
+SECTIONS = {"block_mask": block_mask_section, "ulysses": ulysses_section}
 
 
 def main(argv=None) -> int:
@@ -127,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=128, help="BlockMask tile size (default 128)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per case; the best is kept (default 5)")
     ap.add_argument("--no-compile", action="store_true", help="block_mask: skip the compiled create_block_mask")
+    ap.add_argument("--sp", type=int, default=4, help="ulysses: the SP size (default 4)")
+    ap.add_argument("--inner", type=int, default=20, help="ulysses: calls per timed pass (default 20)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -139,9 +163,9 @@ def main(argv=None) -> int:
     print(f"one pack: {batch.num_padded_tokens} tokens, {batch.num_samples} samples (lognormal(6, 1) lengths, "
           f"max {batch.max_seqlen}), pad_multiple {args.pad_multiple}, seed {args.seed}, best of {args.repeats}\n")
     rows = [row for name in args.sections for row in SECTIONS[name](args, batch)]
-    print(f"{'section':<11} {'case':<52} {'seconds':>10} {'vs thdpack':>11} {'equal':>6}")
+    print(f"{'section':<13} {'case':<60} {'seconds':>10} {'ratio':>8} {'equal':>6}")
     for row in rows:
-        print(f"{row['section']:<11} {row['case']:<52} {row['seconds']:>10.4f} {row['ratio']:>10.1f}x "
+        print(f"{row['section']:<13} {row['case']:<60} {row['seconds']:>10.6f} {row['ratio']:>7.2f}x "
               f"{'yes' if row['equal'] else 'NO':>6}")
     if args.json:
         with open(args.json, "w") as f:

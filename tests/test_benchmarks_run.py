@@ -28,7 +28,7 @@ CASES = {
     "collate": (["--batches", "20", "--warmup", "2", "--repeats", "1"], "same output"),
     "losses": (["--tokens", "256", "--vocab", "1000", "--repeats", "1", "--rounds", "1"], "token_logps"),
     "rebalance": (["--samples-per-rank", "40", "--repeats", "1"], "saved/cost"),
-    "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile"], "thdpack batch.block_mask()"),
+    "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
 }
 
 
