@@ -577,3 +577,21 @@ def test_number_rule(name, value):
     with pytest.raises(ValueError, match=rf"^{name} must be an integer") as info:
         NUMBER_ARGS[name](value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_flops_of_the_ulysses_ranks_add_up_to_the_pack(cp, sp):
+    """FlopsAccumulator on each SP (x CP) rank's shard: real tokens of its slice, 1/sp of the attention work of
+    its CP rank's shard, the samples once; summed over the ranks, the whole pack's counts (not sp times them)."""
+    from thdpack.flops import FlopsAccumulator
+
+    samples = [{"input_ids": list(range(3, 3 + n))} for n in (5, 1, 17, 9, 2, 30)]
+    batch = build_thd_batch(samples, cp_size=cp)
+    whole = FlopsAccumulator().add(batch)
+    ranks = [FlopsAccumulator().add(shard_for_ulysses(batch, sp, r, cp_size=cp, cp_rank=c))
+             for c in range(cp) for r in range(sp)]
+    for name in ("samples", "tokens", "seqlen_squared_sum"):
+        assert sum(getattr(a, name) for a in ranks) == getattr(whole, name), name
+    shares = [a.seqlen_squared_sum for a in ranks]
+    assert max(shares) - min(shares) <= max(1, whole.seqlen_squared_sum // (cp * sp))  # heads split evenly

@@ -104,6 +104,9 @@ class FlopsAccumulator:
 
     def _add_thd_batch(self, batch) -> None:
         seq_lens = batch.seq_lens.to(torch.int64)
+        if getattr(batch, "sp_size", 1) > 1:
+            self._add_ulysses_shard(batch, seq_lens)
+            return
         if getattr(batch, "cp_size", 1) > 1:
             first = batch.cp_rank == 0
             self._add(
@@ -122,6 +125,30 @@ class FlopsAccumulator:
             seqlen_squared_sum=(seq_lens * seq_lens).sum(),
         )
         self._add_vision_from(batch.extras)
+
+    def _add_ulysses_shard(self, batch, seq_lens: torch.Tensor) -> None:
+        """A Ulysses SP rank (:func:`thdpack.shard_for_ulysses`): the MLP work of its slice's real tokens, and
+        ``1/sp`` of the attention work (its ``num_heads / sp`` heads over the whole stream, or over its CP
+        rank's shard under Ulysses x ring); the ranks' shares add up to the pack's ``Σ sᵢ²`` exactly.
+        The samples (and vision work) are counted by the first rank of the pack only."""
+        sp, rank = batch.sp_size, batch.sp_rank
+        cp, cp_rank = getattr(batch, "cp_size", 1), getattr(batch, "cp_rank", 0)
+        cu = batch.cu_seqlens_padded.to(torch.int64).cpu()
+        lens = seq_lens.cpu()
+        whole = (cp_seqlen_squared_share(lens, cu, cp, cp_rank) if cp > 1 else (lens * lens).sum())
+        whole = int(whole)
+        positions = batch.partition_indices.to(torch.int64).cpu()
+        sample = torch.searchsorted(cu[1:], positions, right=True).clamp(max=max(lens.numel() - 1, 0))
+        real = (positions - cu[sample]) < lens[sample] if lens.numel() else torch.zeros(0, dtype=torch.bool)
+        first = rank == 0 and cp_rank == 0
+        self._add(
+            samples=(lens > 0).sum() if first else 0,
+            tokens=real.sum(),
+            padded_tokens=batch.input_ids.numel(),
+            seqlen_squared_sum=whole // sp + (rank < whole % sp),
+        )
+        if first:
+            self._add_vision_from(batch.extras)
 
     def add_cu_seqlens(self, cu_seqlens=None, *, cu_seqlens_argmin=None, cu_seqlens_unpadded=None,
                        cu_seqlens_unpadded_argmin=None, num_padded_tokens=None) -> "FlopsAccumulator":
