@@ -56,11 +56,18 @@ def token_logps(logits: torch.Tensor, batch, *, chunk_size: int = DEFAULT_CHUNK)
 
     Returns:
         ``[T]`` float (the logits' dtype, at least float32): ``log p(labels[t])`` at target
-        positions, 0 elsewhere. Differentiable (once).
+        positions, 0 elsewhere. Differentiable (once). On a shared-prefix batch (``batch.prefix_tree``)
+        ``[N]``: one log-prob per entry of its target table, the unshared batch's targets in order
+        (``token_logps(unshared)[unshared.loss_mask]``), as a prefix row scores several samples' tokens.
     """
     logits = _stream_logits(logits, batch)
     check_int(chunk_size, "chunk_size", 1)
     chunk_size = int(chunk_size)
+    tree = getattr(batch, "prefix_tree", None)
+    if tree is not None:
+        rows, labels = tree.target_rows.to(logits.device), tree.target_labels.to(logits.device)
+        _check_label_range(labels, torch.ones_like(labels, dtype=torch.bool), logits.shape[1])
+        return _ChunkedRowLogps.apply(logits, rows, labels, chunk_size)
     mask = batch.loss_mask.to(logits.device)
     labels = torch.where(mask, batch.labels.to(logits.device), 0)
     _check_label_range(labels, mask, logits.shape[1])
@@ -107,6 +114,43 @@ class _ChunkedTargetLogps(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _ChunkedRowLogps(torch.autograd.Function):
+    """``[T, V]`` logits, int64 ``[N]`` rows and labels (a row may appear several times, with different
+    labels) -> ``[N]`` log-probs ``logits[row, label] − logsumexp(logits[row])``, the log-normalisers
+    computed chunk by chunk once per row; the backward adds every entry's one-hot and softmax terms to
+    its row, chunk by chunk (a row's softmax weighted by the sum of its entries' gradients)."""
+
+    @staticmethod
+    def forward(ctx, logits, rows, labels, chunk_size):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        upcast = None if logits.dtype == dtype else _chunk_buffer(logits, chunk_size, dtype)
+        for a in range(0, logits.shape[0], chunk_size):
+            chunk = logits[a : a + chunk_size]
+            x = chunk if upcast is None else upcast[: chunk.shape[0]].copy_(chunk)
+            lse[a : a + chunk_size] = torch.logsumexp(x, -1)
+        ctx.save_for_backward(logits, rows, labels, lse)
+        ctx.chunk_size = chunk_size
+        return logits[rows, labels].to(dtype) - lse[rows]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, rows, labels, lse = ctx.saved_tensors
+        g = grad_out.to(lse.dtype)
+        row_grad = torch.zeros_like(lse).index_add_(0, rows, g)  # Σ of the gradients of each row's entries
+        grad = torch.empty_like(logits)
+        buf = _chunk_buffer(logits, ctx.chunk_size, lse.dtype)
+        for a in range(0, logits.shape[0], ctx.chunk_size):
+            b = a + ctx.chunk_size
+            chunk = torch.sub(logits[a:b], lse[a:b, None], out=buf[: logits[a:b].shape[0]])
+            chunk.exp_().mul_(-row_grad[a:b, None])  # d logp / d logits = onehot - softmax
+            here = (rows >= a) & (rows < b)
+            chunk.index_put_((rows[here] - a, labels[here]), g[here], accumulate=True)
+            grad[a:b] = chunk
+        return grad, None, None, None
+
+
 def _chunk_buffer(logits: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
     """One ``[min(chunk, T), V]`` buffer reused by every chunk: a fresh one per chunk costs its
     page faults each time (large CPU allocations go back to the OS when freed)."""
@@ -114,14 +158,19 @@ def _chunk_buffer(logits: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> 
 
 
 def sample_sum(values: torch.Tensor, batch) -> torch.Tensor:
-    """``[n]`` sum of the per-token ``values`` ``[T]`` over each sample's slots."""
-    ids = sample_ids(batch).to(values.device)
+    """``[n]`` sum of the per-token ``values`` ``[T]`` over each sample's slots (on a shared-prefix batch:
+    of the per-target ``values`` ``[N]`` over each sample's entries of the target table)."""
+    tree = getattr(batch, "prefix_tree", None)
+    ids = (sample_ids(batch) if tree is None else tree.target_samples).to(values.device)
     return values.new_zeros(batch.num_samples).index_add(0, ids, values)
 
 
 def sample_target_counts(batch) -> torch.Tensor:
     """int64 ``[n]`` target tokens of each sample (on a CP shard: this rank's part; sum over
-    the CP group for the sample's total)."""
+    the CP group for the sample's total; on a shared-prefix batch: its entries of the target table)."""
+    tree = getattr(batch, "prefix_tree", None)
+    if tree is not None:
+        return torch.bincount(tree.target_samples, minlength=batch.num_samples)
     ids = sample_ids(batch).to(batch.loss_mask.device)
     return torch.bincount(ids[batch.loss_mask], minlength=batch.num_samples)
 
@@ -277,8 +326,9 @@ def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, 
 
     Args:
         logits, batch, reduction, num_items, sample_targets, chunk_size: as in :func:`packed_loss`.
-        advantages: float ``[T]`` per token (e.g. ``batch.token_values("advantage")``).
-        old_logps: float ``[T]`` :func:`token_logps` of the policy that sampled the data, or None.
+        advantages: float ``[T]`` per token (e.g. ``batch.token_values("advantage")``); on a shared-prefix
+            batch ``[N]`` per target (``batch.token_values("advantage")`` gives that too).
+        old_logps: float ``[T]`` (``[N]``) :func:`token_logps` of the policy that sampled the data, or None.
         clip: PPO's ε, a finite number >= 0.
     """
     check_number(clip, "clip", positive=False, what=" (PPO's ε, e.g. 0.2)")
@@ -297,7 +347,8 @@ def policy_gradient_loss(logits: torch.Tensor, batch, advantages: torch.Tensor, 
     ratio = torch.exp(logps - old)
     adv = advantages.to(logps.dtype)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    per_token = torch.where(batch.loss_mask.to(per_token.device), per_token, 0)
+    if getattr(batch, "prefix_tree", None) is None:  # a shared-prefix batch's entries are all targets
+        per_token = torch.where(batch.loss_mask.to(per_token.device), per_token, 0)
     return reduce_token_losses(per_token, batch, reduction, num_items, sample_targets=sample_targets)
 
 
