@@ -280,3 +280,17 @@ def test_max_num_seqs_pads_only_what_kernels_read(lengths, spare, cp_size, pad_m
             local = shard.to_hf_kwargs()
             assert torch.equal(local["cu_seq_lens_q"], static.static_cu_seqlens_padded // cp_size)
             assert local["max_length_q"] == T // cp_size
+
+
+def test_bridge_batches_get_the_static_offsets():
+    """to_bridge_batch of a max_num_seqs batch: [1, M+1] offsets with the last value repeated, the stream length
+    as max_seqlen, so Megatron-Bridge's step sees one shape; without max_num_seqs the real offsets as before."""
+    from thdpack.integrations.megatron_bridge import to_bridge_batch
+
+    samples = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 2)]
+    static = to_bridge_batch(build_thd_batch(samples, pad_to=32, max_num_seqs=6, pad_multiple=2))
+    assert static["cu_seqlens_q"].tolist() == [[0, 5, 14, 16, 16, 16, 16]]
+    assert static["cu_seqlens_q_padded"].tolist() == [[0, 6, 16, 32, 32, 32, 32]]
+    assert static["max_seqlen_q"].tolist() == [[32]]
+    plain = to_bridge_batch(build_thd_batch(samples))
+    assert plain["cu_seqlens_q"].tolist() == [[0, 5, 14, 16]] and plain["max_seqlen_q"].tolist() == [[9]]

@@ -68,23 +68,26 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     ``[1, n+1]`` (the layout; None when no sample is padded, as in
     :meth:`~thdpack.ThdBatch.packed_seq_params_dict`: TransformerEngine picks a slower kernel
     when they are set), ``max_seqlen_q`` / ``max_seqlen_kv`` int32 ``[1, 1]``; for a VLM
-    batch also ``visual_inputs`` (pixel values, grids, ``mm_token_type_ids`` ``[1, T]``).
+    batch also ``visual_inputs`` (pixel values, grids, ``mm_token_type_ids`` ``[1, T]``). A batch built
+    with ``max_num_seqs=M`` gives ``[1, M+1]`` offsets (the last value repeated) and the stream length as
+    ``max_seqlen``, as Bridge's own ``pad_cu_seqlens`` does: one shape for every batch.
     """
     if batch.is_shard:
         raise ValueError(
             f"to_bridge_batch: got CP rank {batch.cp_rank}'s shard of a pack; Megatron-Bridge's training steps shard "
             "packed batches themselves: collate the whole pack (ThdCollator without cp_rank) for them"
         )
-    max_seqlen = torch.tensor([[batch.max_seqlen]], dtype=torch.int32)
-    layout = batch.packed_seq_params_dict()["cu_seqlens_q_padded"]  # None when no sample is padded
+    fields = batch.packed_seq_params_dict()  # the static offsets under max_num_seqs (thdpack.attention.static)
+    max_seqlen = torch.tensor([[fields["max_seqlen_q"]]], dtype=torch.int32)
+    layout = fields["cu_seqlens_q_padded"]  # None when no sample is padded
     out = {
         "tokens": batch.input_ids.long().unsqueeze(0),
         "labels": torch.where(batch.loss_mask, batch.labels, ignore_label).long().unsqueeze(0),
         "loss_mask": batch.loss_mask.float().unsqueeze(0),
         "position_ids": batch.position_ids.long().unsqueeze(0),
         "attention_mask": None,
-        "cu_seqlens_q": batch.cu_seqlens.unsqueeze(0),
-        "cu_seqlens_kv": batch.cu_seqlens.unsqueeze(0),
+        "cu_seqlens_q": fields["cu_seqlens_q"].unsqueeze(0),
+        "cu_seqlens_kv": fields["cu_seqlens_kv"].unsqueeze(0),
         "cu_seqlens_q_padded": None if layout is None else layout.unsqueeze(0),
         "cu_seqlens_kv_padded": None if layout is None else layout.unsqueeze(0),
         "max_seqlen_q": max_seqlen,
