@@ -3,7 +3,8 @@ CUDA exists (never in CI); each check that needs a package the machine lacks say
 
 Checks, each on packs of random lengths with alignment padding, against every sample run alone:
 
-- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` on ``cu_seqlens_padded`` / ``max_seqlen``.
+- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` on ``cu_seqlens_padded`` / ``max_seqlen``, and on
+  the static offsets of ``max_num_seqs`` (zero-length sequences at the end, ``max_seqlen`` = the stream).
 - ``te_thd``: TransformerEngine's ``DotProductAttention`` with ``qkv_format="thd"`` (``padding_causal``,
   ``cu_seqlens_q/kv`` and their padded forms); CP with ``cp_comm_type="p2p"`` needs 2+ GPUs (skipped on one).
 - ``flex``: FlexAttention on CUDA with ``ThdBatch.block_mask()`` (compiled).
@@ -40,7 +41,7 @@ import thdpack  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 
 
-def random_pack(total: int, seed: int, *, align: int = 1, dev="cpu") -> thdpack.ThdBatch:
+def random_pack(total: int, seed: int, *, align: int = 1, dev="cpu", **layout) -> thdpack.ThdBatch:
     """One pack of about ``total`` tokens of random lengths (a few long, many short, one of 1 token)."""
     rng = np.random.default_rng(seed)
     lengths = []
@@ -48,7 +49,9 @@ def random_pack(total: int, seed: int, *, align: int = 1, dev="cpu") -> thdpack.
         lengths.append(int(min(total // 3, max(2, rng.lognormal(np.log(total / 12), 0.9)))))
     lengths.append(1)
     samples = [{"input_ids": rng.integers(3, 1000, n).tolist()} for n in lengths]
-    return thdpack.build_thd_batch(samples, pad_multiple=align).to(dev)
+    if layout.get("max_num_seqs") == "spare":  # static shapes: room for 3 more sequences, the stream to 1024s
+        layout.update(max_num_seqs=len(lengths) + 3, pad_to=-(-sum(-(-n // align) * align for n in lengths) // 1024) * 1024)
+    return thdpack.build_thd_batch(samples, pad_multiple=align, **layout).to(dev)
 
 
 def per_sample(fn, batch, *tensors):
@@ -88,7 +91,15 @@ def check_flash_varlen(args, dev) -> dict:
     cu = batch.cu_seqlens_padded
     out = flash_attn_varlen_func(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, causal=True)
     ref = per_sample(sdpa_alone, batch, q, k, v)
-    return {"max_abs_diff": max_diff(out, ref, _real(batch)), "tolerance": 2e-2}
+    # static shapes (max_num_seqs): offsets padded with zero-length sequences, max_seqlen the stream length
+    static = random_pack(args.tokens, 1, align=8, dev=dev, max_num_seqs="spare")
+    sq, sk, sv = qkv(static, torch.bfloat16, dev)
+    kw = static.to_hf_kwargs()
+    s_out = flash_attn_varlen_func(sq, sk, sv, kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], kw["max_length_q"],
+                                   kw["max_length_k"], causal=True)
+    s_ref = per_sample(sdpa_alone, static, sq, sk, sv)
+    return {"max_abs_diff": max(max_diff(out, ref, _real(batch)), max_diff(s_out, s_ref, _real(static))),
+            "static_offsets": int(kw["cu_seq_lens_q"].numel()), "tolerance": 2e-2}
 
 
 def check_te_thd(args, dev) -> dict:
