@@ -25,7 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from thdpack import SampleError, build_thd_batch, shard_for_cp
+from thdpack import (SampleError, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, plan_balanced, plan_packs,
+                     shard_for_cp)
+from thdpack.batching.shared_prefix import group_prefixes
 
 IGNORE = -100
 MASK_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -288,3 +290,95 @@ def test_dialects_that_cannot_express_the_tree_refuse():
     moved = batch.to("cpu")
     assert moved.prefix_tree is not batch.prefix_tree and torch.equal(moved.prefix_tree.target_rows,
                                                                        batch.prefix_tree.target_rows)
+
+
+# --------------------------------------------------------------------------- planning: each prefix once
+
+
+def shared_prefix_of(samples, *, min_prefix_len=1, multiple=1):
+    """``plan_packs(shared_prefix=)`` of ``samples``: the prefixes the builder will share."""
+    flat = build_thd_batch(samples)
+    return group_prefixes(flat, samples, "group", min_prefix_len, multiple)
+
+
+@st.composite
+def planning_cases(draw):
+    groups = draw(st.lists(st.tuples(st.integers(0, 30), st.lists(st.integers(0, 8), min_size=1, max_size=5)),
+                           min_size=1, max_size=6))
+    return dict(spec=groups, seed=draw(st.integers(0, 100)), pad_multiple=draw(st.sampled_from([1, 4])),
+                min_prefix_len=draw(st.integers(1, 12)), slack=draw(st.integers(0, 40)),
+                algorithm=draw(st.sampled_from(["bfd", "sequential"])))
+
+
+@pytest.mark.filterwarnings("ignore:thdpack. a batch of")
+@settings(deadline=None, max_examples=25)
+@given(planning_cases())
+def test_collator_plans_each_prefix_once(case):
+    """Hypothesis over groups, prefixes, budgets and alignment: ``ThdCollator(share_prefix=, pack_size=)``
+    keeps every group in one pack, every built pack within the budget (the prefix counted once), and
+    every tree batch true to its samples."""
+    samples = group_samples(case["spec"], seed=case["seed"])
+    m = case["pad_multiple"]
+    prefix = shared_prefix_of(samples, min_prefix_len=case["min_prefix_len"], multiple=m)
+    groups = np.array([s["group"] for s in samples])
+    lens = np.array([len(s["input_ids"]) for s in samples])
+    # the largest group laid out as the builder lays it out, plus some slack
+    tree_sizes = [sum(-(-(lens[j] - prefix[j]) // m) * m for j in np.flatnonzero(groups == g))
+                  + -(-int(prefix[groups == g][0]) // m) * m for g in np.unique(groups)]
+    pack_size = -(-(max(tree_sizes) + case["slack"]) // m) * m
+    collate = ThdCollator(share_prefix="group", pack_size=pack_size, min_prefix_len=case["min_prefix_len"],
+                          pad_multiple=m, algorithm=case["algorithm"])
+    out = collate(samples)
+    seen = np.concatenate([b.sample_index.numpy() for b in out])
+    assert sorted(seen.tolist()) == list(range(len(samples)))
+    for batch in out:
+        assert batch.num_padded_tokens <= pack_size
+        index = batch.sample_index.numpy()
+        assert set(groups[index]).isdisjoint(groups[np.setdiff1d(np.arange(len(samples)), index)])
+        if batch.prefix_tree is not None:
+            assert batch.prefix_tree.prefix_lens.tolist() == prefix[index].tolist()
+            assert_tree_matches_samples(batch, [samples[i] for i in index])
+    assert out.stats.real_tokens == sum(b.num_tokens for b in out)  # the stream's tokens, prefixes once
+
+
+def test_a_group_fits_when_its_prefix_counts_once():
+    samples = group_samples([(40, [4, 4, 4, 4])])  # 176 tokens unshared, 56 shared
+    prefix = shared_prefix_of(samples)
+    lens = [len(s["input_ids"]) for s in samples]
+    plan = plan_packs(lens, 64, groups=[0] * 4, shared_prefix=prefix)
+    assert len(plan) == 1 and plan.shared_length.tolist() == [0, 40, 40, 40] and plan.stats.real_tokens == 56
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1, 2, 3\) has 176 tokens \(aligned\), more than "
+                                         r"pack_size=64"):
+        plan_packs(lens, 64, groups=[0] * 4)
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1, 2, 3\) has 56 tokens .* more than pack_size=48"):
+        plan_packs(lens, 48, groups=[0] * 4, shared_prefix=prefix)
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1, 2, 3\) has shared_prefix values \[39, 40\]"):
+        plan_packs(lens, 64, groups=[0] * 4, shared_prefix=[40, 40, 39, 40])
+    with pytest.raises(ValueError, match=r"shared_prefix\[0\] is 45, outside \[0, 44\] \(sample 0"):
+        plan_packs(lens, 64, groups=[0] * 4, shared_prefix=[45] * 4)
+    with pytest.raises(ValueError, match="shared_prefix needs groups="):
+        plan_packs(lens, 64, shared_prefix=prefix)
+    with pytest.raises(ValueError, match=r"group 0 \(samples 0, 1, 2, 3\) has 56 tokens .* more than pack_size=48"):
+        ThdCollator(share_prefix="group", pack_size=48, min_prefix_len=1)(samples)
+
+
+def test_balanced_costs_are_the_built_batches():
+    """``plan_balanced(shared_prefix=)`` costs every pack as the tree it becomes: linear · tokens + quadratic ·
+    the batch's ``seqlen_squared_sum``; a group over one pack (a bundle) too. The sampler plans the same."""
+    samples = group_samples([(40, [4, 9, 0, 3]), (33, [20, 2]), (5, [8, 8]), (45, [1]), (60, [30] * 6)], seed=3)
+    lens = [len(s["input_ids"]) for s in samples]
+    groups = [s["group"] for s in samples]
+    prefix = shared_prefix_of(samples, min_prefix_len=1)
+    cost = (1.0, 0.01)
+    # group 4 takes 240 tokens shared: a bundle of 3 packs of 2 members, each sharing the prompt
+    balanced = plan_balanced(lens, 200, num_replicas=2, micro_batches=3, groups=groups, shared_prefix=prefix, cost=cost)
+    assert np.diff(balanced.plan.pack_offsets).sum() == len(samples)
+    assert balanced.plan.shared_length.sum() == 40 * 3 + 33 + 5 + 60 * 3
+    for k in range(len(balanced.plan)):
+        batch = build_thd_batch([samples[i] for i in balanced.plan.pack(k)], share_prefix="group", min_prefix_len=1)
+        assert batch.num_padded_tokens <= 200
+        assert balanced.costs[k] == pytest.approx(cost[0] * batch.num_tokens + cost[1] * batch.seqlen_squared_sum)
+    sampler = TokenBudgetBatchSampler(lens, 200, groups=groups, shared_prefix=prefix, balance="compute",
+                                      micro_batches=3, num_replicas=1, rank=0, shuffle=False)
+    collate = ThdCollator(share_prefix="group", min_prefix_len=1)
+    assert all(collate([samples[i] for i in pack]).num_padded_tokens <= 200 for pack in sampler)

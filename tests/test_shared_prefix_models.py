@@ -31,7 +31,8 @@ from hypothesis import strategies as st  # noqa: E402
 import test_equivalence as te  # noqa: E402
 from test_shared_prefix import IGNORE, group_samples  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
-from thdpack.losses import dpo_loss, group_advantages, packed_loss, policy_gradient_loss, sequence_logps, token_logps  # noqa: E402
+from thdpack.losses import (dpo_loss, group_advantages, packed_loss, policy_gradient_loss, sequence_logps,  # noqa: E402
+                            token_logps)
 
 REL = 1e-5
 FLEX_PAD_TO = 384

@@ -378,7 +378,8 @@ class ThdBatch:
         if kind != "flash":
             kw = self._mask_kwargs(kw, kind)
             if kind == "dense" and self.prefix_tree is not None:
-                kw["attention_mask"] = self.attention_mask_4d(torch.bool if attn_implementation == "sdpa" else torch.float32)
+                dtype = torch.bool if attn_implementation == "sdpa" else torch.float32  # eager adds it to its scores
+                kw["attention_mask"] = self.attention_mask_4d(dtype)
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)

@@ -16,6 +16,7 @@ from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
 from thdpack.common.extensions import vision as vision_extension
 from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
 from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
@@ -123,6 +124,12 @@ class ThdCollator:
             :func:`thdpack.build_thd_batch`).
         group_field: with ``pack_size``, the sample field holding an integer group id: a
             group's samples land in one pack (``plan_packs(groups=...)``, e.g. DPO pairs).
+        share_prefix, min_prefix_len: the sample field holding an integer group id whose members'
+            common prefix is laid out once (``build_thd_batch(share_prefix=...)``; a DPO pair's or a
+            GRPO group's prompt), and the shortest prefix worth sharing. With ``pack_size`` the groups
+            are planned as ``group_field`` would plan them (give that the same field, or none), each
+            prefix counted once against the budget (``plan_packs(shared_prefix=...)``). Not with CP or
+            Ulysses (their attention cannot express the tree).
 
     Attributes:
         layout: the :class:`BatchLayout` each batch is built with (``cp_rank`` resolved
@@ -146,6 +153,8 @@ class ThdCollator:
         model_config=None,
         sample_values: Sequence[str] | None = None,
         group_field: str | None = None,
+        share_prefix: str | None = None,
+        min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
         **keywords,
     ):
         plan_keywords = {name: keywords.pop(name) for name in _PLAN_KEYWORDS if name in keywords}
@@ -156,7 +165,10 @@ class ThdCollator:
         if self.options is not None:
             check_kernel_limits(self.options)
         self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
-        self.group_field = group_field
+        self.group_field = _share_fields(share_prefix, min_prefix_len, group_field, self.layout, model_config,
+                                         ulysses_sp_size)
+        if share_prefix is not None:
+            self.build_kwargs.update(share_prefix=share_prefix, min_prefix_len=int(min_prefix_len))
         self.ulysses_sp_size, self.ulysses_rank = _ulysses_rank(self.layout, ulysses_sp_size, ulysses_rank, sp_group)
         # with Ulysses the whole batch is built, then sliced (a CP rank's shard too)
         self._build_layout = self.layout if ulysses_sp_size == 1 else dataclasses.replace(self.layout, cp_rank=None)
@@ -186,6 +198,10 @@ class ThdCollator:
             per_sample["vision_lengths"] = vision_extension().lengths(samples)
         if self.group_field is not None:
             per_sample["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
+        if "share_prefix" in self.build_kwargs:  # each group's prefix, as every pack's build will find it
+            flat = build_batch(samples, flat_layout(self.layout), stacklevel=3)
+            per_sample["shared_prefix"] = group_prefixes(flat, samples, self.group_field,
+                                                         self.build_kwargs["min_prefix_len"], self.layout.multiple)
         plan = plan_packs(lengths, options=self.options, **per_sample)
         batches = [self._build_pack(plan, samples, source, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)
@@ -216,6 +232,21 @@ class ThdCollator:
 
 
 _PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple
+
+
+def _share_fields(share_prefix, min_prefix_len, group_field, layout: BatchLayout, model_config, sp_size) -> str | None:
+    """The field a collator plans groups by: ``group_field``, or ``share_prefix`` (``ValueError`` for two
+    different fields, for Ulysses or what :func:`check_share_args` refuses)."""
+    check_share_args(share_prefix, min_prefix_len, layout, model_config)
+    if share_prefix is None:
+        return group_field
+    if group_field not in (None, share_prefix):
+        raise ValueError(f"ThdCollator(share_prefix={share_prefix!r}, group_field={group_field!r}): a shared prefix "
+                         "needs its group in one pack, so plan by the same field; give group_field=None or the same")
+    if sp_size != 1:
+        raise ValueError(f"share_prefix={share_prefix!r} with ulysses_sp_size={sp_size}: Ulysses attention (flash / "
+                         "sdpa over position_ids) cannot express a shared-prefix tree; use share_prefix=None")
+    return share_prefix
 
 
 def _collator_options(options: PlanOptions | None, plan_keywords: dict, multiple: int) -> PlanOptions | None:

@@ -84,6 +84,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             ``balance="compute"`` a group larger than one pack (e.g. GRPO rollouts of a prompt)
             spans up to ``micro_batches`` packs, all run by one rank in one step
             (:func:`thdpack.planning.balance.plan_balanced`).
+        shared_prefix: with ``groups``, ``[n]`` each row's prefix shared with its group (0: unshared),
+            counted once against the pack budget (:func:`thdpack.plan_packs`); build the packs with
+            ``ThdCollator(share_prefix=...)``, whose rule gives these lengths
+            (:func:`thdpack.batching.shared_prefix.group_prefixes`).
 
     Attributes:
         options: the :class:`thdpack.PlanOptions` every epoch is planned with (its ``seed``
@@ -104,6 +108,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         cost: CostModel | tuple[float, float] = CostModel(),
         vision_lengths: Sequence[int] | np.ndarray | None = None,
         groups: Sequence[int] | np.ndarray | None = None,
+        shared_prefix: Sequence[int] | np.ndarray | None = None,
         options: PlanOptions | None = None,
         **plan_keywords,
     ):
@@ -121,6 +126,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if with_vision and vision_lengths is not None:  # integers: never rounded to them
             self.vision_lengths = integer_array(vision_lengths, "vision_lengths").astype(np.int64)
         self.groups = None if groups is None else np.asarray(groups)  # e.g. a preference pair's rows share a pack
+        self.shared_prefix = None if shared_prefix is None else np.asarray(shared_prefix)
         self.shuffle = shuffle
         self.seed = int(self.options.seed)
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
@@ -152,7 +158,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """The epoch's plan and this rank's pack ids in the order it runs them."""
         if self._cached is None or self._cached[0] != epoch:
             options = replace(self.options, seed=self.seed + epoch)
-            per_row = dict(vision_lengths=self.vision_lengths, groups=self.groups)
+            per_row = dict(vision_lengths=self.vision_lengths, groups=self.groups, shared_prefix=self.shared_prefix)
             if self.balance == "compute":
                 balanced = plan_balanced(
                     self.lengths, num_replicas=self.num_replicas, micro_batches=self.micro_batches, cost=self.cost,

@@ -20,6 +20,7 @@ from thdpack.common.align import check_number, check_positive_int, round_up
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
+from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
 from thdpack.common.samples import SampleError
 
 
@@ -62,10 +63,15 @@ class CostModel:
         return cls(linear, quadratic)
 
     def pack_costs(self, plan: PackPlan) -> np.ndarray:
-        """float64 ``[num_packs]`` cost of every pack of ``plan`` (real lengths)."""
+        """float64 ``[num_packs]`` cost of every pack of ``plan`` (real lengths). With shared prefixes
+        (``plan.shared_length``), each prefix once: a member after the first costs ``L − p`` tokens and
+        ``L² − p²`` of ``Σ sᵢ²`` (its ``c·(2p + c)`` attention), so a group costs ``Σ Lⱼ − (k − 1)·p`` and
+        ``Σ Lⱼ² − (k − 1)·p²``."""
         lengths = plan.length.astype(np.float64)
         offsets = plan.pack_offsets
-        cost = self.linear * pack_sums(lengths, offsets) + self.quadratic * pack_sums(lengths * lengths, offsets)
+        shared = 0.0 if plan.shared_length is None else plan.shared_length.astype(np.float64)
+        cost = (self.linear * pack_sums(lengths - shared, offsets)
+                + self.quadratic * pack_sums(lengths * lengths - shared * shared, offsets))
         if self.vision and plan.vision_length is not None:
             cost += self.vision * pack_sums(plan.vision_length.astype(np.float64), offsets)
         return cost
@@ -127,6 +133,7 @@ def plan_balanced(
     shuffle_steps: bool = True,
     vision_lengths=None,
     groups=None,
+    shared_prefix=None,
     options: PlanOptions | None = None,
     **plan_keywords,
 ) -> BalancedPlan:
@@ -156,6 +163,10 @@ def plan_balanced(
             possible, at most ``micro_batches`` (more is a ``ValueError`` naming the group), and
             its packs are dealt as one bundle (see :func:`_plan_bundles`). Step 2 is skipped (its
             re-packing would part groups), so the last step may repeat packs.
+        shared_prefix: with ``groups``, ``[n]`` each sample's prefix shared with its group
+            (:func:`thdpack.plan_packs`): a group counts its prefix once against the pack budget and in
+            the cost. A group over one pack is planned unshared into its bundle (each pack of the bundle
+            then shares the prefix among the members it holds, which only lowers its tokens).
     """
     check_positive_int(num_replicas, "num_replicas")
     check_positive_int(micro_batches, "micro_batches")
@@ -163,11 +174,12 @@ def plan_balanced(
     cost = CostModel.of(cost)
     options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
     if groups is not None:
-        split = _split_groups(lengths, groups, vision_lengths, options)
+        split = _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
         if split is not None:  # some group needs several packs
             return _plan_bundles(split, options, num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
                                  shuffle_steps=shuffle_steps)
-    plan = plan_packs(lengths, vision_lengths=vision_lengths, groups=groups, options=options)
+    plan = plan_packs(lengths, vision_lengths=vision_lengths, groups=groups, shared_prefix=shared_prefix,
+                      options=options)
     if groups is None:
         plan = _fill_last_step(plan, num_replicas * micro_batches, cost, options.max_samples_per_pack)
     costs = cost.pack_costs(plan)
@@ -240,7 +252,8 @@ class _GroupSplit:
     """Checked inputs of a grouped plan whose groups do not all fit one pack.
 
     ``lengths`` / ``sizes`` (aligned) / ``gid`` / ``group_of`` (groups numbered 0.. by first
-    appearance): int64 ``[n]``; ``vision``: int64 ``[n]`` or None; ``big``: bool ``[G]``.
+    appearance): int64 ``[n]``; ``vision``: int64 ``[n]`` or None; ``big``: bool ``[G]``; ``prefix``:
+    int64 ``[n]`` shared prefixes, or None.
     """
 
     lengths: np.ndarray
@@ -249,25 +262,30 @@ class _GroupSplit:
     gid: np.ndarray
     group_of: np.ndarray
     big: np.ndarray
+    prefix: np.ndarray | None = None
 
 
-def _split_groups(lengths, groups, vision_lengths, options: PlanOptions) -> _GroupSplit | None:
-    """Which groups need more than one pack (tokens or vision patches); None when none does
-    (then :func:`thdpack.plan_packs` plans them, unchanged)."""
+def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> _GroupSplit | None:
+    """Which groups need more than one pack (tokens, their shared prefix once, or vision patches); None when
+    none does (then :func:`thdpack.plan_packs` plans them, unchanged)."""
     lengths = validate_lengths(lengths)
     pack_size, vision_budget = options.pack_size, options.vision_budget
     gid = check_groups(groups, lengths.size)
     group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, options.align)
-    big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
+    prefix = None if shared_prefix is None else check_shared_prefix(shared_prefix, lengths, gid, group_of)
+    if prefix is None:
+        big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
+    else:
+        big = shared_sizes(lengths, prefix, group_of, options.align) > pack_size
     vision = None
     if vision_lengths is not None or vision_budget is not None:
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         big |= np.bincount(group_of, weights=vision, minlength=num_groups) > vision_budget
     if not big.any():
         return None
-    return _GroupSplit(lengths, sizes, vision, gid, group_of, big)
+    return _GroupSplit(lengths, sizes, vision, gid, group_of, big, prefix)
 
 
 def _name_group(split: _GroupSplit, members: np.ndarray) -> str:
@@ -331,17 +349,19 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
     """
     small = np.flatnonzero(~split.big[split.group_of])
     small_plan = plan_packs(split.lengths[small], groups=split.gid[small], options=options,
-                            vision_lengths=None if split.vision is None else split.vision[small])
+                            vision_lengths=None if split.vision is None else split.vision[small],
+                            shared_prefix=None if split.prefix is None else split.prefix[small])
     big_index, big_counts, bundle_sizes = _pack_big_groups(split, options, micro_batches)
     sample_index = np.concatenate([small[small_plan.sample_index], big_index])
     pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
     length = split.lengths[sample_index]
     vision_length = None if split.vision is None else split.vision[sample_index]
-    stats = PackStats.from_packs(length, pack_offsets, int(options.pack_size), align=options.align,
-                                 num_samples=int(split.lengths.size), vision_length=vision_length,
+    shared = None if split.prefix is None else shared_lengths(sample_index, pack_offsets, split.group_of, split.prefix)
+    stats = PackStats.from_packs(length if shared is None else length - shared, pack_offsets, int(options.pack_size),
+                                 align=options.align, num_samples=int(split.lengths.size), vision_length=vision_length,
                                  vision_budget=None if split.vision is None else int(options.vision_budget))
     plan = replace(small_plan, sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
-                   pack_offsets=pack_offsets, stats=stats, vision_length=vision_length)
+                   pack_offsets=pack_offsets, stats=stats, vision_length=vision_length, shared_length=shared)
     costs = cost.pack_costs(plan)
     bundle_start = len(small_plan) + np.cumsum(bundle_sizes) - bundle_sizes
     bundles = [np.arange(a, a + k) for a, k in zip(bundle_start.tolist(), bundle_sizes.tolist())]

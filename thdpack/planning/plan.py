@@ -18,6 +18,7 @@ from thdpack.planning import binpack
 from thdpack.common.align import INT64_MAX, first_non_int64, round_up
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, cut_overflow
+from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
 from thdpack.common.samples import SampleError
 
 
@@ -33,6 +34,9 @@ class PackPlan:
         dropped: ``[d]`` input rows dropped by ``overflow="drop"``.
         vision_length: ``[m]`` vision patches of each piece, or None when planned
             without a vision budget.
+        shared_length: ``[m]`` tokens of each piece laid out by an earlier piece of its pack (its
+            group's shared prefix, counted once: ``plan_packs(..., shared_prefix=...)``), or None
+            when planned without shared prefixes. ``length - shared_length`` are the stream's tokens.
     """
 
     sample_index: np.ndarray
@@ -48,6 +52,7 @@ class PackPlan:
     stats: PackStats = field(repr=False)
     vision_length: np.ndarray | None = field(default=None, repr=False)
     vision_budget: int | None = None
+    shared_length: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.pack_offsets) - 1
@@ -137,6 +142,7 @@ def plan_packs(
     *,
     vision_lengths: Sequence[int] | np.ndarray | None = None,
     groups: Sequence[int] | np.ndarray | None = None,
+    shared_prefix: Sequence[int] | np.ndarray | None = None,
     options: PlanOptions | None = None,
     **plan_keywords,
 ) -> PackPlan:
@@ -172,14 +178,21 @@ def plan_packs(
             then expanded in the same pack order. A group longer than ``pack_size`` is a
             ``ValueError`` naming it, whatever ``overflow`` says (members are never cut);
             ``max_samples_per_pack`` is not available with groups.
+        shared_prefix: with ``groups``, ``[n]`` the prefix each sample shares with its group, laid out
+            once (``build_thd_batch(share_prefix=...)``; the same for every member, 0 for a group laid
+            out unshared; :mod:`thdpack.planning.prefix_budget`): a group counts
+            ``round_up(p) + Σ round_up(Lⱼ − p)`` against ``pack_size``, and ``plan.shared_length`` /
+            ``plan.stats`` count each prefix once per pack.
 
     Returns:
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
         (then by start, for split samples).
     """
     options = options_from("plan_packs", options, {"pack_size": pack_size, **plan_keywords})
+    if shared_prefix is not None and groups is None:
+        raise ValueError("shared_prefix needs groups=: a prefix is shared by the samples of one group (one pack)")
     if groups is not None:
-        return _plan_groups(lengths, groups, vision_lengths, options)
+        return _plan_groups(lengths, groups, vision_lengths, options, shared_prefix)
     check_kernel_limits(options)
     return _plan_pieces(validate_lengths(lengths), vision_lengths, options)
 
@@ -261,9 +274,9 @@ def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     return by_pack, pack_offsets
 
 
-def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions) -> PackPlan:
+def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> PackPlan:
     """:func:`plan_packs` with ``groups``: each group planned as one item of its members'
-    summed aligned length (and vision patches), then expanded in the same pack order."""
+    summed aligned length (its shared prefix once; and vision patches), then expanded in the same pack order."""
     lengths = validate_lengths(lengths)
     pack_size, align, vision_budget = options.pack_size, options.align, options.vision_budget
     if options.max_samples_per_pack is not None:
@@ -271,8 +284,11 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions) -> PackP
     gid = check_groups(groups, lengths.size)
     group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
-    sizes = round_up(lengths, align)
-    group_sizes = np.bincount(group_of, weights=sizes, minlength=num_groups).astype(np.int64)
+    prefix = None if shared_prefix is None else check_shared_prefix(shared_prefix, lengths, gid, group_of)
+    if prefix is None:
+        group_sizes = np.bincount(group_of, weights=round_up(lengths, align), minlength=num_groups).astype(np.int64)
+    else:
+        group_sizes = shared_sizes(lengths, prefix, group_of, align)
     _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
     vision, group_vision = None, None
     if vision_lengths is not None or vision_budget is not None:
@@ -293,10 +309,13 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions) -> PackP
     length = lengths[sample_index]
     vision_length = None if vision is None else vision[sample_index]
     budget = None if vision is None else int(vision_budget)
-    stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
-                                 vision_length=vision_length, vision_budget=budget)
-    return _plan_of(options, sample_index, np.zeros(sample_index.size, np.int64), length,
+    shared = None if prefix is None else shared_lengths(sample_index, pack_offsets, group_of, prefix)
+    stats = PackStats.from_packs(length if shared is None else length - shared, pack_offsets, int(pack_size),
+                                 align=int(align), num_samples=int(lengths.size), vision_length=vision_length,
+                                 vision_budget=budget)
+    plan = _plan_of(options, sample_index, np.zeros(sample_index.size, np.int64), length,
                     pack_offsets.astype(np.int64), np.zeros(0, np.int64), stats, vision_length, budget)
+    return plan if shared is None else replace(plan, shared_length=shared)
 
 
 def check_groups(groups, n: int) -> np.ndarray:
