@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from thdpack import (SampleError, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, plan_balanced, plan_packs,
                      shard_for_cp)
 from thdpack.batching.shared_prefix import group_prefixes
+from thdpack.flops import FlopsAccumulator, tree_seqlen_squared_sum
 
 IGNORE = -100
 MASK_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -382,3 +383,20 @@ def test_balanced_costs_are_the_built_batches():
                                       micro_batches=3, num_replicas=1, rank=0, shuffle=False)
     collate = ThdCollator(share_prefix="group", min_prefix_len=1)
     assert all(collate([samples[i] for i in pack]).num_padded_tokens <= 200 for pack in sampler)
+
+
+def test_flops_count_the_tree():
+    """``thdpack.flops`` on a shared-prefix batch: the stream's tokens and the tree's ``Σ`` (checked against
+    the mask's pairs in ``test_tree_layouts_against_the_samples``); model FLOPs below the unshared batch's."""
+    samples = group_samples([(40, [6, 0, 11, 3]), (12, [5])])
+    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=1, pad_multiple=8)
+    flat = build_thd_batch(samples, pad_multiple=8)
+    acc = FlopsAccumulator().add(tree)
+    assert (acc.samples, acc.tokens, acc.padded_tokens) == (5, tree.num_tokens, tree.num_padded_tokens)
+    assert acc.seqlen_squared_sum == tree.seqlen_squared_sum == tree_seqlen_squared_sum(tree.seq_lens,
+                                                                                         tree.document_parents)
+    p, c = 40, np.array([6, 0, 11, 3])
+    assert tree.seqlen_squared_sum == p * p + int((c * (2 * p + c)).sum()) + 17 * 17
+    config = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    assert acc.model_flops(config) < FlopsAccumulator().add(flat).model_flops(config)

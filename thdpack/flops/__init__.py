@@ -21,7 +21,7 @@ object or a plain dict, read by :mod:`thdpack.common.model_config`; a VL config'
 ``text_config`` / ``vision_config`` are used when present. See ``docs/flops.md`` for
 the formulas and worked numbers. What lives where (import from here):
 
-- :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it;
+- :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it, a prefix tree's work;
 - :mod:`~thdpack.flops.vision_stats`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
 - :mod:`~thdpack.flops.coefficients`: a config's FLOPs per count (:func:`flops_coefficients`);
 - :mod:`~thdpack.flops.model`: :func:`model_flops`, :func:`model_flops_breakdown`;
@@ -40,7 +40,8 @@ from thdpack.flops.coefficients import (
 from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
 from thdpack.flops.model import model_flops, model_flops_breakdown
 from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
-from thdpack.flops.sequences import cp_seqlen_squared_share, lengths_squared_sum, segment_lengths, seqlen_squared_sum
+from thdpack.flops.sequences import (cp_seqlen_squared_share, lengths_squared_sum, segment_lengths, seqlen_squared_sum,
+                                      tree_seqlen_squared_sum)
 from thdpack.flops.vision_stats import VisionStats, vision_seqlen_stats
 
 __all__ = [
@@ -63,5 +64,6 @@ __all__ = [
     "segment_lengths",
     "seqlen_squared_sum",
     "throughput",
+    "tree_seqlen_squared_sum",
     "vision_seqlen_stats",
 ]

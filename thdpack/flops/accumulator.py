@@ -53,6 +53,8 @@ class FlopsAccumulator:
       tokens, its local stream, and :func:`cp_seqlen_squared_share` of ``Σ sᵢ²``
       (samples and vision are counted on CP rank 0). The shares of all CP ranks add
       up exactly to the whole batch: every sample is counted once, not once per rank;
+      a shared-prefix batch adds its stream's real tokens (each prefix once) and the tree's
+      attention work (``ThdBatch.seqlen_squared_sum``: ``p² + Σ c·(2p + c)`` per group);
     - a mapping of model inputs: ``cu_seqlens_unpadded`` / ``cu_seqlens`` (with their
       ``*_argmin``, NeMo / Megatron-Bridge), else ``cu_seq_lens_q`` (transformers
       flash-attention kwargs), else ``position_ids`` of one packed row restarting at 0
@@ -104,6 +106,10 @@ class FlopsAccumulator:
 
     def _add_thd_batch(self, batch) -> None:
         seq_lens = batch.seq_lens.to(torch.int64)
+        if getattr(batch, "prefix_tree", None) is not None:  # shared prefixes: the tree's work, its samples
+            self._add(samples=batch.num_samples, tokens=seq_lens.sum(), padded_tokens=batch.input_ids.numel(),
+                      seqlen_squared_sum=batch.seqlen_squared_sum)
+            return
         if getattr(batch, "sp_size", 1) > 1:
             self._add_ulysses_shard(batch, seq_lens)
             return
