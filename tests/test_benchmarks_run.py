@@ -29,6 +29,7 @@ CASES = {
     "losses": (["--tokens", "256", "--vocab", "1000", "--repeats", "1", "--rounds", "1"], "token_logps"),
     "rebalance": (["--samples-per-rank", "40", "--repeats", "1"], "saved/cost"),
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
+    "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
 }
 
 
