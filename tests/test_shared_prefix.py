@@ -400,3 +400,16 @@ def test_flops_count_the_tree():
     config = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
     assert acc.model_flops(config) < FlopsAccumulator().add(flat).model_flops(config)
+
+
+def test_collator_refusals():
+    with pytest.raises(ValueError, match="group_field=None or the same"):
+        ThdCollator(share_prefix="group", group_field="pair", pack_size=64)
+    with pytest.raises(ValueError, match="ulysses_sp_size=2: Ulysses attention .* share_prefix=None"):
+        ThdCollator(share_prefix="group", ulysses_sp_size=2)
+    with pytest.raises(ValueError, match="cp_size=2: context-parallel attention"):
+        ThdCollator(share_prefix="group", cp_size=2, cp_rank=0)
+    with pytest.raises(ValueError, match="min_prefix_len"):
+        ThdCollator(share_prefix="group", min_prefix_len=-1)
+    batch = ThdCollator(share_prefix="group", min_prefix_len=1)(group_samples([(6, [2, 3])]))
+    assert batch.prefix_tree.prefix_lens.tolist() == [6, 6]
