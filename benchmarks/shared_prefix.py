@@ -9,7 +9,7 @@ Workloads (random token ids; the prompt of a group is the same tokens in every m
 
 * ``grpo``: groups of ``--rollouts`` (8) completions of one prompt; prompt lengths lognormal with mean
   1,500 (σ 0.5, clipped to [64, 8192]), completions lognormal with mean 500 (σ 0.6, [1, 4096]).
-  Packs of 32,768 tokens (a whole unshared group fits one).
+  Packs of 98,304 tokens (the longest group the clipping allows fits one unshared).
 * ``dpo``: preference pairs with UltraFeedback-like lengths. *Assumed*, not measured (no dataset is
   read here): prompt lognormal with mean 160 (σ 0.9, [8, 2048]), chosen mean 330 and rejected mean 280
   (σ 0.7, [1, 2048]), roughly what ``HuggingFaceH4/ultrafeedback_binarized`` gives with a Llama-3 /
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         args.step_hidden, args.step_vocab = 128, 1024
     torch.set_num_threads(args.threads)
     print(f"python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    rows = workload_rows("grpo", grpo_rows(args.groups, args.rollouts, args.seed), 32768)
+    rows = workload_rows("grpo", grpo_rows(args.groups, args.rollouts, args.seed), 98304)
     rows += workload_rows("dpo", dpo_rows(args.pairs, args.seed), 8192)
     rows += step_rows(args)
     print_table(rows)
