@@ -28,6 +28,7 @@ CASES = {
     "collate": (["--batches", "20", "--warmup", "2", "--repeats", "1"], "same output"),
     "losses": (["--tokens", "256", "--vocab", "1000", "--repeats", "1", "--rounds", "1"], "token_logps"),
     "rebalance": (["--samples-per-rank", "40", "--repeats", "1"], "saved/cost"),
+    "torch_cp_balance": (["--packs", "5", "--cp", "2", "4"], "thdpack worst"),
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
 }
