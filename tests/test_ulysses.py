@@ -507,6 +507,10 @@ def test_collator_pad_to():
 _B = build_thd_batch(make_samples((5, 3), seed=0))
 
 
+_TREE = build_thd_batch([{"input_ids": [5, 6, 7, 8, i], "group": 0} for i in (1, 2, 3)], share_prefix="group",
+                        min_prefix_len=2)  # one prefix [5, 6, 7, 8] laid out once, three members after it
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: shard_for_ulysses(_B, 0, 0), ValueError, r"sp_size must be an integer >= 1, got 0"),
     (lambda: shard_for_ulysses(_B, 2.0, 0), ValueError, r"sp_size must be an integer >= 1, got 2.0"),
@@ -531,6 +535,9 @@ _B = build_thd_batch(make_samples((5, 3), seed=0))
      ValueError, r"takes a whole batch, got a shard \(cp_size=2, sp_size=1\)"),
     (lambda: shard_for_cp(shard_for_ulysses(_B, 2, 1), 2, 0), ValueError, r"batch is a Ulysses shard \(sp_size=2, rank 1\)"),
     (lambda: pad_for_ulysses(_B, 0), ValueError, r"sp_size must be an integer >= 1, got 0"),
+    (lambda: shard_for_ulysses(_TREE, 2, 0), ValueError,
+     r"shard_for_ulysses cannot shard a shared-prefix batch .*build it with share_prefix=None under Ulysses"),
+    (lambda: pad_for_ulysses(_TREE, 2), ValueError, r"pad_for_ulysses cannot shard a shared-prefix batch"),
     (lambda: pad_for_ulysses(_B, 2, cp_size=2), ValueError, r"sample 0 has padded length 5, not a multiple of 2·cp = 4"),
     (lambda: ulysses_positions([0, 5, 7], 4, 0), ValueError,
      r"cu_seqlens_padded ends at 7, not a multiple of cp·sp = 4; pad the stream first"),

@@ -25,16 +25,19 @@ import torch
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_thd_batch
 from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_from
+from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD, check_share_args, flat_layout,
+                                            group_prefixes, read_groups)
 from thdpack.common.align import check_positive_int
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
 from thdpack.loaders.routing import RankRecord, Route, plan_route
 from thdpack.planning.balance import CostModel
 from thdpack.planning.options import PlanOptions
+from thdpack.planning.plan import number_groups
 
-# build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. Shared-prefix
-# packing adds its "share_prefix" here, and counts the prefix once in _plan_options / plan_route's plan.
-BUILD_KEYWORDS = ("model_config", "sample_values")
+# build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. With
+# "share_prefix" each rank finds its groups' prefixes (_local_prefixes), and plan_route counts each once.
+BUILD_KEYWORDS = ("model_config", "sample_values", "share_prefix", "min_prefix_len")
 
 
 def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batches: int = 1, cost=None, groups=None,
@@ -88,15 +91,16 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     check_positive_int(micro_batches, "micro_batches")
     cost = CostModel() if cost is None else CostModel.of(cost)
     batch_layout, build_kwargs = _split_layout(layout)
+    share = _share_of(build_kwargs, batch_layout)
     options = _plan_options(int(pack_size), batch_layout)
     comm = Comm.of(group)
-    samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout, comm.world_size > 1)
+    samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout, comm.world_size > 1, share)
     try:
         route = plan_route(comm.all_gather_object(record), options, micro_batches=int(micro_batches), cost=cost)
     except ValueError as exc:
         raise exc from local_error
     held = _fetch_samples(comm, route, samples, blobs)
-    batches = _build_batches(route, comm.rank, held, batch_layout, build_kwargs)
+    batches = _build_batches(route, comm.rank, held, batch_layout, build_kwargs, share)
     return batches, RebalanceHandle(comm, route, options, cost)
 
 
@@ -111,6 +115,18 @@ def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
     return layout_from("rebalance", given, layout), build
 
 
+def _share_of(build_kwargs: dict, layout: BatchLayout) -> tuple[str, int] | None:
+    """``(field, min_prefix_len)`` of a shared-prefix rebalance (checked as ``build_thd_batch`` checks
+    them), or None."""
+    field = build_kwargs.get("share_prefix")
+    min_prefix_len = build_kwargs.setdefault("min_prefix_len", DEFAULT_MIN_PREFIX_LEN)
+    check_share_args(field, min_prefix_len, layout, build_kwargs.get("model_config"))
+    if field is not None and build_kwargs.get("model_config") is not None:  # the planned prefix is the text's
+        raise ValueError(f"rebalance: share_prefix={field!r} with model_config: prefixes of VLM samples are not "
+                         "planned here yet; use share_prefix=None with model_config")
+    return None if field is None else (field, int(min_prefix_len))
+
+
 def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
     """Packs of ``pack_size`` tokens after the layout's alignment, at most ``max_num_seqs`` samples each."""
     if layout.pad_to is not None and layout.pad_to < pack_size:
@@ -122,10 +138,11 @@ def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
     return PlanOptions(pack_size, align=layout.multiple, max_samples_per_pack=layout.max_num_seqs)
 
 
-def _read_local(local_samples, groups, layout: BatchLayout, encode: bool):
+def _read_local(local_samples, groups, layout: BatchLayout, encode: bool, share: tuple[str, int] | None = None):
     """``(samples, encoded samples, RankRecord, error)`` of this rank (encoded only with ``encode``: one
     process sends nothing; every sample is encoded before the gather, since a receiver must know its
-    size, though those that stay here are neither sent nor decoded). A problem is not raised here but
+    size, though those that stay here are neither sent nor decoded). With ``share`` the groups are
+    the samples' ``share[0]`` field and the record carries their prefixes. A problem is not raised here but
     carried in the record (every rank raises it after the gather) and returned as ``error``."""
     try:
         samples = sample_list(local_samples, "rebalance")
@@ -141,13 +158,35 @@ def _read_local(local_samples, groups, layout: BatchLayout, encode: bool):
                 raise SampleError.at(i, f" is a {type(sample).__name__}; rebalance sends mappings (dicts)")
             blobs.append(encode_sample(sample) if encode else b"")
         gid = None if groups is None else _local_groups(groups, len(samples))
+        prefix = None
+        if share is not None:
+            gid, prefix = _local_prefixes(samples, gid, share, layout)
     except (TypeError, ValueError) as exc:
         error = str(exc).replace("\n", " ")
         return [], [], RankRecord(np.zeros(0, np.int64), None, np.zeros(0, np.int64), error), exc
     if layout.cut_length is not None:
         lengths = np.minimum(lengths, layout.cut_length)
     sizes = np.array([len(b) for b in blobs], np.int64)
-    return samples, blobs, RankRecord(lengths, gid, sizes), None
+    return samples, blobs, RankRecord(lengths, gid, sizes, prefix=prefix), None
+
+
+def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple[str, int], layout: BatchLayout):
+    """``(groups, prefixes)``, int64 ``[n]`` each: the samples' ``share[0]`` field (which ``groups=``, when
+    given, must partition alike) and the prefix each shares with its group, as ``build_thd_batch``
+    would lay it out (:func:`thdpack.batching.shared_prefix.group_prefixes`; a group's members are
+    all here, so each rank finds its own)."""
+    field, min_prefix_len = share
+    own = read_groups(samples, field)
+    if gid is not None:
+        differs = np.flatnonzero(number_groups(gid) != number_groups(own))
+        if differs.size:
+            i = int(differs[0])
+            raise ValueError(f"groups= and the share_prefix field {field!r} group the samples differently (local "
+                             f"sample {i}: groups {int(gid[i])}, {field} {int(own[i])}); give one of them, or both alike")
+    if not samples:
+        return own, np.zeros(0, np.int64)
+    flat = build_thd_batch(samples, layout=flat_layout(layout))
+    return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple)
 
 
 def _local_groups(groups, n: int) -> np.ndarray:
@@ -173,13 +212,16 @@ def _fetch_samples(comm: Comm, route: Route, samples: list, blobs: list) -> dict
     return held
 
 
-def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, build_kwargs: dict) -> list[ThdBatch]:
+def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, build_kwargs: dict,
+                   share: tuple[str, int] | None = None) -> list[ThdBatch]:
     """This rank's micro-batches, built from ``held`` (``{global id: sample}``) in the route's order."""
     ids, bounds, filler = route.batch_ids[rank], route.batch_bounds[rank], route.filler[rank]
     batches = []
     for k, is_filler in enumerate(filler.tolist()):
         part = ids[bounds[k] : bounds[k + 1]]
         samples = [held[g] for g in part.tolist()]
+        if share is not None:
+            samples = _as_planned(samples, part, route, share[0])
         try:
             if not is_filler:
                 batches.append(build_thd_batch(samples, sample_index=part, layout=layout, **build_kwargs))
@@ -196,6 +238,14 @@ def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, bui
             raise exc.renamed(g - int(route.offsets[owner]), f" (local sample of rank {owner}, in micro-batch {k} "
                               f"of rank {rank})") from None
     return batches
+
+
+def _as_planned(samples: list, part: np.ndarray, route: Route, field: str) -> list[dict]:
+    """``samples`` (global ids ``part``) with ``field`` their global group number (two ranks' group 3 are
+    two groups) and :data:`PREFIX_FIELD` the prefix the plan counted, so that the build lays out what was
+    planned (a group's part in one of its packs could have a longer common prefix of another size)."""
+    gid, prefix = route.groups[part].tolist(), route.prefix[part].tolist()
+    return [{**s, field: g, PREFIX_FIELD: p} for s, g, p in zip(samples, gid, prefix)]
 
 
 def _without_targets(sample: Mapping, ignore_index: int) -> dict:

@@ -8,7 +8,7 @@ samples rank by rank: rank ``r``'s local sample ``i`` is global sample ``offsets
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from thdpack.common.align import round_up
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
+from thdpack.planning.prefix_budget import shared_sizes
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,15 @@ class RankRecord:
             ranks is two groups), or None without groups.
         sizes: int64 ``[n]`` bytes of each encoded sample (what the all-to-all moves).
         error: None, or why this rank's input is refused (every rank raises it).
+        prefix: int64 ``[n]`` the prefix each sample shares with its group (``share_prefix``; 0: laid
+            out alone), or None without shared prefixes.
     """
 
     lengths: np.ndarray
     groups: np.ndarray | None
     sizes: np.ndarray
     error: str | None = None
+    prefix: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class Route:
         runner: int64 ``[N]`` the rank whose non-filler micro-batch holds each sample (each exactly once).
         lengths, sizes: int64 ``[N]`` every sample's planned length and encoded bytes.
         held: per rank, int64 sorted unique global ids of the samples its micro-batches hold.
+        groups, prefix: int64 ``[N]`` every sample's global group number and the prefix it shares
+            with its group, with shared prefixes; else None.
+        credit: per rank, int64 ``[m_r]`` (aligned with ``batch_ids``) tokens of each slot laid out
+            by an earlier member of its pack (its group's prefix; 0 for the first and for fillers).
     """
 
     offsets: np.ndarray
@@ -62,6 +70,9 @@ class Route:
     lengths: np.ndarray
     sizes: np.ndarray
     held: list
+    groups: np.ndarray | None = None
+    prefix: np.ndarray | None = None
+    credit: list | None = None
 
     @property
     def world_size(self) -> int:
@@ -83,11 +94,13 @@ class Route:
         return self.batch_ids[rank][np.repeat(~self.filler[rank], counts)]
 
     def rank_costs(self, lengths: np.ndarray, cost: CostModel) -> np.ndarray:
-        """float64 ``[R]`` each rank's cost (``lengths``: int64 ``[N]``; fillers included: they run)."""
+        """float64 ``[R]`` each rank's cost (``lengths``: int64 ``[N]``; fillers included: they run). A
+        member whose prefix an earlier one laid out costs ``L − p`` and ``L² − p²`` (``CostModel.pack_costs``)."""
         out = np.zeros(self.world_size)
         for r, ids in enumerate(self.batch_ids):
             s = lengths[ids].astype(np.float64)
-            out[r] = cost.linear * s.sum() + cost.quadratic * (s * s).sum()
+            c = 0.0 if self.credit is None else self.credit[r].astype(np.float64)
+            out[r] = cost.linear * (s - c).sum() + cost.quadratic * (s * s - c * c).sum()
         return out
 
 
@@ -108,14 +121,16 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     lengths = np.concatenate([r.lengths for r in records]).astype(np.int64)
     groups = _global_groups(records)
+    prefix = None if records[0].prefix is None else np.concatenate([r.prefix for r in records]).astype(np.int64)
     try:
         plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
-                             shuffle_steps=False, groups=groups, options=options)
+                             shuffle_steps=False, groups=groups, shared_prefix=prefix, options=options)
     except ValueError as exc:
         raise ValueError(f"rebalance: {exc} (samples are numbered rank by rank: rank r's first local sample is "
                          f"global sample offsets[r], offsets {offsets[:-1].tolist()[:16]})") from None
     sizes = np.concatenate([r.sizes for r in records]).astype(np.int64)
-    return _route_of(plan, offsets, lengths, sizes)
+    route = _route_of(plan, offsets, lengths, sizes)
+    return route if prefix is None else _with_credit(route, groups, prefix)
 
 
 def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int) -> None:
@@ -125,10 +140,11 @@ def check_records(records: list[RankRecord], options: PlanOptions, micro_batches
         r, message = failed[0]
         more = f" ({len(failed)} ranks failed)" if len(failed) > 1 else ""
         raise ValueError(f"rebalance: rank {r}: {message}{more}")
-    with_groups = [rec.groups is not None for rec in records]
-    if any(with_groups) and not all(with_groups):
-        raise ValueError(f"rebalance: groups= was given on ranks {np.flatnonzero(with_groups).tolist()} but not on "
-                         f"ranks {np.flatnonzero(~np.array(with_groups)).tolist()}; give it on every rank or none")
+    for name, given in (("groups=", [rec.groups is not None for rec in records]),
+                        ("share_prefix=", [rec.prefix is not None for rec in records])):
+        if any(given) and not all(given):
+            raise ValueError(f"rebalance: {name} was given on ranks {np.flatnonzero(given).tolist()} but not on "
+                             f"ranks {np.flatnonzero(~np.array(given)).tolist()}; give it on every rank or none")
     pack_size, align = options.pack_size, options.align
     for r, rec in enumerate(records):
         sizes = round_up(rec.lengths, align)
@@ -139,12 +155,15 @@ def check_records(records: list[RankRecord], options: PlanOptions, micro_batches
                              f"aligned to {align}), more than pack_size={pack_size}; a rollout is never cut here: "
                              f"raise pack_size or drop it ({over.size} such sample(s) on rank {r})")
         if rec.groups is not None and rec.groups.size:
-            _check_group_sizes(r, rec.groups, sizes, pack_size * micro_batches, micro_batches)
+            _check_group_sizes(r, rec, align, pack_size * micro_batches, micro_batches)
 
 
-def _check_group_sizes(rank: int, gid: np.ndarray, sizes: np.ndarray, budget: int, micro_batches: int) -> None:
+def _check_group_sizes(rank: int, rec: RankRecord, align: int, budget: int, micro_batches: int) -> None:
+    """A group over ``micro_batches`` packs (its prefix counted once where it shares one) is refused."""
+    gid = rec.groups
     group_of = number_groups(gid)
-    totals = np.bincount(group_of, weights=sizes)
+    prefix = np.zeros(gid.size, np.int64) if rec.prefix is None else rec.prefix
+    totals = shared_sizes(rec.lengths, prefix, group_of, align)
     over = np.flatnonzero(totals > budget)
     if over.size:
         g = int(over[0])
@@ -163,6 +182,18 @@ def _global_groups(records: list[RankRecord]) -> np.ndarray | None:
         out.append(local + base)
         base += int(local.max()) + 1 if local.size else 0
     return np.concatenate(out).astype(np.int64)
+
+
+def _with_credit(route: Route, groups: np.ndarray, prefix: np.ndarray) -> Route:
+    """``route`` with its shared prefixes: per rank, the prefix tokens each slot's pack laid out before it
+    (the plan's ``shared_length``; fillers run alone and get 0)."""
+    shared = np.zeros(route.lengths.size, np.int64)
+    inner = route.plan.plan
+    if inner.shared_length is not None:
+        shared[inner.sample_index] = inner.shared_length
+    credit = [np.where(np.repeat(f, np.diff(b)), 0, shared[ids])
+              for ids, b, f in zip(route.batch_ids, route.batch_bounds, route.filler)]
+    return replace(route, groups=groups, prefix=prefix, credit=credit)
 
 
 def _route_of(plan: BalancedPlan, offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> Route:

@@ -232,6 +232,9 @@ def _check_batch(batch, owner: str) -> None:
     """``TypeError`` unless ``batch`` is a ThdBatch (read by its fields), ``ValueError`` for a shard."""
     if not dataclasses.is_dataclass(batch) or isinstance(batch, type) or not hasattr(batch, "cu_seqlens_padded"):
         raise TypeError(f"{owner} takes a thdpack.ThdBatch (build_thd_batch, ThdCollator), got {type(batch).__name__}")
+    if getattr(batch, "prefix_tree", None) is not None:  # a tree's prefix rows are read by several members
+        raise ValueError(f"{owner} cannot shard a shared-prefix batch (DeepSpeed's Ulysses attention runs varlen "
+                         "cu_seqlens, which cannot express the tree); build it with share_prefix=None under Ulysses")
     if batch.local_cu_seqlens_padded is not None:
         raise ValueError(f"{owner} takes a whole batch, got a shard (cp_size={batch.cp_size}, "
                          f"sp_size={getattr(batch, 'sp_size', 1)}); shard the whole batch once for both")
