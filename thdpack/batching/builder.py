@@ -69,7 +69,9 @@ def build_thd_batch(
             once as ``[prefix][member 1][member 2]...`` (:mod:`thdpack.batching.shared_prefix`: the
             prefix is each member's ``"prefix_len"`` field or the longest common one; the batch's
             ``prefix_tree`` carries the segments and every sample's targets). Masks for
-            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP, no VLM samples.
+            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP. With ``model_config`` a prefix ends
+            before any image / video it would split or that differs between members, its images are
+            listed once and each member's mRoPE rows continue from it (:mod:`thdpack.vlm.tree_vision`).
         min_prefix_len: with ``share_prefix``, the shortest prefix worth sharing (default 32 tokens);
             a group with a shorter one is laid out unshared.
 
@@ -155,11 +157,13 @@ def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *,
     samples = sample_list(samples, "build_thd_batch")
     check_num_seqs(len(samples), layout.max_num_seqs)
     flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, sample_values=sample_values,
-                       stacklevel=stacklevel + 1)
-    tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len))
+                       model_config=model_config, stacklevel=stacklevel + 1)
+    limit = None if model_config is None else vision().prefix_limit(flat, model_config)  # whole, equal images
+    tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len), limit)
     if tree is not None:
-        return tree
-    return build_batch(samples, layout, sample_index=sample_index, sample_values=sample_values, stacklevel=stacklevel + 1)
+        return tree if model_config is None else vision().attach_tree(tree, flat, model_config)
+    return build_batch(samples, layout, sample_index=sample_index, sample_values=sample_values,
+                       model_config=model_config, stacklevel=stacklevel + 1)
 
 
 def _read_samples(samples, max_length):

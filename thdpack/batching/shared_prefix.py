@@ -42,6 +42,7 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.batching.layout import BatchLayout, padded_lengths
 from thdpack.batching.prefix_tree import PrefixTree
 from thdpack.common.align import check_int, round_up
+from thdpack.common.extensions import vision
 from thdpack.common.samples import SampleError, get_field
 from thdpack.planning.plan import number_groups
 
@@ -54,7 +55,8 @@ DEFAULT_MIN_PREFIX_LEN = 32
 
 def check_share_args(share_prefix, min_prefix_len, layout: BatchLayout, model_config) -> None:
     """``ValueError`` / ``TypeError`` naming the argument unless ``share_prefix`` is None or a field name,
-    ``min_prefix_len`` an integer >= 1, and the layout one a tree can take (no CP, no VLM)."""
+    ``min_prefix_len`` an integer >= 1, and the layout one a tree can take (no CP). With ``model_config``
+    (VLM samples) the vision extension must support trees (:mod:`thdpack.vlm.tree_vision`)."""
     if share_prefix is None:
         return
     if not isinstance(share_prefix, str) or not share_prefix:
@@ -64,9 +66,9 @@ def check_share_args(share_prefix, min_prefix_len, layout: BatchLayout, model_co
     if layout.cp_size > 1:
         raise ValueError(f"share_prefix={share_prefix!r} with cp_size={layout.cp_size}: context-parallel attention "
                          "(ring / TE THD) cannot express a shared-prefix tree; use share_prefix=None with CP")
-    if model_config is not None:
-        raise ValueError(f"share_prefix={share_prefix!r} with model_config: shared prefixes are laid out for text "
-                         "samples only (mRoPE rows of a shared image prompt are not built); use share_prefix=None")
+    if model_config is not None and vision().attach_tree is None:
+        raise ValueError(f"share_prefix={share_prefix!r} with model_config: the registered vision extension builds "
+                         "no shared-prefix trees; use share_prefix=None")
 
 
 def flat_layout(layout: BatchLayout) -> BatchLayout:
@@ -75,10 +77,11 @@ def flat_layout(layout: BatchLayout) -> BatchLayout:
 
 
 def build_shared_batch(flat: ThdBatch, samples: Sequence, layout: BatchLayout, share_prefix: str,
-                       min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN) -> ThdBatch | None:
+                       min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN, limit=None) -> ThdBatch | None:
     """The shared-prefix batch of ``samples``, gathered from ``flat``, their unshared batch built with
-    :func:`flat_layout`; None when no group shares a prefix (then build the unshared batch)."""
-    prefix = group_prefixes(flat, samples, share_prefix, min_prefix_len, layout.multiple)
+    :func:`flat_layout`; None when no group shares a prefix (then build the unshared batch). ``limit``:
+    as in :func:`group_prefixes`."""
+    prefix = group_prefixes(flat, samples, share_prefix, min_prefix_len, layout.multiple, limit)
     if not prefix.any():
         return None
     groups = read_groups(samples, share_prefix)
@@ -110,11 +113,13 @@ def _sample_int(sample, field: str, i: int, *, required: bool) -> int | None:
 
 
 def group_prefixes(flat: ThdBatch, samples: Sequence, share_prefix: str, min_prefix_len: int,
-                   multiple: int = 1) -> np.ndarray:
+                   multiple: int = 1, limit=None) -> np.ndarray:
     """int64 ``[n]`` the prefix every sample shares with its group (0: laid out alone), from its unshared
     batch ``flat`` (no padding) and the samples' group ids and declared :data:`PREFIX_FIELD`, for segments
     padded to ``multiple`` (the rules: the module docstring). ``ValueError`` naming the group for a
-    declared prefix that is not the members' common one."""
+    declared prefix that is not the members' common one. ``limit``: None, or ``limit(members, p, declared,
+    name) -> int`` shortening a group's prefix (VLM: to whole, equal images; the vision extension's
+    ``prefix_limit``), before the minimum and padding rules."""
     groups = read_groups(samples, share_prefix)
     declared = [_sample_int(s, PREFIX_FIELD, i, required=False) for i, s in enumerate(samples)]
     ids, labels = flat.input_ids.numpy(), flat.labels.numpy()
@@ -127,6 +132,8 @@ def group_prefixes(flat: ThdBatch, samples: Sequence, share_prefix: str, min_pre
         if members.size < 2:
             continue
         p = _group_prefix(ids, labels, cu, members, [declared[j] for j in members], int(groups[members[0]]))
+        if limit is not None and p > 0:
+            p = limit(members, p, declared[members[0]] is not None, _group_name(members, int(groups[members[0]])))
         lens = cu[members + 1] - cu[members]
         shorter = round_up(np.int64(p), multiple) + round_up(lens - p, multiple).sum() < round_up(lens, multiple).sum()
         prefix[members] = p if p >= min_prefix_len and shorter else 0
@@ -138,8 +145,7 @@ def _group_prefix(ids, labels, cu, members: np.ndarray, declared: list, group: i
     or the longest on which their tokens agree and their targets of rows ``0 .. p-2`` agree."""
     lens = cu[members + 1] - cu[members]
     given = {d for d in declared if d is not None}
-    shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
-    name = f"group {group} (samples {shown})"
+    name = _group_name(members, group)
     if given and (len(given) > 1 or None in declared):
         raise ValueError(f"{name} declares {PREFIX_FIELD} {sorted(given)} and "
                          f"{'none on some members' if None in declared else 'differing values'}; give every member "
@@ -164,6 +170,11 @@ def _group_prefix(ids, labels, cu, members: np.ndarray, declared: list, group: i
                          f"{PREFIX_FIELD}={m}; the declared prefix must be the members' common prefix (tokens and "
                          "targets), or leave it out to find it")
     return min(tok_end, lab_end)
+
+
+def _group_name(members: np.ndarray, group: int) -> str:
+    shown = ", ".join(map(str, members[:8].tolist())) + (", ..." if members.size > 8 else "")
+    return f"group {group} (samples {shown})"
 
 
 def _segments(prefix: np.ndarray, group_of: np.ndarray, cu: np.ndarray) -> dict:

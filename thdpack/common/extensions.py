@@ -25,10 +25,21 @@ class VisionExtension:
             ``[3, T]``) to a built whole (not sharded) batch, in place.
         lengths: ``lengths(samples)``, int64 ``[n]`` ViT patches per sample (planning
             with ``vision_budget``).
+        prefix_limit: shared prefixes (``build_thd_batch(share_prefix=..., model_config=...)``):
+            ``prefix_limit(flat, model_config)`` of the unshared batch ``flat`` (vision attached, no
+            padding) returns ``limit(members, p, declared, name) -> int``: the longest prefix ``<= p``
+            of a group's ``members`` (int64 sample positions) that ends on no image / video and
+            whose images and videos are the same for every member (``ValueError`` naming ``name``
+            where a ``declared`` prefix is not). None: no shared prefixes with vision.
+        attach_tree: ``attach_tree(tree, flat, model_config)`` adds the vision inputs, token types
+            and mRoPE rows of the shared-prefix batch ``tree`` gathered from ``flat``, in place
+            (a shared prompt's images listed once).
     """
 
     attach: Callable[[object, Sequence, object], object]
     lengths: Callable[[Sequence], np.ndarray]
+    prefix_limit: Callable[[object, object], Callable] | None = None
+    attach_tree: Callable[[object, object, object], object] | None = None
 
 
 _vision: VisionExtension | None = None

@@ -12,7 +12,8 @@ Layout: one file per family (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``
 vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 (``get_family(cfg, mrope_convention=...)``, ``convention.py``; docs/vlm.md); a pack's
 vision fields (each sample's pixels and grids read, checked and concatenated in pack
-order, mRoPE rows added) in ``vision_fields.py``. CP positions of vision tokens
+order, mRoPE rows added) in ``vision_fields.py``; a shared-prefix pack's (a prompt's images
+listed once, each member's mRoPE rows continuing from its prefix) in ``tree_vision.py``. CP positions of vision tokens
 (:func:`vision_shard_extras`) are defined with the CP split, in :mod:`thdpack.parallel.cp`.
 On import it registers :func:`attach_vision` and :func:`vision_lengths` with
 :mod:`thdpack.common.extensions`, through which the core calls them.
@@ -24,6 +25,7 @@ from thdpack.parallel.cp import vision_shard_extras
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.registry import get_family, register_family, supported_model_types
+from thdpack.vlm.tree_vision import attach_tree, prefix_limit
 from thdpack.vlm.vision_fields import attach_vision, vision_lengths, vision_patch_count
 
 __all__ = [
@@ -41,4 +43,5 @@ __all__ = [
     "vision_shard_extras",
 ]
 
-register_vision(VisionExtension(attach=attach_vision, lengths=vision_lengths))  # the core calls these (build, collate)
+register_vision(VisionExtension(attach=attach_vision, lengths=vision_lengths,  # the core calls these (build, collate)
+                                prefix_limit=prefix_limit, attach_tree=attach_tree))  # shared prompts with images
