@@ -90,7 +90,7 @@ def flat_rows(batch) -> torch.Tensor:
 
 
 def assert_close_rel(got, want, what: str) -> None:
-    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    err = float((got - want).detach().abs().max() / want.detach().abs().max().clamp_min(1e-30))
     assert err < REL, f"{what}: relative error {err:.2e}"
 
 
@@ -160,3 +160,76 @@ def assert_items_once(tree, samples) -> None:
                  if tree.extras.get(k) is not None)
     assert int(tree.extras["vision_cu_seqlens"][-1]) == n_rows
     assert tree.extras["num_image_segments"] == tree.extras["image_grid_thw"][:, 0].sum()
+
+
+# --------------------------------------------------------------------------- the model: logits, losses, gradients
+
+
+@functools.lru_cache(maxsize=None)
+def vlm_model(attn: str) -> torch.nn.Module:
+    """The tiny Qwen2.5-VL of ``test_vlm`` (same seed, same weights) with ``attn`` attention."""
+    cfg = tv.tiny_config(FAMILY)
+    cfg._attn_implementation = attn
+    torch.manual_seed(1234)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32).eval()
+    assert model.config.text_config._attn_implementation == attn
+    return model
+
+
+def logits_of(model, batch, attn: str) -> torch.Tensor:
+    kw = batch.to_hf_kwargs(attn_implementation=attn, include_labels=False)
+    return model(**kw, use_cache=False).logits[0]
+
+
+def weighted_logps(logits, batch):
+    return (sequence_logps(logits, batch)[0] * torch.linspace(-1, 2, batch.num_samples)).sum()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_logps_loss_and_gradients_equal_unshared(attn):
+    _, flat, tree = batches(pad_multiple=8)
+    assert tree.prefix_tree.num_shared_groups == 3 and tree.num_tokens < flat.num_tokens - 100
+    assert tree.extras["pixel_values"].shape[0] < flat.extras["pixel_values"].shape[0] - 2 * 16
+    ref, model = vlm_model("sdpa"), vlm_model(attn)
+    params = list(model.parameters())
+    want_logits = logits_of(ref, flat, "sdpa")
+    got_logits = logits_of(model, tree, attn)
+    diff = (got_logits[tree.prefix_tree.unshared_rows] - want_logits[flat_rows(flat)]).abs().max().item()
+    assert diff < tv.LOGIT_ATOL, f"max |logit diff| {diff:.3g}"
+    for what, loss_of in {"sequence_logps": weighted_logps,
+                          "packed_loss": lambda logits, batch: packed_loss(logits, batch, "token")}.items():
+        want_loss = loss_of(want_logits, flat)
+        got_loss = loss_of(got_logits, tree)
+        assert_close_rel(got_loss, want_loss, what)
+        want = torch.autograd.grad(want_loss, list(ref.parameters()), retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(got_loss, params, retain_graph=True, allow_unused=True)
+        flat_g = lambda gs: torch.cat([g.reshape(-1) for g in gs if g is not None])  # noqa: E731
+        assert sum(g is not None for g in got) == sum(g is not None for g in want)
+        assert_close_rel(flat_g(got), flat_g(want), f"{what} gradient")
+    assert_close_rel(sequence_logps(got_logits, tree)[0], sequence_logps(want_logits, flat)[0], "per member")
+
+
+# --------------------------------------------------------------------------- declared prefixes
+
+
+def test_declared_prefix_must_end_after_whole_equal_images():
+    samples = [dict(s) for s in vlm_samples()]
+    cfg = tv.tiny_config(FAMILY)
+    p0 = len(samples[4]["input_ids"])  # group 0's prompt: text, an image (placeholders 5..8), text
+    for j in (0, 2, 4):
+        samples[j]["prefix_len"] = p0
+    tree = build_thd_batch(samples, share_prefix="group", model_config=cfg)
+    assert tree.prefix_tree.prefix_lens[[0, 2, 4]].tolist() == [p0] * 3
+    for j in (0, 2, 4):
+        samples[j]["prefix_len"] = 7  # inside the image's placeholders
+    with pytest.raises(ValueError, match=r"^group 0 \(samples 0, 2, 4\): the declared prefix_len=7 .* ends inside "
+                                         r"sample 0's image at tokens 5\.\.8") as err:
+        build_thd_batch(samples, share_prefix="group", model_config=cfg, min_prefix_len=4)
+    assert "\n" not in str(err.value)
+    for j in (0, 2, 4):
+        samples[j]["prefix_len"] = p0
+    for j in (3, 6):
+        samples[j]["prefix_len"] = 40  # past group 2's image, whose pixels differ
+    with pytest.raises(ValueError, match=r"^group 2 \(samples 3, 6\): the declared prefix_len=40 .* sample 6's "
+                                         r"image 0 differs from sample 3's"):
+        build_thd_batch(samples, share_prefix="group", model_config=cfg)
