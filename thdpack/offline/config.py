@@ -58,7 +58,8 @@ RENAMED_IN_0_2 = {
     "{shard}": "{slice}",  # placeholder of thdpack build --output (InputSlice.format_output)
     "build_shard": "input_slice",  # metadata.json entry of a slice build (thdpack merge: check_slices)
 }
-RECORDED_IF_SET = ("sample_values", "group_column")  # recorded in metadata.json only when given (older builds stay byte-identical)
+# recorded in metadata.json only when given (None / false: older builds stay byte-identical)
+RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len")
 
 
 def _opt(default, help: str, choices=None, *, minimum: int = 1, accepts: tuple | None = None, flag_type=None,
@@ -131,6 +132,12 @@ class BuildConfig:
         None, "column holding a group id per row (e.g. a GRPO prompt id): the rows of a group are planned into one "
         "pack (a group over pack_size is a row error); overflow must be error"
     )
+    share_prefix: bool = _opt(
+        False, "preference rows or group_column: lay each group's common token prefix (a pair's or a group's prompt) "
+        "out once; the plan counts it once against pack_size, and the loaded packs are shared-prefix batches "
+        "(docs/build.md, Shared prefixes)"
+    )
+    min_prefix_len: int | None = _opt(None, "share_prefix: the shortest prefix shared, in tokens (default 32)")
     seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order", minimum=0)
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
     cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")
@@ -265,7 +272,24 @@ class BuildConfig:
             raise ConfigError(f"format '{self.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
         if self.pack_size < self.align:
             raise ConfigError(f"pack_size ({self.pack_size}) is smaller than the alignment multiple ({self.align})")
+        self._check_share_prefix()
         return self
+
+    def _check_share_prefix(self) -> None:
+        """ConfigError for ``share_prefix`` / ``min_prefix_len`` where a build cannot share prefixes."""
+        if not self.share_prefix:
+            if self.min_prefix_len is not None:
+                raise ConfigError(f"min_prefix_len ({self.min_prefix_len}) needs share_prefix: true")
+            return
+        if self.group_column is None and self.format not in ("auto", "preference"):
+            raise ConfigError(f"share_prefix needs groups to share within: preference rows (prompt / chosen / "
+                              f"rejected) or group_column, not format {self.format!r} rows without group_column")
+        refused = {"cp_size": self.cp_size > 1, "output_format": self.output_format == "megatron-bridge"}
+        for name, bad in refused.items():
+            if bad:
+                raise ConfigError(f"share_prefix cannot be used with {name} {getattr(self, name)!r}: context-parallel "
+                                  "attention and Megatron-Bridge's THD kernels cannot express a shared-prefix tree; "
+                                  "remove share_prefix")
 
     @property
     def align(self) -> int:
@@ -288,7 +312,7 @@ class BuildConfig:
         options that cannot change the output (``num_proc``, ``map_batch_size``, ``tokenizer_backend``): what
         metadata.json records, so a build is byte-identical however it was parallelised."""
         return {k: getattr(self, k) for k in self.keys()
-                if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and getattr(self, k) is None)))}
+                if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and getattr(self, k) in (None, False))))}
 
     def value_columns(self) -> list[str]:
         """``sample_values`` as a list of column names (a flag's comma-separated string split);

@@ -34,7 +34,9 @@ from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COL
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, model_info
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.offline.procs import signals_raise
+from thdpack.offline.shared_prefixes import PREFIX_COLUMNS, common_prefixes
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
@@ -60,6 +62,8 @@ class Prepared:
     timings: dict = field(default_factory=dict)
     model_config: dict | None = None  # the build's model config, loaded (BuildStages.model_config)
     vlm: object = None  # a thdpack.offline.vision.vlm_setup.VlmBuild for rows with images, else None
+    shared_prefix: np.ndarray | None = None  # share_prefix builds: int64 [sequences] each one's group prefix
+    groups: np.ndarray | None = None  # int64 [sequences]: group of each sequence (pairs, group_column), else None
 
     def counts(self) -> dict:
         st = self.plan.stats
@@ -87,8 +91,9 @@ class Prepared:
     def summary(self, eval_multiple: int | None = None) -> dict:
         counts = self.counts()
         extra = {k: counts[k] for k in BUILD_COUNTS if k in counts}  # target_tokens: added once written
+        plan = self.plan
         return summarize(
-            self.plan.length,
+            plan.length if plan.shared_length is None else plan.length - plan.shared_length,  # the stream's tokens
             self.plan.pack_offsets,
             self.plan.pack_size,
             self.plan.align,
@@ -132,6 +137,11 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
                              "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
     # rows with images (thdpack/offline/vision/vlm_setup.py), else None
     vlm = vlm_build(stages.vision, stages.model_config, source)
+    if planning.share_prefix and (vlm is not None or not (pairs or planning.group_column)):
+        raise ConfigError("share_prefix: rows with images are not shared (a shared image prompt's mRoPE rows are not "
+                          "built); remove share_prefix" if vlm is not None else
+                          f"share_prefix needs preference rows (prompt / chosen / rejected) or group_column; the rows "
+                          f"are {resolve_format(stages.tokenize, source)} rows")
 
     t0 = time.perf_counter()
     mapper = None
@@ -145,16 +155,16 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
     sequences = _sequences(tokenized, planning, pairs)
-    sample_rows, skipped, patches = _select_rows(planning, source, tokenized, sequences, vlm)
+    sample_rows, skipped, patches, prefix = _select_rows(planning, source, tokenized, sequences, vlm)
     t0 = time.perf_counter()
-    planner = _Planner(planning, sequences, vlm, patches)
+    planner = _Planner(planning, sequences, vlm, patches, prefix)
     count = _target_counter(planning.targets, tokenized, ray_session)
     plan, sample_rows, piece_targets, without = _plan_samples(planner, count, source, sample_rows,
                                                               whole_input=input_slice is None)
     t["plan"] = time.perf_counter() - t0
     _log_plan(planning, plan, without, t["plan"])
     return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, stages.model_config,
-                    vlm)
+                    vlm, prefix, sequences.group)
 
 
 @dataclass(frozen=True)
@@ -175,16 +185,21 @@ def _sequences(tokenized: Tokenized, planning: PlanningOptions, pairs: bool) -> 
 
 
 def _select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm):
-    """``(sample_rows, skipped, patches)``: the tokenized sequences to plan (int64, ascending), the
+    """``(sample_rows, skipped, patches, prefix)``: the tokenized sequences to plan (int64, ascending), the
     ``(input row, reason)`` of the rows left out (failed, too long, over the vision budget), sorted,
-    and the VLM builds' per-sequence patches (None without ``vlm``). Raises InputError listing the
+    the VLM builds' per-sequence patches (None without ``vlm``) and, with ``share_prefix``, int64
+    ``[sequences]`` each sequence's group prefix (else None). Raises InputError listing the
     bad rows unless ``planning.skip_bad_rows``, and when no row is left."""
     grouped = sequences.group is not None
     skipped = _row_errors(tokenized.errors, sequences.row, sequences.pairs)  # from here on, per input row
-    row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, planning.plan.align) if grouped
-                  else sequences.lengths)
-    usable = np.ones(row_tokens.size, dtype=bool)
+    usable = np.ones(int(sequences.row[-1]) + 1 if sequences.row.size else 0, dtype=bool)
     usable[[r for r, _ in skipped]] = False
+    prefix = None
+    if planning.share_prefix:  # found on the rows that did not fail; too long groups go whole, the rest keep theirs
+        prefix = common_prefixes(tokenized.dataset.data.table, planning.targets, sequences.lengths, sequences.group,
+                                 usable[sequences.row], planning.plan.align, planning.min_prefix_len)
+    row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, planning.plan.align, prefix)
+                  if grouped else sequences.lengths)
     too_long = _too_long_rows(planning, source, row_tokens, usable, grouped, sequences.pairs)
     skipped.extend(too_long)
     usable[np.array([r for r, _ in too_long], np.int64)] = False
@@ -203,7 +218,7 @@ def _select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized
     sample_rows = np.flatnonzero(usable[sequences.row]).astype(np.int64)
     if sample_rows.size == 0:
         raise InputError(f"no usable rows in {source.num_rows} (all {len(skipped)} were skipped)")
-    return sample_rows, skipped, patches
+    return sample_rows, skipped, patches, prefix
 
 
 def _too_long_rows(planning: PlanningOptions, source: Source, row_tokens: np.ndarray, usable: np.ndarray, grouped: bool,
@@ -240,6 +255,7 @@ class _Planner:
     sequences: _Sequences
     vlm: object  # a VlmBuild, or None
     patches: object  # the VlmBuild's per-sequence patches (vlm.plan_checks), or None
+    prefix: np.ndarray | None = None  # share_prefix: int64 [sequences] each one's group prefix (common_prefixes)
 
     def plan(self, rows: np.ndarray) -> PackPlan:
         """The plan of the sequences ``rows`` (int64, ascending)."""
@@ -254,6 +270,7 @@ class _Planner:
             seed=opts.seed,
             **(self.vlm.plan_kwargs(self.patches, rows) if self.vlm is not None else {}),
             **({"groups": group[rows]} if group is not None else {}),  # a pair's / group's sequences in one pack
+            **({"shared_prefix": self.prefix[rows]} if self.prefix is not None else {}),  # counted once
         )
 
 
@@ -357,9 +374,17 @@ def _sequence_groups(tokenized: Tokenized, seq_row: np.ndarray, planning: Planni
     return seq_row if row_format(tokenized.fmt).sequences_per_row > 1 else None
 
 
-def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray, align: int) -> np.ndarray:
-    """int64 ``[rows]`` the aligned tokens of each input row's group together (what the group takes in a pack)."""
-    group_tokens = np.bincount(seq_group, weights=round_up(lengths, align)).astype(np.int64)
+def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray, align: int,
+                prefix: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[rows]`` the aligned tokens of each input row's group together (what the group takes in a pack;
+    with ``prefix``, int64 ``[sequences]`` each sequence's group prefix, that prefix once)."""
+    if prefix is None:
+        group_tokens = np.bincount(seq_group, weights=round_up(lengths, align)).astype(np.int64)
+    else:
+        group_tokens = np.bincount(seq_group, weights=round_up(np.maximum(lengths - prefix, 0), align))
+        group_prefix = np.zeros(group_tokens.size, np.int64)
+        np.maximum.at(group_prefix, seq_group, prefix)
+        group_tokens = group_tokens.astype(np.int64) + round_up(group_prefix, align)
     row_group = np.zeros(int(seq_row[-1]) + 1 if seq_row.size else 0, np.int64)
     row_group[seq_row] = seq_group
     return group_tokens[row_group]
@@ -538,13 +563,32 @@ def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: di
     # on Ray the tokenized rows travel as their file paths (a file-backed datasets.Dataset), not as a table
     rows = prep.tokenized.dataset if ray_session is not None else prep.tokenized.dataset.data.table
     kwargs = dict(file_format=bridge_export.data_file_format(store.output_format), file_size_mb=store.file_size_mb,
-                  row_offset=row_offset, extra=None if prep.vlm is None else prep.vlm.writer(rows), values=values)
+                  row_offset=row_offset, extra=None if prep.vlm is None else prep.vlm.writer(rows), values=values,
+                  **({} if prep.shared_prefix is None else {"columns": _prefix_columns(prep)}))
     if ray_session is None:
         return write_packs(tmp, rows, store.targets, plan, prep.sample_rows, order, progress=progress, **kwargs)
     from thdpack.offline.cluster.ray_write import write_on_ray
 
     files = pack_files(rows, store.targets, plan, prep.sample_rows, order, **kwargs)
     return write_on_ray(ray_session, files, tmp, progress=progress)
+
+
+def _prefix_columns(prep: Prepared) -> dict:
+    """``{column: [sequences]}`` the per-sample columns of a ``share_prefix`` build (:data:`PREFIX_COLUMNS`):
+    each sequence's group number and its group's prefix, which the loader declares to ``build_thd_batch``."""
+    return dict(zip(PREFIX_COLUMNS, (prep.groups.astype(np.int64), prep.shared_prefix.astype(np.int32))))
+
+
+def _prefix_counts(prep: Prepared, min_prefix_len: int) -> dict:
+    """metadata.json's ``share_prefix`` entry: the minimum, the groups and samples that share a prefix, their
+    prefixes' tokens (once each) and the tokens the packs' streams save (``plan.shared_length``)."""
+    plan = prep.plan
+    planned = prep.sample_rows[plan.sample_index]
+    shared = planned[prep.shared_prefix[planned] > 0]
+    groups, first = np.unique(prep.groups[shared], return_index=True)
+    return {"min_prefix_len": int(min_prefix_len), "groups": int(groups.size), "samples": int(shared.size),
+            "prefix_tokens": int(prep.shared_prefix[shared[first]].sum()),
+            "tokens_saved": int(plan.shared_length.sum())}
 
 
 def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) -> dict | None:
@@ -604,6 +648,10 @@ def _metadata(cfg: BuildConfig, prep: Prepared, summary: dict, written: dict, va
     if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
         meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
+    if prep.shared_prefix is not None:  # share_prefix: the group and prefix columns the loader reads
+        meta["share_prefix"] = _prefix_counts(prep, cfg.min_prefix_len or DEFAULT_MIN_PREFIX_LEN)
+        meta["columns"] += list(PREFIX_COLUMNS)
+        meta["counts"]["tokens"] = int(prep.plan.length.sum())  # stored: each sample whole (the stream's: stats)
     return meta
 
 

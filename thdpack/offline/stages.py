@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.options import PlanOptions
@@ -191,6 +192,8 @@ class PlanningOptions:
         group_column: the column whose groups are planned into one pack, or None.
         skip_bad_rows: skip (and count) bad rows instead of stopping.
         targets: the target column of the tokenized rows (counted per piece).
+        share_prefix: each group's common prefix is counted once (:mod:`thdpack.offline.shared_prefixes`).
+        min_prefix_len: the shortest prefix shared (``BuildConfig.min_prefix_len``, default 32).
     """
 
     plan: PlanOptions
@@ -198,13 +201,16 @@ class PlanningOptions:
     group_column: str | None = None
     skip_bad_rows: bool = False
     targets: str = "loss_mask"
+    share_prefix: bool = False
+    min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "PlanningOptions":
         """The planning options of ``cfg`` (validated first: PlanOptions checks its fields)."""
         plan = PlanOptions(cfg.pack_size, algorithm=cfg.algorithm, align=cfg.align, overflow=cfg.overflow,
                            max_samples_per_pack=cfg.max_samples_per_pack, seed=cfg.seed)
-        return cls(plan, cfg.without_targets, cfg.group_column, cfg.skip_bad_rows, cfg.targets)
+        return cls(plan, cfg.without_targets, cfg.group_column, cfg.skip_bad_rows, cfg.targets, cfg.share_prefix,
+                   DEFAULT_MIN_PREFIX_LEN if cfg.min_prefix_len is None else cfg.min_prefix_len)
 
 
 @dataclass(frozen=True)

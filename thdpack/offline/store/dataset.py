@@ -32,8 +32,9 @@ from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
-from thdpack.offline.store.format import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR, PackedMetadata,
-                                    check_metadata, file_sha256, row_list, value_columns)
+from thdpack.offline.store.format import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
+                                          PackedMetadata, check_metadata, file_sha256, row_list, value_columns)
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.common.values import PREFIX
 
@@ -104,6 +105,11 @@ class PackedRowCollator:
     through a ``ThdCollator`` built with them. ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
+
+    ``share_prefix=True`` (what :meth:`PackedDataset.collator` passes for a ``share_prefix: true`` build):
+    each group's prefix (the rows' ``group_id`` / ``prefix_len`` columns) is laid out once,
+    ``build_thd_batch(share_prefix=..., min_prefix_len=...)``, so a pack's tree fits ``pack_size``
+    (``False`` on such a build: every sample whole, as unshared, which may exceed it).
     """
 
     def __init__(
@@ -113,11 +119,18 @@ class PackedRowCollator:
         cp_group=None,
         model_config=None,
         sample_values: Sequence[str] = (),
+        share_prefix: bool = False,
+        min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
         **layout_keywords,
     ):
+        if not isinstance(share_prefix, bool):
+            raise TypeError(f"share_prefix must be True or False (the rows' group_id / prefix_len columns), got "
+                            f"{share_prefix!r}")
         self.sample_values = tuple(sample_values)
+        self.share_prefix = share_prefix
         layout = layout_from("PackedRowCollator", layout, layout_keywords)
-        self.collator = ThdCollator(layout=layout, cp_group=cp_group, model_config=model_config)
+        share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
+        self.collator = ThdCollator(layout=layout, cp_group=cp_group, model_config=model_config, **share)
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):
@@ -125,13 +138,27 @@ class PackedRowCollator:
         samples, index = [], []
         for i, row in enumerate(rows):  # pixels: views of the rows, copied once by the collator's concatenation
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
-            samples.extend(_unpack(row, copy_pixels=False))
+            unpacked = _unpack(row, copy_pixels=False)
+            samples.extend(_with_prefixes(unpacked, row, i) if self.share_prefix else unpacked)
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
         batch = _own_pixels(self.collator(samples), samples)
         batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
         for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
             batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
         return batch
+
+
+_GROUP_FIELD = "group"  # the sample field share_prefix reads each sample's group from
+
+
+def _with_prefixes(samples: list[dict], row, i: int) -> list[dict]:
+    """``samples`` of packed row ``i`` with their group and declared prefix (:data:`PREFIX_COLUMNS`)."""
+    missing = [c for c in PREFIX_COLUMNS if c not in row]
+    if missing:
+        raise KeyError(f"packed row {i} has no '{missing[0]}' column; the dataset was built without share_prefix: "
+                       "true (rebuild with it, or collate with share_prefix=False)")
+    group, prefix = (row_list(row[c], c).astype(np.int64) for c in PREFIX_COLUMNS)
+    return [{**s, _GROUP_FIELD: int(g), PREFIX_FIELD: int(p)} for s, g, p in zip(samples, group, prefix)]
 
 
 def _own_pixels(batch: ThdBatch, samples: list[dict]) -> ThdBatch:
@@ -251,7 +278,9 @@ def _checked_offsets(batch, targets: str, where, damaged: str, values: Sequence[
 def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, int]:
     """One record batch of :func:`_check_data_file`; ``where(j)`` names its pack ``j``. Returns
     int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
-    offsets = _checked_offsets(batch, meta["targets"], where, damaged, value_columns(meta))
+    shared = "share_prefix" in meta
+    offsets = _checked_offsets(batch, meta["targets"], where, damaged,
+                               [*value_columns(meta), *(PREFIX_COLUMNS if shared else ())])
     tokens = np.diff(offsets["input_ids"])
     sample_off = offsets["seq_lens"]
     lens = np.asarray(batch.column("seq_lens").values.to_numpy(), dtype=np.int64)
@@ -268,11 +297,25 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
     if j is not None:
         raise NotPackedError(f"{where(j)}: 'seq_lens' sum to {int(per_pack[j])} but 'input_ids' has "
                              f"{int(tokens[j])} tokens; {damaged}")
-    j = _first_bad(tokens > meta["pack_size"])
+    stream = tokens - _shared_tokens(batch, sample_off) if shared else tokens
+    j = _first_bad(stream > meta["pack_size"])
     if j is not None:
-        raise NotPackedError(f"{where(j)}: has {int(tokens[j])} tokens, more than 'pack_size' ({meta['pack_size']}) in "
-                             f"{METADATA_FILE}; {damaged}")
+        what = " with each group's prefix once" if shared else ""
+        raise NotPackedError(f"{where(j)}: has {int(stream[j])} tokens{what}, more than 'pack_size' ({meta['pack_size']}) "
+                             f"in {METADATA_FILE}; {damaged}")
     return tokens, int(sample_off[-1] - sample_off[0])
+
+
+def _shared_tokens(batch, sample_off: np.ndarray) -> np.ndarray:
+    """int64 ``[rows]`` the tokens each pack of a ``share_prefix`` record batch lays out once instead of per
+    member: its groups' ``prefix_len`` for every member but one."""
+    a, b = int(sample_off[0]), int(sample_off[-1])
+    group, prefix = (np.asarray(batch.column(c).values.to_numpy(), dtype=np.int64)[a:b] for c in PREFIX_COLUMNS)
+    pack = np.repeat(np.arange(sample_off.size - 1), np.diff(sample_off))
+    order = np.lexsort((group, pack))
+    repeat = np.zeros(b - a, bool)
+    repeat[order[1:]] = (pack[order][1:] == pack[order][:-1]) & (group[order][1:] == group[order][:-1])
+    return np.bincount(pack, weights=np.where(repeat, prefix, 0), minlength=sample_off.size - 1).astype(np.int64)
 
 
 def _bad_tokens(row: Mapping, vocab_size: int | None) -> str | None:
@@ -498,6 +541,8 @@ class PackedDataset(torch.utils.data.Dataset):
         )
         if meta.get("sample_values"):  # the per-sample value columns the build wrote
             kwargs["sample_values"] = list(meta["sample_values"])
+        if "share_prefix" in meta:  # each group's prefix once, as the plan counted it
+            kwargs.update(share_prefix=True, min_prefix_len=meta["share_prefix"]["min_prefix_len"])
         if meta.get("vision") and (self.path / "model_config.json").is_file():  # VLM packs: mRoPE, vision inputs
             kwargs["model_config"] = json.loads((self.path / "model_config.json").read_text(encoding="utf-8"))
         kwargs.update(overrides)

@@ -22,6 +22,10 @@ column             Arrow type         meaning
                                       (non-zero only for ``overflow="split"`` pieces)
 ``sample_values.   list<int64 |       with ``sample_values: [NAME, ...]`` only: the value of
 NAME``             double>            column NAME of each sample's input row (its pieces too)
+``group_id``       list<int64>        with ``share_prefix: true`` only: each sample's group (its pair's,
+                                      its ``group_column`` value's), numbered within the build
+``prefix_len``     list<int32>        with ``share_prefix: true`` only: the tokens the sample shares
+                                      with its group (0: laid out alone); samples are stored whole
 =================  =================  =====================================================
 
 Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two samples per input row
@@ -67,6 +71,8 @@ SAMPLE_VALUE_PREFIX = "sample_values."  # + NAME: a per-sample value column (``s
 VALUE_COLUMN = "__value__.{}"
 VALUE_IS_INT_COLUMN = "__value_int__.{}"
 GROUP_COLUMN = "__group__"  # the tokenized column of a row's ``group_column`` value, as JSON text
+# share_prefix builds: each sample's group number (int64) and its group's shared prefix (int32, 0: unshared)
+PREFIX_COLUMNS = ("group_id", "prefix_len")
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
@@ -145,6 +151,8 @@ LIST = Rule("a list", lambda v: isinstance(v, list))
 NAMES = Rule("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None)
 VALUE_TYPES = Rule('an object {name: "int64" or "float64"}', _value_types)
+SHARE_PREFIX = Rule("an object with an integer 'min_prefix_len' >= 1",
+                    lambda v: isinstance(v, dict) and _is_int(v.get("min_prefix_len")) and v["min_prefix_len"] >= 1)
 
 
 # ---------------------------------------------------------------------------- metadata.json types
@@ -236,6 +244,8 @@ class PackedMetadata(TypedDict, total=False):
     sample_values: Annotated[dict[str, str], VALUE_TYPES.optional()]
     megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge_export.py)
     vision: Annotated[dict | None, OBJECT.or_null().optional()]  # VLM builds only (offline/store/vision_columns.py)
+    # share_prefix builds only: {min_prefix_len, groups, samples, prefix_tokens, tokens_saved} (offline/pipeline.py)
+    share_prefix: Annotated[dict, SHARE_PREFIX.optional()]
     input_slice: dict  # slice builds only (offline/inputs/input_slice.py)
     input_slices: dict  # merged builds only
 
@@ -305,6 +315,9 @@ def check_metadata(meta, root: Path) -> PackedMetadata:
     missing = [c for c in value_columns(meta) if c not in meta["columns"]]
     if missing:
         raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'sample_values'; {REBUILD}")
+    missing = [c for c in PREFIX_COLUMNS if "share_prefix" in meta and c not in meta["columns"]]
+    if missing:
+        raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'share_prefix'; {REBUILD}")
     _check_totals(meta, where)
     _check_data_file_paths(meta, root, where)
     return meta

@@ -68,6 +68,7 @@ def write_packs(
     row_offset: int = 0,
     extra=None,
     values: dict | None = None,
+    columns: dict | None = None,
 ) -> dict:
     """Write the packs of ``plan`` in ``order`` to ``out_dir``.
 
@@ -84,6 +85,9 @@ def write_packs(
             data files and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
         values: ``{name: [rows of token_table]}`` per-sample values (:func:`sample_value_arrays`),
             written as ``sample_values.NAME`` columns: one entry per sample like ``seq_lens``.
+        columns: ``{column: [rows of token_table]}`` more per-sample columns, written under their own names
+            (``share_prefix`` builds: ``group_id`` int64 and ``prefix_len`` int32,
+            :data:`thdpack.offline.shared_prefixes.PREFIX_COLUMNS`).
 
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``
@@ -91,7 +95,7 @@ def write_packs(
     from tqdm.auto import tqdm
 
     files = pack_files(token_table, targets, plan, sample_rows, order, file_format=file_format,
-                       file_size_mb=file_size_mb, row_offset=row_offset, extra=extra, values=values)
+                       file_size_mb=file_size_mb, row_offset=row_offset, extra=extra, values=values, columns=columns)
     bar = tqdm(total=len(plan), desc="Writing packs", unit="pack", disable=not progress, leave=False)
     written = [files.write(out_dir, s, bar) for s in range(files.num_files)]
     bar.close()
@@ -100,13 +104,13 @@ def write_packs(
 
 def pack_files(token_rows, targets: str, plan: PackPlan, sample_rows: np.ndarray, order: np.ndarray, *,
                file_format: str = "arrow", file_size_mb: float = 512, row_offset: int = 0, extra=None,
-               values: dict | None = None) -> "PackFiles":
+               values: dict | None = None, columns: dict | None = None) -> "PackFiles":
     """The :class:`PackFiles` of :func:`write_packs`'s arguments (``token_rows``: its ``token_table``, or a
     file-backed ``datasets.Dataset`` of the tokenized rows, which pickles as its file paths)."""
-    values = values or {}
-    sch = _pack_schema(targets, extra, values)
+    values, columns = values or {}, columns or {}
+    sch = _pack_schema(targets, extra, values, columns)
     sizing = _file_sizing(plan, order, targets, file_size_mb, extra, sample_rows)
-    writer = _PackWriter(token_rows, targets, plan, sample_rows, sch, file_format, row_offset, extra, values)
+    writer = _PackWriter(token_rows, targets, plan, sample_rows, sch, file_format, row_offset, extra, values, columns)
     return PackFiles(writer, sizing, order)
 
 
@@ -146,14 +150,19 @@ class PackFiles:
         return {"files": [entry for entry, _ in written], "target_tokens": int(sum(t for _, t in written))}
 
 
-def _pack_schema(targets: str, extra, values: dict):
-    """The data files' Arrow schema: the token columns, ``extra``'s fields, the ``values`` columns."""
+def _pack_schema(targets: str, extra, values: dict, columns: dict | None = None):
+    """The data files' Arrow schema: the token columns, ``extra``'s fields, the ``values`` columns, the
+    per-sample ``columns``."""
+    import pyarrow as pa
+
     sch = schema(targets)
     if extra is not None:
         for f in extra.fields():
             sch = sch.append(f)
     for f in value_fields(values):
         sch = sch.append(f)
+    for name, v in (columns or {}).items():
+        sch = sch.append(pa.field(name, pa.list_(pa.from_numpy_dtype(v.dtype))))
     return sch
 
 
@@ -196,6 +205,7 @@ class _PackWriter:
     row_offset: int
     extra: object
     values: dict
+    columns: dict = field(default_factory=dict)  # per-sample columns under their own names (pack_files)
     _readers: dict = field(default_factory=dict, repr=False, compare=False)  # made at the first write
 
     def readers(self) -> dict:
@@ -232,7 +242,7 @@ class _PackWriter:
                 check_signals()
                 ks = packs[chunk_cuts[c] : chunk_cuts[c + 1]]
                 batch, n_targets = _chunk(readers, self.targets, self.plan, self.sample_rows, ks, self.sch,
-                                          self.row_offset, self.extra, self.values)
+                                          self.row_offset, self.extra, self.values, self.columns)
                 target_tokens += n_targets
                 if self.file_format == "arrow":
                     writer.write_batch(batch)
@@ -248,7 +258,7 @@ class _PackWriter:
 
 
 def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray, ks: np.ndarray, sch,
-           row_offset: int = 0, extra=None, values: dict | None = None):
+           row_offset: int = 0, extra=None, values: dict | None = None, columns: dict | None = None):
     """One record batch holding packs ``ks``; also its number of target tokens. ``readers``:
     a :class:`~thdpack.offline.store.gather.RowPieces` of the tokenized rows per token column."""
     import pyarrow as pa
@@ -282,5 +292,6 @@ def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray,
     ]
     if extra is not None:
         arrays += extra.columns(rows, counts)
-    arrays += [pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(v[rows])) for v in (values or {}).values()]
+    per_sample = [*(values or {}).values(), *(columns or {}).values()]
+    arrays += [pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(v[rows])) for v in per_sample]
     return pa.RecordBatch.from_arrays(arrays, schema=sch), n_targets

@@ -1,0 +1,188 @@
+"""Offline builds with ``share_prefix: true`` (issue 24 point 1): each DPO pair's / ``group_column`` group's
+common token prefix is counted once against ``pack_size`` and the loaded packs are shared-prefix batches.
+
+- a DPO build (string rows with the demo tokenizer, some prompts ending in a space: a token may merge across
+  the prompt / answer boundary) and a GRPO-like ``group_column`` build: every sample once, each group in
+  one pack, every loaded batch within ``pack_size`` though the stored samples of some packs exceed it, the
+  stored prefixes equal what ``thdpack.batching.shared_prefix.group_prefixes`` (the online path) finds on the
+  same samples, and the counts in ``metadata.json`` add up;
+- per-member ``sequence_logps`` of a tiny random Qwen3 (sdpa, the tree's dense mask) on the loaded shared
+  batches equal those of the unshared build of the same rows, sample by sample (float64);
+- the config refuses ``share_prefix`` where no group exists, with CP, Megatron-Bridge output, and
+  ``min_prefix_len`` without it; ``--share-prefix`` is a flag.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from test_offline_pairs import build, string_rows, tiny_model  # noqa: E402
+from thdpack import build_thd_batch  # noqa: E402
+from thdpack.batching.shared_prefix import group_prefixes  # noqa: E402
+from thdpack.losses import sequence_logps  # noqa: E402
+from thdpack.offline import BuildConfig, ConfigError, load_packed, unpack_row  # noqa: E402
+
+MIN_PREFIX = 4
+PACK = 160
+ALIGN = 8  # of the group_column builds: padding each segment can make a tree longer than its group unshared
+
+
+def dpo_rows() -> list[dict]:
+    """Preference rows whose prompts (5-12 words) are longer than MIN_PREFIX tokens, answers shorter."""
+    rows = string_rows(14, seed=11)
+    rng = np.random.default_rng(2)
+    words = ["sun", "rain", "cat", "dog", "tree", "blue"]
+    for i, r in enumerate(rows):
+        r["prompt"] = " ".join(rng.choice(words, rng.integers(5, 13))) + r["prompt"]
+        if i == 3:
+            r["rejected"] = r["chosen"] + " x"  # the answers begin alike: the common prefix runs past the prompt
+    return rows
+
+
+def group_rows() -> list[dict]:
+    """GRPO-like prompt/completion rows, 2-4 completions per prompt id; one prompt too short to share."""
+    rng = np.random.default_rng(4)
+    words = ["sun", "rain", "cat", "dog", "tree", "blue", "42"]
+    rows = []
+    for g in range(7):
+        prompt = " ".join(rng.choice(words, 2 if g == 5 else rng.integers(8, 16)))
+        for _ in range(rng.integers(2, 5)):
+            rows.append({"prompt": prompt, "completion": " ".join(rng.choice(words, rng.integers(1, 6))),
+                         "prompt_id": f"p{g}"})
+    return rows
+
+
+def built(tmp: Path, kind: str, share: bool) -> Path:
+    rows = dpo_rows() if kind == "dpo" else group_rows()
+    kw = dict(pack_size=PACK) if kind == "dpo" else dict(pack_size=PACK, group_column="prompt_id", pad_multiple=ALIGN)
+    if share:
+        kw.update(share_prefix=True, min_prefix_len=MIN_PREFIX)
+    return build(tmp, rows, f"{kind}-{'shared' if share else 'unshared'}", **kw)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shared")
+    return {(kind, share): built(tmp, kind, share) for kind in ("dpo", "groups") for share in (False, True)}
+
+
+def stored(out: Path) -> dict:
+    """sample_index -> (ids, loss mask, group id, prefix_len, pack) of every stored sample."""
+    ds = load_packed(out)
+    got = {}
+    for k in range(len(ds)):
+        row = ds[k]
+        group = row.get("group_id", np.full(len(row["seq_lens"]), -1))
+        prefix = row.get("prefix_len", np.zeros(len(row["seq_lens"]), np.int64))
+        for r, s, g, p in zip(row["sample_index"].tolist(), unpack_row(row), group.tolist(), prefix.tolist()):
+            got[r] = (np.asarray(s["input_ids"]), np.asarray(s["loss_mask"], bool), g, p, k)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["dpo", "groups"])
+def test_packs_fit_every_member_once_and_prefixes_are_the_groups(outputs, kind):
+    shared, unshared = outputs[kind, True], outputs[kind, False]
+    ds = load_packed(shared)
+    samples, alone = stored(shared), stored(unshared)
+    assert samples.keys() == alone.keys()
+    for i in samples:  # the samples are stored whole, as the unshared build stores them
+        np.testing.assert_array_equal(samples[i][0], alone[i][0])
+        np.testing.assert_array_equal(samples[i][1], alone[i][1])
+    groups: dict[int, list[int]] = {}
+    for i, (_, _, g, _, k) in samples.items():
+        groups.setdefault(g, []).append(i)
+    for g, members in groups.items():
+        assert len({samples[i][4] for i in members}) == 1, f"group {g} in one pack"
+        assert len({samples[i][3] for i in members}) == 1, f"group {g}: one prefix"
+        # the online path: the common prefix build_thd_batch would find and share, with the same rule
+        group_samples = [{"input_ids": samples[i][0], "loss_mask": samples[i][1], "group": g} for i in members]
+        align = ds.metadata["align"]
+        want = group_prefixes(build_thd_batch(group_samples), group_samples, "group", MIN_PREFIX, align)
+        assert samples[members[0]][3] == int(want[0]), f"group {g}"
+    if kind == "dpo":
+        assert all(sorted(m) == [m[0], m[0] + 1] and m[0] % 2 == 0 for m in groups.values()), "pairs are groups"
+    seen, over = [], 0
+    collate = ds.collator()
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        assert batch.num_tokens <= ds.pack_size, f"pack {k}: {batch.num_tokens} tokens"
+        over += int(len(ds[k]["input_ids"]) > ds.pack_size)
+        seen += batch.sample_index.tolist()
+    assert sorted(seen) == sorted(samples), "every member once"
+    assert over >= 1, "some packs hold more stored tokens than a pack: only sharing makes them fit"
+    assert len(ds) < len(load_packed(unshared)), "fewer packs than unshared"
+
+    meta, counts = ds.metadata, ds.metadata["share_prefix"]
+    prefixes = {g: samples[m[0]][3] for g, m in groups.items()}
+    assert counts == {"min_prefix_len": MIN_PREFIX, "groups": sum(p > 0 for p in prefixes.values()),
+                      "samples": sum(len(groups[g]) for g, p in prefixes.items() if p > 0),
+                      "prefix_tokens": sum(prefixes.values()),
+                      "tokens_saved": sum((len(groups[g]) - 1) * p for g, p in prefixes.items())}
+    assert 0 < counts["groups"] < len(groups) or kind == "dpo"
+    assert meta["config"]["share_prefix"] is True and meta["config"]["min_prefix_len"] == MIN_PREFIX
+    assert meta["counts"]["tokens"] == sum(len(s[0]) for s in samples.values())
+    assert meta["stats"]["real_tokens"] == meta["counts"]["tokens"] - counts["tokens_saved"]
+    text = (unshared / "metadata.json").read_text()
+    assert "share_prefix" not in text and "prefix_len" not in text and "min_prefix_len" not in text
+
+
+def test_sequence_logps_of_shared_packs_equal_the_unshared_build(outputs):
+    shared, unshared = (load_packed(outputs["dpo", s]) for s in (True, False))
+    model = tiny_model(shared.metadata["tokenizer"]["vocab_size"], 7)
+
+    def logps(batches) -> dict[int, float]:
+        out = {}
+        for batch in batches:
+            kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+            with torch.no_grad():
+                values = sequence_logps(model(**kw, use_cache=False).logits[0], batch)[0]
+            out.update(zip(batch.sample_index.tolist(), values.tolist()))
+        return out
+
+    trees = [shared.collator()(shared[k]) for k in range(len(shared))]  # one pack a batch, as trained
+    assert all(b.prefix_tree is not None for b in trees), "the loaded batches share prefixes"
+    got = logps(trees)
+    want = logps([unshared.collator()(list(unshared))])  # every unshared pack in one stream: one forward
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i] == pytest.approx(want[i], rel=1e-10, abs=1e-10), f"sample {i}"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(format="text"), "share_prefix needs groups to share within.*format 'text'"),
+    (dict(cp_size=2), "share_prefix cannot be used with cp_size 2"),
+    (dict(output_format="megatron-bridge"), "share_prefix cannot be used with output_format 'megatron-bridge'"),
+    (dict(share_prefix=False, min_prefix_len=8), r"min_prefix_len \(8\) needs share_prefix: true"),
+])
+def test_config_errors(options, message):
+    cfg = BuildConfig(input="x.jsonl", tokenizer="t", **{"share_prefix": True, **options})
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+
+
+def test_rows_without_groups_are_refused(tmp_path):
+    rows = [{"prompt": "sun rain cat", "completion": "dog"}] * 3
+    with pytest.raises(ConfigError, match="share_prefix needs preference rows .* or group_column; the rows are "
+                                          "prompt_completion rows"):
+        build(tmp_path, rows, "plain", share_prefix=True)
+
+
+def test_share_prefix_flag():
+    from thdpack.cli.config_flags import ThdpackParser, add_config_flags, build_config
+
+    parser = ThdpackParser()
+    parser.add_argument("--config")
+    add_config_flags(parser)
+    cfg = build_config(parser.parse_args(["--share-prefix", "--min-prefix-len", "16"]))
+    assert cfg.share_prefix is True and cfg.min_prefix_len == 16
+    assert build_config(parser.parse_args([])).as_dict(recorded=True).keys().isdisjoint(
+        {"share_prefix", "min_prefix_len"})
+    assert json.dumps(BuildConfig().as_dict(recorded=True), default=str).count("prefix") == 0
