@@ -26,6 +26,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 import test_vlm as tv  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.losses import packed_loss, sequence_logps  # noqa: E402
@@ -159,7 +162,8 @@ def assert_items_once(tree, samples) -> None:
     n_rows = sum(int(tree.extras[k].shape[0]) for k in ("pixel_values", "pixel_values_videos")
                  if tree.extras.get(k) is not None)
     assert int(tree.extras["vision_cu_seqlens"][-1]) == n_rows
-    assert tree.extras["num_image_segments"] == tree.extras["image_grid_thw"][:, 0].sum()
+    grid = tree.extras["image_grid_thw"]
+    assert tree.extras["num_image_segments"] == (0 if grid is None else int(grid[:, 0].sum()))
 
 
 # --------------------------------------------------------------------------- the model: logits, losses, gradients
@@ -233,3 +237,74 @@ def test_declared_prefix_must_end_after_whole_equal_images():
     with pytest.raises(ValueError, match=r"^group 2 \(samples 3, 6\): the declared prefix_len=40 .* sample 6's "
                                          r"image 0 differs from sample 3's"):
         build_thd_batch(samples, share_prefix="group", model_config=cfg)
+
+
+# --------------------------------------------------------------------------- hypothesis: random groups
+
+
+@st.composite
+def vlm_groups(draw):
+    """Groups of a prompt (text and 0-2 images) and 1-3 members (the first group 2-3), each continuing with text and maybe an image
+    of its own, its prompt images maybe redrawn (other pixels) or resized (other placeholders)."""
+    grids = st.sampled_from([(1, 2, 2), (1, 2, 4), (1, 4, 4), (2, 2, 2)])
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        prompt = [("text", draw(st.integers(1, 12)))]
+        for _ in range(draw(st.integers(0, 2))):
+            prompt += [("image", draw(grids)), ("text", draw(st.integers(0, 6)))]
+        members = []
+        for _ in range(draw(st.integers(1, 3) if groups else st.integers(2, 3))):
+            suffix = [("text", draw(st.integers(0, 5)))]
+            if draw(st.booleans()):
+                suffix += [("image", draw(grids)), ("text", draw(st.integers(0, 3)))]
+            members.append((suffix, draw(st.sampled_from(["same", "pixels", "grid"]))))
+        groups.append((prompt, members))
+    return dict(groups=groups, seed=draw(st.integers(0, 1000)), min_prefix_len=draw(st.integers(1, 4)),
+                pad_multiple=draw(st.sampled_from([1, 4])))
+
+
+def random_samples(case) -> list[dict]:
+    rng = np.random.default_rng(case["seed"])
+    samples = []
+    for g, (prompt, members) in enumerate(case["groups"]):
+        base = tv.make_sample(FAMILY, prompt, rng)
+        for suffix, change in members:
+            mine = base
+            images = [k for k, (kind, _) in enumerate(prompt) if kind == "image"]
+            if change != "same" and images:
+                k = images[int(rng.integers(len(images)))]
+                layout = list(prompt)
+                if change == "grid":
+                    layout[k] = ("image", (1, 4, 2) if layout[k][1] != (1, 4, 2) else (1, 2, 2))
+                mine = dict(base, **tv.make_sample(FAMILY, layout, np.random.default_rng(int(rng.integers(99)))))
+                mine["input_ids"] = list(base["input_ids"]) if change == "pixels" else mine["input_ids"]
+                mine["labels"] = list(base["labels"]) if change == "pixels" else mine["labels"]
+            samples.append(_member(mine, suffix, rng, g, FAMILY))
+    return samples
+
+
+@pytest.mark.filterwarnings("ignore:thdpack. a batch of")
+@settings(deadline=None, max_examples=15, derandomize=True)
+@given(vlm_groups())
+def test_random_vlm_groups(case):
+    """Hypothesis: whatever the prompts' images and the members' changes, every member's mRoPE rows are its
+    ``get_rope_index`` alone, its tokens its own, no prefix ends inside an image, each item is listed once."""
+    samples = random_samples(case)
+    cfg = tv.tiny_config(FAMILY)
+    batch = build_thd_batch(samples, share_prefix="group", model_config=cfg, min_prefix_len=case["min_prefix_len"],
+                            pad_multiple=case["pad_multiple"])
+    model = tv.tiny_model(FAMILY)
+    if batch.prefix_tree is None:  # nothing shared: the unshared batch
+        assert torch.equal(batch.token_extras["mrope_position_ids"],
+                           build_thd_batch(samples, model_config=cfg, pad_multiple=case["pad_multiple"])
+                           .token_extras["mrope_position_ids"])
+        return
+    pt = batch.prefix_tree
+    for j, (s, r) in enumerate(zip(samples, torch.split(pt.unshared_rows, pt.sample_lens.tolist()))):
+        ids = torch.as_tensor(s["input_ids"])
+        assert torch.equal(batch.input_ids[r], ids), f"sample {j}: tokens"
+        assert torch.equal(batch.token_extras["mrope_position_ids"][:, r], tv.reference_rope(model, s)[0]), j
+        p = int(pt.prefix_lens[j])
+        if 0 < p < ids.numel():
+            assert not (ids[p - 1] == tv.IMG and ids[p] == tv.IMG), f"sample {j}: prefix {p} splits an image"
+    assert_items_once(batch, samples)
