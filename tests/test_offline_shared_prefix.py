@@ -57,6 +57,11 @@ def group_rows() -> list[dict]:
         for _ in range(rng.integers(2, 5)):
             rows.append({"prompt": prompt, "completion": " ".join(rng.choice(words, rng.integers(1, 6))),
                          "prompt_id": f"p{g}"})
+    # the same tokens, but "dog tree" is a target in one member only: the prefix ends before it
+    rows += [{"prompt": "sun rain cat blue sun rain", "completion": " dog tree", "prompt_id": "targets"},
+             {"prompt": "sun rain cat blue sun rain dog tree", "completion": " cat", "prompt_id": "targets"}]
+    # a short prompt and answers: padded to ALIGN each, the tree would be longer than the group unshared
+    rows += [{"prompt": "sun dog", "completion": c, "prompt_id": "padding"} for c in ("x", "42")]
     return rows
 
 
