@@ -308,3 +308,21 @@ def test_random_vlm_groups(case):
         if 0 < p < ids.numel():
             assert not (ids[p - 1] == tv.IMG and ids[p] == tv.IMG), f"sample {j}: prefix {p} splits an image"
     assert_items_once(batch, samples)
+
+
+def test_prefix_stops_where_members_mrope_rows_differ():
+    """Equal tokens and images but other mRoPE rows (e.g. a video's spacing given in another dtype): the
+    vision extension's limit cuts a found prefix there and refuses a declared one."""
+    from thdpack.vlm.tree_vision import prefix_limit
+
+    samples, flat, _ = batches()
+    cfg = tv.tiny_config(FAMILY)
+    p0 = len(samples[4]["input_ids"])
+    members = np.array([0, 2, 4])
+    limit = prefix_limit(flat, cfg)
+    assert limit(members, p0, False, "group 0") == p0
+    flat.token_extras["mrope_position_ids"][1, int(flat.cu_seqlens[2]) + 20] += 1
+    limit = prefix_limit(flat, cfg)
+    assert limit(members, p0, False, "group 0") == 20
+    with pytest.raises(ValueError, match=r"^group 0: the declared prefix_len=40 .* mRoPE positions differ from token 20"):
+        limit(members, p0, True, "group 0")

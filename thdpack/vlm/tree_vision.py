@@ -72,14 +72,16 @@ def prefix_limit(flat, model_config):
     family = get_family(model_config)
     tables = [(_items(flat, family, spec), flat.extras.get(spec[2])) for spec in _KINDS]
     spg = flat.extras.get("second_per_grid_ts")
+    rope, cu = flat.token_extras["mrope_position_ids"].numpy(), flat.cu_seqlens.numpy().astype(np.int64)
 
     def limit(members: np.ndarray, p: int, declared: bool, name: str) -> int:
-        cut, why = int(p), ""
+        cut, why = _rope_agreement(rope, cu, members, int(p))
+        end = cut
         for items, _ in tables:
-            inside = np.isin(items.sample, members) & (items.start < p) & (items.end > p)
+            inside = np.isin(items.sample, members) & (items.start < end) & (items.end > end)
             for k in np.flatnonzero(inside):
                 if items.start[k] < cut:
-                    cut, why = int(items.start[k]), _ends_inside(items, k, p)
+                    cut, why = int(items.start[k]), _ends_inside(items, k, end)
         for items, pixels in tables:
             for m in members[1:]:
                 k, at = _first_difference(items, pixels, spg, int(members[0]), int(m), cut)
@@ -91,6 +93,18 @@ def prefix_limit(flat, model_config):
         return cut
 
     return limit
+
+
+def _rope_agreement(rope: np.ndarray, cu: np.ndarray, members: np.ndarray, p: int) -> tuple[int, str]:
+    """``(cut, why)``: the first of the ``p`` prefix tokens where a member's mRoPE rows (int64 ``[3, U]`` of the
+    unshared stream, offsets ``cu``) differ from the first member's (a video's spacing given in another
+    dtype), or ``(p, "")``."""
+    cols = cu[members][:, None] + np.arange(p)[None, :]
+    differs = (rope[:, cols] != rope[:, cols[:1]]).any(axis=(0, 1))
+    if not differs.any():
+        return p, ""
+    d = int(np.argmax(differs))
+    return d, f"the members' mRoPE positions differ from token {d} on"
 
 
 def _ends_inside(items: _Items, k: int, p: int) -> str:
