@@ -58,6 +58,25 @@ def rollouts(lengths, *, rank: int, seed: int) -> list[dict]:
     return out
 
 
+def grpo_rollouts(prompts, completions, *, rank: int, seed: int) -> list[dict]:
+    """GRPO groups of ``rank``: group ``g`` (its ``"group"`` field, the same ids on every rank) is
+    ``len(completions[g])`` rollouts of one random prompt of ``prompts[g]`` tokens (labels masked) and a
+    random completion each; a ``uid`` (rank·1000 + i)."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    out = []
+    for gid, (p, cs) in enumerate(zip(prompts, completions)):
+        prompt = torch.randint(1, VOCAB, (int(p),), generator=g)
+        for c in cs:
+            ids = torch.cat([prompt, torch.randint(1, VOCAB, (int(c),), generator=g)])
+            labels = ids.clone()
+            labels[: int(p)] = IGNORE
+            out.append({"input_ids": ids, "labels": labels, "group": gid, "uid": rank * 1000 + len(out)})
+    return out
+
+
+SHARE = dict(share_prefix="group", min_prefix_len=4)
+
+
 def scenario(name: str, rank: int, world: int) -> tuple[list[dict], dict]:
     """``(local samples, rebalance keywords)`` of a scenario on ``rank``: the workers and the checks
     here make the same ones."""
@@ -79,10 +98,20 @@ def scenario(name: str, rank: int, world: int) -> tuple[list[dict], dict]:
         return rollouts(rng.integers(5, 50, 12), rank=rank, seed=4), dict(pack_size=128, **layout)
     if name == "model":
         return rollouts(rng.integers(3, 40, 6), rank=rank, seed=5), dict(pack_size=64)
+    if name == "shared":  # 60 prompts x 4 rollouts per rank, rank 0's long; each group fits one pack shared
+        long = rank == 0
+        prompts = rng.integers(50, 130, 60) if long else rng.integers(10, 40, 60)
+        completions = rng.integers(20, 90, (60, 4)) if long else rng.integers(5, 30, (60, 4))
+        return grpo_rollouts(prompts, completions, rank=rank, seed=6), dict(pack_size=512, micro_batches=2,
+                                                                             cost=COST, **SHARE)
+    if name == "shared_model":  # 2 prompts x 3 rollouts per rank; the second prompt too short to share
+        samples = grpo_rollouts([rng.integers(6, 14), 2], rng.integers(1, 8, (2, 3)), rank=rank, seed=7)
+        return samples, dict(pack_size=64, **SHARE)
     raise KeyError(name)
 
 
-EXCHANGES = ("skewed", "grouped", "empty", "cp", "cp_shard")
+EXCHANGES = ("skewed", "grouped", "empty", "cp", "cp_shard", "shared")
+TREE_FIELDS = ("parents", "first_rows", "first_labels", "unshared_rows")
 
 
 def run_rank(samples: list[dict], kwargs: dict, group=None) -> dict:
@@ -103,7 +132,9 @@ def check_exchange(name: str, world: int, outputs: list[dict]) -> None:
     inputs = [scenario(name, r, world) for r in range(world)]
     samples = [s for local, _ in inputs for s in local]
     kwargs = inputs[0][1]
-    layout = {k: kwargs[k] for k in ("cp_size", "cp_rank") if k in kwargs}
+    layout = {k: kwargs[k] for k in ("cp_size", "cp_rank", *SHARE) if k in kwargs}
+    if "share_prefix" in kwargs:  # a group is (rank, its id): two ranks' group 3 are two groups
+        samples = [{**s, "group": r * 1000 + s["group"]} for r, (local, _) in enumerate(inputs) for s in local]
     counts = [len(local) for local, _ in inputs]
     assert all(o["offsets"] == np.concatenate([[0], np.cumsum(counts)]).tolist() for o in outputs)
     assert len({len(o["batches"]) for o in outputs}) == 1  # every rank runs as many micro-batches
@@ -115,6 +146,9 @@ def check_exchange(name: str, world: int, outputs: list[dict]) -> None:
             names = FIELDS + (("partition_indices",) if "cp_rank" in layout else ())
             for field in names if not filler else ("input_ids", "position_ids"):
                 assert torch.equal(getattr(batch, field), getattr(alone, field)), (name, field)
+            assert (batch.prefix_tree is None) == (alone.prefix_tree is None), name
+            for field in TREE_FIELDS if alone.prefix_tree is not None else ():
+                assert torch.equal(getattr(batch.prefix_tree, field), getattr(alone.prefix_tree, field)), field
             assert torch.equal(batch.sample_values["uid"], torch.tensor([samples[g]["uid"] for g in ids]))
             if filler:
                 assert batch.num_targets == 0 and len(ids) == 1
@@ -126,15 +160,20 @@ def check_exchange(name: str, world: int, outputs: list[dict]) -> None:
         assert o["back"].dtype == torch.float64 and o["back"].tolist() == [2.0 * u + 1 for u in uid]
         assert o["back_2d"].dtype == torch.int32 and o["back_2d"].tolist() == [[u, -u] for u in uid]
         assert o["back_list"] == [f"u{u}" for u in uid]
-    if "groups" in kwargs:
+    if "groups" in kwargs or "share_prefix" in kwargs:
         check_groups(inputs, outputs, kwargs["pack_size"], kwargs["micro_batches"])
+    if "share_prefix" in kwargs:  # the prefixes were shared: each group's prompt once
+        trees = [b for o in outputs for b, f in zip(o["batches"], o["filler"]) if not f and b.prefix_tree is not None]
+        alone = sum(int(samples[g]["input_ids"].numel()) for b in trees for g in b.sample_index.tolist())
+        assert trees and sum(int(b.seq_lens.sum()) for b in trees) < alone
 
 
 def check_groups(inputs, outputs, pack_size: int, micro_batches: int) -> None:
-    """Each (rank, prompt id) group runs on one rank: in one pack when it fits one, else in at most
-    ``micro_batches`` packs of one step."""
-    key = [(r, int(g)) for r, (local, kw) in enumerate(inputs) for g in kw["groups"]]
-    tokens = [int(s["input_ids"].numel()) for local, _ in inputs for s in local]
+    """Each (rank, prompt id) group runs on one rank: in one pack when it fits one (every shared-prefix
+    group does here), else in at most ``micro_batches`` packs of one step."""
+    key = [(r, int(g)) for r, (local, kw) in enumerate(inputs)
+           for g in (kw["groups"] if "groups" in kw else [s["group"] for s in local])]
+    tokens = [0 if "share_prefix" in kw else int(s["input_ids"].numel()) for local, kw in inputs for s in local]
     where = {}
     for r, o in enumerate(outputs):
         for k, (batch, filler) in enumerate(zip(o["batches"], o["filler"])):
@@ -149,8 +188,9 @@ def check_groups(inputs, outputs, pack_size: int, micro_batches: int) -> None:
 
 
 def rank_cost(batches) -> float:
-    lengths = torch.cat([b.seq_lens for b in batches]).to(torch.float64)
-    return float(COST.linear * lengths.sum() + COST.quadratic * (lengths * lengths).sum())
+    """The batches' cost under COST: tokens of the stream (a tree's prefixes once) and ``Σ s²`` (a tree's
+    attention work, ``p² + Σ c·(2p + c)``)."""
+    return sum(COST.linear * int(b.seq_lens.sum()) + COST.quadratic * b.seqlen_squared_sum for b in batches)
 
 
 # --------------------------------------------------------------------------- real gloo groups
@@ -174,13 +214,16 @@ def alone_logp(model, sample) -> torch.Tensor:
 
 
 @torch.no_grad()
-def model_scenario(rank: int, world: int, model) -> dict:
-    samples, kwargs = scenario("model", rank, world)
+def model_scenario(rank: int, world: int, model, name: str = "model") -> dict:
+    """``name``'s samples alone and through rebalance -> the model -> sequence_logps -> restore (sdpa: a
+    shared-prefix pack gets its dense tree mask)."""
+    samples, kwargs = scenario(name, rank, world)
     alone = torch.stack([alone_logp(model, s) for s in samples])
     batches, handle = rebalance(samples, **kwargs)
-    logps = [sequence_logps(model(**b.to_hf_kwargs(include_labels=False), use_cache=False).logits, b)[0]
-             for b in batches]
-    return dict(alone=alone, back=handle.restore(torch.cat(logps)))
+    logps = [sequence_logps(model(**b.to_hf_kwargs(include_labels=False, attn_implementation="sdpa"),
+                                  use_cache=False).logits, b)[0] for b in batches]
+    trees = [b.prefix_tree is not None for b, f in zip(batches, handle.filler) if not f]
+    return dict(alone=alone, back=handle.restore(torch.cat(logps)), trees=trees)
 
 
 def error_scenarios(rank: int, world: int) -> list[str]:
@@ -190,7 +233,8 @@ def error_scenarios(rank: int, world: int) -> list[str]:
     bad_cases = [
         (samples[:4] if rank == last else [], dict(pack_size=int(max(len(s["input_ids"]) for s in samples[:4])) - 1)),
         (samples[:4], dict(pack_size=128, groups=[0, 0, 1] if rank == last else [0, 0, 1, 1])),
-    ]
+        ([{**s, "group": 0, "prefix_len": 5 if rank == last else 0} for s in samples[:2]], dict(pack_size=128, **SHARE)),
+    ]  # the last: rank `last` declares a prompt its two rollouts do not share
     for local, kwargs in bad_cases:
         try:
             rebalance(local, **kwargs)
@@ -209,6 +253,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, model) -> None:
         for name in EXCHANGES:
             results[name] = run_rank(*scenario(name, rank, world))
         results["model"] = model_scenario(rank, world, model)
+        results["shared_model"] = model_scenario(rank, world, model, "shared_model")
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -238,14 +283,17 @@ def test_exchange_over_gloo(gloo_results, name):
     check_exchange(name, world, [r[name] for r in results])
 
 
-def test_skewed_ranks_are_balanced(gloo_results):
-    """Rank 0 made every long rollout: alone it would cost ~2-3.5x the mean; rebalanced <= 1.02."""
+@pytest.mark.parametrize("name", ["skewed", "shared"])
+def test_skewed_ranks_are_balanced(gloo_results, name):
+    """Rank 0 made every long rollout: alone it would cost ~2-3.5x the mean; rebalanced <= 1.02 (with
+    shared prefixes: the cost of the trees, each prompt once, which the handle's straggler counts)."""
     world, results = gloo_results
-    costs = np.array([rank_cost(r["skewed"]["batches"]) for r in results])
+    costs = np.array([rank_cost(r[name]["batches"]) for r in results])
     assert costs.max() / costs.mean() <= 1.02
-    assert results[0]["skewed"]["straggler"] == pytest.approx(costs.max() / costs.mean())
-    before = np.array([rank_cost([build_thd_batch(scenario("skewed", r, world)[0])]) for r in range(world)])
-    assert before.max() / before.mean() > 1.7  # the input really is skewed
+    assert results[0][name]["straggler"] == pytest.approx(costs.max() / costs.mean())
+    share = {k: v for k, v in scenario(name, 0, world)[1].items() if k in SHARE}
+    before = np.array([rank_cost([build_thd_batch(scenario(name, r, world)[0], **share)]) for r in range(world)])
+    assert before.max() / before.mean() > 1.6  # the input really is skewed
 
 
 def test_empty_ranks_get_work(gloo_results):
@@ -272,12 +320,23 @@ def test_model_logps_come_back_to_their_rank(gloo_results):
         torch.testing.assert_close(r["model"]["back"], r["model"]["alone"], rtol=0, atol=1e-9)
 
 
+def test_shared_prefix_model_logps_come_back_to_their_rank(gloo_results):
+    """Shared-prefix packs (each rank's first prompt once, its 3 rollouts after it; the second prompt
+    too short to share): per-member sequence_logps restored = each rollout alone on its rank."""
+    _, results = gloo_results
+    assert any(t for r in results for t in r["shared_model"]["trees"])  # a rank may get only unshared packs
+    for r in results:
+        torch.testing.assert_close(r["shared_model"]["back"], r["shared_model"]["alone"], rtol=0, atol=1e-9)
+
+
 def test_errors_are_raised_on_every_rank(gloo_results):
     world, results = gloo_results
     last = world - 1
     for r in results:
-        too_long, groups = r["errors"]
-        assert too_long == results[0]["errors"][0] and groups == results[0]["errors"][1]
+        too_long, groups, prefix = r["errors"]
+        assert r["errors"] == results[0]["errors"]
+        assert prefix.startswith(f"rebalance: rank {last}: group 0 (samples 0, 1): sample 1's token 0 differs from "
+                                 "sample 0's within the declared prefix_len=5")
         assert f"rebalance: sample 0 of rank {last} has" in too_long or f"of rank {last} has" in too_long
         assert groups.startswith(f"rebalance: rank {last}: groups must hold one integer group id per local sample (4)")
 
@@ -340,12 +399,30 @@ def thread_cases(draw):
     pack_size = draw(st.sampled_from([16, 40, 64]))
     micro_batches = draw(st.integers(1, 3))
     counts = draw(st.lists(st.integers(0, 9), min_size=world, max_size=world))
-    lengths = [draw(st.lists(st.integers(1, pack_size), min_size=n, max_size=n)) for n in counts]
+    mode = draw(st.sampled_from(["plain", "groups", "share"]))
+    top = pack_size // 4 if mode == "share" else pack_size  # share: completions, after a prompt (with_prompts)
+    lengths = [draw(st.lists(st.integers(1, top), min_size=n, max_size=n)) for n in counts]
     groups = None
-    if draw(st.booleans()):
+    if mode != "plain":
         groups = [draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in counts]
     cp = draw(st.sampled_from([{}, {"cp_size": 2}]))
+    if mode == "share":  # shared prefixes (no CP with them)
+        cp = {**SHARE, "pad_multiple": draw(st.sampled_from([1, 4]))}
     return world, pack_size, micro_batches, lengths, groups, cp
+
+
+def with_prompts(samples: list[dict], groups: list[int], rank: int, pack_size: int) -> list[dict]:
+    """``samples`` (the completions) after their group ``g``'s prompt of ``8 + 4·g`` tokens, cut to
+    ``pack_size`` in all."""
+    out = []
+    for s, g in zip(samples, groups):
+        prompt = torch.randint(1, VOCAB, (8 + 4 * g,), generator=torch.Generator().manual_seed(rank * 10 + g))
+        ids = torch.cat([prompt, s["input_ids"]])
+        ids = ids[:pack_size]
+        labels = ids.clone()
+        labels[:2] = IGNORE
+        out.append({**s, "input_ids": ids, "labels": labels, "group": g})
+    return out
 
 
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
@@ -356,6 +433,8 @@ def test_restore_permutation_over_thread_ranks(case):
     plan refuses the input (a sample or group too large), every rank raises the same error."""
     world, pack_size, micro_batches, lengths, groups, cp = case
     inputs = [rollouts(lengths[r], rank=r, seed=9) for r in range(world)]
+    if "share_prefix" in cp:
+        inputs = [with_prompts(inputs[r], groups[r], r, pack_size) for r in range(world)]
     kw = [dict(pack_size=pack_size, micro_batches=micro_batches, **cp,
                **({} if groups is None else {"groups": groups[r]})) for r in range(world)]
     outputs = run_threads(world, lambda comm: run_rank(inputs[comm.rank], kw[comm.rank], group=comm))
@@ -372,7 +451,13 @@ def test_restore_permutation_over_thread_ranks(case):
     for o in outputs:
         for b in o["batches"]:
             ids = b.sample_index.tolist()
-            assert torch.equal(b.input_ids, build_thd_batch([samples[g] for g in ids], **cp).input_ids)
+            if b.prefix_tree is None:
+                assert torch.equal(b.input_ids, build_thd_batch([samples[g] for g in ids], **cp).input_ids)
+                continue  # a tree: every member's tokens read back through its rows, the pack within budget
+            event("shared")
+            assert int(b.cu_seqlens_padded[-1]) <= pack_size
+            own = torch.cat([torch.as_tensor(samples[g]["input_ids"]) for g in ids])
+            assert torch.equal(b.input_ids[b.prefix_tree.unshared_rows], own)
     for local, o in zip(inputs, outputs):
         assert o["back"].tolist() == [2.0 * s["uid"] + 1 for s in local]
         assert o["back_list"] == [f"u{s['uid']}" for s in local]
@@ -430,6 +515,36 @@ def test_argument_errors(args, kwargs, error, match):
     samples = rollouts([6, 9, 5], rank=0, seed=0)
     with pytest.raises(error, match=match):
         rebalance(samples, *args, **kwargs)
+
+
+def test_shared_prefix_one_process():
+    """A group that fits a pack only shared (3 x (40 + 5) tokens: 135 unshared, 55 shared, pack 64) is
+    accepted and laid out as one tree; restore maps its members back; the handle counts the prompt once."""
+    samples = grpo_rollouts([40], [[5, 5, 5]], rank=0, seed=0)
+    batches, handle = rebalance(samples, 64, sample_values=["uid"], **SHARE)
+    assert len(batches) == 1 and batches[0].num_tokens == 55 and batches[0].prefix_tree is not None
+    assert handle.rank_costs.tolist() == [55.0] and batches[0].seq_lens.tolist() == [40, 5, 5, 5]
+    assert handle.restore(batches[0].sample_values["uid"]).tolist() == [s["uid"] for s in samples]
+    assert rebalance(samples, 64, groups=[7, 7, 7], **SHARE)[0][0].num_tokens == 55  # groups= alike: the same
+    with pytest.raises(ValueError, match=r"group 0 of rank 0 has 135 tokens \(aligned\), more than micro_batches=1"):
+        rebalance(samples, 64, groups=[0, 0, 0])  # unshared, the group needs three packs
+
+
+@pytest.mark.parametrize("kwargs, samples, match", [
+    (dict(groups=[0, 1, 1]), None, r"rank 0: groups= and the share_prefix field 'group' group the samples differently "
+                                   r"\(local sample 1: groups 1, group 0\)"),
+    (dict(cp_size=2), None, r"share_prefix='group' with cp_size=2: context-parallel attention"),
+    (dict(model_config={"model_type": "qwen2_vl"}), None, r"share_prefix='group' with model_config"),
+    (dict(min_prefix_len=0), None, r"min_prefix_len must be an integer >= 1"),
+    ({}, [{"input_ids": [1, 2, 3]}], r"rank 0: sample 0.*'group'"),
+    ({}, [{"input_ids": [1, 2, 3], "group": 0, "prefix_len": 4}] * 2, r"rank 0: group 0 \(samples 0, 1\) declares "
+                                                                       r"prefix_len=4, but sample 0 has 3 tokens"),
+])
+def test_shared_prefix_errors(kwargs, samples, match):
+    samples = samples or grpo_rollouts([40], [[5, 5, 5]], rank=0, seed=0)
+    with pytest.raises(ValueError, match=match) as info:
+        rebalance(samples, 64, **{**SHARE, **kwargs})
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("samples, match", [
