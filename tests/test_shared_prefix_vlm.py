@@ -189,28 +189,41 @@ def weighted_logps(logits, batch):
     return (sequence_logps(logits, batch)[0] * torch.linspace(-1, 2, batch.num_samples)).sum()
 
 
+LOSSES = {"sequence_logps": weighted_logps, "packed_loss": lambda logits, batch: packed_loss(logits, batch, "token")}
+
+
+def _grads(loss, model) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True, allow_unused=True)
+    assert sum(g is None for g in grads) == 0, "every parameter, the ViT's included, has a gradient"
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> tuple:
+    """The unshared batch on sdpa: its logits, per-sample log-probs, and each loss with its gradient."""
+    _, flat, _ = batches(pad_multiple=8)
+    model = vlm_model("sdpa")
+    logits = logits_of(model, flat, "sdpa")
+    losses = {what: loss_of(logits, flat) for what, loss_of in LOSSES.items()}
+    return (logits.detach()[flat_rows(flat)], sequence_logps(logits, flat)[0].detach(),
+            {what: (loss.detach(), _grads(loss, model)) for what, loss in losses.items()})
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_logps_loss_and_gradients_equal_unshared(attn):
     _, flat, tree = batches(pad_multiple=8)
     assert tree.prefix_tree.num_shared_groups == 3 and tree.num_tokens < flat.num_tokens - 100
     assert tree.extras["pixel_values"].shape[0] < flat.extras["pixel_values"].shape[0] - 2 * 16
-    ref, model = vlm_model("sdpa"), vlm_model(attn)
-    params = list(model.parameters())
-    want_logits = logits_of(ref, flat, "sdpa")
+    want_logits, want_logps, want = reference()
+    model = vlm_model(attn)
     got_logits = logits_of(model, tree, attn)
-    diff = (got_logits[tree.prefix_tree.unshared_rows] - want_logits[flat_rows(flat)]).abs().max().item()
+    diff = (got_logits[tree.prefix_tree.unshared_rows] - want_logits).abs().max().item()
     assert diff < tv.LOGIT_ATOL, f"max |logit diff| {diff:.3g}"
-    for what, loss_of in {"sequence_logps": weighted_logps,
-                          "packed_loss": lambda logits, batch: packed_loss(logits, batch, "token")}.items():
-        want_loss = loss_of(want_logits, flat)
+    assert_close_rel(sequence_logps(got_logits, tree)[0], want_logps, "per-member sequence_logps")
+    for what, loss_of in LOSSES.items():
         got_loss = loss_of(got_logits, tree)
-        assert_close_rel(got_loss, want_loss, what)
-        want = torch.autograd.grad(want_loss, list(ref.parameters()), retain_graph=True, allow_unused=True)
-        got = torch.autograd.grad(got_loss, params, retain_graph=True, allow_unused=True)
-        flat_g = lambda gs: torch.cat([g.reshape(-1) for g in gs if g is not None])  # noqa: E731
-        assert sum(g is not None for g in got) == sum(g is not None for g in want)
-        assert_close_rel(flat_g(got), flat_g(want), f"{what} gradient")
-    assert_close_rel(sequence_logps(got_logits, tree)[0], sequence_logps(want_logits, flat)[0], "per member")
+        assert_close_rel(got_loss, want[what][0], what)
+        assert_close_rel(_grads(got_loss, model), want[what][1], f"{what} gradient")
 
 
 # --------------------------------------------------------------------------- declared prefixes
