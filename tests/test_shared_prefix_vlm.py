@@ -339,3 +339,19 @@ def test_prefix_stops_where_members_mrope_rows_differ():
     assert limit(members, p0, False, "group 0") == 20
     with pytest.raises(ValueError, match=r"^group 0: the declared prefix_len=40 .* mRoPE positions differ from token 20"):
         limit(members, p0, True, "group 0")
+
+
+def test_collator_builds_the_same_tree():
+    from thdpack import ThdCollator
+
+    samples, _, tree = batches(pad_multiple=8)
+    packs = ThdCollator(pack_size=4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)(samples)
+    assert len(packs) == 1
+    got = packs[0]
+    assert torch.equal(got.prefix_tree.prefix_lens, tree.prefix_tree.prefix_lens[got.sample_index])
+    rows = torch.split(got.prefix_tree.unshared_rows, got.prefix_tree.sample_lens.tolist())
+    want_rows = torch.split(tree.prefix_tree.unshared_rows, tree.prefix_tree.sample_lens.tolist())
+    for j, r in zip(got.sample_index.tolist(), rows):
+        assert torch.equal(got.token_extras["mrope_position_ids"][:, r],
+                           tree.token_extras["mrope_position_ids"][:, want_rows[j]]), f"sample {j}"
+    assert_items_once(got, [samples[j] for j in got.sample_index.tolist()])
