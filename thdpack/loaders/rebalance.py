@@ -72,8 +72,13 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
             same id on two ranks is two groups). Give it on every rank or none.
         **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
             :class:`thdpack.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
-            or ``layout=``, and ``model_config``, ``sample_values``. The plan aligns to the layout's
-            multiple and cuts lengths to its ``max_length``.
+            or ``layout=``, and ``model_config``, ``sample_values``, ``share_prefix``,
+            ``min_prefix_len``. The plan aligns to the layout's multiple and cuts lengths to its
+            ``max_length``. With ``share_prefix="group"`` the groups are that sample field (per rank,
+            as ``groups=``, which must then group alike or be None): each rank finds its groups'
+            prefixes (``build_thd_batch``'s rules), they are gathered with the lengths, the plan
+            counts each once, and every pack lays a group's prefix out once (its field renumbered
+            over the ranks, its ``prefix_len`` the planned one); ``restore`` is per member as ever.
 
     Returns:
         ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches, their
