@@ -29,6 +29,7 @@ from thdpack import build_thd_batch  # noqa: E402
 from thdpack.batching.shared_prefix import group_prefixes  # noqa: E402
 from thdpack.losses import sequence_logps  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, load_packed, unpack_row  # noqa: E402
+from thdpack.offline.stages import BuildStages  # noqa: E402
 
 MIN_PREFIX = 4
 PACK = 160
@@ -170,7 +171,7 @@ def test_sequence_logps_of_shared_packs_equal_the_unshared_build(outputs):
 def test_config_errors(options, message):
     cfg = BuildConfig(input="x.jsonl", tokenizer="t", **{"share_prefix": True, **options})
     with pytest.raises(ConfigError, match=message):
-        cfg.validate()
+        BuildStages.from_config(cfg)  # what a build resolves first
 
 
 def test_rows_without_groups_are_refused(tmp_path):

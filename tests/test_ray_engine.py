@@ -93,6 +93,8 @@ BUILDS = {
                        "first_fit_shuffle", "--without-targets", "keep"],
     "preference_values": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size", "4096",
                           "--sample-values", "score"],
+    "preference_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size",
+                                 "2048", "--share-prefix", "--min-prefix-len", "4"],
     "vlm_images_video": ["--config", "{vlm_yaml}"],
 }
 
@@ -106,6 +108,8 @@ def test_ray_build_is_byte_identical_to_the_local_build(name, inputs, ray_instan
     assert tree_digest(on_ray) == digest
     if name == "demo_parquet_cp2_files":
         assert len(json.loads((local / "metadata.json").read_text())["files"]) > 1  # one Ray task per file
+    if name == "preference_shared_prefix":  # the pairs' prompts are shared: group_id / prefix_len columns written
+        assert json.loads((local / "metadata.json").read_text())["share_prefix"]["tokens_saved"] > 0
 
 
 def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, monkeypatch):

@@ -276,10 +276,9 @@ class BuildConfig:
         return self
 
     def _check_share_prefix(self) -> None:
-        """ConfigError for ``share_prefix`` / ``min_prefix_len`` where a build cannot share prefixes."""
+        """ConfigError for ``share_prefix`` where a build cannot share prefixes (``min_prefix_len`` without it:
+        :meth:`thdpack.offline.stages.PlanningOptions.from_config`)."""
         if not self.share_prefix:
-            if self.min_prefix_len is not None:
-                raise ConfigError(f"min_prefix_len ({self.min_prefix_len}) needs share_prefix: true")
             return
         if self.group_column is None and self.format not in ("auto", "preference"):
             raise ConfigError(f"share_prefix needs groups to share within: preference rows (prompt / chosen / "

@@ -34,7 +34,6 @@ from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COL
 from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, model_info
 from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
-from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.offline.procs import signals_raise
 from thdpack.offline.shared_prefixes import PREFIX_COLUMNS, common_prefixes
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
@@ -42,6 +41,7 @@ from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.vision.vlm_setup import vlm_build
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.planning.plan import PackPlan, plan_packs
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def _too_long_rows(planning: PlanningOptions, source: Source, row_tokens: np.nda
     limit = opts.usable_length  # the rest is plan_packs' overflow policy (thdpack/planning/packing.py)
     too_long = np.flatnonzero(usable & (row_tokens > limit)) if opts.overflow == "error" else np.zeros(0, np.int64)
     what = (f" in its group (group_column: {planning.group_column})" if planning.group_column else
-            " for chosen + rejected" if pairs else "")
+            " for chosen + rejected" if pairs else "") + (", the shared prefix once" if planning.share_prefix else "")
     if too_long.size and not planning.skip_bad_rows:
         shown = ", ".join(f"{source.where(r)} ({int(row_tokens[r])} tokens{what})"
                           for r in too_long[:MAX_ERRORS_INLINE].tolist())

@@ -206,7 +206,10 @@ class PlanningOptions:
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "PlanningOptions":
-        """The planning options of ``cfg`` (validated first: PlanOptions checks its fields)."""
+        """The planning options of ``cfg`` (validated first: PlanOptions checks its fields); ConfigError for
+        ``min_prefix_len`` without ``share_prefix``."""
+        if cfg.min_prefix_len is not None and not cfg.share_prefix:
+            raise ConfigError(f"min_prefix_len ({cfg.min_prefix_len}) needs share_prefix: true")
         plan = PlanOptions(cfg.pack_size, algorithm=cfg.algorithm, align=cfg.align, overflow=cfg.overflow,
                            max_samples_per_pack=cfg.max_samples_per_pack, seed=cfg.seed)
         return cls(plan, cfg.without_targets, cfg.group_column, cfg.skip_bad_rows, cfg.targets, cfg.share_prefix,
