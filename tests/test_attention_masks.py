@@ -21,7 +21,6 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo
 
 transformers = pytest.importorskip("transformers")
 
@@ -264,14 +263,7 @@ def raw_layouts(draw):
     return cu, total
 
 
-@pytest.fixture(autouse=True)
-def _static_flex_compiles():
-    """Compile for the shapes seen (no automatic dynamic shapes): test modules run FlexAttention at
-    different stream lengths in one worker, and after a second length dynamo would recompile
-    flex_attention with a dynamic one, whose CPU code torch 2.13's inductor fails to compile
-    (``cur_qSplitSize8 was not declared``). Each length then compiles once, statically."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        yield
+pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
 
 
 BLOCKS = st.sampled_from([8, 16, (8, 16), (16, 8), (5, 7), 128])

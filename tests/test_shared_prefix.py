@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch._dynamo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
@@ -32,14 +31,7 @@ from thdpack.batching.shared_prefix import group_prefixes
 from thdpack.flops import FlopsAccumulator, tree_seqlen_squared_sum
 
 
-@pytest.fixture(autouse=True)
-def _static_flex_compiles():
-    """Compile for the shapes seen (no automatic dynamic shapes): test modules run FlexAttention at
-    different stream lengths in one worker, and after a second length dynamo would recompile
-    flex_attention with a dynamic one, whose CPU code torch 2.13's inductor fails to compile
-    (``cur_qSplitSize8 was not declared``). Each length then compiles once, statically."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        yield
+pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
 
 
 IGNORE = -100

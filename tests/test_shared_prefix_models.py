@@ -22,7 +22,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-import torch._dynamo
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,14 +35,7 @@ from thdpack.losses import (dpo_loss, group_advantages, packed_loss, policy_grad
                             token_logps)
 
 
-@pytest.fixture(autouse=True)
-def _static_flex_compiles():
-    """Compile for the shapes seen (no automatic dynamic shapes): test modules run FlexAttention at
-    different stream lengths in one worker, and after a second length dynamo would recompile
-    flex_attention with a dynamic one, whose CPU code torch 2.13's inductor fails to compile
-    (``cur_qSplitSize8 was not declared``). Each length then compiles once, statically."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        yield
+pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
 
 
 REL = 1e-5
