@@ -192,3 +192,18 @@ def test_share_prefix_flag():
     assert build_config(parser.parse_args([])).as_dict(recorded=True).keys().isdisjoint(
         {"share_prefix", "min_prefix_len"})
     assert json.dumps(BuildConfig().as_dict(recorded=True), default=str).count("prefix") == 0
+
+
+@pytest.mark.parametrize("kind", ["dpo", "groups"])
+def test_stats_of_a_shared_build_count_each_prefix_once(outputs, kind, capsys):
+    """``thdpack stats PATH`` reads the packs' streams as the build counted them (a group's prefix once):
+    its real tokens and fill equal metadata.json's statistics, none above the pack."""
+    from thdpack.cli import main
+
+    out = outputs[kind, True]
+    assert main(["stats", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    meta = load_packed(out).metadata["stats"]
+    assert summary["real_tokens"] == meta["real_tokens"]
+    assert summary["efficiency"] == pytest.approx(meta["efficiency"])
+    assert summary["efficiency"] <= 1.0

@@ -48,7 +48,7 @@ def run(args) -> int:
 
         ds = load_packed(path, verify=args.verify)
         meta = ds.metadata
-        seq_lens, offsets = ds.all_seq_lens()
+        seq_lens, offsets = ds.all_seq_lens(stream=True)  # a share_prefix build: each prefix once
         stored = meta.get("stats", {})
         counts = {k: stored[k] for k in BUILD_COUNTS if k in stored}
         from thdpack.offline.build_model import packed_model_config

@@ -309,13 +309,21 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
 def _shared_tokens(batch, sample_off: np.ndarray) -> np.ndarray:
     """int64 ``[rows]`` the tokens each pack of a ``share_prefix`` record batch lays out once instead of per
     member: its groups' ``prefix_len`` for every member but one."""
+    pack = np.repeat(np.arange(sample_off.size - 1), np.diff(sample_off))
+    return np.bincount(pack, weights=_shared_per_sample(batch, sample_off), minlength=sample_off.size - 1).astype(np.int64)
+
+
+def _shared_per_sample(batch, sample_off: np.ndarray) -> np.ndarray:
+    """int64 ``[samples]`` of the record batch's packs (``sample_off``: their samples' offsets), pack after
+    pack: the tokens of each sample that its pack's stream does not hold again (its group's ``prefix_len``
+    for every member but the first of its group in the pack; 0 for the first and for unshared samples)."""
     a, b = int(sample_off[0]), int(sample_off[-1])
     group, prefix = (np.asarray(batch.column(c).values.to_numpy(), dtype=np.int64)[a:b] for c in PREFIX_COLUMNS)
     pack = np.repeat(np.arange(sample_off.size - 1), np.diff(sample_off))
     order = np.lexsort((group, pack))
     repeat = np.zeros(b - a, bool)
     repeat[order[1:]] = (pack[order][1:] == pack[order][:-1]) & (group[order][1:] == group[order][:-1])
-    return np.bincount(pack, weights=np.where(repeat, prefix, 0), minlength=sample_off.size - 1).astype(np.int64)
+    return np.where(repeat, prefix, 0).astype(np.int64)
 
 
 def _bad_tokens(row: Mapping, vocab_size: int | None) -> str | None:
@@ -501,13 +509,17 @@ class PackedDataset(torch.utils.data.Dataset):
         parts = [np.diff(self._column(b, "input_ids")[0]) for b in range(len(self._batches))]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
-    def all_seq_lens(self) -> tuple[np.ndarray, np.ndarray]:
+    def all_seq_lens(self, *, stream: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``(seq_lens, pack_offsets)``: every sample's length, pack after pack, and the
-        ``[num_packs + 1]`` offsets of each pack's samples in it."""
+        ``[num_packs + 1]`` offsets of each pack's samples in it. ``stream=True``: of a ``share_prefix``
+        build, the tokens each sample adds to its pack's stream (a group's prefix counted for its first
+        member only), as the build's own statistics count them; the stored lengths otherwise."""
+        shared = stream and bool(self.metadata.get("share_prefix"))
         lens, counts = [], []
         for b in range(len(self._batches)):
             offsets, values = self._column(b, "seq_lens")
-            lens.append(np.asarray(values[offsets[0] : offsets[-1]], dtype=np.int64))
+            these = np.asarray(values[offsets[0] : offsets[-1]], dtype=np.int64)
+            lens.append(these - _shared_per_sample(self._batches[b], offsets) if shared else these)
             counts.append(np.diff(offsets))
         lens_all = np.concatenate(lens) if lens else np.zeros(0, np.int64)
         off = np.zeros(len(self) + 1, dtype=np.int64)
