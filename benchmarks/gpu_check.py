@@ -81,25 +81,28 @@ def max_diff(a, b, mask) -> float:
     return float((a.float() - b.float())[mask].abs().max())
 
 
+def attention_case(args, seed: int, dev, **layout):
+    """``(batch, q, k, v, reference)``: a bf16 pack of ``args.tokens`` tokens (align 8) and every sample's
+    causal attention alone, written at its place in the stream."""
+    batch = random_pack(args.tokens, seed, align=8, dev=dev, **layout)
+    q, k, v = qkv(batch, torch.bfloat16, dev)
+    return batch, q, k, v, per_sample(sdpa_alone, batch, q, k, v)
+
+
 def check_flash_varlen(args, dev) -> dict:
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:
         return {"skipped": f"flash_attn not importable ({exc})"}
-    batch = random_pack(args.tokens, 1, align=8, dev=dev)
-    q, k, v = qkv(batch, torch.bfloat16, dev)
-    cu = batch.cu_seqlens_padded
-    out = flash_attn_varlen_func(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, causal=True)
-    ref = per_sample(sdpa_alone, batch, q, k, v)
-    # static shapes (max_num_seqs): offsets padded with zero-length sequences, max_seqlen the stream length
-    static = random_pack(args.tokens, 1, align=8, dev=dev, max_num_seqs="spare")
-    sq, sk, sv = qkv(static, torch.bfloat16, dev)
-    kw = static.to_hf_kwargs()
-    s_out = flash_attn_varlen_func(sq, sk, sv, kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], kw["max_length_q"],
-                                   kw["max_length_k"], causal=True)
-    s_ref = per_sample(sdpa_alone, static, sq, sk, sv)
-    return {"max_abs_diff": max(max_diff(out, ref, _real(batch)), max_diff(s_out, s_ref, _real(static))),
-            "static_offsets": int(kw["cu_seq_lens_q"].numel()), "tolerance": 2e-2}
+    diffs = []
+    # as built, then static shapes (max_num_seqs): offsets padded with zero-length sequences, max_seqlen the stream
+    for layout in ({}, {"max_num_seqs": "spare"}):
+        batch, q, k, v, ref = attention_case(args, 1, dev, **layout)
+        kw = batch.to_hf_kwargs()
+        out = flash_attn_varlen_func(q, k, v, kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], kw["max_length_q"],
+                                     kw["max_length_k"], causal=True)
+        diffs.append(max_diff(out, ref, _real(batch)))
+    return {"max_abs_diff": max(diffs), "static_offsets": int(kw["cu_seq_lens_q"].numel()), "tolerance": 2e-2}
 
 
 def check_te_thd(args, dev) -> dict:
@@ -107,15 +110,13 @@ def check_te_thd(args, dev) -> dict:
         from transformer_engine.pytorch import DotProductAttention
     except ImportError as exc:
         return {"skipped": f"transformer_engine not importable ({exc})"}
-    batch = random_pack(args.tokens, 2, align=8, dev=dev)
-    q, k, v = qkv(batch, torch.bfloat16, dev)
+    batch, q, k, v, ref = attention_case(args, 2, dev)
     attn = DotProductAttention(HEADS, HEAD_DIM, num_gqa_groups=KV_HEADS, qkv_format="thd",
                                attn_mask_type="padding_causal").to(dev)
     p = batch.packed_seq_params_dict()
     out = attn(q, k, v, cu_seqlens_q=p["cu_seqlens_q"], cu_seqlens_kv=p["cu_seqlens_kv"],
                cu_seqlens_q_padded=p["cu_seqlens_q_padded"], cu_seqlens_kv_padded=p["cu_seqlens_kv_padded"],
                max_seqlen_q=p["max_seqlen_q"], max_seqlen_kv=p["max_seqlen_kv"]).view_as(q)
-    ref = per_sample(sdpa_alone, batch, q, k, v)
     result = {"max_abs_diff": max_diff(out, ref, _real(batch)), "tolerance": 2e-2}
     if torch.cuda.device_count() < 2:
         result["cp_p2p"] = "skipped: TE's CP (cp_comm_type p2p) needs 2+ GPUs; tests/test_cp.py checks the shards"
