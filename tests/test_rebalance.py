@@ -534,7 +534,6 @@ def test_shared_prefix_one_process():
     (dict(groups=[0, 1, 1]), None, r"rank 0: groups= and the share_prefix field 'group' group the samples differently "
                                    r"\(local sample 1: groups 1, group 0\)"),
     (dict(cp_size=2), None, r"share_prefix='group' with cp_size=2: context-parallel attention"),
-    (dict(model_config={"model_type": "qwen2_vl"}), None, r"share_prefix='group' with model_config"),
     (dict(min_prefix_len=0), None, r"min_prefix_len must be an integer >= 1"),
     ({}, [{"input_ids": [1, 2, 3]}], r"rank 0: sample 0.*'group'"),
     ({}, [{"input_ids": [1, 2, 3], "group": 0, "prefix_len": 4}] * 2, r"rank 0: group 0 \(samples 0, 1\) declares "

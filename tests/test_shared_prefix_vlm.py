@@ -355,3 +355,23 @@ def test_collator_builds_the_same_tree():
         assert torch.equal(got.token_extras["mrope_position_ids"][:, r],
                            tree.token_extras["mrope_position_ids"][:, want_rows[j]]), f"sample {j}"
     assert_items_once(got, [samples[j] for j in got.sample_index.tolist()])
+
+
+def test_rebalance_shares_vlm_prompts_as_build_thd_batch_does():
+    """thdpack.rebalance(share_prefix="group", model_config=) plans each prompt with images once, cut where
+    build_thd_batch cuts it (whole, equal images): its pack is the tree build_thd_batch lays out."""
+    from thdpack import rebalance
+
+    samples, _, tree = batches(pad_multiple=8)
+    packs, handle = rebalance(samples, 4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)
+    assert len(packs) == 1
+    got = packs[0]
+    assert torch.equal(got.prefix_tree.prefix_lens, tree.prefix_tree.prefix_lens[got.sample_index])
+    assert got.num_tokens == tree.num_tokens
+    rows = torch.split(got.prefix_tree.unshared_rows, got.prefix_tree.sample_lens.tolist())
+    want_rows = torch.split(tree.prefix_tree.unshared_rows, tree.prefix_tree.sample_lens.tolist())
+    for j, r in zip(got.sample_index.tolist(), rows):
+        assert torch.equal(got.token_extras["mrope_position_ids"][:, r],
+                           tree.token_extras["mrope_position_ids"][:, want_rows[j]]), f"sample {j}"
+    assert_items_once(got, [samples[j] for j in got.sample_index.tolist()])
+    assert handle.restore(got.sample_index).tolist() == list(range(len(samples)))

@@ -28,6 +28,7 @@ from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_from
 from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD, check_share_args, flat_layout,
                                             group_prefixes, read_groups)
 from thdpack.common.align import check_positive_int
+from thdpack.common.extensions import vision
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
 from thdpack.loaders.routing import RankRecord, Route, plan_route
@@ -120,16 +121,14 @@ def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
     return layout_from("rebalance", given, layout), build
 
 
-def _share_of(build_kwargs: dict, layout: BatchLayout) -> tuple[str, int] | None:
-    """``(field, min_prefix_len)`` of a shared-prefix rebalance (checked as ``build_thd_batch`` checks
-    them), or None."""
+def _share_of(build_kwargs: dict, layout: BatchLayout) -> tuple | None:
+    """``(field, min_prefix_len, model_config)`` of a shared-prefix rebalance (checked as
+    ``build_thd_batch`` checks them), or None."""
     field = build_kwargs.get("share_prefix")
     min_prefix_len = build_kwargs.setdefault("min_prefix_len", DEFAULT_MIN_PREFIX_LEN)
-    check_share_args(field, min_prefix_len, layout, build_kwargs.get("model_config"))
-    if field is not None and build_kwargs.get("model_config") is not None:  # the planned prefix is the text's
-        raise ValueError(f"rebalance: share_prefix={field!r} with model_config: prefixes of VLM samples are not "
-                         "planned here yet; use share_prefix=None with model_config")
-    return None if field is None else (field, int(min_prefix_len))
+    model_config = build_kwargs.get("model_config")
+    check_share_args(field, min_prefix_len, layout, model_config)
+    return None if field is None else (field, int(min_prefix_len), model_config)
 
 
 def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
@@ -143,7 +142,7 @@ def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
     return PlanOptions(pack_size, align=layout.multiple, max_samples_per_pack=layout.max_num_seqs)
 
 
-def _read_local(local_samples, groups, layout: BatchLayout, encode: bool, share: tuple[str, int] | None = None):
+def _read_local(local_samples, groups, layout: BatchLayout, encode: bool, share: tuple | None = None):
     """``(samples, encoded samples, RankRecord, error)`` of this rank (encoded only with ``encode``: one
     process sends nothing; every sample is encoded before the gather, since a receiver must know its
     size, though those that stay here are neither sent nor decoded). With ``share`` the groups are
@@ -175,12 +174,13 @@ def _read_local(local_samples, groups, layout: BatchLayout, encode: bool, share:
     return samples, blobs, RankRecord(lengths, gid, sizes, prefix=prefix), None
 
 
-def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple[str, int], layout: BatchLayout):
+def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple, layout: BatchLayout):
     """``(groups, prefixes)``, int64 ``[n]`` each: the samples' ``share[0]`` field (which ``groups=``, when
     given, must partition alike) and the prefix each shares with its group, as ``build_thd_batch``
     would lay it out (:func:`thdpack.batching.shared_prefix.group_prefixes`; a group's members are
-    all here, so each rank finds its own)."""
-    field, min_prefix_len = share
+    all here, so each rank finds its own). VLM samples (``share[2]``, a model config): a prefix ends before
+    an image it would split or that differs between members, as ``build_thd_batch`` cuts it."""
+    field, min_prefix_len, model_config = share
     own = read_groups(samples, field)
     if gid is not None:
         differs = np.flatnonzero(number_groups(gid) != number_groups(own))
@@ -190,8 +190,9 @@ def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple[str, int
                              f"sample {i}: groups {int(gid[i])}, {field} {int(own[i])}); give one of them, or both alike")
     if not samples:
         return own, np.zeros(0, np.int64)
-    flat = build_thd_batch(samples, layout=flat_layout(layout))
-    return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple)
+    flat = build_thd_batch(samples, layout=flat_layout(layout), model_config=model_config)
+    limit = None if model_config is None else vision().prefix_limit(flat, model_config)
+    return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple, limit)
 
 
 def _local_groups(groups, n: int) -> np.ndarray:
@@ -218,7 +219,7 @@ def _fetch_samples(comm: Comm, route: Route, samples: list, blobs: list) -> dict
 
 
 def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, build_kwargs: dict,
-                   share: tuple[str, int] | None = None) -> list[ThdBatch]:
+                   share: tuple | None = None) -> list[ThdBatch]:
     """This rank's micro-batches, built from ``held`` (``{global id: sample}``) in the route's order."""
     ids, bounds, filler = route.batch_ids[rank], route.batch_bounds[rank], route.filler[rank]
     batches = []
