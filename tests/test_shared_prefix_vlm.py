@@ -341,13 +341,9 @@ def test_prefix_stops_where_members_mrope_rows_differ():
         limit(members, p0, True, "group 0")
 
 
-def test_collator_builds_the_same_tree():
-    from thdpack import ThdCollator
-
-    samples, _, tree = batches(pad_multiple=8)
-    packs = ThdCollator(pack_size=4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)(samples)
-    assert len(packs) == 1
-    got = packs[0]
+def assert_same_tree(got, tree, samples) -> None:
+    """``got`` (a pack of ``samples``, in its own order) has ``tree``'s layout: the same prefixes, each
+    sample's mRoPE rows, every image once."""
     assert torch.equal(got.prefix_tree.prefix_lens, tree.prefix_tree.prefix_lens[got.sample_index])
     rows = torch.split(got.prefix_tree.unshared_rows, got.prefix_tree.sample_lens.tolist())
     want_rows = torch.split(tree.prefix_tree.unshared_rows, tree.prefix_tree.sample_lens.tolist())
@@ -355,6 +351,16 @@ def test_collator_builds_the_same_tree():
         assert torch.equal(got.token_extras["mrope_position_ids"][:, r],
                            tree.token_extras["mrope_position_ids"][:, want_rows[j]]), f"sample {j}"
     assert_items_once(got, [samples[j] for j in got.sample_index.tolist()])
+
+
+def test_collator_builds_the_same_tree():
+    from thdpack import ThdCollator
+
+    samples, _, tree = batches(pad_multiple=8)
+    packs = ThdCollator(pack_size=4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)(samples)
+    assert len(packs) == 1
+    got = packs[0]
+    assert_same_tree(got, tree, samples)
 
 
 def test_rebalance_shares_vlm_prompts_as_build_thd_batch_does():
@@ -366,12 +372,6 @@ def test_rebalance_shares_vlm_prompts_as_build_thd_batch_does():
     packs, handle = rebalance(samples, 4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)
     assert len(packs) == 1
     got = packs[0]
-    assert torch.equal(got.prefix_tree.prefix_lens, tree.prefix_tree.prefix_lens[got.sample_index])
+    assert_same_tree(got, tree, samples)
     assert got.num_tokens == tree.num_tokens
-    rows = torch.split(got.prefix_tree.unshared_rows, got.prefix_tree.sample_lens.tolist())
-    want_rows = torch.split(tree.prefix_tree.unshared_rows, tree.prefix_tree.sample_lens.tolist())
-    for j, r in zip(got.sample_index.tolist(), rows):
-        assert torch.equal(got.token_extras["mrope_position_ids"][:, r],
-                           tree.token_extras["mrope_position_ids"][:, want_rows[j]]), f"sample {j}"
-    assert_items_once(got, [samples[j] for j in got.sample_index.tolist()])
     assert handle.restore(got.sample_index).tolist() == list(range(len(samples)))
