@@ -90,18 +90,23 @@ def assert_packed_equals_alone(model, kw: dict, batch, alone, **call) -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention"])
 @pytest.mark.parametrize("family", te.FAMILIES)
 def test_text_models_attend_per_sample(family, attn):
+    """The default call (the config's ``use_cache=True``, no keyword to remember) and ``use_cache=False``
+    are both exact: every backend gets its mask and every layer type's boundaries."""
     model = text_model(family, attn)
     for name, layout in PACKS.items():
         if attn == "flex_attention" and name == "plain":
             continue
         batch = build_thd_batch(text_samples(), **layout)
         kw = batch.to_hf_kwargs(attn_implementation=attn)
-        assert not FLASH_KEYS & kw.keys()
+        assert FLASH_KEYS | {"seq_idx", "attention_mask"} <= kw.keys()
+        assert torch.equal(kw["seq_idx"], batch.seq_idx)
         if attn == "flex_attention":
             assert isinstance(kw["attention_mask"], BlockMask)
             assert kw["attention_mask"].shape == (1, 1, PAD_TO, PAD_TO)
-        else:  # transformers derives the mask from position_ids (use_cache=False)
-            assert "attention_mask" not in kw
+        else:
+            want = torch.bool if attn == "sdpa" else torch.float32
+            assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(want))
+        assert_packed_equals_alone(model, kw, batch, text_alone(family))
         assert_packed_equals_alone(model, kw, batch, text_alone(family), use_cache=False)
 
 
@@ -124,16 +129,17 @@ def test_flex_model_reads_the_block_mask():
 @pytest.mark.parametrize("attn,dtype", [("sdpa", torch.bool), ("eager", torch.float32)])
 def test_4d_mask_where_transformers_derives_none(attn, dtype):
     """With a cache (the configs' default ``use_cache=True``) transformers 5.x does not read packed
-    ``position_ids``: the pack attends as one sequence. ``attention_mask_4d`` then keeps the samples
-    apart (bool for sdpa, additive in the model's dtype for eager)."""
+    ``position_ids``: without the 4D mask the pack attends as one sequence. ``to_hf_kwargs`` gives
+    ``attention_mask_4d`` (bool for sdpa, additive float32 for eager), which keeps the samples apart."""
     model = text_model("llama", attn)
     batch = build_thd_batch(text_samples(), pad_multiple=8)
     kw = batch.to_hf_kwargs(attn_implementation=attn)
+    no_mask = {k: v for k, v in kw.items() if k != "attention_mask"}
     with pytest.raises(AssertionError, match="logit diff"):
-        assert_packed_equals_alone(model, kw, batch, text_alone("llama"), use_cache=True)
-    mask = batch.attention_mask_4d(dtype)
+        assert_packed_equals_alone(model, no_mask, batch, text_alone("llama"), use_cache=True)
+    mask = kw["attention_mask"]
     assert mask.dtype == dtype and mask.shape == (1, 1, batch.num_padded_tokens, batch.num_padded_tokens)
-    assert_packed_equals_alone(model, {**kw, "attention_mask": mask}, batch, text_alone("llama"), use_cache=True)
+    assert_packed_equals_alone(model, kw, batch, text_alone("llama"), use_cache=True)
 
 
 # --------------------------------------------------------------------------- Qwen2.5-VL
@@ -159,11 +165,10 @@ def test_qwen2_5_vl_attends_per_sample(attn):
         batch = build_thd_batch(samples, model_config=model.config, **layout)
         kw = batch.to_hf_kwargs(attn_implementation=attn)
         assert kw["position_ids"].shape == (4, 1, batch.num_padded_tokens)  # the text row keeps samples apart
-        assert "attention_mask" not in kw and not FLASH_KEYS & kw.keys()
+        assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(torch.bool if attn == "sdpa" else torch.float32))
+        assert FLASH_KEYS | {"seq_idx"} <= kw.keys()  # transformers keeps them out of the vision tower
+        assert_packed_equals_alone(model, kw, batch, alone)  # the default use_cache=True
         assert_packed_equals_alone(model, kw, batch, alone, use_cache=False)
-    # with a cache, only the 4D mask keeps them apart
-    kw["attention_mask"] = batch.attention_mask_4d(torch.bool if attn == "sdpa" else torch.float32)
-    assert_packed_equals_alone(model, kw, batch, alone, use_cache=True)
 
 
 def test_qwen_vl_text_models_refuse_flex_attention():

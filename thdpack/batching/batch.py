@@ -11,7 +11,7 @@ import torch
 
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.attention.static import pad_cu_seqlens, static_seq_params
-from thdpack.attention.backends import attention_kind
+from thdpack.attention.backends import attention_kind, dense_mask_dtype
 from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, check_block_size
 from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
 from thdpack.attention.documents import documents_of
@@ -323,48 +323,62 @@ class ThdBatch:
         return out
 
     def to_hf_kwargs(self, *, include_labels: bool = True, attn_implementation: str | None = None) -> dict:
-        """Keyword arguments for ``model(**kw)`` of a transformers causal LM.
+        """Keyword arguments for ``model(**kw)`` of a transformers causal LM, exact on the pack whatever the
+        model's ``use_cache`` default and whatever its layer types (docs/hybrid.md).
 
-        Tensors get a batch axis of 1. ``position_ids`` let sdpa / eager attention
-        find the sample boundaries; ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
-        padded layout) drive flash-attention varlen kernels.
+        Tensors get a batch axis of 1. Every backend gets the boundaries of every layer type:
 
-        On a CP shard the tensors are the rank's local tokens, ``cu_seq_lens_q/k``
-        the local layout, and the targets go in ``shift_labels`` (transformers'
-        loss uses them as they are; a one-token shift would cross the chunk
-        seams). transformers models do not attend across ranks by themselves: a
-        shard is for attention implementations that do (ring / all-gather CP).
+        - ``position_ids`` int64 ``[1, T]`` (rotary positions; restart at 0 per sample);
+        - ``cu_seq_lens_q/k`` int32 ``[n+1]`` (the padded layout) and ``max_length_q/k``: flash-attention varlen
+          kernels, and the Gated DeltaNet / Mamba-2 scans of hybrid models (transformers passes
+          ``cu_seq_lens_q`` to them as ``cu_seqlens``);
+        - ``seq_idx`` int32 ``[1, T]`` (:attr:`seq_idx`): the short causal convolutions of those layers, as
+          transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` gives it.
 
-        A VLM batch (built with ``model_config``) gives ``position_ids`` as
-        ``[4, 1, T]`` (the text positions, then the 3 mRoPE rows: the text row is
-        what lets transformers keep packed samples apart), ``mm_token_type_ids``
-        ``[1, T]``, and the pack's pixel values, grids (and ``second_per_grid_ts``).
-        Vision inputs are the whole pack's, also on a CP shard (see
-        :func:`thdpack.parallel.cp.vision_shard_extras`). With a flash-attention *vision* tower, drop
-        ``cu_seq_lens_q/k`` and ``max_length_q/k``: transformers forwards them to the
-        ViT, whose varlen call sets its own (the LM finds the boundaries from the text row).
+        ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention mask
+        (:mod:`thdpack.attention.backends`): None, flash names, hub kernels and custom names registered without
+        a mask function get none (varlen kernels read the offsets); ``"flex_attention"`` gets ``attention_mask``
+        = :meth:`block_mask`; ``"sdpa"`` a bool and ``"eager"`` a float32 additive ``[1, 1, T, T]``
+        :meth:`attention_mask_4d` (``T²``: for small packs, as transformers' own packed sdpa mask). A 4D mask is
+        used as it is, cache or not, so ``use_cache=False`` is no longer needed. Attention layers ignore the
+        keys they do not read. Models with sliding-window layers: call
+        :func:`thdpack.integrations.packed_model` first (a whole-stream mask has no window).
 
-        With ``max_num_seqs`` (static shapes), ``cu_seq_lens_q/k`` are int32 ``[max_num_seqs + 1]``
-        (the last value repeated) and ``max_length_q/k`` the stream length (:mod:`thdpack.attention.static`).
+        Hybrid models (Gated DeltaNet, Mamba, short convolutions): on a machine without their kernels
+        (``flash-linear-attention``, ``causal-conv1d``, ``mamba-ssm``; always on the CPU) transformers refuses
+        ``seq_idx`` / ``cu_seq_lens_q`` with a ``ValueError``; :func:`thdpack.integrations.packed_model` makes
+        such a model exact on every machine.
 
-        ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention inputs
-        (:mod:`thdpack.attention.backends`): None, flash names and hub kernels get the flash kwargs above;
-        ``"flex_attention"`` gets ``attention_mask`` = :meth:`block_mask` in their place; ``"sdpa"`` /
-        ``"eager"`` get neither: transformers derives the per-sample mask from ``position_ids`` (a VLM's
-        text row) when there is no cache, so call the model with ``use_cache=False``. Masks are for a
-        whole batch: on a CP or Ulysses shard, anything but the flash kwargs is a ``ValueError``.
+        With ``max_num_seqs`` (static shapes), ``cu_seq_lens_q/k`` are int32 ``[max_num_seqs + 1]`` (the last
+        value repeated: zero-length sequences) and ``max_length_q/k`` the stream length
+        (:mod:`thdpack.attention.static`); a ``pad_to`` tail is the last sample's (its ``seq_idx``, after all of
+        its real tokens), so no real token sees it.
+
+        On a CP shard the tensors are the rank's local tokens, ``cu_seq_lens_q/k`` and ``seq_idx`` the local
+        layout, and the targets go in ``shift_labels`` (transformers' loss uses them as they are; a one-token
+        shift would cross the chunk seams). transformers models do not attend across ranks by themselves: a
+        shard is for attention implementations that do (ring / all-gather CP), with the flash kwargs only
+        (masks span the whole stream: anything else is a ``ValueError``). A scan or convolution over a shard's
+        two chunks is not a sample's: ``packed_model`` refuses it.
+
+        A VLM batch (built with ``model_config``) gives ``position_ids`` as ``[4, 1, T]`` (the text positions,
+        then the 3 mRoPE rows), ``mm_token_type_ids`` ``[1, T]``, and the pack's pixel values, grids (and
+        ``second_per_grid_ts``). Vision inputs are the whole pack's, also on a CP shard (see
+        :func:`thdpack.parallel.cp.vision_shard_extras`).
 
         A shared-prefix batch (``prefix_tree``) needs its tree mask: ``"flex_attention"`` gets its
-        ``BlockMask``, ``"sdpa"`` a bool and ``"eager"`` a float32 additive ``[1, 1, T, T]``
-        :meth:`attention_mask_4d` (transformers cannot derive it from ``position_ids``); the flash
-        kwargs (None, flash names) cannot express it and ``include_labels=True`` cannot score it: both are
-        a ``ValueError``.
+        ``BlockMask``, ``"sdpa"`` / ``"eager"`` its :meth:`attention_mask_4d`; its segments' offsets stand in
+        the boundary keys (no scan can restart from a shared prefix: ``packed_model`` refuses it); the flash
+        kwargs alone cannot express it and ``include_labels=True`` cannot score it: both are a ``ValueError``.
         """
         kind = attention_kind(attn_implementation)
         if kind == "flash":
             refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", self)
+        if kind != "flash" and self.is_shard:
+            self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
         cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
         max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
+        seq_idx = seq_idx_from_cu_seqlens(cu)
         if self.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
             cu, max_len = pad_cu_seqlens(cu, self.max_num_seqs), self.static_max_seqlen // self.cp_size
         kw = {
@@ -374,12 +388,12 @@ class ThdBatch:
             "cu_seq_lens_k": cu,
             "max_length_q": max_len,
             "max_length_k": max_len,
+            "seq_idx": seq_idx,
         }
-        if kind != "flash":
-            kw = self._mask_kwargs(kw, kind)
-            if kind == "dense" and self.prefix_tree is not None:
-                dtype = torch.bool if attn_implementation == "sdpa" else torch.float32  # eager adds it to its scores
-                kw["attention_mask"] = self.attention_mask_4d(dtype)
+        if kind == "flex":
+            kw["attention_mask"] = self.block_mask()
+        elif kind == "dense":
+            kw["attention_mask"] = self.attention_mask_4d(dense_mask_dtype(attn_implementation))
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
@@ -391,16 +405,6 @@ class ThdBatch:
                 kw["shift_labels"] = self.labels.unsqueeze(0)
             else:
                 kw["labels"] = self.hf_labels().unsqueeze(0)
-        return kw
-
-    def _mask_kwargs(self, kw: dict, kind: str) -> dict:
-        """``kw`` without the flash kwargs, plus the ``BlockMask`` for ``kind == "flex"``."""
-        flash = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-        kw = {k: v for k, v in kw.items() if k not in flash}
-        if self.is_shard:
-            self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
-        if kind == "flex":
-            kw["attention_mask"] = self.block_mask()
         return kw
 
     def packed_seq_params_dict(self) -> dict:

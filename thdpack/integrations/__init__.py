@@ -5,12 +5,18 @@ imports none of them.
 
 - :mod:`thdpack.integrations.hf_trainer`: a ``transformers`` ``TrainerCallback``
   that logs TFLOP/s/GPU and MFU from the batches a ``Trainer`` actually trains on.
+- :mod:`thdpack.integrations.hybrid`: :func:`packed_model`, which makes a transformers model (hybrids
+  with linear-attention, SSM and short-convolution layers included) exact on packs on any machine.
 """
 
-__all__ = ["FlopsCallback", "hf_collator"]
+__all__ = ["FlopsCallback", "hf_collator", "packed_model"]
 
 
 def __getattr__(name):
+    if name == "packed_model":
+        from thdpack.integrations.hybrid import packed_model
+
+        return packed_model
     if name in __all__:
         from thdpack.integrations import hf_trainer
 

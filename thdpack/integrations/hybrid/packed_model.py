@@ -1,0 +1,244 @@
+"""``packed_model(model)``: a transformers model exact on thdpack packs on any machine, hybrids included.
+
+Linear-attention, SSM and short-convolution layers keep packed samples apart only through their kernels
+(flash-linear-attention, causal-conv1d, mamba-ssm), which run on CUDA only; on the CPU, or where a package
+is missing, transformers refuses the boundaries (>= 5.25) or, in older versions, drops some of them
+silently. :func:`packed_model` wraps each such layer (the instance's ``forward``; no model source is edited
+and no global state changes) so that, when the call carries sample boundaries (``cu_seq_lens_q`` /
+``seq_idx``, as :meth:`thdpack.ThdBatch.to_hf_kwargs` gives them), the layer runs on each sample's span
+alone (the reference path: the model's own PyTorch code on exactly what the sample alone would see) and
+the outputs are concatenated. Where every kernel the layer needs is present and runs on the inputs' device,
+and transformers is a version checked to pass them the boundaries (:data:`NATIVE_SINCE`), the layer is
+left to transformers' kernels.
+
+A forward pre-hook on the model checks every packed call: ``seq_idx`` and ``cu_seq_lens_q`` agree, the
+stream's positions restart at 0 at every boundary (a CP shard's chunks or a shared-prefix tree cannot be
+scanned as samples: refused), and a packed ``position_ids`` row without boundaries is refused rather than
+scanned as one sequence. For models with sliding-window or chunked attention layers it drops a 4D
+whole-stream mask and sets ``use_cache=False``, so transformers derives every layer type's mask from the
+restarting ``position_ids`` (a document mask has no window).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from thdpack.integrations.hybrid.families import (
+    ATTENTION_LAYER_TYPES,
+    MIXER_FAMILIES,
+    WINDOWED_LAYER_TYPES,
+    config_layer_types,
+)
+
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+CACHE_KEYS = ("cache", "cache_params", "past_key_values", "past_key_value")
+NATIVE_SINCE = (5, 25)  # transformers versions checked to hand the kernels seq_idx / cu_seqlens (docs/hybrid.md)
+
+
+class _Boundaries:
+    """The spans of the current packed call, set by the model's pre-hook (for mixers that get no kwargs)."""
+
+    spans: list[tuple[int, int]] | None = None
+
+
+def packed_model(model):
+    """Make a transformers model exact on packed batches (:meth:`thdpack.ThdBatch.to_hf_kwargs`) on any
+    machine, and return it. Idempotent; a no-op for models that need nothing (full-attention models).
+
+    Raises:
+        ValueError: the model has a sequence-mixing layer or a config layer type that no registered family
+            (:mod:`thdpack.integrations.hybrid.families`) describes: named, not guessed.
+    """
+    if getattr(model, "_thdpack_packed_model", False):
+        return model
+    config = getattr(model, "config", None)
+    layer_types = set(config_layer_types(config)) if config is not None else set()
+    mixers = [(name, module) for name, module in model.named_modules() if type(module).__name__ in MIXER_FAMILIES]
+    _refuse_unknown(model, layer_types, mixers)
+    windowed = bool(layer_types & WINDOWED_LAYER_TYPES) or _has_sliding_window(config)
+    if mixers or windowed:
+        boundaries = _Boundaries()
+        for name, module in mixers:
+            module.forward = _per_sample_forward(module, name, boundaries)
+        model.register_forward_pre_hook(_pre_hook(boundaries, bool(mixers), windowed), with_kwargs=True)
+    model._thdpack_packed_model = True
+    return model
+
+
+# --------------------------------------------------------------------------- the model's pre-hook
+
+
+def _pre_hook(boundaries: _Boundaries, has_mixers: bool, windowed: bool):
+    def before_forward(module, args, kwargs):
+        cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
+        boundaries.spans = None
+        if cu is None and seq_idx is None:
+            if has_mixers and positions is not None and _restarts(_text_row(positions)):
+                raise ValueError(
+                    f"{type(module).__name__}: position_ids restart inside the row (a packed batch) but the call "
+                    "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
+                    "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
+                    "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
+            return None
+        spans = spans_of(cu, seq_idx)
+        if has_mixers:
+            row = _text_row(positions) if positions is not None else None
+            if row is not None:
+                check_positions_restart(row, spans)
+            boundaries.spans = spans
+        if windowed and _is_whole_stream_mask(kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+            kwargs["use_cache"] = False  # transformers derives each layer type's mask from position_ids
+            return args, kwargs
+        return None
+
+    return before_forward
+
+
+def _is_whole_stream_mask(kwargs) -> bool:
+    mask = kwargs.get("attention_mask")
+    return mask is not None and len(getattr(mask, "shape", ())) == 4
+
+
+def _has_sliding_window(config) -> bool:
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            if getattr(cfg, "layer_types", None) is None:
+                return True
+    return False
+
+
+def _text_row(positions: torch.Tensor) -> torch.Tensor | None:
+    """int ``[T]``: the text positions of ``position_ids`` (``[1, T]``, or a VLM's ``[4, 1, T]``); None
+    for mRoPE-only ``[3, 1, T]`` rows, which do not restart per sample."""
+    if positions.dim() == 3:
+        return positions[0, 0] if positions.shape[0] == 4 else None
+    return positions.reshape(-1) if positions.dim() == 2 and positions.shape[0] == 1 else None
+
+
+def _restarts(row: torch.Tensor | None) -> bool:
+    return row is not None and row.numel() > 1 and bool((row[1:] != row[:-1] + 1).any())
+
+
+def spans_of(cu, seq_idx) -> list[tuple[int, int]]:
+    """The non-empty ``(start, end)`` spans of a packed call, from ``cu_seq_lens_q`` (int ``[k+1]``) and / or
+    ``seq_idx`` (int ``[1, T]``); ``ValueError`` when they disagree or are malformed."""
+    if cu is not None:
+        offsets = [int(v) for v in torch.as_tensor(cu).reshape(-1).tolist()]
+        if len(offsets) < 2 or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seq_lens_q must start at 0 and never decrease, got {offsets[:8]}"
+                             f"{' ...' if len(offsets) > 8 else ''}")
+        spans = [(a, b) for a, b in zip(offsets, offsets[1:]) if b > a]
+        if seq_idx is not None:
+            ids = torch.as_tensor(seq_idx).reshape(-1)
+            want = torch.repeat_interleave(torch.arange(len(spans), device=ids.device),
+                                           torch.tensor([b - a for a, b in spans], device=ids.device))
+            if ids.numel() != offsets[-1] or not torch.equal(_dense_rank(ids), want):
+                raise ValueError(f"seq_idx (length {ids.numel()}) does not give the samples of cu_seq_lens_q "
+                                 f"(stream length {offsets[-1]}): pass both from the same batch.to_hf_kwargs()")
+        return spans
+    ids = torch.as_tensor(seq_idx).reshape(-1)
+    if ids.numel() == 0:
+        return []
+    change = torch.nonzero(ids[1:] != ids[:-1]).reshape(-1) + 1
+    if bool((ids[1:] < ids[:-1]).any()):
+        raise ValueError("seq_idx must never decrease along the stream (one id per sample, in order)")
+    edges = [0] + change.tolist() + [int(ids.numel())]
+    return list(zip(edges, edges[1:]))
+
+
+def _dense_rank(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` renumbered 0, 1, ... in order of first appearance (seq_idx need not start at 0 or be dense)."""
+    if ids.numel() == 0:
+        return ids.to(torch.int64)
+    change = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device), (ids[1:] != ids[:-1]).to(torch.int64)])
+    return change.cumsum(0)
+
+
+def check_positions_restart(row: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """``ValueError`` unless the text positions count 0, 1, ... over every span (a scan restarts there)."""
+    total = spans[-1][1] if spans else 0
+    if row.numel() != total:
+        raise ValueError(f"position_ids cover {row.numel()} tokens, the boundaries {total}")
+    if not spans:
+        return
+    lengths = torch.tensor([b - a for a, b in spans], device=row.device)
+    starts = torch.tensor([a for a, _ in spans], device=row.device)
+    want = torch.arange(total, device=row.device) - torch.repeat_interleave(starts, lengths)
+    if not torch.equal(row.to(want.dtype), want):
+        bad = int(torch.nonzero(row.to(want.dtype) != want)[0])
+        raise ValueError(
+            f"position_ids do not restart at 0 at every sample boundary (slot {bad}): a CP / Ulysses shard's "
+            "chunks or a shared-prefix tree cannot be scanned by linear-attention / SSM / convolution layers "
+            "sample by sample; run hybrid models on whole, unshared batches")
+
+
+# --------------------------------------------------------------------------- the mixers
+
+
+def _per_sample_forward(module, name: str, boundaries: _Boundaries):
+    family = MIXER_FAMILIES[type(module).__name__]
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
+            spans = spans_of(kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
+        else:
+            spans = boundaries.spans
+        if spans is None or hidden is None or _native(family, hidden.device):
+            return original(*args, **kwargs)
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or (spans and spans[-1][1] != hidden.shape[1]):
+            raise ValueError(f"{name} ({type(module).__name__}): a packed call has a batch axis of 1 and one stream "
+                             f"of {spans[-1][1] if spans else 0} tokens, got hidden states {tuple(hidden.shape)}")
+        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k != "hidden_states"}
+        for key in CACHE_KEYS:
+            if key in rest:
+                rest[key] = None  # a sample alone, from an empty state; a pack is never continued
+        mask = rest.pop("attention_mask", None)
+        extra = tuple(None if hasattr(a, "get_seq_length") else a for a in args[1:])
+        outputs = []
+        for a, b in spans:
+            part_mask = mask[:, a:b] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            out = original(hidden[:, a:b], *extra, attention_mask=part_mask, **rest)
+            outputs.append(out)
+        if isinstance(outputs[0], tuple):  # (hidden, None, ...) where a mixer returns more
+            return (torch.cat([o[0] for o in outputs], dim=1),) + outputs[0][1:]
+        return torch.cat(outputs, dim=1)
+
+    forward._thdpack_original = original
+    return forward
+
+
+def _native(family, device: torch.device) -> bool:
+    """True where transformers' kernels keep the samples apart themselves: CUDA, every package the layers need
+    importable, and a transformers version checked to pass them the boundaries."""
+    if device.type != "cuda" or family.kernels is None:
+        return False
+    if not all(importlib.util.find_spec(package) is not None for package in family.kernels):
+        return False
+    import transformers
+
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    return version >= NATIVE_SINCE
+
+
+def _refuse_unknown(model, layer_types: set, mixers: list) -> None:
+    """``ValueError`` naming a sequence mixer or a layer type no registered family covers."""
+    for name, module in model.named_modules():
+        if type(module).__name__ in MIXER_FAMILIES:
+            continue
+        for child_name, child in module.named_children():
+            depthwise = isinstance(child, torch.nn.Conv1d) and child.groups == child.in_channels > 1
+            if depthwise and child.kernel_size[0] > 1:
+                raise ValueError(
+                    f"{type(model).__name__}: {name or 'the model'} ({type(module).__name__}) runs a depthwise "
+                    f"convolution ({child_name}) along the sequence and is not a registered hybrid layer, so "
+                    "thdpack cannot keep packed samples apart in it; see docs/hybrid.md to register its family")
+    unknown = sorted(t for t in layer_types if t not in ATTENTION_LAYER_TYPES)
+    if unknown and not mixers:
+        raise ValueError(
+            f"{type(model).__name__}: its config lists layer types {unknown}, which are not attention and which no "
+            "registered hybrid family describes; thdpack refuses rather than guess (docs/hybrid.md)")
