@@ -16,7 +16,8 @@ stream's positions restart at 0 at every boundary (a CP shard's chunks or a shar
 scanned as samples: refused), and a packed ``position_ids`` row without boundaries is refused rather than
 scanned as one sequence. For models with sliding-window or chunked attention layers it drops a 4D
 whole-stream mask and sets ``use_cache=False``, so transformers derives every layer type's mask from the
-restarting ``position_ids`` (a document mask has no window).
+restarting ``position_ids`` (a document mask has no window). A ``BlockMask`` handed to a hybrid model goes in
+as a per-layer-type dict (transformers 5.25's recurrent-layer mask cannot read a ``BlockMask``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def packed_model(model):
         boundaries = _Boundaries()
         for name, module in mixers:
             module.forward = _per_sample_forward(module, name, boundaries)
-        model.register_forward_pre_hook(_pre_hook(boundaries, bool(mixers), windowed), with_kwargs=True)
+        model.register_forward_pre_hook(_pre_hook(boundaries, bool(mixers), windowed, layer_types), with_kwargs=True)
     model._thdpack_packed_model = True
     return model
 
@@ -70,7 +71,7 @@ def packed_model(model):
 # --------------------------------------------------------------------------- the model's pre-hook
 
 
-def _pre_hook(boundaries: _Boundaries, has_mixers: bool, windowed: bool):
+def _pre_hook(boundaries: _Boundaries, has_mixers: bool, windowed: bool, layer_types: set):
     def before_forward(module, args, kwargs):
         cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
         boundaries.spans = None
@@ -92,9 +93,22 @@ def _pre_hook(boundaries: _Boundaries, has_mixers: bool, windowed: bool):
             kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
             kwargs["use_cache"] = False  # transformers derives each layer type's mask from position_ids
             return args, kwargs
+        mask = kwargs.get("attention_mask")
+        if has_mixers and mask is not None and not isinstance(mask, (torch.Tensor, dict)):
+            # a BlockMask: transformers 5.25's recurrent-layer mask reads attention_mask.ndim, which it lacks;
+            # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
+            kwargs = dict(kwargs, attention_mask=_per_layer_type(mask, layer_types))
+            return args, kwargs
         return None
 
     return before_forward
+
+
+def _per_layer_type(mask, layer_types: set) -> dict:
+    """``{layer type: mask}`` as hybrid transformers models take it: ``mask`` for attention, None for the
+    recurrent layers (their keys in transformers 5.25: ``linear_attention``, ``conv``, ``mamba``)."""
+    types = set(layer_types) | {"full_attention", "attention", "linear_attention", "conv", "mamba"}
+    return {t: (mask if t in ATTENTION_LAYER_TYPES else None) for t in types}
 
 
 def _is_whole_stream_mask(kwargs) -> bool:
