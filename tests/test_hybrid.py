@@ -287,3 +287,26 @@ def test_custom_attention_names():
     want = alone(model, samples)
     batch = build_thd_batch(samples, pad_multiple=4)
     assert_same(batch, packed(model, batch, "thd_masked"), want, "thd_masked")
+
+
+def test_trainer_trains_a_hybrid_on_packs(tmp_path):
+    """transformers' Trainer with ``hf_collator(ThdCollator(), model=model)``: the collator prepares the model
+    (packed_model) and the batches (its backend's mask); the first step's loss is the token-mean loss of the
+    samples alone, and training runs."""
+    from thdpack import ThdCollator
+    from thdpack.integrations.hf_trainer import hf_collator
+
+    model = fresh_model("qwen3_5_text", "sdpa").train()
+    samples = samples_of(LENGTHS, seed=3)
+    _, want_loss, _ = alone(model, samples, grads=False)
+    collate = hf_collator(ThdCollator(), model=model)
+    assert model._thdpack_packed_model
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(samples), max_steps=2, logging_steps=1,
+        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0,
+        disable_tqdm=True, remove_unused_columns=False,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=samples, data_collator=collate)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and losses[0] == pytest.approx(float(want_loss), rel=1e-4)

@@ -302,25 +302,41 @@ def test_equivalence_detects_wrong_positions(family):
         assert (model(**dict(kw, position_ids=one_seq), use_cache=False).logits - good).abs().max() > 100 * LOGIT_ATOL
 
 
-def test_qwen3_5_hybrid_on_cpu():
-    """Hybrid Qwen3.5: mRoPE rows still equal get_rope_index per sample; transformers'
-    CPU fallback of Gated DeltaNet refuses packed input (needs flash-linear-attention),
-    and to_hf_kwargs passes the cu_seq_lens_q that its varlen kernels read."""
-    model = tiny_model("qwen3_5", hybrid=True)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_qwen3_5_hybrid_on_cpu(attn):
+    """Hybrid Qwen3.5-VL (Gated DeltaNet + attention) with images and a video: mRoPE rows still equal
+    get_rope_index per sample; the raw call on the CPU is refused by transformers (no kernels to keep
+    the samples apart); through ``packed_model`` every sample's logits and the loss equal it alone,
+    under the default ``use_cache``."""
+    from thdpack.integrations import packed_model
+
+    torch.manual_seed(1234)
+    model = transformers.Qwen3_5ForConditionalGeneration(tiny_config("qwen3_5", hybrid=True)).float().eval()
+    model.set_attn_implementation(attn)
     assert "linear_attention" in model.config.text_config.layer_types
     samples = mixed_samples("qwen3_5", seed=2)
+    assert any("pixel_values_videos" in s for s in samples) and any("pixel_values" in s for s in samples)
     batch = build_thd_batch(samples, model_config=model.config, pad_multiple=2)
     rows = batch.token_extras["mrope_position_ids"]
     for i, sample in enumerate(samples):
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         assert torch.equal(rows[:, a : a + s], reference_rope(model, sample)[0])
-    kw = batch.to_hf_kwargs()
-    assert torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded)
-    try:
-        import fla  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match="flash-linear-attention"), torch.no_grad():
-            model(**kw, use_cache=False)
+    kw = batch.to_hf_kwargs(attn_implementation=attn)
+    assert torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded) and torch.equal(kw["seq_idx"], batch.seq_idx)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
+        model(**kw)
+    packed_model(model)
+    with torch.no_grad():
+        out = model(**kw)
+        ce_sum, n_sum = 0.0, 0
+        for i, sample in enumerate(samples):
+            logits, ce, scored = run_alone(model, sample)
+            a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+            diff = (out.logits[0, a : a + s] - logits).abs().max().item()
+            assert diff < LOGIT_ATOL, f"sample {i}: max abs logit diff {diff}"
+            ce_sum += float(ce[scored].sum())
+            n_sum += int(scored.sum())
+    torch.testing.assert_close(out.loss, torch.tensor(ce_sum / n_sum), rtol=0, atol=LOSS_ATOL)
 
 
 def test_to_hf_kwargs_layout():

@@ -35,13 +35,26 @@ from thdpack.flops import FlopsMeter, flops_coefficients, throughput
 __all__ = ["FlopsCallback", "hf_collator"]
 
 
-def hf_collator(collator):
+def hf_collator(collator, model=None):
     """Wrap a thdpack collator (:class:`thdpack.ThdCollator`) into a ``data_collator``
     for ``transformers.Trainer``: each :class:`thdpack.ThdBatch` becomes
-    ``batch.to_hf_kwargs()`` (a dict with a batch axis of 1)."""
+    ``batch.to_hf_kwargs()`` (a dict with a batch axis of 1).
+
+    With ``model`` (the model the trainer trains), the batches carry the attention inputs of its
+    ``config._attn_implementation`` (the mask for sdpa / eager / flex), and the model is made exact on packs
+    first (:func:`thdpack.integrations.packed_model`: hybrid layers get their sample boundaries)::
+
+        trainer = Trainer(model=model, ..., data_collator=hf_collator(ThdCollator(), model=model))
+    """
+    attn = None
+    if model is not None:
+        from thdpack.integrations.hybrid import packed_model
+
+        packed_model(model)
+        attn = getattr(model.config, "_attn_implementation", None)
 
     def collate(samples):
-        return collator(samples).to_hf_kwargs()
+        return collator(samples).to_hf_kwargs(attn_implementation=attn)
 
     return collate
 
