@@ -310,3 +310,15 @@ def test_trainer_trains_a_hybrid_on_packs(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and losses[0] == pytest.approx(float(want_loss), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba"])
+def test_gradient_checkpointing(family):
+    """With gradient checkpointing the layers are re-run in the backward pass; they find the same boundaries
+    (from their keywords, or for Jamba's keyword-less mixer from the model's last packed call)."""
+    model = packed_model(fresh_model(family, "sdpa")).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    samples = samples_of(LENGTHS, seed=5)
+    want = alone(model, samples)
+    batch = build_thd_batch(samples, pad_multiple=4)
+    assert_same(batch, packed(model, batch, "sdpa"), want, f"{family}/checkpointed")

@@ -306,8 +306,8 @@ def test_equivalence_detects_wrong_positions(family):
 def test_qwen3_5_hybrid_on_cpu(attn):
     """Hybrid Qwen3.5-VL (Gated DeltaNet + attention) with images and a video: mRoPE rows still equal
     get_rope_index per sample; the raw call on the CPU is refused by transformers (no kernels to keep
-    the samples apart); through ``packed_model`` every sample's logits and the loss equal it alone,
-    under the default ``use_cache``."""
+    the samples apart); through ``packed_model`` every sample's logits, the loss and every parameter's
+    gradient (the ViT's included) equal it alone, under the default ``use_cache``."""
     from thdpack.integrations import packed_model
 
     torch.manual_seed(1234)
@@ -326,17 +326,27 @@ def test_qwen3_5_hybrid_on_cpu(attn):
     with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
         model(**kw)
     packed_model(model)
-    with torch.no_grad():
-        out = model(**kw)
-        ce_sum, n_sum = 0.0, 0
-        for i, sample in enumerate(samples):
-            logits, ce, scored = run_alone(model, sample)
-            a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
-            diff = (out.logits[0, a : a + s] - logits).abs().max().item()
-            assert diff < LOGIT_ATOL, f"sample {i}: max abs logit diff {diff}"
-            ce_sum += float(ce[scored].sum())
-            n_sum += int(scored.sum())
-    torch.testing.assert_close(out.loss, torch.tensor(ce_sum / n_sum), rtol=0, atol=LOSS_ATOL)
+    params = [p for p in model.parameters()]
+    out = model(**kw)
+    got_grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    ce_sum, n_sum = 0.0, 0
+    for i, sample in enumerate(samples):
+        with torch.no_grad():
+            logits, _, _ = run_alone(model, sample)
+        a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        diff = (out.logits[0, a : a + s].detach() - logits).abs().max().item()
+        assert diff < LOGIT_ATOL, f"sample {i}: max abs logit diff {diff}"
+        alone_out = run_alone.__wrapped__(model, sample)  # with gradients: the sample's summed CE
+        ce_sum = ce_sum + alone_out[1][alone_out[2]].sum()
+        n_sum += int(alone_out[2].sum())
+    want_loss = ce_sum / n_sum
+    torch.testing.assert_close(out.loss.detach(), want_loss.detach(), rtol=0, atol=LOSS_ATOL)
+    want_grads = torch.autograd.grad(want_loss, params, allow_unused=True)
+    pairs = [(g, w) for g, w in zip(got_grads, want_grads) if w is not None]
+    assert len(pairs) == len(params), "every parameter, the ViT's included, has a gradient alone"
+    got_all = torch.cat([g.reshape(-1) for g, _ in pairs])
+    want_all = torch.cat([w.reshape(-1) for _, w in pairs])
+    assert float((got_all - want_all).abs().max() / want_all.abs().max()) < 1e-5
 
 
 def test_to_hf_kwargs_layout():
