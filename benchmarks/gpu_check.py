@@ -13,6 +13,15 @@ Checks, each on packs of random lengths with alignment padding, against every sa
 - ``step``: forward + backward time of a small random Qwen3 (transformers) on one pack vs the same
   samples padded to ``[B, S]``, at pack lengths 4k and 16k (packed through flash-attn if installed,
   else FlexAttention's BlockMask, sdpa on CPU; padded through SDPA).
+- ``hybrid``: hybrid models on a pack (issue 29): the logits of small random Qwen3.5 (Gated DeltaNet +
+  attention) and Bamba (Mamba-2 + attention) models through ``thdpack.integrations.packed_model`` vs each
+  sample alone, naming the path each mixer took (``native``: transformers' kernels, where CUDA and every
+  kernel package is present; else ``reference``: per sample) and which of fla / causal_conv1d / mamba_ssm
+  import; with the native path, the reference path too. Then each kernel alone, where importable:
+  fla's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (the ``gdn`` check's result, run once),
+  causal-conv1d's ``causal_conv1d_fn`` with ``seq_idx``, fla's ``causal_conv1d`` with ``cu_seqlens``,
+  each vs per sample, and ``megatron_gdn_check()`` of ``benchmarks/gpu_megatron_gdn.py`` if that file
+  exists. Every sub-result names the layer that would leak across samples if it were off.
 
 Usage::
 
@@ -25,10 +34,15 @@ Exits non-zero when a check that ran found a difference above its tolerance.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import importlib.util
+import inspect
 import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -138,11 +152,17 @@ def check_flex(args, dev) -> dict:
 
 
 def check_gdn(args, dev) -> dict:
+    return dict(_gdn_scan(args.tokens, dev))
+
+
+@functools.lru_cache(maxsize=None)
+def _gdn_scan(tokens: int, dev) -> dict:
+    """The ``gdn`` check's result, computed once (the ``hybrid`` check reports it too)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as exc:
         return {"skipped": f"flash-linear-attention (fla) not importable ({exc})"}
-    batch = random_pack(args.tokens, 4, dev=dev)
+    batch = random_pack(tokens, 4, dev=dev)
     g = torch.Generator(device="cpu").manual_seed(4)
     T, H, D = batch.input_ids.numel(), 4, 64
     q, k, v = (torch.randn(1, T, H, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
@@ -222,8 +242,238 @@ def check_step(args, dev) -> dict:
     return out
 
 
+# ---- hybrid models (issue 29): packed_model's paths, and each boundary-reading kernel alone ----------------
+
+HYBRID_KERNELS = ("fla", "causal_conv1d", "mamba_ssm")
+HYBRID_VOCAB = 1024
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+QWEN3_5_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def _kernel_packages() -> dict:
+    """``{package: True, or why it does not import}`` for the hybrid layers' kernel packages."""
+    out = {}
+    for name in HYBRID_KERNELS:
+        try:
+            importlib.import_module(name)
+            out[name] = True
+        except Exception as exc:  # not installed, or a CUDA build that does not load
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def _hybrid_config(family: str, quick: bool) -> tuple[str, str, dict]:
+    """``(config class, model class, kwargs)`` of a small hybrid causal LM: 4 layers, hidden 256 (64 with
+    ``--quick``), one of them attention; transformers' default initialization (0.02)."""
+    h, d = (64, 16) if quick else (256, 64)
+    common = dict(vocab_size=HYBRID_VOCAB, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, use_cache=False,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    if family == "qwen3_5":
+        return "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+            common, head_dim=d, layer_types=QWEN3_5_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=d,
+            linear_value_head_dim=d, linear_num_key_heads=2, linear_num_value_heads=4)
+    heads = 4 if quick else 8  # Mamba-2 heads of 2h / heads channels
+    return "BambaConfig", "BambaForCausalLM", dict(
+        common, attn_layer_indices=[2], mamba_n_heads=heads, mamba_d_head=2 * h // heads, mamba_n_groups=1,
+        mamba_d_state=d, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=d)
+
+
+def _hybrid_model(family: str, dev, dtype, quick: bool):
+    """A random-weight model in train mode (the kernels a training step runs; no dropout in these configs)."""
+    import transformers
+
+    cfg_name, model_name, kwargs = _hybrid_config(family, quick)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).to(dev, dtype).train()
+
+
+def _logits_alone(model, batch) -> torch.Tensor:
+    """float32 ``[T, V]``: every sample's logits run alone (batch axis 1, no position ids), at its place in the
+    stream (pad slots 0)."""
+    out = torch.zeros(batch.input_ids.numel(), model.config.vocab_size, device=batch.input_ids.device)
+    for a, s in zip(batch.cu_seqlens_padded[:-1].tolist(), batch.seq_lens.tolist()):
+        out[a:a + s] = model(input_ids=batch.input_ids[None, a:a + s]).logits[0].float()
+    return out
+
+
+def _mixer_layers(model) -> dict:
+    """``{mixer class: what it reads}`` and the decoder layers holding each, for the report."""
+    from thdpack.integrations.hybrid.families import MIXER_FAMILIES
+
+    found: dict = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in MIXER_FAMILIES:
+            found.setdefault(cls, []).append(int(name.split("layers.")[1].split(".")[0]))
+    return {cls: f"layers {layers}: {MIXER_FAMILIES[cls].reads}" for cls, layers in found.items()}
+
+
+def _unwrapped_calls(model, kw, diff, tol) -> dict:
+    """Before ``packed_model``: the call without the boundary keys (the mixers scan the pack as one sequence:
+    the leak this check would see), and the same call as the user makes it (exact, or a refusal)."""
+    out = {"leak_without_boundaries": diff(model(**{k: v for k, v in kw.items() if k not in BOUNDARY_KEYS}))}
+    try:
+        raw = diff(model(**kw))
+        out["without_packed_model"] = raw
+        if not raw <= tol:
+            out["error"] = f"without packed_model the call neither refuses nor matches (max abs diff {raw:.3g})"
+    except ValueError as exc:
+        out["without_packed_model"] = f"refused: {str(exc)[:160]}"
+    except Exception as exc:  # a kernel that fails: packed_model's native path would meet it too
+        out["error"] = f"without packed_model: {type(exc).__name__}: {exc}"[:600]
+    return out
+
+
+def _model_case(family: str, args, dev) -> dict:
+    """The logits of ``packed_model(model)`` on a pack (align 8, sdpa's 4D mask) vs each sample alone, with the
+    path its mixers took; where that is the native one, the reference path as well."""
+    pm = importlib.import_module("thdpack.integrations.hybrid.packed_model")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # logits of max ~2 (bf16: as the step check's loss)
+    model = _hybrid_model(family, dev, dtype, args.quick)
+    batch = random_pack(args.tokens, 6, align=8, dev=dev)
+    real = _real(batch)
+    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+    out = {"layer": _mixer_layers(model), "samples": int(batch.seq_lens.numel()), "tokens": int(real.sum())}
+    with torch.no_grad():
+        ref = _logits_alone(model, batch)
+        diff = lambda o: max_diff(o.logits[0], ref, real)  # noqa: E731
+        out["max_abs_logit"] = float(ref[real].abs().max())
+        out.update(_unwrapped_calls(model, kw, diff, tol))
+        pm.packed_model(model)
+        families = {type(m).__name__: pm.MIXER_FAMILIES[type(m).__name__] for m in model.modules()
+                    if type(m).__name__ in pm.MIXER_FAMILIES}
+        out["path"] = {cls: "native" if pm._native(f, dev) else "reference" for cls, f in families.items()}
+        try:
+            out["max_abs_diff"] = diff(model(**kw))
+        except Exception as exc:  # reported; the reference path below is still measured
+            paths = "/".join(sorted(set(out["path"].values())))
+            out["error"] = f"packed_model's {paths} path: {type(exc).__name__}: {exc}"[:600]
+        if "native" in out["path"].values():  # the per-sample path too, on the same machine
+            with mock.patch.object(pm, "_native", lambda family, device: False):
+                out["reference_path_max_abs_diff"] = diff(model(**kw))
+    out["tolerance"] = tol
+    return out
+
+
+def _conv_case(args, dev, seed: int = 7):
+    """A pack (align 8) and bf16 ``x [1, T, 256]``, ``weight [256, 4]``, ``bias [256]`` of a short convolution."""
+    batch = random_pack(args.tokens, seed, align=8, dev=dev)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T, D, W = batch.input_ids.numel(), 256, 4
+    x = torch.randn(1, T, D, generator=g).to(dev, torch.bfloat16)
+    weight = (torch.randn(D, W, generator=g) / 2).to(dev, torch.bfloat16)
+    return batch, x, weight, torch.randn(D, generator=g).to(dev, torch.bfloat16)
+
+
+def _conv_seq_idx(args, dev) -> dict:
+    """causal-conv1d's ``causal_conv1d_fn`` with ``seq_idx`` (channel-last input, as transformers and
+    megatron-core call it) vs per sample."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception as exc:
+        return {"skipped": f"causal_conv1d not importable ({type(exc).__name__}: {exc})"[:200]}
+    if dev.type != "cuda":
+        return {"skipped": "causal_conv1d runs on CUDA only"}
+    batch, x, weight, bias = _conv_case(args, dev)
+
+    def conv(t, **kw):  # t [1, s, D] contiguous: transposed, it is the channel-last layout seq_idx needs
+        return causal_conv1d_fn(t.transpose(1, 2), weight, bias, activation="silu", **kw).transpose(1, 2)
+
+    out = conv(x, seq_idx=batch.seq_idx)
+    ref = per_sample(lambda t: conv(t[None])[0], batch, x[0])
+    return {"max_abs_diff": max_diff(out[0], ref, _real(batch)), "tolerance": 2e-2}
+
+
+def _fla_conv_fn():
+    """fla's varlen ``causal_conv1d`` (``fla.modules.convolution``; ``fla.modules.conv`` in newer fla)."""
+    why = None
+    for module in ("fla.modules.convolution", "fla.modules.conv"):
+        try:
+            return importlib.import_module(module).causal_conv1d, None
+        except Exception as exc:
+            why = why or f"{module}: {type(exc).__name__}: {exc}"[:200]
+    return None, why
+
+
+def _fla_conv(args, dev) -> dict:
+    """flash-linear-attention's ``causal_conv1d`` with ``cu_seqlens`` vs per sample."""
+    conv_fn, why = _fla_conv_fn()
+    if conv_fn is None:
+        return {"skipped": f"fla's causal_conv1d not importable ({why})"}
+    if dev.type != "cuda":
+        return {"skipped": "fla's causal_conv1d (Triton) runs on CUDA only"}
+    batch, x, weight, bias = _conv_case(args, dev)
+
+    def conv(t, **kw):
+        y = conv_fn(x=t, weight=weight, bias=bias, activation="silu", **kw)
+        return y[0] if isinstance(y, tuple) else y  # (output, final state)
+
+    out = conv(x, cu_seqlens=batch.cu_seqlens_padded.long())
+    ref = per_sample(lambda t: conv(t[None])[0], batch, x[0])
+    return {"max_abs_diff": max_diff(out[0], ref, _real(batch)), "tolerance": 2e-2}
+
+
+def _megatron_gdn(args, dev) -> dict:
+    """``megatron_gdn_check()`` of benchmarks/gpu_megatron_gdn.py (another script), where that file exists."""
+    path = Path(__file__).resolve().parent / "gpu_megatron_gdn.py"
+    if not path.exists():
+        return {"skipped": "benchmarks/gpu_megatron_gdn.py is not there"}
+    try:
+        spec = importlib.util.spec_from_file_location("_thdpack_gpu_megatron_gdn", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        check = module.megatron_gdn_check
+    except (ImportError, AttributeError) as exc:
+        return {"skipped": f"benchmarks/gpu_megatron_gdn.py: no megatron_gdn_check ({type(exc).__name__}: {exc})"}
+    # a pack of at most 2048 tokens and 3 minutes, so the whole script stays within 5 on one GPU
+    options = {"tokens": min(args.tokens, 2048), "timeout": 180, "quick": args.quick, "device": dev}
+    params = inspect.signature(check).parameters
+    return dict(check(**{k: v for k, v in options.items() if k in params}))
+
+
+HYBRID_PARTS = {  # sub-result: (function, the layer that would leak across samples if it were wrong)
+    "model_qwen3_5": (functools.partial(_model_case, "qwen3_5"), None),  # the model case names its layers
+    "model_bamba": (functools.partial(_model_case, "bamba"), None),
+    "fla_gdn_scan": (lambda args, dev: dict(_gdn_scan(args.tokens, dev), run_by="gdn check (once)"),
+                     "Gated DeltaNet scan (Qwen3.5 / Qwen3-Next / OlmoHybrid): fla chunk_gated_delta_rule, "
+                     "cu_seqlens"),
+    "causal_conv1d_seq_idx": (_conv_seq_idx, "short convolution of Gated DeltaNet / Mamba-2 / LFM2 layers: "
+                              "causal_conv1d_fn, seq_idx"),
+    "fla_causal_conv1d": (_fla_conv, "short convolution of fla's Gated DeltaNet (megatron-core, fla models): "
+                          "fla causal_conv1d, cu_seqlens"),
+    "megatron_gdn": (_megatron_gdn, "megatron-core GatedDeltaNet layer (thd, PackedSeqParams)"),
+}
+
+
+def _part_failed(r: dict) -> bool:
+    over = any(k.endswith("max_abs_diff") and not r[k] <= r.get("tolerance", 0) for k in r)
+    return over or "error" in r
+
+
+def check_hybrid(args, dev) -> dict:
+    kernels = _kernel_packages()
+    out = {"kernels": {k: v is True for k, v in kernels.items()}}
+    out["not_importable"] = {k: v for k, v in kernels.items() if v is not True}
+    failed = []
+    for name, (part, layer) in HYBRID_PARTS.items():
+        try:
+            r = part(args, dev)
+        except Exception as exc:  # one part's failure must not hide the others' results
+            r = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+        out[name] = {"layer": layer, **r} if layer else r
+        if _part_failed(r):
+            failed.append(name)
+    if failed:
+        out["error"] = f"above tolerance or failed: {', '.join(failed)}"
+    return out
+
+
 CHECKS = {"flash_varlen": check_flash_varlen, "te_thd": check_te_thd, "flex": check_flex, "gdn": check_gdn,
-          "step": check_step}
+          "step": check_step, "hybrid": check_hybrid}
 
 
 def main(argv=None) -> int:
@@ -254,7 +504,11 @@ def main(argv=None) -> int:
         if ("max_abs_diff" in r and not r["max_abs_diff"] <= r["tolerance"]) or ("error" in r and name not in bad):
             bad.append(name)
         results[name] = r
-        print(f"{name:>13}: {json.dumps(r)}", flush=True)
+        print(f"{name:>13}: {json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)})}")
+        for key, value in r.items():  # sub-results (the step check's sizes, the hybrid check's parts): a line each
+            if isinstance(value, dict):
+                print(f"{'':>15}{key}: {json.dumps(value)}")
+        sys.stdout.flush()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     if bad:

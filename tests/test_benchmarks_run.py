@@ -31,6 +31,7 @@ CASES = {
     "torch_cp_balance": (["--packs", "5", "--cp", "2", "4"], "thdpack worst"),
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
+    "hybrid_reference": (["--quick"], "packed / alone"),
 }
 
 

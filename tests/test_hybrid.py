@@ -165,7 +165,7 @@ def test_the_boundaries_matter(family):
     assert rel(leaky[a : a + s], ref) > 1e-2
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 11), min_size=1, max_size=7), align=st.sampled_from([1, 2, 8]),
        family=st.sampled_from([f for f in ("qwen3_5_text", "bamba", "lfm2", "jamba") if f in FAMILIES]))
 def test_any_lengths(lengths, align, family):
