@@ -301,7 +301,7 @@ def _logits_alone(model, batch) -> torch.Tensor:
 
 def _mixer_layers(model) -> dict:
     """``{mixer class: what it reads}`` and the decoder layers holding each, for the report."""
-    from thdpack.integrations.hybrid.families import MIXER_FAMILIES
+    from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES
 
     found: dict = {}
     for name, module in model.named_modules():

@@ -25,6 +25,7 @@ import torch
 
 from thdpack import ThdCollator, TokenBudgetBatchSampler
 from thdpack.demo.models import tiny_qwen3
+from thdpack.integrations import packed_model
 from thdpack.losses import dpo_loss, pair_groups, sequence_logps
 
 
@@ -52,10 +53,10 @@ def packed_step(policy, reference, batches, num_pairs: int, beta: float) -> floa
     """Accumulate the gradient of one optimizer step over ``batches``; returns its DPO loss."""
     total = 0.0
     for batch in batches:
-        kw = batch.to_hf_kwargs(include_labels=False)
-        policy_logps, _ = sequence_logps(policy(**kw, use_cache=False).logits, batch)
+        kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=policy.config._attn_implementation)
+        policy_logps, _ = sequence_logps(policy(**kw).logits, batch)
         with torch.no_grad():
-            reference_logps, _ = sequence_logps(reference(**kw, use_cache=False).logits, batch)
+            reference_logps, _ = sequence_logps(reference(**kw).logits, batch)
         loss = dpo_loss(policy_logps, reference_logps, batch, beta, num_items=num_pairs)
         loss.backward()
         total += float(loss.detach())
@@ -106,7 +107,8 @@ def main(argv=None) -> dict:
           f"(most pairs in a pack: {max(b.num_samples for b in batches) // 2})")
 
     policy = tiny_qwen3(args.vocab_size, seed=0)
-    reference = copy.deepcopy(policy).eval()
+    reference = packed_model(copy.deepcopy(policy)).eval()  # copy first: packed_model wraps the instance
+    policy = packed_model(policy)
     policy.train(False)  # no dropout in the tiny model; eval keeps the comparison exact
     with torch.no_grad():  # a policy that has moved away from the reference, as after some training
         for p in policy.parameters():

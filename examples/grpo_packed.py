@@ -36,6 +36,7 @@ import torch
 
 import thdpack
 from thdpack.demo.models import tiny_qwen3
+from thdpack.integrations import packed_model
 from thdpack.losses import all_reduce_items, count_items, group_advantages, policy_gradient_loss, sequence_logps
 
 DOMAINS = ("math", "code", "chat")
@@ -64,7 +65,8 @@ def packed_step(model, batches, reduction: str, num_items: int) -> tuple[float, 
     ``sequence_logps`` of its packs (concatenated, batch order) and per-domain (NLL sum, tokens)."""
     total, logps, nll = 0.0, [], {d: [0.0, 0] for d in range(len(DOMAINS))}
     for batch in batches:
-        logits = model(**batch.to_hf_kwargs(include_labels=False, attn_implementation="sdpa"), use_cache=False).logits
+        kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=model.config._attn_implementation)
+        logits = model(**kw).logits
         loss = policy_gradient_loss(logits, batch, batch.token_values("advantage"), reduction, num_items)
         loss.backward()
         total += float(loss.detach())
@@ -145,7 +147,7 @@ def main(argv=None) -> dict:
     advantages = group_advantages([r["reward"] for r in rows], [r["group"] for r in rows])
     for r, a in zip(rows, advantages.tolist()):
         r["advantage"] = a
-    model = tiny_qwen3(args.vocab_size, seed=0).eval()  # the same weights on every rank
+    model = packed_model(tiny_qwen3(args.vocab_size, seed=0).eval())  # the same weights on every rank
 
     batches, handle = thdpack.rebalance(
         rows, args.pack_size, micro_batches=args.micro_batches, cost=thdpack.CostModel.from_config(model.config),

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from thdpack.demo.models import tiny_qwen3
 from thdpack.flops import attention_overcount_factor
+from thdpack.integrations import packed_model
 from thdpack.offline import load_packed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,9 @@ def main(argv=None) -> dict:
         generator=torch.Generator().manual_seed(0),
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = tiny_qwen3(ds.metadata["tokenizer"]["vocab_size"]).to(device)
+    model = packed_model(tiny_qwen3(ds.metadata["tokenizer"]["vocab_size"]).to(device))
     model.train()
+    attn = model.config._attn_implementation  # the batch carries this backend's mask (sdpa: a 4D one)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     t0 = time.perf_counter()
@@ -70,7 +72,7 @@ def main(argv=None) -> dict:
             print(f"skip      pack of samples {batch.sample_index.tolist()[:4]}: no target token")
             continue
         batch = batch.to(device)
-        out = model(**batch.to_hf_kwargs(), use_cache=False)
+        out = model(**batch.to_hf_kwargs(attn_implementation=attn))
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -17,13 +17,14 @@ Everything runs offline on the CPU in a few seconds:
    each pack as one THD stream with ``mm_token_type_ids``, the 3 mRoPE rows and
    the pack's concatenated ``pixel_values`` / ``image_grid_thw``;
 4. a tiny random-weight model of the family (Qwen2.5-VL by default; fp32, CPU,
-   sdpa) checks that the first pack gives, sample by sample, the logits each
-   sample gives alone, then takes one packed training step (forward + backward
-   + AdamW step) on it.
+   sdpa), prepared once with ``packed_model(model)``, checks that the first pack
+   gives, sample by sample, the logits each sample gives alone, then takes one
+   packed training step (forward + backward + AdamW step) on it.
 
-``--family qwen3_5`` uses a Qwen3.5 config whose layers are all full attention:
-its Gated DeltaNet layers need flash-linear-attention's varlen kernels to keep
-packed samples apart, which the CPU fallback does not have.
+``--family qwen3_5`` is a hybrid: a Gated DeltaNet layer, then a full-attention
+one. ``packed_model`` runs its Gated DeltaNet layer on each sample's span alone
+where the kernels that keep packed samples apart are missing (always on the CPU;
+docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from thdpack import ThdCollator
 from thdpack.demo.models import TINY_TEXT
+from thdpack.integrations import packed_model
 from thdpack.vlm import vision_lengths
 
 IGNORE = -100
@@ -201,7 +203,8 @@ def tiny_config(family: str, tokens: ChatTokens):
         cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     elif family == "qwen3_5":
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True, partial_rotary_factor=1.0)
-        text["layer_types"] = ["full_attention"] * 2  # Gated DeltaNet needs fla's varlen kernels for packing
+        text.update(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,  # a hybrid
+                    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
         vision = dict(vision, num_position_embeddings=256)
         cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
     else:
@@ -220,13 +223,15 @@ def tiny_model(family: str, tokens: ChatTokens, seed: int):
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
     }
     torch.manual_seed(seed)
-    return getattr(transformers, classes[family])(tiny_config(family, tokens)).to(torch.float32)
+    model = getattr(transformers, classes[family])(tiny_config(family, tokens)).to(torch.float32)
+    return packed_model(model)  # hybrid layers get the pack's sample boundaries (a no-op for the others)
 
 
 @torch.no_grad()
 def max_logit_diff(model, batch, samples, image_token_id: int) -> float:
     """Largest |packed - alone| logit over the pack's real tokens, every sample run alone."""
-    packed = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits[0]
+    kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=model.config._attn_implementation)
+    packed = model(**kw).logits[0]
     worst = 0.0
     for k, i in enumerate(batch.sample_index.tolist()):
         s = samples[i]
@@ -284,7 +289,7 @@ def main(argv=None) -> dict:
         )
 
     batch = packs[0]
-    kw = batch.to_hf_kwargs()
+    kw = batch.to_hf_kwargs(attn_implementation=cfg._attn_implementation)  # sdpa: its 4D document mask
     print("\nfirst pack as transformers kwargs: " + ", ".join(
         f"{k} {list(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v}" for k, v in kw.items()
     ))
@@ -300,13 +305,13 @@ def main(argv=None) -> dict:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     t0 = time.perf_counter()
-    out = model(**kw, use_cache=False)
+    out = model(**kw)
     out.loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        after = model(**kw, use_cache=False).loss.item()
+        after = model(**kw).loss.item()
     loss = out.loss.item()
     result.update(loss=loss, loss_after=after, grad_norm=grad_norm, target_tokens=int(batch.loss_mask.sum()))
     print(

@@ -348,7 +348,9 @@ def test_hf_kwargs(case):
     batch = build_thd_batch(samples, **kw)
     T = batch.num_padded_tokens
     hf = batch.to_hf_kwargs()
-    assert set(hf) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "labels"}
+    assert set(hf) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                       "seq_idx", "labels"}
+    assert torch.equal(hf["seq_idx"], batch.seq_idx) and hf["seq_idx"].shape == (1, T)
     assert hf["input_ids"].shape == (1, T) and hf["position_ids"].shape == (1, T) and hf["labels"].shape == (1, T)
     assert torch.equal(hf["input_ids"][0], batch.input_ids)
     assert torch.equal(hf["position_ids"][0], batch.position_ids)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hybrid_models import VOCAB, available_families, tiny_hybrid  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.integrations import packed_model  # noqa: E402
-from thdpack.integrations.hybrid.families import MIXER_FAMILIES  # noqa: E402
+from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES  # noqa: E402
 
 IGNORE = -100
 REL = 1e-5  # max |packed - alone| / max |alone|, float32
@@ -233,8 +233,23 @@ def test_packed_model_refuses_what_it_cannot_scan():
 def test_packed_model_needs_nothing_on_plain_models_and_refuses_unknown_layers():
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = transformers.Qwen3ForCausalLM(config)
-    assert packed_model(model) is model and not model._forward_pre_hooks  # nothing to do
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    samples = samples_of(LENGTHS)
+    batch = build_thd_batch(samples, pad_multiple=4)
+    want = [model(input_ids=torch.tensor([s["input_ids"]])).logits[0].detach() for s in samples]
+
+    def worst(kw) -> float:
+        with torch.no_grad():
+            logits = model(**kw).logits[0]
+        return max(rel(logits[a : a + s], w) for a, s, w in
+                   zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist(), want))
+
+    assert worst(batch.to_hf_kwargs()) > 1e-2  # the flash kwargs on an sdpa model, under use_cache=True
+    assert packed_model(model) is model
+    assert not any(hasattr(m, "_thdpack_state") for m in model.model.modules())  # no layer is wrapped
+    assert worst(batch.to_hf_kwargs()) < REL  # the hook gives the call the sdpa mask its backend reads
+    assert worst(batch.to_hf_kwargs(attn_implementation="sdpa")) < REL
     unknown = transformers.Qwen3ForCausalLM(config)
     unknown.config.layer_types = ["retention"]
     with pytest.raises(ValueError, match=r"layer types \['retention'\], which are not attention"):
@@ -322,3 +337,26 @@ def test_gradient_checkpointing(family):
     want = alone(model, samples)
     batch = build_thd_batch(samples, pad_multiple=4)
     assert_same(batch, packed(model, batch, "sdpa"), want, f"{family}/checkpointed")
+
+
+def test_a_copy_of_a_prepared_model_runs_its_own_weights():
+    """``copy.deepcopy`` (a DPO reference model) after packed_model: the copy's layers run the copy's weights
+    and keep their own state; both stay exact."""
+    import copy
+
+    model = packed_model(fresh_model("qwen3_5_text", "sdpa"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    samples = samples_of(LENGTHS)
+    batch = build_thd_batch(samples)
+    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+    for m in (model, twin):
+        want = [m(input_ids=torch.tensor([s["input_ids"]])).logits[0].detach() for s in samples]
+        with torch.no_grad():
+            logits = m(**kw).logits[0]
+        for (a, s), w in zip(zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist()), want):
+            assert rel(logits[a : a + s], w) < REL
+    with torch.no_grad():
+        assert rel(twin(**kw).logits, model(**kw).logits) > 1e-2

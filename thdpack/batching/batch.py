@@ -394,6 +394,10 @@ class ThdBatch:
             kw["attention_mask"] = self.block_mask()
         elif kind == "dense":
             kw["attention_mask"] = self.attention_mask_4d(dense_mask_dtype(attn_implementation))
+        return self._hf_vision_and_labels(kw, include_labels)
+
+    def _hf_vision_and_labels(self, kw: dict, include_labels: bool) -> dict:
+        """``kw`` with a VLM's mRoPE rows, token types and vision inputs, and the labels (see :meth:`to_hf_kwargs`)."""
         mrope = self.token_extras.get("mrope_position_ids")
         if mrope is not None:  # VLM batch (thdpack.vlm)
             kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)

@@ -11,7 +11,9 @@ the outputs are concatenated. Where every kernel the layer needs is present and 
 and transformers is a version checked to pass them the boundaries (:data:`NATIVE_SINCE`), the layer is
 left to transformers' kernels.
 
-A forward pre-hook on the model checks every packed call: ``seq_idx`` and ``cu_seq_lens_q`` agree, the
+A forward pre-hook on the model (every model, hybrid or not) gives a packed call without an ``attention_mask``
+the document mask its attention backend reads (so ``to_hf_kwargs()`` without ``attn_implementation`` is exact
+on an sdpa / eager / flex model too, under its ``use_cache`` default), and checks every packed call of a hybrid: ``seq_idx`` and ``cu_seq_lens_q`` agree, the
 stream's positions restart at 0 at every boundary (a CP shard's chunks or a shared-prefix tree cannot be
 scanned as samples: refused), and a packed ``position_ids`` row without boundaries is refused rather than
 scanned as one sequence. For models with sliding-window or chunked attention layers it drops a 4D
@@ -22,11 +24,16 @@ as a per-layer-type dict (transformers 5.25's recurrent-layer mask cannot read a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import types
 
 import torch
 
-from thdpack.integrations.hybrid.families import (
+from thdpack.attention.backends import attention_kind, dense_mask_dtype
+from thdpack.attention.block_mask import document_block_mask
+from thdpack.attention.dense_mask import dense_document_mask
+from thdpack.integrations.hybrid.mixers import (
     ATTENTION_LAYER_TYPES,
     MIXER_FAMILIES,
     WINDOWED_LAYER_TYPES,
@@ -38,19 +45,29 @@ CACHE_KEYS = ("cache", "cache_params", "past_key_values", "past_key_value")
 NATIVE_SINCE = (5, 25)  # transformers versions checked to hand the kernels seq_idx / cu_seqlens (docs/hybrid.md)
 
 
-class _Boundaries:
-    """The spans of the current packed call, set by the model's pre-hook (for mixers that get no kwargs)."""
+class _PackedState:
+    """What a prepared model's hook and its mixers share: the spans of the current packed call (for mixers that
+    get no keywords) and what the model is. Stored on the model and on each mixer (one object), so a
+    ``copy.deepcopy`` of the model gets its own."""
 
-    spans: list[tuple[int, int]] | None = None
+    def __init__(self, has_mixers: bool, windowed: bool, layer_types: set):
+        self.spans: list[tuple[int, int]] | None = None
+        self.has_mixers, self.windowed, self.layer_types = has_mixers, windowed, layer_types
 
 
 def packed_model(model):
     """Make a transformers model exact on packed batches (:meth:`thdpack.ThdBatch.to_hf_kwargs`) on any
-    machine, and return it. Idempotent; a no-op for models that need nothing (full-attention models).
+    machine, and return it. Idempotent.
+
+    - every model: a packed call (``cu_seq_lens_q`` / ``seq_idx``) without an ``attention_mask`` gets the
+      document mask its ``config._attn_implementation`` reads (sdpa / eager / flex), so even
+      ``to_hf_kwargs()`` without ``attn_implementation`` is exact under the config's ``use_cache``;
+    - hybrid models: each sequence-mixing layer runs per sample where kernels cannot keep samples apart
+      (the module docstring), and every packed call is checked.
 
     Raises:
         ValueError: the model has a sequence-mixing layer or a config layer type that no registered family
-            (:mod:`thdpack.integrations.hybrid.families`) describes: named, not guessed.
+            (:mod:`thdpack.integrations.hybrid.mixers`) describes: named, not guessed.
     """
     if getattr(model, "_thdpack_packed_model", False):
         return model
@@ -59,11 +76,15 @@ def packed_model(model):
     mixers = [(name, module) for name, module in model.named_modules() if type(module).__name__ in MIXER_FAMILIES]
     _refuse_unknown(model, layer_types, mixers)
     windowed = bool(layer_types & WINDOWED_LAYER_TYPES) or _has_sliding_window(config)
-    if mixers or windowed:
-        boundaries = _Boundaries()
-        for name, module in mixers:
-            module.forward = _per_sample_forward(module, name, boundaries)
-        model.register_forward_pre_hook(_pre_hook(boundaries, bool(mixers), windowed, layer_types), with_kwargs=True)
+    state = _PackedState(bool(mixers), windowed, layer_types)
+    model._thdpack_state = state
+    for name, module in mixers:
+        module._thdpack_state = state
+        module._thdpack_name = name
+        inner = module.__dict__.get("forward")  # an instance-level forward (accelerate hooks) stays inside
+        module._thdpack_inner_forward = inner
+        module.forward = types.MethodType(_per_sample_forward, module)
+    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
     model._thdpack_packed_model = True
     return model
 
@@ -71,37 +92,60 @@ def packed_model(model):
 # --------------------------------------------------------------------------- the model's pre-hook
 
 
-def _pre_hook(boundaries: _Boundaries, has_mixers: bool, windowed: bool, layer_types: set):
-    def before_forward(module, args, kwargs):
-        cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
-        boundaries.spans = None
-        if cu is None and seq_idx is None:
-            if has_mixers and positions is not None and _restarts(_text_row(positions)):
-                raise ValueError(
-                    f"{type(module).__name__}: position_ids restart inside the row (a packed batch) but the call "
-                    "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
-                    "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
-                    "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
-            return None
-        spans = spans_of(cu, seq_idx)
-        if has_mixers:
-            row = _text_row(positions) if positions is not None else None
-            if row is not None:
-                check_positions_restart(row, spans)
-            boundaries.spans = spans
-        if windowed and _is_whole_stream_mask(kwargs):
-            kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
-            kwargs["use_cache"] = False  # transformers derives each layer type's mask from position_ids
-            return args, kwargs
-        mask = kwargs.get("attention_mask")
-        if has_mixers and mask is not None and not isinstance(mask, (torch.Tensor, dict)):
-            # a BlockMask: transformers 5.25's recurrent-layer mask reads attention_mask.ndim, which it lacks;
-            # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
-            kwargs = dict(kwargs, attention_mask=_per_layer_type(mask, layer_types))
-            return args, kwargs
+def _before_forward(module, args, kwargs):
+    """Check a packed call, give it the mask its attention reads, and hand the mixers its spans."""
+    state: _PackedState = module._thdpack_state
+    cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
+    state.spans = None
+    if cu is None and seq_idx is None:
+        if state.has_mixers and positions is not None and _restarts(_text_row(positions)):
+            raise ValueError(
+                f"{type(module).__name__}: position_ids restart inside the row (a packed batch) but the call "
+                "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
+                "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
+                "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
         return None
+    spans = spans_of(cu, seq_idx)
+    if state.has_mixers:
+        row = _text_row(positions) if positions is not None else None
+        if row is not None:
+            check_positions_restart(row, spans)
+        state.spans = spans
+    mask = kwargs.get("attention_mask")
+    if state.windowed:
+        if mask is None or _is_whole_stream_mask(kwargs):
+            # transformers derives each layer type's mask (windows included) from the restarting position_ids
+            return args, dict({k: v for k, v in kwargs.items() if k != "attention_mask"}, use_cache=False)
+        return None
+    if mask is None:
+        mask = _document_mask(module, kwargs, spans)
+        if mask is None:
+            return None
+    if state.has_mixers and not isinstance(mask, (torch.Tensor, dict)):
+        # a BlockMask: transformers 5.25's recurrent-layer mask reads attention_mask.ndim, which it lacks;
+        # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
+        mask = _per_layer_type(mask, state.layer_types)
+    return args, dict(kwargs, attention_mask=mask)
 
-    return before_forward
+
+def _document_mask(model, kwargs, spans):
+    """The document mask the model's attention backend reads (None for varlen backends, which read
+    ``cu_seq_lens_q``): a ``BlockMask`` for flex, ``[1, 1, T, T]`` for sdpa (bool) / eager (additive)."""
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    try:
+        kind = attention_kind(name)
+    except ValueError:
+        return None
+    if kind == "flash":
+        return None
+    total = spans[-1][1] if spans else 0
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    device = ids.device if ids is not None else embeds.device if embeds is not None else None
+    offsets = torch.tensor([0] + [b for _, b in spans], dtype=torch.int64, device=device)
+    if kind == "flex":
+        return document_block_mask(offsets, total)
+    return dense_document_mask(offsets, total, dtype=dense_mask_dtype(name), device=device)
 
 
 def _per_layer_type(mask, layer_types: set) -> dict:
@@ -192,38 +236,34 @@ def check_positions_restart(row: torch.Tensor, spans: list[tuple[int, int]]) -> 
 # --------------------------------------------------------------------------- the mixers
 
 
-def _per_sample_forward(module, name: str, boundaries: _Boundaries):
-    family = MIXER_FAMILIES[type(module).__name__]
-    original = module.forward
-
-    def forward(*args, **kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
-            spans = spans_of(kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
-        else:
-            spans = boundaries.spans
-        if spans is None or hidden is None or _native(family, hidden.device):
-            return original(*args, **kwargs)
-        if hidden.dim() != 3 or hidden.shape[0] != 1 or (spans and spans[-1][1] != hidden.shape[1]):
-            raise ValueError(f"{name} ({type(module).__name__}): a packed call has a batch axis of 1 and one stream "
-                             f"of {spans[-1][1] if spans else 0} tokens, got hidden states {tuple(hidden.shape)}")
-        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k != "hidden_states"}
-        for key in CACHE_KEYS:
-            if key in rest:
-                rest[key] = None  # a sample alone, from an empty state; a pack is never continued
-        mask = rest.pop("attention_mask", None)
-        extra = tuple(None if hasattr(a, "get_seq_length") else a for a in args[1:])
-        outputs = []
-        for a, b in spans:
-            part_mask = mask[:, a:b] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-            out = original(hidden[:, a:b], *extra, attention_mask=part_mask, **rest)
-            outputs.append(out)
-        if isinstance(outputs[0], tuple):  # (hidden, None, ...) where a mixer returns more
-            return (torch.cat([o[0] for o in outputs], dim=1),) + outputs[0][1:]
-        return torch.cat(outputs, dim=1)
-
-    forward._thdpack_original = original
-    return forward
+def _per_sample_forward(self, *args, **kwargs):
+    """A mixer's forward on a packed call: each sample's span alone (the reference path), unless its kernels
+    keep the samples apart themselves (:func:`_native`). Bound to the mixer instance (``types.MethodType``)."""
+    run = self._thdpack_inner_forward or functools.partial(type(self).forward, self)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
+        spans = spans_of(kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
+    else:
+        spans = self._thdpack_state.spans
+    family = MIXER_FAMILIES[type(self).__name__]
+    if spans is None or hidden is None or _native(family, hidden.device):
+        return run(*args, **kwargs)
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or (spans and spans[-1][1] != hidden.shape[1]):
+        raise ValueError(f"{self._thdpack_name} ({type(self).__name__}): a packed call has a batch axis of 1 and one "
+                         f"stream of {spans[-1][1] if spans else 0} tokens, got hidden states {tuple(hidden.shape)}")
+    rest = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KEYS and k != "hidden_states"}
+    for key in CACHE_KEYS:
+        if key in rest:
+            rest[key] = None  # a sample alone, from an empty state; a pack is never continued
+    mask = rest.pop("attention_mask", None)
+    extra = tuple(None if hasattr(a, "get_seq_length") else a for a in args[1:])
+    outputs = []
+    for a, b in spans:
+        part_mask = mask[:, a:b] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        outputs.append(run(hidden[:, a:b], *extra, attention_mask=part_mask, **rest))
+    if isinstance(outputs[0], tuple):  # (hidden, None, ...) where a mixer returns more
+        return (torch.cat([o[0] for o in outputs], dim=1),) + outputs[0][1:]
+    return torch.cat(outputs, dim=1)
 
 
 def _native(family, device: torch.device) -> bool:
