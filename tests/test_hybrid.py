@@ -360,3 +360,35 @@ def test_a_copy_of_a_prepared_model_runs_its_own_weights():
             assert rel(logits[a : a + s], w) < REL
     with torch.no_grad():
         assert rel(twin(**kw).logits, model(**kw).logits) > 1e-2
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["qwen3_sliding_layers", "mistral_window"])
+def test_sliding_window_layers_keep_their_window(family, attn):
+    """A whole-stream document mask has no window: on a model with sliding-window layers (samples longer
+    than the window) the raw call is wrong, and packed_model hands transformers the restarting positions
+    (use_cache=False, no 4D mask), which derives every layer type's mask, windows included."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, initializer_range=0.2, max_position_embeddings=512)
+    if family == "qwen3_sliding_layers":
+        config = transformers.Qwen3Config(**common, use_sliding_window=True, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        config, cls = transformers.MistralConfig(**common, sliding_window=4), transformers.MistralForCausalLM
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    samples = samples_of([9, 3, 12])
+    batch = build_thd_batch(samples, pad_multiple=4)
+    want = [model(input_ids=torch.tensor([s["input_ids"]])).logits[0].detach() for s in samples]
+
+    def worst() -> float:
+        with torch.no_grad():
+            logits = model(**batch.to_hf_kwargs(attn_implementation=attn)).logits[0]
+        return max(rel(logits[a : a + s], w) for a, s, w in
+                   zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist(), want))
+
+    assert worst() > 1e-2  # the document mask attends beyond the window
+    packed_model(model)
+    assert worst() < REL
