@@ -13,3 +13,12 @@ def static_flex_compiles():
 
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         yield
+
+
+def pytest_configure(config):
+    """One intra-op thread per test process: the suite runs in 2 xdist workers on 2 cores, and its models
+    are tiny, so two threads per worker only contend (a tiny hybrid model's test: 0.4 s alone, 10+ s with
+    both workers' threads oversubscribing the cores). Subprocesses the tests start keep torch's default."""
+    import torch
+
+    torch.set_num_threads(1)

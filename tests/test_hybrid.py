@@ -27,6 +27,9 @@ from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES  # noqa: E402
 
 IGNORE = -100
 REL = 1e-5  # max |packed - alone| / max |alone|, float32
+# hypothesis searches for the worst case: float32 rounding alone (other matmul row blockings in a pack of
+# 1-token samples) reaches 2e-5 there; a leak across a boundary is 1e-2 and more (test_the_boundaries_matter)
+REL_SEARCHED = 1e-4
 FAMILIES = available_families()
 LAYOUTS = {"plain": {}, "pad4": {"pad_multiple": 4}, "static": {"pad_multiple": 4, "pad_to": 64, "max_num_seqs": 9}}
 LENGTHS = [7, 1, 2, 12, 5, 9]  # 1- and 2-token samples: shorter than the convolutions (kernel 3-4)
@@ -180,7 +183,7 @@ def test_any_lengths(lengths, align, family):
         for i, sample in enumerate(samples):
             ref = model(input_ids=torch.tensor([sample["input_ids"]])).logits[0]
             a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
-            assert rel(logits[a : a + s], ref) < REL, f"sample {i} of lengths {lengths}, align {align}"
+            assert rel(logits[a : a + s], ref) < REL_SEARCHED, f"sample {i} of lengths {lengths}, align {align}"
 
 
 def test_boundaries_equal_data_collator_with_flattening():
