@@ -698,7 +698,8 @@ def test_throughput_and_peak_table():
     assert peak_tflops_for("Some Other Accelerator") is None
     if not torch.cuda.is_available():  # no GPU to detect: no MFU, TFLOP/s still reported
         assert throughput(1e12, 1.0, 1) == {"tflops_per_gpu": 1.0, "mfu": None, "peak_tflops": None}
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=r"^peak_tflops must be a positive number or a known GPU name \(A100, .*\), "
+                                         r"got unknown GPU 'NoSuchGPU'$"):
         throughput(1.0, 1.0, 1, peak_tflops="NoSuchGPU")
     with pytest.raises(ValueError):
         throughput(1.0, 0.0, 1)

@@ -212,6 +212,8 @@ def test_flops_meter_checks_world_size_and_the_gpu_when_made():
     config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100, intermediate_size=128)
     with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got 0"):
         FlopsMeter(config, world_size=0)
-    with pytest.raises(KeyError, match=r"unknown GPU 'H1OO'"):
-        FlopsMeter(config, peak_tflops="H1OO")
+    for bad in ("H1OO", "nope", ""):
+        with pytest.raises(ValueError, match=rf"^peak_tflops must be .* known GPU name \(A100, A800, .*\), got unknown "
+                                             rf"GPU '{bad}'$"):
+            FlopsMeter(config, peak_tflops=bad)
     assert FlopsMeter(config, peak_tflops="H100").peak_tflops == 989.0

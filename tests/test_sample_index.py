@@ -105,6 +105,14 @@ def test_indexed_dataset_reads_batches_in_one_call_and_keeps_the_rows():
     assert len(IndexedDataset(data)) == 5 and IndexedDataset(rows(3))[2][SAMPLE_INDEX_FIELD] == 2
 
 
+@pytest.mark.parametrize("bad", [5, None, "rows", {1, 2}])
+def test_indexed_dataset_refuses_what_is_not_a_dataset(bad):
+    with pytest.raises(TypeError, match=rf"^IndexedDataset takes a map-style dataset \(with __len__ and __getitem__ "
+                                        rf"returning samples: a datasets.Dataset, a list of dicts\), got "
+                                        rf"{type(bad).__name__}$"):
+        IndexedDataset(bad)
+
+
 def test_some_samples_without_an_index_is_an_error_naming_one():
     samples = [{"input_ids": [1, 2], SAMPLE_INDEX_FIELD: 5}, {"input_ids": [3]}]
     with pytest.raises(SampleError, match=r"^sample 1 has no 'sample_index' field, but sample 0 has one") as err:

@@ -70,11 +70,12 @@ def throughput(flops, seconds: float, world_size: int = 1, peak_tflops: float | 
 
 def resolve_peak(peak_tflops: float | str) -> float:
     """A peak TFLOP/s given as a number (positive, finite) or a GPU name (:data:`GPU_PEAK_TFLOPS`); a
-    ValueError naming what was given otherwise (KeyError for an unknown GPU name)."""
+    one-line ValueError naming ``peak_tflops``, what was given and the known names otherwise."""
     if isinstance(peak_tflops, str):
         peak = GPU_PEAK_TFLOPS.get(peak_tflops, peak_tflops_for(peak_tflops))
         if peak is None:
-            raise KeyError(f"unknown GPU {peak_tflops!r}; known: {sorted(GPU_PEAK_TFLOPS)}")
+            raise ValueError(f"peak_tflops must be a positive number or a known GPU name "
+                             f"({', '.join(sorted(GPU_PEAK_TFLOPS))}), got unknown GPU {peak_tflops!r}")
         return peak
     check_number(peak_tflops, "peak_tflops", positive=True)
     return float(peak_tflops)

@@ -60,6 +60,9 @@ class IndexedDataset(Dataset):
     """
 
     def __init__(self, dataset):
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(dataset, (str, bytes)):
+            raise TypeError(f"IndexedDataset takes a map-style dataset (with __len__ and __getitem__ returning "
+                            f"samples: a datasets.Dataset, a list of dicts), got {type(dataset).__name__}")
         self.dataset = dataset
 
     def __len__(self) -> int:
