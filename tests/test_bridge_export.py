@@ -233,7 +233,7 @@ def test_export_refuses_what_bridge_cannot_hold(tmp_path, builds, capsys):
     assert cli_main(["export", str(src), "--to", "megatron-bridge", str(tmp_path / "big"), "--pad-seq-to-mult", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("thdpack export: error: ")
-    with pytest.raises(ValueError, match=r"pad_id must be an integer >= 0, got -1 \(the tokenizer's EOS id"):
+    with pytest.raises(ValueError, match=r"^pad_id must be an integer in \[0, 2147483648\), got -1 \(the tokenizer's EOS id"):
         export_bridge(src, tmp_path / "neg", pad_id=-1)
 
     ids = np.array([5, 6, 7, 8, 9], np.int32)

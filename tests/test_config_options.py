@@ -57,6 +57,37 @@ def test_each_option_refuses_what_its_kind_does_not_allow(name, tmp_path):
         BuildConfig(**{**base, name: None}).validate()
 
 
+
+@pytest.mark.parametrize("value, message", [
+    (5, r"input must be a path, a list of paths or \{demo: \.\.\.\}, got 5"),
+    (2.5, r"input must be a path, a list of paths or \{demo: \.\.\.\}, got 2\.5"),
+    (True, r"input must be a path, a list of paths or \{demo: \.\.\.\}, got True"),
+    (b"rows.jsonl", r"input must be a path, a list of paths or \{demo: \.\.\.\}, got b'rows\.jsonl'"),
+    ([], r"input must be a path, a list of paths or \{demo: \.\.\.\}, got \[\]"),
+    (["rows.jsonl", 3], r"input must be a path, a list of paths or \{demo: \.\.\.\}, got \['rows\.jsonl', 3\]"),
+    ({"rows": "a.jsonl"}, r"input mapping must be \{demo: \{\.\.\.\}\}, got keys \['rows'\]"),
+    ({"demo": 5}, r"input: demo options are \['kind', 'num_samples', 'seed'\], got 5"),
+    ({"demo": {"rows": 3}}, r"input: demo options are \['kind', 'num_samples', 'seed'\], got \{'rows': 3\}"),
+    (None, r"no input: give --input PATH or 'input:' in the config"),
+])
+def test_input_has_a_type_rule(value, message, tmp_path):
+    """``input: 5`` passed validate() and failed later, in the build's reading of the input (issue 30): now
+    validate() refuses it, one line naming input, by the rule read_source applies too."""
+    from thdpack.offline.inputs.sources import read_source
+    from thdpack.offline.stages import InputOptions
+
+    cfg = BuildConfig(input=value, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=rf"^{message}$"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match=rf"^{message}$"):
+        read_source(InputOptions.from_config(cfg), progress=False)
+
+
+@pytest.mark.parametrize("value", ["rows.jsonl", "s3://bucket/rows-*.jsonl", ["a.jsonl", "b.parquet"],
+                                   {"demo": None}, {"demo": {"num_samples": 8, "seed": 1, "kind": "text"}}])
+def test_inputs_of_the_type_rule_pass_validate(value):
+    BuildConfig(input=value).validate()
+
 def _build_args(*argv):
     return build_parser().parse_args(["build", "--output", "o", *argv])
 

@@ -316,8 +316,8 @@ def test_a_special_id_outside_the_vocabulary_in_metadata_is_refused(inputs, copy
     """Was accepted by ``thdpack stats`` and ``load_packed`` (and padded batches with it)."""
     ds = copy_of(inputs["packed"])
     _edit_tokenizer(ds, **{key: value})
-    want = (f"{ds / 'metadata.json'}: 'tokenizer.{key}' is {value}, outside the tokenizer's vocabulary of {VOCAB} ids "
-            f"(0..{VOCAB - 1}")
+    want = (f"{ds / 'metadata.json'}: 'tokenizer.{key}' must be an integer in [0, {VOCAB}), got {value} (a token id "
+            "of the tokenizer.vocab_size ids, or null); rebuild the dataset")
     with pytest.raises(NotPackedError, match=re.escape(want)):
         load_packed(ds)
     assert main(["stats", str(ds)]) == 2
@@ -328,7 +328,8 @@ def test_a_special_id_outside_the_vocabulary_in_metadata_is_refused(inputs, copy
 def test_a_special_id_that_is_not_a_token_id_is_refused(inputs, copy_of, value):
     ds = copy_of(inputs["packed"])
     _edit_tokenizer(ds, eos_token_id=value)
-    with pytest.raises(NotPackedError, match=r"'tokenizer\.eos_token_id' must be a token id \(an integer >= 0\) or null"):
+    want = rf"'tokenizer\.eos_token_id' must be an integer in \[0, {VOCAB}\), got {value!r} \(a token id of the "
+    with pytest.raises(NotPackedError, match=want + r"tokenizer\.vocab_size ids, or null\); rebuild"):
         load_packed(ds)
 
 
@@ -344,19 +345,20 @@ def test_export_refuses_a_pad_id_bridge_cannot_hold(inputs, tmp_path, capsys):
     src = inputs["packed"]
     out = tmp_path / "bridge"
     cases = {
-        str(2**31): "pad_id must be an integer <= 2147483647 (Bridge's input_ids are int32), got 2147483648",
-        str(2**70): "pad_id must be an integer",
+        str(2**31): "pad_id must be an integer in [0, 2147483648), got 2147483648 (the tokenizer's EOS id, which Bridge "
+                    "pads with; Bridge's input_ids are int32)",
+        str(2**70): "pad_id must be an integer in [0, 2147483648), got 1180591620717411303424",
         "999999": f"pad_id 999999 is outside the tokenizer's vocabulary of {VOCAB} ids recorded in {src / 'metadata.json'}: "
                   f"give an id in 0..{VOCAB - 1}",
         str(VOCAB): f"pad_id {VOCAB} is outside the tokenizer's vocabulary",
-        "-1": "pad_id must be an integer >= 0, got -1",
+        "-1": "pad_id must be an integer in [0, 2147483648), got -1",
     }
     for pad, want in cases.items():
         assert main(["export", str(src), "--to", "megatron-bridge", str(out), "--pad-id", pad, "--pad-seq-to-mult", "2"]) == 2
         line = _error_line(capsys.readouterr().err, "export")
         assert want in line, (pad, line)
         assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=r"pad_id must be an integer <= 2147483647"):
+    with pytest.raises(ValueError, match=r"^pad_id must be an integer in \[0, 2147483648\), got 2147483648 "):
         export_bridge(src, out, pad_id=2**31)
     with pytest.raises(ConfigError, match=r"pad_id 4000 is outside the tokenizer's vocabulary"):
         export_bridge(src, out, pad_id=4000, pad_seq_to_mult=2)

@@ -328,6 +328,7 @@ def test_a_pack_index_out_of_range_names_the_index_given(built):
     ds = load_packed(built)
     n = len(ds)
     for k in (n, -n - 1, n + 5):
-        with pytest.raises(IndexError, match=rf"^pack {k} out of range: the dataset has {n} packs \(0\.\.{n - 1}"):
+        with pytest.raises(IndexError, match=rf"^pack must be an integer in \[-{n}, {n}\), got {k} \(the dataset has "
+                                             rf"{n} packs; a negative pack counts from the end\)$"):
             ds[k]
     assert ds[-n]["input_ids"].tolist() == ds[0]["input_ids"].tolist()

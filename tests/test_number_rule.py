@@ -34,9 +34,11 @@ from thdpack import (
     plan_packs,
     seqlen_squared_sum,
     shard_for_cp,
+    shard_for_ulysses,
     thd_partition_indices,
     throughput,
 )
+from thdpack.common.align import check_int, is_int
 from thdpack.flops import (
     attention_overcount_factor,
     cp_seqlen_squared_share,
@@ -51,6 +53,9 @@ from thdpack.losses import (
     policy_gradient_loss,
     token_logps,
 )
+from thdpack.offline import ConfigError
+from thdpack.offline.inputs.input_slice import InputSlice
+from thdpack.offline.stages import check_model_config
 
 RULE = settings(max_examples=25, deadline=None, derandomize=True)
 
@@ -291,8 +296,8 @@ def test_plan_balanced_cost_of_another_type():
 
 @pytest.mark.parametrize("length", [2.5, -1, None, 0, True, "3"])
 def test_streaming_packer_length_fn_results(length):
-    with pytest.raises(ValueError, match=rf"^sample 0: length_fn returned {length!r}; it must return the sample's "
-                                         r"token count, an integer >= 1$"):
+    with pytest.raises(ValueError, match=rf"^sample 0: length_fn\(sample, index\) must be an integer >= 1, got "
+                                         rf"{length!r} \(the sample's token count\)$"):
         list(StreamingPacker(SAMPLES, 16, length_fn=lambda s, i: length))
     with pytest.raises(TypeError, match=r"^length_fn must be a function \(sample, index\) -> int, got int$"):
         StreamingPacker(SAMPLES, 16, length_fn=5)
@@ -320,3 +325,82 @@ def test_valid_inputs_give_what_they_gave():
     assert attention_overcount_factor(1, 4, 4) == 4.0
     assert group_advantages([1.0, 2.0], [0, 0]).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-3)
     assert CostModel(1, 2, 0).quadratic == 2
+
+
+# ----------------------------------------------------------------------------- the rule with an upper bound
+
+PLAN = plan_packs(LENGTHS, 8)
+N = len(PLAN)
+# (call with the value, the argument as named, minimum, below, hint, error class): every check of a rank or an
+# index is check_int's, so every one says "NAME must be an integer in [MINIMUM, BELOW), got VALUE" (issue 30)
+BOUNDED = {
+    "shard_for_cp.cp_rank": (lambda v: shard_for_cp(build_thd_batch(SAMPLES, cp_size=2), 2, v), "cp_rank", 0, 2, "",
+                             ValueError),
+    "build_thd_batch.cp_rank": (lambda v: build_thd_batch(SAMPLES, cp_size=2, cp_rank=v), "cp_rank", 0, 2, "",
+                                ValueError),
+    "thd_partition_indices.cp_rank": (lambda v: thd_partition_indices(CU, 2, v), "cp_rank", 0, 2, "", ValueError),
+    "shard_for_ulysses.rank": (lambda v: shard_for_ulysses(BATCH, 2, v), "rank", 0, 2, " (the SP rank)", ValueError),
+    "ThdCollator.ulysses_rank": (lambda v: ThdCollator(ulysses_sp_size=2, ulysses_rank=v), "ulysses_rank", 0, 2,
+                                 " (the SP rank)", ValueError),
+    "TokenBudgetBatchSampler.rank": (lambda v: TokenBudgetBatchSampler(LENGTHS, 16, num_replicas=2, rank=v), "rank",
+                                     0, 2, "", ValueError),
+    "StreamingPacker.rank": (lambda v: StreamingPacker(SAMPLES, 16, num_replicas=2, rank=v), "rank", 0, 2, "",
+                             ValueError),
+    "PackPlan.pieces": (lambda v: PLAN.pieces(v), "pack", -N, N,
+                        f" (the plan has {N} packs; a negative pack counts from the end)", IndexError),
+    "InputSlice.index": (lambda v: InputSlice(v, 3), "--slice: slice index", 0, 3, "", ConfigError),
+}
+OUTSIDE = {"below": lambda low, below: below, "minimum - 1": lambda low, below: low - 1, "1.5": lambda *_: 1.5,
+           "True": lambda *_: True, "'1'": lambda *_: "1", "2**63": lambda *_: 2**63}
+
+
+@pytest.mark.parametrize("outside", list(OUTSIDE))
+@pytest.mark.parametrize("case", sorted(BOUNDED))
+def test_a_bounded_integer_is_refused_in_one_form(case, outside):
+    """A rank or index outside ``[minimum, below)``, or not an integer, is one message of one form naming
+    the argument ("rank must be in [0, 2)" and "cp_rank must be an integer in [0, 2)" disagreed)."""
+    call, name, low, below, hint, error = BOUNDED[case]
+    value = OUTSIDE[outside](low, below)
+    with pytest.raises(error) as err:
+        call(value)
+    assert str(err.value) == f"{name} must be an integer in [{low}, {below}), got {value!r}{hint}"
+
+
+@pytest.mark.parametrize("case", sorted(BOUNDED))
+def test_a_bounded_integer_takes_its_range(case):
+    call, name, low, below, hint, error = BOUNDED[case]
+    for value in (low, below - 1, np.int64(below - 1)):
+        call(value)
+
+
+def test_check_int_message_forms():
+    """The one rule and its three messages; ``hint`` follows the value, ``error`` is what is raised."""
+    with pytest.raises(ValueError, match=r"^rank must be an integer in \[0, 2\), got 2 \(the SP rank\)$"):
+        check_int(2, "rank", 0, below=2, hint=" (the SP rank)")
+    with pytest.raises(ValueError, match=r"^size must be an integer >= 1, got 0$"):
+        check_int(0, "size", 1)
+    with pytest.raises(ValueError, match=r"^size must be an integer >= 1 and < 2\*\*63, got 9223372036854775808$"):
+        check_int(2**63, "size", 1)
+    with pytest.raises(ValueError, match=r"^id must be an integer in int64 range, got 1.5$"):
+        check_int(1.5, "id", None)
+    with pytest.raises(IndexError, match=r"^k must be an integer in \[-3, 3\), got -4$"):
+        check_int(-4, "k", -3, below=3, error=IndexError)
+    with pytest.raises(ConfigError, match=r"^where: k must be an integer in \[0, 3\), got 3$"):
+        check_int(3, "k", 0, below=3, error=lambda message: ConfigError(f"where: {message}"))
+    check_int(np.int64(2), "rank", 0, below=3)
+    check_int(-(2**63), "id", None)
+    assert is_int(np.uint8(1), 0, 2) and is_int(2**63 - 1, 0) and is_int(-5)
+    assert not any([is_int(True), is_int(np.bool_(True)), is_int(2**63), is_int(1.0), is_int(2, 0, below=2),
+                    is_int(-1, 0), is_int("1")])
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "64", 2**63])
+def test_the_build_model_config_takes_the_one_rule(value):
+    """The offline build's model-config check (``check_model_config``) is the same rule as ``config_int``."""
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    check_model_config(config, "model_config x")
+    for key in ("hidden_size", "head_dim"):
+        with pytest.raises(ConfigError) as err:
+            check_model_config({**config, key: value}, "model_config x")
+        assert str(err.value).startswith(f"model_config x: '{key}' must be an integer >= 1")
+        assert str(err.value).endswith(f", got {value!r}")

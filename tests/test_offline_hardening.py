@@ -74,13 +74,13 @@ def test_config_value_of_the_wrong_type(tmp_path, chat, capsys, key, value, expe
     ("{}", "model_config (inline mapping) is empty; give the model's config.json"),
     ("{model_type: llama}", "model_config (inline mapping) has no 'hidden_size'"),
     ("{hidden_size: abc, num_hidden_layers: 2, num_attention_heads: 2, vocab_size: 10}",
-     "'hidden_size' must be a positive integer, got 'abc'"),
+     "'hidden_size' must be an integer >= 1, got 'abc'"),
     ("{hidden_size: 64, num_hidden_layers: -3, num_attention_heads: 2, vocab_size: 10}",
-     "'num_hidden_layers' must be a positive integer, got -3"),
+     "'num_hidden_layers' must be an integer >= 1, got -3"),
     ("{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: true, vocab_size: 10}",
-     "'num_attention_heads' must be a positive integer, got True"),
+     "'num_attention_heads' must be an integer >= 1, got True"),
     ("{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, vocab_size: 10, head_dim: 0}",
-     "'head_dim' must be a positive integer, got 0"),
+     "'head_dim' must be an integer >= 1, got 0"),
     ("{text_config: 3, hidden_size: 64}", "'text_config' must be a mapping"),
 ])
 def test_model_config_without_keys_or_with_nonsense_values(tmp_path, chat, capsys, model, expected):

@@ -706,7 +706,8 @@ def test_a_pack_out_of_range_is_named():
     n = len(plan.packs)
     for k in (n, n + 1, -n - 1, 2.0, True):
         for method in (plan.pieces, plan.pack_lengths, plan.pack_vision):
-            with pytest.raises(IndexError, match=rf"pack {k!r} out of range: the plan has {n} packs \(0\.\.{n - 1}"):
+            with pytest.raises(IndexError, match=rf"^pack must be an integer in \[-{n}, {n}\), got {k!r} \(the plan has "
+                                                 rf"{n} packs; a negative pack counts from the end\)$"):
                 method(k)
     for k in range(-n, n):
         assert plan.pack_lengths(k).tolist() == plan.pack_lengths(k % n).tolist()

@@ -331,8 +331,13 @@ def test_cli_slice_auto_under_torchrun_and_slurm_then_merge_and_stats(tmp_path, 
 def test_parse_slice_and_environment():
     assert parse_slice("2/5") == InputSlice(2, 5)
     assert parse_slice(" 0/1 ") == InputSlice(0, 1)
-    for bad in ("5/5", "-1/3", "1/0", "x", "1/2/3", "1"):
+    for bad in ("x", "1/2/3", "1", "a/3"):
         with pytest.raises(ConfigError, match="--slice must be I/N"):
+            parse_slice(bad)
+    for bad, message in (("5/5", r"slice index must be an integer in \[0, 5\), got 5"),
+                         ("-1/3", r"slice index must be an integer in \[0, 3\), got -1"),
+                         ("1/0", r"slice count must be an integer >= 1, got 0")):
+        with pytest.raises(ConfigError, match=rf"^--slice: {message}$"):
             parse_slice(bad)
     assert parse_slice("auto", {"RANK": "3", "WORLD_SIZE": "4"}) == InputSlice(3, 4, "torchrun RANK/WORLD_SIZE")
     s = slice_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5",
@@ -348,7 +353,8 @@ def test_parse_slice_and_environment():
                         "SLURM_ARRAY_TASK_MAX": "4", "SLURM_ARRAY_TASK_STEP": "2"})
     with pytest.raises(ConfigError, match="found neither"):
         slice_from_env({})
-    with pytest.raises(ConfigError, match="out of range"):
+    with pytest.raises(ConfigError, match=r"^--slice auto \(torchrun RANK/WORLD_SIZE\): slice index must be an integer "
+                                          r"in \[0, 4\), got 4$"):
         slice_from_env({"RANK": "4", "WORLD_SIZE": "4"})
     assert InputSlice(3, 12).format_output("out/p-{slice}") == "out/p-00003-of-00012"
     assert InputSlice(3, 12).format_output("out/{index}of{count}") == "out/3of12"

@@ -466,7 +466,7 @@ def test_load_state_dict_rejects_malformed_states(bad, message):
 
 
 def test_bad_rank_arguments():
-    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"^rank must be an integer in \[0, 2\), got 2$"):
         StreamingPacker([], 8, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match=r"num_replicas must be .*, got 0"):
         StreamingPacker([], 8, num_replicas=0, rank=0)

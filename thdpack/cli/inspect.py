@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from thdpack.cli.config_flags import integer_at_least
+from thdpack.common.align import check_int
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.offline.errors import OfflineError
 
@@ -27,8 +28,7 @@ def run(args) -> int:
 
     ds = load_packed(args.path)
     n = len(ds)
-    if not -n <= args.pack < n:
-        raise OfflineError(f"--pack {args.pack} is out of range: the dataset has {n} packs (0..{n - 1})")
+    check_int(args.pack, "--pack", -n, below=n, hint=f" (the dataset has {n} packs)", error=OfflineError)
     row = ds[args.pack]
     samples = ds.samples(args.pack)
     meta = ds.metadata

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -64,17 +64,39 @@ def round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def check_int(value, name: str, minimum: int | None, *, hint: str = "") -> None:
-    """The one rule for integer arguments: a Python or numpy integer (not a bool),
-    ``minimum <= value`` (any int64 when ``minimum`` is None) and ``value < 2**63``
-    (every count and id is int64 downstream). ``ValueError`` naming the argument
-    otherwise; ``hint`` is appended to it."""
+def is_int(value, minimum: int | None = None, below: int | None = None) -> bool:
+    """The one integer rule, as a test: ``value`` is a Python or numpy integer (not a bool),
+    ``minimum <= value`` (any int64 when ``minimum`` is None) and ``value < below``, never past int64
+    (``value < 2**63`` when ``below`` is None: every count and id is int64 downstream)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return False
     low = INT64_MIN if minimum is None else minimum
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= INT64_MAX:
-        what = "an integer in int64 range" if minimum is None else f"an integer >= {minimum}"
-        if minimum is not None and isinstance(value, int) and value > INT64_MAX:
+    return low <= value <= INT64_MAX and (below is None or value < below)
+
+
+def check_int(value, name: str, minimum: int | None, *, below: int | None = None, hint: str = "",
+              error: Callable[[str], Exception] = ValueError) -> None:
+    """The one rule for integer arguments (:func:`is_int`): a Python or numpy integer (not a bool),
+    ``minimum <= value`` (any int64 when ``minimum`` is None), ``value < below`` when ``below`` is given
+    (the exclusive upper bound of a rank or an index: ``0 <= rank < world_size``) and ``value < 2**63``.
+    Otherwise ``error`` (``ValueError``; ``IndexError`` for an index, a ``ValueError`` subclass, or a
+    function of the message that returns the exception) with one message naming the argument, ``hint``
+    appended to it:
+
+    - ``NAME must be an integer in [MINIMUM, BELOW), got VALUE`` with ``below``;
+    - ``NAME must be an integer >= MINIMUM, got VALUE`` without (`` and < 2**63`` added for a larger int);
+    - ``NAME must be an integer in int64 range, got VALUE`` with neither bound."""
+    if is_int(value, minimum, below):
+        return
+    if below is not None:
+        what = f"an integer in [{INT64_MIN if minimum is None else minimum}, {below})"
+    elif minimum is None:
+        what = "an integer in int64 range"
+    else:
+        what = f"an integer >= {minimum}"
+        if isinstance(value, int) and value > INT64_MAX:
             what += " and < 2**63"
-        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+    raise error(f"{name} must be {what}, got {value!r}{hint}")
 
 
 def check_number(value, name: str, *, positive: bool, what: str = "") -> None:

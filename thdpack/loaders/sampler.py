@@ -25,8 +25,7 @@ def distributed_default(num_replicas, rank) -> tuple[int, int]:
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     check_positive_int(num_replicas, "num_replicas")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
-        raise ValueError(f"rank must be in [0, {num_replicas}), got {rank!r}")
+    check_int(rank, "rank", 0, below=num_replicas)
     return int(num_replicas), int(rank)
 
 

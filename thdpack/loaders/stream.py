@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.common.align import INT64_MAX, check_int, round_up
+from thdpack.common.align import check_int, round_up
 from thdpack.loaders.collate import with_sample_index
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, cut_overflow
@@ -161,9 +161,8 @@ class StreamingPacker(IterableDataset):
         length = self.length_fn(sample, index)
         if self.length_fn is _default_length:
             return length  # len(input_ids): 0 is an empty sample, named as such
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 1 <= length <= INT64_MAX:
-            raise SampleError.at(index, f": length_fn returned {length!r}; it must return the sample's token count, "
-                                 "an integer >= 1")
+        check_int(length, "length_fn(sample, index)", 1, hint=" (the sample's token count)",
+                  error=lambda message: SampleError.at(index, f": {message}"))
         return int(length)
 
     def _place(self, sample, length: int) -> None:

@@ -316,10 +316,8 @@ def _check_pad_id(pad_id, ds) -> None:
     from thdpack.common.align import check_int
     from thdpack.offline.store.format import METADATA_FILE
 
-    hint = " (the tokenizer's EOS id, which Bridge pads with)"
-    check_int(pad_id, "pad_id", 0, hint=hint)
-    if pad_id > PAD_ID_MAX:
-        raise ValueError(f"pad_id must be an integer <= {PAD_ID_MAX} (Bridge's input_ids are int32), got {pad_id}{hint}")
+    check_int(pad_id, "pad_id", 0, below=PAD_ID_MAX + 1,
+              hint=" (the tokenizer's EOS id, which Bridge pads with; Bridge's input_ids are int32)")
     vocab = (ds.metadata.get("tokenizer") or {}).get("vocab_size")
     if vocab is not None and pad_id >= vocab:
         raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's vocabulary of {vocab} ids recorded in "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import re
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from thdpack.common.align import check_int, check_number
+from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.packing import OVERFLOW_POLICIES
 from thdpack.planning.options import ALGORITHMS
@@ -263,8 +265,7 @@ class BuildConfig:
     # ------------------------------------------------------------------ checks
     def validate(self, *, need_tokenizer: bool | None = None) -> "BuildConfig":
         """Raise :class:`ConfigError` on the first invalid option; returns ``self``."""
-        if self.input is None:
-            raise ConfigError("no input: give --input PATH or 'input:' in the config")
+        check_input(self.input)
         for option in options():
             option.check(getattr(self, option.name))
         self.value_columns()
@@ -398,7 +399,7 @@ class Option:
                 raise ConfigError(f"{self.name} must be one of {', '.join(self.choices)}; got {value!r}")
             return
         if self.kind == "int":
-            _positive_int(value, self.name, self.minimum)
+            check_int(value, self.name, self.minimum, error=ConfigError)
         elif self.kind == "flag" and not isinstance(value, bool):
             raise ConfigError(f"{self.name} must be true or false, got {value!r}")
         elif self.kind == "number":
@@ -434,10 +435,23 @@ def options() -> tuple[Option, ...]:
     return tuple(out)
 
 
-def _positive_int(value, name: str, minimum: int = 1) -> None:
-    """:func:`thdpack.common.align.check_int` (the one integer rule, ``>= minimum``) as a :class:`ConfigError`."""
-    try:
-        check_int(value, name, minimum)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+DEMO_OPTIONS = tuple(inspect.signature(generate_rows).parameters)  # of input {demo: {...}}: the rows' generator's
+
+
+def check_input(spec) -> None:
+    """:class:`ConfigError` naming ``input`` unless ``spec`` is what the build reads
+    (:func:`thdpack.offline.inputs.sources.read_source`): a path, glob or URI; a non-empty list of
+    them; or ``{demo: {...}}`` (null, or a mapping of :data:`DEMO_OPTIONS`) for the bundled rows."""
+    if spec is None:
+        raise ConfigError("no input: give --input PATH or 'input:' in the config")
+    if isinstance(spec, dict):
+        if set(spec) != {"demo"}:
+            raise ConfigError(f"input mapping must be {{demo: {{...}}}}, got keys {sorted(map(str, spec))}")
+        demo = spec["demo"]
+        if demo is not None and (not isinstance(demo, dict) or set(demo) - set(DEMO_OPTIONS)):
+            raise ConfigError(f"input: demo options are {sorted(DEMO_OPTIONS)}, got {demo!r}")
+        return
+    specs = spec if isinstance(spec, list) else [spec]
+    if not specs or not all(isinstance(s, str) for s in specs):
+        raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
+from thdpack.common.align import check_int
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.options import PlanOptions
@@ -398,6 +399,5 @@ def check_model_config(config: dict, what: str) -> dict:
                 continue
             raise ConfigError(f"{what} has no '{key}'; the build needs {', '.join(MODEL_CONFIG_NEEDS)} "
                               "(give the model's config.json)")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{what}: '{key}' must be a positive integer, got {value!r:.60}")
+        check_int(value, f"{what}: '{key}'", 1, error=ConfigError)
     return config

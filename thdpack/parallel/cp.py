@@ -24,8 +24,7 @@ from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 def check_cp_args(cp_size, cp_rank) -> None:
     """``ValueError`` unless ``cp_size >= 1`` and ``0 <= cp_rank < cp_size``."""
     check_int(cp_size, "cp_size", 1)
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}")
+    check_int(cp_rank, "cp_rank", 0, below=cp_size)
 
 
 def _padded_lengths(cu_seqlens_padded, cp_size: int):

@@ -63,8 +63,7 @@ def check_ulysses_args(sp_size, rank, cp_size=1, cp_rank=0, *, names=("sp_size",
     """``ValueError`` naming the argument unless ``sp_size >= 1``, ``0 <= rank < sp_size``,
     ``cp_size >= 1`` and ``0 <= cp_rank < cp_size``; ``names``: what the caller calls the first two."""
     check_int(sp_size, names[0], 1)
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < sp_size:
-        raise ValueError(f"{names[1]} must be an integer in [0, {sp_size}) (the SP rank), got {rank!r}")
+    check_int(rank, names[1], 0, below=sp_size, hint=" (the SP rank)")
     check_cp_args(cp_size, cp_rank)
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from thdpack.planning import binpack
-from thdpack.common.align import INT64_MAX, first_non_int64, round_up
+from thdpack.common.align import INT64_MAX, check_int, first_non_int64, round_up
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, cut_overflow
 from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
@@ -72,8 +72,8 @@ class PackPlan:
         """Where pack ``k``'s pieces sit in the CSR arrays (``k`` from ``-len(plan)``, counting from the
         end, to ``len(plan) - 1``); an IndexError naming ``k`` and the number of packs otherwise."""
         n = len(self.pack_offsets) - 1
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -n <= k < n:
-            raise IndexError(f"pack {k!r} out of range: the plan has {n} packs (0..{n - 1}, or -{n}..-1 from the end)")
+        check_int(k, "pack", -n, below=n, hint=f" (the plan has {n} packs; a negative pack counts from the end)",
+                  error=IndexError)
         k = int(k) % n
         return slice(int(self.pack_offsets[k]), int(self.pack_offsets[k + 1]))
 

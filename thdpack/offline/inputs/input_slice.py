@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.common.align import check_int
 from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256
@@ -57,12 +58,13 @@ class InputSlice:
     origin: str = "--slice"
 
     def __post_init__(self):
-        for name in ("index", "count"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ConfigError(f"slice {name} must be an integer, got {v!r}")
-        if self.count < 1 or not 0 <= self.index < self.count:
-            raise ConfigError(f"{self.origin}: slice {self.index}/{self.count} is out of range: need 0 <= i < N")
+        check_int(self.count, f"{self.given_as}: slice count", 1, error=ConfigError)
+        check_int(self.index, f"{self.given_as}: slice index", 0, below=self.count, error=ConfigError)
+
+    @property
+    def given_as(self) -> str:
+        """How the slice was given, for messages: ``--slice``, or ``--slice auto (ORIGIN)``."""
+        return "--slice" if self.origin == "--slice" else f"--slice auto ({self.origin})"
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
@@ -86,7 +88,7 @@ class InputSlice:
         if "{" not in text:
             if self.origin != "--slice" and self.count > 1:
                 raise ConfigError(
-                    f"--slice auto ({self.origin}) runs {self.count} slices: put {{slice}} in --output so that each "
+                    f"{self.given_as} runs {self.count} slices: put {{slice}} in --output so that each "
                     f"writes its own directory, e.g. --output {text.rstrip('/')}/part-{{slice}}"
                 )
             return text
@@ -128,9 +130,9 @@ def parse_slice(spec: str | None, environ: Mapping[str, str] | None = None) -> I
         index, count = (int(p) for p in parts) if len(parts) == 2 else (None, None)
     except ValueError:
         index = count = None
-    if index is None or count is None or count < 1 or not 0 <= index < count:
+    if index is None or count is None:
         raise ConfigError(f"--slice must be I/N with 0 <= I < N (e.g. 0/8), or auto; got {spec!r}")
-    return InputSlice(index, count)
+    return InputSlice(index, count)  # which checks the range
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:
@@ -171,9 +173,7 @@ def slice_from_env(env: Mapping[str, str]) -> InputSlice:
             + "; pass --slice I/N yourself"
         )
     origin, index, count = several[0] if several else found[0]
-    if count < 1 or not 0 <= index < count:
-        raise ConfigError(f"--slice auto: {origin} give slice {index}/{count}, which is out of range")
-    return InputSlice(index, count, origin)
+    return InputSlice(index, count, origin)  # which checks the range
 
 
 class SliceSource:

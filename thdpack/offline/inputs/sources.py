@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.offline.config import check_input
 from thdpack.offline.stages import InputOptions
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.format import bytes_sha256, file_sha256
@@ -104,13 +105,10 @@ def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | 
     import datasets
 
     spec = opts.input
+    check_input(spec)
     if isinstance(spec, dict):
-        if set(spec) != {"demo"}:
-            raise ConfigError(f"input mapping must be {{demo: {{...}}}}, got keys {sorted(spec)}")
         return _read_demo(spec["demo"] or {}, opts)
     specs = spec if isinstance(spec, list) else [spec]
-    if not specs or not all(isinstance(s, str) for s in specs):
-        raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
 
     paths: list[tuple[str, Path]] = []
     fetched = None
@@ -428,9 +426,6 @@ def _read_demo(demo: dict, opts: InputOptions) -> Source:
 
     from thdpack.demo import generate_rows
 
-    allowed = {"num_samples", "seed", "kind"}
-    if not isinstance(demo, dict) or set(demo) - allowed:
-        raise ConfigError(f"input: demo options are {sorted(allowed)}, got {demo!r}")
     try:
         rows = generate_rows(**demo)
     except (TypeError, ValueError) as exc:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from thdpack.common.align import resolve_pad_multiple
+from thdpack.common.align import check_int, resolve_pad_multiple
 from thdpack.batching.batch import ThdBatch
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
@@ -475,8 +475,8 @@ class PackedDataset(torch.utils.data.Dataset):
             k = int(k)
         if not isinstance(k, int):
             raise TypeError(f"pack index must be an integer, got {type(k).__name__}")
-        if not -n <= k < n:
-            raise IndexError(f"pack {k} out of range: the dataset has {n} packs (0..{n - 1}, or -{n}..-1 from the end)")
+        check_int(k, "pack", -n, below=n, hint=f" (the dataset has {n} packs; a negative pack counts from the end)",
+                  error=IndexError)
         if k < 0:
             k += n
         b = int(np.searchsorted(self._starts, k, side="right") - 1)

@@ -54,6 +54,7 @@ from typing import Annotated, TypedDict, get_origin, get_type_hints
 
 import numpy as np
 
+from thdpack.common.align import check_int, is_int
 from thdpack.offline.config import TARGETS  # the target columns a build writes: one of them
 from thdpack.offline.errors import NotPackedError
 
@@ -114,10 +115,6 @@ def bytes_sha256(data) -> str:
 # ---------------------------------------------------------------------------- metadata.json rules
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """What one ``metadata.json`` value must be: ``what`` names it in the error, ``ok`` tests it;
@@ -142,8 +139,8 @@ def _value_types(v) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and k and t in ("int64", "float64") for k, t in v.items())
 
 
-COUNT = Rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
-POSITIVE = Rule("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+COUNT = Rule("an integer >= 0", lambda v: is_int(v, 0))  # the one integer rule: JSON true is not a count
+POSITIVE = Rule("an integer >= 1", lambda v: is_int(v, 1))
 FLAG = Rule("true or false", lambda v: isinstance(v, bool))
 TEXT = Rule("a string", lambda v: isinstance(v, str))
 OBJECT = Rule("an object", lambda v: isinstance(v, dict))
@@ -152,7 +149,7 @@ NAMES = Rule("a list of strings", lambda v: isinstance(v, list) and all(isinstan
 SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None)
 VALUE_TYPES = Rule('an object {name: "int64" or "float64"}', _value_types)
 SHARE_PREFIX = Rule("an object with an integer 'min_prefix_len' >= 1",
-                    lambda v: isinstance(v, dict) and _is_int(v.get("min_prefix_len")) and v["min_prefix_len"] >= 1)
+                    lambda v: isinstance(v, dict) and is_int(v.get("min_prefix_len"), 1))
 
 
 # ---------------------------------------------------------------------------- metadata.json types
@@ -330,16 +327,11 @@ def _check_token_ids(tok: dict, where: str) -> None:
     """The tokenizer's special ids are token ids (an integer >= 0, or null) and, where ``vocab_size`` is
     recorded, within its vocabulary: the collator pads with one, the Bridge export with another."""
     vocab = tok.get("vocab_size")
+    hint = f" (a token id{'' if vocab is None else ' of the tokenizer.vocab_size ids'}, or null); {REBUILD}"
     for key in TOKEN_ID_KEYS:
         value = tok.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise NotPackedError(f"{where}: 'tokenizer.{key}' must be a token id (an integer >= 0) or null, "
-                                 f"got {value!r}; {REBUILD}")
-        if vocab is not None and value >= vocab:
-            raise NotPackedError(f"{where}: 'tokenizer.{key}' is {value}, outside the tokenizer's vocabulary of "
-                                 f"{vocab} ids (0..{vocab - 1}, 'tokenizer.vocab_size'); {REBUILD}")
+        if value is not None:
+            check_int(value, f"{where}: 'tokenizer.{key}'", 0, below=vocab, hint=hint, error=NotPackedError)
 
 
 def value_columns(meta: dict) -> list[str]:

@@ -31,6 +31,7 @@ from thdpack.offline.tokenizing.formats import row_format
 from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer, row_error
 from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.store.vision_columns import CUT_COLUMN
+from thdpack.common.align import check_int
 from thdpack.common.samples import IGNORE_INDEX
 
 VISION_MAP_BATCH_SIZE = 16  # benchmarks/video.py: 300 videos peak 1169 MB at 64 rows a batch, 1044 MB at 16
@@ -86,8 +87,8 @@ class VlmRowTokenizer(RowTokenizer):
                           ("vision_end_token_id", vlm.vision_end_token_id), ("video_token_id", fam.video_token_id)):
             if tid is None and name == "video_token_id":
                 continue  # a family without video: a row with a video fails
-            if tid is None or not 0 <= tid < vocab:
-                raise ConfigError(f"model_config's {name}={tid} is not a token of the tokenizer ({vocab} tokens)")
+            check_int(tid, f"model_config's {name}", 0, below=vocab, hint=" (a token id of the tokenizer)",
+                      error=ConfigError)
             strings[name] = tokenizer.convert_ids_to_tokens(int(tid))
         self.image_str = strings["image_token_id"]
         self.start_str = strings["vision_start_token_id"]
