@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from thdpack.batching.batch import ThdBatch
-from thdpack.common.align import check_int, check_number, integer_array
+from thdpack.common.align import check_int, check_number, host_array, integer_array
 from thdpack.common.values import sample_ids
 
 REDUCTIONS = ("token", "sample")
@@ -302,13 +302,7 @@ def _numbers(values, name: str):
         if values.dtype == torch.bool or values.is_complex():
             raise ValueError(f"{name} must be real numbers, got a {values.dtype} tensor")
         return values
-    if isinstance(values, (str, bytes, dict)) or values is None:
-        got = "None" if values is None else type(values).__name__
-        raise TypeError(f"{name} must be numbers (a list, numpy array or tensor), got {got}")
-    try:
-        arr = np.asarray(values)
-    except ValueError:
-        raise ValueError(f"{name} must be a flat sequence of numbers, got ragged rows") from None
+    arr = host_array(values, name, "numbers (a list, numpy array or tensor)", "a flat sequence of numbers")
     if arr.size and arr.dtype.kind not in "iuf":
         first = next((v for v in arr.reshape(-1).tolist() if isinstance(v, bool) or not isinstance(v, (int, float))),
                      arr.reshape(-1)[0])

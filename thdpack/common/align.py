@@ -109,6 +109,19 @@ def check_number(value, name: str, *, positive: bool, what: str = "") -> None:
         raise ValueError(f"{name} must be a {kind} finite number{what}, got {value!r}")
 
 
+def host_array(x, name: str, what: str, shape: str) -> np.ndarray:
+    """``x`` (a list or numpy array) as a numpy array: ``TypeError`` for a string, a mapping or None in place
+    of it (``NAME must be WHAT, got TYPE``), ``ValueError`` for ragged nested lists (``NAME must be SHAPE, got
+    ragged rows``). The array rules (:func:`integer_array`, the losses' real numbers) check the values."""
+    if isinstance(x, (str, bytes, Mapping)) or x is None:
+        got = "None" if x is None else type(x).__name__
+        raise TypeError(f"{name} must be {what}, got {got}")
+    try:
+        return np.asarray(x)
+    except ValueError:  # ragged nested lists
+        raise ValueError(f"{name} must be {shape}, got ragged rows") from None
+
+
 def integer_array(x, name: str, hint: str = ""):
     """``x`` as an array of integers (offsets, lengths, counts): a torch tensor is returned as it is, its
     dtype checked (not its values: reading accelerator memory would sync); anything else becomes a numpy
@@ -120,13 +133,8 @@ def integer_array(x, name: str, hint: str = ""):
         if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
             raise ValueError(f"{name} must hold integers{hint}, got a {dtype} tensor")
         return x
-    if isinstance(x, (str, bytes, Mapping)) or x is None:
-        got = "None" if x is None else type(x).__name__
-        raise TypeError(f"{name} must be integers (a list, numpy array or tensor){hint}, got {got}")
-    try:
-        arr = np.asarray(x)
-    except ValueError:  # ragged nested lists
-        raise ValueError(f"{name} must be a rectangular array of integers{hint}, got ragged rows") from None
+    arr = host_array(x, name, f"integers (a list, numpy array or tensor){hint}",
+                     f"a rectangular array of integers{hint}")
     if arr.size == 0:
         return arr.astype(np.int64)
     kind = arr.dtype.kind

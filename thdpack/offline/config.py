@@ -229,13 +229,7 @@ class BuildConfig:
             raise ConfigError(f"config file {path} is a directory; give the YAML file in it")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                              "save the config as UTF-8") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path} ({exc.strerror or exc})") from None
+        text = read_utf8(path, f"{path}", f"cannot read config file {path}", "save the config as UTF-8")
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
@@ -433,6 +427,18 @@ def options() -> tuple[Option, ...]:
                           f.metadata["help"], choices or None, f.metadata["minimum"],
                           f.metadata["accepts"], f.metadata["flag_type"], f.metadata["many"]))
     return tuple(out)
+
+
+def read_utf8(path: Path, label: str, unreadable: str, fix: str) -> str:
+    """The text of the file ``path``; :class:`ConfigError` for bytes that are not UTF-8 (``label``: not UTF-8
+    text (byte, offset); ``fix``) or an OS error (``unreadable`` (the reason))."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          f"{fix}") from None
+    except OSError as exc:
+        raise ConfigError(f"{unreadable} ({exc.strerror or exc})") from None
 
 
 DEMO_OPTIONS = tuple(inspect.signature(generate_rows).parameters)  # of input {demo: {...}}: the rows' generator's

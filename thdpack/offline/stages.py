@@ -28,7 +28,7 @@ from typing import Any
 
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.common.align import check_int
-from thdpack.offline.config import BuildConfig
+from thdpack.offline.config import BuildConfig, read_utf8
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.options import PlanOptions
 
@@ -321,13 +321,8 @@ def read_chat_template(base_dir: Path, given: str) -> str:
         raise ConfigError(f"chat_template {given!r}: {path} is a directory; give the template file")
     if not path.is_file():
         raise ConfigError(f"chat_template {given!r}: no such file ({path})")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"chat_template {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
-                          f"{exc.start}); save the template as UTF-8") from None
-    except OSError as exc:
-        raise ConfigError(f"chat_template {given!r}: cannot read {path} ({exc.strerror or exc})") from None
+    text = read_utf8(path, f"chat_template {path}", f"chat_template {given!r}: cannot read {path}",
+                     "save the template as UTF-8")
     if not text.strip():
         raise ConfigError(f"chat_template {path} is empty; give a Jinja chat template file (or remove "
                           "chat_template to use the tokenizer's own)")
