@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.common.align import check_int, check_number
 from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
@@ -139,7 +140,8 @@ class BuildConfig:
         "out once; the plan counts it once against pack_size, and the loaded packs are shared-prefix batches "
         "(docs/build.md, Shared prefixes)"
     )
-    min_prefix_len: int | None = _opt(None, "share_prefix: the shortest prefix shared, in tokens (default 32)")
+    min_prefix_len: int | None = _opt(
+        None, f"share_prefix: the shortest prefix shared, in tokens (default {DEFAULT_MIN_PREFIX_LEN})")
     seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order", minimum=0)
     shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
     cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")

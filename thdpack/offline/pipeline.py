@@ -41,7 +41,6 @@ from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
 from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.vision.vlm_setup import vlm_build
-from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.planning.plan import PackPlan, plan_packs
 
 logger = logging.getLogger(__name__)
@@ -513,7 +512,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
 
         summary = prep.summary()
         summary["target_tokens"] = written["target_tokens"]
-        meta = _metadata(cfg, prep, summary, written, values, tok_info)
+        meta = _metadata(cfg, stages, prep, summary, written, values, tok_info)
         if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
             meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
@@ -604,7 +603,7 @@ def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) ->
     return tok_info
 
 
-def _metadata(cfg: BuildConfig, prep: Prepared, summary: dict, written: dict, values: dict,
+def _metadata(cfg: BuildConfig, stages: BuildStages, prep: Prepared, summary: dict, written: dict, values: dict,
               tok_info: dict | None) -> PackedMetadata:
     """``metadata.json`` of a build: the format, the options, the counts and ``summary``, the source,
     tokenizer and model, the data files ``written``, and the ``values`` columns' dtypes."""
@@ -649,7 +648,7 @@ def _metadata(cfg: BuildConfig, prep: Prepared, summary: dict, written: dict, va
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
         meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
     if prep.shared_prefix is not None:  # share_prefix: the group and prefix columns the loader reads
-        meta["share_prefix"] = _prefix_counts(prep, cfg.min_prefix_len or DEFAULT_MIN_PREFIX_LEN)
+        meta["share_prefix"] = _prefix_counts(prep, stages.planning.min_prefix_len)  # resolved once: stages.py
         meta["columns"] += list(PREFIX_COLUMNS)
         meta["counts"]["tokens"] = int(prep.plan.length.sum())  # stored: each sample whole (the stream's: stats)
     return meta

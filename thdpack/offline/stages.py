@@ -53,8 +53,8 @@ class InputOptions:
 
     input: Any
     base_dir: Path
-    split: str | None = None
-    max_rows: int | None = None
+    split: str | None
+    max_rows: int | None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "InputOptions":
@@ -93,22 +93,22 @@ class TokenizeOptions:
             of the tokenized rows' fingerprint.
     """
 
-    format: str = "auto"
-    text_field: str = "text"
-    messages_field: str = "messages"
-    loss: str = "assistant"
-    append_eos: bool = True
-    tokenizer: str | None = None
-    tokenizer_path: Path | None = None
-    chat_template: str | None = None
-    chat_template_text: str | None = None
-    tokenizer_backend: str = "auto"
-    targets: str = "loss_mask"
-    value_columns: tuple[str, ...] = ()
-    group_column: str | None = None
-    num_proc: int = 1
-    map_batch_size: int = 1000
-    recorded: Mapping | None = None
+    format: str
+    text_field: str
+    messages_field: str
+    loss: str
+    append_eos: bool
+    tokenizer: str | None
+    tokenizer_path: Path | None
+    chat_template: str | None
+    chat_template_text: str | None
+    tokenizer_backend: str
+    targets: str
+    value_columns: tuple[str, ...]
+    group_column: str | None
+    num_proc: int
+    map_batch_size: int
+    recorded: Mapping | None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig, value_columns: tuple[str, ...] | None = None) -> "TokenizeOptions":
@@ -151,18 +151,18 @@ class VisionOptions:
         base_dir: the directory relative input file paths are resolved against (the rows' directories).
     """
 
-    image_processor: Any = None
-    image_processor_path: Path | None = None
-    images_field: str = "images"
-    videos_field: str = "videos"
-    messages_field: str = "messages"
-    image_placeholder: str = "<image>"
-    video_placeholder: str = "<video>"
-    image_dir: Path | None = None
-    vision_budget: int | None = None
-    video: Any = None
-    overflow: str = "error"
-    base_dir: Path = Path(".")
+    image_processor: Any
+    image_processor_path: Path | None
+    images_field: str
+    videos_field: str
+    messages_field: str
+    image_placeholder: str
+    video_placeholder: str
+    image_dir: Path | None
+    vision_budget: int | None
+    video: Any
+    overflow: str
+    base_dir: Path
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "VisionOptions":
@@ -194,16 +194,17 @@ class PlanningOptions:
         skip_bad_rows: skip (and count) bad rows instead of stopping.
         targets: the target column of the tokenized rows (counted per piece).
         share_prefix: each group's common prefix is counted once (:mod:`thdpack.offline.shared_prefixes`).
-        min_prefix_len: the shortest prefix shared (``BuildConfig.min_prefix_len``, default 32).
+        min_prefix_len: the shortest prefix shared (``BuildConfig.min_prefix_len``, else
+            :data:`~thdpack.batching.shared_prefix.DEFAULT_MIN_PREFIX_LEN`).
     """
 
     plan: PlanOptions
-    without_targets: str = "drop"
-    group_column: str | None = None
-    skip_bad_rows: bool = False
-    targets: str = "loss_mask"
-    share_prefix: bool = False
-    min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN
+    without_targets: str
+    group_column: str | None
+    skip_bad_rows: bool
+    targets: str
+    share_prefix: bool
+    min_prefix_len: int
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "PlanningOptions":
@@ -233,14 +234,14 @@ class StoreOptions:
         align: the per-sample alignment multiple (Megatron-Bridge's ``pad_seq_to_mult``).
     """
 
-    output_format: str = "arrow"
-    file_size_mb: float = 512
-    targets: str = "loss_mask"
-    save_tokenizer: bool = True
-    shuffle_packs: bool = True
-    seed: int = 0
-    pack_size: int = 4096
-    align: int = 1
+    output_format: str
+    file_size_mb: float
+    targets: str
+    save_tokenizer: bool
+    shuffle_packs: bool
+    seed: int
+    pack_size: int
+    align: int
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "StoreOptions":
@@ -264,12 +265,12 @@ class RayOptions:
         spill_dir: where a local instance spills objects when its store is full (None: Ray's default).
     """
 
-    address: str | None = None
-    num_cpus: int | None = None
-    cpus_per_actor: float = 1.0
-    concurrency: int | None = None
-    object_store_mb: int | None = None
-    spill_dir: str | None = None
+    address: str | None
+    num_cpus: int | None
+    cpus_per_actor: float
+    concurrency: int | None
+    object_store_mb: int | None
+    spill_dir: str | None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "RayOptions":
@@ -295,10 +296,10 @@ class BuildStages:
     vision: VisionOptions
     planning: PlanningOptions
     store: StoreOptions
-    model_config: dict | None = None
-    model_given: Any = None
-    engine: str = "local"
-    ray: RayOptions = RayOptions()
+    model_config: dict | None
+    model_given: Any
+    engine: str
+    ray: RayOptions
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "BuildStages":
