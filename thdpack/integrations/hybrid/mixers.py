@@ -74,9 +74,6 @@ MIXER_FAMILIES = {name: family for family in FAMILIES for name in family.mixers}
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "attention", "sliding_attention", "chunked_attention", "mlp",
                                    "moe", "dense"})
 WINDOWED_LAYER_TYPES = frozenset({"sliding_attention", "chunked_attention"})
-# words in the class name of a module that mixes along the sequence without attention
-SEQUENCE_MIXER_WORDS = ("Mamba", "Mixer", "GatedDeltaNet", "DeltaNet", "ShortConv", "LinearAttention", "Rwkv",
-                        "Retention", "Hyena")
 
 
 def config_layer_types(config) -> list[str]:
