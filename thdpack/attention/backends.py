@@ -64,10 +64,16 @@ def dense_mask_dtype(attn_implementation) -> torch.dtype:
     be used, else bool."""
     if attn_implementation == "eager":
         return torch.float32
+    return torch.float32 if _mask_function_name(attn_implementation) == "eager_mask" else torch.bool
+
+
+def _mask_function_name(name) -> str | None:
+    """The name of the mask function an already imported transformers registers for ``name`` in its
+    ``AttentionMaskInterface``; None when there is none (or transformers is not imported)."""
     masks = sys.modules.get("transformers.masking_utils")
     mapping = getattr(getattr(masks, "AttentionMaskInterface", None), "_global_mapping", {})
-    fn = mapping.get(attn_implementation)
-    return torch.float32 if getattr(fn, "__name__", "") == "eager_mask" else torch.bool
+    fn = mapping.get(name)
+    return None if fn is None else getattr(fn, "__name__", "")
 
 
 def _registered_kind(name: str) -> str | None:
@@ -78,9 +84,7 @@ def _registered_kind(name: str) -> str | None:
     interface = getattr(modeling, "AttentionInterface", None)
     if interface is None or name not in interface._global_mapping:
         return None
-    masks = sys.modules.get("transformers.masking_utils")
-    mapping = getattr(getattr(masks, "AttentionMaskInterface", None), "_global_mapping", {})
-    fn = mapping.get(name)
-    if fn is None:
+    mask_function = _mask_function_name(name)
+    if mask_function is None:
         return "flash"
-    return _MASK_FUNCTION_KINDS.get(getattr(fn, "__name__", ""), "dense")
+    return _MASK_FUNCTION_KINDS.get(mask_function, "dense")
