@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from thdpack import (
@@ -57,13 +59,28 @@ def test_streaming_packer_without_pack_size_names_the_samples_first():
         StreamingPacker(5)
 
 
-@pytest.mark.parametrize("ids", [torch.tensor([True, False, True]), np.array([True, False, True]), [True, False, True]])
+@pytest.mark.parametrize("ids", [torch.tensor([True, False, True]), np.array([True, False, True]), [True, False, True],
+                                 [4, True, 6], [4, 5, False], [0, 1, True]])
 @pytest.mark.parametrize("field", ["input_ids", "labels"])
 def test_bool_ids_and_labels_are_refused(ids, field):
     sample = {"input_ids": [4, 5, 6], field: ids}
     with pytest.raises(SampleError, match=rf"^sample 0: field '{field}' holds bools; token ids and labels are integers") as err:
         build_thd_batch([sample])
     assert err.value.field == field
+
+
+@given(st.lists(st.sampled_from([-100, 0, 1, 2, 3]), min_size=1, max_size=40), st.data())
+@settings(max_examples=40, deadline=None)
+def test_one_bool_anywhere_in_a_list_is_refused(values, data):
+    """Token ids 0 and 1 and labels of -100 are integers; a True or False in any slot (equal to 1 or 0) is not."""
+    sample = {"input_ids": [abs(v) for v in values], "labels": values}
+    assert build_thd_batch([sample]).seq_lens.tolist() == [len(values)]
+    field = data.draw(st.sampled_from(["input_ids", "labels"]))
+    slot = data.draw(st.integers(0, len(values) - 1))
+    sample[field] = list(sample[field])
+    sample[field][slot] = data.draw(st.booleans())
+    with pytest.raises(SampleError, match=rf"^sample 0: field '{field}' holds bools"):
+        build_thd_batch([sample])
 
 
 def test_bool_loss_mask_is_still_a_mask():
@@ -269,7 +286,7 @@ def test_overcount_report_pack_lengths():
 def test_offline_rows_with_non_finite_values_are_row_errors(value):
     """Point 1: an offline build no longer writes a NaN / infinite reward into its packs without a word:
     the row is a row error naming the column (skipped and counted with --skip-bad-rows)."""
-    from thdpack.offline.tokenizing.row_formats import sample_value
+    from thdpack.offline.tokenizing.row_conversions import sample_value
 
     with pytest.raises(ValueError, match=r"^'reward' is (nan|inf|-inf); a per-sample value must be finite"):
         sample_value(value, "reward")

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.demo import generate_rows  # noqa: E402
-from thdpack.offline.pipeline import build_packed  # noqa: E402
+from thdpack.offline.commands.build_packs import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

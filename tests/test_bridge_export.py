@@ -1,4 +1,4 @@
-"""Megatron-Bridge's packed SFT format (thdpack/offline/bridge_export.py): ``--output-format megatron-bridge``
+"""Megatron-Bridge's packed SFT format (thdpack/offline/commands/bridge_export.py): ``--output-format megatron-bridge``
 and ``thdpack export PATH --to megatron-bridge OUT``.
 
 The output is fed to Bridge's own reader (megatron-bridge 0.6.2's ``GPTSFTPackedParquetDataset``:
@@ -28,7 +28,7 @@ import megatron_env  # noqa: E402  (tests/megatron_env.py)
 from thdpack.cli import main as cli_main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, build_packed, load_packed  # noqa: E402
-from thdpack.offline.bridge_export import METADATA, bridge_lengths, convert, export_bridge  # noqa: E402
+from thdpack.offline.commands.bridge_export import METADATA, bridge_lengths, convert, export_bridge  # noqa: E402
 from thdpack.offline.errors import ConfigError, InputError, OutputExistsError  # noqa: E402
 
 EOS = 2  # the demo tokenizer's EOS id (what Bridge pads with)
@@ -240,7 +240,7 @@ def test_export_refuses_what_bridge_cannot_hold(tmp_path, builds, capsys):
     labels_table = {"off": np.array([0, 5]), "ids": ids, "labels": np.array([-100, 6, 99, 8, 9], np.int32)}
     import pyarrow as pa
 
-    from thdpack.offline.bridge_export import _batch_rows
+    from thdpack.offline.commands.bridge_export import _batch_rows
 
     batch = pa.RecordBatch.from_pydict({
         "input_ids": pa.array([labels_table["ids"].tolist()], pa.list_(pa.int32())),
@@ -285,7 +285,7 @@ def test_merge_of_bridge_slice_builds(tmp_path, jsonl):
     """``thdpack merge`` of slice builds made with megatron-bridge writes Bridge's files of the
     merged packs (what exporting the merged dataset gives), not the first slice's record."""
     from thdpack.offline.inputs.input_slice import InputSlice
-    from thdpack.offline.merging import merge_slices
+    from thdpack.offline.commands.slice_merge import merge_slices
 
     cfg = BuildConfig(input=str(jsonl), tokenizer=str(TOKENIZER_DIR), pack_size=PACK, overflow="truncate", cp_size=2,
                       output_format="megatron-bridge")

@@ -23,7 +23,7 @@ from thdpack import __version__  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.offline import load_packed  # noqa: E402
 from thdpack.offline.errors import OutputError  # noqa: E402
-from thdpack.offline.merging import merge_slices  # noqa: E402
+from thdpack.offline.commands.slice_merge import merge_slices  # noqa: E402
 from thdpack.offline.store.staging import OutputLock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_failed_rename_puts_the_previous_dataset_back(packed, tmp_path, capsys, 
 # writes, the overlap that made both exit 0 and the second replace the first.
 GATED = """
 import os, sys, time
-import thdpack.offline.pipeline as b
+import thdpack.offline.commands.build_packs as b
 real = b.prepare
 def gated(*a, **k):
     while not os.path.exists(sys.argv[1]):

@@ -1,7 +1,7 @@
 """The import graph of thdpack/ follows the layers, has no cycles, and the core does not import vlm/.
 
 The layers (:data:`LAYERS`, mirrored in docs/architecture.md): a module may import only from its
-own layer and the layers below it.
+own layer and lower layers (one word each way: *lower* layers come first in the table, *higher* ones later).
 
 Every ``import`` in a module counts as an edge, at module level or inside a
 function (an import hidden in a function is still a dependency).
@@ -18,8 +18,8 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
 
 # The layers, lowest first: (name, the module prefixes in it). A module belongs to the first layer
-# one of whose prefixes it is or lies under; it may import from that layer and any layer above it
-# in this list, never from one below. docs/architecture.md draws the same table.
+# one of whose prefixes it is or lies under; it may import from that layer and any lower layer (earlier
+# in this list), never from a higher one (later). docs/architecture.md draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("common", ("thdpack.common",)),
     ("demo, parallel, attention", ("thdpack.demo", "thdpack.parallel", "thdpack.attention")),
@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("offline inputs", ("thdpack.offline.inputs",)),
     ("offline tokenizing", ("thdpack.offline.tokenizing",)),
     ("offline vision", ("thdpack.offline.vision",)),
-    ("offline commands", ("thdpack.offline",)),
+    ("offline commands", ("thdpack.offline.commands", "thdpack.offline.__init__")),
     ("cli", ("thdpack.cli",)),
     ("package", ("thdpack.__init__", "thdpack.__main__")),
 ]
@@ -217,19 +217,19 @@ def layer_of(module: str) -> int:
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of a module from a layer above its own, as 'module (layer) -> target (layer)'."""
+    """Every import of a module from a layer higher than its own, as 'module (layer) -> target (layer)'."""
     return [f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
             for m in sorted(graph) for t in sorted(graph[m]) if layer_of(t) > layer_of(m)]
 
 
-def test_a_planted_upward_import_breaks_the_layers():
+def test_a_planted_import_from_a_higher_layer_breaks_the_layers():
     graph = {"thdpack.common.samples": {"thdpack.planning.plan"}, "thdpack.planning.plan": {"thdpack.common.align"},
-             "thdpack.common.align": set(), "thdpack.offline.store.writer": {"thdpack.offline.tokenizing.row_formats"},
-             "thdpack.offline.tokenizing.row_formats": {"thdpack.offline.store.format"},
-             "thdpack.offline.store.format": {"thdpack.offline.errors"}, "thdpack.offline.errors": set()}
+             "thdpack.common.align": set(), "thdpack.offline.store.writer": {"thdpack.offline.tokenizing.row_conversions"},
+             "thdpack.offline.tokenizing.row_conversions": {"thdpack.offline.store.schema"},
+             "thdpack.offline.store.schema": {"thdpack.offline.errors"}, "thdpack.offline.errors": set()}
     assert layer_violations(graph) == [
         "thdpack.common.samples (common) -> thdpack.planning.plan (planning)",
-        "thdpack.offline.store.writer (offline store) -> thdpack.offline.tokenizing.row_formats (offline tokenizing)",
+        "thdpack.offline.store.writer (offline store) -> thdpack.offline.tokenizing.row_conversions (offline tokenizing)",
     ]
 
 
@@ -243,7 +243,7 @@ def test_every_module_is_in_a_layer():
     assert not missing, missing
 
 
-def test_modules_import_only_their_own_layer_and_below():
+def test_modules_import_only_their_own_layer_and_lower_ones():
     bad = layer_violations(import_graph())
     assert not bad, ("imports from a higher layer (move the shared piece down to the layer that owns it; "
                      f"the layers are LAYERS in {__file__}): {bad}")
@@ -266,3 +266,21 @@ def test_module_names_do_not_collide_across_folders():
     folders = {p.parent.name for p in PACKAGE_DIR.rglob("__init__.py")}  # packages (not data folders)
     twice = {name: paths for name, paths in seen.items() if len(paths) > 1 or name in folders}
     assert not twice, f"module names used twice (or also a folder's name): {twice}"
+
+
+def test_no_module_re_exports_another_modules_name():
+    """A name lives where it is defined and is imported from there: a module other than a package's ``__init__``
+    that imports a thdpack name only to hand it on (an import at module level kept with ``noqa: F401``) is a
+    re-export module, refused. (``__init__`` files are the public names; registration imports inside a
+    function are not re-exports.)"""
+    found = []
+    for name, path in _modules().items():
+        if name.endswith("__init__"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("thdpack") \
+                    and "noqa: F401" in lines[node.end_lineno - 1]:
+                found.append(f"{name}:{node.lineno}")
+    assert not found, f"re-exports (import the name from the module that defines it): {found}"

@@ -30,10 +30,10 @@ pytest.importorskip("pyarrow")
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, NotPackedError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.bridge_export import export_bridge  # noqa: E402
+from thdpack.offline.commands.bridge_export import export_bridge  # noqa: E402
 from thdpack.offline.errors import ConfigError, ReadError  # noqa: E402
 from thdpack.offline.inputs.input_slice import InputSlice  # noqa: E402
-from thdpack.offline.merging import merge_slices  # noqa: E402
+from thdpack.offline.commands.slice_merge import merge_slices  # noqa: E402
 
 TEXT = ["--format", "text", "--tokenizer", str(TOKENIZER_DIR), "--pack-size", "1024", "--overflow", "truncate", "-q"]
 VOCAB = 3072  # the bundled demo tokenizer's

@@ -58,7 +58,7 @@ def test_the_fixture_loads_and_has_full_packs(built):
 def test_packed_metadata_type_names_every_key_and_writes_the_file_as_built(built):
     """:class:`PackedMetadata` holds every key the schema checks and every key a build writes;
     :func:`metadata_text` gives back the file byte for byte."""
-    from thdpack.offline.store.format import METADATA_SCHEMA, PackedMetadata, metadata_text
+    from thdpack.offline.store.schema import METADATA_SCHEMA, PackedMetadata, metadata_text
 
     text = (built / "metadata.json").read_text(encoding="utf-8")
     meta = json.loads(text)

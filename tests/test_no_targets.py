@@ -392,7 +392,7 @@ def test_whole_row_target_counts_equal_the_targets_read_back(targets, tmp_path):
     """The planner counts a whole row's targets from the count tokenizing wrote (``__tail_targets__``), a cut
     piece's from the targets themselves: both equal a count of the targets read back, also for rows whose
     only target is their first token (never a target in a pack) and rows without any."""
-    from thdpack.offline import pipeline
+    from thdpack.offline.commands import build_packs as pipeline
     from thdpack.offline.store.gather import count_targets
 
     rng = np.random.default_rng(3)

@@ -35,7 +35,7 @@ from thdpack.offline import (  # noqa: E402
     unpack_row,
 )
 from thdpack.flops import attention_overcount_factor, lengths_squared_sum  # noqa: E402
-from thdpack.offline.summary import log2_histogram, summarize  # noqa: E402
+from thdpack.offline.commands.pack_stats import log2_histogram, summarize  # noqa: E402
 
 IGNORE = -100
 
@@ -487,7 +487,7 @@ def test_build_logs_through_logging_and_has_no_log_callback(tmp_path, chat_jsonl
         build_packed(cfg(chat_jsonl), tmp_path / "a", progress=False)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("thdpack.")]
     assert lines[0].startswith("read ") and lines[-1].startswith("wrote ")
-    assert {r.name for r in caplog.records} >= {"thdpack.offline.pipeline", "thdpack.offline.tokenizing.tokenize"}
+    assert {r.name for r in caplog.records} >= {"thdpack.offline.commands.build_packs", "thdpack.offline.tokenizing.tokenize_step"}
     caplog.clear()
     build_packed(cfg(chat_jsonl), tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""  # a library prints nothing by itself

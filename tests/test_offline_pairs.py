@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.tokenizing.formats import detect_format  # noqa: E402
+from thdpack.offline.tokenizing.row_formats import detect_format  # noqa: E402
 from thdpack.offline.stages import TokenizeOptions  # noqa: E402
 from test_losses import packed_dpo_step  # noqa: E402
 

@@ -333,7 +333,7 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
 
 def test_video_shards_merge(tmp_path, assets):
     from thdpack.offline.inputs.input_slice import InputSlice
-    from thdpack.offline.merging import merge_slices
+    from thdpack.offline.commands.slice_merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False, pack_size=200, vision_budget=150)
     single = build_packed(c, tmp_path / "single", progress=False)

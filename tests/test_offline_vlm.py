@@ -392,7 +392,7 @@ def _metadata_without_shards(meta: dict) -> dict:
 
 def test_vlm_shards_merge(tmp_path, assets):
     from thdpack.offline.inputs.input_slice import InputSlice
-    from thdpack.offline.merging import merge_slices
+    from thdpack.offline.commands.slice_merge import merge_slices
 
     c = cfg(assets, family="qwen2_5_vl", shuffle_packs=False)
     single = build_packed(c, tmp_path / "single", progress=False)

@@ -116,7 +116,7 @@ def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, mon
     """The planned pieces' target tokens are counted by Ray tasks over runs of pieces (the driver reads no
     targets): several tasks here, and the output (counts in metadata.json included) is the local one's."""
     import thdpack.offline.cluster.ray_tasks as ray_tasks
-    from thdpack.offline import pipeline
+    from thdpack.offline.commands import build_packs as pipeline
 
     monkeypatch.setattr(pipeline, "RAY_COUNT_TOKENS", 4000)
     calls = []

@@ -27,7 +27,7 @@ from real_tokenizers import real_tokenizer  # noqa: E402
 
 from thdpack.demo import generate_rows  # noqa: E402
 from thdpack.offline.tokenizing import fastenc  # noqa: E402
-from thdpack.offline.pipeline import build_packed  # noqa: E402
+from thdpack.offline.commands.build_packs import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
 from thdpack.offline.store.dataset import PackedDataset  # noqa: E402
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE  # noqa: E402

@@ -14,6 +14,8 @@ Both the bundled demo tokenizer and the real Qwen3 one (tests/real_tokenizers.py
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +26,9 @@ transformers = pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
-from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format  # noqa: E402
+from thdpack.offline.tokenizing.row_formats import DETECTION_ORDER, detect_format  # noqa: E402
 from thdpack.offline.stages import BuildStages, TokenizeOptions  # noqa: E402
-from thdpack.offline.tokenizing.row_formats import (SHAREGPT_ROLES, prompt_completion, sharegpt_row,  # noqa: E402
+from thdpack.offline.tokenizing.row_conversions import (SHAREGPT_ROLES, prompt_completion, sharegpt_row,  # noqa: E402
                                                     sharegpt_to_messages)
 
 TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
@@ -347,9 +349,10 @@ def format_flag_accepts(name: str) -> bool:
 def test_format_choices_are_auto_and_the_registered_formats():
     """``format``'s choices (the option and the flag) are "auto" + the registered formats, in the order of
     registration; ``auto`` tries every one of them."""
-    from thdpack.offline.tokenizing.formats import ROW_FORMATS
+    from thdpack.offline.config import FORMATS
+    from thdpack.offline.tokenizing.row_formats import ROW_FORMATS
 
-    assert list(ROW_FORMATS) == FORMAT_NAMES and sorted(DETECTION_ORDER) == sorted(FORMAT_NAMES)
+    assert list(ROW_FORMATS) == FORMAT_NAMES == FORMATS[1:] and sorted(DETECTION_ORDER) == sorted(FORMAT_NAMES)
     for name in ["auto", *FORMAT_NAMES]:
         assert BuildConfig(input="-", format=name).validate().format == name and format_flag_accepts(name)
     with pytest.raises(ConfigError, match="^format must be one of auto, chat, sharegpt, prompt_completion, "
@@ -358,29 +361,41 @@ def test_format_choices_are_auto_and_the_registered_formats():
     assert not format_flag_accepts("alpaca")
 
 
+def test_the_format_choices_are_known_without_importing_the_formats():
+    """``BuildConfig`` (the lower layer) states the choices itself: nothing registers into it on import."""
+    code = ("import sys; from thdpack.offline.config import BuildConfig; "
+            "assert BuildConfig(input='-', format='sharegpt').validate().format == 'sharegpt'; "
+            "assert 'thdpack.offline.tokenizing.row_formats' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_a_new_row_format_is_one_registered_class():
-    """A class that calls register_format is a format: a choice of ``format`` and ``--format``, and rows the
-    row tokenizer builds by asking it (its fields, the value it encodes, the encoder)."""
+    """A class that calls register_format, its name added to ``FORMATS``, is a format: a choice of ``format``
+    and ``--format``, and rows the row tokenizer builds by asking it (its fields, the value it encodes, the
+    encoder). A class whose name is not a choice is refused."""
     import pyarrow as pa
 
     from thdpack.offline import config
-    from thdpack.offline.tokenizing import formats
+    from thdpack.offline.tokenizing import row_formats
     from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer
 
-    saved = dict(formats.ROW_FORMATS), list(config.FORMATS)
+    class Shouted(row_formats.TextFormat):
+        """Text rows in capitals."""
+
+        name = "shouted"
+
+        def fields(self, cfg):
+            return ["line"]
+
+        def value(self, v, field, messages):
+            return super().value(v, field, messages).upper()
+
+    with pytest.raises(ValueError, match="^row format 'shouted' is not a choice of 'format': add its name to FORMATS"):
+        row_formats.register_format(Shouted)
+    saved = dict(row_formats.ROW_FORMATS), list(config.FORMATS)
     try:
-        @formats.register_format
-        class Shouted(formats.TextFormat):
-            """Text rows in capitals."""
-
-            name = "shouted"
-
-            def fields(self, cfg):
-                return ["line"]
-
-            def value(self, v, field, messages):
-                return super().value(v, field, messages).upper()
-
+        config.FORMATS.append("shouted")
+        row_formats.register_format(Shouted)
         cfg = BuildConfig(input="-", tokenizer=str(TOKENIZER_DIR), format="shouted").validate()
         assert format_flag_accepts("shouted")
         tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
@@ -390,14 +405,14 @@ def test_a_new_row_format_is_one_registered_class():
         assert got.column("__error__").to_pylist() == [None, "'line' is empty", None]
         assert got.drop_columns(["__error__"]).equals(want.drop_columns(["__error__"]))
     finally:
-        formats.ROW_FORMATS.clear()
-        formats.ROW_FORMATS.update(saved[0])
+        row_formats.ROW_FORMATS.clear()
+        row_formats.ROW_FORMATS.update(saved[0])
         config.FORMATS[:] = saved[1]
     assert not format_flag_accepts("shouted")
 
 
 def test_preference_rows_give_two_sequences_and_others_one():
-    from thdpack.offline.tokenizing.formats import row_format
+    from thdpack.offline.tokenizing.row_formats import row_format
 
     pref = row_format("preference")
     values, errors, tools = pref.sequences([("c0", "r0"), None, ("c2", "r2")], [None, "bad", None], ["t0", None, "t2"])
@@ -534,7 +549,7 @@ def test_messages_without_a_chat_template_are_row_errors(tmp_path):
 
 def test_prompt_completion_rows_with_images_are_refused(tmp_path):
     from thdpack.offline.inputs.sources import read_source
-    from thdpack.offline.tokenizing.tokenize import tokenize_source
+    from thdpack.offline.tokenizing.tokenize_step import tokenize_source
 
     cfg = BuildConfig(input=str(write_jsonl([GOOD_PC], tmp_path / "pc.jsonl")), tokenizer=str(TOKENIZER_DIR))
     stages = BuildStages.from_config(cfg)

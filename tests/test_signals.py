@@ -25,7 +25,7 @@ pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
-from thdpack.offline.store.format import file_sha256  # noqa: E402
+from thdpack.offline.store.schema import file_sha256  # noqa: E402
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 
@@ -343,7 +343,7 @@ def test_a_signal_after_the_merge_finished_is_reported_with_the_output(sweeps, t
     """Never exit 0 after a signal: one that arrives once the output is in place (here: as merge_slices
     returns) exits 143, saying the output is complete."""
     from thdpack.cli import main
-    from thdpack.offline import merging
+    from thdpack.offline.commands import slice_merge as merging
 
     real = merging.merge_slices
 

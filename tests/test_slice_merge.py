@@ -33,11 +33,11 @@ from thdpack.offline import (
     build_packed,
     load_packed,
 )
-from thdpack.offline.pipeline import prepare
+from thdpack.offline.commands.build_packs import prepare
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.inputs.input_slice import InputSlice, parse_slice, slice_from_env
-from thdpack.offline.merging import SliceMismatchError, merge_slices
-from thdpack.offline.summary import summarize
+from thdpack.offline.commands.slice_merge import SliceMismatchError, merge_slices
+from thdpack.offline.commands.pack_stats import summarize
 from thdpack.planning.plan import plan_packs
 
 IGNORE = -100

@@ -25,7 +25,7 @@ from log_capture import thdpack_messages  # noqa: E402
 
 from thdpack.demo import TOKENIZER_DIR, generate_rows  # noqa: E402
 from thdpack.offline.tokenizing import fastenc  # noqa: E402
-from thdpack.offline.pipeline import build_packed  # noqa: E402
+from thdpack.offline.commands.build_packs import build_packed  # noqa: E402
 from thdpack.offline.config import BuildConfig  # noqa: E402
 from thdpack.offline.errors import ConfigError  # noqa: E402
 from thdpack.offline.tokenizing.tiktoken_bpe import HEAD_ROWS, FastTokenizerMismatch, TiktokenBPE, byte_level_alphabet  # noqa: E402

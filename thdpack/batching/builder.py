@@ -175,7 +175,7 @@ def _read_samples(samples, max_length):
     for i, sample in enumerate(samples):
         ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids")
         if ids.size == 0:
-            raise SampleError.at(i, f": 'input_ids' is empty; every sample needs at least one token", field='input_ids')
+            raise SampleError.at(i, ": 'input_ids' is empty; every sample needs at least one token", field='input_ids')
         labels = get_field(sample, "labels", i)
         mask = get_field(sample, "loss_mask", i)
         if labels is not None:

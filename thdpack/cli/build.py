@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from thdpack.offline.pipeline import build_packed
+    from thdpack.offline.commands.build_packs import build_packed
 
     cfg = build_config(args)
     if not args.output:

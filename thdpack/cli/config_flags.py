@@ -11,6 +11,9 @@ import argparse
 from thdpack.offline.config import RENAMED_IN_0_2, BuildConfig, options
 
 
+USAGE_LINES = 4  # the longest usage printed above an error
+
+
 class ThdpackParser(argparse.ArgumentParser):
     """argparse's parser, whose "unrecognized arguments" error also names the new flag of each old one
     given (``--shard`` -> ``--slice``: :data:`~thdpack.offline.config.RENAMED_IN_0_2`). Subcommand
@@ -21,6 +24,15 @@ class ThdpackParser(argparse.ArgumentParser):
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}{renamed_flags_hint(extras)}")
         return namespace
+
+    def format_usage(self) -> str:
+        """The usage printed above an error: argparse's, or where that runs past :data:`USAGE_LINES` lines (a
+        command with every build option as a flag) one line with the positionals and a pointer to ``--help``."""
+        usage = super().format_usage()
+        if usage.count("\n") <= USAGE_LINES:
+            return usage
+        positionals = [a.metavar or a.dest for a in self._actions if not a.option_strings]
+        return " ".join(["usage:", self.prog, "[options]", *positionals, f"(every option: {self.prog} --help)"]) + "\n"
 
 
 def renamed_flags_hint(arguments: list[str]) -> str:

@@ -1,5 +1,5 @@
 """``thdpack export``: a packed dataset in another trainer's format (Megatron-Bridge's packed Parquet,
-:func:`thdpack.offline.bridge_export.export_bridge`)."""
+:func:`thdpack.offline.commands.bridge_export.export_bridge`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from thdpack.offline.bridge_export import FORMAT, METADATA
+    from thdpack.offline.commands.bridge_export import FORMAT, METADATA
 
     e = sub.add_parser(
         "export", help="convert a packed dataset for another trainer (Megatron-Bridge's packed Parquet)",
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from thdpack.offline.bridge_export import METADATA, export_bridge
+    from thdpack.offline.commands.bridge_export import METADATA, export_bridge
 
     record = export_bridge(args.path, args.output, pad_seq_to_mult=args.pad_seq_to_mult, pad_id=args.pad_id,
                            overwrite=args.overwrite)

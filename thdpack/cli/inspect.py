@@ -9,6 +9,7 @@ from thdpack.cli.config_flags import integer_at_least
 from thdpack.common.align import check_int
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.offline.errors import OfflineError
+from thdpack.offline.tokenizing.tokenizer_loading import TOKENIZER_FILE, damaged_tokenizer
 
 
 def add_parser(sub) -> None:
@@ -65,10 +66,13 @@ def _decoder(tokenizer, meta):
             return None
         tokenizer = name
     path = Path(tokenizer)
-    if (path / "tokenizer.json").is_file():
+    if (path / TOKENIZER_FILE).is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tok = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a damaged file
+            raise damaged_tokenizer(str(tokenizer), path, exc) from None
         return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
     try:
         from transformers import AutoTokenizer

@@ -1,5 +1,5 @@
 """``thdpack merge``: the input slices of ``thdpack build --slice I/N`` as one packed dataset
-(:func:`thdpack.offline.merging.merge_slices`)."""
+(:func:`thdpack.offline.commands.slice_merge.merge_slices`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from thdpack.offline.merging import merge_slices
+    from thdpack.offline.commands.slice_merge import merge_slices
 
     result = merge_slices(args.slices, args.output, overwrite=args.overwrite, link=args.link)
     if not args.quiet:

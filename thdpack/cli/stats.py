@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from thdpack.offline.summary import BUILD_COUNTS, format_summary, plot_summary, summarize
+    from thdpack.offline.commands.pack_stats import BUILD_COUNTS, format_summary, plot_summary, summarize
 
     path = Path(args.path)
     eval_multiple = None
@@ -51,7 +51,7 @@ def run(args) -> int:
         seq_lens, offsets = ds.all_seq_lens(stream=True)  # a share_prefix build: each prefix once
         stored = meta.get("stats", {})
         counts = {k: stored[k] for k in BUILD_COUNTS if k in stored}
-        from thdpack.offline.build_model import packed_model_config
+        from thdpack.offline.commands.model_record import packed_model_config
 
         summary = summarize(seq_lens, offsets, meta["pack_size"], meta["align"], eval_multiple=eval_multiple, counts=counts,
                             **packed_model_config(ds, args.model_config))
@@ -60,8 +60,8 @@ def run(args) -> int:
         title = (f"{path}: packed dataset, {len(ds)} packs in {len(meta['files'])} {meta['file_format']} data file(s); "
                  f"source {', '.join(f['path'] for f in meta['source']['files'])} ({meta['source']['format']})")
     else:
-        from thdpack.offline.pipeline import analyze
-        from thdpack.offline.store.format import looks_packed
+        from thdpack.offline.commands.build_packs import analyze
+        from thdpack.offline.store.schema import looks_packed
 
         if not path.exists() and not args.config:
             raise OfflineError(f"{path} does not exist")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack.common.model_config import config_get
+
 
 @dataclass(frozen=True)
 class VisionExtension:
@@ -34,12 +36,14 @@ class VisionExtension:
         attach_tree: ``attach_tree(tree, flat, model_config)`` adds the vision inputs, token types
             and mRoPE rows of the shared-prefix batch ``tree`` gathered from ``flat``, in place
             (a shared prompt's images listed once).
+        model_types: ``model_types()``, the ``model_type`` s of the VLM families supported.
     """
 
     attach: Callable[[object, Sequence, object], object]
     lengths: Callable[[Sequence], np.ndarray]
     prefix_limit: Callable[[object, object], Callable] | None = None
     attach_tree: Callable[[object, object, object], object] | None = None
+    model_types: Callable[[], Sequence[str]] = tuple
 
 
 _vision: VisionExtension | None = None
@@ -56,3 +60,18 @@ def vision() -> VisionExtension:
     if _vision is None:
         raise RuntimeError("no vision extension is registered: import thdpack.vlm (import thdpack does)")
     return _vision
+
+
+def vlm_config_problem(options: str, model_config) -> str | None:
+    """The one message for VLM-only ``options`` (``"vision_budget"``, ``"vision_budget / image_processor"``)
+    given with ``model_config`` (a transformers config, its dict, a built VLM family, or None) that is not a
+    VLM's: None when it is one. ``thdpack build`` and :class:`~thdpack.ThdCollator` say the same words."""
+    if model_config is not None and hasattr(model_config, "image_items"):
+        return None  # an already-built VLM family
+    types = tuple(vision().model_types())
+    model_type = None if model_config is None else config_get(model_config, "model_type", None)
+    if model_type in types:
+        return None
+    verb = "need" if "/" in options else "needs"
+    return (f"{options} {verb} a VLM model_config (model_type one of {', '.join(types)}), got "
+            + ("none" if model_config is None else repr(model_type)))

@@ -4,7 +4,7 @@ Nothing here imports ``transformers``: a config object is read with ``getattr``,
 a dict (``config.to_dict()`` or a hub ``config.json``) with ``[]``, and nested
 sub-configs (``vision_config``, ``text_config``) may be either. The one reader of
 config values for the FLOPs counts (:mod:`thdpack.flops`), the offline build's model
-config (:mod:`thdpack.offline.build_model`) and the VLM families (:mod:`thdpack.vlm`).
+config (:mod:`thdpack.offline.commands.model_record`) and the VLM families (:mod:`thdpack.vlm`).
 """
 
 from __future__ import annotations

@@ -42,6 +42,12 @@ class SampleError(ValueError):
         return SampleError.at(sample, self.detail + note, field=self.field)
 
 
+def _holds_a_bool(values: list, arr: np.ndarray) -> bool:
+    """Whether list ``values`` (read as int64 ``arr``) holds a ``True`` or ``False``: only its slots read as 0 or 1
+    can, so only those are looked at (a vectorised compare, then a few type checks)."""
+    return any(type(values[i]) is bool for i in np.flatnonzero(arr.view(np.uint64) <= 1).tolist())
+
+
 def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) -> np.ndarray:
     """One per-token field as a 1-D numpy array of integers (or bools).
 
@@ -69,12 +75,14 @@ def to_int_array(value, *, sample: int, field: str, allow_bool: bool = False) ->
             if kind == "u":
                 return _within_int64(arr, sample=sample, field=field)
     if type(value) is list and value:
-        if not allow_bool and (type(value[0]) is bool or type(value[-1]) is bool):  # O(1): a list of bools
-            raise _bool_values(sample, field)
         try:
-            return np.frombuffer(array.array("q", value), dtype=np.int64)
+            arr = np.frombuffer(array.array("q", value), dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
-            pass  # not all ints: the checked path below gives the error message
+            arr = None  # not all ints: the checked path below gives the error message
+        if arr is not None:
+            if not allow_bool and _holds_a_bool(value, arr):
+                raise _bool_values(sample, field)
+            return arr
     if isinstance(value, np.ndarray) and value.dtype == object:  # Python objects: read as a list of them
         value = value.tolist()
     arr = _as_numpy(value, sample=sample, field=field)

@@ -15,6 +15,7 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
 from thdpack.common.extensions import vision as vision_extension
+from thdpack.common.extensions import vlm_config_problem
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
 from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
@@ -167,6 +168,8 @@ class ThdCollator:
                                     self.layout.max_num_seqs)
         if self.options is not None:
             check_kernel_limits(self.options)
+            if self.options.vision_budget is not None and vlm_config_problem("vision_budget", model_config):
+                raise ValueError(vlm_config_problem("vision_budget", model_config))  # its vision counts need it
         self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
         self.group_field = _share_fields(share_prefix, min_prefix_len, group_field, self.layout, model_config,
                                          ulysses_sp_size)

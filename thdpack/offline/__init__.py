@@ -15,12 +15,11 @@ the build, ``pyarrow`` only when a dataset is opened.
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
-import thdpack.offline.tokenizing.formats  # noqa: F401  registers the row formats: BuildConfig.format's choices
 
 
 def build_packed(*args, **kwargs):
-    """See :func:`thdpack.offline.pipeline.build_packed`."""
-    from thdpack.offline.pipeline import build_packed as _build
+    """See :func:`thdpack.offline.commands.build_packs.build_packed`."""
+    from thdpack.offline.commands.build_packs import build_packed as _build
 
     return _build(*args, **kwargs)
 

@@ -40,11 +40,11 @@ def is_uri(spec: str) -> bool:
     """Whether input ``spec`` is a filesystem URI (``PROTOCOL://...``, read with fsspec) rather than a path."""
     return bool(_URI.match(spec))
 
-# "auto", then the name of each row format class registered (thdpack/offline/tokenizing/formats.py,
-# register_format, run on importing thdpack.offline); docs/build.md, "Row formats"
-FORMATS: list[str] = ["auto"]
+# "auto", then the row formats, one class each in thdpack/offline/tokenizing/row_formats.py (register_format
+# refuses a class whose name is not here); docs/build.md, "Row formats"
+FORMATS: list[str] = ["auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized"]
 LOSS_MODES = ("assistant", "last_assistant", "all")
-TARGETS = ("loss_mask", "labels")  # the target column a build writes; store/format.py and store/dataset.py read it here
+TARGETS = ("loss_mask", "labels")  # the target column a build writes; store/schema.py and store/dataset.py read it here
 OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
@@ -172,7 +172,7 @@ class BuildConfig:
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
-    # ---- model: FLOPs report, VLM rows (thdpack/offline/build_model.py, thdpack/offline/vision/vlm_setup.py)
+    # ---- model: FLOPs report, VLM rows (thdpack/offline/commands/model_record.py, thdpack/offline/vision/vlm_setup.py)
     model_config: Any = _opt(
         None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
         "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",
@@ -380,7 +380,7 @@ class Option:
     nullable: bool
     default: Any
     help: str | None
-    choices: tuple | list | None  # FORMATS is a list that format registration fills
+    choices: tuple | list | None
     minimum: int
     accepts: tuple | None
     flag_type: type | None

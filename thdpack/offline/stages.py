@@ -8,9 +8,9 @@ template) and splits it into what each stage reads:
 :class:`InputOptions`     reading the rows (:mod:`thdpack.offline.inputs.sources`)
 :class:`TokenizeOptions`  tokenizing them (:mod:`thdpack.offline.tokenizing`)
 :class:`VisionOptions`    the VLM set-up and media (:mod:`thdpack.offline.vision`)
-:class:`PlanningOptions`  planning the samples into packs (:mod:`thdpack.offline.pipeline`)
+:class:`PlanningOptions`  planning the samples into packs (:mod:`thdpack.offline.commands.build_packs`)
 :class:`StoreOptions`     writing the packs and the files beside them (:mod:`thdpack.offline.store`,
-                          :mod:`thdpack.offline.bridge_export`)
+                          :mod:`thdpack.offline.commands.bridge_export`)
 :class:`RayOptions`       ``engine: ray``: the cluster or local instance (:mod:`thdpack.offline.cluster`)
 ==================  ==========================================================================
 
@@ -68,7 +68,7 @@ class InputOptions:
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    """What tokenizing the rows needs (:func:`thdpack.offline.tokenizing.tokenize.tokenize_source`,
+    """What tokenizing the rows needs (:func:`thdpack.offline.tokenizing.tokenize_step.tokenize_source`,
     :class:`~thdpack.offline.tokenizing.row_tokenizer.RowTokenizer`, the row formats).
 
     Attributes:
@@ -193,9 +193,11 @@ class PlanningOptions:
         group_column: the column whose groups are planned into one pack, or None.
         skip_bad_rows: skip (and count) bad rows instead of stopping.
         targets: the target column of the tokenized rows (counted per piece).
-        share_prefix: each group's common prefix is counted once (:mod:`thdpack.offline.shared_prefixes`).
+        share_prefix: each group's common prefix is counted once (:mod:`thdpack.offline.commands.shared_prefixes`).
         min_prefix_len: the shortest prefix shared (``BuildConfig.min_prefix_len``, else
             :data:`~thdpack.batching.shared_prefix.DEFAULT_MIN_PREFIX_LEN`).
+        cp_size, tp_size, sequence_parallel, pad_multiple: what ``plan.align`` was derived from
+            (:func:`thdpack.common.align.resolve_pad_multiple`), recorded in ``metadata.json``.
     """
 
     plan: PlanOptions
@@ -205,6 +207,10 @@ class PlanningOptions:
     targets: str
     share_prefix: bool
     min_prefix_len: int
+    cp_size: int
+    tp_size: int
+    sequence_parallel: bool
+    pad_multiple: int | None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "PlanningOptions":
@@ -215,13 +221,14 @@ class PlanningOptions:
         plan = PlanOptions(cfg.pack_size, algorithm=cfg.algorithm, align=cfg.align, overflow=cfg.overflow,
                            max_samples_per_pack=cfg.max_samples_per_pack, seed=cfg.seed)
         return cls(plan, cfg.without_targets, cfg.group_column, cfg.skip_bad_rows, cfg.targets, cfg.share_prefix,
-                   DEFAULT_MIN_PREFIX_LEN if cfg.min_prefix_len is None else cfg.min_prefix_len)
+                   DEFAULT_MIN_PREFIX_LEN if cfg.min_prefix_len is None else cfg.min_prefix_len,
+                   cfg.cp_size, cfg.tp_size, cfg.sequence_parallel, cfg.pad_multiple)
 
 
 @dataclass(frozen=True)
 class StoreOptions:
     """What writing the packs needs (:func:`thdpack.offline.store.writer.write_packs`,
-    :func:`thdpack.offline.bridge_export.write_build`).
+    :func:`thdpack.offline.commands.bridge_export.write_build`).
 
     Attributes:
         output_format: ``arrow``, ``parquet`` or ``megatron-bridge``.
@@ -364,7 +371,11 @@ def load_model_config(spec, base_dir: Path) -> dict | None:
         return check_model_config(dict(spec), "model_config (inline mapping)")
     if not isinstance(spec, str):
         raise ConfigError(f"model_config must be a path or a mapping, got {type(spec).__name__}")
-    path = resolve_path(base_dir, spec)
+    return read_checked_model_config(resolve_path(base_dir, spec))
+
+
+def read_checked_model_config(path: Path) -> dict:
+    """:func:`read_model_config` of ``path``, checked by :func:`check_model_config` (the message names the file)."""
     return check_model_config(read_model_config(path), f"model_config {path / 'config.json' if path.is_dir() else path}")
 
 

@@ -24,7 +24,8 @@ from thdpack.common.extensions import VisionExtension, register_vision
 from thdpack.parallel.cp import vision_shard_extras
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
-from thdpack.vlm.registry import get_family, register_family, supported_model_types
+from thdpack.vlm.families import register_family
+from thdpack.vlm.registry import get_family, supported_model_types
 from thdpack.vlm.tree_vision import attach_tree, prefix_limit
 from thdpack.vlm.vision_fields import attach_vision, vision_lengths, vision_patch_count
 
@@ -44,4 +45,5 @@ __all__ = [
 ]
 
 register_vision(VisionExtension(attach=attach_vision, lengths=vision_lengths,  # the core calls these (build, collate)
-                                prefix_limit=prefix_limit, attach_tree=attach_tree))  # shared prompts with images
+                                prefix_limit=prefix_limit, attach_tree=attach_tree,  # shared prompts with images
+                                model_types=supported_model_types))

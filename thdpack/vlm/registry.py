@@ -7,7 +7,6 @@ import dataclasses
 from thdpack.common.model_config import model_type_of
 from thdpack.vlm.convention import resolve_mrope_convention
 from thdpack.vlm.families import FAMILIES as _FAMILIES
-from thdpack.vlm.families import register_family  # noqa: F401 (re-exported: thdpack.vlm.register_family)
 
 
 def supported_model_types() -> tuple[str, ...]:

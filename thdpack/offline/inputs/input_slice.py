@@ -8,7 +8,7 @@ plans only its rows: its packs never mix rows of two slices (a *slice-local* pla
 slice is written as a normal packed dataset whose ``sample_index`` holds *global* input
 rows and whose ``metadata.json`` has an ``input_slice`` entry (index, count, row range, the
 whole input's row count) next to the whole input's ``source`` fingerprint; a small ``slice_input_lengths.npy`` keeps the
-lengths of its planned rows so that :func:`thdpack.offline.merging.merge_slices` can
+lengths of its planned rows so that :func:`thdpack.offline.commands.slice_merge.merge_slices` can
 recompute exact statistics. ("Shard" in thdpack means only a context-parallel rank's
 part of a batch.)
 
@@ -30,7 +30,7 @@ import numpy as np
 from thdpack.common.align import check_int
 from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.store.format import bytes_sha256
+from thdpack.offline.store.schema import bytes_sha256
 from thdpack.offline.store.staging import fsync_file
 
 SLICE_KEY = "input_slice"  # metadata.json entry of a slice build

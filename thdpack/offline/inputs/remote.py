@@ -17,7 +17,6 @@ from __future__ import annotations
 import glob
 from pathlib import Path, PurePosixPath
 
-from thdpack.offline.config import is_uri  # noqa: F401  (re-exported: the inputs' test for a URI)
 from thdpack.offline.errors import ConfigError, InputError
 
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")

@@ -33,9 +33,10 @@ import numpy as np
 from thdpack.offline.config import check_input
 from thdpack.offline.stages import InputOptions
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.store.format import bytes_sha256, file_sha256
+from thdpack.offline.store.schema import bytes_sha256, file_sha256
 from thdpack.offline.inputs.jsonl import split_lines
-from thdpack.offline.inputs.remote import fetch, filesystem, is_local, is_uri
+from thdpack.offline.config import is_uri
+from thdpack.offline.inputs.remote import fetch, filesystem, is_local
 
 JSON_COLUMN = "__json__"  # raw JSON text of a row, parsed during tokenization
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")
@@ -220,7 +221,7 @@ def _refuse_packed(spec: str, found: list[Path], root: Path, opts: InputOptions,
     """InputError when a file of ``found`` (under directory ``root``) lies in a packed dataset (a
     directory with a thdpack ``metadata.json``, e.g. an earlier build's output inside the input
     directory): its data files, tokenizer and metadata are not rows."""
-    from thdpack.offline.store.format import FORMAT_NAME, METADATA_FILE
+    from thdpack.offline.store.schema import FORMAT_NAME, METADATA_FILE
 
     seen: dict[Path, bool] = {}
 

@@ -32,7 +32,7 @@ from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
-from thdpack.offline.store.format import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
+from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PackedMetadata, check_metadata, file_sha256, row_list, value_columns)
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
 from thdpack.common.samples import IGNORE_INDEX
@@ -355,7 +355,7 @@ def _is_bool(arrow_type) -> bool:
 
 def read_metadata(path: str | Path) -> PackedMetadata:
     """``metadata.json`` of a packed dataset, checked against its schema
-    (:func:`thdpack.offline.store.format.check_metadata`); :class:`NotPackedError` if ``path`` is
+    (:func:`thdpack.offline.store.schema.check_metadata`); :class:`NotPackedError` if ``path`` is
     not a complete packed dataset or its metadata is damaged."""
     path = Path(path)
     meta_path = path / METADATA_FILE
@@ -593,7 +593,7 @@ def load_packed(path: str | Path, *, verify: bool = False) -> PackedDataset:
     """Open a packed dataset written by ``thdpack build``.
 
     Checks that the build completed (``metadata.json`` is written last), ``metadata.json``
-    against its schema (:func:`thdpack.offline.store.format.check_metadata`), and every data file:
+    against its schema (:func:`thdpack.offline.store.schema.check_metadata`), and every data file:
     present with the recorded size, readable, its packs, tokens and ``seq_lens`` consistent
     with the metadata and no pack longer than ``pack_size`` (list offsets only: the tokens
     are not read). ``verify=True`` also checks the data files' sha256. Reading a pack checks

@@ -1,6 +1,6 @@
 """Copy pieces of rows out of a tokenized Arrow table into a pack's token stream.
 
-The tokenized rows (:mod:`thdpack.offline.tokenizing.tokenize`) are a memory-mapped table of many
+The tokenized rows (:mod:`thdpack.offline.tokenizing.tokenize_step`) are a memory-mapped table of many
 record batches. ``table.take(rows)`` followed by a per-token index array costs two
 copies and an int64 index per token, and ``take`` across hundreds of chunks in random
 order dominated the write step (4 s of 6 s for 200k rows). :class:`RowPieces` reads

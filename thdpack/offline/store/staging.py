@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from thdpack.offline.errors import OfflineError, OutputError, OutputExistsError, read_error
-from thdpack.offline.store.format import METADATA_FILE, PackedMetadata, metadata_text
+from thdpack.offline.store.schema import METADATA_FILE, PackedMetadata, metadata_text
 from thdpack.offline.procs import check_signals, signals_deferred, signals_held
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from thdpack.offline.store.format import row_list
+from thdpack.offline.store.schema import row_list
 
 
 def add_vision(samples: list[dict], row, *, copy: bool = True) -> list[dict]:

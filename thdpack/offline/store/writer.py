@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.procs import check_signals
-from thdpack.offline.store.format import SAMPLE_VALUE_PREFIX, VALUE_COLUMN, VALUE_IS_INT_COLUMN, data_file_name, file_sha256
+from thdpack.offline.store.schema import SAMPLE_VALUE_PREFIX, VALUE_COLUMN, VALUE_IS_INT_COLUMN, data_file_name, file_sha256
 from thdpack.offline.store.gather import CHUNK_TOKENS, RowPieces, group_boundaries
 from thdpack.planning.plan import PackPlan
 from thdpack.common.samples import IGNORE_INDEX
@@ -36,7 +36,7 @@ def schema(targets: str):
 
 def sample_value_arrays(token_table, names: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
     """``{name: [tokenized rows]}`` the ``sample_values`` of the tokenized rows (columns
-    :data:`~thdpack.offline.store.format.VALUE_COLUMN`): int64 when every row of ``rows`` (the
+    :data:`~thdpack.offline.store.schema.VALUE_COLUMN`): int64 when every row of ``rows`` (the
     planned ones) gave an integer, else float64."""
 
     out = {}
@@ -87,7 +87,7 @@ def write_packs(
             written as ``sample_values.NAME`` columns: one entry per sample like ``seq_lens``.
         columns: ``{column: [rows of token_table]}`` more per-sample columns, written under their own names
             (``share_prefix`` builds: ``group_id`` int64 and ``prefix_len`` int32,
-            :data:`thdpack.offline.shared_prefixes.PREFIX_COLUMNS`).
+            :data:`thdpack.offline.store.schema.PREFIX_COLUMNS`).
 
     Returns:
         ``{"files": [{"path", "num_packs", "num_tokens", "num_bytes", "sha256"}], "target_tokens": int}``

@@ -9,7 +9,7 @@ placeholder markers, :mod:`thdpack.offline.vision.vlm_rows`) and are an error in
 
 from __future__ import annotations
 
-from thdpack.offline.tokenizing.row_formats import brief as _brief
+from thdpack.offline.tokenizing.row_conversions import brief as _brief
 
 IMAGE_PART_TYPES = ("image", "image_url")
 VIDEO_PART_TYPES = ("video", "video_url")

@@ -1,263 +1,236 @@
-"""The row-level conversions of the row formats besides OpenAI ``messages`` rows: ShareGPT and TRL's
-prompt/completion (the format classes that call them: :mod:`thdpack.offline.tokenizing.formats`).
+"""Row formats as registered classes: adding a row format is adding a class that calls :func:`register_format`
+and its name to :data:`thdpack.offline.config.FORMATS`.
 
-Each one becomes the representation the build already has, so that the chat code
-(templates, assistant targets) is written once (:mod:`thdpack.offline.tokenizing.row_tokenizer`):
+Each class says what a row of its format has and what the build does with it; the row tokenizer
+(:class:`~thdpack.offline.tokenizing.row_tokenizer.RowTokenizer`) and the tokenizing step ask the
+format object (:func:`row_format`), never compare names:
 
-- **sharegpt** ``{"conversations": [{"from": "human", "value": ...}, ...]}``:
-  converted to ``messages`` (:func:`sharegpt_to_messages`) and then built exactly
-  as a chat row; the roles are mapped as LLaMA-Factory's ``sharegpt`` format
-  defines them (:data:`SHAREGPT_ROLES`), its optional ``system`` column put first.
-- **prompt_completion** ``{"prompt": ..., "completion": ...}``, both strings or
-  both lists of messages: tokenized as TRL's ``SFTTrainer`` does
-  (``trl/trainer/sft_trainer.py``, ``tokenize_fn``), the completion's tokens being
-  the targets (:func:`encode_prompt_completion`). Rows with images are not taken.
-- **preference** ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (TRL's DPO rows), strings or
-  lists of messages: two prompt/completion rows sharing the prompt (:func:`preference_row`), so
-  one row gives two sequences, the chosen then the rejected one (the layout
-  :func:`thdpack.losses.dpo_loss` reads: sequence ``2k`` and ``2k+1`` of input row ``k``).
+===================  ==========================  ==========  =====  =============  ===========================
+format               fields                      sequences   tools  chat template  value encoded
+===================  ==========================  ==========  =====  =============  ===========================
+chat                 ``messages_field``          1           yes    needed         the messages, parts joined
+sharegpt             ``conversations``           1           yes    needed         its turns as messages
+prompt_completion    ``prompt``, ``completion``  1           yes    for messages   a PromptCompletion
+preference           ``prompt``, ``chosen``,     2           yes    for messages   (chosen, rejected)
+                     ``rejected``
+text                 ``text_field``              1           no     no             the string
+tokenized            ``input_ids``               1           no     no             the row's fields
+===================  ==========================  ==========  =====  =============  ===========================
 
-A ``tools`` column goes to the template for all three, as for chat rows.
+Each class's name is one of ``BuildConfig.format``'s choices after ``auto``
+(:data:`thdpack.offline.config.FORMATS`, hence ``--format``'s; a test keeps the two in step); ``format: auto`` takes the
+first format of :data:`DETECTION_ORDER` whose fields a row has (:func:`detect_format`). The row-level
+conversions the classes call (ShareGPT turns, prompt/completion pairs) are in
+:mod:`thdpack.offline.tokenizing.row_conversions`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
-from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats
-from thdpack.offline.tokenizing.fastenc import encode_texts
+from thdpack.offline.config import FORMATS
+from thdpack.offline.stages import TokenizeOptions
+from thdpack.offline.tokenizing.row_conversions import (CHOSEN_FIELD, COMPLETION_FIELD, PROMPT_FIELD, REJECTED_FIELD,
+                                                    SHAREGPT_FIELD, SYSTEM_FIELD, check_messages, preference_row,
+                                                    prompt_completion, sharegpt_row)
 
-SHAREGPT_FIELD = "conversations"
-SYSTEM_FIELD = "system"  # a ShareGPT row's optional system prompt (LLaMA-Factory's ``system`` column)
-PROMPT_FIELD = "prompt"
-COMPLETION_FIELD = "completion"
-CHOSEN_FIELD = "chosen"
-REJECTED_FIELD = "rejected"
+ROW_FORMATS: dict[str, "RowFormat"] = {}  # name -> the registered format object (register_format)
 
-# ShareGPT ``from`` -> OpenAI ``role`` (LLaMA-Factory's tags: human, gpt, system, observation,
-# function_call; ``user``/``assistant``/``tool`` as TRL's from/value rows and others write them).
-# ``function_call`` turns become assistant messages with ``tool_calls`` (:func:`_tool_calls`).
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "function_call": "assistant",
-    "observation": "tool",
-    "tool": "tool",
-}
+# the order ``format: auto`` tries; the first format whose fields a row has wins (a preference row
+# has a prompt too; a tokenized row may keep its text)
+DETECTION_ORDER = ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
+
+Messages = Callable[[list], list]  # the row tokenizer's preparation of a list of messages (content parts joined)
 
 
-# ---------------------------------------------------------------------------- ShareGPT
+def register_format(cls: type) -> type:
+    """Class decorator: register one ``cls()`` under ``cls.name``, which must be one of ``BuildConfig.format``'s
+    choices (:data:`thdpack.offline.config.FORMATS`, where a new format's name is added); ValueError otherwise."""
+    if cls.name not in FORMATS[1:]:
+        raise ValueError(f"row format {cls.name!r} is not a choice of 'format': add its name to FORMATS in "
+                         "thdpack/offline/config.py")
+    ROW_FORMATS[cls.name] = cls()
+    return cls
 
 
-def sharegpt_row(row: dict) -> list[dict]:
-    """The messages of a ShareGPT row (``conversations`` and an optional ``system`` string):
-    :func:`sharegpt_to_messages`, with the ``system`` prompt first unless the first turn is a
-    system turn (LLaMA-Factory's rule: the turn wins)."""
-    messages = sharegpt_to_messages(row[SHAREGPT_FIELD])
-    system = row.get(SYSTEM_FIELD)
-    if system is not None and not isinstance(system, str):
-        raise ValueError(f"'{SYSTEM_FIELD}' must be a string (the system prompt), got {brief(system)}")
-    if system and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
-def sharegpt_to_messages(turns) -> list[dict]:
-    """``[{"from": "human", "value": "hi"}, ...]`` -> ``[{"role": "user", "content": "hi"}, ...]``.
-
-    A ``function_call`` turn's value is the call as JSON (``{"name": ..., "arguments": ...}`` or a
-    list of them) and becomes ``{"role": "assistant", "content": "", "tool_calls": [...]}``.
-    Raises ValueError naming the field, the turn and what to do for anything else."""
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"'{SHAREGPT_FIELD}' must be a non-empty list of turns "
-                         f"({{\"from\": \"human\", \"value\": ...}}), got {brief(turns)}")
-    return [_sharegpt_message(t, j) for j, t in enumerate(turns)]
-
-
-def _sharegpt_message(turn, j: int) -> dict:
-    where = f"'{SHAREGPT_FIELD}' turn {j}"
-    if not isinstance(turn, dict):
-        raise ValueError(f"{where} must be an object with 'from' and 'value', got {brief(turn)}")
-    for key in ("from", "value"):
-        if key not in turn:
-            hint = (f"; a turn with 'role'/'content' is a messages row: set messages_field: {SHAREGPT_FIELD} "
-                    "and format: chat") if "role" in turn else ""
-            raise ValueError(f"{where} has no '{key}' (a ShareGPT turn is "
-                             f"{{\"from\": \"human\", \"value\": \"...\"}}){hint}")
-    role, value = turn["from"], turn["value"]
-    if not isinstance(role, str) or role not in SHAREGPT_ROLES:
-        raise ValueError(f"{where}: unknown role {brief(role)} in 'from'; use one of {', '.join(SHAREGPT_ROLES)}")
-    if not isinstance(value, str):
-        raise ValueError(f"{where}: 'value' must be a string, got {brief(value)}")
-    if role == "function_call":
-        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(value, where)}
-    return {"role": SHAREGPT_ROLES[role], "content": value}
-
-
-def _tool_calls(value: str, where: str) -> list[dict]:
-    """A function_call turn's JSON value as OpenAI ``tool_calls`` (``{"type": "function", "function": ...}``)."""
+def row_format(name: str) -> "RowFormat":
+    """The registered format called ``name``; ValueError naming the known ones for any other name."""
     try:
-        calls = json.loads(value)
-    except json.JSONDecodeError:
-        calls = None
-    calls = calls if isinstance(calls, list) else [calls]
-    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
-                            for c in calls):
-        raise ValueError(f"{where}: a function_call 'value' must be JSON {{\"name\": ..., \"arguments\": ...}} "
-                         f"or a list of them, got {brief(value)}")
-    return [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        return ROW_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown row format {name!r}; use one of {', '.join(ROW_FORMATS)}") from None
 
 
-# ---------------------------------------------------------------------------- prompt / completion
-
-
-@dataclass(frozen=True)
-class PromptCompletion:
-    """One prompt/completion row: two strings, or two lists of messages (content parts already joined)."""
-
-    prompt: str | list
-    completion: str | list
-
-    @property
-    def conversational(self) -> bool:
-        return isinstance(self.prompt, list)
-
-
-def prompt_completion(row: dict, messages=lambda m: m, completion_field: str = COMPLETION_FIELD) -> PromptCompletion:
-    """The :class:`PromptCompletion` of ``row`` (a mapping with ``prompt`` and ``completion``, or the
-    response field ``completion_field``); ``messages(list)`` prepares a list of messages for the
-    template (joins content parts). Raises ValueError naming the field for anything but two strings
-    or two lists of messages."""
-    prompt, completion = row[PROMPT_FIELD], row[completion_field]
-    for name, v in ((PROMPT_FIELD, prompt), (completion_field, completion)):
-        if not isinstance(v, (str, list)):
-            raise ValueError(f"'{name}' must be a string or a list of messages, got {brief(v)}")
-    if isinstance(prompt, str) != isinstance(completion, str):
-        raise ValueError(f"'{PROMPT_FIELD}' and '{completion_field}' must both be strings or both lists of "
-                         f"messages; got a {type(prompt).__name__} and a {type(completion).__name__}")
-    if isinstance(prompt, str):
-        return PromptCompletion(prompt, completion)
-    for name, v in ((PROMPT_FIELD, prompt), (completion_field, completion)):
-        msg = check_messages(v, name, name_messages=True)
-        if msg:
-            raise ValueError(msg)
-    return PromptCompletion(_prepared(messages, prompt, PROMPT_FIELD),
-                            _prepared(messages, completion, completion_field))
-
-
-def preference_row(row: dict, messages=lambda m: m) -> tuple[PromptCompletion, PromptCompletion]:
-    """The (chosen, rejected) :class:`PromptCompletion` s of a preference row (``prompt``, ``chosen``,
-    ``rejected``), as TRL's DPO reads them: prompt + chosen and prompt + rejected, the response the
-    target. ValueError naming the field as :func:`prompt_completion` does."""
-    return tuple(prompt_completion(row, messages, name) for name in (CHOSEN_FIELD, REJECTED_FIELD))
-
-
-# ---------------------------------------------------------------------------- per-sample values
-
-
-def group_key(v, name: str) -> str:
-    """A row's ``group_column`` value (a string or an integer) as the key rows are grouped by
-    (its JSON text: "1" and 1 are two groups). ValueError naming the column for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (str, int, np.integer)):
-        raise ValueError(f"'{name}' is {brief(v)}; a group id is a string or an integer, and every row needs one "
-                         "when group_column names it")
-    return json.dumps(v if isinstance(v, str) else int(v))
-
-
-def sample_value(v, name: str) -> tuple[float, bool]:
-    """``(number, is_integer)`` of a row's value ``v`` of column ``name`` (``sample_values:``).
-    ValueError naming the column for a missing, boolean, non-numeric or non-finite (NaN, ±inf) value."""
-    if v is None:
-        raise ValueError(f"no '{name}' value; every row needs one when sample_values names it")
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise ValueError(f"'{name}' is {brief(v)}; a per-sample value of an offline build is one number "
-                         "(write vectors as several columns)")
-    if isinstance(v, (float, np.floating)) and not np.isfinite(v):
-        raise ValueError(f"'{name}' is {float(v)}; a per-sample value must be finite (a NaN or infinite reward "
-                         "reaches the loss as NaN): drop the row or fill the value")
-    return float(v), isinstance(v, (int, np.integer))
-
-
-def _prepared(messages, v: list, name: str) -> list:
-    """``messages(v)``, its errors naming the field ("'prompt' message 0: ...")."""
-    try:
-        return messages(v)
-    except ValueError as exc:
-        raise ValueError(f"'{name}' {exc}") from None
-
-
-def check_messages(v, name: str, *, name_messages: bool = False) -> str | None:
-    """Why ``v`` (field ``name``) is not a non-empty list of messages with a ``role`` string; None if
-    it is. ``name_messages``: say "'prompt' message 1" rather than "message 1" (rows with two lists)."""
-    if not isinstance(v, list) or not v:
-        return f"'{name}' must be a non-empty list of messages, got {brief(v)}"
-    which = f"'{name}' message" if name_messages else "message"
-    for j, m in enumerate(v):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return f"{which} {j} must be an object with a 'role' string, got {brief(m)}"
+def detect_format(columns, opts: TokenizeOptions) -> str | None:
+    """The name of the first format of :data:`DETECTION_ORDER` whose fields are all in ``columns``; None if none."""
+    cols = set(columns)
+    for name in DETECTION_ORDER:
+        if all(f in cols for f in ROW_FORMATS[name].fields(opts)):
+            return name
     return None
 
 
-def encode_prompt_completion(tok, rows: list[PromptCompletion], bpe=None, *, tools: list | None = None,
-                             loss: str = "assistant", append_eos: bool = True) -> list:
-    """``[(input_ids int32 [T], targets bool [T]), ...]``: the ids and completion mask TRL's
-    ``SFTTrainer`` gives each row (``completion_only_loss``); ``loss="all"`` trains every token.
+class RowFormat:
+    """One row format: its fields and what a row of it gives. Subclasses set the class attributes,
+    :meth:`fields`, :meth:`value` and :meth:`encode`, and are registered with :func:`register_format`."""
 
-    Strings: ids = ``tok(prompt + completion + eos)`` (EOS appended as text unless the completion
-    already ends with it, and only with ``append_eos``), one encoding of the concatenated text.
-    Messages: ids = ``apply_chat_template(prompt + completion, tools=...)`` (``tools``: each row's
-    tool schemas or None; string rows ignore theirs, as TRL does). Either way the first
-    ``len(prompt ids)`` tokens are not targets, where prompt ids are ``tok(prompt)``, or
-    ``apply_chat_template(prompt, tools=..., add_generation_prompt=True)``; as in TRL, a prompt whose tokens
-    are not a prefix of the whole (a token merging across the boundary) still masks that many."""
-    out: list = [None] * len(rows)
-    tools = tools if tools is not None else [None] * len(rows)
-    for conversational in (False, True):
-        idx = [i for i, r in enumerate(rows) if r.conversational == conversational]
-        if not idx:
-            continue
-        part = [rows[i] for i in idx]
-        if conversational:
-            pairs = _encode_conversations(tok, part, bpe, [tools[i] for i in idx])
-        else:
-            pairs = _encode_strings(tok, part, bpe, append_eos)
-        for i, (prompt_ids, ids) in zip(idx, pairs):
-            ids = np.asarray(ids, dtype=np.int32)
-            mask = np.ones(ids.size, dtype=bool)
-            if loss != "all":
-                mask[: len(prompt_ids)] = False
-            out[i] = (ids, mask)
-    return out
+    name: str = ""
+    optional_fields: tuple[str, ...] = ()  # read when present, besides :meth:`fields`
+    sequences_per_row: int = 1  # tokenized sequences one input row gives (kept in one pack)
+    tools: bool = False  # the row's ``tools`` (tool schemas) go to the chat template, as in TRL
+    chat_template: bool = False  # the rows are messages built through the chat template: the tokenizer needs one
+    whole_row: bool = False  # the value is the row's mapping of fields (:meth:`fields` and optional), not one field's
+    appends_eos: bool = False  # ``append_eos`` ends each sequence with the tokenizer's EOS (which must exist)
+    needs_tokenizer: bool = True  # the rows are text to tokenize (not already token ids)
+    images_refused: str | None = None  # why rows of this format cannot carry images; None: they can
 
+    def fields(self, opts: TokenizeOptions) -> list[str]:
+        """The fields a row must have (``opts`` names the chat and text fields)."""
+        raise NotImplementedError
 
-def _encode_strings(tok, rows, bpe, append_eos):
-    """``[(prompt ids, prompt + completion ids)]`` of string rows, as TRL tokenizes them."""
-    eos = tok.eos_token if append_eos else None
-    completions = [r.completion if eos is None or r.completion.endswith(eos) else r.completion + eos for r in rows]
-    prompt_ids = encode_texts(tok, [r.prompt for r in rows], bpe)
-    ids = encode_texts(tok, [r.prompt + c for r, c in zip(rows, completions)], bpe)
-    return zip(prompt_ids, ids)
+    def value(self, v, field: str, messages: Messages):
+        """What is encoded of a row's value ``v`` (the first field's value, ``field``, or the row's mapping
+        with :attr:`whole_row`); ``messages`` prepares a list of messages for the template. Raises
+        ValueError with the row's error (naming the field) for a value that cannot be built."""
+        raise NotImplementedError
 
+    def encode(self, rows, values: list, tools: list) -> list:
+        """``[(input_ids int32 [T], targets bool [T] or int32 [T]) or error string]`` of the :meth:`value` s
+        ``values`` (``tools``: each one's tool schemas or None), by the encoder of the row tokenizer ``rows``."""
+        raise NotImplementedError
 
-def _encode_conversations(tok, rows, bpe, tools):
-    """``[(prompt ids, prompt + completion ids)]`` of message rows: the template's render (with each
-    row's ``tools``), encoded without adding special tokens (what ``apply_chat_template(tokenize=True)`` does)."""
-    if not getattr(tok, "chat_template", None):
-        raise ValueError("prompt and completion are messages, but the tokenizer has no chat template; "
-                         "give one with chat_template: FILE, or write them as strings")
-    prompts = render_chats(tok, normalize_chats([r.prompt for r in rows]), True, tools)
-    wholes = render_chats(tok, normalize_chats([r.prompt + r.completion for r in rows]), False, tools)
-    return zip(encode_texts(tok, prompts, bpe, add_special_tokens=False),
-               encode_texts(tok, wholes, bpe, add_special_tokens=False))
+    def sequences(self, values: list, errors: list, *per_row: list) -> tuple[list, ...]:
+        """The batch's lists per input row -> per tokenized sequence, ``(values, errors, *per_row)``: with
+        ``k`` :attr:`sequences_per_row`, ``values[i]`` (``k`` values where ``errors[i]`` is None) becomes
+        sequences ``k*i`` to ``k*i + k - 1``; a row's error and its entry of every ``per_row`` list (tools,
+        sample values) go to each of them. With ``k == 1``, the lists as they are."""
+        k = self.sequences_per_row
+        if k == 1:
+            return (values, errors, *per_row)
+        seqs = [v for group, e in zip(values, errors) for v in (group if e is None else (None,) * k)]
+        return (seqs, *([x for x in column for _ in range(k)] for column in (errors, *per_row)))
+
+    def sequence_rows(self, num_sequences: int) -> np.ndarray:
+        """int64 ``[num_sequences]``: the input row of each tokenized sequence (:attr:`sequences_per_row` per row)."""
+        return np.arange(num_sequences, dtype=np.int64) // self.sequences_per_row
 
 
-def brief(v) -> str:
-    """``repr(v)``, cut to 80 characters (for error messages)."""
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
+@register_format
+class ChatFormat(RowFormat):
+    """OpenAI ``messages`` rows, rendered with the chat template; the loss on the assistant turns (``loss``)."""
+
+    name = "chat"
+    tools = True
+    chat_template = True
+
+    def fields(self, opts):
+        return [opts.messages_field]
+
+    def value(self, v, field, messages):
+        msg = check_messages(v, field)
+        if msg:
+            raise ValueError(msg)
+        return messages(v)
+
+    def encode(self, rows, values, tools):
+        return rows.encode_chat_rows(values, tools)
+
+
+@register_format
+class ShareGptFormat(ChatFormat):
+    """``{"conversations": [{"from": "human", "value": ...}, ...], "system": ...}``: the turns become
+    messages (:func:`~thdpack.offline.tokenizing.row_conversions.sharegpt_row`), then built as a chat row."""
+
+    name = "sharegpt"
+    optional_fields = (SYSTEM_FIELD,)
+    whole_row = True
+
+    def fields(self, opts):
+        return [SHAREGPT_FIELD]
+
+    def value(self, v, field, messages):
+        return super().value(sharegpt_row(v), field, messages)
+
+
+@register_format
+class PromptCompletionFormat(RowFormat):
+    """TRL's ``{"prompt": ..., "completion": ...}`` rows (strings or lists of messages); the completion is trained."""
+
+    name = "prompt_completion"
+    tools = True
+    whole_row = True
+    appends_eos = True
+
+    @property
+    def images_refused(self) -> str:
+        return f"rows with images must be chat (messages or sharegpt) or text rows, not {self.name}"
+
+    def fields(self, opts):
+        return [PROMPT_FIELD, COMPLETION_FIELD]
+
+    def value(self, v, field, messages):
+        return prompt_completion(v, messages)
+
+    def encode(self, rows, values, tools):
+        return rows.encode_completion_rows(values, tools)
+
+
+@register_format
+class PreferenceFormat(PromptCompletionFormat):
+    """TRL's DPO rows ``{"prompt": ..., "chosen": ..., "rejected": ...}``: two sequences per row, prompt +
+    chosen then prompt + rejected, each encoded as a prompt/completion row (the layout ``dpo_loss`` reads)."""
+
+    name = "preference"
+    sequences_per_row = 2
+
+    def fields(self, opts):
+        return [PROMPT_FIELD, CHOSEN_FIELD, REJECTED_FIELD]
+
+    def value(self, v, field, messages):
+        return preference_row(v, messages)
+
+
+@register_format
+class TextFormat(RowFormat):
+    """``{"text": ...}`` rows (``text_field``): every token is trained."""
+
+    name = "text"
+    appends_eos = True
+
+    def fields(self, opts):
+        return [opts.text_field]
+
+    def value(self, v, field, messages):
+        if not isinstance(v, str):
+            raise ValueError(f"'{field}' must be a string, got {type(v).__name__}")
+        if not v:
+            raise ValueError(f"'{field}' is empty")
+        return v
+
+    def encode(self, rows, values, tools):
+        return rows.encode_text_rows(values)
+
+
+@register_format
+class TokenizedFormat(RowFormat):
+    """Already tokenized rows: ``input_ids`` and optionally ``labels`` or ``loss_mask``."""
+
+    name = "tokenized"
+    optional_fields = ("labels", "loss_mask")
+    whole_row = True
+    needs_tokenizer = False
+    images_refused = ("rows with images must be chat or text rows: the image placeholders are expanded "
+                      "before tokenizing (already tokenized VLM rows are not supported)")
+
+    def fields(self, opts):
+        return ["input_ids"]
+
+    def value(self, v, field, messages):
+        if v.get("input_ids") is None:
+            raise ValueError("'input_ids' is null")
+        return v
+
+    def encode(self, rows, values, tools):
+        return rows.encode_tokenized_rows(values)

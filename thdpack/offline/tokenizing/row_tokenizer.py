@@ -1,6 +1,6 @@
 """The map function of the build's tokenizing step: :class:`RowTokenizer`, raw rows to token ids
 and targets (text, chat through Hugging Face chat templates, prompt/completion, preference, or
-already tokenized rows); :func:`thdpack.offline.tokenizing.tokenize.tokenize_source` runs it with
+already tokenized rows); :func:`thdpack.offline.tokenizing.tokenize_step.tokenize_source` runs it with
 ``datasets.map``. Every input row (two for preference rows) gives one output row with
 
 - ``input_ids``: int32 token ids;
@@ -33,12 +33,12 @@ from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.stages import TokenizeOptions
 from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats, role_renders
 from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans
-from thdpack.offline.tokenizing.formats import row_format
-from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
-from thdpack.offline.tokenizing.row_formats import brief as _brief, encode_prompt_completion, group_key, sample_value
+from thdpack.offline.tokenizing.row_formats import row_format
+from thdpack.offline.store.schema import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN
+from thdpack.offline.tokenizing.row_conversions import brief as _brief, encode_prompt_completion, group_key, sample_value
 from thdpack.offline.inputs.sources import JSON_COLUMN, NESTED_TOO_DEEP
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
-from thdpack.offline.tokenizing.tokenizer import has_generation_markers
+from thdpack.offline.tokenizing.tokenizer_loading import has_generation_markers
 from thdpack.common.samples import IGNORE_INDEX
 
 ERROR_COLUMN = "__error__"
@@ -51,7 +51,7 @@ TOOLS_FIELD = "tools"  # a chat row's tool schemas, passed to the template as ``
 class RowTokenizer:
     """``datasets.map`` function (batched, Arrow format): raw rows -> tokens, targets, errors.
 
-    ``fmt`` names the row format (:mod:`thdpack.offline.tokenizing.formats`); what differs between
+    ``fmt`` names the row format (:mod:`thdpack.offline.tokenizing.row_formats`); what differs between
     formats (fields, the value encoded, its encoder, tools, sequences per row) is asked of it; ``opts``
     (:class:`~thdpack.offline.stages.TokenizeOptions`) holds the build's tokenizing options."""
 
@@ -329,7 +329,7 @@ class RowTokenizer:
     def encode_completion_rows(self, rows: list, tools: list) -> list:
         """``[(input_ids int32 [T], targets bool [T])]`` of PromptCompletion values (a preference row's
         chosen and rejected sequences each one), as TRL tokenizes them
-        (:func:`~thdpack.offline.tokenizing.row_formats.encode_prompt_completion`)."""
+        (:func:`~thdpack.offline.tokenizing.row_conversions.encode_prompt_completion`)."""
         return encode_prompt_completion(self.tok, rows, self.bpe, tools=tools, loss=self.loss,
                                         append_eos=self.append_eos)
 

@@ -27,7 +27,7 @@ import numpy as np
 from thdpack.offline.tokenizing.chat_content import flatten_content
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.vision.media import RowVideos, row_images, row_videos
-from thdpack.offline.tokenizing.formats import row_format
+from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer, row_error
 from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.store.vision_columns import CUT_COLUMN

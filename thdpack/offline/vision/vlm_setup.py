@@ -81,7 +81,7 @@ import numpy as np
 
 from thdpack.offline.tokenizing.chat_content import IMAGE_PART_TYPES, VIDEO_PART_TYPES
 from thdpack.offline.errors import ConfigError
-from thdpack.offline.store.format import VLM_FORMAT_VERSION
+from thdpack.offline.store.schema import VLM_FORMAT_VERSION
 from thdpack.offline.vision.media import load_image_processor
 from thdpack.offline.inputs.sources import JSON_COLUMN
 from thdpack.offline.store.vision_columns import (PROCESSOR_DIR, VISION_COLUMNS, VisionColumns, image_stats,
@@ -178,15 +178,12 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
     """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`)
     and the build's ``model_config``, or None for a text build."""
     from thdpack.vlm import get_family, supported_model_types
+    from thdpack.common.extensions import vlm_config_problem
     from thdpack.common.model_config import config_first
 
     if model_config is None or model_config.get("model_type") not in supported_model_types():
         if opts.vision_budget is not None or opts.image_processor is not None:
-            raise ConfigError(
-                "vision_budget / image_processor need a VLM model_config (model_type one of "
-                f"{', '.join(supported_model_types())}), got "
-                + ("none" if model_config is None else repr(model_config.get("model_type")))
-            )
+            raise ConfigError(vlm_config_problem("vision_budget / image_processor", model_config))
         return None
     if (opts.images_field not in source.columns and opts.videos_field not in source.columns
             and not _rows_have_images(source, opts)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.stages import TokenizeOptions
-from thdpack.offline.store.format import bytes_sha256
-from thdpack.offline.tokenizing.formats import row_format
+from thdpack.offline.store.schema import bytes_sha256
+from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -41,8 +42,7 @@ def load_tokenizer(opts: TokenizeOptions):
         tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a damaged file
         if local.exists():
-            problem = tokenizer_dir_problem(local) or " ".join(str(exc).split())[:300]
-            raise InputError(f"tokenizer {spec!r}: cannot load {local}: {problem}") from None
+            raise damaged_tokenizer(spec, local, exc) from None
         if not isinstance(exc, (OSError, ValueError)):
             raise
         from huggingface_hub.constants import HF_HUB_CACHE
@@ -59,6 +59,13 @@ def load_tokenizer(opts: TokenizeOptions):
     # (a second line on a build that stops for a long row) does not apply
     getattr(tok, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
+
+
+def damaged_tokenizer(spec: str, local: Path, exc: Exception) -> InputError:
+    """The one-line error for tokenizer directory ``local`` (given as ``spec``) that failed to load with ``exc``:
+    what is wrong with it (:func:`tokenizer_dir_problem`), else the library's message on one line."""
+    problem = tokenizer_dir_problem(local) or " ".join(str(exc).split())[:300]
+    return InputError(f"tokenizer {spec!r}: cannot load {local}: {problem}")
 
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -41,7 +41,7 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.procs import check_signals, signals_deferred
-from thdpack.offline.store.format import file_sha256
+from thdpack.offline.store.schema import file_sha256
 from thdpack.offline.store.staging import fsync_dir, fsync_file, move_into_place, staged_output
 from thdpack.common.samples import IGNORE_INDEX
 
@@ -314,7 +314,7 @@ def _check_pad_id(pad_id, ds) -> None:
     """``pad_id`` is a token id Bridge's int32 ``input_ids`` hold and, where the build recorded its
     tokenizer's vocabulary, one of its ids; ``ValueError`` naming the value (and the metadata file) otherwise."""
     from thdpack.common.align import check_int
-    from thdpack.offline.store.format import METADATA_FILE
+    from thdpack.offline.store.schema import METADATA_FILE
 
     check_int(pad_id, "pad_id", 0, below=PAD_ID_MAX + 1,
               hint=" (the tokenizer's EOS id, which Bridge pads with; Bridge's input_ids are int32)")

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from thdpack.common.model_config import config_get
-from thdpack.offline.stages import read_model_config
+from thdpack.offline.stages import read_checked_model_config
 
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -43,7 +44,7 @@ def canonical_json(config: dict) -> str:
 
 def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int, seqlen_squared_sum: int,
                         num_samples: int, vision_grid_thw=None) -> dict:
-    """The whole-model over-count factors for :func:`thdpack.offline.summary.summarize`.
+    """The whole-model over-count factors for :func:`thdpack.offline.commands.pack_stats.summarize`.
 
     ``overcount``: ``model_flops`` of ``num_packs`` sequences of ``pack_size`` tokens over
     ``model_flops`` of the real tokens and ``Σ sᵢ²`` (:func:`thdpack.flops.model_overcount_factor`);
@@ -78,7 +79,7 @@ def packed_model_config(ds, given: str | None = None) -> dict:
     path = given if given else (ds.path / MODEL_CONFIG_FILE if (ds.path / MODEL_CONFIG_FILE).is_file() else None)
     if path is None:
         return {}
-    out = {"model_config": read_model_config(path)}
+    out = {"model_config": read_checked_model_config(Path(path))}
     if "image_grid_thw" in getattr(ds, "columns", []):
         from thdpack.offline.store.vision_readback import all_image_grids
 

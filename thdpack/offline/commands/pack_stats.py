@@ -53,7 +53,7 @@ def summarize(
             (for the histogram); defaults to ``seq_lens``.
         counts: extra counters to carry (truncated, dropped, skipped, ...).
         model_config: a model config (dict or transformers config): adds ``model_flops``,
-            the whole-model over-count (:func:`thdpack.offline.build_model.model_flops_summary`).
+            the whole-model over-count (:func:`thdpack.offline.commands.model_record.model_flops_summary`).
         vision_grid_thw: ``[N, 3]`` grids of every image in the packs (VLM builds), so
             that the model figure counts the vision tower.
     """
@@ -83,7 +83,7 @@ def summarize(
         "attention_flops": _attention_flops_summary(num_packs, pack_size, sum_sq, per_pack),
     }
     if model_config is not None:
-        from thdpack.offline.build_model import model_flops_summary
+        from thdpack.offline.commands.model_record import model_flops_summary
 
         out["model_flops"] = model_flops_summary(model_config, num_packs, pack_size, real, sum_sq, int(s.size),
                                                  vision_grid_thw)

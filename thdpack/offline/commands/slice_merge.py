@@ -36,7 +36,7 @@ import numpy as np
 
 from thdpack.offline.store.dataset import read_metadata
 from thdpack.offline.errors import MAX_ERRORS_RECORDED, NotPackedError, OfflineError
-from thdpack.offline.store.format import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
+from thdpack.offline.store.schema import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
                                     file_sha256)
 from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.inputs.input_slice import MERGED_KEY, SLICE_KEY, slice_info, slice_rows
@@ -118,7 +118,7 @@ def _shared(meta: dict, key: str):
     if key == "vision" and isinstance(value, dict):
         return {k: v for k, v in value.items() if k not in VISION_PER_SLICE_KEYS}
     if key == "megatron_bridge" and isinstance(value, dict):  # its files and totals are per slice (bridge_export.py)
-        from thdpack.offline.bridge_export import SETTINGS
+        from thdpack.offline.commands.bridge_export import SETTINGS
 
         return {k: value.get(k) for k in SETTINGS}
     return value
@@ -287,7 +287,7 @@ def merged_metadata(slices: list[tuple[Path, dict]], seq_lens: np.ndarray, pack_
     build, ``(grids, pack_patches, video_grids)``: int64 ``[N, 3]`` grids of every image, the
     vision patches (images and videos) of every pack, in the merged pack order, and int64
     ``[V, 3]`` grids of every video."""
-    from thdpack.offline.summary import nemo_fields, summarize
+    from thdpack.offline.commands.pack_stats import nemo_fields, summarize
 
     metas = [m for _, m in slices]
     first = metas[0]
@@ -344,7 +344,7 @@ def merge_slices(
     link: bool = False,
 ) -> MergeResult:
     """Merge the slice builds at ``slice_paths`` (paths, globs or a parent directory) into ``output``.
-    The summary line goes to ``logging.getLogger("thdpack.offline.merging")``."""
+    The summary line goes to ``logging.getLogger("thdpack.offline.commands.slice_merge")``."""
     return _merge(slice_paths, Path(output), overwrite, link)
 
 
@@ -407,7 +407,7 @@ def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResul
             vision = (image_grids, image_patches + (video_patches if video_patches.size else 0), video_grids)
         meta = merged_metadata(slices, seq_lens, offsets, np.concatenate(lengths), files, model_config, vision)
         if "megatron_bridge" in first:  # output_format megatron-bridge: Bridge's files of the merged packs
-            from thdpack.offline.bridge_export import write_merged
+            from thdpack.offline.commands.bridge_export import write_merged
 
             meta["megatron_bridge"] = write_merged(tmp, meta, first["megatron_bridge"])
         commit_staged(tmp, meta, output)

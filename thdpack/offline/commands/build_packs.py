@@ -25,21 +25,21 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.common.align import round_up
-from thdpack.offline import bridge_export
+from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
 from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED, require_hf
-from thdpack.offline.store.format import (FORMAT_NAME, FORMAT_VERSION, GROUP_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
-                                          PackedMetadata, SourceInfo)
-from thdpack.offline.build_model import MODEL_CONFIG_FILE, canonical_json, model_info
-from thdpack.offline.tokenizing.formats import row_format
+from thdpack.offline.store.schema import (FORMAT_NAME, FORMAT_VERSION, GROUP_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
+                                          PREFIX_COLUMNS, PackedMetadata, SourceInfo)
+from thdpack.offline.commands.model_record import MODEL_CONFIG_FILE, canonical_json, model_info
+from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.procs import signals_raise
-from thdpack.offline.shared_prefixes import PREFIX_COLUMNS, common_prefixes
+from thdpack.offline.commands.shared_prefixes import common_prefixes
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
-from thdpack.offline.summary import BUILD_COUNTS, nemo_fields, summarize
+from thdpack.offline.commands.pack_stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
-from thdpack.offline.tokenizing.tokenize import Tokenized, resolve_format, tokenize_source
+from thdpack.offline.tokenizing.tokenize_step import Tokenized, resolve_format, tokenize_source
 from thdpack.offline.vision.vlm_setup import vlm_build
 from thdpack.planning.plan import PackPlan, plan_packs
 
@@ -481,7 +481,7 @@ def build_packed(
 ) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
     ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
-    Stage lines go to ``logging.getLogger("thdpack.offline.pipeline")`` (and the stages' own loggers under
+    Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
     return _build(cfg, Path(output), overwrite, progress, input_slice)
 
@@ -512,7 +512,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
 
         summary = prep.summary()
         summary["target_tokens"] = written["target_tokens"]
-        meta = _metadata(cfg, stages, prep, summary, written, values, tok_info)
+        meta = _metadata(stages, prep, summary, written, values, tok_info, cfg.as_dict(recorded=True))
         if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
             meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info)
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
@@ -603,12 +603,14 @@ def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) ->
     return tok_info
 
 
-def _metadata(cfg: BuildConfig, stages: BuildStages, prep: Prepared, summary: dict, written: dict, values: dict,
-              tok_info: dict | None) -> PackedMetadata:
-    """``metadata.json`` of a build: the format, the options, the counts and ``summary``, the source,
-    tokenizer and model, the data files ``written``, and the ``values`` columns' dtypes."""
+def _metadata(stages: BuildStages, prep: Prepared, summary: dict, written: dict, values: dict,
+              tok_info: dict | None, recorded_config: dict) -> PackedMetadata:
+    """``metadata.json`` of a build: the format, the options (from the resolved ``stages``), the counts and
+    ``summary``, the source, tokenizer and model, the data files ``written``, the ``values`` columns' dtypes, and
+    the config as given (``recorded_config``: ``BuildConfig.as_dict(recorded=True)``)."""
     from thdpack.common.version import __version__
 
+    plan, planning, store = stages.planning.plan, stages.planning, stages.store
     counts = prep.counts()
     counts["tokens"] = summary["real_tokens"]
     counts["target_tokens"] = written["target_tokens"]
@@ -617,38 +619,38 @@ def _metadata(cfg: BuildConfig, stages: BuildStages, prep: Prepared, summary: di
         format_version=FORMAT_VERSION,
         complete=True,
         thdpack_version=__version__,
-        file_format=bridge_export.data_file_format(cfg.output_format),
-        targets=cfg.targets,
-        columns=["input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"],
+        file_format=bridge_export.data_file_format(store.output_format),
+        targets=store.targets,
+        columns=["input_ids", store.targets, "seq_lens", "sample_index", "sample_start"],
         num_packs=len(prep.plan),
-        pack_size=cfg.pack_size,
-        align=cfg.align,
-        cp_size=cfg.cp_size,
-        tp_size=cfg.tp_size,
-        sequence_parallel=cfg.sequence_parallel,
-        pad_multiple=cfg.pad_multiple,
-        algorithm=cfg.algorithm,
-        overflow=cfg.overflow,
-        without_targets=cfg.without_targets,
-        max_samples_per_pack=cfg.max_samples_per_pack,
-        seed=cfg.seed,
-        shuffle_packs=cfg.shuffle_packs,
+        pack_size=plan.pack_size,
+        align=plan.align,
+        cp_size=planning.cp_size,
+        tp_size=planning.tp_size,
+        sequence_parallel=planning.sequence_parallel,
+        pad_multiple=planning.pad_multiple,
+        algorithm=plan.algorithm,
+        overflow=plan.overflow,
+        without_targets=planning.without_targets,
+        max_samples_per_pack=plan.max_samples_per_pack,
+        seed=plan.seed,
+        shuffle_packs=store.shuffle_packs,
         **{k: v for k, v in nemo_fields(summary).items() if k != "pack_size"},
         counts=counts,
         source=SourceInfo(format=prep.tokenized.fmt, fingerprint=prep.source.fingerprint,
                           files=[f.describe() for f in prep.source.files]),
         tokenizer=tok_info,
-        model=None if prep.model_config is None else model_info(prep.model_config, cfg.model_config),
+        model=None if prep.model_config is None else model_info(prep.model_config, stages.model_given),
         files=written["files"],
         stats=summary,
         skipped_examples=prep.skipped_examples(),
-        config=cfg.as_dict(recorded=True),
+        config=recorded_config,
     )
-    if values:  # sample_values: one column per value (thdpack/offline/store/format.py)
+    if values:  # sample_values: one column per value (thdpack/offline/store/schema.py)
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
         meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
     if prep.shared_prefix is not None:  # share_prefix: the group and prefix columns the loader reads
-        meta["share_prefix"] = _prefix_counts(prep, stages.planning.min_prefix_len)  # resolved once: stages.py
+        meta["share_prefix"] = _prefix_counts(prep, planning.min_prefix_len)
         meta["columns"] += list(PREFIX_COLUMNS)
         meta["counts"]["tokens"] = int(prep.plan.length.sum())  # stored: each sample whole (the stream's: stats)
     return meta

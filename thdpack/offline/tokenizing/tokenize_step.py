@@ -1,7 +1,7 @@
 """The build's tokenizing step: :func:`tokenize_source` runs the row tokenizer over every row of a source.
 
 It resolves the row format (:func:`resolve_format`), checks the columns the format and the
-options need, loads the tokenizer (:mod:`thdpack.offline.tokenizing.tokenizer`), and maps
+options need, loads the tokenizer (:mod:`thdpack.offline.tokenizing.tokenizer_loading`), and maps
 :class:`~thdpack.offline.tokenizing.row_tokenizer.RowTokenizer` (or the VLM build's row tokenizer) over
 the rows with ``datasets.map`` (batched, ``num_proc`` processes, results memory-mapped in a
 work directory). With the tiktoken fast path, a row where it disagrees with the tokenizer
@@ -19,14 +19,14 @@ import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.stages import TokenizeOptions
-from thdpack.offline.store.format import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN, bytes_sha256
+from thdpack.offline.store.schema import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN, bytes_sha256
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes
-from thdpack.offline.tokenizing.formats import DETECTION_ORDER, detect_format, row_format
+from thdpack.offline.tokenizing.row_formats import DETECTION_ORDER, detect_format, row_format
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TAIL_TARGETS_COLUMN, TOOLS_FIELD, RowTokenizer
 from thdpack.offline.inputs.sources import JSON_COLUMN, Source, first_json_problem, json_fields
 from thdpack.offline.tokenizing.tiktoken_bpe import FastTokenizerMismatch
-from thdpack.offline.tokenizing.tokenizer import fast_bpe, load_tokenizer, tokenizer_info
+from thdpack.offline.tokenizing.tokenizer_loading import fast_bpe, load_tokenizer, tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ class Tokenized:
 
 def resolve_format(opts: TokenizeOptions, source: Source) -> str:
     """The name of the row format: ``opts.format`` or, for ``auto``, the first format of
-    :data:`~thdpack.offline.tokenizing.formats.DETECTION_ORDER` whose fields the rows have
-    (:func:`~thdpack.offline.tokenizing.formats.row_format` gives the format object)."""
+    :data:`~thdpack.offline.tokenizing.row_formats.DETECTION_ORDER` whose fields the rows have
+    (:func:`~thdpack.offline.tokenizing.row_formats.row_format` gives the format object)."""
     if opts.format != "auto":
         return opts.format
     fmt = detect_format(source.columns, opts)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.common.align import round_up
-from thdpack.offline.store.format import PREFIX_COLUMNS  # noqa: F401  (the columns a share_prefix build writes)
 from thdpack.offline.store.gather import CHUNK_TOKENS, RowPieces, group_boundaries
 
 

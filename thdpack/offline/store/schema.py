@@ -159,7 +159,7 @@ SHARE_PREFIX = Rule("an object with an integer 'min_prefix_len' >= 1",
 
 
 class Counts(TypedDict, total=False):
-    """``counts``: what the build read, kept and cut (offline/summary.py)."""
+    """``counts``: what the build read, kept and cut (offline/commands/pack_stats.py)."""
 
     samples: Annotated[int, COUNT]
     pieces: Annotated[int, COUNT.optional()]
@@ -182,7 +182,7 @@ class SourceInfo(TypedDict, total=False):
 
 
 class TokenizerInfo(TypedDict, total=False):
-    """``tokenizer``: what the collator and inspect need of the tokenizer (offline/tokenizing/tokenizer.py)."""
+    """``tokenizer``: what the collator and inspect need of the tokenizer (offline/tokenizing/tokenizer_loading.py)."""
 
     vocab_size: Annotated[int, POSITIVE.optional()]
     pad_token_id: Annotated[int | None, COUNT.or_null().optional()]
@@ -239,9 +239,9 @@ class PackedMetadata(TypedDict, total=False):
     config: dict  # BuildConfig.as_dict(recorded=True)
     # sample_values builds only: {NAME: "int64" | "float64"}, each with a sample_values.NAME column
     sample_values: Annotated[dict[str, str], VALUE_TYPES.optional()]
-    megatron_bridge: dict  # output_format megatron-bridge only (offline/bridge_export.py)
+    megatron_bridge: dict  # output_format megatron-bridge only (offline/commands/bridge_export.py)
     vision: Annotated[dict | None, OBJECT.or_null().optional()]  # VLM builds only (offline/store/vision_columns.py)
-    # share_prefix builds only: {min_prefix_len, groups, samples, prefix_tokens, tokens_saved} (offline/pipeline.py)
+    # share_prefix builds only: {min_prefix_len, groups, samples, prefix_tokens, tokens_saved} (offline/commands/build_packs.py)
     share_prefix: Annotated[dict, SHARE_PREFIX.optional()]
     input_slice: dict  # slice builds only (offline/inputs/input_slice.py)
     input_slices: dict  # merged builds only
