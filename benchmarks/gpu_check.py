@@ -23,9 +23,14 @@ Checks, each on packs of random lengths with alignment padding, against every sa
   each vs per sample, and ``megatron_gdn_check()`` of ``benchmarks/gpu_megatron_gdn.py`` if that file
   exists. Every sub-result names the layer that would leak across samples if it were off.
 
+- ``ceiling``, ``varlen``, ``mfu``, ``paths``: the headline's proof (issue 31; ``benchmarks/gpu_proof.py``): the
+  matmul ceiling, PyTorch's varlen kernel as an attention backend vs each sample alone, the MFU table (TFLOP/s by
+  ``Σ sᵢ²``, by pack length², by FlopCounterMode), and packed vs flattening-collator vs padded tokens/s with the
+  collator's share of a step. ``--markdown`` writes their tables.
+
 Usage::
 
-    python benchmarks/gpu_check.py --out $OUT/gpu_check.json          # on a GPU machine
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json --markdown $OUT/gpu_check.md   # on a GPU machine
     python benchmarks/gpu_check.py --device cpu --quick                 # the same code paths, tiny, on CPU
 
 Exits non-zero when a check that ran found a difference above its tolerance.
@@ -51,6 +56,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import thdpack  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_proof  # noqa: E402  (the headline's checks: ceiling, varlen, mfu, paths)
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 
@@ -472,8 +480,16 @@ def check_hybrid(args, dev) -> dict:
     return out
 
 
-CHECKS = {"flash_varlen": check_flash_varlen, "te_thd": check_te_thd, "flex": check_flex, "gdn": check_gdn,
-          "step": check_step, "hybrid": check_hybrid}
+CHECKS = {"ceiling": gpu_proof.check_ceiling, "varlen": gpu_proof.check_varlen, "mfu": gpu_proof.check_mfu,
+          "paths": gpu_proof.check_paths, "flash_varlen": check_flash_varlen, "te_thd": check_te_thd,
+          "flex": check_flex, "gdn": check_gdn, "step": check_step, "hybrid": check_hybrid}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.import_module(package).__version__
+    except ImportError:
+        return None
 
 
 def main(argv=None) -> int:
@@ -483,16 +499,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the pack the kernel checks use")
     ap.add_argument("--step-tokens", type=int, nargs="+", default=[4096, 16384], help="pack lengths of the step timing")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mfu-tokens", type=int, nargs="+", default=[2048, 4096, 16384, 32768],
+                    help="pack lengths of the MFU table")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--markdown", help="write the MFU and paths tables as Markdown here")
     args = ap.parse_args(argv)
+    args.ceiling_tflops = None  # set by the ceiling check, read by the MFU one
     if args.quick:
-        args.tokens, args.step_tokens, args.repeats = 512, [256], 1
+        args.tokens, args.step_tokens, args.mfu_tokens, args.repeats = 512, [256], [256], 1
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run with --device cpu for a smoke run (the GPU checks need a GPU)")
     dev = torch.device(args.device)
     results, bad = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                    "torch": torch.__version__}, []
+                    "torch": torch.__version__, "transformers": _version("transformers"),
+                    "date": time.strftime("%Y-%m-%d")}, []
     for name in args.checks:
         t0 = time.perf_counter()
         try:
@@ -504,6 +525,8 @@ def main(argv=None) -> int:
         if ("max_abs_diff" in r and not r["max_abs_diff"] <= r["tolerance"]) or ("error" in r and name not in bad):
             bad.append(name)
         results[name] = r
+        if name == "ceiling" and "tflops" in r:
+            args.ceiling_tflops = r["tflops"]
         print(f"{name:>13}: {json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)})}")
         for key, value in r.items():  # sub-results (the step check's sizes, the hybrid check's parts): a line each
             if isinstance(value, dict):
@@ -511,6 +534,8 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(gpu_proof.markdown(results))
     if bad:
         print(f"FAILED: {', '.join(bad)}")
     return 1 if bad else 0

@@ -32,6 +32,7 @@ CASES = {
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
     "hybrid_reference": (["--quick"], "packed / alone"),
+    "flops_overcount": ([], "whole model"),
 }
 
 
@@ -43,3 +44,24 @@ def test_benchmark_runs(name):
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"benchmarks/{name}.py failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert expected in done.stdout, done.stdout[-2000:]
+
+
+def test_the_gpu_proof_runs_on_the_cpu(tmp_path):
+    """``benchmarks/gpu_check.py --device cpu --quick`` runs the proof's checks (issue 31) through the same code
+    as on a GPU, so it never rots: the varlen backend exact on a pack as built and static, the MFU and paths
+    tables filled, Markdown written."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    out, md = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--checks", "ceiling", "varlen", "mfu", "paths",
+                           "--out", str(out), "--markdown", str(md)]) == 0
+    results = json.loads(out.read_text())
+    assert results["varlen"]["max_abs_diff"] <= 1e-5 and results["varlen"]["static"]["offsets"] > results["varlen"]["samples"] + 1
+    row = results["mfu"]["256"]
+    assert row["samples"] > 1 and row["tflops_pack_len2"] > row["tflops_sum_si2"] > 0 and row["overcount"] > 0
+    assert results["paths"]["256"]["thdpack_tokens_per_s"] > 0
+    text = md.read_text()
+    assert "| pack | samples | step | TFLOP/s by Σ sᵢ² |" in text and "DataCollatorWithFlattening" in text

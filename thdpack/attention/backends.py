@@ -11,7 +11,8 @@ Every kind also gets the boundaries that linear-attention, SSM and convolution l
 (``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``; docs/hybrid.md); attention functions take
 them in ``**kwargs`` and ignore what they do not read. The kinds differ in the attention mask:
 
-- ``"flash"``: no mask (varlen kernels read ``cu_seq_lens_q/k``): ``None``, any name with ``flash``
+- ``"flash"``: no mask (varlen kernels read ``cu_seq_lens_q/k``): ``None``, ``"thdpack_varlen"`` (PyTorch's own
+  ``varlen_attn``, :func:`thdpack.integrations.register_varlen_attention`), any name with ``flash``
   in it (transformers' own test: ``flash_attention_2/3/4``, ``kernels-community/flash-attn3``),
   other hub kernels (``org/name``), and custom names registered in transformers'
   ``AttentionInterface`` without a mask function;
@@ -32,6 +33,7 @@ import sys
 import torch
 
 DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
+VARLEN_ATTENTION = "thdpack_varlen"  # PyTorch's varlen_attn (thdpack.integrations.register_varlen_attention): "flash"
 FLEX_IMPLEMENTATIONS = ("flex_attention",)
 _MASK_FUNCTION_KINDS = {"sdpa_mask": "dense", "eager_mask": "dense", "flex_attention_mask": "flex",
                         "flash_attention_mask": "flash"}
@@ -47,13 +49,15 @@ def attention_kind(attn_implementation) -> str:
             return "flex"
         if attn_implementation in DENSE_IMPLEMENTATIONS:
             return "dense"
-        if "flash" in attn_implementation or "/" in attn_implementation.strip("/"):
+        if attn_implementation == VARLEN_ATTENTION or "flash" in attn_implementation \
+                or "/" in attn_implementation.strip("/"):
             return "flash"
         registered = _registered_kind(attn_implementation)
         if registered is not None:
             return registered
     raise ValueError(
-        f"attn_implementation must be None, 'flash_attention_2', 'flash_attention_3', a kernels hub name (org/name), "
+        f"attn_implementation must be None, 'flash_attention_2', 'flash_attention_3', {VARLEN_ATTENTION!r}, "
+        f"a kernels hub name (org/name), "
         f"'flex_attention', 'sdpa', 'eager' or a name registered in transformers' AttentionInterface, "
         f"got {attn_implementation!r}"
     )
