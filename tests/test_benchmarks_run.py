@@ -33,6 +33,8 @@ CASES = {
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
     "hybrid_reference": (["--quick"], "packed / alone"),
     "flops_overcount": ([], "whole model"),
+    "vision_balance": (["--packs", "10", "--cp", "2", "--tower-packs", "1", "--tower-repeats", "1"],
+                       "the ranks' shares put together equal the whole tower"),
 }
 
 

@@ -14,7 +14,10 @@ vectorised mRoPE in ``mrope.py``, under the rule of a transformers version
 vision fields (each sample's pixels and grids read, checked and concatenated in pack
 order, mRoPE rows added) in ``vision_fields.py``; a shared-prefix pack's (a prompt's images
 listed once, each member's mRoPE rows continuing from its prefix) in ``tree_vision.py``. CP positions of vision tokens
-(:func:`vision_shard_extras`) are defined with the CP split, in :mod:`thdpack.parallel.cp`.
+(:func:`vision_shard_extras`) are defined with the CP split, in :mod:`thdpack.parallel.cp`. The vision
+tower split over CP ranks (each rank encodes a FLOPs-balanced share of the pack's frames, the embeddings
+all-gathered): :func:`plan_vision_split` (:mod:`thdpack.planning.vision_split`), :func:`vision_rank_inputs`,
+:func:`gather_vision_embeddings`, :func:`shard_vision_rows` (:mod:`thdpack.parallel.vision_gather`).
 On import it registers :func:`attach_vision` and :func:`vision_lengths` with
 :mod:`thdpack.common.extensions`, through which the core calls them.
 """
@@ -22,6 +25,8 @@ On import it registers :func:`attach_vision` and :func:`vision_lengths` with
 from thdpack.batching.batch import HF_VISION_KEYS
 from thdpack.common.extensions import VisionExtension, register_vision
 from thdpack.parallel.cp import vision_shard_extras
+from thdpack.parallel.vision_gather import gather_vision_embeddings, shard_vision_rows, vision_rank_inputs
+from thdpack.planning.vision_split import VisionSplit, plan_vision_split
 from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.families import register_family
@@ -33,14 +38,19 @@ __all__ = [
     "HF_VISION_KEYS",
     "QwenVLFamily",
     "RopeItems",
+    "VisionSplit",
     "VlmFamily",
     "attach_vision",
+    "gather_vision_embeddings",
     "get_family",
     "mrope_for_stream",
+    "plan_vision_split",
     "register_family",
+    "shard_vision_rows",
     "supported_model_types",
     "vision_lengths",
     "vision_patch_count",
+    "vision_rank_inputs",
     "vision_shard_extras",
 ]
 
