@@ -32,7 +32,6 @@ CASES = {
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
     "hybrid_reference": (["--quick"], "packed / alone"),
-    "flops_overcount": ([], "whole model"),
     "vision_balance": (["--packs", "10", "--cp", "2", "--tower-packs", "1", "--tower-repeats", "1"],
                        "the ranks' shares put together equal the whole tower"),
 }
