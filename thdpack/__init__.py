@@ -10,9 +10,9 @@ The public surface, group by group in the order a user meets it (``__all__`` kee
 - plan: ``plan_packs``, ``PlanOptions``, ``PackPlan``, ``PackStats`` -- which samples share a pack, from lengths alone.
 - build: ``build_thd_batch``, ``BatchLayout``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
 - collate: ``ThdCollator``, ``PackedBatches``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
-- balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel`` -- packs dealt evenly over data-parallel ranks.
+- balance: ``plan_balanced``, ``BalancedPlan``, ``CostModel``, ``plan_hybrid_cp``, ``HybridCPPlan`` -- packs dealt evenly over data-parallel ranks; under hybrid (per-sample) CP, samples over blocks of ranks.
 - rebalance: ``rebalance``, ``RebalanceHandle`` -- samples made at run time (RL rollouts) moved to the ranks that run them, results back.
-- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``shard_for_ulysses``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP or Ulysses SP rank's slice.
+- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``hybrid_cp_shards``, ``shard_for_ulysses``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP (static or hybrid) or Ulysses SP rank's slice.
 - flops: ``seqlen_squared_sum``, ``model_flops``, ``FlopsMeter``, ``FlopsAccumulator``, ``throughput``, ``overcount_report`` -- Σsᵢ².
 - offline: ``load_packed``, ``PackedDataset``, ``PackedRowCollator`` -- packs built ahead of time (lazy import).
 - losses: ``packed_loss`` -- a loss over a packed batch that means what it means unpacked.
@@ -26,6 +26,8 @@ from thdpack.common.align import cp_pad_multiple
 from thdpack.common.version import __version__
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.batching.batch import ThdBatch, shard_for_cp
+from thdpack.batching.hybrid_shards import hybrid_cp_shards
+from thdpack.planning.hybrid_cp import HybridCPPlan, plan_hybrid_cp
 from thdpack.batching.builder import build_thd_batch
 from thdpack.loaders.collate import IndexedDataset, PackedBatches, ThdCollator
 from thdpack.loaders.rebalance import RebalanceHandle, rebalance
@@ -50,11 +52,11 @@ __all__ = [
     # collate
     "ThdCollator", "PackedBatches", "TokenBudgetBatchSampler", "StreamingPacker", "IndexedDataset",
     # balance
-    "plan_balanced", "BalancedPlan", "CostModel",
+    "plan_balanced", "BalancedPlan", "CostModel", "plan_hybrid_cp", "HybridCPPlan",
     # rebalance
     "rebalance", "RebalanceHandle",
     # shard
-    "cp_pad_multiple", "shard_for_cp", "shard_for_ulysses", "thd_partition_indices", "local_seq_lens",
+    "cp_pad_multiple", "shard_for_cp", "hybrid_cp_shards", "shard_for_ulysses", "thd_partition_indices", "local_seq_lens",
     "torch_cp_indices", "TorchCPLoadBalancer",
     # flops
     "seqlen_squared_sum", "model_flops", "FlopsMeter", "FlopsAccumulator", "throughput", "overcount_report",

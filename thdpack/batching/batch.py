@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,11 @@ class ThdBatch:
             the dataset row (behind a ``TokenBudgetBatchSampler``) and
             :class:`thdpack.StreamingPacker` to the stream position; samples without it
             are numbered by their position in the collator's call.
+        source_index: int64 ``[n]`` the source (of a dataset mixture) each sample came from, in pack
+            order: the ``source_index`` given to :func:`thdpack.build_thd_batch`, by default the samples'
+            ``"source_index"`` field (:class:`thdpack.loaders.mixture_dataset.MixtureDataset` sets it),
+            else 0 for every sample (given as None, it is filled so). Losses and metrics split by it:
+            :func:`thdpack.losses.source_totals`.
         pad_multiple: every padded length is a multiple of this.
         ignore_index: the label value that carries no loss.
         tokens_truncated: tokens cut off the input samples to build this batch.
@@ -80,6 +86,11 @@ class ThdBatch:
             of the stream padded to ``T'`` (``cu_seqlens_padded[-1]``); the ``local_*`` fields and
             ``partition_indices`` are set as on a CP shard (``local_*``: the layout attention sees
             after the all-to-all, the whole padded stream when ``cp_size == 1``).
+        cp_block_start: None, but on a hybrid-CP batch (per-sample CP, :func:`thdpack.hybrid_cp_shards`): the
+            first data-parallel × CP position of the block of ``cp_size`` ranks it runs on (a multiple of
+            ``cp_size``; :mod:`thdpack.parallel.hybrid_blocks`). With ``cp_size > 1`` it is a CP shard as above
+            (the dual-chunk split over the block); with ``cp_size == 1`` a whole batch on one rank.
+            :meth:`to_packed_seq_params` then carries megatron-core's ``local_cp_size`` (and ``cp_group``).
         prefix_tree: None, or for a shared-prefix batch (``build_thd_batch(share_prefix=...)``) its
             :class:`thdpack.batching.prefix_tree.PrefixTree`. Then the stream's segments (``cu_seqlens``,
             ``cu_seqlens_padded``, ``seq_lens``, ``max_seqlen``, ``document_ids``) are the shared prefixes,
@@ -118,6 +129,12 @@ class ThdBatch:
     sp_size: int = 1
     sp_rank: int = 0
     prefix_tree: PrefixTree | None = None
+    cp_block_start: int | None = None
+    source_index: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.source_index is None:  # one source: every sample's is 0
+            self.source_index = torch.zeros(self.sample_index.shape, dtype=torch.int64, device=self.sample_index.device)
 
     # ---- sizes -----------------------------------------------------------
     @property
@@ -171,6 +188,21 @@ class ThdBatch:
 
     def __len__(self) -> int:
         return self.num_padded_tokens
+
+    @property
+    def padding_mask(self) -> torch.Tensor:
+        """bool ``[T]`` (a shard: its local slots), True on the slots that hold no token of a sample: the
+        alignment pad slots after each sample's real tokens and a ``pad_to`` tail. On a CP (or Ulysses) shard
+        the stream's mask taken by ``partition_indices``, the indices of its tokens. What megatron-core's
+        ``GPTModel.forward(padding_mask=...)`` takes (``[1, T]``, True = pad) to keep pad slots out of its MoE
+        routers' aux and z losses, token counts and expert-bias updates (``to_gpt_forward_kwargs``). A
+        shared-prefix batch is a ``ValueError``."""
+        refuse_tree("padding_mask (each sample's pad slots after its tokens)", self)
+        cu = self.cu_seqlens_padded.to(torch.int64)
+        slots = self.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        slots = slots.to(cu.device)
+        doc = documents_of(cu, slots)
+        return slots - cu[doc] >= self.seq_lens.to(device=cu.device, dtype=torch.int64)[doc]
 
     # ---- seq_idx and static shapes (thdpack.attention.seq_idx, thdpack.attention.static) ----
     @property
@@ -411,7 +443,7 @@ class ThdBatch:
                 kw["labels"] = self.hf_labels().unsqueeze(0)
         return kw
 
-    def packed_seq_params_dict(self) -> dict:
+    def packed_seq_params_dict(self, cp_group=None) -> dict:
         """Megatron-core ``PackedSeqParams`` fields as a dict (global metadata, also on
         a CP shard: TransformerEngine derives the per-rank layout itself).
 
@@ -435,8 +467,19 @@ class ThdBatch:
         With ``max_num_seqs`` (static shapes): every offset field int32 ``[max_num_seqs + 1]``, the
         padded ones always set, ``max_seqlen_q/kv`` = ``total_tokens``
         (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged.
-        A shared-prefix batch is a ``ValueError`` (varlen kernels cannot express its tree)."""
+        A shared-prefix batch is a ``ValueError`` (varlen kernels cannot express its tree).
+
+        A hybrid-CP batch (``cp_block_start`` set, :func:`thdpack.hybrid_cp_shards`) adds ``local_cp_size``
+        (its block's ``cp_size``) and ``cp_group``, the block's process group, which megatron-core hands
+        TransformerEngine's attention in place of its static CP group; with ``local_cp_size == 1`` it is None
+        (megatron-core then turns CP off for the micro-batch). ``cp_group`` is the group itself, a mapping
+        ``{k: group}`` (what :func:`thdpack.parallel.hybrid_blocks.hybrid_cp_groups` returns) or a function of
+        ``group_size=k`` (megatron-core's ``parallel_state.get_hybrid_data_context_parallel_groups``); a group
+        whose size is not the block's or in which this process is not the shard's position is a
+        ``ValueError``, and so is ``cp_group`` for a batch that is not hybrid (static CP runs on megatron-core's
+        own CP group)."""
         refuse_tree("packed_seq_params_dict() (varlen cu_seqlens: TE THD, megatron-core)", self)
+        hybrid = self._hybrid_cp_fields(cp_group)
         unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)
         padded = None if unpadded else self.cu_seqlens_padded
         fields = {
@@ -449,16 +492,48 @@ class ThdBatch:
             "max_seqlen_kv": self.max_seqlen,
             "total_tokens": int(self.cu_seqlens_padded[-1]),
         }
-        return fields if self.max_num_seqs is None else static_seq_params(fields, self.max_num_seqs)
+        fields = fields if self.max_num_seqs is None else static_seq_params(fields, self.max_num_seqs)
+        return {**fields, **hybrid}
 
-    def to_packed_seq_params(self):
+    def _hybrid_cp_fields(self, cp_group) -> dict:
+        """``{}`` for a batch that is not hybrid-CP; else ``local_cp_size`` and ``cp_group`` (see
+        :meth:`packed_seq_params_dict`)."""
+        if self.cp_block_start is None:
+            if cp_group is not None:
+                raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "
+                                 f"(cp_size={self.cp_size}): static CP runs on megatron-core's own CP group")
+            return {}
+        k = self.cp_size
+        if k == 1:
+            return {"local_cp_size": 1, "cp_group": None}
+        group = cp_group
+        if isinstance(cp_group, Mapping):
+            group = cp_group.get(k)
+        elif callable(cp_group):
+            group = cp_group(group_size=k)
+        where = f"position {self.cp_rank} of the block of {k} ranks at {self.cp_block_start}"
+        if group is None:
+            raise ValueError(f"this hybrid-CP batch runs on {where}: pass that block's process group as cp_group= "
+                             "(thdpack.parallel.hybrid_blocks.hybrid_cp_groups(), or megatron-core's "
+                             "parallel_state.get_hybrid_data_context_parallel_groups)")
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            if (size, rank) != (k, self.cp_rank):
+                raise ValueError(f"cp_group has {size} ranks and this process is its rank {rank}; this batch is "
+                                 f"{where}: give the group of this block")
+        return {"local_cp_size": k, "cp_group": group}
+
+    def to_packed_seq_params(self, cp_group=None):
         """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,
         else a dict with the same field names (see :meth:`packed_seq_params_dict`).
         Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
         megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none). The padded fields are
-        None when the batch has no alignment multiple and no sample is padded."""
+        None when the batch has no alignment multiple and no sample is padded. A hybrid-CP batch adds
+        ``local_cp_size`` and ``cp_group`` (``cp_group=``: see :meth:`packed_seq_params_dict`)."""
         refuse_tree("megatron-core PackedSeqParams (varlen cu_seqlens)", self)
-        fields = self.packed_seq_params_dict()
+        fields = self.packed_seq_params_dict(cp_group)
         try:
             from megatron.core.packed_seq_params import PackedSeqParams
         except ImportError:
@@ -490,6 +565,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     refuse_tree("shard_for_cp (TE / Megatron ring attention over cu_seqlens)", batch)
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
+    if batch.cp_block_start is not None:
+        raise ValueError(f"batch is a hybrid-CP batch (one rank's, at position {batch.cp_block_start}): its plan "
+                         "decided its CP size; build the block's shards with thdpack.hybrid_cp_shards")
     if batch.sp_size != 1:
         raise ValueError(f"batch is a Ulysses shard (sp_size={batch.sp_size}, rank {batch.sp_rank}); for Ulysses x ring "
                          "shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, cp_rank=)")

@@ -11,6 +11,7 @@ every token but the first is a target (its own id is the label).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
 from thdpack.common.extensions import vision
 from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
+from thdpack.common.align import is_int
 from thdpack.common.samples import SampleError, get_field, same_length, sample_list, to_int_array
 
 
@@ -29,6 +31,7 @@ def build_thd_batch(
     samples: Sequence,
     *,
     sample_index: Sequence[int] | None = None,
+    source_index: Sequence[int] | None = None,
     model_config=None,
     sample_values: Sequence[str] | None = None,
     share_prefix: str | None = None,
@@ -57,6 +60,9 @@ def build_thd_batch(
             ``cp_rank``, ``max_num_seqs``; each documented there).
         sample_index: ``[n]`` input row of each sample, recorded in the batch
             (defaults to ``0..n-1``).
+        source_index: ``[n]`` the source (of a dataset mixture) of each sample, integers >= 0, recorded
+            in ``batch.source_index``; default: the samples' ``"source_index"`` field
+            (:data:`SOURCE_INDEX_FIELD`; given to every sample or to none), else 0 for every sample.
         model_config: for VLM samples, the transformers config (or its dict) of a
             supported family (see :mod:`thdpack.vlm`): adds the concatenated vision
             inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
@@ -79,19 +85,20 @@ def build_thd_batch(
         A :class:`ThdBatch` on the CPU.
     """
     layout = layout_from("build_thd_batch", layout, layout_keywords)
-    return build_batch(samples, layout, sample_index=sample_index, model_config=model_config,
-                       sample_values=sample_values, share_prefix=share_prefix, min_prefix_len=min_prefix_len,
-                       stacklevel=4)
+    return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
+                       model_config=model_config, sample_values=sample_values, share_prefix=share_prefix,
+                       min_prefix_len=min_prefix_len, stacklevel=4)
 
 
-def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, model_config=None,
+def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, source_index=None, model_config=None,
                 sample_values=None, share_prefix=None, min_prefix_len=DEFAULT_MIN_PREFIX_LEN,
                 stacklevel: int = 3) -> ThdBatch:
     """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
     batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
     if share_prefix is not None:
         return _build_shared(samples, layout, share_prefix, min_prefix_len, sample_index=sample_index,
-                             model_config=model_config, sample_values=sample_values, stacklevel=stacklevel + 1)
+                             source_index=source_index, model_config=model_config, sample_values=sample_values,
+                             stacklevel=stacklevel + 1)
     samples = sample_list(samples, "build_thd_batch")
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
@@ -127,6 +134,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
         max_seqlen=int(padded.max()),
         seq_lens=torch.from_numpy(cu[1:] - cu[:-1]),
         sample_index=torch.from_numpy(index),
+        source_index=torch.from_numpy(sources_of(samples, source_index)),
         pad_multiple=multiple,
         ignore_index=layout.ignore_index,
         tokens_truncated=tokens_truncated,
@@ -149,21 +157,21 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, mo
     return batch
 
 
-def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *, sample_index, model_config,
-                  sample_values, stacklevel: int) -> ThdBatch:
+def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *, sample_index, source_index,
+                  model_config, sample_values, stacklevel: int) -> ThdBatch:
     """:func:`build_batch` with ``share_prefix``: the unshared stream first (its checks, its targets), then
     the tree gathered from it (:mod:`thdpack.batching.shared_prefix`); the plain batch when no group shares."""
     check_share_args(share_prefix, min_prefix_len, layout, model_config)
     samples = sample_list(samples, "build_thd_batch")
     check_num_seqs(len(samples), layout.max_num_seqs)
-    flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, sample_values=sample_values,
-                       model_config=model_config, stacklevel=stacklevel + 1)
+    flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, source_index=source_index,
+                       sample_values=sample_values, model_config=model_config, stacklevel=stacklevel + 1)
     limit = None if model_config is None else vision().prefix_limit(flat, model_config)  # whole, equal images
     tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len), limit)
     if tree is not None:
         return tree if model_config is None else vision().attach_tree(tree, flat, model_config)
-    return build_batch(samples, layout, sample_index=sample_index, sample_values=sample_values,
-                       model_config=model_config, stacklevel=stacklevel + 1)
+    return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
+                       sample_values=sample_values, model_config=model_config, stacklevel=stacklevel + 1)
 
 
 def _read_samples(samples, max_length):
@@ -206,6 +214,45 @@ def _sample_index(sample_index, n: int) -> np.ndarray:
     index = np.asarray(sample_index, dtype=np.int64)
     if index.size != n:
         raise ValueError(f"sample_index has {index.size} entries for {n} samples")
+    return index
+
+
+SOURCE_INDEX_FIELD = "source_index"
+"""The sample field that names a sample's source in a dataset mixture (an integer >= 0), which
+:func:`build_thd_batch` records in ``batch.source_index``: :class:`thdpack.loaders.mixture_dataset.MixtureDataset`
+sets it."""
+
+
+def sources_of(samples: Sequence, source_index=None) -> np.ndarray:
+    """int64 ``[n]``: ``source_index`` (given), else the samples' :data:`SOURCE_INDEX_FIELD`, else zeros.
+    ``ValueError`` (``SampleError`` naming the sample) for a count that is not ``n``, for a value that is not
+    an integer >= 0, and when only some samples have the field."""
+    n = len(samples)
+    if source_index is not None:
+        index = np.asarray(source_index)
+        if index.shape != (n,) or (index.size and index.dtype.kind not in "iu") or (index.size and index.min() < 0):
+            raise ValueError(f"source_index must be {n} integers >= 0 (one source per sample), got {source_index!r}")
+        return index.astype(np.int64)
+    if all(type(s) is dict and SOURCE_INDEX_FIELD not in s for s in samples):  # the common case, checked cheaply
+        return np.zeros(n, np.int64)
+    values = [get_field(s, SOURCE_INDEX_FIELD, i) for i, s in enumerate(samples)]
+    given = [v is not None for v in values]
+    if not any(given):
+        return np.zeros(n, np.int64)
+    if not all(given):
+        first, missing = given.index(True), given.index(False)
+        raise SampleError.at(missing, f" has no '{SOURCE_INDEX_FIELD}' field, but sample {first} has one; give "
+                             "every sample of a batch its source or none", field=SOURCE_INDEX_FIELD)
+    index = np.empty(n, np.int64)
+    for i, value in enumerate(values):
+        try:  # a Python, numpy or one-element torch integer; not a bool
+            number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or not is_int(number, 0):
+            raise SampleError.at(i, f": '{SOURCE_INDEX_FIELD}' must be an integer >= 0 (the sample's source in a "
+                                 f"mixture), got {value!r}", field=SOURCE_INDEX_FIELD)
+        index[i] = number
     return index
 
 

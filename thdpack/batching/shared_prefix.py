@@ -232,7 +232,8 @@ def _gather_tree(flat: ThdBatch, layout: BatchLayout, prefix: np.ndarray, segs: 
         loss_mask=torch.from_numpy(labels != ignore), position_ids=torch.from_numpy(segs["pos0"][seg] + offset),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)), cu_seqlens_padded=torch.from_numpy(cu_padded.astype(np.int32)),
         max_seqlen=int(padded.max()), seq_lens=torch.from_numpy(length.astype(np.int32)),
-        sample_index=flat.sample_index, pad_multiple=layout.multiple, ignore_index=ignore,
+        sample_index=flat.sample_index, source_index=flat.source_index, pad_multiple=layout.multiple,
+        ignore_index=ignore,
         tokens_truncated=flat.tokens_truncated, extras=dict(flat.extras), max_num_seqs=layout.max_num_seqs,
         prefix_tree=tree,
     )

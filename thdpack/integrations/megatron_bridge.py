@@ -102,6 +102,28 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     return out
 
 
+def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int = 0) -> dict:
+    """Keyword arguments of megatron-core's ``GPTModel.forward`` for a batch, a static CP shard or a hybrid-CP
+    micro-batch (:func:`thdpack.hybrid_cp_shards`): what a forward step of one's own hands the model.
+
+    Returns a dict: ``input_ids``, ``position_ids``, ``labels`` (target labels, ``ignore_label`` where nothing
+    is scored) int64 ``[1, T]``; ``loss_mask`` float32 ``[1, T]``; ``attention_mask`` None;
+    ``packed_seq_params`` (:meth:`thdpack.ThdBatch.to_packed_seq_params`, with ``local_cp_size`` and the block's
+    ``cp_group`` on a hybrid-CP batch: ``cp_group=`` as there); and ``padding_mask`` bool ``[1, T]``
+    (:attr:`thdpack.ThdBatch.padding_mask`, True on pad slots), which megatron-core's MoE layers use to keep
+    pad slots out of the routers' aux and z losses, token counts and expert-bias updates. ``T`` is the local
+    length on a shard."""
+    return {
+        "input_ids": batch.input_ids.long().unsqueeze(0),
+        "position_ids": batch.position_ids.long().unsqueeze(0),
+        "attention_mask": None,
+        "labels": torch.where(batch.loss_mask, batch.labels, ignore_label).long().unsqueeze(0),
+        "loss_mask": batch.loss_mask.float().unsqueeze(0),
+        "packed_seq_params": batch.to_packed_seq_params(cp_group=cp_group),
+        "padding_mask": batch.padding_mask.unsqueeze(0),
+    }
+
+
 class BridgeCollator:
     """``collate_fn`` for a Bridge data loader: ``collator`` (a :class:`~thdpack.ThdCollator`,
     or any callable giving a :class:`~thdpack.ThdBatch`) then :func:`to_bridge_batch`."""

@@ -92,7 +92,9 @@ class ThdCollator:
     otherwise carried into the batch): :class:`IndexedDataset` adds the dataset index (wrap the
     dataset a sampler draws from), :class:`thdpack.StreamingPacker` the position in its stream.
     Samples without the field (a plain list, a dataset not wrapped) are numbered by their
-    position in the call, ``0..n-1``. Give it to every sample of a call or to none.
+    position in the call, ``0..n-1``. Give it to every sample of a call or to none. Likewise
+    ``batch.source_index``: the samples' ``"source_index"`` field (their source in a dataset mixture,
+    which :class:`thdpack.loaders.mixture_dataset.MixtureDataset` sets), else 0.
 
     Args:
         layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout`, or its fields

@@ -18,12 +18,15 @@ exactly the gradient of one big unpacked batch. (DDP *averages* gradients over r
 multiply the loss by the data-parallel world size there, as HF's Trainer does.)
 
 Built on the same reductions: :func:`dpo_loss` for preference pairs packed together
-(:func:`pair_groups`), :func:`policy_gradient_loss` with :func:`group_advantages` for RL groups.
+(:func:`pair_groups`), :func:`policy_gradient_loss` with :func:`group_advantages` for RL groups;
+:func:`source_totals` and :func:`packed_loss_by_source` split them by the source of each sample
+(``batch.source_index``) in a dataset mixture.
 """
 
 from thdpack.losses.policy_gradient import group_advantages, policy_gradient_loss
 from thdpack.losses.preference import dpo_loss, pair_groups
-from thdpack.losses.reductions import REDUCTIONS, all_reduce_items, count_items, packed_loss, reduce_token_losses
+from thdpack.losses.reductions import (REDUCTIONS, all_reduce_items, count_items, packed_loss, packed_loss_by_source,
+                                       reduce_token_losses, source_totals)
 from thdpack.losses.target_logps import (DEFAULT_CHUNK, check_batch, sample_sum, sample_target_counts, sequence_logps,
                                          token_logps)
 
@@ -36,11 +39,13 @@ __all__ = [
     "dpo_loss",
     "group_advantages",
     "packed_loss",
+    "packed_loss_by_source",
     "pair_groups",
     "policy_gradient_loss",
     "reduce_token_losses",
     "sample_sum",
     "sample_target_counts",
     "sequence_logps",
+    "source_totals",
     "token_logps",
 ]

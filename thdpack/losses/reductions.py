@@ -1,10 +1,12 @@
-"""The reductions every loss here shares (``"token"`` and ``"sample"``, normalised for a whole optimizer step)
-and the step's normaliser: :func:`count_items` and :func:`all_reduce_items`."""
+"""The reductions every loss here shares (``"token"`` and ``"sample"``, normalised for a whole optimizer step),
+the step's normaliser (:func:`count_items` and :func:`all_reduce_items`), and the same split by the source of
+each sample in a dataset mixture (:func:`source_totals`, :func:`packed_loss_by_source`)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from thdpack.batching.batch import ThdBatch
@@ -66,6 +68,79 @@ def reduce_token_losses(losses: torch.Tensor, batch, reduction: str = "token", n
     if num_items is None:
         return total / own if own else total * 0
     return total / checked_num_items(num_items)
+
+
+def source_totals(losses: torch.Tensor, batch, num_sources: int, reduction: str = "token", *,
+                  sample_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses ``[T]`` (0 off-target) of ``batch`` split by the source of their sample
+    (``batch.source_index``, a dataset mixture's source): what :func:`reduce_token_losses` sums and counts,
+    per source.
+
+    Args:
+        losses: ``[T]`` per-token losses (``-token_logps(logits, batch)``; on a shared-prefix batch ``[N]``).
+        batch: the :class:`~thdpack.ThdBatch` (a CP shard: its local part; sum both results over the CP group).
+        num_sources: ``S``, the mixture's number of sources (an integer >= 1, above every ``source_index``).
+        reduction: ``"token"`` or ``"sample"``, as in :func:`packed_loss`.
+        sample_targets: ``"sample"`` on a CP shard: as in :func:`packed_loss`.
+
+    Returns:
+        ``(totals, items)``: float ``[S]`` (differentiable) the sum of each source's target losses
+        (``"token"``) or of its samples' token-means (``"sample"``), and int64 ``[S]`` its target tokens, or
+        its samples with targets. Sum both over micro-batches and ranks (:func:`all_reduce_items` per entry,
+        or one ``all_reduce`` of the tensors), then ``totals / items`` is each source's loss; ``totals.sum()``
+        is :func:`reduce_token_losses`' numerator.
+    """
+    check_reduction(reduction)
+    check_int(num_sources, "num_sources", 1)
+    source = _source_ids(batch, int(num_sources)).to(losses.device)
+    sums = sample_sum(losses, batch)
+    if reduction == "token":
+        counts = sample_target_counts(batch).to(losses.device)
+        return (losses.new_zeros(num_sources).index_add(0, source, sums),
+                torch.zeros(num_sources, dtype=torch.int64, device=losses.device).index_add(0, source, counts))
+    counts = _sample_counts(batch, sample_targets).to(losses.device)
+    scored = counts > 0
+    means = sums[scored] / counts[scored].to(losses.dtype)
+    return (losses.new_zeros(num_sources).index_add(0, source[scored], means),
+            torch.bincount(source[scored], minlength=num_sources).to(torch.int64))
+
+
+def packed_loss_by_source(logits: torch.Tensor, batch, num_sources: int, reduction: str = "token", num_items=None, *,
+                          sample_targets: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """:func:`packed_loss` of each source's samples (``batch.source_index``): float ``[S]``.
+
+    ``num_items``: the step's normaliser of every source, ``[S]`` (its target tokens, or samples with
+    targets, over the step: :func:`source_totals`' ``items`` summed), or one number for all (the step's
+    total: then the entries sum to :func:`packed_loss`); default: this batch's own items per source. A
+    source without items (in the batch, or with ``num_items`` 0) gives 0, still connected to ``logits``.
+    Other arguments as in :func:`packed_loss` and :func:`source_totals`."""
+    totals, items = source_totals(-token_logps(logits, batch, chunk_size=chunk_size), batch, num_sources, reduction,
+                                  sample_targets=sample_targets)
+    if num_items is None:
+        denominator = items
+    elif isinstance(num_items, (list, tuple, np.ndarray)) or (isinstance(num_items, torch.Tensor) and num_items.dim()):
+        denominator = torch.as_tensor(np.asarray(num_items) if isinstance(num_items, (list, tuple)) else num_items,
+                                      device=totals.device)
+        if denominator.shape != (num_sources,) or denominator.is_complex() or denominator.dtype == torch.bool or bool(
+                (denominator < 0).any()) or not bool(torch.isfinite(denominator.to(torch.float64)).all()):
+            raise ValueError(f"num_items must be one number > 0 or {num_sources} finite numbers >= 0 (one per source), "
+                             f"got {num_items!r}")
+    else:
+        denominator = torch.full((num_sources,), float(checked_num_items(num_items)), device=totals.device)
+    denominator = denominator.to(totals.dtype)
+    return torch.where(denominator > 0, totals / denominator.clamp(min=1e-30), totals * 0)
+
+
+def _source_ids(batch, num_sources: int) -> torch.Tensor:
+    """int64 ``[n]`` every sample's source; ``ValueError`` naming the sample whose source is ``num_sources`` or more."""
+    check_batch(batch)
+    source = batch.source_index.to(torch.int64)
+    over = torch.nonzero(source >= num_sources)
+    if over.numel():
+        i = int(over[0, 0])
+        raise ValueError(f"sample {i} of the batch (sample_index {int(batch.sample_index[i])}) has source_index "
+                         f"{int(source[i])}, but num_sources={num_sources}; pass the mixture's number of sources")
+    return source
 
 
 def check_reduction(reduction) -> None:

@@ -1,0 +1,67 @@
+"""The router auxiliary loss of a transformers MoE model (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, Mixtral, ...)
+over a packed batch's real tokens.
+
+What transformers does with the pad slots of a packed batch (5.x; ``load_balancing_loss_func`` of each MoE
+family's modeling file, called by ``*ForCausalLM.forward`` when ``output_router_logits=True``, with the
+``attention_mask`` the model was called with):
+
+- without an ``attention_mask`` (flash-attention kwargs, ``ThdBatch.to_hf_kwargs()``): the loss averages the
+  routing fractions and probabilities over *every* slot, so alignment pad slots and a ``pad_to`` tail count as
+  tokens: the loss is that of a batch with extra tokens of the pad id;
+- with thdpack's document masks (``to_hf_kwargs(attn_implementation="sdpa" | "eager" | "flex_attention")``,
+  and :func:`thdpack.integrations.packed_model`, which adds one): it flattens the ``[1, 1, T, T]`` mask (or a
+  ``BlockMask``) as if it were a ``[1, T]`` padding mask and fails with a ``RuntimeError`` (``T`` against
+  ``T²``); a ``[1, T]`` mask cannot be given instead, since transformers then stops finding the packed
+  samples from ``position_ids`` and attends across them.
+
+:func:`router_aux_loss` computes the loss with the family's own ``load_balancing_loss_func`` and the batch's
+:attr:`~thdpack.ThdBatch.padding_mask` as its ``[1, T]`` mask, which keeps the pad slots out: it equals the
+loss transformers gives for the same samples packed without padding. Get the router logits from the
+decoder, which does not compute the loss (``model.model(**kw, output_router_logits=True).router_logits``),
+or from ``model(**kw, output_router_logits=True)`` where no mask is passed, and add
+``config.router_aux_loss_coef * router_aux_loss(...)`` to the language-model loss.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from thdpack.batching.batch import ThdBatch
+
+
+def _text_config(config):
+    text = getattr(config, "text_config", None)
+    return text if text is not None else config
+
+
+def router_aux_loss(model, router_logits, batch: ThdBatch) -> torch.Tensor:
+    """The load-balancing loss of ``model``'s family over ``batch``'s real tokens (module docstring).
+
+    Args:
+        model: a transformers MoE causal LM (or its decoder) whose modeling module defines
+            ``load_balancing_loss_func``.
+        router_logits: the per-layer router logits of the batch, ``[T, num_experts]`` each (a tuple or list, as
+            transformers returns them with ``output_router_logits=True``).
+        batch: the :class:`~thdpack.ThdBatch` the model ran on (its ``padding_mask`` marks the pad slots).
+
+    Returns:
+        the loss (a 0-dim tensor), not yet scaled by ``router_aux_loss_coef``.
+    """
+    module = sys.modules.get(type(model).__module__)
+    loss_func = getattr(module, "load_balancing_loss_func", None)
+    config = _text_config(getattr(model, "config", None))
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if loss_func is None or not experts or not top_k:
+        raise ValueError(f"{type(model).__name__} is not a transformers MoE model with a load_balancing_loss_func "
+                         "(and num_experts / num_experts_per_tok in its config)")
+    logits = tuple(router_logits)
+    rows = batch.num_padded_tokens
+    bad = [i for i, layer in enumerate(logits) if layer.shape[0] != rows]
+    if bad:
+        raise ValueError(f"router_logits[{bad[0]}] has {logits[bad[0]].shape[0]} rows; the batch has {rows} slots "
+                         "(router logits of this batch, one row per slot)")
+    mask = (~batch.padding_mask).to(torch.int64).unsqueeze(0)
+    return loss_func(logits, experts, top_k, mask.to(logits[0].device))
