@@ -35,6 +35,7 @@ from thdpack.loaders.routing import RankRecord, Route, plan_route
 from thdpack.planning.balance import CostModel
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
+from thdpack.planning.rank_fill import straggler_bound
 
 # build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. With
 # "share_prefix" each rank finds its groups' prefixes (_local_prefixes), and plan_route counts each once.
@@ -85,9 +86,11 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
         ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches, their
         ``sample_index`` the samples' global ids (rank ``r``'s local sample ``i`` is
         ``handle.offsets[r] + i``), and the :class:`RebalanceHandle` that sends results back. Every
-        sample is scored in exactly one micro-batch. When the plan has to repeat a pack to give every
-        rank ``S·M`` micro-batches (fewer packs than ranks × ``M``, or grouped plans), the slot is a
-        *filler* (``handle.filler[k]``): one short sample with no targets (no loss, no gradient).
+        sample is scored in exactly one micro-batch. The plan spreads the samples over every rank's
+        ``S·M`` micro-batches, as evenly as they allow (``handle.straggler`` beside
+        ``handle.straggler_bound``); a slot no pack is left for (fewer samples or groups than ranks ×
+        ``M``) is a *filler* (``handle.filler[k]``): one short sample with no targets (no loss, no
+        gradient).
 
     Raises ``ValueError`` (on every rank, naming the rank and its local sample or group) for a
     sample longer than ``pack_size``, ``groups`` of the wrong length, a sample that is not a
@@ -275,6 +278,12 @@ class RebalanceHandle:
         options: the :class:`thdpack.PlanOptions` it was planned with (``align``: the layout's multiple).
         rank_costs: float64 ``[R]`` every rank's cost of its micro-batches under the call's cost model.
         straggler: ``max / mean`` of ``rank_costs`` (1.0 is perfect balance).
+        straggler_bound: the least ``straggler`` any plan of these samples (and groups) on these ranks,
+            with as many micro-batches of ``pack_size`` and as much work in all, could reach: ``max(1,
+            floor / mean)``, ``floor`` the largest of the mean (fillers counted), the costliest sample or group
+            with a sample in each of its rank's other micro-batches, and the pigeonhole of many samples on few
+            ranks (``plan.rank_floor``, :mod:`thdpack.planning.rank_fill`). Never above ``straggler``; a
+            ``straggler`` close to it is as balanced as the samples allow.
     """
 
     def __init__(self, comm: Comm, route: Route, options: PlanOptions, cost: CostModel):
@@ -289,6 +298,7 @@ class RebalanceHandle:
         self.rank_costs = route.rank_costs(route.lengths, cost)
         mean = self.rank_costs.mean() if self.rank_costs.size else 0.0
         self.straggler = float(self.rank_costs.max() / mean) if mean > 0 else 1.0
+        self.straggler_bound = straggler_bound(route.plan.rank_floor, self.rank_costs)
         real = np.repeat(~self.filler, self.batch_sizes)
         self._real = np.flatnonzero(real)
         real_ids = self.sample_ids[real]
@@ -349,4 +359,5 @@ class RebalanceHandle:
 
     def __repr__(self) -> str:
         return (f"RebalanceHandle(rank={self.rank}, world_size={self.world_size}, micro_batches={self.filler.size}, "
-                f"samples={self.sample_ids.size}, fillers={int(self.filler.sum())}, straggler={self.straggler:.4f})")
+                f"samples={self.sample_ids.size}, fillers={int(self.filler.sum())}, straggler={self.straggler:.4f}, "
+                f"straggler_bound={self.straggler_bound:.4f})")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from thdpack.common.align import round_up
-from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
+from thdpack.planning.balance import BalancedPlan, CostModel, filler_samples, plan_balanced
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
 from thdpack.planning.prefix_budget import shared_sizes
@@ -50,8 +50,8 @@ class Route:
         batch_ids: per rank, int64 ``[m_r]``: the global ids of its micro-batches' samples, in order.
         batch_bounds: per rank, int64 ``[b_r + 1]``: where each of its ``b_r`` micro-batches starts
             in ``batch_ids`` (``b_r`` the same on every rank).
-        filler: per rank, bool ``[b_r]``: the micro-batch only fills a slot the plan had to repeat
-            (one short sample, run with no targets).
+        filler: per rank, bool ``[b_r]``: the micro-batch only fills a slot no pack was left for (one
+            short sample, run with no targets).
         runner: int64 ``[N]`` the rank whose non-filler micro-batch holds each sample (each exactly once).
         lengths, sizes: int64 ``[N]`` every sample's planned length and encoded bytes.
         held: per rank, int64 sorted unique global ids of the samples its micro-batches hold.
@@ -109,10 +109,11 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     :func:`thdpack.plan_balanced` with ``options`` (pack size, the layout's ``align``), ``R`` =
     ``len(records)`` replicas, ``micro_batches`` and ``cost``, steps unshuffled.
 
-    Rank ``r`` runs ``plan.steps[:, r, :]`` (its ``S·M`` micro-batches, step by step). A pack the
-    plan repeats to fill a step is scored once, where it first appears; its other slots become
-    filler micro-batches holding one short sample (the rank's shortest, else the shortest of
-    all), so every rank still runs ``S·M`` micro-batches. ``ValueError`` (the same on every rank)
+    Rank ``r`` runs ``plan.steps[:, r, :]`` (its ``S·M`` micro-batches, step by step). The plan is made
+    with ``fillers=True``: the samples are spread over as many packs as the slots hold, and a slot no
+    pack is left for (``plan.filler``) becomes a filler micro-batch holding one short sample (the
+    cheapest of the pack it copies, fetched if another rank made it), so every rank still runs ``S·M``
+    micro-batches. ``ValueError`` (the same on every rank)
     for a record's error, groups given on some ranks only, a sample longer than a pack, or a
     group longer than ``micro_batches`` packs, naming the rank and its local sample or group.
     """
@@ -124,12 +125,12 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     prefix = None if records[0].prefix is None else np.concatenate([r.prefix for r in records]).astype(np.int64)
     try:
         plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
-                             shuffle_steps=False, groups=groups, shared_prefix=prefix, options=options)
+                             shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True, options=options)
     except ValueError as exc:
         raise ValueError(f"rebalance: {exc} (samples are numbered rank by rank: rank r's first local sample is "
                          f"global sample offsets[r], offsets {offsets[:-1].tolist()[:16]})") from None
     sizes = np.concatenate([r.sizes for r in records]).astype(np.int64)
-    route = _route_of(plan, offsets, lengths, sizes)
+    route = _route_of(plan, offsets, lengths, sizes, cost)
     return route if prefix is None else _with_credit(route, groups, prefix)
 
 
@@ -196,26 +197,23 @@ def _with_credit(route: Route, groups: np.ndarray, prefix: np.ndarray) -> Route:
     return replace(route, groups=groups, prefix=prefix, credit=credit)
 
 
-def _route_of(plan: BalancedPlan, offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> Route:
-    """Rank ``r``'s micro-batches: ``plan.steps[:, r, :]`` in order, repeats turned into fillers."""
-    steps = plan.steps
+def _route_of(plan: BalancedPlan, offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+              cost: CostModel) -> Route:
+    """Rank ``r``'s micro-batches: ``plan.steps[:, r, :]`` in order, the plan's filler slots (``plan.filler``)
+    holding the cheapest sample of the pack they copy (fetched if another rank made it)."""
+    steps, fill_all = plan.steps, plan.filler
     num_ranks = offsets.size - 1
-    flat = steps.reshape(-1)
-    _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
-    repeat = (first[inverse.reshape(-1)] != np.arange(flat.size)).reshape(steps.shape)
     pack_offsets, sample_index = plan.plan.pack_offsets, plan.plan.sample_index
+    short = filler_samples(plan.plan, cost)
     batch_ids, batch_bounds, filler, reals = [], [], [], []
     runner = np.full(lengths.size, -1, np.int64)
-    shortest_all = int(np.argmin(lengths)) if lengths.size else -1
     for r in range(num_ranks):
-        packs, fill = steps[:, r, :].reshape(-1), repeat[:, r, :].reshape(-1)
-        parts = [sample_index[pack_offsets[k] : pack_offsets[k + 1]] for k in packs.tolist()]
+        packs, fill = steps[:, r, :].reshape(-1), fill_all[:, r, :].reshape(-1)
+        parts = [np.array([short[k]]) if f else sample_index[pack_offsets[k] : pack_offsets[k + 1]]
+                 for k, f in zip(packs.tolist(), fill.tolist())]
         real = np.concatenate([p for p, f in zip(parts, fill.tolist()) if not f] or [np.zeros(0, np.int64)])
         runner[real] = r
         reals.append(real)
-        if fill.any():  # the shortest sample this rank holds anyway (none to fetch), else the shortest of all
-            short = int(real[np.argmin(lengths[real])]) if real.size else shortest_all
-            parts = [np.array([short]) if f else p for p, f in zip(parts, fill.tolist())]
         counts = np.array([p.size for p in parts], np.int64)
         batch_ids.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
         batch_bounds.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))

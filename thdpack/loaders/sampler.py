@@ -11,7 +11,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from thdpack.common.align import check_int, check_positive_int, integer_array
-from thdpack.planning.balance import CostModel, plan_balanced
+from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.plan import PackPlan, plan_packs, validate_lengths
 
@@ -73,7 +73,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         balance: ``None`` (deal packs round-robin) or ``"compute"``: plan with
             :func:`thdpack.planning.balance.plan_balanced` so that in every step the
             ranks' costs (``cost``: ``a·Σs + b·Σs²``) are as equal as possible.
-            Each step then gives every rank ``micro_batches`` consecutive packs.
+            Each step then gives every rank ``micro_batches`` consecutive packs; the tokens a nearly
+            full budget leaves over are spread over the last step's packs, not left in one short pack
+            (:meth:`balanced_plan` holds the epoch's straggler and its bound).
         micro_batches: packs per rank per optimizer step (used with ``balance``).
         cost: a :class:`thdpack.planning.balance.CostModel` or ``(a, b)``.
         vision_lengths: with ``vision_budget``, the VLM second budget: ``[n]`` vision
@@ -138,7 +140,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._step = 0  # position: the next pack is step `_step` of `epoch` (== len: the epoch is used up)
         self._pass = 0  # id of the newest pass; older passes no longer move the position
         self._pass_start = (0, 0)
-        self._cached: tuple[int, PackPlan, np.ndarray] | None = None
+        self._cached: tuple[int, PackPlan, np.ndarray, BalancedPlan | None] | None = None
         self._plan_for_epoch(0)  # validate now: errors surface at construction, not in the loop
 
     @property
@@ -158,6 +160,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if self._cached is None or self._cached[0] != epoch:
             options = replace(self.options, seed=self.seed + epoch)
             per_row = dict(vision_lengths=self.vision_lengths, groups=self.groups, shared_prefix=self.shared_prefix)
+            balanced = None
             if self.balance == "compute":
                 balanced = plan_balanced(
                     self.lengths, num_replicas=self.num_replicas, micro_batches=self.micro_batches, cost=self.cost,
@@ -179,12 +182,18 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 # round-robin; without drop_last the first packs are repeated to fill the last step
                 ranks = np.arange(self.num_replicas)[:, None]
                 schedules = order[(np.arange(steps)[None, :] * self.num_replicas + ranks) % max(len(plan), 1)]
-            self._cached = (epoch, plan, schedules)
+            self._cached = (epoch, plan, schedules, balanced)
         return self._cached[1], self._cached[2][self.rank]
 
     def plan(self, epoch: int | None = None) -> PackPlan:
         """The pack plan of ``epoch`` (default: the current one)."""
         return self._plan_for_epoch(self.epoch if epoch is None else epoch)[0]
+
+    def balanced_plan(self, epoch: int | None = None) -> BalancedPlan | None:
+        """With ``balance="compute"``, the :class:`thdpack.BalancedPlan` of ``epoch`` (default: the current
+        one), whose ``straggler`` over the epoch's ranks stands beside ``straggler_bound``; None without."""
+        self._plan_for_epoch(self.epoch if epoch is None else epoch)
+        return self._cached[3]
 
     def __len__(self) -> int:
         return len(self._plan_for_epoch(self.epoch)[1])

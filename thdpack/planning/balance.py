@@ -5,6 +5,10 @@ token counts are not equal work: attention costs ``Σ sᵢ²``. This module plan
 packs that respect the token budget (best-fit decreasing, so efficiency is
 unchanged) and then deals them to ``R`` ranks × ``M`` micro-batches per step so
 the largest per-rank cost of each step is as close as possible to the step mean.
+With ``S·M`` micro-batches per rank fixed, the slack a nearly full budget leaves is
+spread over a step of even packs (:mod:`thdpack.planning.spread`), a plan whose ranks
+are still off the bound no plan can beat (:mod:`thdpack.planning.rank_fill`) gets its
+last step filled rank by rank (:mod:`thdpack.planning.rank_fill`).
 
 Cost of a pack: ``a·Σ sᵢ + b·Σ sᵢ²`` (FLOPs when ``a``, ``b`` come from
 :func:`thdpack.flops.model_flops`; any consistent unit otherwise).
@@ -17,10 +21,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from thdpack.common.align import check_number, check_positive_int, round_up
+from thdpack.common.jit import njit
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
 from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
+from thdpack.planning.rank_fill import (rank_floor, refill_around_bundles, refill_last_step, relabel, straggler,
+                                        straggler_bound)
+from thdpack.planning.spread import Items, group_items, piece_items, recut, spread_slack
 from thdpack.common.samples import SampleError
 
 
@@ -87,9 +95,16 @@ class BalancedPlan:
             runs ``plan.pack(steps[s, r, m])`` as micro-batch m of step s.
         costs: float64 ``[num_packs]`` pack costs.
         step_straggler: float64 ``[num_steps]`` max over ranks / mean over ranks of
-            the per-rank cost (1.0 is perfect balance).
+            the per-rank cost (1.0 is perfect balance; fillers at their cost).
         repeated_packs: packs scheduled twice to fill the last step (only when the
             packs could not be split to a multiple of ``R·M``).
+        rank_floor: a cost the costliest rank of any plan of the same pieces and groups reaches over
+            ``num_steps`` steps (:func:`thdpack.planning.rank_fill.rank_floor`); 0.0 without packs.
+        filler: with ``plan_balanced(fillers=True)``, bool ``[num_steps, num_replicas, micro_batches]``:
+            the slot runs a filler (one short sample of its pack, no targets) rather than the pack,
+            which runs in another slot; None otherwise (a repeated pack runs again).
+        filler_costs: with ``fillers=True``, float64 ``[num_packs]`` the cost of a filler of each pack
+            (its shortest piece alone); None otherwise.
     """
 
     plan: PackPlan
@@ -97,6 +112,9 @@ class BalancedPlan:
     costs: np.ndarray
     step_straggler: np.ndarray
     repeated_packs: int
+    rank_floor: float = 0.0
+    filler: np.ndarray | None = None
+    filler_costs: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -111,14 +129,48 @@ class BalancedPlan:
         """int64 ``[num_steps, micro_batches]`` pack ids of ``rank``."""
         return self.steps[:, rank, :]
 
+    @property
+    def slot_costs(self) -> np.ndarray:
+        """float64 ``[num_steps, num_replicas, micro_batches]`` the cost of what every slot runs (a
+        repeated pack its cost again, a filler the filler's)."""
+        return slot_costs(self.steps, self.costs, self.filler, self.filler_costs)
+
+    @property
+    def rank_totals(self) -> np.ndarray:
+        """float64 ``[num_replicas]`` every rank's cost summed over the steps."""
+        return self.slot_costs.sum(axis=(0, 2))
+
+    @property
+    def straggler(self) -> float:
+        """``max / mean`` of :attr:`rank_totals`: the plan's ranks over all its steps (1.0 is perfect balance)."""
+        return straggler(self.rank_totals)
+
+    @property
+    def straggler_bound(self) -> float:
+        """The least :attr:`straggler` a plan whose ranks cost as much in all could have: ``max(1, rank_floor /
+        mean)`` (:func:`thdpack.planning.rank_fill.straggler_bound`); never above :attr:`straggler`."""
+        return straggler_bound(self.rank_floor, self.rank_totals)
+
+
+def slot_costs(steps: np.ndarray, costs: np.ndarray, filler: np.ndarray | None = None,
+               filler_costs: np.ndarray | None = None) -> np.ndarray:
+    """float64 ``[S, R, M]`` the cost of every slot of int64 ``[S, R, M]`` ``steps``: ``costs[pack]``, or
+    ``filler_costs[pack]`` where bool ``filler`` is set."""
+    out = costs[steps]
+    if filler is not None:
+        out = np.where(filler, filler_costs[steps], out)
+    return out
+
 
 def rank_costs(steps: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """float64 ``[num_steps, R]`` per-rank cost of each step."""
     return costs[steps].sum(axis=2)
 
 
-def straggler_per_step(steps: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    per_rank = rank_costs(steps, costs)
+def straggler_per_step(steps: np.ndarray, costs: np.ndarray, filler: np.ndarray | None = None,
+                       filler_costs: np.ndarray | None = None) -> np.ndarray:
+    """float64 ``[S]`` max / mean of the per-rank cost of each step (1.0 where the mean is 0)."""
+    per_rank = slot_costs(steps, costs, filler, filler_costs).sum(axis=2)
     mean = per_rank.mean(axis=1)
     return np.divide(per_rank.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
 
@@ -134,76 +186,280 @@ def plan_balanced(
     vision_lengths=None,
     groups=None,
     shared_prefix=None,
+    fillers: bool = False,
     options: PlanOptions | None = None,
     **plan_keywords,
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
+    Every rank runs ``S·M`` micro-batches (``S`` the steps :func:`thdpack.plan_packs`' packs need), so the
+    plan is made for balance over those ``S·R·M`` slots, then filled:
+
     1. Packs are planned by :func:`thdpack.plan_packs` (token budget kept).
-    2. If the number of packs is not a multiple of ``R·M``, the cheapest packs are
-       re-packed into one full step of ``R·M`` balanced packs (a few packs more;
-       nothing repeated; see :func:`_fill_last_step`).
-    3. Packs are sorted by cost and cut into steps of ``R·M`` consecutive packs, so a
-       step holds packs of similar cost; inside a step, packs are dealt to ranks
-       greedily (largest first, to the least-loaded rank with room).
-    4. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
+    2. The slack is spread (:func:`thdpack.planning.spread.spread_slack`): the cheapest packs are re-cut,
+       largest item first to the least-loaded pack with room, into a step of ``R·M`` even packs (a few
+       packs more when they are not a multiple of ``R·M``): what a nearly full budget leaves over goes to
+       every rank, not to one runt pack.
+    3. Packs are sorted by cost and cut into steps of ``R·M`` consecutive packs, so a step holds packs of
+       similar cost; inside a step, packs are dealt greedily (largest first, to the least-loaded rank
+       with room). Slots left over (fewer items than slots) take copies of the cheapest packs.
+    4. When the ranks' totals are still off :attr:`BalancedPlan.straggler_bound` (the least any plan of
+       the same items could reach), the earlier steps are relabelled and the last one filled rank by rank
+       (:mod:`thdpack.planning.rank_fill`), if that does better.
+    5. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
 
     Args:
         lengths, vision_lengths: as in :func:`thdpack.plan_packs`.
         pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its fields as
             keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
             ``max_samples_per_pack``, ``seed``, ``vision_budget``), as in :func:`thdpack.plan_packs`.
-        num_replicas: data-parallel ranks ``R``.
-        micro_batches: packs per rank per step ``M``.
+        num_replicas, micro_batches: data-parallel ranks ``R``; packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
         groups: ``[n]`` group ids (:func:`thdpack.plan_packs`): all of a group's samples run on
-            one rank in one step. A group that fits one pack shares a pack with other groups
-            (planned as :func:`thdpack.plan_packs` does); a larger one (e.g. 8 GRPO rollouts of
-            1,500 tokens at pack 4096) is packed first-fit decreasing into as few packs as
-            possible, at most ``micro_batches`` (more is a ``ValueError`` naming the group), and
-            its packs are dealt as one bundle (see :func:`_plan_bundles`). Step 2 is skipped (its
-            re-packing would part groups), so the last step may repeat packs.
+            one rank in one step. A group that fits one pack shares a pack with other groups; a larger
+            one (e.g. 8 GRPO rollouts of 1,500 tokens at pack 4096) is packed first-fit decreasing into as
+            few packs as possible, at most ``micro_batches`` (more is a ``ValueError`` naming the group),
+            dealt as one bundle (:func:`_plan_bundles`), the other groups' packs re-cut, whole groups, to
+            fill the other slots. Without ``fillers`` and without such a group, the packs are
+            :func:`thdpack.plan_packs`'s (steps 2 and 4 only deal them), and the last step may repeat packs.
         shared_prefix: with ``groups``, ``[n]`` each sample's prefix shared with its group
             (:func:`thdpack.plan_packs`): a group counts its prefix once against the pack budget and in
             the cost. A group over one pack is planned unshared into its bundle (each pack of the bundle
             then shares the prefix among the members it holds, which only lowers its tokens).
+        fillers: the caller runs a slot the plan cannot fill as a *filler* (the cheapest sample of a pack,
+            no targets, as :func:`thdpack.rebalance` does), not the pack again: every item then gets a pack
+            of its own before a slot is left over, fillers are dealt at their cost and marked in
+            :attr:`BalancedPlan.filler`, and steps 2 and 4 re-cut groups too (and every step, not only the
+            last).
     """
     check_positive_int(num_replicas, "num_replicas")
     check_positive_int(micro_batches, "micro_batches")
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     cost = CostModel.of(cost)
     options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
-    if groups is not None:
-        split = _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
-        if split is not None:  # some group needs several packs
-            return _plan_bundles(split, options, num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
-                                 shuffle_steps=shuffle_steps)
+    shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost, shuffle_steps=shuffle_steps,
+                 fillers=bool(fillers))
+    split = None if groups is None else _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
+    if split is not None and split.big.any():  # some group needs several packs
+        return _plan_bundles(split, options, **shape)
     plan = plan_packs(lengths, vision_lengths=vision_lengths, groups=groups, shared_prefix=shared_prefix,
                       options=options)
-    if groups is None:
-        plan = _fill_last_step(plan, num_replicas * micro_batches, cost, options.max_samples_per_pack)
+    return _plan_whole_groups(plan, split, options, **shape)
+
+
+def _plan_whole_groups(plan: PackPlan, split: _GroupSplit | None, options: PlanOptions, *, num_replicas: int,
+                       micro_batches: int, cost: CostModel, shuffle_steps: bool, fillers: bool) -> BalancedPlan:
+    """Steps 2–5 of :func:`plan_balanced` for ``plan`` (:func:`thdpack.plan_packs`'s), whose pieces (or groups,
+    ``split``) each fit one pack."""
+    items_of = (lambda p: piece_items(p, cost)) if split is None else \
+        (lambda p: group_items(p, split.group_of, cost, split.prefix))
+    planned, fresh = len(plan), 0
+    if split is None or fillers:  # a grouped plan without fillers keeps plan_packs' packs
+        plan, fresh = spread_slack(plan, items_of(plan), cost.pack_costs(plan), num_replicas * micro_batches,
+                                   fillers=fillers, max_pieces=options.max_samples_per_pack or 0,
+                                   recut_full=num_replicas > 1)
+    dealt = _deal_steps(plan, cost, num_replicas, micro_batches, fillers)
+    recut_last = _last_step_recut(dealt, split is None, planned, fresh, fillers)
+    even = recut_last and not fillers and len(dealt.plan) == planned  # every pack may be re-cut, at the same count
+    dealt = _rank_repair(dealt, items_of, cost, options, micro_batches=micro_batches, recut_last=recut_last,
+                         fillers=fillers, even=even)
+    return _balanced(dealt, items_of(dealt.plan), options, num_replicas=num_replicas, micro_batches=micro_batches,
+                     cost=cost, shuffle_steps=shuffle_steps, fillers=fillers)
+
+
+@dataclass(frozen=True)
+class _Dealt:
+    """A plan and its steps (``[S, R, M]`` pack ids), before the steps are shuffled: the pack costs, the
+    number of repeated slots, and with fillers which slots run one and what each pack's costs."""
+
+    plan: PackPlan
+    steps: np.ndarray
+    costs: np.ndarray
+    repeated: int
+    filler: np.ndarray | None = None
+    filler_costs: np.ndarray | None = None
+
+    @property
+    def slot_costs(self) -> np.ndarray:
+        return slot_costs(self.steps, self.costs, self.filler, self.filler_costs)
+
+
+def _deal_steps(plan: PackPlan, cost: CostModel, num_replicas: int, micro_batches: int, fillers: bool) -> _Dealt:
+    """``plan``'s packs in steps of similar cost (:func:`_cost_sorted_steps`)."""
     costs = cost.pack_costs(plan)
-    steps, repeated = _cost_sorted_steps(costs, num_replicas, micro_batches)
-    steps = _shuffled_steps(steps, options.seed, shuffle_steps)
-    return BalancedPlan(plan=plan, steps=steps, costs=costs, step_straggler=straggler_per_step(steps, costs),
-                        repeated_packs=repeated)
+    filler_costs = _filler_costs(plan, cost) if fillers else None
+    steps, repeated, filler = _cost_sorted_steps(costs, num_replicas, micro_batches, filler_costs)
+    return _Dealt(plan, steps, costs, repeated, filler, filler_costs)
 
 
-def _cost_sorted_steps(costs: np.ndarray, num_replicas: int, micro_batches: int) -> tuple[np.ndarray, int]:
+def _last_step_recut(dealt: _Dealt, ungrouped: bool, planned: int, fresh: int, fillers: bool) -> bool:
+    """Whether the last step's packs may be re-cut rank by rank: always with fillers; without, only for a
+    plan without groups (one with groups keeps :func:`thdpack.plan_packs`' packs) whose last step repeats
+    nothing and holds only packs :func:`spread_slack` made, or a plan with as many packs as
+    ``plan_packs`` gave (its cheapest packs, what may be re-cut without more packs)."""
+    if fillers:
+        return True
+    if not ungrouped or dealt.repeated or not dealt.steps.size:
+        return False
+    return len(dealt.plan) == planned or bool((dealt.steps[-1] >= len(dealt.plan) - fresh).all())
+
+
+# a plan whose straggler is over REPAIR_AT x its bound gets its last step filled rank by rank
+REPAIR_AT = 1.005
+
+
+def _rank_repair(dealt: _Dealt, items_of, cost: CostModel, options: PlanOptions, *, micro_batches: int,
+                 recut_last: bool, fillers: bool, even: bool = False) -> _Dealt:
+    """``dealt``, or, when its ranks' totals are off their bound by more than :data:`REPAIR_AT`, the plan
+    with the lowest straggler of: its last step filled rank by rank
+    (:func:`thdpack.planning.rank_fill.refill_last_step`: the items of its packs with ``recut``, else its
+    packs whole), and with fillers every step so filled; with ``even`` (no fillers, as many packs as
+    :func:`thdpack.plan_packs` gave) also every pack re-cut evenly and dealt again. Without fillers a re-cut
+    keeps steps of decreasing cost (no fresh pack dearer than an earlier step's) and fills every slot."""
+    steps = dealt.steps
+    if not steps.size or steps.shape[1] == 1:
+        return dealt
+    totals = dealt.slot_costs.sum(axis=(0, 2))
+    floor = _floor(dealt.plan, items_of(dealt.plan), cost, options, steps.shape[1], micro_batches, len(steps))
+    if straggler(totals) <= REPAIR_AT * straggler_bound(floor, totals):
+        return dealt
+    best, best_straggler = dealt, straggler(totals)
+    for candidate in _refills(dealt, items_of, cost, options, recut_last=recut_last, fillers=fillers, even=even):
+        value = straggler(candidate.slot_costs.sum(axis=(0, 2)))
+        if value < best_straggler:
+            best, best_straggler = candidate, value
+        if best_straggler <= REPAIR_AT * straggler_bound(floor, best.slot_costs.sum(axis=(0, 2))):
+            break
+    return best
+
+
+def _refills(dealt: _Dealt, items_of, cost: CostModel, options: PlanOptions, *, recut_last: bool, fillers: bool,
+             even: bool):
+    """The plans :func:`_rank_repair` tries, best first: the last step re-cut (or its packs moved whole),
+    then with fillers every step re-cut (while the fill's work stays small), with ``even`` every pack re-cut
+    into as many of even cost (:func:`thdpack.planning.spread.recut`), dealt as :func:`_deal_steps` deals."""
+    steps, slot = dealt.steps, dealt.slot_costs
+    filler = np.zeros(steps.shape, bool) if dealt.filler is None else dealt.filler
+    max_pieces = options.max_samples_per_pack or 0
+    cap = np.inf if fillers or len(steps) == 1 else float(dealt.costs[steps[:-1]].min())
+    spans = [1] + ([len(steps)] if fillers and len(steps) > 1 and dealt.plan.length.size * steps.size <= _FILL_WORK
+                   else [])
+    for span, current in ((span, current) for span in (spans if recut_last else []) for current in (False, True)):
+        out = refill_last_step(dealt.plan, items_of(dealt.plan), steps, slot, filler, recut=True, num_last=span,
+                               max_pieces=max_pieces, cost_cap=cap, fill_all=not fillers, from_current=current)
+        if out is not None and (fillers or not out[2].any()):  # without fillers every slot must hold a pack
+            yield _refilled(dealt, out, cost, fillers)
+    if even:
+        plan = recut(dealt.plan, items_of(dealt.plan), len(dealt.plan), max_pieces)
+        if plan is not None:
+            yield _deal_steps(plan, cost, steps.shape[1], steps.shape[2], False)
+    plan, new_steps, flags = refill_last_step(dealt.plan, None, steps, slot, filler, recut=False)
+    yield replace(dealt, steps=new_steps, filler=None if dealt.filler is None else flags)
+
+
+# the most (pieces × slots) a refill of every step may visit: beyond it, the last step only
+_FILL_WORK = 1 << 24
+
+
+def _refilled(dealt: _Dealt, out: tuple, cost: CostModel, fillers: bool) -> _Dealt:
+    """The :class:`_Dealt` of a re-cut :func:`refill_last_step` result: its costs recounted, and with fillers
+    its empty slots running a filler of the pack whose filler is cheapest."""
+    plan, steps, empty = out
+    costs = cost.pack_costs(plan)
+    if not fillers:
+        return _Dealt(plan, steps, costs, 0)
+    filler_costs = _filler_costs(plan, cost)
+    steps = np.where(empty, int(np.argmin(filler_costs)), steps)
+    return _Dealt(plan, steps, costs, int(empty.sum()), empty, filler_costs)
+
+
+def _floor(plan: PackPlan, items: Items, cost: CostModel, options: PlanOptions, num_replicas: int,
+           micro_batches: int, num_steps: int) -> float:
+    """:func:`thdpack.planning.rank_fill.rank_floor` of ``plan``'s items on ``num_replicas`` ranks of
+    ``num_steps·micro_batches`` micro-batches (an item over one pack, a group's bundle, fills at most
+    ``micro_batches``)."""
+    fits = items.size <= options.pack_size
+    if options.vision_budget is not None:
+        fits &= items.vision <= options.vision_budget
+    piece_min = float(piece_items(plan, cost).cost.min()) if plan.length.size else 0.0
+    item_cost = items.cost
+    if items.prefix is not None and not fits.all():  # a group over one pack lays its prefix out in each of its
+        first = np.unique(items.of_piece, return_index=True)[1]  # packs: at least size / pack_size of them
+        p = np.zeros(items.size.size)
+        p[items.of_piece[first]] = items.prefix[plan.sample_index[first]]
+        extra = np.maximum(0, -(-items.size // options.pack_size) - 1)
+        item_cost = item_cost + extra * (cost.linear * p + cost.quadratic * p * p)
+    return rank_floor(item_cost, np.where(fits, 1, np.minimum(micro_batches, items.pieces)).astype(np.int64),
+                      piece_min, num_replicas, num_steps * micro_batches)
+
+
+def _balanced(dealt: _Dealt, items: Items, options: PlanOptions, *, num_replicas: int, micro_batches: int,
+              cost: CostModel, shuffle_steps: bool, fillers: bool) -> BalancedPlan:
+    """The :class:`BalancedPlan` of ``dealt``: its floor computed, its steps shuffled with ``shuffle_steps``
+    (its fillers alike)."""
+    steps, filler = dealt.steps, dealt.filler
+    floor = _floor(dealt.plan, items, cost, options, num_replicas, micro_batches, len(steps))
+    if shuffle_steps and len(steps):
+        order = np.random.default_rng(options.seed).permutation(len(steps))
+        steps = steps[order]
+        filler = None if filler is None else filler[order]
+    return BalancedPlan(plan=dealt.plan, steps=steps, costs=dealt.costs,
+                        step_straggler=straggler_per_step(steps, dealt.costs, filler, dealt.filler_costs),
+                        repeated_packs=dealt.repeated, rank_floor=floor, filler=filler,
+                        filler_costs=dealt.filler_costs)
+
+
+def _filler_costs(plan: PackPlan, cost: CostModel) -> np.ndarray:
+    """float64 ``[num_packs]`` the cost of a filler of every pack: its cheapest piece alone."""
+    if len(plan) == 0:
+        return np.zeros(0)
+    return np.minimum.reduceat(piece_items(plan, cost).cost, plan.pack_offsets[:-1])
+
+
+def filler_samples(plan: PackPlan, cost: CostModel) -> np.ndarray:
+    """int64 ``[num_packs]`` the input sample a filler of every pack runs: its cheapest piece (the first
+    such), the one :func:`_filler_costs` counts."""
+    if len(plan) == 0:
+        return np.zeros(0, np.int64)
+    pack_of = np.repeat(np.arange(len(plan)), np.diff(plan.pack_offsets))
+    order = np.lexsort((np.arange(pack_of.size), piece_items(plan, cost).cost, pack_of))
+    return plan.sample_index[order[plan.pack_offsets[:-1]]]
+
+
+def _cost_sorted_steps(costs: np.ndarray, num_replicas: int, micro_batches: int,
+                       filler_costs: np.ndarray | None = None) -> tuple[np.ndarray, int, np.ndarray | None]:
     """Steps of packs of similar cost: float64 ``[num_packs]`` ``costs`` sorted decreasing, cut
-    into steps of ``R·M`` packs (the costliest packs repeated to fill the last one, when the
-    packs are not a multiple), each dealt by :func:`_deal`. Returns (int64 ``[S, R, M]`` pack
-    ids, number of repeated packs)."""
+    into steps of ``R·M`` packs (copies of the cheapest packs of the earlier steps fill the last one,
+    when the packs are not a multiple), each dealt as :func:`_deal` deals (its slots by decreasing cost).
+    A copy is dealt at its pack's cost, or at
+    ``filler_costs`` (float64 ``[num_packs]``) when given (it then runs a filler). Returns (int64
+    ``[S, R, M]`` pack ids, number of copies, bool ``[S, R, M]`` the copies' slots with
+    ``filler_costs``, else None)."""
     per_step = num_replicas * micro_batches
     num_packs = costs.size
     order = np.argsort(-costs, kind="stable")
     repeated = (-num_packs) % per_step  # only when splitting could not reach a multiple
-    if repeated:
-        order = np.concatenate([order, order[np.arange(repeated) % num_packs]])
-    step_packs = order.reshape(-1, per_step)
-    if not step_packs.size:
-        return np.zeros((0, num_replicas, micro_batches), np.int64), int(repeated)
-    return np.stack([_deal(packs, costs, num_replicas, micro_batches) for packs in step_packs]), int(repeated)
+    copy = np.zeros(order.size + repeated, bool)
+    if repeated:  # copies of the cheapest packs the last step does not hold (a group runs on one rank in a
+        earlier = num_packs - (per_step - repeated)  # step), or with fillers those whose filler is cheapest
+        pool = np.concatenate([order[:earlier][::-1], order[earlier:][::-1]])
+        if filler_costs is not None:
+            pool = np.argsort(filler_costs, kind="stable")
+        order = np.concatenate([order, pool[np.arange(repeated) % num_packs]])
+        copy[num_packs:] = True
+    slot_cost = costs[order] if filler_costs is None else np.where(copy, filler_costs[order], costs[order])
+    if not order.size:
+        empty = np.zeros((0, num_replicas, micro_batches), np.int64)
+        return empty, int(repeated), None if filler_costs is None else empty.astype(bool)
+    shape = (-1, num_replicas, micro_batches)
+    slot_cost, order, copy = slot_cost.reshape(-1, per_step), order.reshape(-1, per_step), copy.reshape(-1, per_step)
+    by_cost = np.argsort(-slot_cost, axis=1, kind="stable")  # each step's slots by decreasing cost, as _deal deals
+    slot_cost, order, copy = (np.take_along_axis(a, by_cost, axis=1) for a in (slot_cost, order, copy))
+    ones = np.ones(per_step, np.int64)
+    ranks = np.stack([_deal_kernel(np.ascontiguousarray(c), ones, num_replicas, micro_batches) for c in slot_cost])
+    by_rank = np.argsort(ranks, axis=1, kind="stable")
+    steps = np.take_along_axis(order, by_rank, axis=1).reshape(shape)
+    return steps, int(repeated), None if filler_costs is None else np.take_along_axis(copy, by_rank, 1).reshape(shape)
 
 
 def _shuffled_steps(steps: np.ndarray, seed: int, shuffle_steps: bool) -> np.ndarray:
@@ -219,7 +475,8 @@ def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches
     ``group``: int64 ``[R·M]`` pack ids, dealt in this order, each to the rank with the
     least cost so far among those with a free slot (ties: the lowest rank); ``costs``:
     float64 ``[num_packs]``. Returns int64 ``[R, M]`` pack ids, in the order each rank got
-    them. Plain reference: ``ref_deal`` in ``tests/test_balance.py``.
+    them. Plain reference: ``ref_deal`` in ``tests/test_balance.py``. (:func:`_cost_sorted_steps`
+    deals every step so, all at once.)
     """
     ranks = _deal_units(costs[group], np.ones(group.size, np.int64), num_replicas, micro_batches)
     return group[np.argsort(ranks, kind="stable")].reshape(num_replicas, micro_batches)
@@ -234,16 +491,25 @@ def _deal_units(unit_costs: np.ndarray, unit_slots: np.ndarray, num_bins: int, s
     each unit, -1 where no bin had room. Plain reference: ``ref_deal_units`` in
     ``tests/test_plan_groups.py``.
     """
+    return _deal_kernel(np.ascontiguousarray(unit_costs, np.float64), np.ascontiguousarray(unit_slots, np.int64),
+                        int(num_bins), int(slots_per_bin))
+
+
+@njit
+def _deal_kernel(unit_costs, unit_slots, num_bins, slots_per_bin):
+    """:func:`_deal_units`, compiled."""
     load = np.zeros(num_bins)
     free = np.full(num_bins, slots_per_bin, np.int64)
-    out = np.full(len(unit_costs), -1, np.int64)
-    for u, (c, k) in enumerate(zip(unit_costs.tolist(), unit_slots.tolist())):  # one pass; units are packs
-        candidates = np.flatnonzero(free >= k)
-        if candidates.size:
-            b = candidates[np.argmin(load[candidates])]
+    out = np.full(unit_costs.shape[0], -1, np.int64)
+    for u in range(unit_costs.shape[0]):
+        b = -1
+        for q in range(num_bins):
+            if free[q] >= unit_slots[u] and (b < 0 or load[q] < load[b]):
+                b = q
+        if b >= 0:
             out[u] = b
-            free[b] -= k
-            load[b] += c
+            free[b] -= unit_slots[u]
+            load[b] += unit_costs[u]
     return out
 
 
@@ -265,9 +531,9 @@ class _GroupSplit:
     prefix: np.ndarray | None = None
 
 
-def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> _GroupSplit | None:
-    """Which groups need more than one pack (tokens, their shared prefix once, or vision patches); None when
-    none does (then :func:`thdpack.plan_packs` plans them, unchanged)."""
+def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> _GroupSplit:
+    """The checked groups, and which need more than one pack (tokens, their shared prefix once, or vision
+    patches); when none does, :func:`thdpack.plan_packs` plans them."""
     lengths = validate_lengths(lengths)
     pack_size, vision_budget = options.pack_size, options.vision_budget
     gid = check_groups(groups, lengths.size)
@@ -283,8 +549,6 @@ def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_
     if vision_lengths is not None or vision_budget is not None:
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         big |= np.bincount(group_of, weights=vision, minlength=num_groups) > vision_budget
-    if not big.any():
-        return None
     return _GroupSplit(lengths, sizes, vision, gid, group_of, big, prefix)
 
 
@@ -340,18 +604,71 @@ def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: in
 
 
 def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int, micro_batches: int,
-                  cost: CostModel, shuffle_steps: bool) -> BalancedPlan:
+                  cost: CostModel, shuffle_steps: bool, fillers: bool) -> BalancedPlan:
     """:func:`plan_balanced` with groups some of which need several packs.
 
     Groups that fit one pack are planned by :func:`thdpack.plan_packs` (``groups=``); each larger
-    group is packed first-fit decreasing into a bundle of ``k ≤ M`` packs after them. The plan is
-    then scheduled by :func:`_bundle_steps`.
+    group is packed first-fit decreasing into a bundle of ``k ≤ M`` packs after them. When the steps
+    the bundles need leave more slots than those single packs fill, the single packs are re-cut,
+    whole groups, into as many packs as there are slots (or groups, if fewer):
+    :func:`thdpack.planning.spread.recut`. The plan is then scheduled by :func:`_bundle_steps`.
     """
     small = np.flatnonzero(~split.big[split.group_of])
     small_plan = plan_packs(split.lengths[small], groups=split.gid[small], options=options,
                             vision_lengths=None if split.vision is None else split.vision[small],
                             shared_prefix=None if split.prefix is None else split.prefix[small])
-    big_index, big_counts, bundle_sizes = _pack_big_groups(split, options, micro_batches)
+    big = _pack_big_groups(split, options, micro_batches)
+    plan, bundles = _with_bundles(split, small, small_plan, big, options)
+    costs = cost.pack_costs(plan)
+    slots = num_replicas * micro_batches * _bundle_num_steps(len(plan), bundles, costs, num_replicas, micro_batches)
+    small_groups = number_groups(split.gid[small])
+    free = min(slots - int(big[1].size), int(small_groups.max()) + 1 if small.size else 0)
+    if free > len(small_plan):  # spread the single packs over every slot the bundles leave
+        small_prefix = None if split.prefix is None else split.prefix[small]
+        spread = recut(small_plan, group_items(small_plan, small_groups, cost, small_prefix), free)
+        if spread is not None:
+            plan, bundles = _with_bundles(split, small, spread, big, options)
+            costs = cost.pack_costs(plan)
+    filler_costs = _filler_costs(plan, cost) if fillers else None
+    singles = np.arange(len(plan) - int(big[1].size))
+    steps, repeated, filler = _bundle_steps(singles, bundles, costs, num_replicas, micro_batches, filler_costs)
+    dealt = _Dealt(plan, steps, costs, repeated, filler, filler_costs)
+    if fillers:
+        dealt = _bundle_repair(dealt, bundles, lambda p: group_items(p, split.group_of, cost, split.prefix), cost,
+                               options, micro_batches)
+    return _balanced(dealt, group_items(dealt.plan, split.group_of, cost, split.prefix), options,
+                     num_replicas=num_replicas, micro_batches=micro_batches, cost=cost, shuffle_steps=shuffle_steps,
+                     fillers=fillers)
+
+
+def _bundle_repair(dealt: _Dealt, bundles: list[np.ndarray], items_of, cost: CostModel, options: PlanOptions,
+                   micro_batches: int) -> _Dealt:
+    """A plan with bundles and fillers: its step-rank bins relabelled so that the ranks' totals even out
+    (:func:`thdpack.planning.rank_fill.relabel`), and when that is off the bound by more than
+    :data:`REPAIR_AT`, every step filled rank by rank around the bundles
+    (:func:`thdpack.planning.rank_fill.refill_around_bundles`) if that is better."""
+    if not dealt.steps.size:
+        return dealt
+    perm = relabel(dealt.slot_costs.sum(axis=2))
+    dealt = replace(dealt, steps=np.take_along_axis(dealt.steps, perm[:, :, None], axis=1),
+                    filler=np.take_along_axis(dealt.filler, perm[:, :, None], axis=1))
+    totals = dealt.slot_costs.sum(axis=(0, 2))
+    floor = _floor(dealt.plan, items_of(dealt.plan), cost, options, dealt.steps.shape[1], micro_batches,
+                   len(dealt.steps))
+    if straggler(totals) <= REPAIR_AT * straggler_bound(floor, totals):
+        return dealt
+    out = refill_around_bundles(dealt.plan, items_of(dealt.plan), bundles, dealt.costs, dealt.steps.shape,
+                                max_pieces=options.max_samples_per_pack or 0)
+    if out is None:
+        return dealt
+    other = _refilled(dealt, out, cost, True)
+    return other if straggler(other.slot_costs.sum(axis=(0, 2))) < straggler(totals) else dealt
+
+
+def _with_bundles(split: _GroupSplit, small: np.ndarray, small_plan: PackPlan, big: tuple, options: PlanOptions):
+    """``(plan, bundles)``: the packs of ``small_plan`` (over the samples ``small``, int64), then the big
+    groups' packs (``big``: :func:`_pack_big_groups`'s result); ``bundles`` the pack ids of each big group."""
+    big_index, big_counts, bundle_sizes = big
     sample_index = np.concatenate([small[small_plan.sample_index], big_index])
     pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
     length = split.lengths[sample_index]
@@ -362,17 +679,27 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
                                  vision_budget=None if split.vision is None else int(options.vision_budget))
     plan = replace(small_plan, sample_index=sample_index, start=np.zeros(sample_index.size, np.int64), length=length,
                    pack_offsets=pack_offsets, stats=stats, vision_length=vision_length, shared_length=shared)
-    costs = cost.pack_costs(plan)
     bundle_start = len(small_plan) + np.cumsum(bundle_sizes) - bundle_sizes
-    bundles = [np.arange(a, a + k) for a, k in zip(bundle_start.tolist(), bundle_sizes.tolist())]
-    steps, repeated = _bundle_steps(np.arange(len(small_plan)), bundles, costs, num_replicas, micro_batches)
-    steps = _shuffled_steps(steps, options.seed, shuffle_steps)
-    return BalancedPlan(plan=plan, steps=steps, costs=costs, step_straggler=straggler_per_step(steps, costs),
-                        repeated_packs=repeated)
+    return plan, [np.arange(a, a + k) for a, k in zip(bundle_start.tolist(), bundle_sizes.tolist())]
+
+
+def _bundle_num_steps(num_packs: int, bundles: list[np.ndarray], costs: np.ndarray, num_replicas: int,
+                      micro_batches: int) -> int:
+    """The fewest steps whose ``R`` bins of ``M`` slots take ``num_packs`` packs and every bundle (int64
+    pack ids; ``costs``: float64 ``[num_packs]``), dealt as :func:`_bundle_steps` deals them."""
+    R, M = num_replicas, micro_batches
+    slots = np.array([b.size for b in bundles], np.int64)
+    bundle_cost = np.array([costs[b].sum() for b in bundles])
+    border = np.argsort(-bundle_cost, kind="stable")
+    wide = int((2 * slots > M).sum())  # such bundles never share a bin
+    num_steps = max(-(-num_packs // (R * M)), -(-wide // R))
+    while (_deal_units(bundle_cost[border], slots[border], num_steps * R, M) < 0).any():
+        num_steps += 1
+    return num_steps
 
 
 def _bundle_steps(singles: np.ndarray, bundles: list[np.ndarray], costs: np.ndarray, num_replicas: int,
-                  micro_batches: int) -> tuple[np.ndarray, int]:
+                  micro_batches: int, filler_costs: np.ndarray | None = None):
     """Schedule single packs and bundles (a group's ``k`` packs, run by one rank in one step).
 
     Every (step, rank) is a bin of ``M`` slots; there are ``S·R`` of them, ``S`` the fewest steps
@@ -381,97 +708,36 @@ def _bundle_steps(singles: np.ndarray, bundles: list[np.ndarray], costs: np.ndar
     packs, or of the cheapest packs when there are none) are dealt by :func:`_deal_units` over all
     bins; the bins, sorted by decreasing load, are cut into steps of ``R``, so a step holds bins of
     similar cost. ``singles``: int64 ``[s]``, ``bundles``: int64 arrays of pack ids, ``costs``:
-    float64 ``[num_packs]``. Returns (int64 ``[S, R, M]`` pack ids, number of copies). Plain
-    reference: ``ref_bundle_steps`` in ``tests/test_plan_groups.py``.
+    float64 ``[num_packs]``. With ``filler_costs`` (float64 ``[num_packs]``) a copy is dealt at that
+    cost (it runs a filler). Returns (int64 ``[S, R, M]`` pack ids, number of copies, bool ``[S, R,
+    M]`` the copies' slots with ``filler_costs``, else None). Plain reference: ``ref_bundle_steps`` in
+    ``tests/test_plan_groups.py``.
     """
     R, M = num_replicas, micro_batches
     slots = np.array([b.size for b in bundles], np.int64)
     bundle_cost = np.array([costs[b].sum() for b in bundles])
     border = np.argsort(-bundle_cost, kind="stable")
     num_packs = singles.size + int(slots.sum())
-    wide = int((2 * slots > M).sum())  # such bundles never share a bin
-    num_steps = max(-(-num_packs // (R * M)), -(-wide // R))
-    while (_deal_units(bundle_cost[border], slots[border], num_steps * R, M) < 0).any():
-        num_steps += 1
+    num_steps = _bundle_num_steps(num_packs, bundles, costs, R, M)
     copies = num_steps * R * M - num_packs
     pool = singles if singles.size else np.arange(costs.size)
     pool = pool[np.argsort(costs[pool], kind="stable")]
     fill = np.concatenate([singles, pool[np.arange(copies) % pool.size]])
-    fill = fill[np.argsort(-costs[fill], kind="stable")]
+    copy = np.arange(fill.size) >= singles.size
+    fill_cost = costs[fill] if filler_costs is None else np.where(copy, filler_costs[fill], costs[fill])
+    by_cost = np.argsort(-fill_cost, kind="stable")
+    fill, copy, fill_cost = fill[by_cost], copy[by_cost], fill_cost[by_cost]
     units = [bundles[b] for b in border.tolist()] + [fill[i : i + 1] for i in range(fill.size)]
-    unit_costs = np.concatenate([bundle_cost[border], costs[fill]])
+    marks = [np.zeros(bundles[b].size, bool) for b in border.tolist()] + [copy[i : i + 1] for i in range(fill.size)]
+    unit_costs = np.concatenate([bundle_cost[border], fill_cost])
     bins = _deal_units(unit_costs, np.concatenate([slots[border], np.ones(fill.size, np.int64)]), num_steps * R, M)
-    contents = [[] for _ in range(num_steps * R)]
-    for unit, b in zip(units, bins.tolist()):
+    contents, flags = [[] for _ in range(num_steps * R)], [[] for _ in range(num_steps * R)]
+    for unit, mark, b in zip(units, marks, bins.tolist()):
         contents[b].extend(unit.tolist())
-    load = np.bincount(bins, weights=unit_costs, minlength=num_steps * R)
-    steps = np.array(contents, np.int64)[np.argsort(-load, kind="stable")].reshape(num_steps, R, M)
-    return steps, int(copies)
+        flags[b].extend(mark.tolist())
+    by_load = np.argsort(-np.bincount(bins, weights=unit_costs, minlength=num_steps * R), kind="stable")
+    steps = np.array(contents, np.int64)[by_load].reshape(num_steps, R, M)
+    filler = None if filler_costs is None else np.array(flags, bool)[by_load].reshape(num_steps, R, M)
+    return steps, int(copies), filler
 
 
-def _fill_last_step(plan: PackPlan, multiple: int, cost: CostModel, max_items: int | None) -> PackPlan:
-    """Re-pack the cheapest packs so that ``len(plan)`` becomes a multiple of ``multiple``.
-
-    The ``len(plan) % multiple`` cheapest packs (more if they hold too few
-    samples) are emptied and their pieces dealt largest-cost-first to
-    ``multiple`` (or ``2·multiple`` …) fresh packs, each to the least-loaded pack
-    with room: the step they form is balanced like the others, and no sample is
-    repeated. Returns ``plan`` unchanged when that is impossible (fewer pieces
-    than slots).
-    """
-    num_packs = len(plan)
-    missing = (-num_packs) % multiple
-    if missing == 0:
-        return plan
-    counts = np.diff(plan.pack_offsets)
-    by_cost = np.argsort(cost.pack_costs(plan), kind="stable")
-    taken = multiple - missing  # packs to empty: the rest is then a multiple
-    while taken <= num_packs and counts[by_cost[:taken]].sum() < taken + missing:
-        taken += multiple
-    if taken > num_packs:
-        return plan
-    new_count = taken + missing
-    emptied = np.zeros(num_packs, bool)
-    emptied[by_cost[:taken]] = True
-    piece_pack = np.repeat(np.arange(num_packs), counts)
-    moved = np.flatnonzero(emptied[piece_pack])
-    lengths = plan.length[moved].astype(np.float64)
-    piece_cost = cost.linear * lengths + cost.quadratic * lengths * lengths
-    sizes = round_up(plan.length[moved], plan.align)
-    load = np.zeros(new_count)
-    room = np.full(new_count, plan.pack_size, np.int64)
-    slots = np.full(new_count, max_items or moved.size, np.int64)
-    has_vision = plan.vision_length is not None
-    patches = plan.vision_length[moved] if has_vision else np.zeros(moved.size, np.int64)
-    piece_cost = piece_cost + cost.vision * patches
-    vision_room = np.full(new_count, plan.vision_budget if has_vision else 0, np.int64)
-    target = np.empty(moved.size, np.int64)
-    for rank, j in enumerate(np.argsort(-piece_cost, kind="stable")):  # a few hundred pieces at most
-        if rank < new_count:  # the costliest pieces open the fresh packs, one each: none stays empty
-            b = rank
-        else:
-            fits = np.flatnonzero((room >= sizes[j]) & (slots > 0) & (vision_room >= patches[j]))
-            if fits.size == 0:
-                return plan
-            b = fits[np.argmin(load[fits])]
-        target[j] = b
-        load[b] += piece_cost[j]
-        room[b] -= sizes[j]
-        slots[b] -= 1
-        vision_room[b] -= patches[j]
-    # keep the untouched packs in order (renumbered), then the fresh ones
-    keep_id = np.cumsum(~emptied) - 1
-    pack_of = keep_id[piece_pack]
-    pack_of[moved] = (num_packs - taken) + target
-    total = num_packs - taken + new_count
-    offsets = np.zeros(total + 1, np.int64)
-    np.cumsum(np.bincount(pack_of, minlength=total), out=offsets[1:])
-    order = np.lexsort((plan.start, plan.sample_index, pack_of))  # within a pack: input order, as plan_packs gives
-    sample_index, start, length = plan.sample_index[order], plan.start[order], plan.length[order]
-    vision = None if plan.vision_length is None else plan.vision_length[order]
-    stats = PackStats.from_packs(length, offsets, plan.pack_size, align=plan.align, num_samples=plan.stats.num_samples,
-                                 cuts=plan.stats.cuts, vision_length=vision, vision_budget=plan.vision_budget)
-    return replace(
-        plan, sample_index=sample_index, start=start, length=length, pack_offsets=offsets,
-        stats=stats, vision_length=vision,
-    )
