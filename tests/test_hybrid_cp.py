@@ -329,3 +329,25 @@ def test_the_worked_example_of_docs_megatron_md():
                                         [0, 1, 8], [0, 1, 9, 14], [0, 1, 10, 15], [0, 1, 11]]]
     assert plan.cp_sizes[:3].tolist() == [8, 4, 2] and plan.block_starts[:3].tolist() == [0, 4, 2]
     assert round(plan.straggler, 3) == 1.014
+
+
+def test_rebalance_with_hybrid_cp_is_the_hybrid_plan():
+    """``thdpack.rebalance(..., hybrid_cp=...)`` (the run-time entry point users already call) plans the step under
+    hybrid CP: the same batches and plan as ``rebalance_hybrid_cp``; ``micro_batches`` other than 1 is refused."""
+    from test_rebalance import run_threads
+
+    from thdpack import rebalance
+    from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp
+
+    rng = np.random.default_rng(5)
+    world = 4
+    local = [[{"input_ids": torch.randint(1, 50, (int(s),))} for s in rng.integers(1, 40, 4 + r)] for r in range(world)]
+    for hybrid in (True, HybridCP(32)):
+        got = run_threads(world, lambda comm: rebalance(local[comm.rank], 32, group=comm, hybrid_cp=hybrid))
+        want = run_threads(world, lambda comm: rebalance_hybrid_cp(local[comm.rank], 32, group=comm))
+        for (gb, gp, go), (wb, wp, wo) in zip(got, want):
+            assert np.array_equal(gp.cp_sizes, wp.cp_sizes) and np.array_equal(go, wo)
+            assert [b.sample_index.tolist() for b in gb] == [b.sample_index.tolist() for b in wb]
+            assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(gb, wb))
+    with pytest.raises(ValueError, match="micro_batches must be 1, got 2"):
+        rebalance(local[0], 32, hybrid_cp=True, micro_batches=2)

@@ -43,7 +43,7 @@ BUILD_KEYWORDS = ("model_config", "sample_values", "share_prefix", "min_prefix_l
 
 
 def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batches: int = 1, cost=None, groups=None,
-              **layout) -> tuple[list[ThdBatch], "RebalanceHandle"]:
+              hybrid_cp=None, **layout) -> tuple[list[ThdBatch], "RebalanceHandle"]:
     """Deal this step's samples, wherever they were made, to the data-parallel ranks by cost, and pack them.
 
     A collective: call it on every rank of ``group`` with that rank's samples. It all-gathers every
@@ -72,6 +72,11 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
         groups: ``[n]`` integer group id of every local sample (e.g. a GRPO prompt): a group's samples
             stay on one rank, in one pack or at most ``M`` packs of one step. Ids are per rank (the
             same id on two ranks is two groups). Give it on every rank or none.
+        hybrid_cp: plan the step under hybrid (per-sample) context parallelism instead
+            (:class:`thdpack.loaders.hybrid_rebalance.HybridCP`, or True: ``pack_size`` is the tokens one rank
+            holds in a micro-batch): ``group`` is then the data-parallel × CP group, ``micro_batches`` must be
+            1, and the call is :func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`, which returns
+            ``(batches, plan, offsets)``.
         **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
             :class:`thdpack.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
             or ``layout=``, and ``model_config``, ``sample_values``, ``share_prefix``,
@@ -98,6 +103,14 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     """
     check_positive_int(pack_size, "pack_size")
     check_positive_int(micro_batches, "micro_batches")
+    if hybrid_cp is not None and hybrid_cp is not False:
+        from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp
+
+        if micro_batches != 1:
+            raise ValueError(f"rebalance(hybrid_cp=...) plans its own micro-batches per rank: micro_batches must be 1, "
+                             f"got {micro_batches}")
+        plan = hybrid_cp if isinstance(hybrid_cp, HybridCP) else HybridCP(int(pack_size))
+        return rebalance_hybrid_cp(local_samples, plan, group=group, cost=cost, groups=groups, **layout)
     cost = CostModel() if cost is None else CostModel.of(cost)
     batch_layout, build_kwargs = _split_layout(layout)
     share = _share_of(build_kwargs, batch_layout)
