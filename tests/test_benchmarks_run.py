@@ -32,10 +32,11 @@ CASES = {
     "layouts": (["--tokens", "2048", "--repeats", "1", "--no-compile", "--inner", "2"], "shard rank 0 / build"),
     "shared_prefix": (["--quick", "--groups", "4", "--pairs", "40"], "ratio"),
     "hybrid_reference": (["--quick"], "packed / alone"),
+    "flops_overcount": ([], "whole model"),
     "mixture": (["--samples", "20000", "--steps", "1", "8", "--repeats", "1"], "stratified"),
-    "hybrid_cp": (["--ranks", "8", "--samples-per-rank", "20"], "thdpack plan_hybrid_cp"),
     "vision_balance": (["--packs", "10", "--cp", "2", "--tower-packs", "1", "--tower-repeats", "1"],
                        "the ranks' shares put together equal the whole tower"),
+    "hybrid_cp": (["--ranks", "8", "--samples-per-rank", "20"], "thdpack plan_hybrid_cp"),
 }
 
 

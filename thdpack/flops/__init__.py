@@ -21,13 +21,18 @@ object or a plain dict, read by :mod:`thdpack.common.model_config`; a VL config'
 ``text_config`` / ``vision_config`` are used when present. See ``docs/flops.md`` for
 the formulas and worked numbers. What lives where (import from here):
 
-- :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it, a prefix tree's work;
+- :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it, a prefix tree's work,
+  and the length counts of windows and top-k (:func:`length_count`: ``Σ min(t, w)`` per sample in closed form);
 - :mod:`~thdpack.flops.vision_stats`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
 - :mod:`~thdpack.flops.coefficients`: a config's FLOPs per count (:func:`flops_coefficients`);
+- :mod:`~thdpack.flops.layer_kinds`, :mod:`~thdpack.flops.megatron_layers`: a transformers or Megatron-style
+  config read layer by layer (which mixer, which feed-forward); :mod:`~thdpack.flops.layer_costs`: what each
+  kind of layer costs (:class:`UnsupportedLayerError` for a kind not covered);
 - :mod:`~thdpack.flops.model`: :func:`model_flops`, :func:`model_flops_breakdown`;
 - :mod:`~thdpack.flops.accumulator`: :class:`FlopsAccumulator`, counts micro-batch by micro-batch;
 - :mod:`~thdpack.flops.meters`: :func:`throughput`, the GPU peak table, :class:`FlopsMeter`;
-- :mod:`~thdpack.flops.overcount`: the over-count of a pack-length count.
+- :mod:`~thdpack.flops.overcount`: the over-count of a pack-length count;
+- :mod:`~thdpack.flops.rank_work`: every rank's tokens, slots, ``Σ sᵢ²`` share and FLOPs under hybrid CP.
 """
 
 from thdpack.flops.accumulator import FlopsAccumulator
@@ -35,12 +40,15 @@ from thdpack.flops.coefficients import (
     GATED_ATTENTION_MODEL_TYPES,
     NON_GATED_MLP_MODEL_TYPES,
     FlopsCoefficients,
+    UnsupportedLayerError,
     flops_coefficients,
 )
 from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
-from thdpack.flops.model import model_flops, model_flops_breakdown
+from thdpack.flops.model import model_flops, model_flops_breakdown, needed_length_counts
 from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
-from thdpack.flops.sequences import (cp_seqlen_squared_share, lengths_squared_sum, segment_lengths, seqlen_squared_sum,
+from thdpack.flops.rank_work import hybrid_cp_rank_counts, hybrid_cp_rank_flops
+from thdpack.flops.sequences import (count_name, cp_length_count_share, cp_seqlen_squared_share, length_count,
+                                      lengths_squared_sum, segment_lengths, seqlen_squared_sum, tree_length_count,
                                       tree_seqlen_squared_sum)
 from thdpack.flops.vision_stats import VisionStats, vision_seqlen_stats
 
@@ -51,19 +59,27 @@ __all__ = [
     "FlopsAccumulator",
     "FlopsCoefficients",
     "FlopsMeter",
+    "UnsupportedLayerError",
     "VisionStats",
     "attention_overcount_factor",
+    "count_name",
+    "cp_length_count_share",
     "cp_seqlen_squared_share",
     "flops_coefficients",
+    "hybrid_cp_rank_counts",
+    "hybrid_cp_rank_flops",
+    "length_count",
     "lengths_squared_sum",
     "model_flops",
     "model_flops_breakdown",
     "model_overcount_factor",
+    "needed_length_counts",
     "overcount_report",
     "peak_tflops_for",
     "segment_lengths",
     "seqlen_squared_sum",
     "throughput",
+    "tree_length_count",
     "tree_seqlen_squared_sum",
     "vision_seqlen_stats",
 ]

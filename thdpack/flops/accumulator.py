@@ -1,5 +1,6 @@
 """Counting what a training step consumes: :class:`FlopsAccumulator` adds up samples,
-real and padded tokens, ``Σ sᵢ²`` and the vision counts, micro-batch by micro-batch, from
+real and padded tokens, ``Σ sᵢ²``, the window and top-k counts the model needs, the
+cross-attention counts and the vision counts, micro-batch by micro-batch, from
 whatever the step holds (a :class:`thdpack.ThdBatch` or its CP shard, a dict of model
 inputs, a tensor of token ids), and turns the totals into :func:`model_flops`.
 """
@@ -10,15 +11,20 @@ from collections.abc import Mapping
 
 import torch
 
+from thdpack.flops.coefficients import flops_coefficients
 from thdpack.flops.model import model_flops
 from thdpack.flops.sequences import (
     check_count,
+    cp_length_count_share,
     cp_seqlen_squared_share,
     dense_square_sum,
+    length_count,
+    length_count_values,
     lengths_squared_sum,
     segment_lengths,
     segments_from_position_ids,
     shows_no_tokens,
+    tree_length_count,
 )
 from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
 from thdpack.common.model_config import config_get
@@ -34,6 +40,22 @@ _COUNTS = (
     "vision_seqlen_squared_sum",
     "vision_window_seqlen_squared_sum",
 )
+
+
+_CROSS_COUNTS = ("cross_tokens", "cross_seqlen_product_sum")
+
+
+def _model_counts(config) -> tuple[str, ...]:
+    """The counts beyond :data:`_COUNTS` the model of ``config`` needs (window and top-k counts, cross-attention
+    counts), () when ``config`` is None or not a whole model config (a vision config): then
+    :func:`model_flops` asks for them, naming each."""
+    if config is None:
+        return ()
+    try:
+        coefficients = flops_coefficients(config, include_vision=False)
+    except (KeyError, TypeError, ValueError, NotImplementedError, AttributeError):
+        return ()
+    return coefficients.length_counts + tuple(c for c in _CROSS_COUNTS if c in coefficients.counts)
 
 
 def _total(x):
@@ -71,22 +93,49 @@ class FlopsAccumulator:
     Counts are Python ints; counts read from tensors on an accelerator are kept as
     device tensors until read (no host sync per micro-batch).
 
+    Models with sliding windows or top-k attention need more than ``Σ sᵢ²``: given the model
+    config, the accumulator also adds up every length count the model needs
+    (``window_square_sum[w]``, ``causal_pairs[k]``, ``causal_pairs``: :func:`length_count`),
+    the same way (a CP rank its share, a shared-prefix tree its tree's work), and for
+    cross-attention layers ``cross_tokens`` and ``cross_seqlen_product_sum`` from the
+    ``cross_cu_seqlens`` of a micro-batch. :meth:`counts` holds them by name.
+
     Args:
         vision_config: the model config (or its ``vision_config``); needed to sum
-            Qwen2.5-VL attention windows from ``grid_thw``.
+            Qwen2.5-VL attention windows from ``grid_thw``, and (a whole model config) for
+            the window, top-k and cross-attention counts of the model.
     """
 
     def __init__(self, vision_config=None):
         self.vision_config = vision_config_of(vision_config)
+        self.extra_counts = _model_counts(vision_config)
+        self.length_counts = tuple(c for c in self.extra_counts if c not in _CROSS_COUNTS)
         self.reset()
 
+    @property
+    def count_names(self) -> tuple[str, ...]:
+        """Every count this accumulator adds up: the base ones, then the model's window / top-k / cross ones."""
+        return _COUNTS + self.extra_counts
+
     def reset(self) -> None:
+        self._extra = {name: 0 for name in self.extra_counts}
         for name in _COUNTS:
             setattr(self, name, 0)
 
+    def _get(self, name: str):
+        return self._extra[name] if name in self._extra else getattr(self, name)
+
     def _add(self, **counts) -> None:
         for name, value in counts.items():
-            setattr(self, name, getattr(self, name) + _total(value))
+            if name in self._extra:
+                self._extra[name] = self._extra[name] + _total(value)
+            else:
+                setattr(self, name, getattr(self, name) + _total(value))
+
+    def _add_lengths(self, lengths: torch.Tensor) -> None:
+        """The length counts of real ``lengths`` (int64, any shape; lazily on an accelerator)."""
+        for name in self.length_counts:
+            self._add(**{name: length_count_values(lengths, name).sum()})
 
     # ---- adders ----------------------------------------------------------
     def add(self, batch) -> "FlopsAccumulator":
@@ -109,6 +158,8 @@ class FlopsAccumulator:
         if getattr(batch, "prefix_tree", None) is not None:  # shared prefixes: the tree's work, its samples
             self._add(samples=batch.num_samples, tokens=seq_lens.sum(), padded_tokens=batch.input_ids.numel(),
                       seqlen_squared_sum=batch.seqlen_squared_sum)
+            parents = batch.prefix_tree.parents
+            self._add(**{name: tree_length_count(seq_lens, parents, name) for name in self.length_counts})
             return
         if getattr(batch, "sp_size", 1) > 1:
             self._add_ulysses_shard(batch, seq_lens)
@@ -121,6 +172,8 @@ class FlopsAccumulator:
                 padded_tokens=batch.input_ids.numel(),
                 seqlen_squared_sum=cp_seqlen_squared_share(seq_lens, batch.cu_seqlens_padded, batch.cp_size, batch.cp_rank),
             )
+            self._add(**{name: cp_length_count_share(seq_lens, batch.cu_seqlens_padded, batch.cp_size, batch.cp_rank,
+                                                     name) for name in self.length_counts})
             if first:
                 self._add_vision_from(batch.extras)
             return
@@ -130,6 +183,7 @@ class FlopsAccumulator:
             padded_tokens=batch.input_ids.numel(),
             seqlen_squared_sum=(seq_lens * seq_lens).sum(),
         )
+        self._add_lengths(seq_lens)
         self._add_vision_from(batch.extras)
 
     def _add_ulysses_shard(self, batch, seq_lens: torch.Tensor) -> None:
@@ -153,11 +207,15 @@ class FlopsAccumulator:
             padded_tokens=batch.input_ids.numel(),
             seqlen_squared_sum=whole // sp + (rank < whole % sp),
         )
+        for name in self.length_counts:  # each split over the SP ranks as Σ sᵢ² is
+            count = int(cp_length_count_share(lens, cu, cp, cp_rank, name) if cp > 1 else length_count(lens, name))
+            self._add(**{name: count // sp + (rank < count % sp)})
         if first:
             self._add_vision_from(batch.extras)
 
     def add_cu_seqlens(self, cu_seqlens=None, *, cu_seqlens_argmin=None, cu_seqlens_unpadded=None,
-                       cu_seqlens_unpadded_argmin=None, num_padded_tokens=None) -> "FlopsAccumulator":
+                       cu_seqlens_unpadded_argmin=None, num_padded_tokens=None,
+                       cross_cu_seqlens=None) -> "FlopsAccumulator":
         """Add a packed micro-batch given by its cumulative lengths (arguments as
         :func:`seqlen_squared_sum`). Padded tokens: ``num_padded_tokens`` or the total
         of ``cu_seqlens`` (the padded layout when ``cu_seqlens_unpadded`` is given).
@@ -171,6 +229,10 @@ class FlopsAccumulator:
         token count is unknown, and such a micro-batch raises ``ValueError`` (on an
         accelerator only when :func:`shows_no_tokens` sees it: the check reads no device
         memory). ``num_padded_tokens=0`` adds an empty micro-batch: nothing.
+
+        ``cross_cu_seqlens``: for cross-attention layers, the cumulative lengths of each sample's memory
+        (the encoder's or image's tokens it attends to), one segment per sample of ``cu_seqlens``: adds
+        ``cross_tokens = Σ kᵢ`` and ``cross_seqlen_product_sum = Σ sᵢ·kᵢ``.
         """
         if cu_seqlens_unpadded is not None:
             name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
@@ -190,10 +252,22 @@ class FlopsAccumulator:
         if real.device.type != "cpu":
             if not known and shows_no_tokens(cu, argmin):
                 raise ValueError(_unknown_tokens_message(name))
-            self._add(**_lazy_packed_counts(real, num_padded_tokens, rows))
+            self._add(**_lazy_packed_counts(real, num_padded_tokens, rows, self.length_counts))
         else:
-            self._add(**_packed_counts(real, _total(num_padded_tokens), rows, name if not known else None))
+            self._add(**_packed_counts(real, _total(num_padded_tokens), rows, name if not known else None,
+                                       self.length_counts))
+        if cross_cu_seqlens is not None:
+            self._add_cross(real, cross_cu_seqlens)
         return self
+
+    def _add_cross(self, real: torch.Tensor, cross_cu_seqlens) -> None:
+        """``cross_tokens`` and ``cross_seqlen_product_sum`` of samples of ``real`` lengths (``[B, N]``) and
+        memories of ``cross_cu_seqlens`` (one segment per sample)."""
+        memory = segment_lengths(cross_cu_seqlens, name="cross_cu_seqlens").to(real.device)
+        if memory.shape != real.shape:
+            raise ValueError(f"cross_cu_seqlens holds {tuple(memory.shape)} memory lengths for {tuple(real.shape)} "
+                             "samples: give one memory segment per sample of cu_seqlens")
+        self._add(cross_tokens=memory.sum(), cross_seqlen_product_sum=(real * memory).sum())
 
     def add_bshd(self, micro_batch_size: int, seq_len: int) -> "FlopsAccumulator":
         """The legacy count of ``micro_batch_size`` sequences of ``seq_len`` tokens:
@@ -202,6 +276,7 @@ class FlopsAccumulator:
         check_count(seq_len, "seq_len")
         b, s = int(micro_batch_size), int(seq_len)
         self._add(samples=b, tokens=b * s, padded_tokens=b * s, seqlen_squared_sum=b * s * s)
+        self._add(**{name: b * length_count([s], name) for name in self.length_counts})
         return self
 
     def add_vision(self, grid_thw) -> "FlopsAccumulator":
@@ -230,15 +305,18 @@ class FlopsAccumulator:
                 cu_seqlens_unpadded=inputs.get("cu_seqlens_unpadded"),
                 cu_seqlens_unpadded_argmin=inputs.get("cu_seqlens_unpadded_argmin"),
                 num_padded_tokens=padded,
+                cross_cu_seqlens=inputs.get("cross_cu_seqlens"),
             )
         elif inputs.get("cu_seq_lens_q") is not None:
-            self.add_cu_seqlens(inputs["cu_seq_lens_q"], num_padded_tokens=padded)
+            self.add_cu_seqlens(inputs["cu_seq_lens_q"], num_padded_tokens=padded,
+                                cross_cu_seqlens=inputs.get("cross_cu_seqlens"))
         elif isinstance(ids, torch.Tensor):
             pos = _restarting_positions(ids, inputs.get("position_ids"))
             if pos is not None:
                 lengths = segments_from_position_ids(pos)
                 self._add(samples=int(lengths.numel()), tokens=int(lengths.sum()), padded_tokens=padded,
                           seqlen_squared_sum=lengths_squared_sum(lengths))
+                self._add(**{name: length_count(lengths, name) for name in self.length_counts})
             else:
                 self.add(ids)
         else:
@@ -247,12 +325,16 @@ class FlopsAccumulator:
 
     # ---- combining -------------------------------------------------------
     def counts(self) -> dict:
-        """The counts as Python ints (host sync for device counts)."""
-        return {name: int(getattr(self, name)) for name in _COUNTS}
+        """The counts as Python ints (host sync for device counts), by name: :data:`_COUNTS`, then the
+        model's window / top-k / cross-attention counts (``"window_square_sum[4096]"``, ...)."""
+        return {name: int(self._get(name)) for name in self.count_names}
 
     def merge(self, other: "FlopsAccumulator") -> "FlopsAccumulator":
-        """Add ``other``'s counts into this accumulator."""
-        self._add(**{name: getattr(other, name) for name in _COUNTS})
+        """Add ``other``'s counts into this accumulator (both must count the same model's counts)."""
+        if other.count_names != self.count_names:
+            raise ValueError(f"cannot merge an accumulator counting {list(other.count_names)} into one counting "
+                             f"{list(self.count_names)}: build both with the same model config")
+        self._add(**{name: other._get(name) for name in self.count_names})
         return self
 
     def all_reduce(self, group=None) -> "FlopsAccumulator":
@@ -267,10 +349,11 @@ class FlopsAccumulator:
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        values = torch.stack([torch.as_tensor(getattr(self, n), dtype=torch.int64).to(device) for n in _COUNTS])
+        names = self.count_names
+        values = torch.stack([torch.as_tensor(self._get(n), dtype=torch.int64).to(device) for n in names])
         dist.all_reduce(values, group=group)
-        for name, value in zip(_COUNTS, values.tolist()):
-            setattr(self, name, value)
+        self.reset()
+        self._add(**dict(zip(names, values.tolist())))
         return self
 
     # ---- FLOPs -----------------------------------------------------------
@@ -288,16 +371,24 @@ class FlopsAccumulator:
             vision_patches=patches if not (isinstance(patches, int) and patches == 0) else None,
             vision_seqlen_squared_sum=self.vision_seqlen_squared_sum,
             vision_window_seqlen_squared_sum=window,
+            counts={name: self._extra[name] for name in self.extra_counts} or None,
             **options,
         )
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{n}={getattr(self, n)}" for n in _COUNTS)
+        inner = ", ".join(f"{n}={self._get(n)}" for n in self.count_names)
         return f"FlopsAccumulator({inner})"
 
 
 
-def _packed_counts(real: torch.Tensor, padded, rows: int, unknown_name: str | None) -> dict:
+def _dense_length_counts(padded, rows: int, names) -> dict:
+    """The length counts of the dense count of ``padded`` tokens in ``rows`` sequences of ``padded // rows``."""
+    if isinstance(padded, torch.Tensor):
+        return {name: rows * length_count_values(padded // rows, name) for name in names}
+    return {name: rows * length_count([padded // rows], name) for name in names}
+
+
+def _packed_counts(real: torch.Tensor, padded, rows: int, unknown_name: str | None, names=()) -> dict:
     """The counts of a packed micro-batch of CPU ``real`` lengths (int64 ``[B, N]``) in
     ``padded`` stream tokens, or its dense count when ``real`` holds no tokens (see
     :meth:`FlopsAccumulator.add_cu_seqlens`); ``unknown_name``: the argument to name when
@@ -307,21 +398,24 @@ def _packed_counts(real: torch.Tensor, padded, rows: int, unknown_name: str | No
         raise ValueError(_unknown_tokens_message(unknown_name))
     if square_sum == 0 and padded > 0:
         return {"samples": rows, "tokens": padded, "padded_tokens": padded,
-                "seqlen_squared_sum": dense_square_sum(padded, rows)}
+                "seqlen_squared_sum": dense_square_sum(padded, rows), **_dense_length_counts(padded, rows, names)}
     return {"samples": (real > 0).sum(), "tokens": real.sum(), "padded_tokens": padded,
-            "seqlen_squared_sum": square_sum}
+            "seqlen_squared_sum": square_sum, **{name: length_count(real, name) for name in names}}
 
 
-def _lazy_packed_counts(real: torch.Tensor, padded, rows: int) -> dict:
+def _lazy_packed_counts(real: torch.Tensor, padded, rows: int, names=()) -> dict:
     """:func:`_packed_counts` for ``real`` on an accelerator: the dense fallback chosen by
     ``torch.where`` on the device, so that nothing is read back (no host sync)."""
     tokens = real.sum()
     dense = (tokens == 0) & (padded > 0)
+    padded_t = torch.as_tensor(padded, device=real.device)
+    dense_counts = _dense_length_counts(padded_t, rows, names)
     return {
         "samples": torch.where(dense, rows, (real > 0).sum()),
         "tokens": torch.where(dense, padded, tokens),
         "padded_tokens": padded,
         "seqlen_squared_sum": torch.where(dense, dense_square_sum(padded, rows), (real * real).sum()),
+        **{name: torch.where(dense, dense_counts[name], length_count_values(real, name).sum()) for name in names},
     }
 
 

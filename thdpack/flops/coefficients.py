@@ -3,7 +3,10 @@
 A config (``transformers`` object or dict, read with
 :func:`thdpack.common.model_config.config_get`) becomes a linear form in the counts of a
 batch (:class:`FlopsCoefficients`): FLOPs per token, per unit of ``Σ sᵢ²``, per vision
-patch and per unit of the vision attention sums. :mod:`thdpack.flops.model` applies it.
+patch and per unit of the vision attention sums, per unit of the window and top-k counts
+(:mod:`thdpack.flops.sequences`) and of the cross-attention counts. The text stack is read
+layer by layer (:mod:`thdpack.flops.layer_kinds`, :mod:`thdpack.flops.megatron_layers`) and
+costed by kind (:mod:`thdpack.flops.layer_costs`); :mod:`thdpack.flops.model` applies it.
 """
 
 from __future__ import annotations
@@ -11,18 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thdpack.flops.vision_stats import as_pair, window_patches
 from thdpack.common.model_config import check_config, config_get, config_int, config_number
+from thdpack.flops.layer_costs import UnsupportedLayerError, structure_terms
+from thdpack.flops.layer_kinds import GATED_ATTENTION_MODEL_TYPES, NON_GATED_MLP_MODEL_TYPES, hf_structure, model_root
+from thdpack.flops.megatron_layers import is_megatron_config, megatron_structure
+from thdpack.flops.vision_stats import as_pair, window_patches
 
-__all__ = ["GATED_ATTENTION_MODEL_TYPES", "NON_GATED_MLP_MODEL_TYPES", "FlopsCoefficients", "flops_coefficients"]
-
-# Families whose MLP is two plain GEMMs (up, down); every other family is taken as gated (SwiGLU-like).
-NON_GATED_MLP_MODEL_TYPES = frozenset(
-    {"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "starcoder2", "mpt", "codegen",
-     "bert", "roberta"}
-)
-# Families whose full-attention layers gate the attention output (q_proj emits query and gate).
-GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+__all__ = ["GATED_ATTENTION_MODEL_TYPES", "NON_GATED_MLP_MODEL_TYPES", "FlopsCoefficients", "UnsupportedLayerError",
+           "flops_coefficients"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +29,11 @@ class FlopsCoefficients:
     """Training FLOPs as a linear form in the counts of a batch.
 
     ``terms`` maps a term name to ``(count, coefficient)``, where ``count`` is one of
-    ``"tokens"``, ``"seqlen_squared_sum"``, ``"vision_patches"``,
-    ``"vision_seqlen_squared_sum"``, ``"vision_window_seqlen_squared_sum"``; the
-    term's FLOPs are ``coefficient × count``. All coefficients are integers.
+    ``"tokens"``, ``"seqlen_squared_sum"``, a length count of :mod:`thdpack.flops.sequences`
+    (``"window_square_sum[w]"``, ``"causal_pairs[k]"``, ``"causal_pairs"``), ``"cross_tokens"``,
+    ``"cross_seqlen_product_sum"``, ``"vision_patches"``, ``"vision_seqlen_squared_sum"``,
+    ``"vision_window_seqlen_squared_sum"``; the term's FLOPs are ``coefficient × count``. All
+    coefficients are integers.
     """
 
     terms: dict
@@ -41,117 +42,28 @@ class FlopsCoefficients:
         """Sum of the coefficients multiplying ``count``."""
         return sum(c for k, c in self.terms.values() if k == count)
 
+    @property
+    def counts(self) -> tuple[str, ...]:
+        """The counts the terms multiply, each once, in term order."""
+        return tuple(dict.fromkeys(k for k, _ in self.terms.values()))
 
-def _text_terms(config, gated_mlp, attention_output_gate, layer_types) -> dict:
-    """The language model's terms (``mlp``, ``moe``, ``attention_projections``,
-    ``core_attention``, ``linear_attention``, ``logits``) of :func:`flops_coefficients`."""
-    text = config_get(config, "text_config", config)
-    where = "" if text is config else "text_config."
-    model_types = {config_get(text, "model_type", None), config_get(config, "model_type", None)} - {None}
-
-    h = config_int(text, "hidden_size", where=where)
-    num_layers = config_int(text, "num_hidden_layers", where=where)
-    vocab = config_int(text, "vocab_size", where=where)
-    heads = config_int(text, "num_attention_heads", where=where)
-    kv_heads = config_int(text, "num_key_value_heads", heads, where=where)
-    head_dim = config_int(text, "head_dim", max(h // heads, 1), where=where)
-    if config_get(text, "kv_lora_rank", None) is not None or config_get(text, "q_lora_rank", None) is not None:
-        raise NotImplementedError("multi-latent attention (DeepSeek MLA) is not covered")
-    n_attn, n_linear = _attention_layer_counts(text, num_layers, layer_types, where)
-    n_moe = _moe_layer_count(text, num_layers, where)
-    n_dense = num_layers - n_moe
-
-    if gated_mlp is None:
-        gated_mlp = not (model_types & NON_GATED_MLP_MODEL_TYPES)
-    e = 3 if gated_mlp else 2
-    if attention_output_gate is None:
-        attention_output_gate = (bool(config_get(text, "attn_output_gate", False))
-                                 or bool(model_types & GATED_ATTENTION_MODEL_TYPES))
-
-    d_q = heads * head_dim
-    d_kv = kv_heads * head_dim
-    gate = d_q if attention_output_gate else 0
-
-    terms: dict = {}
-    if n_dense:
-        ffn = config_int(text, "intermediate_size", where=where)
-        terms["mlp"] = ("tokens", 6 * h * e * ffn * n_dense)
-    if n_moe:
-        terms["moe"] = ("tokens", 6 * h * e * _moe_ffn_per_token(text, where) * n_moe)
-    if n_attn:
-        terms["attention_projections"] = ("tokens", 6 * (h * (d_q + 2 * d_kv + gate) + d_q * h) * n_attn)
-        terms["core_attention"] = ("seqlen_squared_sum", 6 * d_q * n_attn)
-    if n_linear:
-        terms["linear_attention"] = ("tokens", 6 * _linear_attention_macs(text, h, where) * n_linear)
-    terms["logits"] = ("tokens", 6 * h * vocab)
-    return terms
+    @property
+    def length_counts(self) -> tuple[str, ...]:
+        """The counts beyond tokens and ``Σ sᵢ²`` that come from the real sample lengths (windows, top-k):
+        what :class:`thdpack.flops.FlopsAccumulator` adds up for this model."""
+        return tuple(k for k in self.counts if k.startswith(("window_square_sum", "causal_pairs")))
 
 
-def _attention_layer_counts(text, num_layers: int, layer_types, where: str) -> tuple[int, int]:
-    """``(L_attn, L_linear)``: full-attention and linear-attention (Gated DeltaNet) layers, from
-    ``layer_types`` (the argument, else the config's), else ``full_attention_interval``."""
-    if layer_types is None:
-        layer_types = config_get(text, "layer_types", None)
-    if layer_types is None:
-        interval = config_get(text, "full_attention_interval", None)
-        if interval:
-            interval = config_int(text, "full_attention_interval", where=where)
-            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-        else:
-            layer_types = ["full_attention"] * num_layers
-    layer_types = list(layer_types)
-    if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
-    if unknown:
-        raise NotImplementedError(
-            f"layer types {unknown} are not covered (sliding-window attention is not Σ sᵢ²); "
-            "pass layer_types=... to model_flops to count them as another kind"
-        )
-    return layer_types.count("full_attention"), layer_types.count("linear_attention")
-
-
-def _moe_layer_count(text, num_layers: int, where: str) -> int:
-    """``N_moe``: layers with experts (``mlp_only_layers``, ``decoder_sparse_step``,
-    ``first_k_dense_replace``, ``moe_layer_freq`` respected); 0 for a dense model."""
-    num_experts = 0
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):  # the first one set and non-zero
-        num_experts = num_experts or config_int(text, key, 0, minimum=0, where=where)
-    if not num_experts:
-        return 0
-    mlp_only = set(config_get(text, "mlp_only_layers", []) or [])
-    sparse_step = config_int(text, "decoder_sparse_step", 1, where=where)
-    first_dense = config_int(text, "first_k_dense_replace", 0, minimum=0, where=where)
-    layer_freq = config_int(text, "moe_layer_freq", 1, where=where)
-    return sum(
-        i not in mlp_only and (i + 1) % sparse_step == 0 and i >= first_dense and i % layer_freq == 0
-        for i in range(num_layers)
-    )
-
-
-def _moe_ffn_per_token(text, where: str) -> int:
-    """``moe_ffn·k + shared_ffn``: the expert MLP width a token goes through in a MoE layer."""
-    key = "moe_intermediate_size" if config_get(text, "moe_intermediate_size", None) is not None else "intermediate_size"
-    moe_ffn = config_int(text, key, where=where)
-    top_k = config_int(text, "num_experts_per_tok", where=where)
-    shared = config_int(text, "shared_expert_intermediate_size", 0, minimum=0, where=where)
-    if not shared and config_get(text, "n_shared_experts", None):
-        shared = config_int(text, "n_shared_experts", minimum=0, where=where) * moe_ffn
-    return moe_ffn * top_k + shared
-
-
-def _linear_attention_macs(text, h: int, where: str) -> int:
-    """Multiply-adds per token of one Gated DeltaNet layer (hidden size ``h``)."""
-    dhk, dhv, nk, nv = (config_int(text, key, where=where) for key in (
-        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"))
-    conv = config_int(text, "linear_conv_kernel_dim", 4, where=where)
-    dk, dv = dhk * nk, dhv * nv
-    return (
-        h * (2 * dk + 2 * dv + 2 * nv)  # in_proj: q, k, v, z (output gate), b, a
-        + conv * (2 * dk + dv)  # depthwise causal conv1d over q, k, v
-        + 4 * nv * dhk * dhv  # gated delta rule: KKᵀ, VKᵀ, S(α(I − βKKᵀ)), SQ per head
-        + dv * h  # out_proj
-    )
+def _text_terms(config, gated_mlp, attention_output_gate, layer_types, mtp_layers) -> dict:
+    """The language model's terms of :func:`flops_coefficients`: the text stack read layer by layer
+    (:mod:`thdpack.flops.layer_kinds` for transformers configs, :mod:`thdpack.flops.megatron_layers` for
+    Megatron-style ones), each layer's kinds costed by :mod:`thdpack.flops.layer_costs`."""
+    options = dict(gated_mlp=gated_mlp, attention_output_gate=attention_output_gate, layer_types=layer_types)
+    if is_megatron_config(config):
+        structure = megatron_structure(config, mtp_layers=mtp_layers, **options)
+    else:
+        structure = hf_structure(config, mtp_layers=mtp_layers or 0, **options)
+    return structure_terms(structure)
 
 
 def _vision_terms(vision, config, vision_gated_mlp, vision_backward) -> dict:
@@ -205,6 +117,7 @@ def flops_coefficients(
     vision_gated_mlp: bool | None = None,
     vision_backward: bool = True,
     include_vision: bool = True,
+    mtp_layers: int | None = None,
 ) -> FlopsCoefficients:
     """The per-count coefficients of :func:`model_flops` for ``config``.
 
@@ -223,9 +136,16 @@ def flops_coefficients(
     ========================  ==========================================================
 
     and per unit of ``Σ sᵢ²``: ``core_attention = 6·d_q · L_attn`` (causal).
-    ``N_moe`` counts layers with experts (``mlp_only_layers``, ``decoder_sparse_step``,
-    ``first_k_dense_replace``, ``moe_layer_freq`` respected), ``N_dense`` the others;
-    ``L_attn`` / ``L_linear`` come from ``layer_types`` (or ``full_attention_interval``).
+    ``N_moe`` counts layers with experts (``mlp_layer_types``, ``mlp_only_layers``,
+    ``decoder_sparse_step``, ``first_k_dense_replace``, ``moe_layer_freq`` respected), ``N_dense``
+    the others; the layers' kinds come from ``layer_types`` (or ``full_attention_interval``, ...).
+
+    Every other layer kind (sliding windows, multi-latent and DeepSeek sparse attention, Kimi delta
+    attention, Mamba-2, Gated DeltaNet 2, cross-attention, MoE latents, multi-token prediction):
+    :mod:`thdpack.flops.layer_costs`, and ``docs/flops.md`` for the fields each reads. A kind not
+    covered raises :class:`UnsupportedLayerError` (a ``NotImplementedError``) naming it.
+    ``mtp_layers``: multi-token-prediction layers to count (default: Megatron's ``mtp_num_layers``;
+    none for transformers configs, whose models do not run them).
 
     Vision tower (``config.vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5),
     width ``w``, MLP ``I``, ``f = 6`` (3 with ``vision_backward=False``, a frozen
@@ -242,9 +162,10 @@ def flops_coefficients(
     (bidirectional: twice the causal figure). ``e_v = 3`` for Qwen2.5-VL's gated MLP.
     """
     check_config(config)
-    terms = _text_terms(config, gated_mlp, attention_output_gate, layer_types)
-    vision = config_get(config, "vision_config", None)
+    terms = _text_terms(config, gated_mlp, attention_output_gate, layer_types, mtp_layers)
+    root = model_root(config)
+    vision = config_get(root, "vision_config", None)
     if include_vision and vision is not None:
-        terms.update(_vision_terms(vision, config, vision_gated_mlp, vision_backward))
+        terms.update(_vision_terms(vision, root, vision_gated_mlp, vision_backward))
     return FlopsCoefficients(terms)
 

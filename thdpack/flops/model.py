@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from thdpack.flops.coefficients import flops_coefficients
-from thdpack.flops.sequences import check_count
-from thdpack.flops.vision_stats import vision_seqlen_stats
 from thdpack.common.model_config import config_get
+from thdpack.flops.coefficients import flops_coefficients
+from thdpack.flops.layer_kinds import model_root
+from thdpack.flops.sequences import check_count, length_count, parse_count_name
+from thdpack.flops.vision_stats import vision_seqlen_stats
 
-__all__ = ["model_flops", "model_flops_breakdown"]
+__all__ = ["model_flops", "model_flops_breakdown", "needed_length_counts"]
 
 
 def _as_count(x):
@@ -38,11 +39,38 @@ def _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_
             check_count(value, name, square_sum=square_sum)
 
 
+_OTHER_COUNTS = ("cross_tokens", "cross_seqlen_product_sum")
+_COEFFICIENT_OPTIONS = ("gated_mlp", "attention_output_gate", "layer_types", "vision_gated_mlp", "vision_backward",
+                        "mtp_layers")
+
+
+def needed_length_counts(config, **options) -> tuple[str, ...]:
+    """The length counts beyond ``Σ sᵢ²`` the model of ``config`` needs (``"window_square_sum[4096]"``,
+    ``"causal_pairs[2048]"``, ...; :attr:`FlopsCoefficients.length_counts`); ``options`` as
+    :func:`model_flops`'s (only those of :func:`flops_coefficients` matter)."""
+    picked = {k: v for k, v in options.items() if k in _COEFFICIENT_OPTIONS}
+    return flops_coefficients(config, include_vision=False, **picked).length_counts
+
+
+def _extra_counts(counts, seq_lens) -> dict:
+    """The counts beyond tokens, ``Σ sᵢ²`` and vision (``counts``: ``{name: value}``), checked; with
+    ``seq_lens`` (real lengths), any length count asked for later is computed from them."""
+    out = {}
+    for name, value in (counts or {}).items():
+        if name not in _OTHER_COUNTS:
+            parse_count_name(name)
+        check_count(value, f"counts[{name!r}]", square_sum=True)
+        out[name] = value
+    return out
+
+
 def model_flops_breakdown(
     config,
     num_tokens,
     seqlen_squared_sum,
     *,
+    counts=None,
+    seq_lens=None,
     vision_patches=None,
     vision_seqlen_squared_sum=None,
     vision_window_seqlen_squared_sum=None,
@@ -52,9 +80,11 @@ def model_flops_breakdown(
     """Training FLOPs per term (see :func:`flops_coefficients`), as a dict ``{term: FLOPs}``;
     :func:`model_flops` is their sum. Arguments as :func:`model_flops`: ``vision_patches``,
     ``vision_seqlen_squared_sum``, ``vision_window_seqlen_squared_sum`` are the vision
-    tower's counts, or ``vision_grid_thw`` computes them; ``options`` go to
-    :func:`flops_coefficients`. Every count must be an integer >= 0 (``ValueError``
-    naming it otherwise; :func:`thdpack.flops.sequences.check_count`).
+    tower's counts, or ``vision_grid_thw`` computes them; ``counts`` the window, top-k and
+    cross-attention counts (``{"window_square_sum[4096]": ..., "causal_pairs[2048]": ...}``,
+    :meth:`FlopsAccumulator.counts` gives them), or ``seq_lens`` (the real sample lengths, one
+    array) computes the length counts; ``options`` go to :func:`flops_coefficients`. Every count
+    must be an integer >= 0 (``ValueError`` naming it otherwise; :func:`thdpack.flops.sequences.check_count`).
     """
     _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_squared_sum,
                   vision_window_seqlen_squared_sum)
@@ -67,25 +97,36 @@ def model_flops_breakdown(
         vision_window_seqlen_squared_sum = stats.window_seqlen_squared_sum
     has_vision = vision_patches is not None and not (isinstance(vision_patches, int) and vision_patches == 0)
     coefficients = flops_coefficients(config, include_vision=has_vision, **options)
-    if has_vision and config_get(config, "vision_config", None) is None:
+    if has_vision and config_get(model_root(config), "vision_config", None) is None:
         raise ValueError("vision counts given but the config has no vision_config")
-    counts = {
+    values = {
         "tokens": num_tokens,
         "seqlen_squared_sum": seqlen_squared_sum,
         "vision_patches": vision_patches,
         "vision_seqlen_squared_sum": vision_seqlen_squared_sum,
         "vision_window_seqlen_squared_sum": vision_window_seqlen_squared_sum,
+        **_extra_counts(counts, seq_lens),
     }
     out = {}
     for name, (count, coefficient) in coefficients.terms.items():
-        value = counts[count]
+        value = values.get(count)
+        if value is None and seq_lens is not None and count.startswith(("window_square_sum", "causal_pairs")):
+            value = values[count] = length_count(seq_lens, count)
         if value is None:
-            raise ValueError(
-                f"{name} needs {count}: pass it (thdpack.flops.vision_seqlen_stats computes the vision sums) "
-                "or vision_grid_thw"
-            )
+            raise ValueError(_missing_count_message(name, count))
         out[name] = coefficient * _as_count(value)
     return out
+
+
+def _missing_count_message(term: str, count: str) -> str:
+    if count.startswith("vision"):
+        return (f"{term} needs {count}: pass it (thdpack.flops.vision_seqlen_stats computes the vision sums) "
+                "or vision_grid_thw")
+    if count.startswith("cross"):
+        return (f"{term} needs {count}: pass counts={{{count!r}: ...}} (FlopsAccumulator counts it from "
+                "cross_cu_seqlens, the memory's cumulative lengths)")
+    return (f"{term} needs {count}, which Σ sᵢ² does not give: pass counts={{{count!r}: ...}} or seq_lens=, or count "
+            "the batches with FlopsAccumulator(config), which adds it up for this model")
 
 
 def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_options):
@@ -109,12 +150,13 @@ def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_opti
             tensor; ``Σ`` sums may pass int64), else ``ValueError`` naming the argument;
             tensors on an accelerator are used unchecked (reading them would sync).
         vision_counts_and_options: keywords of :func:`model_flops_breakdown`:
+            ``counts`` (window, top-k and cross-attention counts by name) or ``seq_lens``;
             ``vision_patches``, ``vision_seqlen_squared_sum``,
             ``vision_window_seqlen_squared_sum``, the vision tower's counts
             (:class:`VisionStats`), or ``vision_grid_thw`` (image and video grids
             concatenated) to compute them; and the options ``gated_mlp``,
             ``attention_output_gate``, ``layer_types``, ``vision_gated_mlp``,
-            ``vision_backward`` (see :func:`flops_coefficients`).
+            ``vision_backward``, ``mtp_layers`` (see :func:`flops_coefficients`).
 
     Returns:
         A Python int when the counts are ints; a float64 tensor (on the counts'

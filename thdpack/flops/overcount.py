@@ -1,9 +1,10 @@
 """How much a pack-length FLOPs count over-states the work of packed batches.
 
 Charging every pack as one ``pack_len``-token sequence counts attention as
-``n_packs · pack_len²``; the kernels do ``Σ sᵢ²`` over the real lengths. The factors
-here are the one definition of that over-count: the offline build's statistics
-(:mod:`thdpack.offline.summary`, :mod:`thdpack.offline.build_model`) and the examples use them.
+``n_packs · pack_len²``; the kernels do ``Σ sᵢ²`` over the real lengths. A sliding-window
+or top-k layer is charged ``n_packs · G(pack_len)`` for ``Σ G(sᵢ)`` (:func:`length_count`).
+The factors here are the one definition of that over-count: the offline build's statistics
+(:mod:`thdpack.offline.commands.pack_stats`, :mod:`thdpack.offline.commands.model_record`) and the examples use them.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.common.align import check_int, integer_array
-from thdpack.flops.model import model_flops
-from thdpack.flops.sequences import check_count, lengths_squared_sum
+from thdpack.flops.model import model_flops, needed_length_counts
+from thdpack.flops.sequences import check_count, length_count, lengths_squared_sum
 
 __all__ = ["attention_overcount_factor", "model_overcount_factor", "overcount_report"]
 
@@ -38,14 +39,18 @@ def attention_overcount_factor(n_packs: int, pack_len: int, seqlen_squared_sum) 
     return int(n_packs) * int(pack_len) ** 2 / float(seqlen_squared_sum)
 
 
-def model_overcount_factor(config, n_packs: int, pack_len: int, num_tokens, seqlen_squared_sum, **options) -> float:
+def model_overcount_factor(config, n_packs: int, pack_len: int, num_tokens, seqlen_squared_sum, *, counts=None,
+                           seq_lens=None, **options) -> float:
     """Whole-model over-count of a pack-length count: ``model_flops`` of ``n_packs``
     sequences of ``pack_len`` (the legacy BSHD count) over ``model_flops`` of the real
     ``num_tokens`` and ``Σ sᵢ²``. Counts checked as in :func:`attention_overcount_factor`
-    (``num_tokens`` > 0 too)."""
+    (``num_tokens`` > 0 too). A model with sliding windows or top-k attention also needs its
+    real length counts: ``counts`` (by name) or ``seq_lens`` (the real lengths) to compute them."""
     _check_overcount_args(n_packs, pack_len, num_tokens, seqlen_squared_sum)
-    claimed = model_flops(config, n_packs * pack_len, n_packs * pack_len * pack_len, **options)
-    real = model_flops(config, num_tokens, seqlen_squared_sum, **options)
+    uniform = {name: int(n_packs) * length_count([int(pack_len)], name)
+               for name in needed_length_counts(config, **options)}
+    claimed = model_flops(config, n_packs * pack_len, n_packs * pack_len * pack_len, counts=uniform or None, **options)
+    real = model_flops(config, num_tokens, seqlen_squared_sum, counts=counts, seq_lens=seq_lens, **options)
     return claimed / real
 
 
@@ -67,7 +72,10 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
         "attention"}``; with ``config`` also ``"model"`` (:func:`model_overcount_factor`)
         and ``"model_samples_at_pack_len"``: the factor of the other common mistake,
         charging every *sample* (piece) a whole ``pack_len`` sequence (a batch size
-        counted in samples times ``seq_length``).
+        counted in samples times ``seq_length``); and for a model with sliding windows or
+        top-k attention ``"length_counts"``: ``{name: {"real", "pack_len_count",
+        "overcount"}}`` for each of its length counts (``window_square_sum[w]``, ...): what
+        a pack-length count charges those layers against what they do.
     """
     if plan is not None:
         lengths = np.asarray(plan.length, dtype=np.int64)
@@ -95,6 +103,17 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
         "attention": attention_overcount_factor(n_packs, pack_len, sq),
     }
     if config is not None:
-        out["model"] = model_overcount_factor(config, n_packs, pack_len, tokens, sq, **options)
-        out["model_samples_at_pack_len"] = model_overcount_factor(config, int(lengths.size), pack_len, tokens, sq, **options)
+        names = needed_length_counts(config, **options)
+        real = {name: length_count(lengths, name) for name in names}
+        if names:
+            out["length_counts"] = {name: _length_overcount(real[name], n_packs * length_count([int(pack_len)], name))
+                                    for name in names}
+        counts = real or None
+        out["model"] = model_overcount_factor(config, n_packs, pack_len, tokens, sq, counts=counts, **options)
+        out["model_samples_at_pack_len"] = model_overcount_factor(config, int(lengths.size), pack_len, tokens, sq,
+                                                                  counts=counts, **options)
     return out
+
+
+def _length_overcount(real: int, claimed: int) -> dict:
+    return {"real": real, "pack_len_count": claimed, "overcount": claimed / real if real else None}

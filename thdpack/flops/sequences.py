@@ -1,5 +1,6 @@
 """Sequence counts of packed batches: segment lengths from ``cu_seqlens``, ``Σ sᵢ²``
-(exact, or lazily on the device) and a context-parallel rank's share of it.
+(exact, or lazily on the device) and a context-parallel rank's share of it; and the
+counts of windowed and top-k attention (:func:`length_count`), per sample in closed form.
 
 Causal attention over a pack does ``Σ sᵢ²`` work over the real sub-sequence lengths
 ``sᵢ``, not ``pack_len²``. Lengths are int64 here (int32 ``cu_seqlens`` in): sums of
@@ -20,14 +21,21 @@ from thdpack.parallel.cp import check_cp_args
 from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
 
 __all__ = [
+    "LENGTH_COUNT_KINDS",
     "check_count",
+    "count_name",
+    "cp_length_count_share",
     "cp_seqlen_squared_share",
     "dense_square_sum",
+    "length_count",
+    "length_count_values",
     "lengths_squared_sum",
+    "parse_count_name",
     "segment_lengths",
     "segments_from_position_ids",
     "seqlen_squared_sum",
     "shows_no_tokens",
+    "tree_length_count",
     "tree_seqlen_squared_sum",
 ]
 
@@ -294,3 +302,126 @@ def segments_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     ends = torch.cat([starts[1:], starts.new_tensor([total])])
     return (ends - starts).to(torch.int64)
 
+
+
+# --------------------------------------------------------------------------- windowed and top-k counts
+#
+# Every attention count here is a sum over samples of a function ``G(s)`` of the sample's real length,
+# and ``G(s) = Σ_{t=1..s} g(t)`` is the work of the queries at positions 1..s: a CP rank that holds
+# positions ``[a, b)`` of a sample does ``G(b) − G(a)`` of it, and a shared-prefix member after a prefix
+# of ``p`` tokens ``G(p + c) − G(p)``: the shares add up to the sample's ``G(s)`` exactly.
+
+LENGTH_COUNT_KINDS = ("seqlen_squared_sum", "causal_pairs", "window_square_sum")
+
+
+def count_name(kind: str, size: int | None = None) -> str:
+    """The name of a length count: ``kind`` alone (``"seqlen_squared_sum"``, ``"causal_pairs"``) or with
+    its window / top-k size, ``"window_square_sum[4096]"``, ``"causal_pairs[2048]"``."""
+    if kind not in LENGTH_COUNT_KINDS:
+        raise ValueError(f"unknown length count {kind!r}; the kinds are {', '.join(LENGTH_COUNT_KINDS)}")
+    if size is None:
+        if kind == "window_square_sum":
+            raise ValueError("window_square_sum needs its window size: count_name('window_square_sum', w)")
+        return kind
+    check_int(size, f"the size of {kind}", 1)
+    return f"{kind}[{int(size)}]"
+
+
+def parse_count_name(name: str) -> tuple[str, int | None]:
+    """``("window_square_sum", 4096)`` for ``"window_square_sum[4096]"``, ``("causal_pairs", None)`` for
+    ``"causal_pairs"``; ``ValueError`` naming ``name`` when it is not a length count."""
+    kind, _, rest = str(name).partition("[")
+    size = None
+    if rest:
+        if not rest.endswith("]") or not rest[:-1].isdigit() or int(rest[:-1]) < 1:
+            raise ValueError(f"{name!r} is not a length count (e.g. 'window_square_sum[4096]')")
+        size = int(rest[:-1])
+    if kind not in LENGTH_COUNT_KINDS or (kind == "window_square_sum" and size is None) or (
+            kind == "seqlen_squared_sum" and size is not None):
+        raise ValueError(f"{name!r} is not a length count; the kinds are {', '.join(LENGTH_COUNT_KINDS)} "
+                         "(window_square_sum and causal_pairs take a size: 'window_square_sum[4096]')")
+    return kind, size
+
+
+def length_count_values(lengths: torch.Tensor, name: str) -> torch.Tensor:
+    """``G(s)`` of every length (int64 tensor in, int64 tensor of the same shape and device out, no host sync):
+
+    - ``seqlen_squared_sum``: ``s²``, the causal convention of full attention (``s²`` for the
+      ``s·(s+1)/2`` pairs of a sequence, as Megatron-LM counts it);
+    - ``causal_pairs``: ``s·(s+1)/2``, the (query, key) pairs of causal attention, exactly;
+    - ``causal_pairs[k]``: ``Σ_{t=1..s} min(t, k)``, every query attending to at most ``k`` of the keys
+      before it (DeepSeek sparse attention's top-k): ``s·(s+1)/2`` up to ``s = k``, then
+      ``k·(k+1)/2 + k·(s − k)``;
+    - ``window_square_sum[w]``: causal attention in a window of ``w`` keys (the query and the ``w − 1``
+      before it) in the unit of ``Σ sᵢ²``: ``s²`` while the window does not cut the sample (``s ≤ w``: it
+      is full attention) and ``2·Σ_{t=1..s} min(t, w) = w·(w+1) + 2·w·(s − w)`` once it does, which is
+      Megatron-Bridge's exact causal window context. A window layer costs what a full one does on a
+      sample no longer than its window.
+    """
+    kind, size = parse_count_name(name)
+    s = lengths.to(torch.int64)
+    if kind == "seqlen_squared_sum":
+        return s * s
+    if kind == "causal_pairs":
+        if size is None:
+            return s * (s + 1) // 2
+        m = torch.clamp(s, max=size)
+        return m * (m + 1) // 2 + size * (s - m)
+    return torch.where(s <= size, s * s, size * (size + 1) + 2 * size * (s - size))
+
+
+def length_count(lengths, name: str) -> int:
+    """``Σ G(s)`` (:func:`length_count_values`) over int lengths (any shape; torch on any device, numpy
+    or a list) as an exact Python int: int64 arithmetic, Python integers when the total could overflow
+    (every ``G(s) <= 2·s²``). Host sync; ``ValueError`` on a negative length, as :func:`lengths_squared_sum`."""
+    lengths = _as_int64_tensor(lengths, "lengths").cpu().reshape(-1)
+    if lengths.numel() == 0:
+        return 0
+    if bool((lengths < 0).any()):
+        t = int(torch.nonzero(lengths < 0)[0, 0])
+        raise ValueError(f"lengths must be >= 0, got {int(lengths[t])} at flat position {t}")
+    if 2 * int(lengths.max()) * int(lengths.sum()) < _INT64_LIMIT:
+        return int(length_count_values(lengths, name).sum())
+    kind, size = parse_count_name(name)  # Python integers: exact for any length
+    return sum(_python_count(v, kind, size) for v in lengths.tolist())
+
+
+def _python_count(s: int, kind: str, size: int | None) -> int:
+    """:func:`length_count_values` of one length in Python integers."""
+    if kind == "seqlen_squared_sum":
+        return s * s
+    if kind == "causal_pairs":
+        m = s if size is None else min(s, size)
+        return m * (m + 1) // 2 + (0 if size is None else size * (s - m))
+    return s * s if s <= size else size * (size + 1) + 2 * size * (s - size)
+
+
+def cp_length_count_share(seq_lens, cu_seqlens_padded, cp_size: int, cp_rank: int, name: str) -> torch.Tensor:
+    """CP rank ``cp_rank``'s share of the length count ``name`` under the dual-chunk split, as
+    :func:`cp_seqlen_squared_share` is of ``Σ sᵢ²``: the chunk holding real positions ``[a, b)`` of a
+    sample adds ``G(b) − G(a)``; the ranks' shares add up to ``Σ G(sᵢ)`` exactly. An int64 0-dim tensor
+    on the device of ``seq_lens`` (no host sync)."""
+    check_cp_args(cp_size, cp_rank)
+    s = _as_int64_tensor(seq_lens, "seq_lens")
+    cu = _as_int64_tensor(cu_seqlens_padded, "cu_seqlens_padded").to(s.device)
+    h = chunk_length(cu[1:] - cu[:-1], cp_size)
+    share = torch.zeros((), dtype=torch.int64, device=s.device)
+    for c in rank_chunks(cp_size, cp_rank):
+        lo = torch.minimum(s, c * h)
+        hi = torch.minimum(s, (c + 1) * h)
+        share = share + (length_count_values(hi, name) - length_count_values(lo, name)).sum()
+    return share
+
+
+def tree_length_count(seq_lens, parents, name: str) -> int:
+    """The length count ``name`` of a prefix tree (shared-prefix packing), as
+    :func:`tree_seqlen_squared_sum` is of ``Σ sᵢ²``: a root segment of ``s`` tokens adds ``G(s)``, a
+    member of ``c`` own tokens after a prefix of ``p`` adds ``G(p + c) − G(p)`` (its queries sit at
+    positions ``p+1 .. p+c`` and see the prefix). A Python int."""
+    lens = _as_int64_tensor(seq_lens, "seq_lens").cpu().reshape(-1)
+    par = _as_int64_tensor(parents, "parents").cpu().reshape(-1)
+    if par.shape != lens.shape or bool(((par < -1) | (par >= lens.numel())).any()):
+        raise ValueError(f"parents must hold one segment index (or -1) per segment ({lens.numel()}), got shape "
+                         f"{tuple(par.shape)}")
+    above = torch.where(par >= 0, lens[par.clamp_min(0)], 0)
+    return length_count(lens + above, name) - length_count(above, name)

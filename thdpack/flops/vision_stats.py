@@ -51,8 +51,9 @@ def as_pair(v, name: str = "vision_config.patch_size") -> tuple[int, int]:
 
 
 def vision_config_of(config):
-    """``config.vision_config``, ``config`` itself when it is a vision config (has ``depth``), else None."""
-    vision = config_get(config, "vision_config", None)
+    """``config.vision_config`` (Qwen-Omni: ``config.thinker_config.vision_config``), ``config`` itself
+    when it is a vision config (has ``depth``), else None."""
+    vision = config_get(config_get(config, "thinker_config", config), "vision_config", None)
     if vision is None and config_get(config, "depth", None) is not None:
         vision = config
     return vision
