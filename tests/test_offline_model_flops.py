@@ -133,3 +133,24 @@ def test_bad_and_uncovered_model_configs(tmp_path, data, capsys):
     assert main(args + ["--model-config", str(tmp_path / "swa.json"), "--output", str(tmp_path / "y")]) == 0
     mf = json.loads((tmp_path / "y" / "metadata.json").read_text())["stats"]["model_flops"]
     assert "overcount" not in mf and "sliding" in mf["error"]
+
+
+def test_a_windowed_model_config_gets_its_window_counts_from_the_packed_lengths():
+    """``thdpack stats`` / the build's summary of a sliding-window model: the window counts come from the samples'
+    lengths (issue 36), so the report has factors, not an error; a dense model's figures are unchanged by it."""
+    import numpy as np
+
+    from thdpack.flops import model_flops
+    from thdpack.offline.commands.model_record import model_flops_summary
+    from thdpack.offline.commands.pack_stats import summarize
+
+    windowed = dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=100, intermediate_size=128, sliding_window=16)
+    s, off = np.array([10, 40, 30, 5]), np.array([0, 2, 4])
+    got = summarize(s, off, 64, 1, model_config=windowed)["model_flops"]
+    assert "error" not in got and got["vision_included"] is False
+    assert got["real_flops"] == int(model_flops(windowed, int(s.sum()), int((s ** 2).sum()), seq_lens=s))
+    assert "error" in model_flops_summary(windowed, 2, 64, int(s.sum()), int((s ** 2).sum()), 4)  # without lengths
+    dense = {k: v for k, v in windowed.items() if k != "sliding_window"}
+    assert summarize(s, off, 64, 1, model_config=dense)["model_flops"] == model_flops_summary(
+        dense, 2, 64, int(s.sum()), int((s ** 2).sum()), 4)

@@ -43,17 +43,18 @@ def canonical_json(config: dict) -> str:
 
 
 def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int, seqlen_squared_sum: int,
-                        num_samples: int, vision_grid_thw=None) -> dict:
+                        num_samples: int, vision_grid_thw=None, seq_lens=None) -> dict:
     """The whole-model over-count factors for :func:`thdpack.offline.commands.pack_stats.summarize`.
 
     ``overcount``: ``model_flops`` of ``num_packs`` sequences of ``pack_size`` tokens over
     ``model_flops`` of the real tokens and ``Σ sᵢ²`` (:func:`thdpack.flops.model_overcount_factor`);
     ``overcount_samples_at_pack_len``: the same when every *sample* is charged a whole
     ``pack_size`` sequence. A VLM's vision tower (``vision_grid_thw`` given) counts the
-    same in both, as a pack-length count charges it. A config the FLOPs module does not
+    same in both, as a pack-length count charges it. ``seq_lens`` (int ``[n]``, the packed samples' lengths)
+    gives the counts a windowed or top-k model needs beyond ``Σ sᵢ²``. A config the FLOPs module does not
     cover gives ``{"error": ...}`` instead of stopping the build.
     """
-    from thdpack.flops import model_flops, model_overcount_factor
+    from thdpack.flops import model_flops, model_overcount_factor, needed_length_counts
 
     options = {}
     if vision_grid_thw is not None and len(vision_grid_thw) and config_get(config, "vision_config", None) is not None:
@@ -62,11 +63,13 @@ def model_flops_summary(config, num_packs: int, pack_size: int, real_tokens: int
     try:
         if not seqlen_squared_sum:
             raise ValueError("no tokens")
+        if seq_lens is not None and needed_length_counts(config):  # windows, top-k: counts beyond Σ sᵢ²
+            options["seq_lens"] = seq_lens
         out["overcount"] = model_overcount_factor(config, num_packs, pack_size, real_tokens, seqlen_squared_sum, **options)
         out["overcount_samples_at_pack_len"] = model_overcount_factor(
             config, num_samples, pack_size, real_tokens, seqlen_squared_sum, **options)
         out["real_flops"] = int(model_flops(config, real_tokens, seqlen_squared_sum, **options))
-        out["vision_included"] = bool(options)
+        out["vision_included"] = "vision_grid_thw" in options
     except (KeyError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
         out = {"model_type": out["model_type"], "error": f"{type(exc).__name__}: {exc}"}
     return out

@@ -86,7 +86,7 @@ def summarize(
         from thdpack.offline.commands.model_record import model_flops_summary
 
         out["model_flops"] = model_flops_summary(model_config, num_packs, pack_size, real, sum_sq, int(s.size),
-                                                 vision_grid_thw)
+                                                 vision_grid_thw, seq_lens=s)
     out.update(counts or {})
     return out
 
