@@ -183,13 +183,20 @@ def tree_seqlen_squared_sum(seq_lens, parents) -> int:
     Returns:
         A Python int (exact, as :func:`lengths_squared_sum`).
     """
+    lens, above = _tree_ends(seq_lens, parents)
+    return lengths_squared_sum(lens + above) - lengths_squared_sum(above)
+
+
+def _tree_ends(seq_lens, parents) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[S]`` each segment's own length and the length of the prefix above it (0 for a root), checked:
+    ``ValueError`` unless ``parents`` holds one segment index (or -1) per segment."""
     lens = _as_int64_tensor(seq_lens, "seq_lens").cpu().reshape(-1)
     par = _as_int64_tensor(parents, "parents").cpu().reshape(-1)
     if par.shape != lens.shape or bool(((par < -1) | (par >= lens.numel())).any()):
         raise ValueError(f"parents must hold one segment index (or -1) per segment ({lens.numel()}), got shape "
                          f"{tuple(par.shape)}")
     above = torch.where(par >= 0, lens[par.clamp_min(0)], 0)
-    return lengths_squared_sum(lens + above) - lengths_squared_sum(above)
+    return lens, above
 
 
 def seqlen_squared_sum(
@@ -418,10 +425,5 @@ def tree_length_count(seq_lens, parents, name: str) -> int:
     :func:`tree_seqlen_squared_sum` is of ``Σ sᵢ²``: a root segment of ``s`` tokens adds ``G(s)``, a
     member of ``c`` own tokens after a prefix of ``p`` adds ``G(p + c) − G(p)`` (its queries sit at
     positions ``p+1 .. p+c`` and see the prefix). A Python int."""
-    lens = _as_int64_tensor(seq_lens, "seq_lens").cpu().reshape(-1)
-    par = _as_int64_tensor(parents, "parents").cpu().reshape(-1)
-    if par.shape != lens.shape or bool(((par < -1) | (par >= lens.numel())).any()):
-        raise ValueError(f"parents must hold one segment index (or -1) per segment ({lens.numel()}), got shape "
-                         f"{tuple(par.shape)}")
-    above = torch.where(par >= 0, lens[par.clamp_min(0)], 0)
+    lens, above = _tree_ends(seq_lens, parents)
     return length_count(lens + above, name) - length_count(above, name)

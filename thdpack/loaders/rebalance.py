@@ -42,6 +42,17 @@ from thdpack.planning.rank_fill import straggler_bound
 BUILD_KEYWORDS = ("model_config", "sample_values", "share_prefix", "min_prefix_len")
 
 
+def _rebalance_hybrid(local_samples, pack_size: int, hybrid_cp, micro_batches: int, group, cost, groups, layout):
+    """``rebalance(..., hybrid_cp=...)``: :func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`."""
+    from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp
+
+    if micro_batches != 1:
+        raise ValueError(f"rebalance(hybrid_cp=...) plans its own micro-batches per rank: micro_batches must be 1, "
+                         f"got {micro_batches}")
+    plan = hybrid_cp if isinstance(hybrid_cp, HybridCP) else HybridCP(int(pack_size))
+    return rebalance_hybrid_cp(local_samples, plan, group=group, cost=cost, groups=groups, **layout)
+
+
 def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batches: int = 1, cost=None, groups=None,
               hybrid_cp=None, **layout) -> tuple[list[ThdBatch], "RebalanceHandle"]:
     """Deal this step's samples, wherever they were made, to the data-parallel ranks by cost, and pack them.
@@ -104,13 +115,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     check_positive_int(pack_size, "pack_size")
     check_positive_int(micro_batches, "micro_batches")
     if hybrid_cp is not None and hybrid_cp is not False:
-        from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp
-
-        if micro_batches != 1:
-            raise ValueError(f"rebalance(hybrid_cp=...) plans its own micro-batches per rank: micro_batches must be 1, "
-                             f"got {micro_batches}")
-        plan = hybrid_cp if isinstance(hybrid_cp, HybridCP) else HybridCP(int(pack_size))
-        return rebalance_hybrid_cp(local_samples, plan, group=group, cost=cost, groups=groups, **layout)
+        return _rebalance_hybrid(local_samples, pack_size, hybrid_cp, micro_batches, group, cost, groups, layout)
     cost = CostModel() if cost is None else CostModel.of(cost)
     batch_layout, build_kwargs = _split_layout(layout)
     share = _share_of(build_kwargs, batch_layout)
