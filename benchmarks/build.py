@@ -35,8 +35,11 @@ turns before the last user message.
 
 ``--engine local ray`` adds **thdpack-ray**: the same ``thdpack build`` with ``--engine ray
 --ray-num-cpus N`` (a local Ray instance of ``num_proc`` CPUs, started and stopped by the build, so its
-start-up is in the wall time), with its ratio to the local build and the driver's own peak memory
-(the ``ray: driver peak memory`` line of the build) per million rows.
+start-up is in the wall time), with its ratio to the local build. For every thdpack run the driver
+process alone (the ``thdpack build`` process, not its workers nor a local Ray instance's processes) is
+sampled too: its peak RSS (also per million rows) and CPU seconds. ``--kind tokenized`` builds synthetic
+pre-tokenized Parquet rows (no tokenizer, no TRL): cheap rows, to see what grows with their number
+(``--num-samples 200000`` and ``2000000``; ``benchmarks/distributed.py --build-json`` takes both).
 
 Both truncate rows longer than the pack and use the same ``num_proc``. Each run is a
 fresh subprocess with its own empty Hugging Face datasets cache, so nothing is reused;
@@ -45,8 +48,9 @@ sum of RSS over the process tree (the run and its ``num_proc`` workers), sampled
 every 50 ms with psutil (pages shared by forked workers count once per process),
 and the largest single-process RSS in that tree (``ru_maxrss`` of the children). CPU
 time (user + system of the whole tree) is printed too: on a shared machine it is less
-disturbed by other load than wall time. ``--repeats N`` runs every pipeline N times in
-rotating order and keeps the fastest run of each.
+disturbed by other load than wall time. ``--repeats N`` runs every pipeline N times, interleaved
+(each once per round, in rotating order), and reports the median of each; the 1-minute load average
+before and after every run is printed beside it (a shared machine's other work shows there).
 
 Packs and efficiency (real tokens / (packs x pack_size)) are read back from each
 output. No assertions: the script measures and prints; the target (thdpack at
@@ -157,12 +161,15 @@ def measure(cmd: list[str], env: dict) -> dict:
     rss_file = tempfile.NamedTemporaryFile(suffix=".rss", delete=False)
     rss_file.close()
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     proc = psutil.Popen([sys.executable, __file__, "--_wrap", rss_file.name, *cmd], env=env, stdout=log,
                         stderr=subprocess.STDOUT)
-    peak_tree = 0
+    peak_tree = peak_driver = 0
+    driver, driver_cpu = None, 0.0
     while proc.poll() is None:
         try:
             procs = [proc] + proc.children(recursive=True)
+            driver = driver or next(iter(proc.children()), None)  # the command itself: the build's driver
             rss = 0
             for p in procs:
                 try:
@@ -170,6 +177,10 @@ def measure(cmd: list[str], env: dict) -> dict:
                 except psutil.Error:
                     pass
             peak_tree = max(peak_tree, rss)
+            if driver is not None:  # the driver process alone (not its workers, not a local Ray's processes)
+                peak_driver = max(peak_driver, driver.memory_info().rss)
+                times = driver.cpu_times()
+                driver_cpu = times.user + times.system
         except psutil.Error:
             pass
         time.sleep(0.05)
@@ -182,7 +193,9 @@ def measure(cmd: list[str], env: dict) -> dict:
     usage = json.loads(Path(rss_file.name).read_text())
     os.unlink(rss_file.name)
     return {"wall_s": wall, "cpu_s": usage["cpu_s"], "peak_tree_rss_mb": peak_tree / 2**20,
-            "peak_proc_rss_mb": usage["maxrss_kb"] / 1024, "output": output}
+            "peak_proc_rss_mb": usage["maxrss_kb"] / 1024, "driver_peak_rss_mb": peak_driver / 2**20,
+            "driver_cpu_s": driver_cpu, "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "output": output}
 
 
 def wrap(usage_file: str, cmd: list[str]) -> int:
@@ -232,7 +245,8 @@ def main() -> int:
         return wrap(sys.argv[2], sys.argv[3:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-samples", type=int, default=200_000)
-    p.add_argument("--kind", nargs="+", choices=["text", "chat"], default=["chat"])
+    p.add_argument("--kind", nargs="+", choices=["text", "chat", "tokenized"], default=["chat"],
+                   help="tokenized: synthetic pre-tokenized Parquet rows (thdpack only: what scales with the rows)")
     p.add_argument("--pack-size", type=int, default=4096)
     p.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="same for both pipelines")
     p.add_argument("--map-batch-size", type=int, default=1000, help="rows per tokenization batch, both pipelines")
@@ -251,8 +265,8 @@ def main() -> int:
                    "(e.g. to compare --tokenizer-backend values without TRL installed)")
     p.add_argument("--engine", nargs="+", choices=["local", "ray"], default=["local"],
                    help="thdpack's engines to run (ray: a local Ray instance of --num-proc CPUs)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of every pipeline (in rotating order); the "
-                   "table shows the fastest run of each (all runs are in --json)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every pipeline, interleaved (every pipeline once "
+                   "per round, the order rotating); the table shows the median of each (all runs are in --json)")
     p.add_argument("--workdir", help="keep the data and outputs here (default: a temporary directory, removed)")
     p.add_argument("--profile", action="store_true", help="also profile thdpack build (single process) on the data")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -265,7 +279,7 @@ def main() -> int:
     if args.chat_template:
         args.chat_template = str(Path(args.chat_template).resolve())
 
-    from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl
+    from thdpack.demo import TOKENIZER_DIR
 
     tokenizer = str(Path(args.tokenizer).resolve()) if args.tokenizer else str(TOKENIZER_DIR)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="thdpack-bench-build-"))
@@ -274,73 +288,23 @@ def main() -> int:
                "tokenizer": tokenizer, "tokenizer_backend": args.tokenizer_backend,
                "chat_template": args.chat_template, "reasoning": args.reasoning,
                "map_batch_size": args.map_batch_size, "seed": args.seed, "cpus": os.cpu_count(),
+               "repeats": args.repeats,
                "python": platform.python_version(), "runs": {}}
     try:
         for kind in args.kind:
             reasoning = args.reasoning if kind == "chat" else 0.0
-            data = work / f"{kind}-{args.num_samples}-{args.seed}-r{reasoning:g}.jsonl"
-            if not data.exists():
-                t0 = time.perf_counter()
-                rows = generate_rows(args.num_samples, seed=args.seed, kind=kind)
-                write_jsonl(add_reasoning(rows, reasoning, args.seed) if reasoning else rows, data)
-                print(f"generated {data} ({data.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s",
-                      file=sys.stderr)
+            data = input_file(work, kind, args.num_samples, args.seed, reasoning, args.pack_size)
             env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
-            row = {}
             names = (["thdpack"] + (["thdpack-ray"] if "ray" in args.engine else [])
-                     + [TRL_NAMES[s] for s in args.trl_style if s != "none"])
-            runs = [names[r % len(names):] + names[: r % len(names)] for r in range(args.repeats)]
-            for name in [n for order in runs for n in order]:
-                out = work / f"out-{name}-{kind}"
-                shutil.rmtree(out, ignore_errors=True)
-                cache = Path(tempfile.mkdtemp(prefix="hf-cache-", dir=work))
-                run_env = dict(env, HF_DATASETS_CACHE=str(cache))
-                if name.startswith("thdpack"):
-                    cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--tokenizer", tokenizer,
-                           "--tokenizer-backend", args.tokenizer_backend,
-                           "--pack-size", str(args.pack_size), "--overflow", "truncate", "--num-proc", str(args.num_proc),
-                           "--map-batch-size", str(args.map_batch_size), "--seed", str(args.seed),
-                           "--no-save-tokenizer", "--output", str(out)]
-                    if args.chat_template:
-                        cmd += ["--chat-template", args.chat_template]
-                    if name == "thdpack-ray":
-                        cmd += ["--engine", "ray", "--ray-num-cpus", str(args.num_proc)]
-                else:
-                    cmd = [sys.executable, __file__, "--num-proc", str(args.num_proc), "--map-batch-size",
-                           str(args.map_batch_size), *(["--chat-template", args.chat_template] if args.chat_template
-                                                       else []), "--_trl", str(data), tokenizer, str(out), kind,
-                           str(args.pack_size), name.split("-")[-1] if "-" in name else "batched"]
-                print(f"running {name} on {kind} ...", file=sys.stderr)
-                m = measure(cmd, run_env)
-                res = (thdpack_result(out, args.pack_size) if name.startswith("thdpack")
-                       else trl_result(out, args.pack_size))
-                if name.startswith("thdpack"):
-                    m["stages"] = stage_lines(m["output"])
-                if name == "thdpack-ray":
-                    peak = driver_peak_mb(m["output"])
-                    m["driver_peak_mb_per_million_rows"] = None if peak is None else peak / (args.num_samples / 1e6)
-                m.pop("output")
-                m.update(res)
-                if name in row:  # keep the fastest run; remember every run's wall and CPU time
-                    runs_so_far = row[name]["runs"] + [{"wall_s": m["wall_s"], "cpu_s": m["cpu_s"]}]
-                    if m["wall_s"] >= row[name]["wall_s"]:
-                        m = row[name]
-                    m["runs"] = runs_so_far
-                else:
-                    m["runs"] = [{"wall_s": m["wall_s"], "cpu_s": m["cpu_s"]}]
-                row[name] = m
-                shutil.rmtree(cache, ignore_errors=True)
-                if not args.workdir:
-                    shutil.rmtree(out, ignore_errors=True)
-            if "thdpack-ray" in row:
-                row["thdpack-ray"]["vs_local"] = row["thdpack-ray"]["wall_s"] / row["thdpack"]["wall_s"]
-                row["thdpack-ray"]["target_met"] = row["thdpack-ray"]["vs_local"] <= RAY_TARGET
-            for name in [n for n in names[1:] if n != "thdpack-ray"]:
-                row[name]["speedup"] = row[name]["wall_s"] / row["thdpack"]["wall_s"]
-                row[name]["cpu_ratio"] = min(r["cpu_s"] for r in row[name]["runs"]) / min(
-                    r["cpu_s"] for r in row["thdpack"]["runs"])
-                row[name]["target_met"] = (row[name]["speedup"] >= TARGET_SPEEDUP
-                                           and row["thdpack"]["efficiency"] >= row[name]["efficiency"])
+                     + [TRL_NAMES[s] for s in args.trl_style if s != "none" and kind != "tokenized"])
+            if "local" not in args.engine:
+                names.remove("thdpack")
+            runs: dict[str, list] = {name: [] for name in names}
+            for r in range(args.repeats):  # interleaved: every pipeline once per round, the order rotating
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    runs[name].append(run_one(name, kind, data, tokenizer, work, env, args))
+            row = {name: median_run(rs) for name, rs in runs.items()}
+            compare(row, names)
             if args.profile:
                 row["profile"] = profile_thdpack(data, args.pack_size, work, tokenizer, args.tokenizer_backend,
                                                  args.chat_template)
@@ -353,6 +317,108 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def input_file(work: Path, kind: str, n: int, seed: int, reasoning: float, pack_size: int) -> Path:
+    """The input of ``kind`` (generated once into ``work``): chat / text JSON Lines of the demo generator,
+    or ``tokenized``: Parquet rows of ``input_ids`` and ``loss_mask`` (lognormal lengths, median 32 tokens),
+    cheap to make and to tokenize, to measure what scales with the number of rows."""
+    from thdpack.demo import generate_rows, write_jsonl
+
+    if kind == "tokenized":
+        data = work / f"tokenized-{n}-{seed}.parquet"
+        if not data.exists():
+            write_tokenized(data, n, seed, pack_size)
+        return data
+    data = work / f"{kind}-{n}-{seed}-r{reasoning:g}.jsonl"
+    if not data.exists():
+        t0 = time.perf_counter()
+        rows = generate_rows(n, seed=seed, kind=kind)
+        write_jsonl(add_reasoning(rows, reasoning, seed) if reasoning else rows, data)
+        print(f"generated {data} ({data.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s",
+              file=sys.stderr)
+    return data
+
+
+def write_tokenized(path: Path, n: int, seed: int, pack_size: int, group: int = 100_000) -> None:
+    """``n`` seeded pre-tokenized rows as Parquet, one row group per ``group`` rows."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_()))])
+    with pq.ParquetWriter(str(path), schema) as writer:
+        for a in range(0, n, group):
+            lengths = np.clip(rng.lognormal(np.log(32), 0.6, min(group, n - a)), 2, pack_size).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            ids = rng.integers(0, 3000, int(offsets[-1]), dtype=np.int32)
+            mask = rng.random(int(offsets[-1])) < 0.6
+            writer.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, ids),
+                                         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask))}, schema))
+    print(f"generated {path} ({path.stat().st_size / 1e6:.0f} MB, {n:,} rows)", file=sys.stderr)
+
+
+def run_one(name: str, kind: str, data: Path, tokenizer: str, work: Path, env: dict, args) -> dict:
+    """One run of pipeline ``name`` on ``data``: :func:`measure`'s result and the output's packs."""
+    out = work / f"out-{name}-{kind}"
+    shutil.rmtree(out, ignore_errors=True)
+    cache = Path(tempfile.mkdtemp(prefix="hf-cache-", dir=work))
+    run_env = dict(env, HF_DATASETS_CACHE=str(cache))
+    if name.startswith("thdpack"):
+        cmd = [sys.executable, "-m", "thdpack", "build", "--input", str(data), "--pack-size", str(args.pack_size),
+               "--overflow", "truncate", "--num-proc", str(args.num_proc), "--map-batch-size",
+               str(args.map_batch_size), "--seed", str(args.seed), "--no-save-tokenizer", "--output", str(out)]
+        if kind == "tokenized":
+            cmd += ["--format", "tokenized"]
+        else:
+            cmd += ["--tokenizer", tokenizer, "--tokenizer-backend", args.tokenizer_backend]
+        if args.chat_template and kind == "chat":
+            cmd += ["--chat-template", args.chat_template]
+        if name == "thdpack-ray":
+            cmd += ["--engine", "ray", "--ray-num-cpus", str(args.num_proc)]
+    else:
+        cmd = [sys.executable, __file__, "--num-proc", str(args.num_proc), "--map-batch-size",
+               str(args.map_batch_size), *(["--chat-template", args.chat_template] if args.chat_template
+                                           else []), "--_trl", str(data), tokenizer, str(out), kind,
+               str(args.pack_size), name.split("-")[-1] if "-" in name else "batched"]
+    print(f"running {name} on {kind} (load average {os.getloadavg()[0]:.2f}) ...", file=sys.stderr)
+    m = measure(cmd, run_env)
+    m.update(thdpack_result(out, args.pack_size) if name.startswith("thdpack") else trl_result(out, args.pack_size))
+    if name.startswith("thdpack"):
+        m["stages"] = stage_lines(m["output"])
+        m["driver_maxrss_mb"] = driver_peak_mb(m["output"])  # ray's own line: ru_maxrss of the driver
+    m["rows"] = args.num_samples
+    m.pop("output")
+    shutil.rmtree(cache, ignore_errors=True)
+    if not args.workdir:
+        shutil.rmtree(out, ignore_errors=True)
+    return m
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (its packs, stages, ...), with the medians of the measures over ``runs``
+    and every run's measures under ``runs``."""
+    import statistics
+
+    keys = ("wall_s", "cpu_s", "peak_tree_rss_mb", "peak_proc_rss_mb", "driver_peak_rss_mb", "driver_cpu_s")
+    row = dict(sorted(runs, key=lambda m: m["wall_s"])[len(runs) // 2])
+    row.update({k: statistics.median(m[k] for m in runs) for k in keys})
+    row["runs"] = [{k: m[k] for k in (*keys, "load_avg_1m")} for m in runs]
+    row["driver_peak_rss_mb_per_million_rows"] = row["driver_peak_rss_mb"] / (row["rows"] / 1e6)
+    return row
+
+
+def compare(row: dict, names: list[str]) -> None:
+    """The ratios of ``row``'s pipelines: engine ray to local, TRL to thdpack (medians)."""
+    if "thdpack-ray" in row and "thdpack" in row:
+        row["thdpack-ray"]["vs_local"] = row["thdpack-ray"]["wall_s"] / row["thdpack"]["wall_s"]
+        row["thdpack-ray"]["target_met"] = row["thdpack-ray"]["vs_local"] <= RAY_TARGET
+    for name in [n for n in names if n.startswith("trl")]:
+        row[name]["speedup"] = row[name]["wall_s"] / row["thdpack"]["wall_s"]
+        row[name]["cpu_ratio"] = row[name]["cpu_s"] / row["thdpack"]["cpu_s"]
+        row[name]["target_met"] = (row[name]["speedup"] >= TARGET_SPEEDUP
+                                   and row["thdpack"]["efficiency"] >= row[name]["efficiency"])
 
 
 def add_reasoning(rows: list[dict], p: float, seed: int) -> list[dict]:
@@ -394,33 +460,40 @@ def profile_thdpack(data: Path, pack_size: int, work: Path, tokenizer: str, back
 
 def print_table(r: dict) -> None:
     print(f"\nthdpack build vs TRL (datasets.map + pack_dataset bfd + save_to_disk): {r['num_samples']:,} rows, "
-          f"pack {r['pack_size']}, num_proc {r['num_proc']} on {r['cpus']} CPUs")
-    head = f"{'kind':<6}{'pipeline':<12}{'wall s':>8}{'CPU s':>8}{'peak tree RSS MB':>18}{'peak proc RSS MB':>18}{'packs':>9}{'efficiency':>12}{'disk MB':>9}"
+          f"pack {r['pack_size']}, num_proc {r['num_proc']} on {r['cpus']} CPUs; the median of {r['repeats']} "
+          "interleaved run(s) of each")
+    head = (f"{'kind':<10}{'pipeline':<12}{'wall s':>8}{'CPU s':>8}{'peak tree RSS MB':>18}{'peak proc RSS MB':>18}"
+            f"{'driver RSS MB':>15}{'packs':>9}{'efficiency':>12}{'disk MB':>9}")
     print(head)
     print("-" * len(head))
     for kind, row in r["runs"].items():
         names = [n for n in ("thdpack", "thdpack-ray", "trl", "trl-sft") if n in row]
         for name in names:
             x = row[name]
-            cpu = min(r["cpu_s"] for r in x["runs"])
-            print(f"{kind:<6}{name:<12}{x['wall_s']:>8.1f}{cpu:>8.1f}{x['peak_tree_rss_mb']:>18.0f}{x['peak_proc_rss_mb']:>18.0f}"
-                  f"{x['packs']:>9,}{x['efficiency']:>12.4f}{x['disk_mb']:>9.0f}")
-        if "thdpack-ray" in row:
+            print(f"{kind:<10}{name:<12}{x['wall_s']:>8.1f}{x['cpu_s']:>8.1f}{x['peak_tree_rss_mb']:>18.0f}"
+                  f"{x['peak_proc_rss_mb']:>18.0f}{x['driver_peak_rss_mb']:>15.0f}{x['packs']:>9,}"
+                  f"{x['efficiency']:>12.4f}{x['disk_mb']:>9.0f}")
+        for name in names:
+            x = row[name]
+            walls = ", ".join(f"{m['wall_s']:.1f}" for m in x["runs"])
+            loads = ", ".join(f"{a:.1f}->{b:.1f}" for a, b in (m["load_avg_1m"] for m in x["runs"]))
+            print(f"{kind:<10}{name:<12}runs {walls} s; load average (1 min) before->after each: {loads}; driver "
+                  f"{x['driver_peak_rss_mb_per_million_rows']:.0f} MB per million rows (peak RSS, sampled), "
+                  f"{x['driver_cpu_s']:.1f} CPU s")
+        if "thdpack-ray" in row and "vs_local" in row["thdpack-ray"]:
             x = row["thdpack-ray"]
-            peak = x.get("driver_peak_mb_per_million_rows")
-            print(f"{kind:<6}{'ratio':<12}{x['vs_local']:>7.2f}x  thdpack-ray / thdpack local wall time (target <= "
-                  f"{RAY_TARGET}x: {'met' if x['target_met'] else 'NOT met'}); driver peak memory "
-                  + (f"{peak:.0f} MB per million rows" if peak is not None else "not reported"))
-        for name in [n for n in names[1:] if n != "thdpack-ray"]:
+            print(f"{kind:<10}{'ratio':<12}{x['vs_local']:>7.2f}x  thdpack-ray / thdpack local wall time (target <= "
+                  f"{RAY_TARGET}x: {'met' if x['target_met'] else 'NOT met'})")
+        for name in [n for n in names if n.startswith("trl")]:
             x = row[name]
             verdict = "met" if x["target_met"] else "NOT met"
-            print(f"{kind:<6}{'ratio':<12}{x['speedup']:>7.2f}x  thdpack vs {name} (CPU time {x['cpu_ratio']:.2f}x; target "
-                  f">= {TARGET_SPEEDUP:.0f}x wall at equal or better efficiency: {verdict})")
+            print(f"{kind:<10}{'ratio':<12}{x['speedup']:>7.2f}x  thdpack vs {name} (CPU time {x['cpu_ratio']:.2f}x; "
+                  f"target >= {TARGET_SPEEDUP:.0f}x wall at equal or better efficiency: {verdict})")
             if "thdpack-ray" in row:
-                print(f"{kind:<6}{'ratio':<12}{x['wall_s'] / row['thdpack-ray']['wall_s']:>7.2f}x  thdpack-ray vs {name}")
+                print(f"{kind:<10}{'ratio':<12}{x['wall_s'] / row['thdpack-ray']['wall_s']:>7.2f}x  thdpack-ray vs {name}")
         for engine in ("thdpack", "thdpack-ray"):
             for line in row.get(engine, {}).get("stages", []):
-                print(f"        {engine} {line}")
+                print(f"          {engine} {line}")
 
 
 if __name__ == "__main__":

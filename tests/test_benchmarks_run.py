@@ -4,9 +4,10 @@ They measure speed and memory side by side with a peer (README "Performance"); t
 asserts nothing about speed, only that each script runs to its end, exits 0 (a benchmark
 exits non-zero when thdpack's output differs from the peer's) and prints its table. A
 refactor that breaks a benchmark (as the pixel-row width check once broke benchmarks/vlm.py)
-fails here instead of at the next measurement. The TRL-based peers (benchmarks/build.py,
-the plan benchmark's TRL column) need the `bench` extra and are left out; the video
-benchmark decodes hundreds of videos and is run by hand.
+fails here instead of at the next measurement. The TRL-based peers (benchmarks/build.py's TRL
+pipelines, the plan benchmark's TRL column) need the `bench` extra and are left out (benchmarks/build.py
+runs thdpack alone on its synthetic tokenized rows); the video benchmark decodes hundreds of videos and
+is run by hand.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ CASES = {
     "vision_balance": (["--packs", "10", "--cp", "2", "--tower-packs", "1", "--tower-repeats", "1"],
                        "the ranks' shares put together equal the whole tower"),
     "hybrid_cp": (["--ranks", "8", "--samples-per-rank", "20"], "thdpack plan_hybrid_cp"),
+    # thdpack alone on synthetic pre-tokenized rows (no TRL, no tokenizer): the driver's measures, the median
+    "build": (["--kind", "tokenized", "--num-samples", "2000", "--num-proc", "1", "--trl-style", "none", "--repeats", "1"],
+              "driver"),
+    "distributed": (["--sizes", "20000", "--slices", "2"], "global plan vs slice-local"),
 }
 
 

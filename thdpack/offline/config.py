@@ -49,7 +49,8 @@ OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 ENGINES = ("local", "ray")  # where a build tokenizes and writes (docs/distributed.md)
-RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir")  # YAML ray: section
+RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir",
+            "max_retries")  # YAML ray: section
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
                   *(f"ray_{k}" for k in RAY_KEYS))  # options that never change the output
 # thdpack 0.1.0's names -> today's, as a user writes them (CHANGELOG.md). An old name is not read: it is an
@@ -169,6 +170,9 @@ class BuildConfig:
     ray_object_store_mb: int | None = _opt(None, "engine ray, local instance: object store size in MB (default: Ray's)")
     ray_spill_dir: str | None = _opt(None, "engine ray, local instance: directory objects spill to when the object "
                                      "store is full (default: Ray's session directory)")
+    ray_max_retries: int = _opt(2, "engine ray: times a piece of work (a part of the rows tokenized, a data file "
+                                "written, ...) is run again when its worker dies; once more stops the build with a "
+                                "line naming the input rows or file it was working on", minimum=0)
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")

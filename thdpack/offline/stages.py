@@ -20,6 +20,7 @@ dataclass of plain values, so it can be shipped (pickled) to a worker process or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -257,10 +258,16 @@ class StoreOptions:
                    cfg.seed, cfg.pack_size, cfg.align)
 
 
+def _ray_default(key: str):
+    """The default of option ``ray_<key>`` (:class:`BuildConfig` states every default once)."""
+    return BuildConfig.__dataclass_fields__[f"ray_{key}"].default
+
+
 @dataclass(frozen=True)
 class RayOptions:
     """The ``ray_*`` options of an ``engine: ray`` build (the YAML ``ray:`` section;
-    :mod:`thdpack.offline.cluster.ray_session`).
+    :mod:`thdpack.offline.cluster.ray_session`). From Python: ``build_packed(cfg, out, engine="ray",
+    ray=RayOptions(address="auto"))``; a field left out takes its :class:`BuildConfig` default.
 
     Attributes:
         address: the cluster to join (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``); None: ``RAY_ADDRESS``,
@@ -270,21 +277,41 @@ class RayOptions:
         concurrency: tokenizing actors (None: the cluster's CPUs / ``cpus_per_actor``).
         object_store_mb: object store of a local instance, in MB (None: Ray's default, 30% of memory).
         spill_dir: where a local instance spills objects when its store is full (None: Ray's default).
+        max_retries: times a piece of work is run again when its worker dies; once more stops the build.
     """
 
-    address: str | None
-    num_cpus: int | None
-    cpus_per_actor: float
-    concurrency: int | None
-    object_store_mb: int | None
-    spill_dir: str | None
+    address: str | None = _ray_default("address")
+    num_cpus: int | None = _ray_default("num_cpus")
+    cpus_per_actor: float = _ray_default("cpus_per_actor")
+    concurrency: int | None = _ray_default("concurrency")
+    object_store_mb: int | None = _ray_default("object_store_mb")
+    spill_dir: str | None = _ray_default("spill_dir")
+    max_retries: int = _ray_default("max_retries")
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "RayOptions":
         """The Ray options of ``cfg`` (not validated); ``spill_dir`` resolved against its directory."""
         return cls(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus, cpus_per_actor=cfg.ray_cpus_per_actor,
                    concurrency=cfg.ray_concurrency, object_store_mb=cfg.ray_object_store_mb,
-                   spill_dir=str(resolve_path(cfg.base_dir, cfg.ray_spill_dir)) if cfg.ray_spill_dir else None)
+                   spill_dir=str(resolve_path(cfg.base_dir, cfg.ray_spill_dir)) if cfg.ray_spill_dir else None,
+                   max_retries=cfg.ray_max_retries)
+
+    def config_keys(self) -> dict:
+        """``{ray_<key>: value}`` of every field: the :class:`BuildConfig` options these are."""
+        return {f"ray_{k}": v for k, v in self.__dict__.items()}
+
+
+def config_with_engine(cfg: BuildConfig, engine: str | None, ray) -> BuildConfig:
+    """``cfg`` with ``engine`` (``local`` / ``ray``; None: as it is) and ``ray`` (a :class:`RayOptions`: all the Ray
+    options; a mapping: some of them, checked as the YAML ``ray:`` section) applied: what
+    :func:`~thdpack.offline.commands.build_packs.build_packed` takes besides the config."""
+    changes = {} if engine is None else {"engine": engine}
+    if isinstance(ray, RayOptions):
+        changes.update(ray.config_keys())
+    elif ray is not None:  # checked as the YAML ray: section (a mapping of known keys)
+        given = BuildConfig.from_dict({"ray": ray}, origin="build_packed(ray=...)")
+        changes.update({f"ray_{k}": getattr(given, f"ray_{k}") for k in ray})
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ from thdpack.offline.stages import RayOptions
 logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 5.0
+# a local instance's workers are the build's own processes: they run at the driver's priority, as the local
+# engine's workers do (Ray lowers its workers' priority by 15 by default: on a shared machine they would yield
+# to every other process, and the build with them)
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ def ray_session(options: RayOptions, *, debug: bool = False):
                       logging_level=logging.INFO if debug else logging.WARNING)
         if address:
             _check_reachable(address)
+            _token_auth_when_available(address)
             try:
                 with _keep_signal_handlers():
                     ray.init(address=address, **kwargs)
@@ -87,7 +92,7 @@ def ray_session(options: RayOptions, *, debug: bool = False):
             with _keep_signal_handlers():
                 ray.init(num_cpus=options.num_cpus or os.cpu_count() or 1,
                          object_store_memory=None if options.object_store_mb is None else options.object_store_mb << 20,
-                         object_spilling_directory=options.spill_dir, **kwargs)
+                         object_spilling_directory=options.spill_dir, _system_config=LOCAL_SYSTEM_CONFIG, **kwargs)
     try:
         resources = ray.cluster_resources()
         session = RaySession(options, local, ray.get_runtime_context().gcs_address,
@@ -98,6 +103,22 @@ def ray_session(options: RayOptions, *, debug: bool = False):
     finally:
         if local:
             ray.shutdown()
+
+
+def _token_auth_when_available(address: str) -> None:
+    """Send this machine's Ray token when joining ``address``: Ray 2.60's ``ray start`` turns token
+    authentication on, but ``ray.init(address=HOST:PORT)`` sends a token only under ``RAY_AUTH_MODE=token``
+    (it looks for one by itself only for ``auto``). With ``RAY_AUTH_MODE`` unset and a token at hand
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``), Ray's own step for ``auto`` is taken
+    (token mode for this process); ``RAY_AUTH_MODE=disabled`` joins a cluster without authentication."""
+    if address == "auto":
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@
 tokenized rows as their file paths) is put in the object store once; task ``s`` writes data file
 ``s`` into the build's temporary directory exactly as the local loop does, and returns its
 ``files`` entry (name, packs, tokens, bytes, SHA-256) and its target tokens. A task whose worker
-dies is run again (:data:`~thdpack.offline.cluster.ray_tasks.MAX_RETRIES`); it rewrites its file from
-the start.
+dies is run again (up to ``ray_max_retries`` times, :func:`~thdpack.offline.cluster.ray_tasks.run_tasks`); it
+rewrites its file from the start.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def write_on_ray(session: RaySession, files, out_dir: Path, *, progress: bool = 
                disable=not progress, leave=False)
     try:
         written = run_tasks(session, _write_file, files, [(str(out_dir), s) for s in range(files.num_files)],
-                            on_done=lambda s, result: bar.update(result[0]["num_packs"]))
+                            on_done=lambda s, result: bar.update(result[0]["num_packs"]),
+                            describe=lambda s: f"writing {files.describe(s)}")
     finally:
         bar.close()
     return files.result(written)

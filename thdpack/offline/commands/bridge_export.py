@@ -209,6 +209,18 @@ class _Totals:
         self.min_pack = low if self.min_pack is None else min(self.min_pack, low)
         self.eos_tail += rows.eos_tail
 
+    def merge(self, other: "_Totals") -> None:
+        """Add the totals of the packs of ``other`` (another data file's)."""
+        if not other.packs:
+            return
+        self.packs += other.packs
+        self.samples += other.samples
+        self.runtime_tokens += other.runtime_tokens
+        self.max_seqlen = max(self.max_seqlen, other.max_seqlen)
+        self.max_samples = max(self.max_samples, other.max_samples)
+        self.min_pack = other.min_pack if self.min_pack is None else min(self.min_pack, other.min_pack)
+        self.eos_tail += other.eos_tail
+
     def bridge_metadata(self, pack_size: int) -> dict:
         """One entry of Bridge's metadata list (the keys of its ``create_packing_strategy``)."""
         return {
@@ -232,37 +244,74 @@ def _check_fits(rows: BridgeRows, pack_size: int, multiple: int, align: int, whe
         )
 
 
-def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
-                 pad_id: int | None) -> dict:
-    """Write the packs of thdpack's ``data_files`` (Arrow or Parquet, in order) as Bridge's packed
-    Parquet files in ``out_dir`` (one ``<data file stem>.idx.parquet`` each) and its metadata list
-    (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``."""
-    import pyarrow.parquet as pq
+@dataclass(frozen=True)
+class _Conversion:
+    """How :func:`write_bridge` converts each data file (its arguments)."""
 
-    from thdpack.offline.store.dataset import read_data_file
+    targets: str
+    pack_size: int
+    multiple: int
+    align: int
+    pad: int
 
-    if multiple > 1 and pad_id is None:
-        raise ConfigError(f"pad_seq_to_mult={multiple} pads samples with the tokenizer's EOS id, which this dataset does "
-                          "not record: give the EOS id (thdpack export --pad-id ID) or build with a tokenizer")
-    pad = 0 if pad_id is None else int(pad_id)
-    totals, files = _Totals(), []
-    for data_file in data_files:
+    def file(self, out_dir: str, data_file: str) -> tuple[dict, _Totals]:
+        """Write Bridge's file of thdpack's ``data_file`` into ``out_dir``: its ``files`` entry and its totals."""
+        import pyarrow.parquet as pq
+
+        from thdpack.offline.store.dataset import read_data_file
+
+        data_file = Path(data_file)
         name = data_file.name.rsplit(".", 1)[0] + SUFFIX
-        path = out_dir / name
-        first = totals.packs
+        path = Path(out_dir) / name
+        totals = _Totals()
         with pq.ParquetWriter(str(path), _schema()) as writer:
             row = 0
             for batch in read_data_file(data_file, damaged="rebuild it").to_batches():
                 check_signals()
                 where_pack = (lambda j, r=row: f"{data_file}: pack {r + j}")
-                rows = _batch_rows(batch, targets, multiple, pad, where_pack)
-                _check_fits(rows, pack_size, multiple, align, where_pack)
+                rows = _batch_rows(batch, self.targets, self.multiple, self.pad, where_pack)
+                _check_fits(rows, self.pack_size, self.multiple, self.align, where_pack)
                 writer.write_table(_table(rows), row_group_size=ROW_GROUP)
                 totals.add(rows)
                 row += batch.num_rows
         fsync_file(path)
-        files.append({"path": name, "num_packs": totals.packs - first, "num_bytes": path.stat().st_size,
-                      "sha256": file_sha256(path)})
+        return {"path": name, "num_packs": totals.packs, "num_bytes": path.stat().st_size,
+                "sha256": file_sha256(path)}, totals
+
+
+def convert_file_or_error(conversion: _Conversion, out_dir: str, data_file: str):
+    """:meth:`_Conversion.file`, an :class:`~thdpack.offline.errors.OfflineError` returned rather than raised (a
+    Ray task's: the build raises the first data file's, as the local loop meets them)."""
+    try:
+        return conversion.file(out_dir, data_file)
+    except (ConfigError, InputError) as exc:
+        return exc
+
+
+def write_bridge(out_dir: Path, data_files: list[Path], *, targets: str, pack_size: int, multiple: int, align: int,
+                 pad_id: int | None, run=None) -> dict:
+    """Write the packs of thdpack's ``data_files`` (Arrow or Parquet, in order) as Bridge's packed
+    Parquet files in ``out_dir`` (one ``<data file stem>.idx.parquet`` each) and its metadata list
+    (:data:`METADATA`). Returns the record kept in thdpack's ``metadata.json`` under ``megatron_bridge``.
+    ``run(function, shared, items)``: runs ``[function(shared, *item) for item in items]`` elsewhere (an
+    ``engine: ray`` build: one Ray task per data file, where the files are); None: here, in order."""
+    if multiple > 1 and pad_id is None:
+        raise ConfigError(f"pad_seq_to_mult={multiple} pads samples with the tokenizer's EOS id, which this dataset does "
+                          "not record: give the EOS id (thdpack export --pad-id ID) or build with a tokenizer")
+    pad = 0 if pad_id is None else int(pad_id)
+    conversion = _Conversion(targets, pack_size, multiple, align, pad)
+    items = [(str(out_dir), str(f)) for f in data_files]
+    if run is None:
+        converted = [conversion.file(*item) for item in items]
+    else:
+        converted = run(convert_file_or_error, conversion, items)
+    totals, files = _Totals(), []
+    for result in converted:
+        if isinstance(result, Exception):
+            raise result
+        entry, file_totals = result
+        files.append(entry)
+        totals.merge(file_totals)
     entry = totals.bridge_metadata(pack_size)
     (out_dir / METADATA).write_text(json.dumps([entry]) + "\n", encoding="utf-8")
     if totals.eos_tail:
@@ -339,13 +388,13 @@ def check_text_only(vlm) -> None:
                           "rows have images; use output_format arrow and thdpack's loader")
 
 
-def write_build(out_dir: Path, store, files: list[dict], tokenizer_info: dict | None) -> dict:
+def write_build(out_dir: Path, store, files: list[dict], tokenizer_info: dict | None, run=None) -> dict:
     """Bridge's files next to the data files ``files`` a build just wrote into ``out_dir``, pre-padded
     for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.); ``store``: the build's
-    :class:`~thdpack.offline.stages.StoreOptions`."""
+    :class:`~thdpack.offline.stages.StoreOptions`; ``run``: as :func:`write_bridge` takes it."""
     return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=store.targets,
                         pack_size=store.pack_size, multiple=store.align, align=store.align,
-                        pad_id=bridge_pad_id({"tokenizer": tokenizer_info}))
+                        pad_id=bridge_pad_id({"tokenizer": tokenizer_info}), run=run)
 
 
 def write_merged(out_dir: Path, meta: dict, record: dict) -> dict:

@@ -19,6 +19,7 @@ import functools
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 from thdpack.common.align import round_up
 from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
+from thdpack.offline.stages import BuildStages, PlanningOptions, RayOptions, StoreOptions, config_with_engine
 from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED, require_hf
 from thdpack.offline.store.schema import (FORMAT_NAME, FORMAT_VERSION, GROUP_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PREFIX_COLUMNS, PackedMetadata, SourceInfo)
@@ -35,7 +36,7 @@ from thdpack.offline.commands.model_record import MODEL_CONFIG_FILE, canonical_j
 from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.inputs.sources import Source, read_source
 from thdpack.offline.procs import signals_raise
-from thdpack.offline.commands.shared_prefixes import common_prefixes
+from thdpack.offline.commands.shared_prefixes import common_prefixes, common_prefixes_of_dataset
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.commands.pack_stats import BUILD_COUNTS, nemo_fields, summarize
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
@@ -123,7 +124,12 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     planning = stages.planning
     t = {}
     t0 = time.perf_counter()
-    source = read_source(stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
+    if ray_session is None:
+        source = read_source(stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
+    else:  # the rows are read where they are, by Ray tasks (thdpack/offline/inputs/cluster_source.py)
+        from thdpack.offline.inputs.cluster_source import read_on_cluster
+
+        source = read_on_cluster(ray_session, stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
     t["read"] = time.perf_counter() - t0
     if source.num_rows == 0:
         raise InputError(f"{source.files[0].path if source.files else stages.inputs.input}: no rows")
@@ -147,14 +153,15 @@ def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True
     if ray_session is not None:
         from thdpack.offline.cluster.ray_map import map_on_ray
 
-        mapper = functools.partial(map_on_ray, ray_session, progress=progress)
+        mapper = functools.partial(map_on_ray, ray_session, progress=progress,
+                                   name=" + ".join(f.path for f in source.files[:3]) + " + ..." * (len(source.files) > 3))
     tokenized = tokenize_source(stages.tokenize, source, work_dir, progress=progress, vlm=vlm, mapper=mapper)
     t["tokenize"] = time.perf_counter() - t0
     what = tokenized.fmt + (f", loss on {stages.tokenize.loss}" if tokenized.fmt == "chat" else "")
     logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
 
     sequences = _sequences(tokenized, planning, pairs)
-    sample_rows, skipped, patches, prefix = _select_rows(planning, source, tokenized, sequences, vlm)
+    sample_rows, skipped, patches, prefix = _select_rows(planning, source, tokenized, sequences, vlm, ray_session)
     t0 = time.perf_counter()
     planner = _Planner(planning, sequences, vlm, patches, prefix)
     count = _target_counter(planning.targets, tokenized, ray_session)
@@ -183,20 +190,28 @@ def _sequences(tokenized: Tokenized, planning: PlanningOptions, pairs: bool) -> 
     return _Sequences(lengths, seq_row, _sequence_groups(tokenized, seq_row, planning), pairs)
 
 
-def _select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm):
+def _select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized, sequences: _Sequences, vlm,
+                 ray_session=None):
     """``(sample_rows, skipped, patches, prefix)``: the tokenized sequences to plan (int64, ascending), the
     ``(input row, reason)`` of the rows left out (failed, too long, over the vision budget), sorted,
     the VLM builds' per-sequence patches (None without ``vlm``) and, with ``share_prefix``, int64
-    ``[sequences]`` each sequence's group prefix (else None). Raises InputError listing the
-    bad rows unless ``planning.skip_bad_rows``, and when no row is left."""
+    ``[sequences]`` each sequence's group prefix (else None; on the ``ray_session``'s cluster, by a Ray task
+    that reads the tokens where they are). Raises InputError listing the bad rows unless
+    ``planning.skip_bad_rows``, and when no row is left."""
     grouped = sequences.group is not None
     skipped = _row_errors(tokenized.errors, sequences.row, sequences.pairs)  # from here on, per input row
     usable = np.ones(int(sequences.row[-1]) + 1 if sequences.row.size else 0, dtype=bool)
     usable[[r for r, _ in skipped]] = False
     prefix = None
     if planning.share_prefix:  # found on the rows that did not fail; too long groups go whole, the rest keep theirs
-        prefix = common_prefixes(tokenized.dataset.data.table, planning.targets, sequences.lengths, sequences.group,
-                                 usable[sequences.row], planning.plan.align, planning.min_prefix_len)
+        args = (sequences.lengths, sequences.group, usable[sequences.row], planning.plan.align, planning.min_prefix_len)
+        if ray_session is None:
+            prefix = common_prefixes(tokenized.dataset.data.table, planning.targets, *args)
+        else:
+            from thdpack.offline.cluster.ray_tasks import run_tasks
+
+            prefix = run_tasks(ray_session, common_prefixes_of_dataset, (tokenized.rows, planning.targets), [args],
+                               describe=lambda k: "finding the groups' shared prefixes")[0]
     row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, planning.plan.align, prefix)
                   if grouped else sequences.lengths)
     too_long = _too_long_rows(planning, source, row_tokens, usable, grouped, sequences.pairs)
@@ -294,6 +309,7 @@ def _plan_samples(planner: _Planner, count, source: Source, sample_rows: np.ndar
         drop = (np.flatnonzero(np.isin(seq_group, seq_group[without.rows])) if seq_group is not None
                 else without.rows)  # whole groups
         sample_rows = np.setdiff1d(sample_rows, drop, assume_unique=True)
+        del plan, piece_targets  # planned again below: not both plans held at once
         if sample_rows.size == 0:
             raise InputError(
                 f"no row has a target token in what overflow={planning.plan.overflow} keeps of it ({without.rows.size} rows, "
@@ -427,9 +443,9 @@ def _target_counter(targets: str, tokenized: Tokenized, ray_session=None):
     """``count(rows, starts, lengths)`` -> int64 target tokens of each piece ``rows[k][starts[k]:][:lengths[k]]``
     of the tokenized rows. A piece that is its whole row after the first token (no cut by ``overflow``: most
     pieces) has its row's :data:`TAIL_TARGETS_COLUMN` count, one integer per row that tokenizing wrote; the
-    other pieces' targets are read: here, or under ``engine: ray``, when they are more than
-    :data:`RAY_COUNT_TOKENS` tokens, by Ray tasks over runs of that many tokens, which read the rows where
-    they run (only the piece arrays and the counts cross the network, never the targets)."""
+    other pieces' targets are read: here, or under ``engine: ray`` by Ray tasks over runs of
+    :data:`RAY_COUNT_TOKENS` tokens, which read the rows where they run (only the piece arrays and the counts
+    cross the network, never the targets; the driver holds no tokens)."""
     from thdpack.offline.store.gather import count_targets, count_targets_of_dataset, group_boundaries
 
     table = tokenized.dataset.data.table
@@ -437,13 +453,15 @@ def _target_counter(targets: str, tokenized: Tokenized, ray_session=None):
     row_length = tokenized.lengths
 
     def read(rows, starts, lengths):
-        if ray_session is None or int(lengths.sum()) <= RAY_COUNT_TOKENS:
+        if ray_session is None:
             return count_targets(table, targets, rows, starts, lengths)
         from thdpack.offline.cluster.ray_tasks import run_tasks
 
         cuts = group_boundaries(lengths, RAY_COUNT_TOKENS)
         items = [(rows[a:b], starts[a:b], lengths[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
-        return np.concatenate(run_tasks(ray_session, count_targets_of_dataset, (tokenized.dataset, targets), items))
+        return np.concatenate(run_tasks(ray_session, count_targets_of_dataset, (tokenized.rows, targets), items,
+                                        describe=lambda k: f"counting the targets of pieces (run {k + 1} of "
+                                                           f"{len(items)})"))
 
     def count(rows, starts, lengths):
         whole = (starts == 1) & (lengths == row_length[rows] - 1)
@@ -478,12 +496,22 @@ def build_packed(
     overwrite: bool = False,
     progress: bool = True,
     input_slice=None,
+    engine: str | None = None,
+    ray: RayOptions | Mapping | None = None,
 ) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
     ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
+
+    ``engine``: ``"local"`` or ``"ray"`` (else ``cfg.engine``); ``ray``: the Ray options of an ``engine="ray"``
+    build (else ``cfg``'s ``ray_*`` options): a :class:`~thdpack.offline.stages.RayOptions` (all of them; a field
+    left out takes its default) or a mapping of some of them, as the YAML ``ray:`` section takes them::
+
+        build_packed(cfg, "out/packs", engine="ray", ray=RayOptions(address="auto"))   # a running cluster
+        build_packed(cfg, "out/packs", engine="ray", ray={"num_cpus": 8})            # a local Ray instance
+
     Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
-    return _build(cfg, Path(output), overwrite, progress, input_slice)
+    return _build(config_with_engine(cfg, engine, ray), Path(output), overwrite, progress, input_slice)
 
 
 def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
@@ -514,7 +542,8 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         summary["target_tokens"] = written["target_tokens"]
         meta = _metadata(stages, prep, summary, written, values, tok_info, cfg.as_dict(recorded=True))
         if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
-            meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info)
+            meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info,
+                                                                run=_bridge_tasks(session))
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
         if input_slice is not None:  # row range + input lengths, for thdpack merge
@@ -548,6 +577,19 @@ def _engine(stages: BuildStages):
         yield session
 
 
+def _bridge_tasks(session):
+    """:func:`~thdpack.offline.commands.bridge_export.write_bridge`'s ``run`` on the cluster of ``session``: one Ray
+    task per data file, converted where it was written (None: converted here)."""
+    if session is None:
+        return None
+    from thdpack.offline.cluster.ray_tasks import run_tasks
+
+    def run(function, shared, items):
+        return run_tasks(session, function, shared, items,
+                         describe=lambda k: f"converting data file {Path(items[k][1]).name} to Megatron-Bridge's format")
+    return run
+
+
 def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: dict, *, row_offset: int,
                       progress: bool, ray_session=None) -> dict:
     """Write the packs of ``prep`` (in ``store.shuffle_packs`` order) as data files into ``tmp``, with the
@@ -559,8 +601,8 @@ def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: di
     plan = prep.plan
     order = (np.random.default_rng(store.seed).permutation(len(plan)) if store.shuffle_packs
              else np.arange(len(plan)))
-    # on Ray the tokenized rows travel as their file paths (a file-backed datasets.Dataset), not as a table
-    rows = prep.tokenized.dataset if ray_session is not None else prep.tokenized.dataset.data.table
+    # on Ray the tokenized rows travel as their part files' paths (read by the tasks), not as a table
+    rows = prep.tokenized.rows if ray_session is not None else prep.tokenized.dataset.data.table
     kwargs = dict(file_format=bridge_export.data_file_format(store.output_format), file_size_mb=store.file_size_mb,
                   row_offset=row_offset, extra=None if prep.vlm is None else prep.vlm.writer(rows), values=values,
                   **({} if prep.shared_prefix is None else {"columns": _prefix_columns(prep)}))

@@ -59,6 +59,14 @@ def common_prefixes(table, targets: str, lengths: np.ndarray, group: np.ndarray,
     return prefix
 
 
+def common_prefixes_of_dataset(shared: tuple, *args) -> np.ndarray:
+    """:func:`common_prefixes` with ``shared = (dataset, targets)``, ``dataset`` a file-backed ``datasets.Dataset``
+    of the tokenized rows (it pickles as its file paths: an ``engine: ray`` build's Ray task reads the tokens
+    where it runs); ``args``: the other arguments, from ``lengths`` on."""
+    dataset, targets = shared
+    return common_prefixes(dataset.data.table, targets, *args)
+
+
 def _prefix_with(table, targets: str, seqs: np.ndarray, ref: np.ndarray, span: np.ndarray) -> np.ndarray:
     """int64 ``[k]``: how many of the first ``span[i]`` tokens sequence ``seqs[i]`` shares with sequence
     ``ref[i]`` (tokens equal, and for tokens ``t >= 1`` the target equal too), read :data:`CHUNK_TOKENS` at a

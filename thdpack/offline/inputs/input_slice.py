@@ -189,7 +189,11 @@ class SliceSource:
         self.slice = part
         self.row_start = int(row_start)
         self.row_stop = int(row_stop)
-        self.dataset = whole.dataset.select(range(self.row_start, self.row_stop))  # contiguous: a zero-copy slice
+        if whole.parts is not None:  # rows where they are (engine: ray): the parts of the slice, its first rows
+            self.parts, self.dataset = whole.rows_between(self.row_start, self.row_stop)
+        else:
+            self.parts = None
+            self.dataset = whole.dataset.select(range(self.row_start, self.row_stop))  # contiguous: a zero-copy slice
 
     @property
     def is_json(self) -> bool:

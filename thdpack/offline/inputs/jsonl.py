@@ -37,7 +37,7 @@ def split_lines(raw: bytes, limit: int | None = None):
     first[nonempty] = buf[starts[nonempty]]
     blank = lengths == 0
     for k in np.flatnonzero(nonempty & np.isin(first, np.frombuffer(_ASCII_WS, np.uint8))).tolist():
-        line = raw[starts[k]: ends[k]]  # starts with whitespace: rare, check it in Python
+        line = bytes(raw[starts[k]: ends[k]])  # starts with whitespace: rare, check it in Python (raw: any buffer)
         if not line.strip(_ASCII_WS):
             if line.strip(_JSON_WS):
                 return None
@@ -55,3 +55,18 @@ def split_lines(raw: bytes, limit: int | None = None):
         offsets[-1] = 0
     array = pa.LargeBinaryArray.from_buffers(pa.large_binary(), keep.size, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
     return array, keep.astype(np.int64) + 1
+
+
+def json_lines(raw, limit: int | None = None):
+    """``(array, line_numbers)``: :func:`split_lines` of ``raw``, or where it declines (a blank line holding
+    \\x0b or \\x0c) the same rows copied out line by line (each value the line without its newline)."""
+    import pyarrow as pa
+
+    split = split_lines(raw, limit)
+    if split is not None:
+        return split
+    parts = bytes(raw).split(b"\n")
+    keep = [i for i, line in enumerate(parts) if line.strip()]
+    if limit is not None:
+        keep = keep[:limit]
+    return pa.array([parts[i] for i in keep], pa.large_binary()), np.asarray(keep, dtype=np.int64) + 1

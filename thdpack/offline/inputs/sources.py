@@ -34,7 +34,7 @@ from thdpack.offline.config import check_input
 from thdpack.offline.stages import InputOptions
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.schema import bytes_sha256, file_sha256
-from thdpack.offline.inputs.jsonl import split_lines
+from thdpack.offline.inputs.jsonl import json_lines
 from thdpack.offline.config import is_uri
 from thdpack.offline.inputs.remote import fetch, filesystem, is_local
 
@@ -49,7 +49,8 @@ class SourceFile:
     kind: str  # jsonl | json | parquet | arrow | saved | demo
     num_rows: int
     sha256: str
-    line_numbers: np.ndarray | None = field(default=None, repr=False)  # JSON Lines: 1-based line of each row
+    # JSON Lines: 1-based line of each row (an int64 array, or what indexes like one: file_parts.LineNumbers)
+    line_numbers: np.ndarray | None = field(default=None, repr=False)
 
     def describe(self) -> dict:
         return {"path": self.path, "kind": self.kind, "rows": self.num_rows, "sha256": self.sha256}
@@ -73,6 +74,10 @@ class Source:
     columns: list[str]  # fields available in the rows (for JSON: the first object's keys)
     row_offsets: np.ndarray = field(init=False, repr=False)
     fetched: object = field(default=None, repr=False)  # the temporary directory of fetched URI inputs, kept alive
+    # engine: ray reads the rows where they are (thdpack.offline.inputs.cluster_source): their parts
+    # (thdpack.offline.inputs.file_parts.FileParts), and ``dataset`` holds only the first rows; None: ``dataset``
+    # holds every row
+    parts: object = field(default=None, repr=False)
 
     def __post_init__(self):
         self.row_offsets = np.cumsum([0] + [f.num_rows for f in self.files])
@@ -109,6 +114,61 @@ def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | 
     check_input(spec)
     if isinstance(spec, dict):
         return _read_demo(spec["demo"] or {}, opts)
+    paths, fetched = input_paths(opts, fetch_dir)
+    files: list[SourceFile] = []
+    tables = []
+    limit = opts.max_rows
+    from tqdm.auto import tqdm
+
+    bar = tqdm(paths, desc="Reading", unit="file", disable=not progress or len(paths) < 2, leave=False)
+    for given, path in bar:
+        kind = input_kind(path)
+        if kind in ("jsonl", "json"):
+            table, sf = read_json_file(given, path, kind, limit)
+        elif kind == "parquet":
+            table, sf = read_parquet_file(given, path, limit)
+        elif kind == "arrow":
+            table, sf = read_arrow_file(given, path, limit)
+        else:
+            saved = _read_saved(given, path, opts)
+            saved.fetched = fetched
+            return saved
+        tables.append(table)
+        files.append(sf)
+        if limit is not None:
+            limit -= sf.num_rows
+            if limit <= 0:
+                break
+    from datasets.table import InMemoryTable
+
+    table = concat_rows(tables)
+    # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
+    ds = datasets.Dataset(InMemoryTable(table), fingerprint=files_fingerprint(files)[:16])
+    columns = json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
+    return Source(ds, files, columns, fetched)
+
+
+def concat_rows(tables: list):
+    """The input files' rows (``pyarrow.Table`` s, in order) as one table, their columns unified (a column
+    missing from a file is null there, types promoted); InputError when they cannot be."""
+    import pyarrow as pa
+
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InputError(f"input files have incompatible columns: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def input_paths(opts: InputOptions, fetch_dir: Path | None = None) -> tuple[list[tuple[str, Path]], object]:
+    """``(paths, fetched)``: the input files of ``opts.input`` (not a demo) in order, each as ``(name as given,
+    path)``, and the temporary directory URI inputs were fetched into (None when ``fetch_dir`` is given or none
+    was fetched). ConfigError for inputs that cannot be built together."""
+    spec = opts.input
     specs = spec if isinstance(spec, list) else [spec]
 
     paths: list[tuple[str, Path]] = []
@@ -120,7 +180,7 @@ def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | 
             paths.extend(_expand_uri(s, opts, Path(fetch_dir or fetched.name) / f"input-{k}"))
         else:
             paths.extend(_expand(s, opts))
-    kinds = {_kind(p) for _, p in paths}
+    kinds = {input_kind(p) for _, p in paths}
     if "saved" in kinds and len(paths) > 1:
         raise ConfigError("a save_to_disk directory must be the only input")
     if kinds & {"jsonl", "json"} and kinds - {"jsonl", "json"}:
@@ -128,47 +188,7 @@ def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | 
             f"inputs mix JSON with {sorted(kinds - {'jsonl', 'json'})} files; build them separately"
         )
 
-    files: list[SourceFile] = []
-    tables = []
-    limit = opts.max_rows
-    from tqdm.auto import tqdm
-
-    bar = tqdm(paths, desc="Reading", unit="file", disable=not progress or len(paths) < 2, leave=False)
-    for given, path in bar:
-        kind = _kind(path)
-        if kind in ("jsonl", "json"):
-            table, sf = _read_json(given, path, kind, limit)
-        elif kind == "parquet":
-            table, sf = _read_parquet(given, path, limit)
-        elif kind == "arrow":
-            table, sf = _read_arrow(given, path, limit)
-        else:
-            saved = _read_saved(given, path, opts)
-            saved.fetched = fetched
-            return saved
-        tables.append(table)
-        files.append(sf)
-        if limit is not None:
-            limit -= sf.num_rows
-            if limit <= 0:
-                break
-    import pyarrow as pa
-    from datasets.table import InMemoryTable
-
-    if len(tables) == 1:
-        table = tables[0]
-    else:
-        try:
-            table = pa.concat_tables(tables, promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise InputError(f"input files have incompatible columns: {exc}") from None
-    # the files' hashes name the rows: without a fingerprint, datasets hashes a pickled copy of the table
-    ds = datasets.Dataset(InMemoryTable(table), fingerprint=files_fingerprint(files)[:16])
-    columns = _json_columns(files, ds) if JSON_COLUMN in table.column_names else list(table.column_names)
-    return Source(ds, files, columns, fetched)
-
-
-# ---------------------------------------------------------------------------- paths
+    return paths, fetched
 
 
 def _expand_uri(spec: str, opts: InputOptions, into: Path) -> list[tuple[str, Path]]:
@@ -275,7 +295,7 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _kind(path: Path) -> str:
+def input_kind(path: Path) -> str:
     if path.is_dir():
         return "saved"
     name = path.name.lower()
@@ -289,7 +309,7 @@ def _kind(path: Path) -> str:
 # ---------------------------------------------------------------------------- readers
 
 
-def _map_file(path: Path):
+def map_file(path: Path):
     """The file's bytes, memory-mapped read-only (``b""`` for an empty file)."""
     import mmap
 
@@ -299,13 +319,13 @@ def _map_file(path: Path):
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def _read_json(given: str, path: Path, kind: str, limit: int | None):
+def read_json_file(given: str, path: Path, kind: str, limit: int | None):
     import pyarrow as pa
 
     gz = path.name.lower().endswith(".gz")
     # uncompressed: memory-mapped, the lines are views of the file's pages (page cache, shared
     # with the tokenization workers' reads), not a private copy of a file that may exceed RAM
-    raw = path.read_bytes() if gz else _map_file(path)
+    raw = path.read_bytes() if gz else map_file(path)
     sha = bytes_sha256(raw)  # of the file as stored
     if gz:
         try:
@@ -327,16 +347,8 @@ def _read_json(given: str, path: Path, kind: str, limit: int | None):
         lines = [json.dumps(r, ensure_ascii=False).encode() for r in rows]
         table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
         return table, SourceFile(given, "json", len(lines), sha)
-    split = split_lines(raw, limit)  # zero-copy (thdpack/offline/inputs/jsonl.py)
-    if split is not None:
-        return pa.table({JSON_COLUMN: split[0]}), SourceFile(given, "jsonl", len(split[0]), sha, split[1])
-    parts = bytes(raw).split(b"\n")
-    keep = [i for i, line in enumerate(parts) if line.strip()]
-    if limit is not None:
-        keep = keep[:limit]
-    lines = [parts[i] for i in keep]
-    table = pa.table({JSON_COLUMN: pa.array(lines, pa.large_binary())})
-    return table, SourceFile(given, "jsonl", len(lines), sha, np.asarray(keep, dtype=np.int64) + 1)
+    lines, line_numbers = json_lines(raw, limit)  # zero-copy where it can (thdpack/offline/inputs/jsonl.py)
+    return pa.table({JSON_COLUMN: lines}), SourceFile(given, "jsonl", len(lines), sha, line_numbers)
 
 
 NESTED_TOO_DEEP = "nested deeper than the JSON parser's recursion limit"
@@ -370,36 +382,53 @@ def check_utf8_start(given: str, start: bytes) -> None:
                          "another 8-bit encoding?); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
 
 
-def _read_parquet(given: str, path: Path, limit: int | None):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise InputError(f"{given}: cannot read Parquet ({exc})") from None
+def read_parquet_file(given: str, path: Path, limit: int | None):
+    table = open_parquet(given, path)
     if limit is not None:
         table = table.slice(0, limit)
     return table, SourceFile(given, "parquet", table.num_rows, file_sha256(path))
 
 
-def _read_arrow(given: str, path: Path, limit: int | None):
+def open_parquet(given: str, path: Path):
+    """The rows of Parquet file ``path`` (named ``given`` in messages), read whole."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    source = pa.memory_map(str(path))
     try:
-        table = pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        try:
-            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        except pa.ArrowInvalid as exc:
-            raise InputError(f"{given}: not an Arrow IPC stream or file ({exc})") from None
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{given}: cannot read Parquet ({exc})") from None
+
+
+def read_arrow_file(given: str, path: Path, limit: int | None):
+    table = open_arrow(given, path)
     if limit is not None:
         table = table.slice(0, limit)
     return table, SourceFile(given, "arrow", table.num_rows, file_sha256(path))
 
 
+def open_arrow(given: str, path: Path):
+    """The rows of Arrow IPC file ``path`` (stream or file format; named ``given`` in messages), memory-mapped."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        try:
+            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        except pa.ArrowInvalid as exc:
+            raise InputError(f"{given}: not an Arrow IPC stream or file ({exc})") from None
+
+
 def _read_saved(given: str, path: Path, opts: InputOptions) -> Source:
+    ds, files_dir = load_saved(given, path, opts)
+    return Source(ds, [SourceFile(given, "saved", len(ds), saved_sha256(files_dir))], list(ds.column_names))
+
+
+def load_saved(given: str, path: Path, opts: InputOptions):
+    """``(dataset, files_dir)``: the ``save_to_disk`` dataset at ``path`` (its split ``opts.split``; memory-mapped,
+    its first ``opts.max_rows`` rows) and the directory of its Arrow files."""
     import datasets
 
     try:
@@ -418,8 +447,12 @@ def _read_saved(given: str, path: Path, opts: InputOptions) -> Source:
         files_dir = path
     if opts.max_rows is not None:
         ds = ds.select(range(min(opts.max_rows, len(ds))))
-    sha = bytes_sha256("".join(file_sha256(p) for p in sorted(files_dir.glob("*.arrow"))))
-    return Source(ds, [SourceFile(given, "saved", len(ds), sha)], list(ds.column_names))
+    return ds, files_dir
+
+
+def saved_sha256(files_dir: Path) -> str:
+    """The content hash of a ``save_to_disk`` dataset: of its Arrow files' hashes, in name order."""
+    return bytes_sha256("".join(file_sha256(p) for p in sorted(Path(files_dir).glob("*.arrow"))))
 
 
 def _read_demo(demo: dict, opts: InputOptions) -> Source:
@@ -470,7 +503,7 @@ def first_json_problem(source: Source, rows: int = 100) -> str | None:
     return None
 
 
-def _json_columns(files: list[SourceFile], ds) -> list[str]:
+def json_columns(files: list[SourceFile], ds) -> list[str]:
     """Keys of the first parseable JSON object (to pick a format); [] if none parse."""
     col = ds.data.column(JSON_COLUMN)
     for i in range(min(len(ds), 100)):

@@ -144,6 +144,11 @@ class PackFiles:
         }
         return entry, target_tokens
 
+    def describe(self, s: int) -> str:
+        """``data file NAME (packs A..B of the output order)``, for messages."""
+        a, b = self.sizing.file_cuts[s], self.sizing.file_cuts[s + 1]
+        return f"data file {data_file_name(s, self.num_files, self.writer.file_format)} (packs {a}..{b - 1})"
+
     @staticmethod
     def result(written: list[tuple[dict, int]]) -> dict:
         """:func:`write_packs`'s result from every file's :meth:`write`, in file order."""

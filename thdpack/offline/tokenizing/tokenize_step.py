@@ -34,14 +34,28 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Tokenized:
     """Tokenized rows (one per input row; two per row, chosen then rejected, for preference rows) and what
-    went wrong (indexed like the tokenized rows)."""
+    went wrong (indexed like the tokenized rows).
 
-    dataset: object  # datasets.Dataset: input_ids, loss_mask|labels, __error__
+    Under ``engine: ray`` the rows stay in the part files the workers wrote (``files``, opened where they are
+    read: the tasks that count targets, find shared prefixes, write packs), and ``dataset`` holds only their
+    small columns (:data:`TOKEN_COLUMNS` and the pixel columns left out): what the driver plans with."""
+
+    dataset: object  # datasets.Dataset: input_ids, loss_mask|labels, __error__, ...
     lengths: np.ndarray  # int64 [rows]; 0 for failed rows
     errors: list[tuple[int, str]]  # (row, message) of failed rows
     fmt: str
     tokenizer: object | None
     tokenizer_info: dict | None
+    files: object = None  # engine: ray: every column, where the workers read them (ray_map.PartFiles)
+
+    @property
+    def rows(self):
+        """Every column of the rows, as a worker reads them: ``files`` (engine: ray), else ``dataset``."""
+        return self.dataset if self.files is None else self.files
+
+
+TOKEN_COLUMNS = ("input_ids", "loss_mask", "labels")  # the tokens, left in the part files under engine: ray
+PIXEL_COLUMNS = ("pixel_values", "pixel_values_videos")  # VLM rows' pixels, likewise
 
 
 def resolve_format(opts: TokenizeOptions, source: Source) -> str:
@@ -69,8 +83,9 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
                     vlm=None, mapper=None) -> Tokenized:
     """Tokenize every row of ``source`` by the options ``opts`` with ``datasets.map`` into ``work_dir``; with ``vlm``
     (a :class:`thdpack.offline.vision.vlm_setup.VlmBuild`) also process the rows' images. ``mapper``: runs the
-    map elsewhere, with :func:`~thdpack.offline.procs.map_in_processes`'s arguments and result (``engine: ray``:
-    :func:`thdpack.offline.cluster.ray_map.map_on_ray`); None: in ``opts.num_proc`` local processes."""
+    map elsewhere, with :func:`~thdpack.offline.procs.map_in_processes`'s arguments and ``summarize`` (``engine:
+    ray``: :func:`thdpack.offline.cluster.ray_map.map_on_ray`, whose part files stay where they are: see
+    :class:`Tokenized`); None: in ``opts.num_proc`` local processes."""
     fmt = resolve_format(opts, source)
     _check_source_columns(opts, source, fmt, vlm)
     tok = _tokenizer_for_format(opts, fmt)
@@ -85,10 +100,13 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
     )[:16]
     batch_size = opts.map_batch_size if vlm is None else vlm.map_batch_size(opts.map_batch_size)
     num_proc = min(opts.num_proc, max(1, len(ds) // max(1, batch_size))) if opts.num_proc > 1 else None
-    if num_proc or mapper:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
+    parts = None
+    if source.parts is not None:  # engine: ray read the rows where they are: the map reads them part by part there
+        parts = source.parts.with_columns(ds.column_names)
+    elif num_proc or mapper:  # workers map the rows from a file instead of each getting a pickled copy (mmap_input.py)
         ds = memory_mapped(ds, work_dir / "rows.arrow")
     tokenizers = _RowTokenizers(fmt, opts, tok, ds.column_names, source, vlm)
-    rows = _RowMap(ds, num_proc, mapper, dict(
+    rows = _RowMap(parts or ds, num_proc, mapper, dict(
         batched=True,
         batch_size=batch_size,
         remove_columns=ds.column_names,
@@ -100,6 +118,9 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
         desc=f"Tokenizing ({fmt})",
     ))
     out = _tokenize_rows(rows, tokenizers, bpe, progress)
+    info = tokenizer_info(tok, opts.tokenizer) if tok else None
+    if mapper is not None:  # engine: ray: the driver keeps the lengths and the small columns, not the tokens
+        return _tokenized_parts(out, fmt, tok, info)
     col = out.data.table.column("input_ids")
     lengths = np.concatenate(
         [np.diff(np.asarray(c.offsets)).astype(np.int64) for c in col.chunks] or [np.zeros(0, np.int64)]
@@ -107,7 +128,36 @@ def tokenize_source(opts: TokenizeOptions, source: Source, work_dir, *, progress
     err_col = out.data.table.column(ERROR_COLUMN)
     bad = np.flatnonzero(np.asarray(err_col.is_valid()))
     errors = [(int(i), err_col[int(i)].as_py()) for i in bad]
-    return Tokenized(out, lengths, errors, fmt, tok, tokenizer_info(tok, opts.tokenizer) if tok else None)
+    return Tokenized(out, lengths, errors, fmt, tok, info)
+
+
+def _tokenized_parts(mapped, fmt: str, tok, info) -> Tokenized:
+    """The :class:`Tokenized` of a map on Ray (``mapped``: a ``ray_map.MappedParts`` whose summaries are
+    :class:`_PartSummary` results): the lengths and small columns of every part, the part files."""
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    lengths = np.concatenate([np.asarray(n, np.int64) for n, _ in mapped.summaries])
+    table = pa.concat_tables([t for _, t in mapped.summaries])
+    err_col = table.column(ERROR_COLUMN)
+    errors = [(int(i), err_col[int(i)].as_py()) for i in np.flatnonzero(np.asarray(err_col.is_valid()))]
+    return Tokenized(datasets.Dataset(InMemoryTable(table)), lengths, errors, fmt, tok, info, mapped.files)
+
+
+@dataclass(frozen=True)
+class _PartSummary:
+    """What the driver keeps of a part file of tokenized rows (computed where it was written): the rows' lengths
+    (int32) and their columns but the tokens and pixels, in one chunk."""
+
+    def __call__(self, path: str):
+        import datasets
+
+        table = datasets.Dataset.from_file(path).data.table
+        col = table.column("input_ids")
+        lengths = np.concatenate([np.diff(np.asarray(c.offsets)) for c in col.chunks] or [np.zeros(0, np.int32)])
+        small = table.drop_columns([c for c in TOKEN_COLUMNS + PIXEL_COLUMNS if c in table.column_names])
+        return lengths.astype(np.int32), small.combine_chunks()
 
 
 def _check_source_columns(opts: TokenizeOptions, source: Source, fmt: str, vlm) -> None:
@@ -200,15 +250,16 @@ class _RowTokenizers:
 class _RowMap:
     """One ``datasets.map`` over the rows ``ds``: by ``mapper``, in ``num_proc`` processes of our own, or in this one."""
 
-    ds: object  # datasets.Dataset
+    ds: object  # datasets.Dataset, or the input's parts where they are (Source.parts: mapper only)
     num_proc: int | None
-    mapper: object  # None, or map_in_processes's stand-in (tokenize_source)
+    mapper: object  # None, or map_on_ray (tokenize_source)
     kwargs: dict  # datasets.map's keyword arguments
 
     def run(self, fn):
         """The rows mapped by ``fn`` (a batched row tokenizer)."""
-        if self.mapper is not None:
-            return self.mapper(self.ds.with_format("arrow"), fn, **self.kwargs).with_format(None)
+        if self.mapper is not None:  # the rows stay where they were mapped: what comes back is _tokenized_parts'
+            rows = self.ds.with_format("arrow") if hasattr(self.ds, "with_format") else self.ds
+            return self.mapper(rows, fn, summarize=_PartSummary(), **self.kwargs)
         if self.num_proc:  # in processes of our own, which signals and errors stop for sure (procs.py)
             return map_in_processes(self.ds.with_format("arrow"), fn, self.num_proc, **self.kwargs).with_format(None)
         return self.ds.with_format("arrow").map(fn, **self.kwargs).with_format(None)
