@@ -47,6 +47,9 @@ def _good_value(option):
 def test_each_option_refuses_what_its_kind_does_not_allow(name, tmp_path):
     option = OPTIONS[name]
     base = dict(input=str(tmp_path / "rows.jsonl"), pack_size=4096)
+    if name.startswith("mixture_"):  # a mixture's options: input as a list of sources (docs/build.md, Mixtures)
+        base = dict(base, input=[{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.jsonl")}],
+                    mixture_packing="stratified")
     for value in _bad_values(option):
         cfg = BuildConfig(**{**base, name: value})
         with pytest.raises(ConfigError, match=rf"^{name} must be "):

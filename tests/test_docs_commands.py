@@ -139,6 +139,9 @@ def _sandbox(path: Path) -> None:
     for name in ("thdpack", "scripts", "examples"):
         (path / name).symlink_to(ROOT / name)
     (path / "configs" / "models").symlink_to(ROOT / "configs" / "models")
+    for other in sorted((ROOT / "configs").glob("*.yaml")):  # the other bundled configs as they are
+        if other.name != "demo.yaml":
+            (path / "configs" / other.name).symlink_to(other)
     demo = (ROOT / "configs" / "demo.yaml").read_text(encoding="utf-8")
     small = demo.replace("num_samples: 4000", f"num_samples: {DEMO_ROWS}")
     assert small != demo, "configs/demo.yaml no longer says num_samples: 4000; update this test"

@@ -72,7 +72,24 @@ def inputs(tmp_path_factory) -> dict:
     chat rows, Qwen2-VL rows with images and a video (``vlm_yaml``); and the files the Ray tasks read in parts
     (:func:`grouped_files`: ``json_dir``, ``tables_dir``)."""
     d = tmp_path_factory.mktemp("ray-inputs")
-    return {**_fingerprint_script().make_inputs(d), **grouped_files(d)}
+    made = {**_fingerprint_script().make_inputs(d), **grouped_files(d)}
+    return {**made, "mixture_yaml": mixture_yaml(d, made)}
+
+
+def mixture_yaml(d: Path, made: dict) -> Path:
+    """A mixture of three sources read in parts by Ray tasks (a JSON Lines file of byte ranges, a Parquet file of
+    row groups, preference rows), each with its own format / loss, one repeated 1.5 times."""
+    import yaml
+
+    config = {"input": [{"name": "chat", "path": str(made["json_dir"] / "a.jsonl"), "format": "chat", "weight": 0.6},
+                        {"name": "table", "path": str(made["tables_dir"] / "t1.parquet"), "format": "chat",
+                         "loss": "last_assistant", "weight": 0.4},
+                        {"name": "pairs", "path": str(made["pref"]), "format": "preference", "epochs": 1.5}],
+              "mixture": {"stopping": "all_exhausted"}, "tokenizer": TOK, "pack_size": 8192, "overflow": "error",
+              "skip_bad_rows": True, "seed": 4}
+    path = d / "mixture.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def grouped_rows(n: int, seed: int) -> list[dict]:
@@ -142,6 +159,7 @@ BUILDS = {
     "preference_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size",
                                  "2048", "--share-prefix", "--min-prefix-len", "4"],
     "vlm_images_video": ["--config", "{vlm_yaml}"],
+    "mixture": ["--config", "{mixture_yaml}"],  # three sources, each read and tokenized on the cluster
     # read in parts by Ray tasks: Parquet row groups and an Arrow stream (columns unified), groups and their
     # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py)
     "tables_groups_values": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat", "--pack-size", "8192",
@@ -167,9 +185,9 @@ def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, mon
     """The planned pieces' target tokens are counted by Ray tasks over runs of pieces (the driver reads no
     targets): several tasks here, and the output (counts in metadata.json included) is the local one's."""
     import thdpack.offline.cluster.ray_tasks as ray_tasks
-    from thdpack.offline.commands import build_packs as pipeline
+    from thdpack.offline.commands import sample_plan
 
-    monkeypatch.setattr(pipeline, "RAY_COUNT_TOKENS", 4000)
+    monkeypatch.setattr(sample_plan, "RAY_COUNT_TOKENS", 4000)
     calls = []
     real = ray_tasks.run_tasks
 

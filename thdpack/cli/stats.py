@@ -57,6 +57,8 @@ def run(args) -> int:
                             **packed_model_config(ds, args.model_config))
         if "lengths" in stored:  # the input-length histogram recorded at build time
             summary["lengths"] = stored["lengths"]
+        if "mixture" in meta:  # the per-source counts of a mixture build
+            summary["mixture"] = meta["mixture"]
         title = (f"{path}: packed dataset, {len(ds)} packs in {len(meta['files'])} {meta['file_format']} data file(s); "
                  f"source {', '.join(f['path'] for f in meta['source']['files'])} ({meta['source']['format']})")
     else:

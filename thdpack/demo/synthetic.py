@@ -95,18 +95,25 @@ def generate_rows(num_samples: int = 4000, seed: int = 0, kind: str = "chat") ->
         kind: ``"chat"`` gives ``{"messages": [{"role", "content"}, ...]}`` rows
             (optional system turn, 1-6 user/assistant exchanges, ~12% with a long
             document in the first user turn); ``"text"`` gives ``{"text": str}``
-            rows (lognormal lengths, median ~250 words).
+            rows (lognormal lengths, median ~250 words); ``"pairs"`` gives preference rows
+            ``{"prompt": [user turn], "chosen": [assistant turn], "rejected": [assistant turn]}``
+            (TRL's conversational DPO rows; the rejected answer shorter on average).
 
     The same ``(num_samples, seed, kind)`` always gives the same rows.
     """
-    if kind not in ("chat", "text"):
-        raise ValueError(f"kind must be 'chat' or 'text', got {kind!r}")
+    if kind not in ("chat", "text", "pairs"):
+        raise ValueError(f"kind must be 'chat', 'text' or 'pairs', got {kind!r}")
     check_int(num_samples, "num_samples", 1)
     w = _Writer(seed)
     rows = []
     for _ in range(num_samples):
         if kind == "text":
             rows.append({"text": w.prose(w.lognormal_words(250, 1.0, 12_000), lists=True)})
+            continue
+        if kind == "pairs":
+            rows.append({"prompt": [{"role": "user", "content": w.prose(w.lognormal_words(25, 0.9, 400))}],
+                         "chosen": [{"role": "assistant", "content": w.prose(w.lognormal_words(90, 0.8, 1500))}],
+                         "rejected": [{"role": "assistant", "content": w.prose(w.lognormal_words(60, 0.8, 1500))}]})
             continue
         messages = []
         if w.rng.random() < 0.4:

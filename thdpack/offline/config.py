@@ -30,6 +30,7 @@ from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.common.align import check_int, check_number
 from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
+from thdpack.planning.mixture import STOPPING, WEIGHT_BY, WEIGHT_KEYS
 from thdpack.planning.packing import OVERFLOW_POLICIES
 from thdpack.planning.options import ALGORITHMS
 
@@ -51,6 +52,11 @@ WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/bu
 ENGINES = ("local", "ray")  # where a build tokenizes and writes (docs/distributed.md)
 RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir",
             "max_retries")  # YAML ray: section
+MIXTURE_KEYS = ("weight_by", "stopping", "size", "packing", "step_packs")  # YAML mixture: section (docs/build.md)
+MIXTURE_PACKING = ("bfd", "stratified")
+# a mixture source's own options (input: a list of sources); the other options are the build's, one for all
+SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_field", "append_eos", "split", "max_rows")
+SOURCE_KEYS = ("path", "demo", "name", *WEIGHT_KEYS, *SOURCE_OPTIONS)
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
                   *(f"ray_{k}" for k in RAY_KEYS))  # options that never change the output
 # thdpack 0.1.0's names -> today's, as a user writes them (CHANGELOG.md). An old name is not read: it is an
@@ -63,7 +69,8 @@ RENAMED_IN_0_2 = {
     "build_shard": "input_slice",  # metadata.json entry of a slice build (thdpack merge: check_slices)
 }
 # recorded in metadata.json only when given (None / false: older builds stay byte-identical)
-RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len")
+RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len",
+                   *(f"mixture_{k}" for k in MIXTURE_KEYS))
 
 
 def _opt(default, help: str, choices=None, *, minimum: int = 1, accepts: tuple | None = None, flag_type=None,
@@ -85,9 +92,22 @@ class BuildConfig:
         None,
         "input file(s): .jsonl/.jsonl.gz/.json, .parquet, .arrow, a directory saved with "
         "datasets' save_to_disk, a directory or glob of such files; in YAML also a list, "
-        "or {demo: {num_samples, seed, kind}} for the bundled synthetic rows",
+        "or {demo: {num_samples, seed, kind}} for the bundled synthetic rows, or a list of sources (a mixture: "
+        "each a mapping of path or demo, name, one of weight / epochs / max_samples, and its own format, loss, "
+        "chat_template, ...; docs/build.md, Mixtures)",
         flag_type=str, many=True,
     )
+    mixture_weight_by: str | None = _opt(None, "mixture (input: a list of sources): what a source's weight is a share "
+                                         "of: samples (default) or tokens; in YAML also mixture: {weight_by: ...}",
+                                         WEIGHT_BY)
+    mixture_stopping: str | None = _opt(None, "mixture without mixture_size: first_exhausted (default: the weighted "
+                                        "source that runs out first is used once) or all_exhausted (the last one)",
+                                        STOPPING)
+    mixture_size: int | None = _opt(None, "mixture: the weighted sources' part of the blend, in samples (or tokens "
+                                    "with weight_by tokens); default from mixture_stopping")
+    mixture_packing: str | None = _opt(None, "mixture: bfd (default: one best-fit plan over the blend) or stratified "
+                                       "(every step of mixture_step_packs packs close to the blend)", MIXTURE_PACKING)
+    mixture_step_packs: int | None = _opt(None, "mixture_packing stratified: packs per step (default 1)")
     split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
     max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
     format: str = _opt("auto", "row format: chat (messages), sharegpt (conversations of from/value turns), "
@@ -213,7 +233,7 @@ class BuildConfig:
     def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
-        data = _flatten_ray_section(data, origin)
+        data = _flatten_section(_flatten_section(data, origin, "ray", RAY_KEYS), origin, "mixture", MIXTURE_KEYS)
         unknown = [k for k in data if k not in cls.keys()]
         if unknown:
             k = unknown[0]
@@ -269,12 +289,29 @@ class BuildConfig:
         for option in options():
             option.check(getattr(self, option.name))
         self.value_columns()
+        self._check_mixture()
         if need_tokenizer and not self.tokenizer:
             raise ConfigError(f"format '{self.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
         if self.pack_size < self.align:
             raise ConfigError(f"pack_size ({self.pack_size}) is smaller than the alignment multiple ({self.align})")
         self._check_share_prefix()
         return self
+
+    def _check_mixture(self) -> None:
+        """ConfigError for ``mixture_*`` options without a mixture, and for what a mixture does not take yet."""
+        given = [f"mixture_{k}" for k in MIXTURE_KEYS if getattr(self, f"mixture_{k}") is not None]
+        if not is_mixture(self.input):
+            if given:
+                raise ConfigError(f"{given[0]} needs input as a list of sources (a mixture; docs/build.md, Mixtures)")
+            return
+        self.sources()
+        refused = {"share_prefix": self.share_prefix, "group_column": self.group_column is not None}
+        for name, bad in refused.items():
+            if bad:
+                raise ConfigError(f"a mixture cannot be built with {name} yet: build each source on its own, or "
+                                  f"remove {name}")
+        if self.mixture_step_packs is not None and self.mixture_packing != "stratified":
+            raise ConfigError("mixture_step_packs needs mixture_packing: stratified")
 
     def _check_share_prefix(self) -> None:
         """ConfigError for ``share_prefix`` where a build cannot share prefixes (``min_prefix_len`` without it:
@@ -327,22 +364,72 @@ class BuildConfig:
             raise ConfigError(f"sample_values names a column twice: {names}")
         return names
 
+    # ------------------------------------------------------------------ mixtures
+    def sources(self) -> list[SourceConfig]:
+        """The sources of a mixture (``input``: a list of source mappings), checked: one line naming the source for
+        an unknown key or a bad option, a weight that is negative or NaN, every weight 0, two sources of one name
+        or of the same files. ConfigError when ``input`` is not a mixture."""
+        from thdpack.planning.mixture import plan_mixture
 
-def _flatten_ray_section(data: dict, origin: str) -> dict:
-    """``ray: {address: ..., num_cpus: ...}`` as the options ``ray_address``, ``ray_num_cpus``, ... (:data:`RAY_KEYS`)."""
-    if "ray" not in data:
+        if not is_mixture(self.input):
+            raise ConfigError("input is not a mixture (a list of sources, each a mapping)")
+        check_input(self.input)
+        by_option = {o.name: o for o in options()}
+        out: list[SourceConfig] = []
+        names: dict[str, int] = {}
+        data: dict[str, str] = {}
+        for i, entry in enumerate(self.input):
+            name = _source_name(entry, i)
+            own = {k: entry[k] for k in SOURCE_OPTIONS if k in entry}
+            for key, value in own.items():
+                try:
+                    by_option[key].check(value)
+                except ConfigError as exc:
+                    raise ConfigError(f"input source {name!r}: {exc}") from None
+            spec = {"demo": entry["demo"]} if "demo" in entry else entry["path"]
+            cfg = dataclasses.replace(self, input=spec, **own, **{f"mixture_{k}": None for k in MIXTURE_KEYS})
+            if name in names:
+                raise ConfigError(f"input sources {names[name]} and {i} are both named {name!r}: give each source "
+                                  "its own name")
+            identity = _source_identity(cfg)
+            if identity in data:
+                raise ConfigError(f"input sources {data[identity]!r} and {name!r} read the same data: give a source "
+                                  "once (epochs: 2 repeats it)")
+            names[name], data[identity] = i, name
+            out.append(SourceConfig(name, {k: entry[k] for k in WEIGHT_KEYS if k in entry}, cfg))
+        try:  # the weights, before the long steps (each source's rows are counted later)
+            plan_mixture([{"name": s.name, "num_rows": 1, **s.weights} for s in out])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"input: {exc}") from None
+        return out
+
+    def single_source_form(self) -> "BuildConfig":
+        """A mixture of one source without a weight or ``mixture_*`` option as the plain build of that source
+        (the same bytes as ``input: PATH``); any other config as it is."""
+        if not is_mixture(self.input) or len(self.input) != 1 or any(k in self.input[0] for k in WEIGHT_KEYS):
+            return self
+        if any(getattr(self, f"mixture_{k}") is not None for k in MIXTURE_KEYS):
+            return self
+        return self.sources()[0].config
+
+
+def _flatten_section(data: dict, origin: str, section_name: str, keys: tuple) -> dict:
+    """A YAML section ``NAME: {key: ...}`` (``ray:``, :data:`RAY_KEYS`; ``mixture:``, :data:`MIXTURE_KEYS`) as the
+    options ``NAME_key``."""
+    if section_name not in data:
         return data
-    section = data["ray"]
+    section = data[section_name]
     if not isinstance(section, dict):
-        raise ConfigError(f"{origin}: ray must be a mapping of {', '.join(RAY_KEYS)}, got {section!r}")
-    unknown = [k for k in section if k not in RAY_KEYS]
+        raise ConfigError(f"{origin}: {section_name} must be a mapping of {', '.join(keys)}, got {section!r}")
+    unknown = [k for k in section if k not in keys]
     if unknown:
-        raise ConfigError(f"{origin}: unknown key ray.{unknown[0]}{_close_hint(str(unknown[0]), list(RAY_KEYS))}; "
-                          f"ray keys: {', '.join(RAY_KEYS)}")
-    both = [k for k in section if f"ray_{k}" in data]
+        raise ConfigError(f"{origin}: unknown key {section_name}.{unknown[0]}{_close_hint(str(unknown[0]), list(keys))}; "
+                          f"{section_name} keys: {', '.join(keys)}")
+    both = [k for k in section if f"{section_name}_{k}" in data]
     if both:
-        raise ConfigError(f"{origin}: ray.{both[0]} and ray_{both[0]} both given; keep one")
-    return {**{k: v for k, v in data.items() if k != "ray"}, **{f"ray_{k}": v for k, v in section.items()}}
+        raise ConfigError(f"{origin}: {section_name}.{both[0]} and {section_name}_{both[0]} both given; keep one")
+    return {**{k: v for k, v in data.items() if k != section_name},
+            **{f"{section_name}_{k}": v for k, v in section.items()}}
 
 
 def yaml_error_line(path, exc) -> str:
@@ -463,7 +550,75 @@ def check_input(spec) -> None:
         if demo is not None and (not isinstance(demo, dict) or set(demo) - set(DEMO_OPTIONS)):
             raise ConfigError(f"input: demo options are {sorted(DEMO_OPTIONS)}, got {demo!r}")
         return
+    if is_mixture(spec):
+        for i, entry in enumerate(spec):
+            _check_source_entry(entry, i)
+        return
     specs = spec if isinstance(spec, list) else [spec]
     if not specs or not all(isinstance(s, str) for s in specs):
         raise ConfigError(f"input must be a path, a list of paths or {{demo: ...}}, got {spec!r}")
+
+
+def is_mixture(spec) -> bool:
+    """Whether input ``spec`` is a list of sources (mappings: a mixture) rather than of paths."""
+    return isinstance(spec, list) and any(isinstance(s, dict) for s in spec)
+
+
+def _check_source_entry(entry, i: int) -> None:
+    """ConfigError naming mixture source ``i`` unless ``entry`` is a mapping of :data:`SOURCE_KEYS` with one of
+    ``path`` / ``demo`` (checked as a single input is)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"input source {i}: a mixture's input is a list of sources, each a mapping (path: ..., "
+                          f"weight: ...); got {entry!r:.80}")
+    try:
+        name = _source_name(entry, i)
+    except (KeyError, TypeError, IndexError):  # no usable path / demo: told below
+        name = entry.get("name", i)
+    unknown = [k for k in entry if k not in SOURCE_KEYS]
+    if unknown:
+        raise ConfigError(f"input source {name!r}: unknown key {unknown[0]!r}{_close_hint(str(unknown[0]), list(SOURCE_KEYS))}"
+                          f"; a source takes {', '.join(SOURCE_KEYS)} (the other options are the build's)")
+    if ("path" in entry) == ("demo" in entry):
+        raise ConfigError(f"input source {name!r}: give one of path or demo")
+    if "name" in entry and not (isinstance(entry["name"], str) and entry["name"]):
+        raise ConfigError(f"input source {i}: name must be a non-empty string, got {entry['name']!r}")
+    given = {"demo": entry["demo"]} if "demo" in entry else entry["path"]
+    if isinstance(given, list) and any(isinstance(p, dict) for p in given):
+        raise ConfigError(f"input source {name!r}: path must be a path or a list of paths, got {given!r:.80}")
+    try:
+        check_input(given)
+    except ConfigError as exc:
+        raise ConfigError(f"input source {name!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One source of a mixture (:meth:`BuildConfig.sources`): its name, the weight key it gives (``{}``: weight 1)
+    and the build's options with its input and its own options (:data:`SOURCE_OPTIONS`) in place and no
+    ``mixture_*`` option: the config of a build of this source alone."""
+
+    name: str
+    weights: dict
+    config: "BuildConfig"
+
+
+def _source_name(entry: dict, i: int) -> str:
+    """A source's ``name``, else its first file's name up to the first dot, ``demo-KIND`` for demo rows."""
+    if "name" in entry:
+        return entry["name"]
+    if "path" in entry:
+        first = entry["path"][0] if isinstance(entry["path"], list) else entry["path"]
+        return Path(str(first).rstrip("/")).name.split(".")[0] or f"source{i}"
+    if not isinstance(entry["demo"], (dict, type(None))):
+        raise TypeError("demo is not a mapping")
+    return f"demo-{(entry['demo'] or {}).get('kind', 'chat')}"
+
+
+def _source_identity(cfg: "BuildConfig") -> str:
+    """What makes two sources the same data: the demo options, or the resolved paths."""
+    spec = cfg.input
+    if isinstance(spec, dict):
+        return repr(sorted((spec["demo"] or {}).items()))
+    paths = spec if isinstance(spec, list) else [spec]
+    return repr(sorted(p if is_uri(p) else str(cfg.resolve_path(p).resolve()) for p in paths))
 

@@ -12,6 +12,8 @@ template) and splits it into what each stage reads:
 :class:`StoreOptions`     writing the packs and the files beside them (:mod:`thdpack.offline.store`,
                           :mod:`thdpack.offline.commands.bridge_export`)
 :class:`RayOptions`       ``engine: ray``: the cluster or local instance (:mod:`thdpack.offline.cluster`)
+:class:`MixtureOptions`   ``input`` as a list of sources: each source's input and tokenizing options, the blend
+                          (:mod:`thdpack.offline.commands.mixture_build`)
 ==================  ==========================================================================
 
 A stage is handed its own options, never the whole config; each options object is a frozen
@@ -315,6 +317,49 @@ def config_with_engine(cfg: BuildConfig, engine: str | None, ray) -> BuildConfig
 
 
 @dataclass(frozen=True)
+class SourceStages:
+    """One source of a mixture: its name, the weight key it gives (``{}``: weight 1; :class:`MixtureSource`'s
+    fields), and the options of reading and tokenizing it."""
+
+    name: str
+    weights: Mapping
+    inputs: InputOptions
+    tokenize: TokenizeOptions
+
+
+@dataclass(frozen=True)
+class MixtureOptions:
+    """A mixture build (``input``: a list of sources; :func:`thdpack.planning.mixture.plan_mixture`).
+
+    Attributes:
+        sources: each source's :class:`SourceStages`, in the config's order (its index is its ``source_index``).
+        weight_by: ``samples`` or ``tokens``; stopping: ``first_exhausted`` or ``all_exhausted``; size: the weighted
+            sources' part of the blend, or None (from ``stopping``).
+        packing: ``bfd`` (one plan over the blend) or ``stratified`` (every step of ``step_packs`` packs close to it).
+    """
+
+    sources: tuple
+    weight_by: str
+    stopping: str
+    size: int | None
+    packing: str
+    step_packs: int
+
+    @classmethod
+    def from_config(cls, cfg: BuildConfig) -> "MixtureOptions | None":
+        """The mixture options of ``cfg`` (validated), or None when ``input`` is not a list of sources."""
+        from thdpack.offline.config import is_mixture
+
+        if not is_mixture(cfg.input):
+            return None
+        values = tuple(cfg.value_columns())
+        sources = tuple(SourceStages(s.name, dict(s.weights), InputOptions.from_config(s.config),
+                                     TokenizeOptions.from_config(s.config, values)) for s in cfg.sources())
+        return cls(sources, cfg.mixture_weight_by or "samples", cfg.mixture_stopping or "first_exhausted",
+                   cfg.mixture_size, cfg.mixture_packing or "bfd", cfg.mixture_step_packs or 1)
+
+
+@dataclass(frozen=True)
 class BuildStages:
     """A build's configuration resolved once: each stage's options, and the model config read.
 
@@ -323,6 +368,8 @@ class BuildStages:
         model_config: the model config, read (a dict), or None.
         model_given: ``BuildConfig.model_config`` as given (metadata.json records it).
         engine: ``local`` or ``ray`` (``BuildConfig.engine``); ray: its options (used with ``engine: ray``).
+        mixture: a :class:`MixtureOptions` when ``input`` is a list of sources (then ``inputs`` and ``tokenize``
+            are its first source's), else None.
     """
 
     inputs: InputOptions
@@ -334,6 +381,7 @@ class BuildStages:
     model_given: Any
     engine: str
     ray: RayOptions
+    mixture: MixtureOptions | None = None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "BuildStages":
@@ -341,9 +389,11 @@ class BuildStages:
         a model config or chat template that cannot be read."""
         cfg.validate()
         model_config = load_model_config(cfg.model_config, cfg.base_dir)  # before the long steps: fail fast
-        return cls(InputOptions.from_config(cfg), TokenizeOptions.from_config(cfg), VisionOptions.from_config(cfg),
+        mixture = MixtureOptions.from_config(cfg)
+        first = cfg if mixture is None else cfg.sources()[0].config
+        return cls(InputOptions.from_config(first), TokenizeOptions.from_config(first), VisionOptions.from_config(cfg),
                    PlanningOptions.from_config(cfg), StoreOptions.from_config(cfg), model_config, cfg.model_config,
-                   cfg.engine, RayOptions.from_config(cfg))
+                   cfg.engine, RayOptions.from_config(cfg), mixture)
 
 
 # ---------------------------------------------------------------------------- the files the config names

@@ -73,10 +73,11 @@ class DatasetParts:
 
 class PartFiles:
     """The part files of a map, in order: the rows ``datasets.concatenate_datasets`` of them holds, opened
-    (memory-mapped) where they are first read (:attr:`data`, as a ``datasets.Dataset``'s), pickled as their paths."""
+    (memory-mapped) where they are first read (:attr:`data`, as a ``datasets.Dataset``'s), pickled as their paths.
+    ``columns``: only these (the part files of several maps, a mixture's sources)."""
 
-    def __init__(self, paths: list[str]):
-        self.paths = list(paths)
+    def __init__(self, paths: list[str], columns: list[str] | None = None):
+        self.paths, self.columns = list(paths), columns
         self._dataset = None
 
     @property
@@ -85,7 +86,11 @@ class PartFiles:
         if self._dataset is None:
             import datasets
 
-            self._dataset = datasets.concatenate_datasets([datasets.Dataset.from_file(p) for p in self.paths])
+            parts = [datasets.Dataset.from_file(p) for p in self.paths]
+            if self.columns is not None:  # several sources' part files (a mixture): the columns they share
+                parts = [d.select_columns(self.columns) for d in parts]
+                parts = [d if d.features == parts[0].features else d.cast(parts[0].features) for d in parts]
+            self._dataset = datasets.concatenate_datasets(parts)
         return self._dataset
 
     @property
@@ -93,7 +98,7 @@ class PartFiles:
         return self.dataset.data
 
     def __getstate__(self):
-        return {"paths": self.paths, "_dataset": None}
+        return {"paths": self.paths, "columns": self.columns, "_dataset": None}
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,8 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
         lines.append(f"skipped rows     {s['skipped_rows']}")
     if "samples_without_targets" in s:
         lines.append(_without_targets_line(s["samples_without_targets"], s.get("without_targets")))
+    if s.get("mixture"):
+        lines.extend(_mixture_lines(s["mixture"]))
     a = s["attention_flops"]
     if a["overcount"] is None:
         lines.append("attention FLOPs  no tokens packed: no over-count to report")
@@ -230,6 +232,23 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
                 f"({mf['overcount_samples_at_pack_len']:.2f}x if every sample is charged a {s['pack_size']}-token sequence)"
             )
     return "\n".join(lines)
+
+
+def _mixture_lines(m: dict) -> list[str]:
+    """The per-source table of a mixture build (``metadata.json``'s ``mixture`` entry): rows read, dropped before
+    the blend (failed, too long), kept, the blend's rows, samples packed and what the plan dropped, tokens, and the
+    shares of the blend's ``weight_by`` unit as requested, drawn and packed."""
+    lines = [f"mixture          {len(m['sources'])} sources, {m['samples']:,} rows blended (shares of {m['weight_by']}, "
+             f"{m['packing']} packing)",
+             f"  {'source':<16} {'read':>8} {'failed':>6} {'long':>6} {'kept':>8} {'blend':>8} {'rep':>3} "
+             f"{'packed':>8} {'dropped':>7} {'tokens':>12} {'requested':>9} {'realized':>8} {'packed':>7}"]
+    for r in m["sources"]:
+        dropped = r["dropped_overflow"] + r["dropped_without_targets"]
+        lines.append(f"  {r['name'][:16]:<16} {r['rows_read']:>8,} {r['rows_failed']:>6,} {r['rows_too_long']:>6,} "
+                     f"{r['rows_kept']:>8,} {r['blend_rows']:>8,} {r['max_repeats']:>3} {r['packed_samples']:>8,} "
+                     f"{dropped:>7,} {r['tokens']:>12,} {r['requested_share']:>9.4f} {r['realized_share']:>8.4f} "
+                     f"{r['packed_share']:>7.4f}")
+    return lines
 
 
 def _without_targets_line(n: int, w: dict | None) -> str:

@@ -32,7 +32,7 @@ from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
-from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
+from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SOURCE_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PackedMetadata, check_metadata, file_sha256, row_list, value_columns)
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
 from thdpack.common.samples import IGNORE_INDEX
@@ -99,7 +99,8 @@ class PackedRowCollator:
     A row (``DataLoader(batch_size=None)``) gives the :class:`ThdBatch` of that pack;
     a list of rows (``batch_size=k``) gives one :class:`ThdBatch` holding all their
     samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
-    holds the input rows of the samples. ``layout`` (or its fields as keywords),
+    holds the input rows of the samples; of a mixture's packs (a ``source_index`` column), ``source_index``
+    holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
     ``cp_group`` and ``model_config`` are those of :class:`thdpack.ThdCollator` (the
     packs are planned already, so there are no planning arguments): the rows' samples go
     through a ``ThdCollator`` built with them. ``sample_values``: the
@@ -143,6 +144,9 @@ class PackedRowCollator:
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
         batch = _own_pixels(self.collator(samples), samples)
         batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
+        if all(SOURCE_COLUMN in row for row in rows):  # a mixture's packs: each sample's source
+            batch = dataclasses.replace(batch, source_index=torch.from_numpy(np.concatenate(
+                [row_list(row[SOURCE_COLUMN], SOURCE_COLUMN).astype(np.int64) for row in rows])))
         for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
             batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
         return batch

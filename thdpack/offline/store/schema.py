@@ -26,6 +26,9 @@ NAME``             double>            column NAME of each sample's input row (it
                                       its ``group_column`` value's), numbered within the build
 ``prefix_len``     list<int32>        with ``share_prefix: true`` only: the tokens the sample shares
                                       with its group (0: laid out alone); samples are stored whole
+``source_index``   list<int64>        mixture builds only (``input``: a list of sources): each sample's
+                                      source, its position in ``input``; ``sample_index`` is then its
+                                      row within that source
 =================  =================  =====================================================
 
 Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two samples per input row
@@ -74,6 +77,7 @@ VALUE_IS_INT_COLUMN = "__value_int__.{}"
 GROUP_COLUMN = "__group__"  # the tokenized column of a row's ``group_column`` value, as JSON text
 # share_prefix builds: each sample's group number (int64) and its group's shared prefix (int32, 0: unshared)
 PREFIX_COLUMNS = ("group_id", "prefix_len")
+SOURCE_COLUMN = "source_index"  # mixture builds: each sample's source (int64; its position in the config's input)
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
 REBUILD = "rebuild the dataset, or restore the metadata.json its build wrote"
 
@@ -243,6 +247,7 @@ class PackedMetadata(TypedDict, total=False):
     vision: Annotated[dict | None, OBJECT.or_null().optional()]  # VLM builds only (offline/store/vision_columns.py)
     # share_prefix builds only: {min_prefix_len, groups, samples, prefix_tokens, tokens_saved} (offline/commands/build_packs.py)
     share_prefix: Annotated[dict, SHARE_PREFIX.optional()]
+    mixture: dict  # mixture builds only: the blend and per-source counts (offline/commands/mixture_build.py)
     input_slice: dict  # slice builds only (offline/inputs/input_slice.py)
     input_slices: dict  # merged builds only
 

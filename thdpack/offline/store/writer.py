@@ -79,7 +79,8 @@ def write_packs(
             (``plan.sample_index`` indexes it).
         order: ``[num_packs]`` the plan's pack indices in output order.
         row_offset: added to the ``sample_index`` written (an input slice's first row),
-            so that it holds rows of the whole input while ``token_table`` holds the slice's.
+            so that it holds rows of the whole input while ``token_table`` holds the slice's; or int64
+            ``[rows of token_table]`` the ``sample_index`` of each row (a mixture's: its row within its source).
         extra: more columns per pack (VLM builds: :class:`thdpack.offline.store.vision_columns.VisionColumns`):
             ``fields()``, ``pack_bytes(plan, sample_rows)`` (their bytes per pack, for sizing
             data files and record batches) and ``columns(rows, counts)`` (rows of ``token_table``).
@@ -207,7 +208,7 @@ class _PackWriter:
     sample_rows: np.ndarray
     sch: object  # pyarrow.Schema
     file_format: str
-    row_offset: int
+    row_offset: object  # int, or int64 [rows] (write_packs)
     extra: object
     values: dict
     columns: dict = field(default_factory=dict)  # per-sample columns under their own names (pack_files)
@@ -292,7 +293,8 @@ def _chunk(readers: dict, targets: str, plan: PackPlan, sample_rows: np.ndarray,
         pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(out["input_ids"], pa.int32())),
         pa.ListArray.from_arrays(pa.array(tok_offsets), pa.array(tgt, sch.field(targets).type.value_type)),
         pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(plen.astype(np.int32))),
-        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(rows.astype(np.int64) + row_offset)),
+        pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(
+            row_offset[rows] if isinstance(row_offset, np.ndarray) else rows.astype(np.int64) + row_offset)),
         pa.ListArray.from_arrays(pa.array(smp_offsets), pa.array(pstart.astype(np.int32))),
     ]
     if extra is not None:

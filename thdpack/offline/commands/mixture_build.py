@@ -1,0 +1,315 @@
+"""A mixture build (``input``: a list of sources): read and tokenize each source by its own options, blend
+the kept rows by the sources' weights, plan the blend into packs.
+
+1. **Each source** is read and tokenized as a build of that source alone would (its own ``format``, ``loss``,
+   ``chat_template``, fields, ``max_rows``; the build's tokenizer and targets), locally or on Ray, into its own
+   work directory; its bad and too long rows are found as a single build finds them (``skip_bad_rows`` counts
+   them, per source and cause).
+2. **The blend**: :func:`thdpack.planning.mixture.plan_mixture` over each source's kept rows (a preference
+   row, chosen + rejected, is one row; ``weight_by: tokens`` counts its tokens), seeded by the build's ``seed``:
+   which rows, how many times, in what order is a function of the kept row counts, their lengths, the weights and
+   the seed only, whatever the engine and ``num_proc``.
+3. **The plan** over the blend's samples, as a repeated row is a sample of its own: the build's algorithm over
+   the whole blend (``mixture_packing: bfd``), or :func:`~thdpack.planning.mixture.plan_stratified`
+   (``stratified``: every step of ``mixture_step_packs`` packs close to the blend). A preference pair stays in
+   one pack. ``without_targets`` and ``overflow`` apply as in any build.
+
+The sources' tokenized rows are put side by side (their tokens and targets; on Ray their part files, read where
+they are), so the pack writer reads them as one build's. Each packed sample records its source
+(``source_index``, the source's position in ``input``) and its row within that source (``sample_index``:
+a preference source's chosen / rejected rows ``2r`` / ``2r + 1`` as in a single build). ``metadata.json``'s
+``mixture`` entry reports per source the rows read, failed, too long, kept, the blend's rows (repeats
+included) and most repeats, what the plan dropped (``overflow: drop``, ``without_targets``), the samples, tokens and
+target tokens packed, and its share of the blend as requested, as drawn (``realized_share``) and as packed
+(``packed_share``, after what the plan dropped), in the ``weight_by`` unit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from thdpack.offline.commands import sample_plan as sp
+from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.inputs.sources import Source, read_source
+from thdpack.offline.stages import BuildStages, SourceStages
+from thdpack.offline.tokenizing.row_formats import row_format
+from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TAIL_TARGETS_COLUMN
+from thdpack.offline.tokenizing.tokenize_step import Tokenized, resolve_format, tokenize_source
+from thdpack.offline.vision.vlm_setup import vlm_build
+from thdpack.planning.mixture import MixtureSource, plan_mixture, plan_stratified
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass
+class _SourceRows:
+    """One source read, tokenized and filtered (its rows and sequences numbered within the source)."""
+
+    name: str
+    source: Source
+    tokenized: Tokenized
+    sequences: object  # sample_plan.Sequences
+    sample_rows: np.ndarray  # int64: its usable sequences
+    skipped: list  # (input row, reason)
+    failed: int  # rows that failed to tokenize (the rest of skipped: too long)
+
+    @property
+    def per_row(self) -> int:
+        """Sequences per row: 2 for preference rows, else 1."""
+        return row_format(self.tokenized.fmt).sequences_per_row
+
+
+@dataclass(frozen=True)
+class BlendedInput:
+    """The sources of a mixture as the build's one input: rows numbered source after source (``where`` names the
+    source), their files, and a fingerprint of the sources' names and fingerprints."""
+
+    names: tuple
+    sources: tuple  # Source
+    row_offsets: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "row_offsets", np.cumsum([0] + [s.num_rows for s in self.sources]))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets[-1])
+
+    @property
+    def files(self) -> list:
+        return [f for s in self.sources for f in s.files]
+
+    @property
+    def fingerprint(self) -> str:
+        text = json.dumps([[n, s.fingerprint] for n, s in zip(self.names, self.sources)])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def where(self, row: int) -> str:
+        """``source NAME: file:line`` of row ``row`` (numbered source after source)."""
+        k = int(np.searchsorted(self.row_offsets, row, side="right") - 1)
+        return f"source {self.names[k]!r}: {self.sources[k].where(int(row - self.row_offsets[k]))}"
+
+
+@dataclass(frozen=True)
+class MixtureRecord:
+    """What a mixture build adds to its packs and its metadata: per tokenized row (the sources' side by side) its
+    source and its row within the source (the ``sample_index`` written), and the per-source report."""
+
+    row_source: np.ndarray  # int64 [tokenized rows]
+    row_ids: np.ndarray  # int64 [tokenized rows]
+    report: dict  # metadata.json's mixture entry (finished by record_written)
+
+
+def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, input_slice=None,
+                    ray_session=None) -> "sp.Prepared":
+    """Read, tokenize, blend and plan the sources of ``stages.mixture`` (see the module docstring): a
+    :class:`~thdpack.offline.commands.sample_plan.Prepared` whose ``sample_rows`` index the sources' tokenized rows
+    side by side (a repeated row once per repeat) and whose ``mixture`` is the :class:`MixtureRecord`."""
+    import time
+
+    if input_slice is not None:
+        raise ConfigError("--slice is not available for a mixture: the blend needs every source's kept rows; build "
+                          "in one process (num_proc: N, or engine: ray, parallelises the tokenizing)")
+    mixture, planning = stages.mixture, stages.planning
+    t0 = time.perf_counter()
+    rows = [_source_rows(i, s, stages, work_dir, progress, ray_session) for i, s in enumerate(mixture.sources)]
+    timings = {"tokenize": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    blend = _blend(rows, mixture, planning.plan.seed)
+    logger.info(str(blend))
+    tokenized = _side_by_side(rows, planning.targets, stages.tokenize.value_columns)
+    seq_offset = np.cumsum([0] + [r.tokenized.lengths.size for r in rows])[:-1]
+    blend_seq, blend_item = _blend_sequences(rows, blend, seq_offset)
+    has_pairs = any(r.per_row > 1 for r in rows)
+    if has_pairs and mixture.packing == "stratified":
+        raise ConfigError("mixture_packing stratified cannot keep preference pairs together yet: use bfd")
+    sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if has_pairs else None, False)
+    item_source = blend.source
+    planner = _BlendPlanner(planning, sequences, item_source, mixture)
+    count_tables = sp.target_counter(planning.targets, tokenized, ray_session)
+    count = (lambda r, s, n: count_tables(blend_seq[r], s, n))
+    where = _ItemWhere(rows, blend)
+    plan, vrows, piece_targets, without = sp.plan_samples(planner, count, where,
+                                                           np.arange(blend_seq.size, dtype=np.int64))
+    timings["plan"] = time.perf_counter() - t0
+    sp.log_plan(planning, plan, without, timings["plan"])
+    blended = BlendedInput(tuple(r.name for r in rows), tuple(r.source for r in rows))
+    skipped = sorted((int(blended.row_offsets[k]) + row, why) for k, r in enumerate(rows) for row, why in r.skipped)
+    sample_rows = blend_seq[vrows]
+    row_source = np.repeat(np.arange(len(rows), dtype=np.int64), [r.tokenized.lengths.size for r in rows])
+    row_ids = np.arange(row_source.size, dtype=np.int64) - seq_offset[row_source]
+    report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
+                     item_source[blend_item])
+    return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, timings,
+                       stages.model_config, mixture=MixtureRecord(row_source, row_ids, report))
+
+
+def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progress: bool, ray_session) -> _SourceRows:
+    """Source ``i`` read, tokenized into ``work_dir/source-i`` and filtered as a build of it alone would."""
+    planning = stages.planning
+    work = work_dir / f"source-{i:03d}"
+    work.mkdir()
+    try:
+        if ray_session is None:
+            source = read_source(src.inputs, progress=progress, fetch_dir=work / "inputs")
+        else:
+            from thdpack.offline.inputs.cluster_source import read_on_cluster
+
+            source = read_on_cluster(ray_session, src.inputs, progress=progress, fetch_dir=work / "inputs")
+        if source.num_rows == 0:
+            raise InputError("no rows")
+        fmt = resolve_format(src.tokenize, source)
+        pairs = row_format(fmt).sequences_per_row > 1
+        if pairs:
+            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)")
+        if vlm_build(stages.vision, stages.model_config, source) is not None:
+            raise ConfigError("rows with images cannot be mixed yet: build this source on its own")
+        mapper = None
+        if ray_session is not None:
+            from thdpack.offline.cluster.ray_map import map_on_ray
+
+            mapper = functools.partial(map_on_ray, ray_session, progress=progress, name=f"source {src.name!r}")
+        tokenized = tokenize_source(src.tokenize, source, work, progress=progress, mapper=mapper)
+        sequences = sp.sequences_of(tokenized, planning, pairs)
+        sample_rows, skipped, _, _ = sp.select_rows(planning, source, tokenized, sequences, None, ray_session)
+    except (ConfigError, InputError) as exc:
+        raise type(exc)(f"mixture source {src.name!r}: {exc}") from None
+    failed = np.unique(sequences.row[[s for s, _ in tokenized.errors]]).size if tokenized.errors else 0
+    logger.info(f"source {src.name!r}: {source.num_rows:,} rows ({tokenized.fmt}), {len(skipped):,} skipped")
+    return _SourceRows(src.name, source, tokenized, sequences, sample_rows, skipped, failed)
+
+
+def _blend(rows: list[_SourceRows], mixture, seed: int):
+    """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept rows (its ``row``: the index of a
+    kept row, ascending input rows)."""
+    sources = []
+    for r, spec in zip(rows, mixture.sources):
+        seq_row = r.sequences.row[r.sample_rows]
+        kept = np.unique(seq_row)
+        tokens = np.bincount(seq_row, weights=r.sequences.lengths[r.sample_rows], minlength=int(kept[-1]) + 1)
+        try:
+            sources.append(MixtureSource(r.name, int(kept.size), lengths=tokens[kept].astype(np.int64),
+                                         **dict(spec.weights)))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+    try:
+        return plan_mixture(sources, weight_by=mixture.weight_by, size=mixture.size, stopping=mixture.stopping,
+                            seed=seed)
+    except ValueError as exc:
+        raise InputError(f"mixture: {exc}") from None
+
+
+def _kept_rows(r: _SourceRows) -> np.ndarray:
+    return np.unique(r.sequences.row[r.sample_rows])
+
+
+def _blend_sequences(rows: list[_SourceRows], blend, seq_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(blend_seq, blend_item)``: int64 the tokenized row (the sources side by side) of every sequence of the
+    blend, in blend order (a preference row's chosen then rejected), and the blend sample it belongs to."""
+    per_row = np.array([r.per_row for r in rows], np.int64)
+    input_row = np.zeros(len(blend), np.int64)
+    for k, r in enumerate(rows):
+        mine = blend.source == k
+        input_row[mine] = _kept_rows(r)[blend.row[mine]]
+    k_item = per_row[blend.source]
+    first = seq_offset[blend.source] + input_row * k_item
+    blend_item = np.repeat(np.arange(len(blend), dtype=np.int64), k_item)
+    within = np.arange(blend_item.size, dtype=np.int64) - np.repeat(np.cumsum(k_item) - k_item, k_item)
+    return np.repeat(first, k_item) + within, blend_item
+
+
+def _side_by_side(rows: list[_SourceRows], targets: str, value_columns) -> Tokenized:
+    """The sources' tokenized rows as one :class:`Tokenized` (rows source after source): the columns the planner
+    and the writer read (locally the tokens too; on Ray the small ones, the part files for the tokens)."""
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    from thdpack.offline.store.schema import VALUE_COLUMN, VALUE_IS_INT_COLUMN
+
+    values = [c for name in value_columns for c in (VALUE_COLUMN.format(name), VALUE_IS_INT_COLUMN.format(name))]
+    small = [TAIL_TARGETS_COLUMN, ERROR_COLUMN, *values]
+    on_ray = rows[0].tokenized.files is not None
+    columns = small if on_ray else ["input_ids", targets, *small]
+    tables = [r.tokenized.dataset.data.table.select(columns) for r in rows]
+    table = pa.concat_tables([t.cast(tables[0].schema) for t in tables])
+    files = None
+    if on_ray:
+        from thdpack.offline.cluster.ray_map import PartFiles
+
+        files = PartFiles([p for r in rows for p in r.tokenized.files.paths], columns=["input_ids", targets])
+    first = next((r.tokenized for r in rows if r.tokenized.tokenizer is not None), rows[0].tokenized)
+    return Tokenized(datasets.Dataset(InMemoryTable(table)), np.concatenate([r.tokenized.lengths for r in rows]),
+                     [], "mixture", first.tokenizer, first.tokenizer_info, files)
+
+
+@dataclass(frozen=True)
+class _ItemWhere:
+    """``where(item)``: which source and row a blend sample is, for the planner's messages."""
+
+    rows: list
+    blend: object
+
+    def where(self, item: int) -> str:
+        k = int(self.blend.source[item])
+        r = self.rows[k]
+        return f"source {r.name!r}: {r.source.where(int(_kept_rows(r)[self.blend.row[item]]))}"
+
+
+@dataclass(frozen=True)
+class _BlendPlanner:
+    """The plan of any subset of the blend's sequences: the build's algorithm (``packing: bfd``) or
+    :func:`~thdpack.planning.mixture.plan_stratified`; what ``sample_plan.plan_samples`` calls."""
+
+    planning: object
+    sequences: object
+    item_source: np.ndarray  # int64 [blend samples]
+    mixture: object
+
+    def plan(self, rows: np.ndarray):
+        if self.mixture.packing != "stratified":
+            return sp.Planner(self.planning, self.sequences, None, None).plan(rows)
+        opts = self.planning.plan
+        return plan_stratified(self.sequences.lengths[rows], self.item_source[self.sequences.row[rows]],
+                               opts.pack_size, step_packs=self.mixture.step_packs, weight_by=self.mixture.weight_by,
+                               align=opts.align, overflow=opts.overflow,
+                               max_samples_per_pack=opts.max_samples_per_pack)
+
+
+def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, seq_source) -> dict:
+    """``metadata.json``'s ``mixture`` entry: the blend's options and per source what was read, kept, blended,
+    dropped (by cause) and packed."""
+    n = len(rows)
+    piece_source = sample_source[plan.sample_index]
+    tokens = np.bincount(piece_source, weights=plan.length, minlength=n).astype(np.int64)
+    targets = np.bincount(piece_source, weights=piece_targets, minlength=n).astype(np.int64)
+    packed = np.bincount(sample_source[np.unique(plan.sample_index)], minlength=n)
+    dropped_overflow = np.bincount(sample_source[plan.dropped], minlength=n) if plan.dropped.size else np.zeros(n)
+    dropped_targets = (np.bincount(seq_source[without.rows], minlength=n) if without.dropped_samples
+                       else np.zeros(n, np.int64))
+    per_row = np.array([r.per_row for r in rows], np.int64)
+    packed_units = tokens.astype(np.float64) if mixture.weight_by == "tokens" else packed / per_row
+    report = blend.report()
+    sources = []
+    for k, (r, b) in enumerate(zip(rows, report)):
+        spec = mixture.sources[k]
+        sources.append({
+            "name": r.name, "source_index": k, "format": r.tokenized.fmt,
+            "given": {key: value for key, value in spec.weights.items()} or {"weight": 1.0},
+            "rows_read": r.source.num_rows, "rows_failed": int(r.failed),
+            "rows_too_long": len(r.skipped) - int(r.failed), "rows_kept": b["rows"],
+            "blend_rows": b["samples"], "max_repeats": b["max_repeats"],
+            "dropped_overflow": int(dropped_overflow[k]), "dropped_without_targets": int(dropped_targets[k]),
+            "packed_samples": int(packed[k]), "tokens": int(tokens[k]), "target_tokens": int(targets[k]),
+            "requested_share": round(b["requested_share"], 6), "realized_share": round(b["realized_share"], 6),
+            "packed_share": round(float(packed_units[k] / max(packed_units.sum(), 1)), 6),
+        })
+    return {"weight_by": mixture.weight_by, "stopping": mixture.stopping, "size": mixture.size,
+            "packing": mixture.packing, "step_packs": mixture.step_packs, "samples": len(blend), "sources": sources}
