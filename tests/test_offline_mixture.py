@@ -269,3 +269,29 @@ def test_a_source_left_empty_by_filtering_is_named(files, tmp_path):
         build_packed(cfg, tmp_path / "out", progress=False)
     assert str(caught.value).startswith("mixture source 'long': no usable rows") and "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_sample_values_follow_their_samples_across_sources(tmp_path):
+    """``sample_values`` (a column every source has) are written per sample of the mixture, each its row's."""
+    chat = [dict(r, score=float(i) / 4) for i, r in enumerate(generate_rows(80, seed=8, kind="chat"))]
+    prose = [dict(r, score=1000 + i) for i, r in enumerate(generate_rows(50, seed=9, kind="text"))]
+    write_jsonl(chat, tmp_path / "c.jsonl")
+    write_jsonl(prose, tmp_path / "p.jsonl")
+    cfg = BuildConfig(input=[{"path": str(tmp_path / "c.jsonl"), "format": "chat", "weight": 1},
+                             {"path": str(tmp_path / "p.jsonl"), "format": "text", "epochs": 2}],
+                      tokenizer=TOK, pack_size=4096, overflow="truncate", sample_values=["score"])
+    ds = load_packed(build_packed(cfg, tmp_path / "out", progress=False).path)
+    seen = 0
+    for k in range(len(ds)):
+        row = ds[k]
+        for src, idx, value in zip(row["source_index"], row["sample_index"], row["sample_values.score"]):
+            assert value == (chat[idx]["score"] if src == 0 else prose[idx]["score"]), (k, src, idx)
+            seen += 1
+    assert seen == 80 + 100
+
+
+def test_stratified_packing_of_pairs_is_refused(files, tmp_path):
+    cfg = mixture_config(files, mixture_packing="stratified")
+    with pytest.raises(ConfigError, match="stratified cannot keep preference pairs together yet"):
+        build_packed(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
