@@ -93,7 +93,8 @@ def test_the_packed_samples_are_the_blend_of_the_kept_rows(built):
     cfg, result = built
     meta = result.metadata
     report = meta["mixture"]["sources"]
-    kept = [r["rows_kept"] for r in report]
+    kept = [r["units_kept"] for r in report]
+    assert [r["unit"] for r in report] == ["row", "row", "pair"] and kept == [r["rows_kept"] for r in report]
     sources = [{"name": s.name, "num_rows": n, **s.weights} for s, n in zip(cfg.sources(), kept)]
     blend = plan_mixture(sources, stopping="all_exhausted", seed=cfg.seed)
     samples = _samples_by_source(result.path)
@@ -104,10 +105,10 @@ def test_the_packed_samples_are_the_blend_of_the_kept_rows(built):
         assert rows.size == blend.counts[k] and rows.size * per_row[k] == r["packed_samples"]
         assert counts.max() == r["max_repeats"] == blend.repeats(k).max()
         assert sorted(counts[counts > 0].tolist()) == sorted(blend.repeats(k)[blend.repeats(k) > 0].tolist())
-        assert r["blend_rows"] == blend.counts[k]
+        assert r["blend_units"] == blend.counts[k]
         assert r["requested_share"] == pytest.approx(blend.requested_share[k], abs=1e-6)
         assert r["realized_share"] == pytest.approx(blend.realized_share[k], abs=1e-6)
-    assert report[2]["blend_rows"] == 90  # epochs 1.5 of 60 rows
+    assert report[2]["blend_units"] == 90  # epochs 1.5 of 60 rows
     # every row read is accounted for, per source
     for r in report:
         assert r["rows_read"] == r["rows_kept"] + r["rows_failed"] + r["rows_too_long"]
@@ -292,6 +293,43 @@ def test_sample_values_follow_their_samples_across_sources(tmp_path):
 
 def test_stratified_packing_of_pairs_is_refused(files, tmp_path):
     cfg = mixture_config(files, mixture_packing="stratified")
-    with pytest.raises(ConfigError, match="stratified cannot keep preference pairs together yet"):
+    with pytest.raises(ConfigError, match="stratified cannot keep preference pairs or group_column groups together"):
         build_packed(cfg, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_group_column_groups_are_the_units_of_the_blend(tmp_path):
+    """With ``group_column`` a source's unit is its group: drawn, repeated and packed whole (every member of a
+    drawn group in one pack, as often as the group was drawn); a source without the column's groups is read as
+    groups of one."""
+    base = generate_rows(90, seed=11, kind="chat")
+    grouped = [dict(r, gid=f"g{i // 3}") for i, r in enumerate(base)]  # 30 groups of 3
+    single = [dict(r, gid=f"s{i}") for i, r in enumerate(generate_rows(40, seed=12, kind="chat"))]
+    write_jsonl(grouped, tmp_path / "grouped.jsonl")
+    write_jsonl(single, tmp_path / "single.jsonl")
+    cfg = BuildConfig(input=[{"path": str(tmp_path / "grouped.jsonl"), "epochs": 1.5},
+                             {"path": str(tmp_path / "single.jsonl"), "weight": 1}],
+                      tokenizer=TOK, pack_size=8192, group_column="gid", skip_bad_rows=True)
+    result = build_packed(cfg, tmp_path / "out", progress=False)
+    report = result.metadata["mixture"]["sources"]
+    assert [r["unit"] for r in report] == ["group", "group"]
+    kept_groups = report[0]["units_kept"]
+    assert report[0]["blend_units"] == round(1.5 * kept_groups + 1e-9) and report[0]["max_repeats"] == 2
+    ds = load_packed(result.path)
+    packs = []
+    for k in range(len(ds)):
+        row = ds[k]
+        in_pack: dict = {}
+        for src, idx in zip(row["source_index"].tolist(), row["sample_index"].tolist()):
+            if src == 0:
+                in_pack.setdefault(idx // 3, []).append(idx)
+        packs.append(in_pack)
+    members = {g: set(m) for p in packs for g, m in p.items()}  # a group's kept rows, wherever they are
+    drawn: dict = {}
+    for k, in_pack in enumerate(packs):
+        for group, rows in in_pack.items():  # every copy of a drawn group whole in this pack
+            copies, left = divmod(len(rows), len(members[group]))
+            assert not left and sorted(rows) == sorted(list(members[group]) * copies), (k, group, rows)
+            drawn[group] = drawn.get(group, 0) + copies
+    assert sum(drawn.values()) == report[0]["blend_units"] and set(drawn.values()) <= {1, 2}
+    assert len(drawn) == kept_groups

@@ -305,11 +305,9 @@ class BuildConfig:
                 raise ConfigError(f"{given[0]} needs input as a list of sources (a mixture; docs/build.md, Mixtures)")
             return
         self.sources()
-        refused = {"share_prefix": self.share_prefix, "group_column": self.group_column is not None}
-        for name, bad in refused.items():
-            if bad:
-                raise ConfigError(f"a mixture cannot be built with {name} yet: build each source on its own, or "
-                                  f"remove {name}")
+        if self.share_prefix:
+            raise ConfigError("a mixture cannot be built with share_prefix yet: build each source on its own, or "
+                              "remove share_prefix")
         if self.mixture_step_packs is not None and self.mixture_packing != "stratified":
             raise ConfigError("mixture_step_packs needs mixture_packing: stratified")
 

@@ -5,21 +5,22 @@ the kept rows by the sources' weights, plan the blend into packs.
    ``chat_template``, fields, ``max_rows``; the build's tokenizer and targets), locally or on Ray, into its own
    work directory; its bad and too long rows are found as a single build finds them (``skip_bad_rows`` counts
    them, per source and cause).
-2. **The blend**: :func:`thdpack.planning.mixture.plan_mixture` over each source's kept rows (a preference
-   row, chosen + rejected, is one row; ``weight_by: tokens`` counts its tokens), seeded by the build's ``seed``:
-   which rows, how many times, in what order is a function of the kept row counts, their lengths, the weights and
+2. **The blend**: :func:`thdpack.planning.mixture.plan_mixture` over each source's kept *units*: its rows, or
+   with ``group_column`` its groups (a group is drawn, repeated and packed whole); a preference row (chosen +
+   rejected) is one unit; ``weight_by: tokens`` counts a unit's tokens. Seeded by the build's ``seed``: which
+   units, how many times, in what order is a function of the kept unit counts, their lengths, the weights and
    the seed only, whatever the engine and ``num_proc``.
 3. **The plan** over the blend's samples, as a repeated row is a sample of its own: the build's algorithm over
    the whole blend (``mixture_packing: bfd``), or :func:`~thdpack.planning.mixture.plan_stratified`
-   (``stratified``: every step of ``mixture_step_packs`` packs close to the blend). A preference pair stays in
-   one pack. ``without_targets`` and ``overflow`` apply as in any build.
+   (``stratified``: every step of ``mixture_step_packs`` packs close to the blend; not with pairs or groups).
+   A preference pair, a group, stays in one pack. ``without_targets`` and ``overflow`` apply as in any build.
 
 The sources' tokenized rows are put side by side (their tokens and targets; on Ray their part files, read where
 they are), so the pack writer reads them as one build's. Each packed sample records its source
 (``source_index``, the source's position in ``input``) and its row within that source (``sample_index``:
 a preference source's chosen / rejected rows ``2r`` / ``2r + 1`` as in a single build). ``metadata.json``'s
-``mixture`` entry reports per source the rows read, failed, too long, kept, the blend's rows (repeats
-included) and most repeats, what the plan dropped (``overflow: drop``, ``without_targets``), the samples, tokens and
+``mixture`` entry reports per source the rows read, failed, too long, kept, its unit (row, pair, group), the
+units kept and in the blend (repeats included) and the most repeats, what the plan dropped (``overflow: drop``, ``without_targets``), the samples, tokens and
 target tokens packed, and its share of the blend as requested, as drawn (``realized_share``) and as packed
 (``packed_share``, after what the plan dropped), in the ``weight_by`` unit.
 """
@@ -64,6 +65,32 @@ class _SourceRows:
     def per_row(self) -> int:
         """Sequences per row: 2 for preference rows, else 1."""
         return row_format(self.tokenized.fmt).sequences_per_row
+
+    @property
+    def unit(self) -> str:
+        """What the blend draws of this source: a ``group`` (``group_column``), a ``pair`` (preference rows) or a
+        ``row``."""
+        return "group" if self.grouped else "pair" if self.per_row > 1 else "row"
+
+    @property
+    def grouped(self) -> bool:
+        return self.sequences.group is not None and self.per_row == 1
+
+    @functools.cached_property
+    def units(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(sequences, offsets)``: the source's blend units (:attr:`unit`), each its kept sequences (ascending),
+        as int64 CSR arrays: unit ``u``'s are ``sequences[offsets[u]:offsets[u + 1]]``; units in the order of their
+        group (a row's, a pair's: its row)."""
+        seqs = self.sample_rows
+        key = self.sequences.row[seqs] if self.sequences.group is None else self.sequences.group[seqs]
+        order = np.argsort(key, kind="stable")
+        _, first = np.unique(key[order], return_index=True)
+        return seqs[order], np.append(first, seqs.size).astype(np.int64)
+
+    def unit_rows(self, units: np.ndarray) -> np.ndarray:
+        """int64 the first input row of each of ``units``."""
+        seqs, offsets = self.units
+        return self.sequences.row[seqs[offsets[units]]]
 
 
 @dataclass(frozen=True)
@@ -127,10 +154,11 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     tokenized = _side_by_side(rows, planning.targets, stages.tokenize.value_columns)
     seq_offset = np.cumsum([0] + [r.tokenized.lengths.size for r in rows])[:-1]
     blend_seq, blend_item = _blend_sequences(rows, blend, seq_offset)
-    has_pairs = any(r.per_row > 1 for r in rows)
-    if has_pairs and mixture.packing == "stratified":
-        raise ConfigError("mixture_packing stratified cannot keep preference pairs together yet: use bfd")
-    sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if has_pairs else None, False)
+    grouped = any(r.unit != "row" for r in rows)
+    if grouped and mixture.packing == "stratified":
+        raise ConfigError("mixture_packing stratified cannot keep preference pairs or group_column groups together "
+                          "yet: use bfd")
+    sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if grouped else None, False)
     item_source = blend.source
     planner = _BlendPlanner(planning, sequences, item_source, mixture)
     count_tables = sp.target_counter(planning.targets, tokenized, ray_session)
@@ -145,8 +173,9 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     sample_rows = blend_seq[vrows]
     row_source = np.repeat(np.arange(len(rows), dtype=np.int64), [r.tokenized.lengths.size for r in rows])
     row_ids = np.arange(row_source.size, dtype=np.int64) - seq_offset[row_source]
+    packed_items = np.unique(blend_item[vrows[np.unique(plan.sample_index)]])
     report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
-                     item_source[blend_item])
+                     item_source[blend_item], item_source[packed_items])
     return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, timings,
                        stages.model_config, mixture=MixtureRecord(row_source, row_ids, report))
 
@@ -167,8 +196,9 @@ def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progr
             raise InputError("no rows")
         fmt = resolve_format(src.tokenize, source)
         pairs = row_format(fmt).sequences_per_row > 1
-        if pairs:
-            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)")
+        if pairs or planning.group_column:  # a pair, a group: one unit of the blend, in one pack
+            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)" if pairs else
+                                   "group_column")
         if vlm_build(stages.vision, stages.model_config, source) is not None:
             raise ConfigError("rows with images cannot be mixed yet: build this source on its own")
         mapper = None
@@ -187,15 +217,14 @@ def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progr
 
 
 def _blend(rows: list[_SourceRows], mixture, seed: int):
-    """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept rows (its ``row``: the index of a
-    kept row, ascending input rows)."""
+    """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept units (:attr:`_SourceRows.units`;
+    its ``row``: a unit's index)."""
     sources = []
     for r, spec in zip(rows, mixture.sources):
-        seq_row = r.sequences.row[r.sample_rows]
-        kept = np.unique(seq_row)
-        tokens = np.bincount(seq_row, weights=r.sequences.lengths[r.sample_rows], minlength=int(kept[-1]) + 1)
+        seqs, offsets = r.units
+        tokens = np.add.reduceat(r.sequences.lengths[seqs], offsets[:-1]) if seqs.size else np.zeros(0, np.int64)
         try:
-            sources.append(MixtureSource(r.name, int(kept.size), lengths=tokens[kept].astype(np.int64),
+            sources.append(MixtureSource(r.name, int(offsets.size - 1), lengths=tokens.astype(np.int64),
                                          **dict(spec.weights)))
         except ValueError as exc:
             raise InputError(str(exc)) from None
@@ -206,23 +235,24 @@ def _blend(rows: list[_SourceRows], mixture, seed: int):
         raise InputError(f"mixture: {exc}") from None
 
 
-def _kept_rows(r: _SourceRows) -> np.ndarray:
-    return np.unique(r.sequences.row[r.sample_rows])
-
-
 def _blend_sequences(rows: list[_SourceRows], blend, seq_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(blend_seq, blend_item)``: int64 the tokenized row (the sources side by side) of every sequence of the
-    blend, in blend order (a preference row's chosen then rejected), and the blend sample it belongs to."""
-    per_row = np.array([r.per_row for r in rows], np.int64)
-    input_row = np.zeros(len(blend), np.int64)
+    blend, in blend order (a unit's sequences ascending: a preference row's chosen then rejected), and the blend
+    sample (unit) it belongs to."""
+    counts = np.zeros(len(blend), np.int64)
     for k, r in enumerate(rows):
-        mine = blend.source == k
-        input_row[mine] = _kept_rows(r)[blend.row[mine]]
-    k_item = per_row[blend.source]
-    first = seq_offset[blend.source] + input_row * k_item
-    blend_item = np.repeat(np.arange(len(blend), dtype=np.int64), k_item)
-    within = np.arange(blend_item.size, dtype=np.int64) - np.repeat(np.cumsum(k_item) - k_item, k_item)
-    return np.repeat(first, k_item) + within, blend_item
+        mine = np.flatnonzero(blend.source == k)
+        offsets = r.units[1]
+        counts[mine] = offsets[blend.row[mine] + 1] - offsets[blend.row[mine]]
+    blend_item = np.repeat(np.arange(len(blend), dtype=np.int64), counts)
+    within = np.arange(blend_item.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    blend_seq = np.zeros(blend_item.size, np.int64)
+    item_source = blend.source[blend_item]
+    for k, r in enumerate(rows):
+        sel = np.flatnonzero(item_source == k)
+        seqs, offsets = r.units
+        blend_seq[sel] = seqs[offsets[blend.row[blend_item[sel]]] + within[sel]] + seq_offset[k]
+    return blend_seq, blend_item
 
 
 def _side_by_side(rows: list[_SourceRows], targets: str, value_columns) -> Tokenized:
@@ -260,7 +290,7 @@ class _ItemWhere:
     def where(self, item: int) -> str:
         k = int(self.blend.source[item])
         r = self.rows[k]
-        return f"source {r.name!r}: {r.source.where(int(_kept_rows(r)[self.blend.row[item]]))}"
+        return f"source {r.name!r}: {r.source.where(int(r.unit_rows(np.array([self.blend.row[item]]))[0]))}"
 
 
 @dataclass(frozen=True)
@@ -283,7 +313,7 @@ class _BlendPlanner:
                                max_samples_per_pack=opts.max_samples_per_pack)
 
 
-def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, seq_source) -> dict:
+def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, seq_source, packed_item_source) -> dict:
     """``metadata.json``'s ``mixture`` entry: the blend's options and per source what was read, kept, blended,
     dropped (by cause) and packed."""
     n = len(rows)
@@ -294,8 +324,8 @@ def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, s
     dropped_overflow = np.bincount(sample_source[plan.dropped], minlength=n) if plan.dropped.size else np.zeros(n)
     dropped_targets = (np.bincount(seq_source[without.rows], minlength=n) if without.dropped_samples
                        else np.zeros(n, np.int64))
-    per_row = np.array([r.per_row for r in rows], np.int64)
-    packed_units = tokens.astype(np.float64) if mixture.weight_by == "tokens" else packed / per_row
+    packed_units = (tokens.astype(np.float64) if mixture.weight_by == "tokens"
+                    else np.bincount(packed_item_source, minlength=n).astype(np.float64))
     report = blend.report()
     sources = []
     for k, (r, b) in enumerate(zip(rows, report)):
@@ -304,8 +334,9 @@ def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, s
             "name": r.name, "source_index": k, "format": r.tokenized.fmt,
             "given": {key: value for key, value in spec.weights.items()} or {"weight": 1.0},
             "rows_read": r.source.num_rows, "rows_failed": int(r.failed),
-            "rows_too_long": len(r.skipped) - int(r.failed), "rows_kept": b["rows"],
-            "blend_rows": b["samples"], "max_repeats": b["max_repeats"],
+            "rows_too_long": len(r.skipped) - int(r.failed),
+            "rows_kept": int(np.unique(r.sequences.row[r.sample_rows]).size), "unit": r.unit,
+            "units_kept": b["rows"], "blend_units": b["samples"], "max_repeats": b["max_repeats"],
             "dropped_overflow": int(dropped_overflow[k]), "dropped_without_targets": int(dropped_targets[k]),
             "packed_samples": int(packed[k]), "tokens": int(tokens[k]), "target_tokens": int(targets[k]),
             "requested_share": round(b["requested_share"], 6), "realized_share": round(b["realized_share"], 6),

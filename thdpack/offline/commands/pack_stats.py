@@ -236,16 +236,16 @@ def format_summary(s: dict, *, title: str | None = None) -> str:
 
 def _mixture_lines(m: dict) -> list[str]:
     """The per-source table of a mixture build (``metadata.json``'s ``mixture`` entry): rows read, dropped before
-    the blend (failed, too long), kept, the blend's rows, samples packed and what the plan dropped, tokens, and the
-    shares of the blend's ``weight_by`` unit as requested, drawn and packed."""
-    lines = [f"mixture          {len(m['sources'])} sources, {m['samples']:,} rows blended (shares of {m['weight_by']}, "
+    the blend (failed, too long), kept, the blend's units (rows, pairs or groups), samples packed and what the plan
+    dropped, tokens, and the shares of the blend's ``weight_by`` unit as requested, drawn and packed."""
+    lines = [f"mixture          {len(m['sources'])} sources, {m['samples']:,} units blended (shares of {m['weight_by']}, "
              f"{m['packing']} packing)",
              f"  {'source':<16} {'read':>8} {'failed':>6} {'long':>6} {'kept':>8} {'blend':>8} {'rep':>3} "
              f"{'packed':>8} {'dropped':>7} {'tokens':>12} {'requested':>9} {'realized':>8} {'packed':>7}"]
     for r in m["sources"]:
         dropped = r["dropped_overflow"] + r["dropped_without_targets"]
         lines.append(f"  {r['name'][:16]:<16} {r['rows_read']:>8,} {r['rows_failed']:>6,} {r['rows_too_long']:>6,} "
-                     f"{r['rows_kept']:>8,} {r['blend_rows']:>8,} {r['max_repeats']:>3} {r['packed_samples']:>8,} "
+                     f"{r['rows_kept']:>8,} {r['blend_units']:>8,} {r['max_repeats']:>3} {r['packed_samples']:>8,} "
                      f"{dropped:>7,} {r['tokens']:>12,} {r['requested_share']:>9.4f} {r['realized_share']:>8.4f} "
                      f"{r['packed_share']:>7.4f}")
     return lines
