@@ -522,3 +522,29 @@ def test_group_advantages_of_huge_rewards_and_non_finite_ones():
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match=r"rewards must be finite: sample 1 has reward"):
             group_advantages([1.0, bad, 0.0], [0, 0, 0])
+
+
+def test_dpo_loss_of_a_mixtures_pack_pairs_its_source_and_counts_a_repeated_pair_per_copy():
+    """A mixture's pack (batch.source_index): dpo_loss(source=k) pairs only source k's samples, a pair packed
+    twice counts twice (the n-th chosen copy with the n-th rejected copy), the other sources are left out; without
+    ``source`` the chat sample is an unpaired row and is refused."""
+    rows = make_pairs(2, seed=4)
+    chat = {"input_ids": torch.arange(5, 12), "labels": torch.arange(5, 12)}
+    samples = [rows[0], rows[1], chat, rows[2], rows[3], rows[0], rows[1]]
+    batch = build_thd_batch(samples, sample_index=[0, 1, 9, 2, 3, 0, 1], source_index=[1, 1, 0, 1, 1, 1, 1])
+    gen = torch.Generator().manual_seed(0)
+    pol, ref = torch.randn(7, generator=gen, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64)
+    beta = 0.3
+
+    def pair(c, r):
+        return -torch.nn.functional.logsigmoid(beta * ((pol[c] - ref[c]) - (pol[r] - ref[r])))
+
+    want = (pair(0, 1) + pair(3, 4) + pair(5, 6)) / 3
+    torch.testing.assert_close(dpo_loss(pol, ref, batch, beta, source=1), want, rtol=1e-12, atol=0)
+    assert float(dpo_loss(pol, ref, batch, beta, source=2)) == 0.0  # no pair of that source here
+    with pytest.raises(ValueError, match=r"row 9 \(rejected of pair 4\) is in the pack without its partner row 8"):
+        dpo_loss(pol, ref, batch, beta)
+    lone = build_thd_batch(samples[:6], sample_index=[0, 1, 9, 2, 3, 0], source_index=[1, 1, 0, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"row 0 \(chosen of pair 0\) is in the pack without its partner row 1; .*"
+                                         r"\(source 1 of the mixture\)"):
+        dpo_loss(pol[:6], ref[:6], lone, beta, source=1)

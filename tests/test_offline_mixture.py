@@ -333,3 +333,24 @@ def test_group_column_groups_are_the_units_of_the_blend(tmp_path):
             drawn[group] = drawn.get(group, 0) + copies
     assert sum(drawn.values()) == report[0]["blend_units"] and set(drawn.values()) <= {1, 2}
     assert len(drawn) == kept_groups
+
+
+def test_dpo_loss_reads_the_preference_source_of_every_pack(built):
+    """Every loaded pack's preference samples are whole pairs for ``dpo_loss(source=2)`` (a pair repeated in one
+    pack counted per copy), the chat and text samples left out."""
+    import torch
+
+    from thdpack.losses import dpo_loss
+
+    _, result = built
+    ds = load_packed(result.path)
+    collate = ds.collator()
+    pairs = 0
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        logps = torch.linspace(-3, 0, batch.num_samples, dtype=torch.float64)
+        loss = dpo_loss(logps, torch.zeros_like(logps), batch, source=2, num_items=1)
+        n = int((batch.source_index == 2).sum()) // 2
+        assert (n == 0) == (float(loss) == 0.0)
+        pairs += n
+    assert pairs == result.metadata["mixture"]["sources"][2]["blend_units"]

@@ -40,7 +40,7 @@ def pair_groups(num_rows: int):
 
 
 def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, beta: float = 0.1,
-             num_items=None) -> torch.Tensor:
+             num_items=None, *, source: int | None = None) -> torch.Tensor:
     """The DPO loss (sigmoid) of the preference pairs in ``batch``.
 
     Rows are laid out as :func:`pair_groups` says: dataset row ``2k`` is the chosen and row
@@ -49,7 +49,8 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, b
     ``ThdCollator`` fed by a sampler with pair groups, positions in the pack: whole pairs in
     input order keep chosen at even, rejected at odd positions). Per pair,
     ``-log σ(β · ((π_c − ref_c) − (π_r − ref_r)))`` with ``π``, ``ref`` the summed target
-    log-probs of a sequence.
+    log-probs of a sequence. A pair in the pack more than once (a mixture's repeated pair) counts once per
+    copy: the n-th chosen row ``2k`` in stream order is paired with the n-th rejected row ``2k+1``.
 
     Args:
         policy_logps, reference_logps: float ``[n]`` per-sample sums of target log-probs, from
@@ -60,33 +61,57 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, batch, b
         beta: the DPO temperature.
         num_items: pairs in the whole optimizer step (all micro-batches and ranks), for the
             step's mean; default: this pack's pairs.
+        source: the preference source of a mixture's pack (``batch.source_index``): only its samples are
+            pairs, the other sources' samples are left out (train them with another loss, e.g.
+            :func:`packed_loss_by_source`); None: every sample of the pack is a pair's.
 
     Returns:
-        A scalar: the sum of the pack's pair losses / ``num_items``.
+        A scalar: the sum of the pack's pair losses / ``num_items``. With ``source`` and no pair of it in
+        the pack, 0 (still connected to ``policy_logps``).
     """
     beta = _checked_beta(beta)
     check_batch(batch)
-    chosen, rejected = _pair_positions(batch)
     _check_logps("policy_logps", policy_logps, batch)
     _check_logps("reference_logps", reference_logps, batch)
+    chosen, rejected = _pair_positions(batch, source)
     margin = (policy_logps[chosen] - reference_logps[chosen]) - (policy_logps[rejected] - reference_logps[rejected])
     losses = -torch.nn.functional.logsigmoid(beta * margin)
+    if num_items is None and not len(chosen):
+        return policy_logps.sum() * 0.0
     return losses.sum() / (len(chosen) if num_items is None else checked_num_items(num_items))
 
 
-def _pair_positions(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[p]`` positions in the pack of each pair's chosen and rejected rows, pairs by row."""
-    rows = batch.sample_index.to(torch.int64).cpu()
-    order = torch.argsort(rows)
-    ordered = rows[order]
-    partner = ordered ^ 1
-    present = torch.isin(partner, ordered)
-    if not bool(present.all()) or len(set(rows.tolist())) != rows.numel():
-        i = int((~present).nonzero()[0, 0]) if not bool(present.all()) else 0
-        row = int(ordered[i])
+def _pair_positions(batch, source: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[p]`` positions in the pack of each pair's chosen and rejected rows (of ``source``'s samples
+    only, when given), pairs by row, a repeated pair's copies in stream order."""
+    rows = batch.sample_index.to(torch.int64).cpu().numpy()
+    positions = np.arange(rows.size)
+    if source is not None:
+        check_int(source, "source", 0)
+        sources = (np.zeros(rows.size, np.int64) if batch.source_index is None
+                   else batch.source_index.to(torch.int64).cpu().numpy())
+        positions = np.flatnonzero(sources == source)
+        rows = rows[positions]
+    order = np.argsort(rows, kind="stable")  # by row; a row's copies in stream order
+    ordered, positions = rows[order], positions[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(ordered)) + 1] if ordered.size else np.zeros(0, np.int64)
+    copy = np.arange(ordered.size) - np.repeat(starts, np.diff(np.r_[starts, ordered.size]))
+    is_chosen = ordered % 2 == 0
+    chosen_key = np.stack([ordered[is_chosen] // 2, copy[is_chosen]], 1)
+    rejected_key = np.stack([ordered[~is_chosen] // 2, copy[~is_chosen]], 1)
+    if chosen_key.shape != rejected_key.shape or not np.array_equal(chosen_key, rejected_key):
+        row = _unpaired_row(ordered, copy, is_chosen)
         raise ValueError(
             f"row {row} ({'chosen' if row % 2 == 0 else 'rejected'} of pair {row // 2}) is in the pack without its "
-            f"partner row {row ^ 1} (or twice); plan with groups=thdpack.losses.pair_groups(len(rows)) so that both "
-            "sequences of a pair share a pack"
-        )
-    return order[0::2], order[1::2]
+            f"partner row {row ^ 1}; plan with groups=thdpack.losses.pair_groups(len(rows)) so that both "
+            "sequences of a pair share a pack" + ("" if source is None else f" (source {source} of the mixture)"))
+    return torch.from_numpy(positions[is_chosen]), torch.from_numpy(positions[~is_chosen])
+
+
+def _unpaired_row(ordered: np.ndarray, copy: np.ndarray, is_chosen: np.ndarray) -> int:
+    """The first row (sorted) whose copy has no partner copy."""
+    have = set(zip(ordered.tolist(), copy.tolist()))
+    for row, k in zip(ordered.tolist(), copy.tolist()):
+        if (row ^ 1, k) not in have:
+            return row
+    return int(ordered[0])
