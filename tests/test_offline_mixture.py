@@ -253,8 +253,6 @@ def test_a_bad_mixture_is_refused_naming_the_source(sources, message, tmp_path):
 def test_mixture_options_without_a_mixture_and_a_slice_are_refused(files, tmp_path):
     with pytest.raises(ConfigError, match="mixture_packing needs input as a list of sources"):
         BuildConfig(input=str(files["chat"]), tokenizer=TOK, mixture_packing="stratified").validate()
-    with pytest.raises(ConfigError, match="share_prefix yet"):
-        mixture_config(files, share_prefix=True).validate()
     assert main(["build", "--config", str(ROOT / "configs" / "mixture.yaml"), "--output", str(tmp_path / "s"),
                  "--slice", "0/2", "-q"]) != 0
     assert not (tmp_path / "s").exists()
@@ -354,3 +352,34 @@ def test_dpo_loss_reads_the_preference_source_of_every_pack(built):
         assert (n == 0) == (float(loss) == 0.0)
         pairs += n
     assert pairs == result.metadata["mixture"]["sources"][2]["blend_units"]
+
+
+def test_share_prefix_in_a_mixture_shares_each_pairs_prompt(files, tmp_path):
+    """``share_prefix``: a preference source's pairs share their prompt as a build of that source alone shares it
+    (the same prefix_len per row), a source without groups is laid out unshared (prefix 0); the loaded packs are
+    shared-prefix batches within pack_size that keep each sample's source."""
+    cfg = BuildConfig(input=[{"path": str(files["chat"]), "format": "chat", "weight": 1},
+                             {"path": str(files["pairs"]), "format": "preference", "epochs": 2}],
+                      tokenizer=TOK, pack_size=2048, overflow="error", skip_bad_rows=True, share_prefix=True,
+                      min_prefix_len=4)
+    result = build_packed(cfg, tmp_path / "mix", progress=False)
+    meta = result.metadata
+    assert meta["share_prefix"]["tokens_saved"] > 0
+    assert {"group_id", "prefix_len", "source_index"} <= set(meta["columns"])
+    alone = build_packed(cfg.sources()[1].config, tmp_path / "alone", progress=False)
+    ds_alone = load_packed(alone.path)
+    want = {i: p for k in range(len(ds_alone))
+            for i, p in zip(ds_alone[k]["sample_index"].tolist(), ds_alone[k]["prefix_len"].tolist())}
+    ds = load_packed(result.path)
+    collate = ds.collator()
+    seen_pairs = 0
+    for k in range(len(ds)):
+        row = ds[k]
+        for src, idx, prefix in zip(row["source_index"].tolist(), row["sample_index"].tolist(),
+                                    row["prefix_len"].tolist()):
+            assert prefix == (want[idx] if src == 1 else 0), (k, src, idx)
+            seen_pairs += src == 1
+        batch = collate(row)
+        assert batch.input_ids.numel() <= meta["pack_size"]
+        assert batch.source_index.tolist() == row["source_index"].tolist()
+    assert seen_pairs == 2 * 2 * 60  # every pair twice, chosen + rejected

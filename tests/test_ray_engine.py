@@ -159,7 +159,8 @@ BUILDS = {
     "preference_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size",
                                  "2048", "--share-prefix", "--min-prefix-len", "4"],
     "vlm_images_video": ["--config", "{vlm_yaml}"],
-    "mixture": ["--config", "{mixture_yaml}"],  # three sources, each read and tokenized on the cluster
+    # three sources, each read and tokenized on the cluster; the pairs' prompts shared (found by Ray tasks)
+    "mixture_shared": ["--config", "{mixture_yaml}", "--share-prefix", "--min-prefix-len", "4"],
     # read in parts by Ray tasks: Parquet row groups and an Arrow stream (columns unified), groups and their
     # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py)
     "tables_groups_values": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat", "--pack-size", "8192",

@@ -298,16 +298,13 @@ class BuildConfig:
         return self
 
     def _check_mixture(self) -> None:
-        """ConfigError for ``mixture_*`` options without a mixture, and for what a mixture does not take yet."""
+        """ConfigError for ``mixture_*`` options without a mixture, and for what a mixture does not take."""
         given = [f"mixture_{k}" for k in MIXTURE_KEYS if getattr(self, f"mixture_{k}") is not None]
         if not is_mixture(self.input):
             if given:
                 raise ConfigError(f"{given[0]} needs input as a list of sources (a mixture; docs/build.md, Mixtures)")
             return
         self.sources()
-        if self.share_prefix:
-            raise ConfigError("a mixture cannot be built with share_prefix yet: build each source on its own, or "
-                              "remove share_prefix")
         if self.mixture_step_packs is not None and self.mixture_packing != "stratified":
             raise ConfigError("mixture_step_packs needs mixture_packing: stratified")
 
@@ -316,7 +313,7 @@ class BuildConfig:
         :meth:`thdpack.offline.stages.PlanningOptions.from_config`)."""
         if not self.share_prefix:
             return
-        if self.group_column is None and self.format not in ("auto", "preference"):
+        if self.group_column is None and self.format not in ("auto", "preference") and not is_mixture(self.input):
             raise ConfigError(f"share_prefix needs groups to share within: preference rows (prompt / chosen / "
                               f"rejected) or group_column, not format {self.format!r} rows without group_column")
         refused = {"cp_size": self.cp_size > 1, "output_format": self.output_format == "megatron-bridge"}

@@ -27,6 +27,7 @@ target tokens packed, and its share of the blend as requested, as drawn (``reali
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -60,6 +61,7 @@ class _SourceRows:
     sample_rows: np.ndarray  # int64: its usable sequences
     skipped: list  # (input row, reason)
     failed: int  # rows that failed to tokenize (the rest of skipped: too long)
+    prefix: np.ndarray | None = None  # share_prefix: int64 [sequences] each one's group prefix (0: unshared)
 
     @property
     def per_row(self) -> int:
@@ -160,7 +162,8 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
                           "yet: use bfd")
     sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if grouped else None, False)
     item_source = blend.source
-    planner = _BlendPlanner(planning, sequences, item_source, mixture)
+    prefix = None if not planning.share_prefix else np.concatenate([r.prefix for r in rows])  # [tokenized rows]
+    planner = _BlendPlanner(planning, sequences, item_source, mixture, None if prefix is None else prefix[blend_seq])
     count_tables = sp.target_counter(planning.targets, tokenized, ray_session)
     count = (lambda r, s, n: count_tables(blend_seq[r], s, n))
     where = _ItemWhere(rows, blend)
@@ -177,7 +180,21 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
                      item_source[blend_item], item_source[packed_items])
     return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, timings,
-                       stages.model_config, mixture=MixtureRecord(row_source, row_ids, report))
+                       stages.model_config, shared_prefix=prefix, groups=_row_units(rows) if grouped else None,
+                       mixture=MixtureRecord(row_source, row_ids, report))
+
+
+def _row_units(rows: list[_SourceRows]) -> np.ndarray:
+    """int64 ``[tokenized rows]`` the unit of each tokenized row (the sources side by side), numbered across the
+    sources (0 for rows not kept): a ``share_prefix`` build's ``group_id``. A unit drawn twice keeps its number."""
+    out, first = [], 0
+    for r in rows:
+        seqs, offsets = r.units
+        unit = np.zeros(r.tokenized.lengths.size, np.int64)
+        unit[seqs] = first + np.repeat(np.arange(offsets.size - 1, dtype=np.int64), np.diff(offsets))
+        out.append(unit)
+        first += offsets.size - 1
+    return np.concatenate(out)
 
 
 def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progress: bool, ray_session) -> _SourceRows:
@@ -208,12 +225,16 @@ def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progr
             mapper = functools.partial(map_on_ray, ray_session, progress=progress, name=f"source {src.name!r}")
         tokenized = tokenize_source(src.tokenize, source, work, progress=progress, mapper=mapper)
         sequences = sp.sequences_of(tokenized, planning, pairs)
-        sample_rows, skipped, _, _ = sp.select_rows(planning, source, tokenized, sequences, None, ray_session)
+        if planning.share_prefix and not (pairs or planning.group_column):  # no groups: its rows laid out alone
+            planning = dataclasses.replace(planning, share_prefix=False)
+        sample_rows, skipped, _, prefix = sp.select_rows(planning, source, tokenized, sequences, None, ray_session)
     except (ConfigError, InputError) as exc:
         raise type(exc)(f"mixture source {src.name!r}: {exc}") from None
     failed = np.unique(sequences.row[[s for s, _ in tokenized.errors]]).size if tokenized.errors else 0
     logger.info(f"source {src.name!r}: {source.num_rows:,} rows ({tokenized.fmt}), {len(skipped):,} skipped")
-    return _SourceRows(src.name, source, tokenized, sequences, sample_rows, skipped, failed)
+    if stages.planning.share_prefix and prefix is None:
+        prefix = np.zeros(tokenized.lengths.size, np.int64)
+    return _SourceRows(src.name, source, tokenized, sequences, sample_rows, skipped, failed, prefix)
 
 
 def _blend(rows: list[_SourceRows], mixture, seed: int):
@@ -302,10 +323,11 @@ class _BlendPlanner:
     sequences: object
     item_source: np.ndarray  # int64 [blend samples]
     mixture: object
+    prefix: np.ndarray | None = None  # share_prefix: int64 [blend sequences] each one's group prefix
 
     def plan(self, rows: np.ndarray):
         if self.mixture.packing != "stratified":
-            return sp.Planner(self.planning, self.sequences, None, None).plan(rows)
+            return sp.Planner(self.planning, self.sequences, None, None, self.prefix).plan(rows)
         opts = self.planning.plan
         return plan_stratified(self.sequences.lengths[rows], self.item_source[self.sequences.row[rows]],
                                opts.pack_size, step_packs=self.mixture.step_packs, weight_by=self.mixture.weight_by,
