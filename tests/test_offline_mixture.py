@@ -218,6 +218,13 @@ def test_stats_shows_the_per_source_table(built, capsys):
     for r in result.metadata["mixture"]["sources"]:
         line = next(x for x in out.splitlines() if x.strip().startswith(r["name"]))
         assert f"{r['rows_read']:,}" in line and f"{r['requested_share']:.4f}" in line
+    assert main(["inspect", str(result.path), "--pack", "0", "--max-tokens", "4"]) == 0
+    names = [r["name"] for r in result.metadata["mixture"]["sources"]]
+    heads = [x for x in capsys.readouterr().out.splitlines() if x.startswith("── sample")]
+    first = load_packed(result.path)[0]
+    assert len(heads) == len(first["seq_lens"])
+    for head, src, idx in zip(heads, first["source_index"].tolist(), first["sample_index"].tolist()):
+        assert f"source {names[src]!r}, input row {idx}," in head
 
 
 def test_the_bundled_mixture_example_builds(tmp_path, capsys):

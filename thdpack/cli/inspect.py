@@ -45,7 +45,7 @@ def run(args) -> int:
         is_t = is_t.astype(bool).copy()
         is_t[0] = False  # a sample's first token is never a target
         start = int(row["sample_start"][j])
-        print(f"\n── sample {j}: input row {int(row['sample_index'][j])}"
+        print(f"\n── sample {j}: {_source_of(meta, row, j)}input row {int(row['sample_index'][j])}"
               + (f", tokens {start}..{start + ids.size}" if start else "")
               + f", {ids.size} tokens, {int(is_t.sum())} targets ──")
         shown = ids if args.max_tokens is None else ids[: args.max_tokens]
@@ -95,3 +95,10 @@ def _decode_marked(decode, ids, is_target) -> str:
         out.append(f"«{text}»" if is_target[a] else text)
         a = b
     return "".join(out)
+
+
+def _source_of(meta: dict, row, j: int) -> str:
+    """``source 'NAME', `` of sample ``j`` of a mixture's pack (its ``source_index``); ``""`` otherwise."""
+    if "mixture" not in meta or "source_index" not in row:
+        return ""
+    return f"source {meta['mixture']['sources'][int(row['source_index'][j])]['name']!r}, "
