@@ -390,10 +390,11 @@ class BuildStages:
         cfg.validate()
         model_config = load_model_config(cfg.model_config, cfg.base_dir)  # before the long steps: fail fast
         mixture = MixtureOptions.from_config(cfg)
-        first = cfg if mixture is None else cfg.sources()[0].config
-        return cls(InputOptions.from_config(first), TokenizeOptions.from_config(first), VisionOptions.from_config(cfg),
-                   PlanningOptions.from_config(cfg), StoreOptions.from_config(cfg), model_config, cfg.model_config,
-                   cfg.engine, RayOptions.from_config(cfg), mixture)
+        inputs, tokenize = ((InputOptions.from_config(cfg), TokenizeOptions.from_config(cfg)) if mixture is None
+                            else (mixture.sources[0].inputs, mixture.sources[0].tokenize))
+        return cls(inputs, tokenize, VisionOptions.from_config(cfg), PlanningOptions.from_config(cfg),
+                   StoreOptions.from_config(cfg), model_config, cfg.model_config, cfg.engine, RayOptions.from_config(cfg),
+                   mixture)
 
 
 # ---------------------------------------------------------------------------- the files the config names

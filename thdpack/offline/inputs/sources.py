@@ -125,10 +125,8 @@ def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | 
         kind = input_kind(path)
         if kind in ("jsonl", "json"):
             table, sf = read_json_file(given, path, kind, limit)
-        elif kind == "parquet":
-            table, sf = read_parquet_file(given, path, limit)
-        elif kind == "arrow":
-            table, sf = read_arrow_file(given, path, limit)
+        elif kind in ("parquet", "arrow"):
+            table, sf = read_table_file(given, path, kind, limit)
         else:
             saved = _read_saved(given, path, opts)
             saved.fetched = fetched
@@ -382,11 +380,12 @@ def check_utf8_start(given: str, start: bytes) -> None:
                          "another 8-bit encoding?); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
 
 
-def read_parquet_file(given: str, path: Path, limit: int | None):
-    table = open_parquet(given, path)
+def read_table_file(given: str, path: Path, kind: str, limit: int | None):
+    """``(table, SourceFile)`` of a Parquet or Arrow (``kind``) input file: its rows (the first ``limit``) and hash."""
+    table = open_parquet(given, path) if kind == "parquet" else open_arrow(given, path)
     if limit is not None:
         table = table.slice(0, limit)
-    return table, SourceFile(given, "parquet", table.num_rows, file_sha256(path))
+    return table, SourceFile(given, kind, table.num_rows, file_sha256(path))
 
 
 def open_parquet(given: str, path: Path):
@@ -398,13 +397,6 @@ def open_parquet(given: str, path: Path):
         return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
         raise InputError(f"{given}: cannot read Parquet ({exc})") from None
-
-
-def read_arrow_file(given: str, path: Path, limit: int | None):
-    table = open_arrow(given, path)
-    if limit is not None:
-        table = table.slice(0, limit)
-    return table, SourceFile(given, "arrow", table.num_rows, file_sha256(path))
 
 
 def open_arrow(given: str, path: Path):
