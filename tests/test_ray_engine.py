@@ -329,16 +329,18 @@ def _our_workers(title: str) -> list:
     return found
 
 
-def _kill_one_worker(title: str, stop: threading.Event, killed: list) -> None:
-    """Kill (SIGKILL) the first worker of ours whose title starts with ``title``, once."""
-    while not stop.is_set() and not killed:
+def _kill_workers(title: str, stop: threading.Event, killed: list, *, every: bool = False) -> None:
+    """Kill (SIGKILL) the first worker of ours whose title starts with ``title``, once; ``every``: every such
+    worker, until ``stop``."""
+    while not stop.is_set() and (every or not killed):
         for p in _our_workers(title):
             try:
                 p.kill()
                 killed.append(p.pid)
             except psutil.NoSuchProcess:
                 continue
-            return
+            if not every:
+                return
         time.sleep(0.01)
 
 
@@ -351,7 +353,7 @@ def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides
     cfg = BuildConfig.from_yaml(DEMO).override(max_rows=2000, **overrides)
     local = build_packed(cfg, tmp_path / "local", progress=False)
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_one_worker, args=(title, stop, killed), daemon=True)
+    killer = threading.Thread(target=_kill_workers, args=(title, stop, killed), daemon=True)
     killer.start()
     try:
         on_ray = build_packed(cfg, tmp_path / "ray", progress=False, engine="ray", ray=RayOptions(max_retries=1))
@@ -362,25 +364,13 @@ def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides
     assert tree_digest(on_ray.path) == tree_digest(local.path)
 
 
-def _kill_every_worker(title: str, stop: threading.Event, killed: list) -> None:
-    """Kill (SIGKILL) every worker of ours whose title starts with ``title`` until ``stop``."""
-    while not stop.is_set():
-        for p in _our_workers(title):
-            try:
-                p.kill()
-                killed.append(p.pid)
-            except psutil.NoSuchProcess:
-                pass
-        time.sleep(0.01)
-
-
 def test_a_part_whose_worker_dies_every_time_stops_the_build_naming_its_rows(inputs, ray_instance, tmp_path):
     """Bounded retries: a part of the rows whose worker is killed each time it runs is run ray_max_retries + 1
     times, then the build stops with one line naming the input file and rows (nothing is written)."""
     cfg = BuildConfig(input=str(inputs["text"]), tokenizer=TOK, format="text", pack_size=1024, overflow="drop")
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_every_worker, args=("ray::_PartMapper.map_part", stop, killed),
-                              daemon=True)
+    killer = threading.Thread(target=_kill_workers, args=("ray::_PartMapper.map_part", stop, killed),
+                              kwargs={"every": True}, daemon=True)
     killer.start()
     try:
         with pytest.raises(RayWorkerLost) as caught:

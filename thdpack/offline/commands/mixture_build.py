@@ -157,9 +157,6 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     seq_offset = np.cumsum([0] + [r.tokenized.lengths.size for r in rows])[:-1]
     blend_seq, blend_item = _blend_sequences(rows, blend, seq_offset)
     grouped = any(r.unit != "row" for r in rows)
-    if grouped and mixture.packing == "stratified":
-        raise ConfigError("mixture_packing stratified cannot keep preference pairs or group_column groups together "
-                          "yet: use bfd")
     sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if grouped else None, False)
     item_source = blend.source
     prefix = None if not planning.share_prefix else np.concatenate([r.prefix for r in rows])  # [tokenized rows]
@@ -216,6 +213,9 @@ def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progr
         if pairs or planning.group_column:  # a pair, a group: one unit of the blend, in one pack
             sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)" if pairs else
                                    "group_column")
+            if stages.mixture.packing == "stratified":  # before tokenizing: plan_stratified takes no groups
+                raise ConfigError("mixture_packing stratified cannot keep preference pairs or group_column groups "
+                                  "together yet: use bfd")
         if vlm_build(stages.vision, stages.model_config, source) is not None:
             raise ConfigError("rows with images cannot be mixed yet: build this source on its own")
         mapper = None
