@@ -99,6 +99,22 @@ def check_int(value, name: str, minimum: int | None, *, below: int | None = None
     raise error(f"{name} must be {what}, got {value!r}{hint}")
 
 
+def is_bool(value) -> bool:
+    """The one boolean rule, as a test: a Python ``bool`` or a numpy bool (``np.bool_``); nothing else
+    (not the strings ``"no"`` / ``"false"``, whose truthiness is True, nor 0 / 1)."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def check_bool(value, name: str, *, hint: str = "",
+               error: Callable[[str], Exception] = TypeError) -> bool:
+    """The one rule for boolean arguments and options (:func:`is_bool`): ``value`` as a Python bool, or
+    ``error`` (``TypeError``; a build config passes ``ValueError``, the error its command reports in one line)
+    naming the argument (``NAME must be True or False, got 'no' (str)``), ``hint`` appended."""
+    if is_bool(value):
+        return bool(value)
+    raise error(f"{name} must be True or False, got {value!r} ({type(value).__name__}){hint}")
+
+
 def check_number(value, name: str, *, positive: bool, what: str = "") -> None:
     """The one rule for real-valued arguments (times, sizes, scales): a Python or numpy real number,
     not a bool, finite, ``> 0`` (``positive``) or ``>= 0``. ``ValueError`` naming the argument
