@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+import megatron_env  # tests/megatron_env.py
 from thdpack.common.align import resolve_pad_multiple
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -376,7 +377,9 @@ def test_hf_kwargs(case):
     assert "labels" not in no_labels and set(no_labels) == set(hf) - {"labels"}
 
 
-def test_packed_seq_params():
+@pytest.mark.parametrize("core", megatron_env.packed_seq_params_params())
+def test_packed_seq_params(core, monkeypatch):
+    megatron_env.import_packed_seq_params(monkeypatch, core)
     batch = build_thd_batch([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}], cp_size=2)
     d = batch.packed_seq_params_dict()
     assert set(d) == {
@@ -396,12 +399,13 @@ def test_packed_seq_params():
     assert torch.equal(d["cu_seqlens_kv_padded"], batch.cu_seqlens_padded)
     assert d["max_seqlen_q"] == d["max_seqlen_kv"] == batch.max_seqlen == 4
     params = batch.to_packed_seq_params()
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        assert params.keys() == d.keys()
-    else:  # pragma: no cover - megatron not installed in CI
-        assert params.qkv_format == "thd"
+    if core is None:
+        assert isinstance(params, dict) and params.keys() == d.keys()
+    else:  # megatron-core 0.19.2's has every field, and computes seq_idx from total_tokens
+        assert isinstance(params, core.PackedSeqParams) and params.qkv_format == "thd"
+        for name, value in d.items():
+            assert megatron_env.field(params, name) is value, name
+        assert params.seq_idx.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
 
 
 def test_to_and_pin_memory():

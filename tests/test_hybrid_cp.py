@@ -128,7 +128,10 @@ def test_shards_tile_every_micro_batch(world):
         assert sorted(torch.cat(parts).tolist()) == list(range(total))  # each slot on exactly one rank
 
 
-def test_packed_seq_params_of_a_hybrid_batch():
+@pytest.mark.parametrize("core", megatron_env.packed_seq_params_params())
+def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
+    """The same fields whether megatron-core is importable (its PackedSeqParams) or not (a dict)."""
+    megatron_env.import_packed_seq_params(monkeypatch, core)
     lengths = [200, 9, 5, 3, 1, 2, 7, 30]
     samples = [{"input_ids": list(range(1, s + 1))} for s in lengths]
     plan = plan_hybrid_cp(lengths, 8, 32)
@@ -149,7 +152,11 @@ def test_packed_seq_params_of_a_hybrid_batch():
                 assert d["local_cp_size"] == b.cp_size and d["cp_group"] is fake
                 assert torch.equal(d["cu_seqlens_q_padded"], b.cu_seqlens_padded)  # global, as for static CP
             kw = to_gpt_forward_kwargs(b, cp_group=fake)
-            assert torch.equal(kw["padding_mask"][0], b.padding_mask) and kw["packed_seq_params"]["cp_group"] is fake
+            params = kw["packed_seq_params"]
+            assert isinstance(params, dict) if core is None else isinstance(params, core.PackedSeqParams)
+            assert torch.equal(kw["padding_mask"][0], b.padding_mask) and megatron_env.field(params, "cp_group") is fake
+            assert megatron_env.field(params, "local_cp_size") == b.cp_size
+            assert torch.equal(megatron_env.field(params, "cu_seqlens_q_padded"), b.cu_seqlens_padded)
             seen.add(b.cp_size)
     assert {1, 8} <= seen
     static = build_thd_batch([samples[1]], cp_size=2).shard(2, 0)
@@ -158,12 +165,10 @@ def test_packed_seq_params_of_a_hybrid_batch():
         static.packed_seq_params_dict(cp_group=object())
 
 
-def test_gpt_forward_kwargs_are_gpt_models_parameters():
+@pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])
+def test_gpt_forward_kwargs_are_gpt_models_parameters(site):
     """Every key of to_gpt_forward_kwargs is a parameter of megatron-core 0.19.2's GPTModel.forward (read
     from its source)."""
-    site = megatron_env.bridge_site()
-    if isinstance(site, str):
-        pytest.skip(f"megatron-core 0.19.2 is not available here ({site})")
     tree = ast.parse((site / "megatron" / "core" / "models" / "gpt" / "gpt_model.py").read_text())
     gpt = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GPTModel")
     forward = next(n for n in gpt.body if isinstance(n, ast.FunctionDef) and n.name == "forward")

@@ -4,8 +4,9 @@
 TransformerEngine picks a slower kernel when they are set).
 
 Checked with megatron-core 0.19.2's own ``PackedSeqParams`` (tests/megatron_env.py unpacks the
-wheel; tests/megatron_run.py imports it in a subprocess), and with a ``PackedSeqParams`` of
-0.16.x's fields (no ``total_tokens``), the newest megatron-core for Python 3.11.
+wheel; tests/megatron_run.py imports it in a subprocess; a test id ending ``-missing`` says it
+was skipped for want of the wheel), and with a ``PackedSeqParams`` of 0.16.x's fields (no
+``total_tokens``), the newest megatron-core for Python 3.11.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -40,25 +40,19 @@ def sample_of_each_slot(cu_padded: list[int]) -> list[int]:
 def test_total_tokens_is_the_global_stream_length(cp_size):
     batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=cp_size)
     stream = int(batch.input_ids.numel())
-    assert batch.packed_seq_params_dict()["total_tokens"] == stream == int(batch.cu_seqlens_padded[-1])
+    d = batch.packed_seq_params_dict()
+    assert d["total_tokens"] == stream == int(batch.cu_seqlens_padded[-1])
+    assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]  # seq_idx, by its documented rule
     if cp_size > 1:
         for rank in range(cp_size):  # a shard keeps the global metadata
             assert batch.shard(cp_size, rank).packed_seq_params_dict()["total_tokens"] == stream
 
 
-def test_megatron_core_019_seq_idx_marks_each_sample():
+@pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])
+def test_megatron_core_019_seq_idx_marks_each_sample(site):
     """megatron-core 0.19.2's PackedSeqParams, made by thdpack: seq_idx[0, t] is the sample of slot t."""
-    site = megatron_env.bridge_site()
     tasks = [{"kind": "thdpack_packed_seq_params", "samples": SAMPLES, "cp_size": cp, "cp_rank": rank}
              for cp, rank in ((1, None), (2, None), (2, 1))]
-    if isinstance(site, str):
-        warnings.warn(f"megatron-core 0.19.2 is not available here ({site}); checked seq_idx with "
-                      "sample_of_each_slot, the rule its PackedSeqParams.__post_init__ documents, instead", stacklevel=1)
-        for task in tasks:
-            batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
-            d = batch.packed_seq_params_dict()
-            assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]
-        return
     for task, got in zip(tasks, megatron_env.run(site, tasks)):
         full = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=task["cp_size"])
         assert got["total_tokens"] == int(full.input_ids.numel())
@@ -82,7 +76,10 @@ def test_megatron_core_019_seq_idx_marks_each_sample():
         ([5, 2, 7, 1], {"pad_to": 16}, True, True),
     ],
 )
-def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, layout_padded, padded):
+@pytest.mark.parametrize("core", megatron_env.packed_seq_params_params())
+def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, layout_padded, padded, core,
+                                                                 monkeypatch):
+    megatron_env.import_packed_seq_params(monkeypatch, core)
     batch = build_thd_batch([{"input_ids": list(range(3, 3 + n))} for n in lengths], **kw)
     assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != layout_padded
     views = [batch.packed_seq_params_dict()]
@@ -97,8 +94,8 @@ def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, la
         assert layout_of(d) == batch.cu_seqlens_padded.tolist()  # what megatron-core reads: the layout
         assert torch.equal(d["cu_seqlens_q"], batch.cu_seqlens) and d["total_tokens"] == batch.input_ids.numel()
     params = batch.to_packed_seq_params()
-    got = params["cu_seqlens_q_padded"] if isinstance(params, dict) else params.cu_seqlens_q_padded
-    assert (got is not None) == padded
+    assert isinstance(params, dict) if core is None else isinstance(params, core.PackedSeqParams)
+    assert (megatron_env.field(params, "cu_seqlens_q_padded") is not None) == padded
 
 
 def test_megatron_core_016_without_total_tokens(monkeypatch):
