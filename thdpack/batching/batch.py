@@ -20,6 +20,7 @@ from thdpack.flops.sequences import tree_seqlen_squared_sum
 from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_mask
 from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
+from thdpack.parallel.groups import GROUP, check_process_group
 from thdpack.common.samples import IGNORE_INDEX
 
 # keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
@@ -498,6 +499,9 @@ class ThdBatch:
     def _hybrid_cp_fields(self, cp_group) -> dict:
         """``{}`` for a batch that is not hybrid-CP; else ``local_cp_size`` and ``cp_group`` (see
         :meth:`packed_seq_params_dict`)."""
+        if not isinstance(cp_group, Mapping) and not callable(cp_group):
+            check_process_group(cp_group, "cp_group", f"{GROUP}, a mapping {{cp_size: group}} or a function of "
+                                "group_size")
         if self.cp_block_start is None:
             if cp_group is not None:
                 raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "
@@ -511,6 +515,7 @@ class ThdBatch:
             group = cp_group.get(k)
         elif callable(cp_group):
             group = cp_group(group_size=k)
+        check_process_group(group, f"cp_group's group of {k} ranks")
         where = f"position {self.cp_rank} of the block of {k} ranks at {self.cp_block_start}"
         if group is None:
             raise ValueError(f"this hybrid-CP batch runs on {where}: pass that block's process group as cp_group= "

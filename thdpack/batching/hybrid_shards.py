@@ -44,6 +44,9 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
     if not isinstance(plan, HybridCPPlan):
         raise TypeError(f"hybrid_cp_shards takes a HybridCPPlan (thdpack.plan_hybrid_cp), got {type(plan).__name__}")
     check_int(rank, "rank", 0, below=plan.world_size, hint=" (the data-parallel × CP position)")
+    if not hasattr(samples, "__getitem__") or isinstance(samples, (str, bytes)):  # a datasets.Dataset indexes
+        raise TypeError(f"samples must be a sequence of samples or a mapping {{sample id: sample}}, got "
+                        f"{type(samples).__name__}")
     build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
     for name in ("cp_size", "cp_rank", "pad_to", "max_length", "layout", "share_prefix"):
         if layout.get(name) is not None:

@@ -18,6 +18,7 @@ from thdpack.common.extensions import vision as vision_extension
 from thdpack.common.extensions import vlm_config_problem
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
+from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
@@ -324,6 +325,7 @@ def _checked_index(value, i: int) -> int:
 def _cp_rank(layout: BatchLayout, cp_group) -> int | None:
     """The CP rank a collator builds: ``layout.cp_rank``, else this process's rank in
     ``cp_group``; None with one CP rank (the whole batch)."""
+    check_process_group(cp_group, "cp_group")
     cp_rank = layout.cp_rank
     if cp_rank is None and cp_group is not None:
         import torch.distributed as dist
@@ -339,6 +341,7 @@ def _ulysses_rank(layout: BatchLayout, sp_size, rank, sp_group) -> tuple[int, in
     ``sp_group``, else None (the whole batch, padded); ``ValueError`` for sizes and ranks out of range,
     a ``pad_to`` the SP ranks cannot split, or a CP layout without the CP rank an SP rank needs."""
     check_int(sp_size, "ulysses_sp_size", 1)
+    check_process_group(sp_group, "sp_group")
     if rank is None and sp_group is not None:
         import torch.distributed as dist
 

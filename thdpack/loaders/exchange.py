@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from thdpack.parallel.groups import GROUP, check_process_group
+
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -50,6 +52,7 @@ class Comm:
         is returned as it is (a subclass may carry its own transport: tests run ranks as threads)."""
         if isinstance(group, Comm):
             return group
+        check_process_group(group, "group", f"{GROUP}, or a thdpack.loaders.exchange.Comm")
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

@@ -21,7 +21,7 @@ import numpy as np
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.hybrid_shards import hybrid_cp_shards
-from thdpack.common.align import check_positive_int
+from thdpack.common.align import check_bool, check_positive_int
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs
 from thdpack.planning.hybrid_cp import HybridCPPlan, plan_hybrid_cp
@@ -47,6 +47,7 @@ class HybridCP:
 
     def __post_init__(self):
         check_positive_int(self.max_tokens_per_rank, "HybridCP.max_tokens_per_rank")
+        check_bool(self.pack, "HybridCP.pack")
 
 
 def rebalance_hybrid_cp(local_samples: Sequence, hybrid_cp: HybridCP | int, *, group=None, cost=None, groups=None,

@@ -23,12 +23,14 @@ global ranks of each data-parallel × CP group (with tensor parallelism they are
 from __future__ import annotations
 
 from thdpack.common.align import check_int
+from thdpack.parallel.groups import check_ranks
 
 
 def block_sizes(world_size: int) -> tuple[int, ...]:
     """The CP sizes a sample can have on ``world_size`` data-parallel × CP ranks: the powers of two that
-    divide ``world_size`` (``1, 2, 4, 8`` for 8 ranks; ``1, 2, 4`` for 12), smallest first."""
-    check_int(world_size, "world_size", 1, hint=" (the data-parallel × context-parallel ranks)")
+    divide ``world_size`` (``1, 2, 4, 8`` for 8 ranks; ``1, 2, 4`` for 12), smallest first; ``world_size``
+    below 2**20 (:func:`thdpack.parallel.groups.check_ranks`)."""
+    check_ranks(world_size, "world_size", "the data-parallel × context-parallel ranks")
     sizes, k = [], 1
     while world_size % k == 0:
         sizes.append(k)

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.common.align import check_int, resolve_pad_multiple, round_up
+from thdpack.common.align import INT64_MAX, check_bool, check_int, host_array, resolve_pad_multiple, round_up
 from thdpack.common.samples import SampleError
 from thdpack.flops.rank_work import hybrid_cp_rank_counts
+from thdpack.parallel.groups import check_ranks
 from thdpack.parallel.hybrid_blocks import block_sizes, check_block
 from thdpack.planning.balance import CostModel
 from thdpack.planning.plan import check_groups, number_groups, validate_lengths
@@ -144,13 +145,13 @@ class HybridCPPlan:
         lengths = validate_lengths(lengths)
         k = _per_sample(cp_sizes, lengths.shape[0], "cp_sizes")
         start = _per_sample(block_starts, lengths.shape[0], "block_starts")
-        check_int(world_size, "world_size", 1, hint=" (the data-parallel × context-parallel ranks)")
+        padding = _check_sizes(world_size, tp_size, sequence_parallel, pack)
         for i in range(lengths.shape[0]):
             check_block(int(k[i]), int(start[i]), world_size, f"sample {i}")
         padded = lengths.copy()
         for size in np.unique(k).tolist():
             mine = k == size
-            padded[mine] = round_up(lengths[mine], resolve_pad_multiple(size, tp_size, sequence_parallel, pad_multiple))
+            padded[mine] = _padded_for(lengths[mine], size, (*padding, pad_multiple))
         if max_tokens_per_rank is not None:
             check_int(max_tokens_per_rank, "max_tokens_per_rank", 1)
             over = np.flatnonzero(padded // k > max_tokens_per_rank)
@@ -163,6 +164,25 @@ class HybridCPPlan:
         offsets, samples = _micro_batches(order, k, start, padded, max_tokens_per_rank, pack)
         return cls(lengths, padded, k, start, int(world_size), offsets, samples, max_tokens_per_rank,
                    CostModel() if cost is None else CostModel.of(cost))
+
+
+def _check_sizes(world_size, tp_size, sequence_parallel, pack) -> tuple[int, bool]:
+    """The planners' size and switch arguments checked (a number of ranks below
+    :data:`thdpack.parallel.groups.MAX_RANKS`, booleans by the one rule); ``(tp_size, sequence_parallel)``."""
+    check_ranks(world_size, "world_size", "the data-parallel × context-parallel ranks")
+    check_ranks(tp_size, "tp_size", "the tensor-parallel ranks")
+    check_bool(pack, "pack")
+    return int(tp_size), check_bool(sequence_parallel, "sequence_parallel")
+
+
+def _padded_for(lengths: np.ndarray, k: int, padding: tuple) -> np.ndarray:
+    """int64 ``lengths`` padded for CP size ``k`` (``padding``: ``(tp_size, sequence_parallel, pad_multiple)``);
+    ``ValueError`` naming them when a padded length would pass int64 (a ``pad_multiple`` that large)."""
+    multiple = resolve_pad_multiple(k, *padding)
+    if multiple > INT64_MAX - (int(lengths.max()) if lengths.size else 0):
+        raise ValueError(f"pad_multiple={padding[2]} (tp_size={padding[0]}): samples on {k} ranks would pad to "
+                         f"multiples of {multiple}, past int64 lengths")
+    return round_up(lengths, multiple)
 
 
 def _permutation(order, n: int) -> np.ndarray:
@@ -233,7 +253,9 @@ def plan_hybrid_cp(lengths, world_size: int, max_tokens_per_rank: int, *, cost=N
         lengths: int ``[n]`` real lengths of every sample of the global batch (known on every rank, as
             :func:`thdpack.rebalance` gathers them).
         world_size: ``R``, the data-parallel × context-parallel ranks (every sample's ``k`` is a power of
-            two dividing ``R``).
+            two dividing ``R``), below 2**20 (:data:`thdpack.parallel.groups.MAX_RANKS`: the plan keeps arrays
+            per rank); at least ``R / K`` samples (groups count once), ``K`` the largest such ``k``, so that
+            every rank runs one.
         max_tokens_per_rank: the tokens one rank holds in a micro-batch (megatron-core's
             ``max_seqlen_per_dp_cp_rank``): a sample gets at least the ``k`` that brings its padded length
             to ``P / k <= max_tokens_per_rank``; a sample longer than all ``R`` ranks hold is a
@@ -244,22 +266,23 @@ def plan_hybrid_cp(lengths, world_size: int, max_tokens_per_rank: int, *, cost=N
         groups: ``[n]`` group id per sample (GRPO prompts, DPO pairs): a group's samples get one ``k`` (the
             largest they need) and one block, and run one after the other on it.
         tp_size, sequence_parallel, pad_multiple: the padding a sample needs besides ``2k``
-            (:func:`thdpack.cp_pad_multiple`; ``pad_multiple`` for FP8's 16).
+            (:func:`thdpack.cp_pad_multiple`; ``pad_multiple`` for FP8's 16); ``tp_size`` below 2**20 too,
+            ``sequence_parallel`` and ``pack`` booleans (:func:`thdpack.common.align.check_bool`).
         pack: put a block's samples into micro-batches of up to ``max_tokens_per_rank`` tokens per rank
             (True, thdpack's batches: TransformerEngine's THD attention splits each sample of a micro-batch
             over the block); False: one sample per micro-batch, megatron-core's own hybrid-CP schedule.
 
     Returns:
-        A :class:`HybridCPPlan`: every rank has at least one micro-batch (megatron-core's schedule needs one).
+        A :class:`HybridCPPlan`: every rank has at least one micro-batch (megatron-core's schedule needs one;
+        ``ValueError`` naming the first idle rank where too few samples leave one without).
     """
     lengths = validate_lengths(lengths)
-    check_int(world_size, "world_size", 1, hint=" (the data-parallel × context-parallel ranks)")
+    padding = (*_check_sizes(world_size, tp_size, sequence_parallel, pack), pad_multiple)
     check_int(max_tokens_per_rank, "max_tokens_per_rank", 1)
     if lengths.size == 0:
         raise ValueError("plan_hybrid_cp needs at least one sample (every rank runs a micro-batch)")
     cost = CostModel(1.0, 1.0 / max_tokens_per_rank) if cost is None else CostModel.of(cost)
-    units = _units(lengths, groups, int(world_size), int(max_tokens_per_rank), cost,
-                   (tp_size, sequence_parallel, pad_multiple))
+    units = _units(lengths, groups, int(world_size), int(max_tokens_per_rank), cost, padding)
     choice = _initial_sizes(units, int(world_size))
     blocks, loads = _deal(units, choice, int(world_size))
     choice, blocks = _widen(units, choice, blocks, loads, int(world_size))
@@ -267,15 +290,31 @@ def plan_hybrid_cp(lengths, world_size: int, max_tokens_per_rank: int, *, cost=N
     start = np.empty(lengths.shape[0], dtype=np.int64)
     for u, members in enumerate(units.members):
         k[members], start[members] = units.sizes[choice[u]], blocks[u]
+    _check_every_rank_runs(k, start, int(world_size), len(units.members))
     return HybridCPPlan.from_blocks(lengths, k, start, int(world_size), max_tokens_per_rank=int(max_tokens_per_rank),
                                     tp_size=tp_size, sequence_parallel=sequence_parallel, pad_multiple=pad_multiple,
                                     pack=pack, cost=cost, order=_deal_order(units, choice))
 
 
+def _check_every_rank_runs(k: np.ndarray, start: np.ndarray, world_size: int, units: int) -> None:
+    """``ValueError`` when a rank has no micro-batch: fewer samples (groups count once) than the ranks need,
+    each on at most the largest power of two dividing ``world_size``."""
+    busy = np.zeros(world_size, dtype=bool)
+    for size, first in set(zip(k.tolist(), start.tolist())):
+        busy[first:first + size] = True
+    if not busy.all():
+        most = block_sizes(world_size)[-1]
+        raise ValueError(f"plan_hybrid_cp: {units} sample(s) (a group counts once) leave rank "
+                         f"{int(np.argmin(busy))} of the world_size={world_size} ranks without a micro-batch; "
+                         f"megatron-core's schedule runs one on every rank and a sample runs on at most {most} of "
+                         f"them (the largest power of two dividing {world_size}): give at least "
+                         f"{-(-world_size // most)} samples")
+
+
 def _units(lengths: np.ndarray, groups, world_size: int, budget: int, cost: CostModel, padding: tuple) -> _Units:
     """The units, which sizes each fits, and its cost at each; ``SampleError`` for a sample no size fits."""
     sizes = block_sizes(world_size)
-    padded = np.stack([round_up(lengths, resolve_pad_multiple(k, *padding)) for k in sizes], 1)  # [n, sizes]
+    padded = np.stack([_padded_for(lengths, k, padding) for k in sizes], 1)  # [n, sizes]
     fits = padded // np.array(sizes) <= budget
     none = np.flatnonzero(~fits.any(1))
     if none.size:
@@ -369,7 +408,8 @@ def schedule_cost(sample_id_groups, lengths, cost=None) -> dict:
     balances ``s² / k`` perfectly; ``cp_tokens`` is the price.
     """
     cost = CostModel(0.0, 1.0) if cost is None else CostModel.of(cost)
-    lengths = np.asarray(lengths, dtype=np.float64)
+    lengths = _schedule_lengths(lengths)
+    _check_schedule(sample_id_groups, lengths.shape[0])
     step, total, ranks, cp_tokens = 0.0, 0.0, None, 0
     for group in sample_id_groups:
         counts: dict[int, int] = {}
@@ -382,8 +422,40 @@ def schedule_cost(sample_id_groups, lengths, cost=None) -> dict:
         ranks = load if ranks is None else ranks + load
         step += float(load.max()) if load.size else 0.0
         total += float(load.sum())
-    world = len(sample_id_groups[0]) if sample_id_groups else 1
+    world = len(sample_id_groups[0]) if len(sample_id_groups) else 1
     mean = total / world
     return {"step": step, "mean": mean, "straggler": step / mean if mean > 0 else 1.0,
             "groups": len(sample_id_groups), "rank_loads": ranks if ranks is not None else np.zeros(world),
             "cp_tokens": cp_tokens}
+
+
+def _schedule_lengths(lengths) -> np.ndarray:
+    """float64 ``[n]`` of ``lengths`` (non-negative finite numbers), else ``ValueError`` / ``TypeError``."""
+    arr = host_array(lengths, "lengths", "a list or array of sample lengths", "1-D")
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf" and arr.size:
+        raise ValueError(f"lengths must be 1-D numbers, one per sample, got shape {arr.shape} and dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        raise ValueError("lengths must be non-negative finite numbers")
+    return arr
+
+
+def _check_schedule(sample_id_groups, n: int) -> None:
+    """``TypeError`` / ``ValueError`` naming the first entry of ``sample_id_groups`` that is not a group of
+    equally many per-rank lists of sample ids in ``[0, n)``."""
+    what = "a list of groups, each a list of per-rank lists of sample ids (megatron-core's format)"
+    if not _is_list(sample_id_groups):
+        raise TypeError(f"sample_id_groups must be {what}, got {type(sample_id_groups).__name__}")
+    for g, group in enumerate(sample_id_groups):
+        if not _is_list(group) or not all(_is_list(ids) for ids in group):
+            raise TypeError(f"sample_id_groups[{g}] must be a list of per-rank lists of sample ids, got {group!r:.80}")
+        if len(group) != len(sample_id_groups[0]):
+            raise ValueError(f"sample_id_groups[{g}] lists {len(group)} ranks, sample_id_groups[0] "
+                             f"{len(sample_id_groups[0])}: every group lists every rank")
+        for r, ids in enumerate(group):
+            for i in ids:
+                check_int(i, f"sample_id_groups[{g}][{r}]: a sample id", 0, below=n, hint=f" (one of the {n} lengths)")
+
+
+def _is_list(value) -> bool:
+    return isinstance(value, (list, tuple, np.ndarray))

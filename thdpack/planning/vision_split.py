@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_bool, check_int
 from thdpack.common.model_config import config_int
 from thdpack.common.samples import get_field
 from thdpack.flops.coefficients import flops_coefficients
 from thdpack.flops.vision_stats import grid_rows, vision_config_of, vision_seqlen_stats
+from thdpack.parallel.groups import check_ranks
 
 IMAGE, VIDEO = 0, 1
 # costs are int64: a pack whose vision costs more FLOPs than this is costed in units of 2**k FLOPs
@@ -183,6 +184,16 @@ class VisionSplit:
         total = float(self.unit_cost.sum())
         return float(self.rank_costs.max()) * self.cp_size / total if total else 1.0
 
+    def item_grids(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``[k, 3]`` twice: the ``image_grid_thw`` and ``video_grid_thw`` the plan was made from
+        (each item's frames counted back into its ``t``): what a batch must hold to be the plan's."""
+        out = []
+        for kind in (IMAGE, VIDEO):
+            mine = self.unit_kind == kind
+            _, first, frames = np.unique(self.unit_item[mine], return_index=True, return_counts=True)
+            out.append(np.column_stack([frames, self.unit_hw[mine][first]]).astype(np.int64).reshape(-1, 3))
+        return out[0], out[1]
+
     def is_empty(self, rank: int) -> bool:
         """True when ``rank`` has no unit of the pack."""
         check_int(rank, "rank", 0, below=self.cp_size)
@@ -234,18 +245,19 @@ def plan_vision_split(batch, cp_size: int, model_config, *, placeholder: bool = 
         batch: a VLM :class:`thdpack.ThdBatch` (built with ``model_config``), one of its CP shards
             (the same extras), or a mapping with ``image_grid_thw`` / ``video_grid_thw`` (int ``[k, 3]``,
             None or absent without images / videos), such as ``batch.extras``.
-        cp_size: CP ranks (an integer >= 1).
+        cp_size: CP ranks (an integer >= 1, below 2**20: :func:`thdpack.parallel.groups.check_ranks`).
         model_config: the VLM's transformers config or its dict (its ``vision_config`` sizes the
             costs and gives ``spatial_merge_size``), or a :class:`VisionCost` (``VisionCost.from_config``
             once, for many packs: the config is read once and each frame size costed once).
         placeholder: an empty rank (fewer units than ranks) encodes one placeholder frame, so every rank
             runs the tower (see the module docstring); False: it encodes nothing and gathers a
-            ``[0, D]`` tensor.
+            ``[0, D]`` tensor. A bool (:func:`thdpack.common.align.check_bool`).
 
     Returns:
         a :class:`VisionSplit` (integers only; the batch is not changed).
     """
-    check_int(cp_size, "cp_size", 1)
+    check_ranks(cp_size, "cp_size", "the context-parallel ranks")
+    placeholder = check_bool(placeholder, "placeholder")
     cost = VisionCost.from_config(model_config)
     extras = batch if isinstance(batch, Mapping) else getattr(batch, "extras", None)
     if extras is None:
@@ -263,7 +275,7 @@ def plan_vision_split(batch, cp_size: int, model_config, *, placeholder: bool = 
     costs, shift = _int64_costs(cost.unit_costs(hw))
     return VisionSplit(cp_size=int(cp_size), spatial_merge_size=cost.spatial_merge_size,
                        unit_kind=np.concatenate(kinds), unit_item=np.concatenate(items), unit_hw=hw,
-                       unit_cost=costs, cuts=balanced_cuts(costs, cp_size), placeholder=bool(placeholder),
+                       unit_cost=costs, cuts=balanced_cuts(costs, cp_size), placeholder=placeholder,
                        cost_shift=shift)
 
 
@@ -298,7 +310,7 @@ def _int64_costs(costs: list[int]) -> tuple[np.ndarray, int]:
 
 def balanced_cuts(costs, parts: int) -> np.ndarray:
     """Cut units of ``costs`` (int ``[U]``, >= 0) into ``parts`` contiguous ranges with the least largest
-    range cost.
+    range cost (``parts`` below 2**20, as a number of ranks).
 
     Returns int64 ``[parts + 1]``: range ``k`` is ``cuts[k] : cuts[k + 1]``. The largest range cost is the
     least any contiguous split reaches (a binary search on the integer bottleneck ``B``, each step a greedy
@@ -307,7 +319,7 @@ def balanced_cuts(costs, parts: int) -> np.ndarray:
     ``U >= parts``. With ``U < parts`` unit ``k`` is range ``k``
     and the ranges after them are empty.
     """
-    check_int(parts, "parts", 1)
+    check_ranks(parts, "parts", "the ranges: ranks")
     costs = np.asarray(costs, dtype=np.int64).reshape(-1)
     if costs.size and int(costs.min()) < 0:
         raise ValueError("costs must be >= 0")
