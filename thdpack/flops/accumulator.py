@@ -27,7 +27,7 @@ from thdpack.flops.sequences import (
     tree_length_count,
 )
 from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
-from thdpack.common.model_config import config_get
+from thdpack.common.model_config import check_config, config_get
 
 __all__ = ["FlopsAccumulator"]
 
@@ -107,6 +107,9 @@ class FlopsAccumulator:
     """
 
     def __init__(self, vision_config=None):
+        if vision_config is not None:
+            check_config(vision_config, "FlopsAccumulator's vision_config (the model config or its vision_config)")
+        self._config_given = vision_config is not None
         self.vision_config = vision_config_of(vision_config)
         self.extra_counts = _model_counts(vision_config)
         self.length_counts = tuple(c for c in self.extra_counts if c not in _CROSS_COUNTS)
@@ -215,7 +218,7 @@ class FlopsAccumulator:
 
     def add_cu_seqlens(self, cu_seqlens=None, *, cu_seqlens_argmin=None, cu_seqlens_unpadded=None,
                        cu_seqlens_unpadded_argmin=None, num_padded_tokens=None,
-                       cross_cu_seqlens=None) -> "FlopsAccumulator":
+                       cross_cu_seqlens=None, cross_cu_seqlens_unpadded=None) -> "FlopsAccumulator":
         """Add a packed micro-batch given by its cumulative lengths (arguments as
         :func:`seqlen_squared_sum`). Padded tokens: ``num_padded_tokens`` or the total
         of ``cu_seqlens`` (the padded layout when ``cu_seqlens_unpadded`` is given).
@@ -232,8 +235,12 @@ class FlopsAccumulator:
 
         ``cross_cu_seqlens``: for cross-attention layers, the cumulative lengths of each sample's memory
         (the encoder's or image's tokens it attends to), one segment per sample of ``cu_seqlens``: adds
-        ``cross_tokens = Σ kᵢ`` and ``cross_seqlen_product_sum = Σ sᵢ·kᵢ``.
+        ``cross_tokens = Σ kᵢ`` and ``cross_seqlen_product_sum = Σ sᵢ·kᵢ``. ``cross_cu_seqlens_unpadded``
+        (the memories' real lengths, Megatron-Bridge's name) is preferred whenever given, as
+        ``cu_seqlens_unpadded`` is for the queries. ``ValueError`` when the accumulator's config has no
+        cross-attention layers (or it has no config): those counts would have no term to go to.
         """
+        memory = self._cross_memory(cross_cu_seqlens, cross_cu_seqlens_unpadded)
         if cu_seqlens_unpadded is not None:
             name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
         else:
@@ -249,6 +256,9 @@ class FlopsAccumulator:
         if num_padded_tokens is None:
             num_padded_tokens = layout.sum()
         rows = layout.shape[0]
+        if memory is not None and memory.shape != real.shape:
+            raise ValueError(f"cross_cu_seqlens holds {tuple(memory.shape)} memory lengths for {tuple(real.shape)} "
+                             "samples: give one memory segment per sample of cu_seqlens")
         if real.device.type != "cpu":
             if not known and shows_no_tokens(cu, argmin):
                 raise ValueError(_unknown_tokens_message(name))
@@ -256,18 +266,25 @@ class FlopsAccumulator:
         else:
             self._add(**_packed_counts(real, _total(num_padded_tokens), rows, name if not known else None,
                                        self.length_counts))
-        if cross_cu_seqlens is not None:
-            self._add_cross(real, cross_cu_seqlens)
+        if memory is not None:
+            memory = memory.to(real.device)
+            self._add(cross_tokens=memory.sum(), cross_seqlen_product_sum=(real * memory).sum())
         return self
 
-    def _add_cross(self, real: torch.Tensor, cross_cu_seqlens) -> None:
-        """``cross_tokens`` and ``cross_seqlen_product_sum`` of samples of ``real`` lengths (``[B, N]``) and
-        memories of ``cross_cu_seqlens`` (one segment per sample)."""
-        memory = segment_lengths(cross_cu_seqlens, name="cross_cu_seqlens").to(real.device)
-        if memory.shape != real.shape:
-            raise ValueError(f"cross_cu_seqlens holds {tuple(memory.shape)} memory lengths for {tuple(real.shape)} "
-                             "samples: give one memory segment per sample of cu_seqlens")
-        self._add(cross_tokens=memory.sum(), cross_seqlen_product_sum=(real * memory).sum())
+    def _cross_memory(self, cross_cu_seqlens, cross_cu_seqlens_unpadded) -> torch.Tensor | None:
+        """The memory lengths (int64 ``[B, N]``) of the unpadded cumulative lengths when given, else of the
+        padded ones; None when neither is. ``ValueError`` when this accumulator counts no cross-attention."""
+        name, cu = "cross_cu_seqlens_unpadded", cross_cu_seqlens_unpadded
+        if cu is None:
+            name, cu = "cross_cu_seqlens", cross_cu_seqlens
+        if cu is None:
+            return None
+        if "cross_tokens" not in self._extra:
+            why = ("has no model config" if not self._config_given else "counts no cross-attention: its config "
+                   "has no cross-attention layers (cross_attention_layers) or is not a whole model's")
+            raise ValueError(f"{name} given, but this FlopsAccumulator {why}: build it with the config of the "
+                             "model whose cross-attention layers read the memories, FlopsAccumulator(config)")
+        return segment_lengths(cu, name=name)
 
     def add_bshd(self, micro_batch_size: int, seq_len: int) -> "FlopsAccumulator":
         """The legacy count of ``micro_batch_size`` sequences of ``seq_len`` tokens:
@@ -298,6 +315,7 @@ class FlopsAccumulator:
     def _add_inputs(self, inputs: Mapping) -> None:
         ids = inputs.get("input_ids")
         padded = ids.numel() if isinstance(ids, torch.Tensor) else None
+        cross = {key: inputs.get(key) for key in ("cross_cu_seqlens", "cross_cu_seqlens_unpadded")}
         if inputs.get("cu_seqlens_unpadded") is not None or inputs.get("cu_seqlens") is not None:
             self.add_cu_seqlens(
                 inputs.get("cu_seqlens"),
@@ -305,11 +323,10 @@ class FlopsAccumulator:
                 cu_seqlens_unpadded=inputs.get("cu_seqlens_unpadded"),
                 cu_seqlens_unpadded_argmin=inputs.get("cu_seqlens_unpadded_argmin"),
                 num_padded_tokens=padded,
-                cross_cu_seqlens=inputs.get("cross_cu_seqlens"),
+                **cross,
             )
         elif inputs.get("cu_seq_lens_q") is not None:
-            self.add_cu_seqlens(inputs["cu_seq_lens_q"], num_padded_tokens=padded,
-                                cross_cu_seqlens=inputs.get("cross_cu_seqlens"))
+            self.add_cu_seqlens(inputs["cu_seq_lens_q"], num_padded_tokens=padded, **cross)
         elif isinstance(ids, torch.Tensor):
             pos = _restarting_positions(ids, inputs.get("position_ids"))
             if pos is not None:
@@ -331,6 +348,8 @@ class FlopsAccumulator:
 
     def merge(self, other: "FlopsAccumulator") -> "FlopsAccumulator":
         """Add ``other``'s counts into this accumulator (both must count the same model's counts)."""
+        if not isinstance(other, FlopsAccumulator):
+            raise TypeError(f"merge's other must be a FlopsAccumulator, got {type(other).__name__}")
         if other.count_names != self.count_names:
             raise ValueError(f"cannot merge an accumulator counting {list(other.count_names)} into one counting "
                              f"{list(self.count_names)}: build both with the same model config")

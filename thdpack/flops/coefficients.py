@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from thdpack.common.align import check_int
 from thdpack.common.model_config import check_config, config_get, config_int, config_number
 from thdpack.flops.layer_costs import UnsupportedLayerError, structure_terms
 from thdpack.flops.layer_kinds import GATED_ATTENTION_MODEL_TYPES, NON_GATED_MLP_MODEL_TYPES, hf_structure, model_root
@@ -58,6 +59,8 @@ def _text_terms(config, gated_mlp, attention_output_gate, layer_types, mtp_layer
     """The language model's terms of :func:`flops_coefficients`: the text stack read layer by layer
     (:mod:`thdpack.flops.layer_kinds` for transformers configs, :mod:`thdpack.flops.megatron_layers` for
     Megatron-style ones), each layer's kinds costed by :mod:`thdpack.flops.layer_costs`."""
+    if mtp_layers is not None:
+        check_int(mtp_layers, "mtp_layers", 0, hint=" (multi-token-prediction depths to count)")
     options = dict(gated_mlp=gated_mlp, attention_output_gate=attention_output_gate, layer_types=layer_types)
     if is_megatron_config(config):
         structure = megatron_structure(config, mtp_layers=mtp_layers, **options)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from thdpack.flops.sequences import count_name
 
-__all__ = ["MIXER_KINDS", "Layer", "TextStructure", "UnsupportedLayerError", "structure_terms"]
+__all__ = ["MIXER_KINDS", "Layer", "TextStructure", "UnsupportedLayerError", "check_topk", "structure_terms"]
 
 # The token mixers a layer may hold; a layer holds at most one mixer and one feed-forward ("dense", "moe").
 MIXER_KINDS = ("attention", "sliding_attention", "mla", "dsa", "gdn", "gdn2", "kda", "mamba2", "cross_attention")
@@ -25,6 +25,14 @@ TOKENS = "tokens"
 
 class UnsupportedLayerError(NotImplementedError):
     """A layer kind the FLOPs counts do not cover: counting it as dense attention would be wrong."""
+
+
+def check_topk(topk: int, topk_key: str, experts_key: str, experts: int, *, where: str = "") -> None:
+    """``ValueError`` naming both config keys when a token is routed to more experts (``topk``) than the
+    model has (``experts``; 0: not given, nothing to check)."""
+    if experts and topk > experts:
+        raise ValueError(f"the model config's {topk_key} ({topk}) is more than its {where}{experts_key} "
+                         f"({experts}): a token is routed to {experts} experts at most")
 
 
 @dataclass(frozen=True)

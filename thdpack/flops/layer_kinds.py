@@ -12,8 +12,10 @@ Megatron-style configs (``num_layers``, ``ffn_hidden_size``, ...) are read by
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from thdpack.common.model_config import config_get, config_int
-from thdpack.flops.layer_costs import Layer, TextStructure, UnsupportedLayerError
+from thdpack.flops.layer_costs import Layer, TextStructure, UnsupportedLayerError, check_topk
 
 __all__ = ["NON_GATED_MLP_MODEL_TYPES", "GATED_ATTENTION_MODEL_TYPES", "hf_structure", "model_root"]
 
@@ -37,6 +39,8 @@ _FFN_ONLY = {"mlp": "dense", "moe": "moe"}
 _NON_ATTENTION_FIELDS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_expand", "mamba_n_heads",
                          "mamba_num_heads", "mamba_d_ssm", "conv_L_cache", "linear_key_head_dim", "linear_num_heads",
                          "attn_layer_period")
+# Fields only multi-latent attention has (v_head_dim is not one: MiMo-V2-Flash's plain attention has it too).
+_MLA_ONLY_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 
 
 def model_root(config):
@@ -63,6 +67,27 @@ def _refuse_unsupported(text, model_types: set) -> None:
             raise UnsupportedLayerError(message)
 
 
+def _check_mla_fields(text, where: str) -> None:
+    """``ValueError`` for multi-latent attention fields without ``kv_lora_rank``, the field that makes the
+    layers MLA: counting them as plain attention would silently give another model's FLOPs."""
+    if config_get(text, "kv_lora_rank", None) is not None:
+        return
+    present = [key for key in (*_MLA_ONLY_FIELDS, "v_head_dim") if config_get(text, key, None) is not None]
+    if any(key in _MLA_ONLY_FIELDS for key in present):
+        raise ValueError(f"the model config sets {', '.join(where + key for key in present)} (multi-latent "
+                         f"attention) but not {where}kv_lora_rank: give kv_lora_rank for an MLA model, or drop "
+                         "the MLA fields for plain attention")
+
+
+def _layer_type_list(value, name: str, error=TypeError) -> list:
+    """``value`` (``layer_types``, ``mlp_layer_types``: one kind a layer) as a list; ``error`` naming ``name``
+    for a string (read one layer a character), a mapping or a non-iterable."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise error(f"{name} must be a list of layer kinds, one a layer (e.g. ['full_attention', "
+                    f"'linear_attention']), got {type(value).__name__} {value!r}")
+    return list(value)
+
+
 def _window_layer_types(text, num_layers: int, model_types: set) -> list[str] | None:
     """Layer types from the sliding window when the config lists none: ``use_sliding_window`` with
     ``max_window_layers`` (Qwen2 family), ``sliding_window_pattern`` (every n-th layer full; Gemma's
@@ -81,21 +106,23 @@ def _window_layer_types(text, num_layers: int, model_types: set) -> list[str] | 
     return ["sliding_attention"] * num_layers
 
 
-def _listed_types(text, given) -> list[str] | None:
+def _listed_types(text, given, where: str = "") -> list[str] | None:
     """The layer types the config (or ``given``) lists: ``layer_types``, ``layers_block_type``, Nemotron-H's
     ``hybrid_override_pattern``; None when it lists none."""
-    types = given if given is not None else config_get(text, "layer_types", None)
-    if types is None:
-        types = config_get(text, "layers_block_type", None)
-    if types is None and config_get(text, "hybrid_override_pattern", None):
+    if given is not None:
+        return _layer_type_list(given, "layer_types")
+    for key in ("layer_types", "layers_block_type"):
+        if config_get(text, key, None) is not None:
+            return _layer_type_list(config_get(text, key), f"the model config's {where}{key}", ValueError)
+    if config_get(text, "hybrid_override_pattern", None):
         pattern = str(config_get(text, "hybrid_override_pattern"))
-        types = [_PATTERN_SYMBOLS.get(c, f"hybrid_override_pattern symbol {c!r}") for c in pattern]
-    return None if types is None else list(types)
+        return [_PATTERN_SYMBOLS.get(c, f"hybrid_override_pattern symbol {c!r}") for c in pattern]
+    return None
 
 
 def _layer_types(text, num_layers: int, given, model_types: set, where: str) -> list[str]:
     """Every layer's type name (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)."""
-    types = _listed_types(text, given)
+    types = _listed_types(text, given, where)
     if types is None and config_get(text, "full_attention_interval", None):
         interval = config_int(text, "full_attention_interval", where=where)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
@@ -154,14 +181,23 @@ def _mixer(kind: str, i: int, text, model_types: set) -> tuple[str | None, int |
                                 "sliding_attention, indexed_attention, linear_attention, mlp, moe)")
 
 
+def _num_experts(text, where: str) -> tuple[str, int]:
+    """``(key, routed experts)``: the first of ``num_experts``, ``num_local_experts``, ``n_routed_experts`` set
+    and non-zero, ``("num_experts", 0)`` for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        count = config_int(text, key, 0, minimum=0, where=where)
+        if count:
+            return key, count
+    return "num_experts", 0
+
+
 def _moe_layers(text, num_layers: int, where: str) -> list[bool]:
     """Whether each layer's feed-forward has experts: ``mlp_layer_types`` (``dense`` / ``sparse``), else
     ``mlp_only_layers``, ``decoder_sparse_step``, ``first_k_dense_replace``, ``moe_layer_freq``."""
-    num_experts = 0
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):  # the first one set and non-zero
-        num_experts = num_experts or config_int(text, key, 0, minimum=0, where=where)
+    num_experts = _num_experts(text, where)[1]
     mlp_types = config_get(text, "mlp_layer_types", None)
     if num_experts and mlp_types is not None:
+        mlp_types = _layer_type_list(mlp_types, f"the model config's {where}mlp_layer_types", ValueError)
         unknown = sorted(set(mlp_types) - {"dense", "sparse", "moe"})
         if unknown:
             raise UnsupportedLayerError(f"mlp layer types {unknown} are not counted (known: dense, sparse)")
@@ -248,7 +284,9 @@ def _ffn_params(text, kinds: set, model_types: set, where: str, e: int) -> dict:
             if not shared and config_get(text, key, None):
                 shared = config_int(text, key, minimum=0, where=where) * moe_ffn
         topk_key = "num_experts_per_token" if config_get(text, "num_experts_per_token", None) else "num_experts_per_tok"
-        params["moe"] = {"moe_ffn": moe_ffn, "topk": config_int(text, topk_key, where=where),
+        topk = config_int(text, topk_key, where=where)
+        check_topk(topk, where + topk_key, *_num_experts(text, where), where=where)
+        params["moe"] = {"moe_ffn": moe_ffn, "topk": topk,
                          "shared": shared, "e": e,
                          "latent": config_int(text, "moe_latent_size", 0, minimum=0, where=where)}
     return params
@@ -297,10 +335,12 @@ def hf_structure(config, *, gated_mlp=None, attention_output_gate=None, layer_ty
     model_types = {config_get(c, "model_type", None) for c in (text, root, config)} - {None}
     for node in (text, root):
         _refuse_unsupported(node, model_types)
+    _check_mla_fields(text, where)
     h = config_int(text, "hidden_size", where=where)
-    listed = _listed_types(text, None if layer_types is None else list(layer_types))
+    given = None if layer_types is None else _layer_type_list(layer_types, "layer_types")
+    listed = _listed_types(text, given, where)
     num_layers = config_int(text, "num_hidden_layers", None if listed is None else len(listed), where=where)
-    types = _layer_types(text, num_layers, None if layer_types is None else list(layer_types), model_types, where)
+    types = _layer_types(text, num_layers, given, model_types, where)
     layers = _layers(text, types, model_types, where)
     if mtp_layers:
         layers += [layers[-1]] * mtp_layers

@@ -14,14 +14,17 @@ delta attention (``kimi_kda_layers``), experts (``num_moe_experts``, ``moe_layer
 
 from __future__ import annotations
 
+from thdpack.common.align import check_int
 from thdpack.common.model_config import config_get, config_int
-from thdpack.flops.layer_costs import Layer, TextStructure, UnsupportedLayerError
+from thdpack.flops.layer_costs import Layer, TextStructure, UnsupportedLayerError, check_topk
 
 __all__ = ["is_megatron_config", "megatron_structure"]
 
 _HYBRID_SYMBOLS = {"M": ("mamba2", None), "*": ("attention", None), "G": ("gdn", None), "+": ("mla", None),
                    "-": (None, "dense"), "E": (None, "moe")}
 _GDN_VARIANTS = {"gdn": "gdn", "gated_delta_net": "gdn", "gdn2": "gdn2"}
+# The fields of Megatron-core's MLATransformerConfig, which multi_latent_attention switches on.
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim")
 
 
 def is_megatron_config(config) -> bool:
@@ -52,15 +55,30 @@ def _window(config) -> int | None:
     if size is None:
         return None
     if isinstance(size, (list, tuple)):
-        left = size[0]
-        return None if left < 0 else int(left) + 1
+        if len(size) != 2:
+            raise ValueError(f"the model config's window_size must be (left, right) or an integer, got {size!r}")
+        for value in size:
+            check_int(value, "the model config's window_size entries", -1, hint=f" in {size!r} (-1: unbounded)")
+        return None if size[0] < 0 else int(size[0]) + 1
+    check_int(size, "the model config's window_size", 1, hint=" (or a (left, right) pair)")
     return int(size)
+
+
+def _layer_freq(config, key: str, default):
+    """A Megatron per-layer frequency (``window_attn_skip_freq``, ``linear_attention_freq``,
+    ``moe_layer_freq``): an integer >= 1 or a list of 1 / 0, one per layer (``default`` when unset).
+    Megatron-core itself divides by the integer, so 0 is refused here."""
+    value = config_get(config, key, default)
+    if value is None or isinstance(value, (list, tuple)):
+        return value
+    check_int(value, f"the model config's {key}", 1, hint=" (or a list of 1 / 0, one per layer)")
+    return int(value)
 
 
 def _is_window_layer(config, layer_number: int) -> bool:
     """Whether the 1-indexed layer uses the window (``window_attn_skip_freq``: None every layer, an int
     ``f`` all but every f-th, a list 1 / 0 per layer, layers past its end full)."""
-    skip = config_get(config, "window_attn_skip_freq", None)
+    skip = _layer_freq(config, "window_attn_skip_freq", None)
     if skip is None:
         return True
     if isinstance(skip, int):
@@ -71,7 +89,7 @@ def _is_window_layer(config, layer_number: int) -> bool:
 def _per_layer_pattern(config, key: str, num_layers: int) -> list[bool]:
     """A Megatron per-layer switch: an int ``f`` (1 on all but every f-th layer, ``linear_attention_freq``)
     or a list of 1 / 0 of ``num_layers`` entries."""
-    value = config_get(config, key, None)
+    value = _layer_freq(config, key, None)
     if value is None:
         raise ValueError(f"the model config has no {key}; pass a complete config of the model")
     if isinstance(value, int):
@@ -86,7 +104,7 @@ def _moe_pattern(config, num_layers: int) -> list[bool]:
     ``0, f, 2f, ...``; or a 1 / 0 list)."""
     if not config_get(config, "num_moe_experts", None):
         return [False] * num_layers
-    freq = config_get(config, "moe_layer_freq", 1)
+    freq = _layer_freq(config, "moe_layer_freq", 1)
     if isinstance(freq, int):
         return [i % freq == 0 for i in range(num_layers)]
     if len(freq) != num_layers:
@@ -102,10 +120,23 @@ def _indexer_layers(config, count: int) -> list[bool]:
     return [max(n - offset, 0) % freq == 0 for n in range(1, count + 1)]
 
 
+def _check_mla_switch(config) -> None:
+    """``ValueError`` for multi-latent attention fields without ``multi_latent_attention``, the switch that
+    makes Megatron-core build MLA layers: counting them as plain attention would give another model's FLOPs."""
+    if config_get(config, "multi_latent_attention", False):
+        return
+    present = [key for key in (*_MLA_FIELDS, "v_head_dim") if config_get(config, key, None) is not None]
+    if any(key in _MLA_FIELDS for key in present):
+        raise ValueError(f"the model config sets {', '.join(present)} (multi-latent attention) but not "
+                         "multi_latent_attention: set multi_latent_attention=True for an MLA model, or drop the MLA "
+                         "fields for plain attention")
+
+
 def _transformer_mixers(config, num_layers: int, mtp: int) -> list[Layer]:
     """The token mixer of every decoder and MTP layer of the transformer layout."""
     total = num_layers + mtp
     variant = config_get(config, "experimental_attention_variant", None)
+    _check_mla_switch(config)
     if config_get(config, "multi_latent_attention", False):
         if variant == "dsv4_hybrid":
             raise UnsupportedLayerError("DeepSeek-V4 hybrid attention (experimental_attention_variant "
@@ -232,7 +263,9 @@ def _ffn_params(config, kinds: set, e: int) -> dict:
         params["dense"] = {"ffn": config_int(config, "ffn_hidden_size", minimum=0), "e": e}
     if "moe" in kinds:
         moe_ffn = config_get(config, "moe_ffn_hidden_size", None) or config_int(config, "ffn_hidden_size")
-        params["moe"] = {"moe_ffn": int(moe_ffn), "topk": config_int(config, "moe_router_topk"), "e": e,
+        topk = config_int(config, "moe_router_topk")
+        check_topk(topk, "moe_router_topk", "num_moe_experts", config_int(config, "num_moe_experts", 0, minimum=0))
+        params["moe"] = {"moe_ffn": int(moe_ffn), "topk": topk, "e": e,
                          "shared": config_int(config, "moe_shared_expert_intermediate_size", 0, minimum=0),
                          "latent": config_int(config, "moe_latent_size", 0, minimum=0)}
     return params

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from thdpack.common.align import check_int, check_number
+from thdpack.common.model_config import check_config
 from thdpack.flops.accumulator import FlopsAccumulator
 from thdpack.flops.coefficients import flops_coefficients
 
@@ -112,6 +113,7 @@ class FlopsMeter:
                  peak_tflops: float | str | None = None, count_padding: bool = False, **flops_options):
         import torch.distributed as dist
 
+        check_config(config)
         distributed = dist.is_available() and dist.is_initialized()
         self.config = config
         self.all_reduce = distributed if all_reduce is None else all_reduce

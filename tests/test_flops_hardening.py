@@ -1,0 +1,297 @@
+"""thdpack.flops under bad input (issue 43): partial multi-latent attention fields, ``mtp_layers``, MoE
+top-k, windows and layer frequencies of Megatron-style configs, ``layer_types`` strings, the accumulator's
+config and ``merge`` arguments, cross-attention memories (their unpadded lengths; refused without
+cross-attention layers), and docs/flops.md's ``count_padding`` example. Each bad input is one clear
+``ValueError`` / ``TypeError`` naming the argument or config key; every valid input counts as before."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thdpack import build_thd_batch
+from thdpack.flops import FlopsAccumulator, FlopsMeter, flops_coefficients, model_flops
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "flops.md"
+
+TEXT = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 100}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
+               "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+               "v_head_dim": 32, "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,
+               "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 1000}
+MEGATRON = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
+            "ffn_hidden_size": 128, "vocab_size": 100, "make_vocab_size_divisible_by": 1}
+MEGATRON_MLA = dict(MEGATRON, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                    qk_pos_emb_head_dim=8, v_head_dim=16)
+MEGATRON_MOE = dict(MEGATRON, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+MLLAMA_TEXT = {"model_type": "mllama_text_model", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": 96,
+               "cross_attention_layers": [1]}
+
+NOT_INTS = st.one_of(st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
+                     st.integers(0, 9).map(str), st.integers(1, 9).map(float), st.none().map(lambda _: [1]))
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def flops(config, **options) -> int:
+    return model_flops(config, 100, 2000, seq_lens=[40, 60], **options)
+
+
+# =========================================================================== multi-latent attention
+
+
+@pytest.mark.parametrize("fields", [{"q_lora_rank": 64}, {"qk_rope_head_dim": 16},
+                                    {"qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32},
+                                    {"q_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16}])
+def test_mla_fields_without_kv_lora_rank_are_refused(fields):
+    config = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                                  "qk_rope_head_dim", "v_head_dim")}
+    with pytest.raises(ValueError, match="but not kv_lora_rank") as raised:
+        flops(dict(config, **fields))
+    assert all(key in str(raised.value) for key in fields)
+    nested = {"model_type": "kimi_vl", "text_config": dict(TEXT, **fields)}
+    with pytest.raises(ValueError, match=r"text_config\.\w+ .*but not text_config\.kv_lora_rank"):
+        flops(nested)
+
+
+def test_v_head_dim_alone_is_plain_attention():
+    # MiMo-V2-Flash's plain attention has a v_head_dim: not an MLA field on its own
+    assert flops(dict(TEXT, v_head_dim=16)) == flops(TEXT)
+
+
+@pytest.mark.parametrize("fields", [{"q_lora_rank": 32}, {"kv_lora_rank": 16},
+                                    {"qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16}])
+def test_megatron_mla_fields_without_the_switch_are_refused(fields):
+    with pytest.raises(ValueError, match="but not multi_latent_attention") as raised:
+        flops(dict(MEGATRON, **fields))
+    assert all(key in str(raised.value) for key in fields)
+    assert flops(dict(MEGATRON, v_head_dim=16)) == flops(MEGATRON)
+
+
+def test_valid_mla_configs_count_as_before():
+    # pinned from the count before issue 43 (DeepSeek-V3 and V2-Lite styles, Megatron's MLA form)
+    assert flops(DEEPSEEK_V3) == 821472000
+    assert flops(dict(DEEPSEEK_V3, q_lora_rank=None)) == 924576000
+    assert flops(MEGATRON_MLA) == 77836800
+
+
+# =========================================================================== mtp_layers
+
+
+@settings(max_examples=30, deadline=None)
+@given(depths=st.integers(0, 5))
+def test_mtp_layers_count_linearly_in_the_depths(depths):
+    for config in (TEXT, DEEPSEEK_V3, dict(MEGATRON, mtp_num_layers=1)):
+        base, one = flops(config, mtp_layers=0), flops(config, mtp_layers=1)
+        assert flops(config, mtp_layers=depths) == base + depths * (one - base)
+        assert flops(config, mtp_layers=np.int64(depths)) == flops(config, mtp_layers=depths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bad=st.one_of(st.integers(max_value=-1), NOT_INTS))
+def test_mtp_layers_must_be_an_integer_at_least_zero(bad):
+    for config in (TEXT, MEGATRON):
+        with pytest.raises(ValueError, match=r"^mtp_layers must be an integer >= 0"):
+            flops(config, mtp_layers=bad)
+
+
+# =========================================================================== MoE top-k
+
+
+def test_topk_above_the_experts_is_refused():
+    hf = dict(DEEPSEEK_V3, num_experts_per_tok=9)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) is more than its n_routed_experts \(8\)"):
+        flops(hf)
+    qwen = dict(TEXT, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) is more than its num_experts \(4\)"):
+        flops(qwen)
+    with pytest.raises(ValueError, match=r"moe_router_topk \(5\) is more than its num_moe_experts \(4\)"):
+        flops(dict(MEGATRON_MOE, moe_router_topk=5))
+    # every expert is allowed, and counts k experts
+    every = dict(MEGATRON_MOE, moe_router_topk=4)
+    assert flops(every) - flops(MEGATRON_MOE) == 4 * 6 * 100 * 64 * 32 * 2 * 2
+    assert flops(dict(DEEPSEEK_V3, num_experts_per_tok=8)) > flops(DEEPSEEK_V3)
+
+
+# =========================================================================== windows
+
+
+@settings(max_examples=40, deadline=None)
+@given(bad=st.one_of(NOT_INTS, st.integers(max_value=0)))
+def test_megatron_window_must_be_an_integer(bad):
+    with pytest.raises(ValueError, match="window_size"):
+        flops(dict(MEGATRON, window_size=bad))
+    with pytest.raises(ValueError, match="window_size"):
+        flops(dict(MEGATRON, window_size=(bad, 0)) if bad not in (0, -1) else dict(MEGATRON, window_size=(3, bad, 0)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(bad=NOT_INTS)
+def test_hf_window_must_be_an_integer(bad):
+    with pytest.raises(ValueError, match="sliding_window"):
+        flops(dict(TEXT, model_type="mistral", sliding_window=bad))
+
+
+@settings(max_examples=30, deadline=None)
+@given(window=st.integers(1, 80))
+def test_valid_windows_count_as_before(window):
+    # an int is the window itself; (left, right) is left + 1 keys; left -1 or no window_size: full attention
+    as_int = flops(dict(MEGATRON, window_size=window))
+    assert as_int == flops(dict(MEGATRON, window_size=(window - 1, 0))) == flops(
+        dict(MEGATRON, window_size=[np.int64(window - 1), 0]))
+    # window_square_sum[w] per sample: s² up to s = w, then w·(w + 1) + 2·w·(s − w) (docs/flops.md)
+    square_sum = sum(s * s if s <= window else window * (window + 1) + 2 * window * (s - window) for s in (40, 60))
+    per_layer = 6 * 64 * (square_sum - 2000)  # 6·d_q per unit, d_q = 64, instead of Σ sᵢ² = 2000
+    assert as_int == flops(MEGATRON) + 4 * per_layer
+    assert flops(dict(MEGATRON, window_size=(-1, 0))) == flops(MEGATRON)
+    hf = dict(TEXT, model_type="mistral")
+    assert flops(dict(hf, sliding_window=window)) == flops(hf) + 2 * per_layer
+    assert flops(dict(hf, sliding_window=None)) == flops(hf)
+
+
+# =========================================================================== Megatron layer frequencies
+
+
+@pytest.mark.parametrize("key,extra", [("window_attn_skip_freq", {"window_size": (7, 0)}),
+                                       ("moe_layer_freq", {"num_moe_experts": 4, "moe_router_topk": 2}),
+                                       ("linear_attention_freq", {"experimental_attention_variant": "gdn",
+                                                                  "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                                                  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                                                  "linear_conv_kernel_dim": 4})])
+@settings(max_examples=20, deadline=None)
+@given(bad=st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=2)))
+def test_megatron_layer_frequency_must_be_at_least_one(key, extra, bad):
+    with pytest.raises(ValueError, match=rf"^the model config's {key} must be an integer >= 1"):
+        flops(dict(MEGATRON, **extra, **{key: bad}))
+
+
+@pytest.mark.parametrize("key,extra", [("window_attn_skip_freq", {"window_size": (7, 0)}),
+                                       ("moe_layer_freq", {"num_moe_experts": 4, "moe_router_topk": 2})])
+@pytest.mark.parametrize("freq", [1, 2, 3, 4, 5])
+def test_a_layer_frequency_counts_as_its_list(key, extra, freq):
+    # an int f: the window on all but every f-th layer (1-indexed), experts on layers 0, f, 2f, ...
+    listed = ([int((n % freq) != 0) for n in range(1, 5)] if key == "window_attn_skip_freq"
+              else [int(i % freq == 0) for i in range(4)])
+    assert flops(dict(MEGATRON, **extra, **{key: freq})) == flops(dict(MEGATRON, **extra, **{key: listed}))
+
+
+# =========================================================================== layer_types
+
+
+def test_layer_types_as_a_string_is_refused():
+    for bad in ("full_attention", "ff", b"ff", {"full_attention": 2}, 5):
+        with pytest.raises(TypeError, match=r"^layer_types must be a list of layer kinds"):
+            flops(TEXT, layer_types=bad)
+    for key in ("layer_types", "layers_block_type"):
+        with pytest.raises(ValueError, match=rf"^the model config's {key} must be a list of layer kinds"):
+            flops(dict(TEXT, **{key: "full_attention"}))
+    with pytest.raises(ValueError, match=r"^the model config's text_config\.layer_types must be a list"):
+        flops({"model_type": "qwen3_vl", "text_config": dict(TEXT, layer_types="ff")})
+    moe = dict(TEXT, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"^the model config's mlp_layer_types must be a list"):
+        flops(dict(moe, mlp_layer_types="ds"))
+    # lists and tuples (and generators) of kinds count as before
+    full = ["full_attention"] * 2
+    assert flops(TEXT, layer_types=full) == flops(TEXT, layer_types=tuple(full)) == flops(
+        TEXT, layer_types=(k for k in full)) == flops(TEXT)
+    assert flops(dict(moe, mlp_layer_types=("dense", "sparse"))) == flops(dict(moe, mlp_only_layers=[0]))
+
+
+# =========================================================================== the accumulator's arguments
+
+
+@pytest.mark.parametrize("bad", ["qwen3", b"qwen3", 5, 1.5, [TEXT], (TEXT,)])
+def test_accumulator_takes_a_config_or_none(bad):
+    with pytest.raises(TypeError, match=r"^FlopsAccumulator's vision_config .*must be a transformers config or its "
+                                        rf"dict .*, got {type(bad).__name__}$"):
+        FlopsAccumulator(bad)
+    with pytest.raises(TypeError, match=rf"^config must be a transformers config .*got {type(bad).__name__}$"):
+        FlopsMeter(bad)
+    assert FlopsAccumulator(None).count_names == FlopsAccumulator().count_names
+
+
+@pytest.mark.parametrize("bad", [None, "acc", {"tokens": 5}, 3])
+def test_merge_takes_an_accumulator(bad):
+    acc = FlopsAccumulator(TEXT).add_bshd(2, 8)
+    before = acc.counts()
+    with pytest.raises(TypeError, match=rf"^merge's other must be a FlopsAccumulator, got {type(bad).__name__}$"):
+        acc.merge(bad)
+    assert acc.counts() == before
+    assert acc.merge(FlopsAccumulator(TEXT).add_bshd(1, 8)).counts()["tokens"] == 24
+
+
+# =========================================================================== cross-attention memories
+
+
+@pytest.mark.parametrize("config", [None, TEXT])
+@pytest.mark.parametrize("key", ["cross_cu_seqlens", "cross_cu_seqlens_unpadded"])
+def test_memories_without_cross_attention_layers_are_refused(config, key):
+    acc = FlopsAccumulator(config).add({"cu_seqlens": i32([0, 4]), "input_ids": torch.zeros(1, 4)})
+    before = acc.counts()
+    batch = {"cu_seqlens": i32([0, 5, 12]), key: i32([0, 3, 7]), "input_ids": torch.zeros(1, 12)}
+    why = "has no model config" if config is None else "counts no cross-attention"
+    with pytest.raises(ValueError, match=rf"^{key} given, but this FlopsAccumulator {why}"):
+        acc.add(batch)
+    with pytest.raises(ValueError, match=rf"^{key} given"):
+        acc.add_cu_seqlens(i32([0, 5, 12]), **{key: i32([0, 3, 7])})
+    assert acc.counts() == before  # nothing half-added
+
+
+def test_unpadded_memories_are_preferred():
+    # Megatron-Bridge's convention: cross_cu_seqlens_unpadded holds the memories' real lengths
+    cu, padded, unpadded = i32([0, 5, 12, 20]), i32([0, 8, 8, 16]), i32([0, 6, 6, 11])
+    ids = torch.zeros(1, 20)
+    both = FlopsAccumulator(MLLAMA_TEXT).add({"cu_seqlens": cu, "cross_cu_seqlens": padded,
+                                               "cross_cu_seqlens_unpadded": unpadded, "input_ids": ids}).counts()
+    assert both["cross_tokens"] == 11 and both["cross_seqlen_product_sum"] == 5 * 6 + 7 * 0 + 8 * 5
+    alone = FlopsAccumulator(MLLAMA_TEXT).add({"cu_seqlens": cu, "cross_cu_seqlens_unpadded": unpadded,
+                                                "input_ids": ids}).counts()
+    assert alone == both
+    direct = FlopsAccumulator(MLLAMA_TEXT).add_cu_seqlens(cu, cross_cu_seqlens=padded,
+                                                          cross_cu_seqlens_unpadded=unpadded).counts()
+    assert direct["cross_seqlen_product_sum"] == both["cross_seqlen_product_sum"]
+    # the padded memories alone count as before
+    only_padded = FlopsAccumulator(MLLAMA_TEXT).add({"cu_seqlens": cu, "cross_cu_seqlens": padded,
+                                                      "input_ids": ids}).counts()
+    assert only_padded["cross_tokens"] == 16 and only_padded["cross_seqlen_product_sum"] == 5 * 8 + 8 * 8
+    with pytest.raises(ValueError, match="memory lengths for"):
+        FlopsAccumulator(MLLAMA_TEXT).add({"cu_seqlens": cu, "cross_cu_seqlens_unpadded": i32([0, 6]),
+                                           "input_ids": ids})
+
+
+# =========================================================================== docs/flops.md's count_padding
+
+
+def _count_padding_snippets() -> list[str]:
+    """The python blocks and inline code spans of docs/flops.md that pass ``count_padding=``."""
+    text = DOC.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    spans = re.findall(r"`([^`]+)`", prose)
+    return [piece for piece in blocks + spans if "count_padding=" in piece]
+
+
+def test_docs_count_padding_examples_run():
+    snippets = _count_padding_snippets()
+    assert len(snippets) >= 2  # the accumulator's example block and the "Padding" bullet
+    batch = build_thd_batch([{"input_ids": list(range(1, n + 1))} for n in (5, 9, 14)], pad_multiple=8)
+    model = SimpleNamespace(config=TEXT)
+    acc = FlopsAccumulator(TEXT).add(batch)
+    for snippet in snippets:
+        scope = {"FlopsAccumulator": FlopsAccumulator, "model": model, "config": TEXT, "micro_batches": [batch],
+                 "dp_cp_group": None, "acc": acc}
+        exec(snippet, scope)  # noqa: S102 - the documented example, as written
+    assert acc.model_flops(TEXT, count_padding=True) > acc.model_flops(TEXT)
+    with pytest.raises(TypeError):  # the module-level function takes the token count itself
+        model_flops(TEXT, 28, 302, count_padding=True)
