@@ -163,12 +163,13 @@ def test_valid_windows_count_as_before(window):
 # =========================================================================== Megatron layer frequencies
 
 
+GDN = {"experimental_attention_variant": "gdn", "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+       "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4}
+
+
 @pytest.mark.parametrize("key,extra", [("window_attn_skip_freq", {"window_size": (7, 0)}),
                                        ("moe_layer_freq", {"num_moe_experts": 4, "moe_router_topk": 2}),
-                                       ("linear_attention_freq", {"experimental_attention_variant": "gdn",
-                                                                  "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                                                                  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                                                  "linear_conv_kernel_dim": 4})])
+                                       ("linear_attention_freq", GDN)])
 @settings(max_examples=20, deadline=None)
 @given(bad=st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=2)))
 def test_megatron_layer_frequency_must_be_at_least_one(key, extra, bad):
