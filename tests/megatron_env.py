@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def pip_download(cache: Path, cmd: list[str], what: str) -> str | None:
     same answer without trying again: the xdist workers of one run, which collect their tests while
     the first of them downloads, then collect the same test ids (a parameter's id says whether the
     code is here)."""
-    note = cache / FAILURE_NOTE
+    note = cache / f"{FAILURE_NOTE}-{re.sub(r'[^A-Za-z0-9.=_-]+', '_', what)}"
     if note.is_file() and time.time() - note.stat().st_mtime < FAILURE_FRESH_S:
         return note.read_text()
     try:
@@ -94,13 +95,13 @@ def site_or_reason() -> Path | str:
     return bridge_site()
 
 
-def peer_param(found, name: str):
-    """The one ``pytest.param`` of a test of a peer's own code: ``found`` (the code, or a path to it)
-    with id ``name``; or, where ``found`` is the reason it cannot be had (a string), a skipped one
-    with id ``{name}-missing`` and that reason."""
+def peer_param(found, name: str, *before):
+    """The ``pytest.param`` of a test of a peer's own code: ``*before`` then ``found`` (the code, or a
+    path to it) with id ``name``; or, where ``found`` is the reason it cannot be had (a string), a
+    skipped one with id ``{name}-missing`` and that reason."""
     if isinstance(found, str):
-        return pytest.param(None, id=f"{name}-missing", marks=pytest.mark.skip(reason=f"{name}: {found}"))
-    return pytest.param(found, id=name)
+        return pytest.param(*before, None, id=f"{name}-missing", marks=pytest.mark.skip(reason=f"{name}: {found}"))
+    return pytest.param(*before, found, id=name)
 
 
 def site_param(name: str = SITE_ID):
@@ -119,7 +120,8 @@ def packed_seq_params_module(site: Path) -> types.ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
-def _core_params_or_reason() -> types.ModuleType | str:
+def core_params_or_reason() -> types.ModuleType | str:
+    """:func:`packed_seq_params_module`, loaded once per test process, or why it cannot be had."""
     site = site_or_reason()
     return site if isinstance(site, str) else packed_seq_params_module(site)
 
@@ -128,7 +130,7 @@ def packed_seq_params_params() -> list:
     """Both answers of ``megatron.core.packed_seq_params`` for a test of ``to_packed_seq_params``, as
     parameters for :func:`import_packed_seq_params`: ``None`` (id ``no-megatron-core``: not importable)
     and megatron-core 0.19.2's module (id ``megatron-core-0.19.2``, or skipped where it cannot be had)."""
-    return [pytest.param(None, id="no-megatron-core"), peer_param(_core_params_or_reason(), CORE_ID)]
+    return [pytest.param(None, id="no-megatron-core"), peer_param(core_params_or_reason(), CORE_ID)]
 
 
 def import_packed_seq_params(monkeypatch, module: types.ModuleType | None) -> None:

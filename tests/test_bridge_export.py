@@ -5,15 +5,14 @@ The output is fed to Bridge's own reader (megatron-bridge 0.6.2's ``GPTSFTPacked
 ``__getitem__`` + ``collate_fn``, run by tests/megatron_run.py) at cp 1 and 2, and compared with
 thdpack's collator on the same packs, in Bridge's convention (each sample's last token dropped,
 labels = the next token, cu_seqlens one shorter per sample, samples pre-padded to pad_seq_to_mult).
-Where Bridge's wheels cannot be downloaded the test says why (a warning in pytest's summary) and
-checks the same packs against ``spec_collate``, a transcription of Bridge's documented reader;
-that transcription is itself checked against Bridge's code whenever the code is there.
+The same packs are checked against ``spec_collate``, a transcription of Bridge's documented reader,
+everywhere; where Bridge's wheels cannot be downloaded the test of its own code skips (its id ends
+``-missing``; the reason is in pytest's summary).
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -55,11 +54,9 @@ def builds(tmp_path_factory, jsonl):
 
 @pytest.fixture(scope="module")
 def bridge(builds):
-    """Bridge's collate_fn output for every pack of each build (one subprocess), or the reason
-    why Bridge's code is not available here."""
-    site = megatron_env.bridge_site()
-    if isinstance(site, str):
-        return site
+    """Bridge's collate_fn output for every pack of each build (one subprocess); for tests that
+    take :func:`megatron_env.site_param`, so run only where Bridge's code is here."""
+    site = megatron_env.site_or_reason()
     tasks = [{"kind": "bridge_collate", "path": str(builds[cp].path), "pad_seq_to_mult": builds[cp].metadata["align"], "eos_id": EOS,
               "max_seq_length": PACK, "batches": [[k] for k in range(builds[cp].metadata["num_packs"])]}
              for cp in (1, 2)]
@@ -157,30 +154,39 @@ def first_row(batch: dict) -> dict:
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_bridge_reader_matches_thdpack_collator(builds, bridge, cp):
-    """Bridge's own reader and collate_fn on the build's Parquet = thdpack's collator on the same
-    packs, token for token, in Bridge's convention; cu_seqlens (and cu_seqlens_padded at cp 2) too."""
+def bridge_view(builds, cp: int) -> tuple[list[dict], list[dict], int]:
+    """Per pack of build ``cp``: what Bridge's collate_fn must give (``expected_bridge`` of thdpack's
+    collator), the stored Parquet rows, and Bridge's cut-short samples in all."""
     ds = load_packed(builds[cp].path)
     collate = ds.collator()  # the cp_size the build planned for: samples padded to 2*cp (cp > 1)
-    multiple = ds.metadata["align"]
-    assert multiple == (2 * cp if cp > 1 else 1)
+    assert ds.metadata["align"] == (2 * cp if cp > 1 else 1)
     rows = bridge_rows(builds[cp].path)
     assert len(rows) == len(ds) > 3
-    if isinstance(bridge, str):
-        warnings.warn(f"Megatron-Bridge's reader is not available here ({bridge}); checked the packs against "
-                      "spec_collate, the written transcription of its reader, instead", stacklevel=1)
-    else:
-        assert bridge[cp]["len"] == len(ds)  # Bridge's directory glob found exactly the .idx.parquet files
-    cut_short = 0  # samples whose cu_seqlens Bridge ends early (EOS before their last token)
-    for k in range(len(ds)):
-        want, cut = expected_bridge(collate(ds[k]), multiple, PACK)
-        cut_short += cut
+    wants = [expected_bridge(collate(ds[k]), ds.metadata["align"], PACK) for k in range(len(ds))]
+    return [w for w, _ in wants], rows, sum(cut for _, cut in wants)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_written_reader_matches_thdpack_collator(builds, cp):
+    """``spec_collate`` (the written transcription of Bridge's reader) on the build's Parquet = thdpack's
+    collator on the same packs, in Bridge's convention; the cut-short count in the metadata is right."""
+    wants, rows, cut_short = bridge_view(builds, cp)
+    multiple = builds[cp].metadata["align"]
+    for k, want in enumerate(wants):
         assert spec_collate(rows[k], multiple, PACK) == want, f"pack {k}"
-        if not isinstance(bridge, str):
-            assert first_row(bridge[cp]["batches"][k]) == want, f"pack {k}: Bridge's collate_fn differs"
-    assert ds.metadata["megatron_bridge"]["samples_cut_short_by_bridge"] == cut_short
+    assert builds[cp].metadata["megatron_bridge"]["samples_cut_short_by_bridge"] == cut_short
     assert (cut_short > 0) == (cp > 1)  # the demo's chat template ends turns with EOS + newline
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("site", [megatron_env.site_param()])
+def test_bridge_reader_matches_thdpack_collator(builds, bridge, cp, site):
+    """Bridge's own reader and collate_fn on the build's Parquet = thdpack's collator on the same
+    packs, token for token, in Bridge's convention; cu_seqlens (and cu_seqlens_padded at cp 2) too."""
+    wants, rows, _ = bridge_view(builds, cp)
+    assert bridge[cp]["len"] == len(rows)  # Bridge's directory glob found exactly the .idx.parquet files
+    for k, want in enumerate(wants):
+        assert first_row(bridge[cp]["batches"][k]) == want, f"pack {k}: Bridge's collate_fn differs"
 
 
 def test_bridge_metadata_is_bridges_list(builds):

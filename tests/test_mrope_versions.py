@@ -12,9 +12,10 @@ The references are the versions' own ``get_rope_index``:
   (``megatron/bridge/models/qwen_vl/modelling_qwen3_vl/rope.py``), read the same way from
   the wheel ``tests/megatron_env.py`` unpacks.
 
-Where a wheel cannot be had (no package index) the test says so (a warning in pytest's
-summary) and checks the written, cited transcriptions below instead; whenever the wheel is
-there, the transcriptions are checked against it.
+The written, cited transcriptions below are references of their own (ids ``transcription-*``),
+checked everywhere; where a wheel is here, the transcriptions are checked against it too. Where
+a wheel cannot be had (no package index) the tests of its code skip, their ids ending ``-missing``
+and the reason in pytest's summary.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ import ast
 import fcntl
 import itertools
 import os
-import subprocess
 import sys
 import types
-import warnings
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -74,6 +73,7 @@ def stub_config() -> types.SimpleNamespace:
 # --------------------------------------------------------------------------- the versions' own code
 
 
+@lru_cache(maxsize=None)
 def _wheel(version: str) -> Path | str:
     """transformers ``version``'s wheel (cached), or why it cannot be had."""
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -85,14 +85,10 @@ def _wheel(version: str) -> Path | str:
         tmp = CACHE / f"download-{version}"
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--dest", str(tmp),
                f"transformers=={version}"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            return f"`pip download transformers=={version}` took more than 300 s"
+        failed = megatron_env.pip_download(CACHE, cmd, f"transformers=={version}")
         got = sorted(tmp.glob(f"transformers-{version}-*.whl"))
-        if done.returncode or not got:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return f"`pip download transformers=={version}` failed: {last}"
+        if failed or not got:
+            return failed or f"`pip download transformers=={version}` gave no wheel"
         os.replace(got[0], CACHE / got[0].name)  # whole wheels only in the cache
         return CACHE / got[0].name
 
@@ -214,15 +210,25 @@ def transcribed_rope(convention: str, family: str, ids: list[int], images, video
 REFERENCES = {"4.57.6": conv.TRANSFORMERS_4, "5.12.1": conv.TRUNCATE_SPG}
 
 
-def old_rope(version: str, family: str, ids, images, videos, spg) -> tuple[np.ndarray, int]:
-    """Positions of transformers ``version``: its own code, else (with a warning) the transcription;
-    where both are there they must agree."""
-    fn = release_rope_index(version, family)
+def reference_params(versions=tuple(sorted(REFERENCES))) -> list:
+    """``(version, wheel)`` parameters of the tests of an old convention: each version's written
+    transcription (wheel None, id ``transcription-<version>``), and its release's own code (id
+    ``transformers-<version>``; skipped, id ``transformers-<version>-missing``, where its wheel cannot
+    be had)."""
+    written = [pytest.param(v, None, id=f"transcription-{v}") for v in versions]
+    return written + [megatron_env.peer_param(_wheel(v), f"transformers-{v}", v) for v in versions]
+
+
+def old_rope(version: str, wheel, family: str, ids, images, videos, spg) -> tuple[np.ndarray, int]:
+    """Positions of transformers ``version``: the transcription (``wheel`` None), else its own code
+    in ``wheel``, which the transcription must equal (the transcription alone for a family the release
+    does not have)."""
     written = transcribed_rope(REFERENCES[version], family, ids, images, videos, spg)
+    if wheel is None:
+        return written
+    fn = release_rope_index(version, family)
     if isinstance(fn, str):
-        if "has no" in fn:
-            return written
-        warnings.warn(f"transformers {version}'s own get_rope_index unavailable ({fn}); checked the transcription")
+        assert "has no" in fn, fn
         return written
     got = call_rope_index(fn, family, ids, images, videos, spg)
     assert np.array_equal(got[0], written[0]) and got[1] == written[1], "transcription differs from the release"
@@ -287,14 +293,14 @@ SECONDS = [0.5, 1.0, 2 / 3, 1.5, 2.0, 0.25, 7 / 3, 3.0]
 @settings(max_examples=40, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
-    version=st.sampled_from(sorted(REFERENCES)),
     packs=st.lists(layouts(), min_size=1, max_size=3),
     seconds=st.lists(st.sampled_from(SECONDS), min_size=3, max_size=3),
     spg_kind=st.sampled_from(["f32_tensor", "floats", "none"]),
     pad_multiple=st.sampled_from([1, 4]),
     seed=st.integers(0, 2**16),
 )
-def test_old_convention_equals_old_release(family, version, packs, seconds, spg_kind, pad_multiple, seed):
+@pytest.mark.parametrize("version,wheel", reference_params())
+def test_old_convention_equals_old_release(version, wheel, family, packs, seconds, spg_kind, pad_multiple, seed):
     """With a release's convention, each packed sample's rows and rope delta equal that release's
     own ``get_rope_index`` on the sample alone (fractional ``second_per_grid_ts``, text after
     videos and after images with ``t > 1`` included)."""
@@ -306,15 +312,15 @@ def test_old_convention_equals_old_release(family, version, packs, seconds, spg_
     batch = build_thd_batch(samples, model_config=fam, pad_multiple=pad_multiple)
     assert batch.extras["mrope_convention"] == REFERENCES[version]
     for i, s in enumerate(samples):
-        want, delta = old_rope(version, family, s["input_ids"], s.get("image_grid_thw"), s.get("video_grid_thw"),
-                               s.get("second_per_grid_ts"))
+        want, delta = old_rope(version, wheel, family, s["input_ids"], s.get("image_grid_thw"),
+                               s.get("video_grid_thw"), s.get("second_per_grid_ts"))
         assert np.array_equal(rows_of(batch, i), want), (i, s)
         assert int(batch.extras["rope_deltas"][i]) == delta
 
 
-@pytest.mark.parametrize("version", sorted(REFERENCES))
+@pytest.mark.parametrize("version,wheel", reference_params())
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_on_a_fixed_pack(family, version):
+def test_every_family_on_a_fixed_pack(family, version, wheel):
     """The three places where the rules part, in every family: an image with ``t = 3 > max(h, w)``
     (Qwen2.5-VL 4.x: all its frames at one temporal position), a video with 0.5 s per grid and
     text after both."""
@@ -324,7 +330,7 @@ def test_every_family_on_a_fixed_pack(family, version):
     fam = get_family(model_config(family), mrope_convention=f"transformers=={version}")
     batch = build_thd_batch(samples, model_config=fam, pad_multiple=8)
     s = samples[0]
-    want, delta = old_rope(version, family, s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], [0.5])
+    want, delta = old_rope(version, wheel, family, s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], [0.5])
     assert np.array_equal(rows_of(batch, 0), want)
     assert int(batch.extras["rope_deltas"][0]) == delta
 
@@ -348,7 +354,8 @@ def _video_sample(grid, spg):
     return make_sample("qwen2_5_vl", [("text", 2), ("video", grid), ("text", 2)], np.random.default_rng(0), spg)
 
 
-def test_fractional_seconds_per_grid_issue_example():
+@pytest.mark.parametrize("version,wheel", reference_params(("5.12.1",)))
+def test_fractional_seconds_per_grid_issue_example(version, wheel):
     """One video, grid [4, 4, 4], tokens_per_second 2, second_per_grid_ts 0.5: the frames' temporal
     positions are [3, 4, 5, 6] in transformers >= 5.18 and [3, 3, 3, 3] up to 5.17."""
     sample = _video_sample((4, 4, 4), [0.5])
@@ -357,11 +364,12 @@ def test_fractional_seconds_per_grid_issue_example():
         batch = build_thd_batch([sample], model_config=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
         frames[name] = rows_of(batch, 0)[0, 3:19:4].tolist()  # first token of each frame (4 tokens per frame)
     assert frames == {conv.EXACT: [3, 4, 5, 6], conv.TRUNCATE_SPG: [3, 3, 3, 3], conv.TRANSFORMERS_4: [3, 3, 3, 3]}
-    want, _ = old_rope("5.12.1", "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [0.5])
+    want, _ = old_rope(version, wheel, "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [0.5])
     assert want[0, 3:19:4].tolist() == [3, 3, 3, 3]
 
 
-def test_text_after_video_issue_example():
+@pytest.mark.parametrize("version,wheel", reference_params(("4.57.6",)))
+def test_text_after_video_issue_example(version, wheel):
     """t = 16, second_per_grid_ts 1.0: transformers 4.x continues after the video's last temporal
     position (3 + 15·2 = 33), 5.x after ``max(h, w)``."""
     sample = _video_sample((16, 4, 4), [1.0])
@@ -371,7 +379,7 @@ def test_text_after_video_issue_example():
         batch = build_thd_batch([sample], model_config=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
         tails[name] = rows_of(batch, 0)[:, end - 3 :].tolist()  # vision end token, then 2 text tokens
     assert tails == {conv.EXACT: [[5, 6, 7]] * 3, conv.TRANSFORMERS_4: [[34, 35, 36]] * 3}
-    want, _ = old_rope("4.57.6", "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [1.0])
+    want, _ = old_rope(version, wheel, "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [1.0])
     assert want[:, end - 3 :].tolist() == tails[conv.TRANSFORMERS_4]
 
 
@@ -440,23 +448,24 @@ def test_unknown_convention_is_refused(value):
 
 def bridge_qwen3_rope():
     """Megatron-Bridge 0.6.2's ``_build_llm_rope_positions`` (Qwen3-VL), or why it cannot be had."""
-    site = megatron_env.bridge_site()
+    site = megatron_env.site_or_reason()
     if isinstance(site, str):
         return site
     path = site / "megatron" / "bridge" / "models" / "qwen_vl" / "modelling_qwen3_vl" / "rope.py"
     return _functions(path.read_text(), ("_build_llm_rope_positions",), str(path))["_build_llm_rope_positions"]
 
 
-def test_bridge_qwen3_vl_rope_is_transformers_4():
+@pytest.mark.parametrize("fn", [pytest.param(None, id="transcription"),
+                                megatron_env.peer_param(bridge_qwen3_rope(), megatron_env.SITE_ID)])
+def test_bridge_qwen3_vl_rope_is_transformers_4(fn):
     """Megatron-Bridge's THD Qwen3-VL positions (its own ``get_rope_index``, one packed sample at
-    a time) are the ``"transformers-4"`` rule; transformers 5.x differs on images with
-    ``t > max(h, w)`` (after merge), where the text after them starts later in Bridge."""
+    a time; ``fn`` None: the transformers-4 transcription) are the ``"transformers-4"`` rule;
+    transformers 5.x differs on images with ``t > max(h, w)`` (after merge), where the text after
+    them starts later in Bridge."""
     layout = [("text", 2), ("image", (5, 2, 4)), ("text", 3), ("video", (3, 4, 4)), ("text", 2), ("image", (1, 4, 2)),
               ("text", 1)]
     sample = make_sample("qwen3_vl", layout, np.random.default_rng(1))
-    fn = bridge_qwen3_rope()
-    if isinstance(fn, str):
-        warnings.warn(f"Megatron-Bridge's rope.py unavailable ({fn}); checked the transformers-4 transcription")
+    if fn is None:
         want = transcribed_rope(conv.TRANSFORMERS_4, "qwen3_vl", sample["input_ids"], sample["image_grid_thw"],
                                 sample["video_grid_thw"], None)[0]
     else:

@@ -11,7 +11,6 @@ layers, checked against the consumers' own code:
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -111,24 +110,12 @@ MEGATRON_CASES = [
 ]
 
 
-def megatron_packed_seq_params():
-    """megatron-core 0.19.2's ``PackedSeqParams`` class, its file loaded on its own under a private
-    module name (it imports only torch; the package ``__init__`` would pull in the training stack)."""
-    site = megatron_env.bridge_site()
-    if isinstance(site, str):
-        pytest.skip(f"megatron-core 0.19.2 is not available here: {site}")
-    path = site / "megatron" / "core" / "packed_seq_params.py"
-    spec = importlib.util.spec_from_file_location("_megatron_core_packed_seq_params", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.PackedSeqParams
-
-
 @pytest.mark.parametrize("lengths,kw", MEGATRON_CASES)
-def test_megatron_core_seq_idx_equals_seq_idx(lengths, kw):
-    """megatron-core 0.19.2's own PackedSeqParams, given packed_seq_params_dict() (static or not),
-    builds exactly batch.seq_idx."""
-    params_class = megatron_packed_seq_params()
+@pytest.mark.parametrize("core", [megatron_env.peer_param(megatron_env.core_params_or_reason(), megatron_env.CORE_ID)])
+def test_megatron_core_seq_idx_equals_seq_idx(core, lengths, kw):
+    """megatron-core 0.19.2's own PackedSeqParams (its file loaded on its own: it imports only torch),
+    given packed_seq_params_dict() (static or not), builds exactly batch.seq_idx."""
+    params_class = core.PackedSeqParams
     batch = build_thd_batch(samples_of(lengths), **kw)
     params = params_class(**batch.packed_seq_params_dict())
     assert params.seq_idx.dtype == torch.int32

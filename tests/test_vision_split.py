@@ -15,9 +15,10 @@
   rows / grids / tokens of every rank for a pack, the costs against ``thdpack.flops``' vision terms
   (windows for Qwen2.5-VL), fewer frames than ranks.
 * The peers: Megatron-Bridge 0.6.2's own ``qwen3vl_cp_split`` and NeMo Automodel 0.7.0's own
-  ``_contiguous_balanced_bounds`` (read from their wheels; without a package index their written rules in
-  ``benchmarks/vision_balance.py`` are checked on the examples they document) give the splits the benchmark
-  charges them with, and on realistic packs thdpack's largest rank is never above theirs.
+  ``_contiguous_balanced_bounds`` (read from their wheels; without a package index those tests skip, their
+  ids ending ``-missing``) give the splits the benchmark charges them with (its written rules in
+  ``benchmarks/vision_balance.py``, also checked on the examples the peers document), and on realistic packs
+  thdpack's largest rank is never above theirs.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ import fcntl
 import functools
 import itertools
 import os
-import subprocess
 import sys
 import time
 import types
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -411,13 +410,10 @@ def automodel_bounds():
         if not found:
             cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--dest",
                    str(CACHE / "download"), AUTOMODEL]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            except subprocess.TimeoutExpired:
-                return f"`pip download {AUTOMODEL}` took more than 300 s"
+            failed = megatron_env.pip_download(CACHE, cmd, AUTOMODEL)
             got = sorted((CACHE / "download").glob("nemo_automodel-0.7.0-*.whl"))
-            if done.returncode or not got:
-                return f"`pip download {AUTOMODEL}` failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"
+            if failed or not got:
+                return failed or f"`pip download {AUTOMODEL}` gave no wheel"
             os.replace(got[0], CACHE / got[0].name)
             found = [CACHE / got[0].name]
     path = "nemo_automodel/components/distributed/cp_vision_frame_shard.py"
@@ -433,7 +429,7 @@ def automodel_bounds():
 
 def bridge_count_split():
     """Megatron-Bridge 0.6.2's ``qwen3vl_cp_split`` (``vision_dp_when_cp``), or why it cannot be had."""
-    site = megatron_env.bridge_site()
+    site = megatron_env.site_or_reason()
     if isinstance(site, str):
         return site
     path = site / "megatron" / "bridge" / "models" / "qwen_vl" / "modelling_qwen3_vl" / "utils.py"
@@ -446,12 +442,15 @@ def realistic_packs(n: int = 60):
     return [bench.draw_pack(rng, 32, 16384) for _ in range(n)]
 
 
-def test_bridge_rule_is_its_own_code():
-    split = bridge_count_split()
-    if isinstance(split, str):
-        warnings.warn(f"Megatron-Bridge's qwen3vl_cp_split unavailable ({split}); checked the written rule")
-        assert bench.count_cuts(10, 4).tolist() == [0, 3, 6, 8, 10]
-        return
+def test_written_rules_on_their_documented_examples():
+    """The benchmark's written rules of the peers (checked against the peers' own code below, where
+    their wheels are here) on the examples their code documents."""
+    assert bench.count_cuts(10, 4).tolist() == [0, 3, 6, 8, 10]
+    assert bench.automodel_cuts([4, 4, 4, 4], 2, 0).tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("split", [megatron_env.peer_param(bridge_count_split(), megatron_env.SITE_ID)])
+def test_bridge_rule_is_its_own_code(split):
     for p in realistic_packs(20):
         grid = torch.from_numpy(np.concatenate([p["image_grid_thw"], p["video_grid_thw"]]))
         pixels = torch.zeros(int(grid.prod(1).sum()), 1)
@@ -461,12 +460,8 @@ def test_bridge_rule_is_its_own_code():
             assert np.diff(bench.count_cuts(int(grid[:, 0].sum()), cp)).tolist() == list(per_rank)
 
 
-def test_automodel_rule_is_its_own_code():
-    bounds = automodel_bounds()
-    if isinstance(bounds, str):
-        warnings.warn(f"NeMo Automodel's _contiguous_balanced_bounds unavailable ({bounds}); checked the written rule")
-        assert bench.automodel_cuts([4, 4, 4, 4], 2, 0).tolist() == [0, 2, 4]  # its documented example
-        return
+@pytest.mark.parametrize("bounds", [megatron_env.peer_param(automodel_bounds(), "nemo-automodel-0.7.0")])
+def test_automodel_rule_is_its_own_code(bounds):
     for p in realistic_packs(20):
         split = plan_vision_split(p, 1, bench.MODELS["Qwen3-VL-8B"])
         for cp in (2, 4, 8):
