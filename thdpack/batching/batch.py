@@ -500,8 +500,8 @@ class ThdBatch:
         """``{}`` for a batch that is not hybrid-CP; else ``local_cp_size`` and ``cp_group`` (see
         :meth:`packed_seq_params_dict`)."""
         if not isinstance(cp_group, Mapping) and not callable(cp_group):
-            check_process_group(cp_group, "cp_group", f"{GROUP}, a mapping {{cp_size: group}} or a function of "
-                                "group_size")
+            check_process_group(cp_group, "cp_group", f"{GROUP}, a mapping {{cp_size: group}}, a function of "
+                                "group_size or None")
         if self.cp_block_start is None:
             if cp_group is not None:
                 raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "

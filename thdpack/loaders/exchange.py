@@ -52,7 +52,7 @@ class Comm:
         is returned as it is (a subclass may carry its own transport: tests run ranks as threads)."""
         if isinstance(group, Comm):
             return group
-        check_process_group(group, "group", f"{GROUP}, or a thdpack.loaders.exchange.Comm")
+        check_process_group(group, "group", f"{GROUP}, a thdpack.loaders.exchange.Comm or None")
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

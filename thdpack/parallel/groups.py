@@ -18,7 +18,7 @@ from thdpack.common.align import check_int, is_bool
 # a world size in the trillions would exhaust memory before any check of its own; 2**20 is beyond any cluster.
 MAX_RANKS = 2**20
 
-GROUP = "a torch.distributed process group (torch.distributed.new_group, dist.group.WORLD) or None"
+GROUP = "a torch.distributed process group (torch.distributed.new_group, dist.group.WORLD)"
 
 
 def check_ranks(value, name: str, what: str) -> None:
@@ -31,7 +31,7 @@ def check_ranks(value, name: str, what: str) -> None:
                          "array of a plan; it must be below 2**20 (more ranks than any cluster has)")
 
 
-def check_process_group(group, name: str, takes: str = GROUP) -> None:
+def check_process_group(group, name: str, takes: str = f"{GROUP} or None") -> None:
     """``TypeError`` naming ``name`` and what it takes (``takes``) when ``group`` is plain data: a string or
     bytes, a number or bool, a list / tuple / set of ranks, a mapping where none is taken, an array. None and
     any other object pass (``torch.distributed`` checks a group itself, where it is initialised)."""
