@@ -11,6 +11,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from thdpack.batching.builder import SOURCE_INDEX_FIELD
+from thdpack.common.align import check_int
 from thdpack.loaders.collate import SAMPLE_INDEX_FIELD
 from thdpack.loaders.sampler import check_state_dict
 from thdpack.planning.mixture import MixturePlan, mixture_sources, plan_mixture
@@ -96,19 +97,16 @@ class MixtureDataset(Dataset):
         return self.plan.source
 
     def __getitem__(self, index: int) -> dict:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"MixtureDataset index {index} is out of range for {len(self)} samples")
-        index = int(index) % len(self)
+        """Sample ``index`` of the blend: an integer (Python or numpy, not a bool: ``TypeError``) in
+        ``[-len(self), len(self))`` (``IndexError``); a negative one counts from the end, as for a list."""
+        index = self._position(index)
         source, row = int(self.plan.source[index]), int(self.plan.row[index])
         return self._tagged(self.datasets[source][row], index, source, row)
 
     def __getitems__(self, indices: list) -> list:
-        """The samples of ``indices`` (what a DataLoader fetches for one batch), each source's rows read in one
-        call where its dataset can (``__getitems__``)."""
-        indices = [int(k) % len(self) if -len(self) <= k < len(self) else k for k in indices]
-        bad = [k for k in indices if not 0 <= k < len(self)]
-        if bad:
-            raise IndexError(f"MixtureDataset index {bad[0]} is out of range for {len(self)} samples")
+        """The samples of ``indices`` (what a DataLoader fetches for one batch; each as :meth:`__getitem__`
+        takes it), each source's rows read in one call where its dataset can (``__getitems__``)."""
+        indices = [self._position(k) for k in indices]
         where = np.asarray(indices, np.int64)
         source, row = self.plan.source[where], self.plan.row[where]
         out: list = [None] * len(indices)
@@ -126,6 +124,13 @@ class MixtureDataset(Dataset):
         """The blend in order (what a :class:`thdpack.StreamingPacker` packs)."""
         for k in range(len(self)):
             yield self[k]
+
+    def _position(self, index) -> int:
+        """``index`` as a position in ``[0, len(self))``; ``TypeError`` / ``IndexError`` as :meth:`__getitem__`."""
+        integer = isinstance(index, (int, np.integer)) and not isinstance(index, bool)  # else the wrong type
+        check_int(index, "MixtureDataset index", -len(self), below=len(self), error=IndexError if integer else TypeError,
+                  hint=f" (out of range for {len(self)} samples)" if integer else f" ({type(index).__name__})")
+        return int(index) % len(self)
 
     def _tagged(self, sample, index: int, source: int, row: int) -> dict:
         if not isinstance(sample, Mapping):

@@ -364,7 +364,7 @@ class BuildConfig:
         """The sources of a mixture (``input``: a list of source mappings), checked: one line naming the source for
         an unknown key or a bad option, a weight that is negative or NaN, every weight 0, two sources of one name
         or of the same files. ConfigError when ``input`` is not a mixture."""
-        from thdpack.planning.mixture import plan_mixture
+        from thdpack.planning.mixture import check_mixture
 
         if not is_mixture(self.input):
             raise ConfigError("input is not a mixture (a list of sources, each a mapping)")
@@ -392,8 +392,11 @@ class BuildConfig:
                                   "once (epochs: 2 repeats it)")
             names[name], data[identity] = i, name
             out.append(SourceConfig(name, {k: entry[k] for k in WEIGHT_KEYS if k in entry}, cfg))
-        try:  # the weights, before the long steps (each source's rows are counted later)
-            plan_mixture([{"name": s.name, "num_rows": 1, **s.weights} for s in out])
+        by_samples = (self.mixture_weight_by or "samples") == "samples"  # a size in tokens: checked on the rows
+        try:  # the weights and sizes, before the long steps (each source's rows are counted later)
+            check_mixture([{"name": s.name, "num_rows": 1, **s.weights} for s in out],
+                          size=self.mixture_size if by_samples else None,
+                          stopping=self.mixture_stopping or "first_exhausted", rows_at_least=True)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"input: {exc}") from None
         return out

@@ -60,6 +60,9 @@ WEIGHT_KEYS = ("weight", "epochs", "max_samples")
 """The keys of a source that say how much of it goes in: give at most one (none: ``weight: 1``)."""
 WEIGHT_BY = ("samples", "tokens")
 STOPPING = ("first_exhausted", "all_exhausted")
+MAX_BLEND_SAMPLES = 2**31
+"""A blend holds fewer samples than this: its plan keeps a source, a row and a length (int64) per sample, 48 GiB
+at the bound. Larger sizes, epochs or weight ratios are refused before anything is drawn, saying what they take."""
 
 
 @dataclass(frozen=True)
@@ -245,10 +248,34 @@ def plan_mixture(sources: Sequence, *, weight_by: str = "samples", size: int | N
         seed: an integer >= 0; the same seed gives the same blend everywhere.
 
     Returns:
-        A :class:`MixturePlan`. ``ValueError`` (one line naming the source) for a weight that is
-        negative or NaN, weights that are 0 for every source, an empty source, two sources of one name,
-        an unknown key, ``weight_by="tokens"`` without a source's lengths.
+        A :class:`MixturePlan`. ``ValueError`` (one line naming the source) for what :func:`check_mixture`
+        refuses, and for a blend that draws no sample (every share rounds to 0 samples, or with token
+        weights a ``size`` too small for one row: the message says the size that draws one).
     """
+    sources, target, requested = _checked_targets(sources, weight_by, size, stopping)
+    check_int(seed, "seed", 0)
+    tokens = weight_by == "tokens"
+    drawn = [_draw(_source_rng(seed, s.name), s, t, tokens and s.how == "weight") for s, t in zip(sources, target)]
+    if not any(d.size for d in drawn):
+        _refuse_empty(sources, requested, tokens, size)
+    return _blend(sources, drawn, requested, weight_by, int(seed))
+
+
+def check_mixture(sources: Sequence, *, weight_by: str = "samples", size: int | None = None,
+                  stopping: str = "first_exhausted", rows_at_least: bool = False) -> tuple[MixtureSource, ...]:
+    """The checked sources of :func:`plan_mixture`'s arguments, without drawing the blend (cheap whatever the
+    sizes: a config is checked by it before any row is read). ``ValueError`` (one line naming the source) for
+    a weight that is negative or NaN, weights that are 0 for every source, an empty source, two sources of
+    one name, an unknown key, ``weight_by="tokens"`` without a source's lengths, and a blend of
+    :data:`MAX_BLEND_SAMPLES` samples or more (a ``size``, ``epochs`` or weight ratio too large: the message
+    says what it would take). ``rows_at_least``: the sources' ``num_rows`` are lower bounds (a config checked
+    before its rows are counted gives 1 each), and the message says so."""
+    return _checked_targets(sources, weight_by, size, stopping, rows_at_least)[0]
+
+
+def _checked_targets(sources, weight_by: str, size, stopping,
+                     rows_at_least: bool = False) -> tuple[tuple[MixtureSource, ...], list, np.ndarray]:
+    """:func:`check_mixture`'s sources and :func:`_targets`' per-source targets and requests."""
     sources = mixture_sources(sources)
     if weight_by not in WEIGHT_BY:
         raise ValueError(f"weight_by must be one of {WEIGHT_BY}, got {weight_by!r}")
@@ -256,7 +283,6 @@ def plan_mixture(sources: Sequence, *, weight_by: str = "samples", size: int | N
         raise ValueError(f"stopping must be one of {STOPPING}, got {stopping!r}")
     if size is not None:
         check_int(size, "size", 1, hint=f" (the weighted sources' {weight_by} in the blend)")
-    check_int(seed, "seed", 0)
     tokens = weight_by == "tokens"
     if tokens:
         missing = [s.name for s in sources if s.lengths is None]
@@ -267,9 +293,7 @@ def plan_mixture(sources: Sequence, *, weight_by: str = "samples", size: int | N
         names = ", ".join(repr(s.name) for s in sources)
         raise ValueError(f"every mixture source's weight is 0 ({names}): give at least one a weight (epochs, "
                          "max_samples) > 0")
-    target, requested = _targets(sources, tokens, size, stopping)
-    drawn = [_draw(_source_rng(seed, s.name), s, t, tokens and s.how == "weight") for s, t in zip(sources, target)]
-    return _blend(sources, drawn, requested, weight_by, int(seed))
+    return (sources, *_targets(sources, tokens, size, stopping, rows_at_least))
 
 
 def _asks_for_some(source: MixtureSource) -> bool:
@@ -281,39 +305,120 @@ def _units(source: MixtureSource, tokens: bool) -> float:
     return float(source.lengths.sum()) if tokens else float(source.num_rows)
 
 
-def _targets(sources, tokens: bool, size, stopping) -> tuple[list[float], np.ndarray]:
+def _targets(sources, tokens: bool, size, stopping, rows_at_least: bool) -> tuple[list[float], np.ndarray]:
     """Per source: what to draw (a sample count, or for a weighted source with token weights a token
-    target) and float64 ``[S]`` what was asked, in the blend's unit."""
+    target) and float64 ``[S]`` what was asked, in the blend's unit. ``ValueError`` (:func:`_check_blend_size`)
+    before anything is rounded or drawn when the blend would not fit :data:`MAX_BLEND_SAMPLES`."""
     weighted = [i for i, s in enumerate(sources) if s.how == "weight" and s.weight > 0]
     target: list[float] = [0.0] * len(sources)
+    for i, s in enumerate(sources):
+        if s.how == "epochs":  # rounded half up below, once its size is checked
+            target[i] = s.epochs * s.num_rows + 0.5
+        elif s.how == "max_samples":
+            target[i] = min(s.max_samples, s.num_rows)
+    quota, total = _weighted_quota([sources[i] for i in weighted], tokens, size, stopping)
+    for i, q in zip(weighted, quota.tolist()):
+        target[i] = q
+    _check_blend_size(sources, target, tokens, size, stopping, rows_at_least)
     requested = np.zeros(len(sources))
     for i, s in enumerate(sources):
         if s.how == "epochs":
-            target[i] = math.floor(s.epochs * s.num_rows + 0.5)
-        elif s.how == "max_samples":
-            target[i] = min(s.max_samples, s.num_rows)
+            target[i] = math.floor(target[i])
         if s.how != "weight":  # in tokens: the expected tokens of that many rows
             requested[i] = target[i] * (_units(s, tokens) / s.num_rows)
     if weighted:
-        weights = np.array([sources[i].weight for i in weighted], np.float64)
-        share = weights / weights.sum()
-        units = np.array([_units(sources[i], tokens) for i in weighted])
-        if size is not None:
-            total = float(size)
-        else:
-            total = float((units / share).min() if stopping == "first_exhausted" else (units / share).max())
-        quota = share * total
         requested[weighted] = quota
-        if tokens:
-            for i, q in zip(weighted, quota):
-                target[i] = float(q)
-        else:
+        if not tokens:
             # the stopping source's quota is its rows (to float noise): its remainder is the smallest (first
             # exhausted: rounded down) or the largest (all exhausted: rounded up), so it gets exactly its rows
             counts = _largest_remainder(quota, int(math.floor(total + 0.5)))
             for i, c in zip(weighted, counts):
                 target[i] = int(c)
     return target, requested
+
+
+def _weighted_quota(weighted: list, tokens: bool, size, stopping) -> tuple[np.ndarray, float]:
+    """float64 ``[W]`` the weighted sources' quotas (samples, or tokens) and their total: ``size``, or what
+    ``stopping`` makes it; ``inf`` where extreme weight ratios ask for more than a float holds (refused by
+    :func:`_check_blend_size`)."""
+    if not weighted:
+        return np.zeros(0), 0.0
+    weights = np.array([s.weight for s in weighted], np.float64)
+    with np.errstate(over="ignore"):
+        summed = weights.sum()
+    if not math.isfinite(summed):  # weights near the float maximum: scaled by a power of two first (exact)
+        weights = weights * np.ldexp(1.0, -int(np.frexp(weights.max())[1]))
+        summed = weights.sum()
+    share = weights / summed
+    units = np.array([_units(s, tokens) for s in weighted])
+    if size is not None:
+        total = float(size)
+    else:  # a source whose share is tiny (or 0 by underflow) would be used once at an infinite total
+        with np.errstate(over="ignore", divide="ignore"):
+            ratio = units / share
+        total = float(ratio.min() if stopping == "first_exhausted" else ratio.max())
+    with np.errstate(invalid="ignore"):  # inf times a share of 0: that source takes none
+        quota = np.nan_to_num(share * total, nan=0.0, posinf=np.inf)
+    return quota, total
+
+
+def _check_blend_size(sources, target: list[float], tokens: bool, size, stopping, rows_at_least: bool) -> None:
+    """``ValueError`` naming the source that asks for the most samples when the blend would hold
+    :data:`MAX_BLEND_SAMPLES` or more (``target``: :func:`_targets`' per-source targets, before rounding;
+    a weighted source's in tokens with token weights), saying what it would take (``rows_at_least``: at least)
+    and which option to lower."""
+    samples = [t / _units(s, True) * s.num_rows if tokens and s.how == "weight" else t
+               for s, t in zip(sources, target)]
+    total = math.fsum(samples) if all(map(math.isfinite, samples)) else math.inf
+    if total < MAX_BLEND_SAMPLES:
+        return
+    k = max(range(len(sources)), key=lambda i: (samples[i], sources[i].weight or 0))  # inf ties: the heaviest
+    s = sources[k]
+    if s.how == "epochs":
+        rows = "each of its rows" if rows_at_least else f"its {s.num_rows:,} rows"
+        cause, fix = f"epochs {s.epochs:g} of {rows}", "lower its epochs"
+    elif size is not None:
+        cause, fix = f"size {size:,}{' tokens' if tokens else ''} at weight {s.weight:g}", "lower size"
+    else:
+        cause = (f"weight {s.weight:g}, drawn in proportion to the source that stopping={stopping!r} uses once, "
+                 "whose share is far smaller")
+        fix = "give the sources weights closer together, a size, or stopping first_exhausted"
+    per = 8 * (2 + all(x.lengths is not None for x in sources))  # source, row (and length), int64 each
+    together = "" if samples[k] >= MAX_BLEND_SAMPLES else f", {_amount(total)} with the other sources"
+    least = "at least " if rows_at_least else ""
+    raise ValueError(f"mixture source {s.name!r} would put {least}{_amount(samples[k])} samples in the blend ({cause}"
+                     f"{together}); a blend holds fewer than 2**31 ({MAX_BLEND_SAMPLES:,}) samples, and this one's "
+                     f"plan would take {least}{_bytes(total * per)} ({per} bytes a sample): {fix}")
+
+
+def _amount(x: float) -> str:
+    return "more than 1.8e308" if not math.isfinite(x) else f"{x:,.0f}" if x < 1e15 else f"{x:.3g}"
+
+
+def _bytes(x: float) -> str:
+    """``x`` bytes as text: ``1.5 TiB``."""
+    if not math.isfinite(x):
+        return "more bytes than a float counts"
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    k = 0
+    while x >= 1024 and k < len(units) - 1:
+        x, k = x / 1024, k + 1
+    return f"{x:,.1f} {units[k]}" if x < 1e6 else f"{x:.3g} {units[k]}"
+
+
+def _refuse_empty(sources, requested: np.ndarray, tokens: bool, size) -> None:
+    """``ValueError`` for a blend that drew no sample, saying what would draw one (``requested``: float64
+    ``[S]`` each source's target, in the blend's unit)."""
+    weighted = [i for i, s in enumerate(sources) if s.how == "weight" and requested[i] > 0]
+    if tokens and size is not None and weighted:  # a source's share of size is less than half of any of its rows
+        need = {i: math.ceil(int(sources[i].lengths.max()) * size / requested[i]) for i in weighted}
+        k = min(need, key=need.get)
+        raise ValueError(f"the blend draws no sample: size {size:,} tokens gives no weighted source enough tokens "
+                         f"for one of its rows (each takes the rows whose tokens come closest to its share); give "
+                         f"size >= {need[k]:,} (so that the share of source {sources[k].name!r} holds its longest row)")
+    s = next(s for s in sources if _asks_for_some(s))
+    raise ValueError(f"the blend draws no sample: every source's share rounds to 0 samples (source {s.name!r}: "
+                     f"{s.how} {getattr(s, s.how):g} of its {s.num_rows:,} rows); raise it")
 
 
 def _largest_remainder(quota: np.ndarray, total: int) -> np.ndarray:

@@ -27,6 +27,7 @@ target tokens packed, and its share of the blend as requested, as drawn (``reali
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -148,7 +149,9 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
                           "in one process (num_proc: N, or engine: ray, parallelises the tokenizing)")
     mixture, planning = stages.mixture, stages.planning
     t0 = time.perf_counter()
-    rows = [_source_rows(i, s, stages, work_dir, progress, ray_session) for i, s in enumerate(mixture.sources)]
+    reads = [_read_source(i, s, stages, work_dir, progress, ray_session) for i, s in enumerate(mixture.sources)]
+    _check_share_prefix(planning, reads)
+    rows = [_source_rows(r, stages, progress, ray_session) for r in reads]
     timings = {"tokenize": time.perf_counter() - t0}
     t0 = time.perf_counter()
     blend = _blend(rows, mixture, planning.plan.seed)
@@ -176,9 +179,27 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     packed_items = np.unique(blend_item[vrows[np.unique(plan.sample_index)]])
     report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
                      item_source[blend_item], item_source[packed_items])
+    _refuse_unpacked(report["sources"], planning)
     return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, timings,
                        stages.model_config, shared_prefix=prefix, groups=_row_units(rows) if grouped else None,
                        mixture=MixtureRecord(row_source, row_ids, report))
+
+
+def _refuse_unpacked(report: list[dict], planning) -> None:
+    """InputError naming the first source that is in the blend but has none of its samples packed (the plan dropped
+    them all: ``overflow: drop``, ``without_targets: drop``): it would take its share of the blend and train on
+    nothing, so the build stops, as a build of that source alone stops (``report``: the ``mixture`` entry's
+    ``sources``)."""
+    for r in report:
+        if r["blend_units"] and not r["packed_samples"]:
+            overflow, targets = r["dropped_overflow"], r["dropped_without_targets"]
+            why = [f"{overflow:,} longer than pack_size={planning.plan.pack_size} (overflow: drop)"] if overflow else []
+            why += [f"{targets:,} with no target token (without_targets: drop)"] if targets else []
+            fix = (["use a larger pack_size or overflow: truncate or split"] if overflow else []) + (
+                ["check its loss / labels or set without_targets: keep"] if targets else [])
+            raise InputError(f"mixture source {r['name']!r}: the plan dropped every one of its samples in the blend "
+                             f"({'; '.join(why)}), so it would take its share of the blend and pack nothing: "
+                             f"{'; '.join(fix)}; or drop the source from the mixture")
 
 
 def _row_units(rows: list[_SourceRows]) -> np.ndarray:
@@ -194,12 +215,37 @@ def _row_units(rows: list[_SourceRows]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progress: bool, ray_session) -> _SourceRows:
-    """Source ``i`` read, tokenized into ``work_dir/source-i`` and filtered as a build of it alone would."""
+@dataclass(frozen=True)
+class _SourceRead:
+    """One source read (not yet tokenized), its row format resolved, and its work directory."""
+
+    spec: SourceStages
+    source: Source
+    fmt: str
+    work: object  # Path: work_dir/source-i
+
+    @property
+    def pairs(self) -> bool:
+        """Preference rows: a chosen and a rejected sequence per row."""
+        return row_format(self.fmt).sequences_per_row > 1
+
+
+@contextlib.contextmanager
+def _named(name: str):
+    """A ConfigError / InputError raised inside, as the same error naming mixture source ``name``."""
+    try:
+        yield
+    except (ConfigError, InputError) as exc:
+        raise type(exc)(f"mixture source {name!r}: {exc}") from None
+
+
+def _read_source(i: int, src: SourceStages, stages: BuildStages, work_dir, progress: bool, ray_session) -> _SourceRead:
+    """Source ``i`` read (its files fetched into ``work_dir/source-i``) and its format resolved; the options its rows
+    cannot take refused before anything is tokenized."""
     planning = stages.planning
     work = work_dir / f"source-{i:03d}"
     work.mkdir()
-    try:
+    with _named(src.name):
         if ray_session is None:
             source = read_source(src.inputs, progress=progress, fetch_dir=work / "inputs")
         else:
@@ -208,28 +254,41 @@ def _source_rows(i: int, src: SourceStages, stages: BuildStages, work_dir, progr
             source = read_on_cluster(ray_session, src.inputs, progress=progress, fetch_dir=work / "inputs")
         if source.num_rows == 0:
             raise InputError("no rows")
-        fmt = resolve_format(src.tokenize, source)
-        pairs = row_format(fmt).sequences_per_row > 1
-        if pairs or planning.group_column:  # a pair, a group: one unit of the blend, in one pack
-            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)" if pairs else
+        read = _SourceRead(src, source, resolve_format(src.tokenize, source), work)
+        if read.pairs or planning.group_column:  # a pair, a group: one unit of the blend, in one pack
+            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)" if read.pairs else
                                    "group_column")
             if stages.mixture.packing == "stratified":  # before tokenizing: plan_stratified takes no groups
                 raise ConfigError("mixture_packing stratified cannot keep preference pairs or group_column groups "
                                   "together yet: use bfd")
         if vlm_build(stages.vision, stages.model_config, source) is not None:
             raise ConfigError("rows with images cannot be mixed yet: build this source on its own")
+    return read
+
+
+def _check_share_prefix(planning, reads: list[_SourceRead]) -> None:
+    """ConfigError for ``share_prefix`` when no source has groups to share within (as a build of one source
+    without them is refused), naming the sources and their rows."""
+    if planning.share_prefix and not planning.group_column and not any(r.pairs for r in reads):
+        named = ", ".join(f"{r.spec.name!r} ({r.fmt} rows)" for r in reads)
+        raise ConfigError(f"share_prefix needs preference rows (prompt / chosen / rejected) or group_column; no "
+                          f"mixture source has them: {named}")
+
+
+def _source_rows(read: _SourceRead, stages: BuildStages, progress: bool, ray_session) -> _SourceRows:
+    """The source ``read`` tokenized into its work directory and filtered as a build of it alone would."""
+    planning, src, source = stages.planning, read.spec, read.source
+    with _named(src.name):
         mapper = None
         if ray_session is not None:
             from thdpack.offline.cluster.ray_map import map_on_ray
 
             mapper = functools.partial(map_on_ray, ray_session, progress=progress, name=f"source {src.name!r}")
-        tokenized = tokenize_source(src.tokenize, source, work, progress=progress, mapper=mapper)
-        sequences = sp.sequences_of(tokenized, planning, pairs)
-        if planning.share_prefix and not (pairs or planning.group_column):  # no groups: its rows laid out alone
+        tokenized = tokenize_source(src.tokenize, source, read.work, progress=progress, mapper=mapper)
+        sequences = sp.sequences_of(tokenized, planning, read.pairs)
+        if planning.share_prefix and not (read.pairs or planning.group_column):  # no groups: laid out alone
             planning = dataclasses.replace(planning, share_prefix=False)
         sample_rows, skipped, _, prefix = sp.select_rows(planning, source, tokenized, sequences, None, ray_session)
-    except (ConfigError, InputError) as exc:
-        raise type(exc)(f"mixture source {src.name!r}: {exc}") from None
     failed = np.unique(sequences.row[[s for s, _ in tokenized.errors]]).size if tokenized.errors else 0
     logger.info(f"source {src.name!r}: {source.num_rows:,} rows ({tokenized.fmt}), {len(skipped):,} skipped")
     if stages.planning.share_prefix and prefix is None:

@@ -284,7 +284,8 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
     int64 ``[rows]`` tokens of each pack and the batch's number of samples."""
     shared = "share_prefix" in meta
     offsets = _checked_offsets(batch, meta["targets"], where, damaged,
-                               [*value_columns(meta), *(PREFIX_COLUMNS if shared else ())])
+                               [*value_columns(meta), *(PREFIX_COLUMNS if shared else ()),
+                                *((SOURCE_COLUMN,) if "mixture" in meta else ())])
     tokens = np.diff(offsets["input_ids"])
     sample_off = offsets["seq_lens"]
     lens = np.asarray(batch.column("seq_lens").values.to_numpy(), dtype=np.int64)
@@ -301,6 +302,8 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
     if j is not None:
         raise NotPackedError(f"{where(j)}: 'seq_lens' sum to {int(per_pack[j])} but 'input_ids' has "
                              f"{int(tokens[j])} tokens; {damaged}")
+    if "mixture" in meta:
+        _check_source_index(batch, sample_off, len(meta["mixture"]["sources"]), where, damaged)
     stream = tokens - _shared_tokens(batch, sample_off) if shared else tokens
     j = _first_bad(stream > meta["pack_size"])
     if j is not None:
@@ -308,6 +311,17 @@ def _check_batch(batch, meta: dict, where, damaged: str) -> tuple[np.ndarray, in
         raise NotPackedError(f"{where(j)}: has {int(stream[j])} tokens{what}, more than 'pack_size' ({meta['pack_size']}) "
                              f"in {METADATA_FILE}; {damaged}")
     return tokens, int(sample_off[-1] - sample_off[0])
+
+
+def _check_source_index(batch, sample_off: np.ndarray, num_sources: int, where, damaged: str) -> None:
+    """A mixture's record batch: every sample's ``source_index`` names one of the ``num_sources`` sources of
+    ``mixture.sources`` in ``metadata.json`` (its offsets are the samples': :func:`_checked_offsets`)."""
+    values = np.asarray(batch.column(SOURCE_COLUMN).values.to_numpy(), dtype=np.int64)[sample_off[0]:sample_off[-1]]
+    s = _first_bad((values < 0) | (values >= num_sources))
+    if s is not None:
+        j = int(np.searchsorted(sample_off, sample_off[0] + s, side="right")) - 1
+        raise NotPackedError(f"{where(j)}: '{SOURCE_COLUMN}' has {int(values[s])}, but 'mixture.sources' in "
+                             f"{METADATA_FILE} lists {num_sources} sources; {damaged}")
 
 
 def _shared_tokens(batch, sample_off: np.ndarray) -> np.ndarray:

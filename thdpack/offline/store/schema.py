@@ -154,6 +154,8 @@ SHA256 = Rule("a sha256 (64 hex digits)", lambda v: isinstance(v, str) and re.fu
 VALUE_TYPES = Rule('an object {name: "int64" or "float64"}', _value_types)
 SHARE_PREFIX = Rule("an object with an integer 'min_prefix_len' >= 1",
                     lambda v: isinstance(v, dict) and is_int(v.get("min_prefix_len"), 1))
+SHARE = Rule("a number in [0, 1]", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1)
+SOME = Rule("a non-empty list", lambda v: isinstance(v, list) and len(v) > 0)
 
 
 # ---------------------------------------------------------------------------- metadata.json types
@@ -203,6 +205,43 @@ class DataFile(TypedDict, total=False):
     sha256: Annotated[str, SHA256]
 
 
+class MixtureSourceInfo(TypedDict, total=False):
+    """One source of ``mixture.sources``, in the config's order (offline/commands/mixture_build.py's report)."""
+
+    name: Annotated[str, TEXT]
+    source_index: int
+    format: str
+    given: dict
+    rows_read: Annotated[int, COUNT]
+    rows_failed: Annotated[int, COUNT]
+    rows_too_long: Annotated[int, COUNT]
+    rows_kept: Annotated[int, COUNT]
+    unit: str
+    units_kept: int
+    blend_units: Annotated[int, COUNT]
+    max_repeats: Annotated[int, COUNT]
+    dropped_overflow: Annotated[int, COUNT]
+    dropped_without_targets: Annotated[int, COUNT]
+    packed_samples: Annotated[int, COUNT]
+    tokens: Annotated[int, COUNT]
+    target_tokens: int
+    requested_share: Annotated[float, SHARE]
+    realized_share: Annotated[float, SHARE]
+    packed_share: Annotated[float, SHARE]
+
+
+class MixtureInfo(TypedDict, total=False):
+    """``mixture``: the blend's options and its sources (mixture builds only; ``source_index`` names them)."""
+
+    weight_by: Annotated[str, TEXT]
+    stopping: str
+    size: int | None
+    packing: Annotated[str, TEXT]
+    step_packs: int
+    samples: Annotated[int, COUNT]
+    sources: Annotated[list[MixtureSourceInfo], SOME]
+
+
 class PackedMetadata(TypedDict, total=False):
     """``metadata.json`` of a packed dataset, keys in the order build writes them (merge keeps it).
     What a reader may rely on are the ``Annotated`` keys: :data:`METADATA_SCHEMA`, checked by
@@ -247,7 +286,8 @@ class PackedMetadata(TypedDict, total=False):
     vision: Annotated[dict | None, OBJECT.or_null().optional()]  # VLM builds only (offline/store/vision_columns.py)
     # share_prefix builds only: {min_prefix_len, groups, samples, prefix_tokens, tokens_saved} (offline/commands/build_packs.py)
     share_prefix: Annotated[dict, SHARE_PREFIX.optional()]
-    mixture: dict  # mixture builds only: the blend and per-source counts (offline/commands/mixture_build.py)
+    # mixture builds only: the blend and per-source counts (offline/commands/mixture_build.py), with a source_index column
+    mixture: Annotated[MixtureInfo, OBJECT.optional()]
     input_slice: dict  # slice builds only (offline/inputs/input_slice.py)
     input_slices: dict  # merged builds only
 
@@ -270,6 +310,8 @@ FILE_SCHEMA = schema_of(DataFile)
 SOURCE_SCHEMA = schema_of(SourceInfo)
 SOURCE_FILE_SCHEMA = schema_of(SourceFile)
 TOKENIZER_SCHEMA = schema_of(TokenizerInfo)
+MIXTURE_SCHEMA = schema_of(MixtureInfo)
+MIXTURE_SOURCE_SCHEMA = schema_of(MixtureSourceInfo)
 
 
 def _check_keys(obj, schema: dict, where: str, prefix: str = "") -> None:
@@ -320,9 +362,21 @@ def check_metadata(meta, root: Path) -> PackedMetadata:
     missing = [c for c in PREFIX_COLUMNS if "share_prefix" in meta and c not in meta["columns"]]
     if missing:
         raise NotPackedError(f"{where}: 'columns' lacks {missing[0]!r} of 'share_prefix'; {REBUILD}")
+    if "mixture" in meta:
+        _check_mixture(meta, where)
     _check_totals(meta, where)
     _check_data_file_paths(meta, root, where)
     return meta
+
+
+def _check_mixture(meta: dict, where: str) -> None:
+    """``mixture``: its keys, every source's (what ``thdpack stats`` and ``inspect`` read), and the column that
+    names each sample's source; the data files' ``source_index`` values are checked against ``mixture.sources``
+    where they are read (:func:`thdpack.offline.store.dataset.load_packed`)."""
+    _check_keys(meta["mixture"], MIXTURE_SCHEMA, where, "mixture.")
+    _check_items(meta["mixture"]["sources"], MIXTURE_SOURCE_SCHEMA, where, "mixture.sources")
+    if SOURCE_COLUMN not in meta["columns"]:
+        raise NotPackedError(f"{where}: 'columns' lacks {SOURCE_COLUMN!r} of 'mixture'; {REBUILD}")
 
 
 TOKEN_ID_KEYS = ("pad_token_id", "eos_token_id", "bos_token_id")  # of ``tokenizer``: what pads, ends, begins
