@@ -30,6 +30,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
+from thdpack.common.align import check_bool
 from thdpack.flops import FlopsMeter, flops_coefficients, throughput
 
 __all__ = ["FlopsCallback", "hf_collator"]
@@ -95,11 +96,11 @@ class FlopsCallback(TrainerCallback):
         self.config = config
         self.peak_tflops = peak_tflops
         self.world_size = world_size
-        self.all_reduce = all_reduce
+        self.all_reduce = None if all_reduce is None else check_bool(all_reduce, "all_reduce")
         self.group = group
-        self.include_data_time = include_data_time
-        self.synchronize = synchronize
-        self.count_padding = count_padding
+        self.include_data_time = check_bool(include_data_time, "include_data_time")
+        self.synchronize = None if synchronize is None else check_bool(synchronize, "synchronize")
+        self.count_padding = check_bool(count_padding, "count_padding")
         self.flops_options = flops_options
         self.meter: FlopsMeter | None = None
         self._pending: list[dict] = []

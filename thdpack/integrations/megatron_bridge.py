@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from thdpack.batching.batch import ThdBatch
+from thdpack.common.align import check_int
 
 # the vision inputs of a VLM batch (ThdBatch.extras / token_extras) that Bridge's models take
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -72,6 +73,7 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     with ``max_num_seqs=M`` gives ``[1, M+1]`` offsets (the last value repeated) and the stream length as
     ``max_seqlen``, as Bridge's own ``pad_cu_seqlens`` does: one shape for every batch.
     """
+    _check_args("to_bridge_batch", batch, ignore_label)
     if batch.is_shard:
         raise ValueError(
             f"to_bridge_batch: got CP rank {batch.cp_rank}'s shard of a pack; Megatron-Bridge's training steps shard "
@@ -113,6 +115,7 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
     (:attr:`thdpack.ThdBatch.padding_mask`, True on pad slots), which megatron-core's MoE layers use to keep
     pad slots out of the routers' aux and z losses, token counts and expert-bias updates. ``T`` is the local
     length on a shard."""
+    _check_args("to_gpt_forward_kwargs", batch, ignore_label)
     return {
         "input_ids": batch.input_ids.long().unsqueeze(0),
         "position_ids": batch.position_ids.long().unsqueeze(0),
@@ -122,6 +125,15 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
         "packed_seq_params": batch.to_packed_seq_params(cp_group=cp_group),
         "padding_mask": batch.padding_mask.unsqueeze(0),
     }
+
+
+def _check_args(caller: str, batch, ignore_label) -> None:
+    """``TypeError`` unless ``batch`` is a :class:`~thdpack.ThdBatch`; ``ValueError`` unless ``ignore_label``
+    is an integer (a token id: ``1.5`` is not read as 1)."""
+    if not isinstance(batch, ThdBatch):
+        raise TypeError(f"{caller} takes a thdpack.ThdBatch (build_thd_batch, ThdCollator, a CP or hybrid-CP "
+                        f"shard), got {type(batch).__name__}")
+    check_int(ignore_label, "ignore_label", None, hint=" (the label of unscored positions)")
 
 
 class BridgeCollator:

@@ -48,7 +48,26 @@ def router_aux_loss(model, router_logits, batch: ThdBatch) -> torch.Tensor:
 
     Returns:
         the loss (a 0-dim tensor), not yet scaled by ``router_aux_loss_coef``.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``router_logits`` not a tuple or list of tensors, ``batch`` not a
+            :class:`~thdpack.ThdBatch`.
+        ValueError: not a MoE model; ``router_logits`` empty, or a layer not ``[T, num_experts]`` of this batch.
     """
+    loss_func, experts, top_k = _moe_family(model)
+    if not isinstance(batch, ThdBatch):
+        raise TypeError(f"router_aux_loss: batch must be the thdpack.ThdBatch the model ran on (build_thd_batch, "
+                        f"ThdCollator), got {type(batch).__name__}")
+    logits = _layer_logits(router_logits, batch.num_padded_tokens, experts)
+    mask = (~batch.padding_mask).to(torch.int64).unsqueeze(0)
+    return loss_func(logits, experts, top_k, mask.to(logits[0].device))
+
+
+def _moe_family(model) -> tuple:
+    """``(load_balancing_loss_func, num_experts, num_experts_per_tok)`` of a transformers MoE model."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"router_aux_loss: model must be a transformers MoE model (a torch.nn.Module), got "
+                        f"{type(model).__name__}")
     module = sys.modules.get(type(model).__module__)
     loss_func = getattr(module, "load_balancing_loss_func", None)
     config = _text_config(getattr(model, "config", None))
@@ -57,11 +76,25 @@ def router_aux_loss(model, router_logits, batch: ThdBatch) -> torch.Tensor:
     if loss_func is None or not experts or not top_k:
         raise ValueError(f"{type(model).__name__} is not a transformers MoE model with a load_balancing_loss_func "
                          "(and num_experts / num_experts_per_tok in its config)")
-    logits = tuple(router_logits)
-    rows = batch.num_padded_tokens
-    bad = [i for i, layer in enumerate(logits) if layer.shape[0] != rows]
-    if bad:
-        raise ValueError(f"router_logits[{bad[0]}] has {logits[bad[0]].shape[0]} rows; the batch has {rows} slots "
-                         "(router logits of this batch, one row per slot)")
-    mask = (~batch.padding_mask).to(torch.int64).unsqueeze(0)
-    return loss_func(logits, experts, top_k, mask.to(logits[0].device))
+    return loss_func, experts, top_k
+
+
+def _layer_logits(router_logits, rows: int, experts: int) -> tuple:
+    """``router_logits`` as a tuple of ``[rows, experts]`` tensors, one per layer: ``TypeError`` for anything
+    but a tuple or list of tensors, ``ValueError`` for an empty one or a layer of another shape."""
+    if not isinstance(router_logits, (tuple, list)):
+        raise TypeError(f"router_logits must be a tuple or list of [T, num_experts] tensors, one per MoE layer (the "
+                        f"model's output with output_router_logits=True), got {type(router_logits).__name__}")
+    if not router_logits:
+        raise ValueError("router_logits is empty: the model returned no router logits (call it with "
+                         "output_router_logits=True), or it has no MoE layer")
+    for i, layer in enumerate(router_logits):
+        if not isinstance(layer, torch.Tensor):
+            raise TypeError(f"router_logits[{i}] must be a [T, num_experts] tensor, got {type(layer).__name__}")
+        if layer.dim() != 2 or layer.shape[1] != experts:
+            raise ValueError(f"router_logits[{i}] must be [T, num_experts] with the model's {experts} experts, got "
+                             f"shape {tuple(layer.shape)}")
+        if layer.shape[0] != rows:
+            raise ValueError(f"router_logits[{i}] has {layer.shape[0]} rows; the batch has {rows} slots (router "
+                             "logits of this batch, one row per slot)")
+    return tuple(router_logits)

@@ -16,7 +16,9 @@ the document mask its attention backend reads (so ``to_hf_kwargs()`` without ``a
 on an sdpa / eager / flex model too, under its ``use_cache`` default), and checks every packed call of a hybrid: ``seq_idx`` and ``cu_seq_lens_q`` agree, the
 stream's positions restart at 0 at every boundary (a CP shard's chunks or a shared-prefix tree cannot be
 scanned as samples: refused), and a packed ``position_ids`` row without boundaries is refused rather than
-scanned as one sequence. For models with sliding-window or chunked attention layers it drops a 4D
+scanned as one sequence. On a full-attention model such a row is made exact instead (transformers' own
+packed-sequence masks, or offsets for varlen backends: :func:`_pack_from_restarts`) or refused; it never
+attends across the samples. For models with sliding-window or chunked attention layers it drops a 4D
 whole-stream mask and sets ``use_cache=False``, so transformers derives every layer type's mask from the
 restarting ``position_ids`` (a document mask has no window). A ``BlockMask`` handed to a hybrid model goes in
 as a per-layer-type dict (transformers 5.25's recurrent-layer mask cannot read a ``BlockMask``).
@@ -66,10 +68,18 @@ def packed_model(model):
     - hybrid models: each sequence-mixing layer runs per sample where kernels cannot keep samples apart
       (the module docstring), and every packed call is checked.
 
+    - every model: a call whose ``position_ids`` restart inside a row but that carries no boundaries is made
+      exact (the samples found where the positions restart) or refused, never run across the samples
+      (:func:`_without_boundaries`).
+
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: the model has a sequence-mixing layer or a config layer type that no registered family
             (:mod:`thdpack.integrations.hybrid.mixers`) describes: named, not guessed.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"packed_model takes a transformers model (a torch.nn.Module, such as "
+                        f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}")
     if getattr(model, "_thdpack_packed_model", False):
         return model
     config = getattr(model, "config", None)
@@ -99,13 +109,7 @@ def _before_forward(module, args, kwargs):
     cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
     state.spans = None
     if cu is None and seq_idx is None:
-        if state.has_mixers and positions is not None and _restarts(_text_row(positions)):
-            raise ValueError(
-                f"{type(module).__name__}: position_ids restart inside the row (a packed batch) but the call "
-                "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
-                "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
-                "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
-        return None
+        return _without_boundaries(module, state, args, kwargs)
     spans = spans_of(cu, seq_idx)
     if state.has_mixers:
         row = _text_row(positions) if positions is not None else None
@@ -127,6 +131,96 @@ def _before_forward(module, args, kwargs):
         # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
         mask = _per_layer_type(mask, state.layer_types)
     return args, dict(kwargs, attention_mask=mask)
+
+
+# --------------------------------------------------------------------------- a pack without boundaries
+
+
+def _without_boundaries(model, state: _PackedState, args, kwargs):
+    """A call without ``cu_seq_lens_q`` / ``seq_idx``: left as it is unless its text ``position_ids`` restart
+    between two attended tokens of a row (a pack), which transformers masks as one sequence whenever the call
+    has a cache (the configs' default ``use_cache=True``), a ``[B, S]`` mask or a varlen backend. Such a call
+    is made exact (:func:`_pack_from_restarts`) or refused: a hybrid (its scans would cross the samples), a
+    padding mask with pad slots (transformers then ignores the restarts).
+
+    Cost: one host sync where ``position_ids`` are on a GPU (whether a row restarts decides the call; it cannot
+    be avoided, and transformers' own packed-sequence test syncs the same way); a plain row (``arange``) costs
+    nothing more."""
+    mask = kwargs.get("attention_mask")
+    padding = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    if mask is not None and padding is None and not state.has_mixers:
+        return None  # a 4D mask, BlockMask or per-layer dict: the caller's own, used as it is
+    rows = _text_rows(kwargs.get("position_ids"))
+    if rows is None or not _restarts_between_attended(rows, padding):
+        return None
+    name = type(model).__name__
+    if state.has_mixers:
+        raise ValueError(
+            f"{name}: position_ids restart inside the row (a packed batch) but the call "
+            "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
+            "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
+            "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
+    if padding is not None and not bool(padding.all()):
+        raise ValueError(
+            f"{name}: position_ids restart between attended tokens of a row (packed samples) and attention_mask "
+            "is a [B, S] padding mask with pad slots, with which transformers attends across the samples; pass "
+            "a packed batch's boundaries (thdpack: batch.to_hf_kwargs()) and no padding mask")
+    return _pack_from_restarts(model, args, kwargs, rows)
+
+
+def _pack_from_restarts(model, args, kwargs, rows: torch.Tensor):
+    """The exact call for packed ``position_ids`` without boundaries (``rows`` int ``[B, T]``; an all-ones
+    padding mask is dropped, it says nothing):
+
+    - sdpa / eager / flex (any ``B``): ``use_cache=False``, so transformers finds the samples where the
+      positions stop counting up by one (``masking_utils.find_packed_sequence_indices``, its own exact path);
+    - varlen backends (flash-attention, ``thdpack_varlen``, hub kernels), one row: ``cu_seq_lens_q/k`` and
+      ``max_length_q/k`` found by the same rule (transformers' flash path derives the same offsets itself;
+      ``thdpack_varlen`` reads nothing else);
+    - ``ValueError`` for a cache to continue, several rows on a varlen backend, or an unknown backend."""
+    name = type(model).__name__
+    if any(kwargs.get(key) is not None for key in CACHE_KEYS):
+        raise ValueError(f"{name}: position_ids restart inside a row (packed samples) of a call that continues a "
+                         "cache (past_key_values); a pack is never continued: call it without a cache")
+    rest = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    try:
+        kind = attention_kind(implementation)
+    except ValueError:
+        kind = None
+    if kind in ("dense", "flex"):
+        return args, dict(rest, use_cache=False)
+    if kind == "flash" and rows.shape[0] == 1:
+        return args, dict(rest, **_offsets_from_restarts(rows[0]))
+    why = f"{rows.shape[0]} rows" if kind == "flash" else f"attn_implementation={implementation!r}"
+    raise ValueError(f"{name}: position_ids restart inside a row (packed samples) and the call carries no "
+                     f"boundaries; with {why} thdpack cannot keep the samples apart from the positions alone: "
+                     "pass one packed row with its boundaries (thdpack: batch.to_hf_kwargs())")
+
+
+def _offsets_from_restarts(row: torch.Tensor) -> dict:
+    """``cu_seq_lens_q/k`` int32 ``[n+1]`` and ``max_length_q/k`` (int) of one packed row of positions (int
+    ``[T]``): a sample starts wherever the positions stop counting up by one. One host sync (the starts)."""
+    starts = (torch.nonzero(row[1:] != row[:-1] + 1).reshape(-1) + 1).tolist()
+    edges = [0] + starts + [row.numel()]
+    offsets = torch.tensor(edges, dtype=torch.int32, device=row.device)
+    longest = max(b - a for a, b in zip(edges, edges[1:]))
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+
+
+def _restarts_between_attended(rows: torch.Tensor, padding: torch.Tensor | None) -> bool:
+    """Whether a row of positions (int ``[B, T]``) stops counting up by one between two tokens that the padding
+    mask (``[B, S]``, ``S >= T``: its last ``T`` columns; None: every token) attends. False for a mask that
+    does not fit the rows (transformers reports it)."""
+    if rows.shape[-1] < 2:
+        return False
+    jumps = rows[:, 1:] != rows[:, :-1] + 1
+    if padding is not None:
+        if padding.shape[-1] < rows.shape[-1] or rows.shape[0] not in (1, padding.shape[0]):
+            return False
+        attended = padding[:, -rows.shape[-1]:].to(device=rows.device, dtype=torch.bool)
+        jumps = jumps & attended[:, 1:] & attended[:, :-1]
+    return bool(jumps.any())
 
 
 def _document_mask(model, kwargs, spans):
@@ -169,16 +263,20 @@ def _has_sliding_window(config) -> bool:
     return False
 
 
-def _text_row(positions: torch.Tensor) -> torch.Tensor | None:
-    """int ``[T]``: the text positions of ``position_ids`` (``[1, T]``, or a VLM's ``[4, 1, T]``); None
-    for mRoPE-only ``[3, 1, T]`` rows, which do not restart per sample."""
+def _text_rows(positions) -> torch.Tensor | None:
+    """int ``[B, T]``: the text positions of ``position_ids`` (``[B, T]``, or a VLM's ``[4, B, T]``); None for
+    mRoPE-only ``[3, B, T]`` rows, which do not restart per sample, and for anything else."""
+    if not isinstance(positions, torch.Tensor):
+        return None
     if positions.dim() == 3:
-        return positions[0, 0] if positions.shape[0] == 4 else None
-    return positions.reshape(-1) if positions.dim() == 2 and positions.shape[0] == 1 else None
+        return positions[0] if positions.shape[0] == 4 else None
+    return positions if positions.dim() == 2 else None
 
 
-def _restarts(row: torch.Tensor | None) -> bool:
-    return row is not None and row.numel() > 1 and bool((row[1:] != row[:-1] + 1).any())
+def _text_row(positions: torch.Tensor) -> torch.Tensor | None:
+    """int ``[T]``: the text positions of a one-row ``position_ids`` (:func:`_text_rows`); None otherwise."""
+    rows = _text_rows(positions)
+    return rows[0] if rows is not None and rows.shape[0] == 1 else None
 
 
 def spans_of(cu, seq_idx) -> list[tuple[int, int]]:
