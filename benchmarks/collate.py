@@ -21,6 +21,10 @@ Input kinds (both collators get the very same objects):
   arrow-scalar (thdpack only) the ``pa.ListScalar`` itself (``table["input_ids"][i]``);
           it has no ``.tolist()``, which ``DataCollatorWithFlattening`` needs.
 
+For the list kind the table also shows a plain conversion, the least a collator of lists
+does: each field's lists (``input_ids``, ``labels``) joined and read by numpy as one int64
+array (``np.asarray(list(chain(...)))``), nothing else: no positions, no offsets, no checks.
+
 Throughput is real tokens per second over ``--batches`` batches after
 ``--warmup`` batches, best of ``--repeats`` passes (collators interleaved). A
 sanity check compares input_ids, position_ids, cu_seqlens, max_seqlen and the
@@ -36,6 +40,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import platform
@@ -46,6 +51,7 @@ import time
 import numpy as np
 
 TARGETS = {"list": 5.0, "numpy": 20.0, "arrow": 20.0}
+PLAIN_TARGET = 1.3  # thdpack at least this many times the plain conversion (list kind)
 
 
 def make_token_data(n: int, seed: int, vocab: int, max_len: int):
@@ -87,6 +93,11 @@ def make_samples(kind: str, ids: np.ndarray, labels: np.ndarray, offsets: np.nda
 
 def batches_of(samples: list, batch_size: int) -> list[list]:
     return [samples[i : i + batch_size] for i in range(0, len(samples) - batch_size + 1, batch_size)]
+
+
+def plain_conversion(batch: list) -> list:
+    """The reference for lists: each field's lists joined, read by numpy (int64 ``[T]``)."""
+    return [np.asarray(list(itertools.chain.from_iterable(s[f] for s in batch))) for f in ("input_ids", "labels")]
 
 
 def time_pass(collate, batches) -> float:
@@ -179,15 +190,20 @@ def main() -> int:
             check = "OK" if not problems else "MISMATCH: " + ", ".join(problems)
             if problems:
                 mismatches.append(kind)
+        run_plain = kind == "list"
         for b in warm:
             thd(b)
             if run_hf:
                 hf(b)
-        t_thd, t_hf = [], []
+            if run_plain:
+                plain_conversion(b)
+        t_thd, t_hf, t_plain = [], [], []
         for _ in range(args.repeats):
             t_thd.append(time_pass(thd, timed))
             if run_hf:
                 t_hf.append(time_pass(hf, timed))
+            if run_plain:
+                t_plain.append(time_pass(plain_conversion, timed))
         r = {
             "thdpack_tokens_per_s": timed_tokens / min(t_thd),
             "thdpack_batches_per_s": len(timed) / min(t_thd),
@@ -197,14 +213,19 @@ def main() -> int:
             r["hf_tokens_per_s"] = timed_tokens / min(t_hf)
             r["hf_batches_per_s"] = len(timed) / min(t_hf)
             r["ratio"] = min(t_hf) / min(t_thd)
+        if run_plain:
+            r["plain_tokens_per_s"] = timed_tokens / min(t_plain)
+            r["plain_ratio"] = min(t_plain) / min(t_thd)
         results[kind] = r
         if args.profile:
             profiles[kind] = profile_thdpack(thd, timed, args.profile_top)
         del samples, all_batches, warm, timed
 
-    rows = [("input", "thdpack tok/s", "HF tok/s", "thdpack/HF", "target", "met", "thdpack batch/s", "same output")]
+    rows = [("input", "thdpack tok/s", "HF tok/s", "thdpack/HF", "target", "met", "plain tok/s", "thdpack/plain",
+             "target", "met", "thdpack batch/s", "same output")]
     for kind, r in results.items():
         target = TARGETS.get(kind)
+        plain = "plain_ratio" in r
         rows.append((
             kind,
             f"{r['thdpack_tokens_per_s'] / 1e6:,.1f} M",
@@ -212,13 +233,17 @@ def main() -> int:
             f"{r['ratio']:.1f}x" if "ratio" in r else "-",
             f">= {target:g}x" if target else "-",
             ("yes" if r["ratio"] >= target else "NO") if target and "ratio" in r else "-",
+            f"{r['plain_tokens_per_s'] / 1e6:,.1f} M" if plain else "n/a",
+            f"{r['plain_ratio']:.2f}x" if plain else "-",
+            f">= {PLAIN_TARGET:g}x" if plain else "-",
+            ("yes" if r["plain_ratio"] >= PLAIN_TARGET else "NO") if plain else "-",
             f"{r['thdpack_batches_per_s']:,.0f}",
             r["check"],
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
     for i, row in enumerate(rows):
-        print("  ".join(c.ljust(w) if j in (0, 7) else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        print("  ".join(c.ljust(w) if j in (0, len(row) - 1) else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
     for kind, text in profiles.items():

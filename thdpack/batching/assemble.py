@@ -23,28 +23,32 @@ BAD_MASK = 3
 
 @njit
 def _validate(ids, source, has_source, mask, has_mask, ignore_index):
-    """``(status, first bad token)``: branch-free reductions first (they vectorise),
-    the token-by-token search only when something is wrong."""
-    low = 0
+    """``(status, first bad token, zero_one)``: branch-free reductions first (they vectorise),
+    the token-by-token search only when something is wrong. ``zero_one``: whether some id or
+    label is 0 or 1, what a bool in a list of them reads as (only then does the caller look
+    for one: :func:`thdpack.common.samples.refuse_bools`)."""
+    low = 2
     for t in range(ids.shape[0]):
         low = min(low, ids[t])
     bad = low < 0
+    zero_one = low <= 1
     if has_source:
         for t in range(source.shape[0]):
             bad |= (source[t] < 0) & (source[t] != ignore_index)
+            zero_one |= (source[t] & -2) == 0
     if has_mask:
         for t in range(mask.shape[0]):
             bad |= (mask[t] != 0) & (mask[t] != 1)
     if not bad:
-        return OK, 0
+        return OK, 0, zero_one
     for t in range(ids.shape[0]):
         if ids[t] < 0:
-            return NEGATIVE_ID, t
+            return NEGATIVE_ID, t, zero_one
         if has_source and source[t] < 0 and source[t] != ignore_index:
-            return BAD_LABEL, t
+            return BAD_LABEL, t, zero_one
         if has_mask and mask[t] != 0 and mask[t] != 1:
-            return BAD_MASK, t
-    return OK, 0
+            return BAD_MASK, t, zero_one
+    return OK, 0, zero_one
 
 
 @njit
@@ -85,10 +89,10 @@ def _cumulative(seq_lens, padded):
 def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, pad_token_id, ignore_index):
     """The whole stream.
 
-    Returns ``(status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded)``:
-    int64 ``[T]`` (bool for the mask) and int32 ``[n+1]`` ×2.
+    Returns ``(status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded)``
+    (``zero_one``: see :func:`_validate`): int64 ``[T]`` (bool for the mask) and int32 ``[n+1]`` ×2.
     """
-    status, token = _validate(ids, source, has_source, mask, has_mask, ignore_index)
+    status, token, zero_one = _validate(ids, source, has_source, mask, has_mask, ignore_index)
     cu, cu_padded = _cumulative(seq_lens, padded)
     n = seq_lens.shape[0]
     total = cu_padded[n]
@@ -97,7 +101,7 @@ def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, p
     position_ids = np.empty(total, np.int64)
     loss_mask = np.empty(total, np.bool_)
     if status != OK:
-        return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded
+        return status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded
     for i in range(n):
         src, dst, s, p = cu[i], cu_padded[i], seq_lens[i], padded[i]
         for j in range(s):
@@ -110,7 +114,7 @@ def assemble_stream(ids, source, has_source, mask, has_mask, seq_lens, padded, p
             position_ids[dst + j] = j  # pad slots continue their sample's count
     for t in range(total):
         loss_mask[t] = labels[t] != ignore_index
-    return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded
+    return status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded
 
 
 @njit
@@ -121,11 +125,11 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
     rank keeps chunk ``r`` then chunk ``2·cp − 1 − r`` (TransformerEngine's split,
     :mod:`thdpack.parallel.dual_chunk`).
 
-    Returns ``(status, token, input_ids, labels, loss_mask, position_ids, cu,
-    cu_padded, partition_indices, local_seq_lens)``; per-token arrays are
-    ``[T / cp]``, cumulative lengths int32 and global.
+    Returns ``(status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu,
+    cu_padded, partition_indices, local_seq_lens)`` (``zero_one``: see :func:`_validate`);
+    per-token arrays are ``[T / cp]``, cumulative lengths int32 and global.
     """
-    status, token = _validate(ids, source, has_source, mask, has_mask, ignore_index)
+    status, token, zero_one = _validate(ids, source, has_source, mask, has_mask, ignore_index)
     cu, cu_padded = _cumulative(seq_lens, padded)
     n = seq_lens.shape[0]
     local_total = cu_padded[n] // cp_size
@@ -136,7 +140,7 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
     partition = np.empty(local_total, np.int64)
     local_lens = np.zeros(n, np.int32)
     if status != OK:
-        return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens
+        return status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens
     longest = 0
     for i in range(n):
         longest = max(longest, seq_lens[i])
@@ -163,4 +167,4 @@ def assemble_shard(ids, source, has_source, mask, has_mask, seq_lens, padded, pa
             out += h
     for t in range(local_total):
         loss_mask[t] = labels[t] != ignore_index
-    return status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens
+    return status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens

@@ -24,7 +24,7 @@ from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_
 from thdpack.common.extensions import vision
 from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
 from thdpack.common.align import is_int
-from thdpack.common.samples import SampleError, get_field, same_length, sample_list, to_int_array
+from thdpack.common.samples import SampleError, get_field, refuse_bools, same_length, sample_list, to_int_array
 
 
 def build_thd_batch(
@@ -104,7 +104,7 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
     check_num_seqs(len(samples), layout.max_num_seqs)
     multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
-    ids_parts, label_parts, mask_parts, tokens_truncated = _read_samples(samples, layout.cut_length)
+    ids_parts, label_parts, mask_parts, tokens_truncated, pending = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
     padded = padded_lengths(seq_lens, layout)
     ids = _concat(ids_parts)
@@ -114,11 +114,13 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
     args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
             int(layout.pad_token_id), int(layout.ignore_index))
     if direct_shard:
-        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
+        status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
             assemble_shard(*args, cp_size, cp_rank)
         )
     else:
-        status, token, input_ids, labels, loss_mask, position_ids, cu, cu_padded = assemble_stream(*args)
+        status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded = assemble_stream(*args)
+    if pending and (zero_one or status != OK or tokens_truncated):  # a bool reads as 0 or 1; cut tokens unseen
+        refuse_bools(pending)
     if status != OK:
         _raise_bad_value(status, token, ids, source, mask, cu, layout.ignore_index)
 
@@ -175,19 +177,31 @@ def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *,
 
 
 def _read_samples(samples, max_length):
-    """Per-sample 1-D arrays of ids, labels (or None), loss masks (or None), and
-    the number of tokens cut by ``max_length``."""
+    """Per-sample 1-D arrays of ids, labels (or None), loss masks (or None), the number of
+    tokens cut by ``max_length``, and the lists whose bool check is left to the caller
+    (:func:`thdpack.common.samples.refuse_bools`; an error while reading checks them first)."""
+    pending = []
+    try:
+        return (*_read_fields(samples, max_length, pending), pending)
+    except ValueError:
+        refuse_bools(pending)  # a bool in an earlier sample or field is the error, as if checked at once
+        raise
+
+
+def _read_fields(samples, max_length, pending: list):
+    """:func:`_read_samples` but the pending lists (appended to ``pending``)."""
     ids_parts, label_parts, mask_parts = [], [], []
     truncated = 0
     any_labels = any_mask = False
     for i, sample in enumerate(samples):
-        ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids")
+        ids = to_int_array(get_field(sample, "input_ids", i, required=True), sample=i, field="input_ids",
+                           pending=pending)
         if ids.size == 0:
             raise SampleError.at(i, ": 'input_ids' is empty; every sample needs at least one token", field='input_ids')
         labels = get_field(sample, "labels", i)
         mask = get_field(sample, "loss_mask", i)
         if labels is not None:
-            labels = same_length(to_int_array(labels, sample=i, field="labels"), ids, i, "labels")
+            labels = same_length(to_int_array(labels, sample=i, field="labels", pending=pending), ids, i, "labels")
             any_labels = True
         if mask is not None:
             mask = same_length(to_int_array(mask, sample=i, field="loss_mask", allow_bool=True), ids, i, "loss_mask")
