@@ -132,6 +132,11 @@ def test_rows_repeat_whole_and_draw_without_replacement(specs, stopping, seed):
         sources.append({"name": f"s{i}", "num_rows": n, how: value})
     if all(s.get("epochs", 1) == 0 or s.get("max_samples", 1) == 0 for s in sources):
         sources[0] = {"name": "s0", "num_rows": specs[0][0]}
+    if not any(np.floor(s["epochs"] * s["num_rows"] + 0.5) if "epochs" in s else s.get("max_samples", 1)
+               for s in sources):  # every share rounds to 0 samples: refused, not an empty blend (issue 43)
+        with pytest.raises(ValueError, match="the blend draws no sample"):
+            plan_mixture(sources, stopping=stopping, seed=seed)
+        return
     plan = plan_mixture(sources, stopping=stopping, seed=seed)
     assert plan.counts.tolist() == np.bincount(plan.source, minlength=len(sources)).tolist()
     for i, s in enumerate(sources):

@@ -13,7 +13,8 @@ the kept rows by the sources' weights, plan the blend into packs.
 3. **The plan** over the blend's samples, as a repeated row is a sample of its own: the build's algorithm over
    the whole blend (``mixture_packing: bfd``), or :func:`~thdpack.planning.mixture.plan_stratified`
    (``stratified``: every step of ``mixture_step_packs`` packs close to the blend; not with pairs or groups).
-   A preference pair, a group, stays in one pack. ``without_targets`` and ``overflow`` apply as in any build.
+   A preference pair, a group, stays in one pack. ``without_targets`` and ``overflow`` apply as in any build; a
+   source in the blend whose every sample they drop stops the build, as a build of that source alone stops.
 
 The sources' tokenized rows are put side by side (their tokens and targets; on Ray their part files, read where
 they are), so the pack writer reads them as one build's. Each packed sample records its source
