@@ -251,6 +251,15 @@ def test_a_config_past_the_bound_is_refused_before_reading(tmp_path, top, source
     assert expected in str(caught.value) and "fewer than 2**31" in str(caught.value)
 
 
+def test_epochs_past_the_bound_on_the_kept_rows_stop_the_build(tmp_path):
+    """Within the bound for one row (the config's check), past it for the source's kept rows (the blend's)."""
+    cfg = _config([_demo("chat", 40, 0), _demo("text", 30, 1, epochs=1e8)])
+    cfg.validate()
+    message = _refused(cfg, tmp_path / "out")
+    assert message.startswith("mixture: mixture source 'text' would put 3,000,000,000 samples in the blend (epochs "
+                              "1e+08 of its 30 rows)") and "lower its epochs" in message
+
+
 # ---------------------------------------------------------------------------- a hand-edited metadata.json
 
 
