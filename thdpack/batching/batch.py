@@ -21,6 +21,7 @@ from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_
 from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
 from thdpack.parallel.groups import GROUP, check_process_group
+from thdpack.common.align import check_bool, check_int
 from thdpack.common.samples import IGNORE_INDEX
 
 # keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
@@ -134,6 +135,7 @@ class ThdBatch:
     source_index: torch.Tensor | None = None
 
     def __post_init__(self):
+        check_int(self.ignore_index, "ignore_index", None, hint=" (the label of unscored positions)")
         if self.source_index is None:  # one source: every sample's is 0
             self.source_index = torch.zeros(self.sample_index.shape, dtype=torch.int64, device=self.sample_index.device)
 
@@ -270,6 +272,7 @@ class ThdBatch:
 
     def to(self, device, non_blocking: bool = False) -> "ThdBatch":
         """A copy with every tensor on ``device``."""
+        non_blocking = check_bool(non_blocking, "non_blocking")
         return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "ThdBatch":
@@ -404,6 +407,7 @@ class ThdBatch:
         the boundary keys (no scan can restart from a shared prefix: ``packed_model`` refuses it); the flash
         kwargs alone cannot express it and ``include_labels=True`` cannot score it: both are a ``ValueError``.
         """
+        include_labels = check_bool(include_labels, "include_labels")
         kind = attention_kind(attn_implementation)
         if kind == "flash":
             refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", self)

@@ -22,19 +22,29 @@ def cp_pad_multiple(
     ``lcm(2·cp if cp > 1 else 1, tp·cp if sequence_parallel and tp > 1 else 1)``,
     and additionally a multiple of 16 for FP8 (``fp8=True`` or ``"fp8"``) or 32
     for MXFP8 (``fp8="mxfp8"``). Never larger than needed: every extra pad slot
-    costs compute on every layer.
+    costs compute on every layer. ``sequence_parallel``: a bool (:func:`check_bool`);
+    ``fp8``: None, a bool, or one of those names (any case).
     """
     check_positive_int(cp_size, "cp_size")
     check_positive_int(tp_size, "tp_size")
+    sequence_parallel = check_bool(sequence_parallel, "sequence_parallel")
     multiple = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         multiple = math.lcm(multiple, tp_size * cp_size)
-    if fp8:
-        key = "fp8" if fp8 is True else str(fp8).lower()
-        if key not in _FP8_MULTIPLES:
-            raise ValueError(f"fp8 must be True, 'fp8' or 'mxfp8', got {fp8!r}")
-        multiple = math.lcm(multiple, _FP8_MULTIPLES[key])
-    return multiple
+    fp8_multiple = _fp8_multiple(fp8)
+    return multiple if fp8_multiple is None else math.lcm(multiple, fp8_multiple)
+
+
+def _fp8_multiple(fp8) -> int | None:
+    """The multiple FP8 needs: None for ``fp8`` None or False; ``TypeError`` / ``ValueError`` naming ``fp8`` for
+    anything but a bool (:func:`is_bool`) or ``"fp8"`` / ``"mxfp8"`` (not ``0``, ``""`` or ``"no"``)."""
+    if fp8 is None or is_bool(fp8):
+        return _FP8_MULTIPLES["fp8"] if fp8 else None
+    if not isinstance(fp8, str):
+        raise TypeError(f"fp8 must be True, False, None, 'fp8' or 'mxfp8', got {fp8!r} ({type(fp8).__name__})")
+    if fp8.lower() not in _FP8_MULTIPLES:
+        raise ValueError(f"fp8 must be True, False, None, 'fp8' or 'mxfp8', got {fp8!r}")
+    return _FP8_MULTIPLES[fp8.lower()]
 
 
 def resolve_pad_multiple(
@@ -45,6 +55,7 @@ def resolve_pad_multiple(
 ) -> int:
     """The multiple a builder pads to: the parallelism requirement, combined (lcm)
     with an explicit ``pad_multiple`` when one is given."""
+    check_bool(sequence_parallel, "sequence_parallel")
     if type(cp_size) is int and type(tp_size) is int and cp_size == tp_size == 1 and pad_multiple is None:
         return 1  # the common case, checked cheaply
     multiple = cp_pad_multiple(cp_size, tp_size, sequence_parallel)

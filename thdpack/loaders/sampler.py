@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from thdpack.common.align import check_int, check_positive_int, integer_array
+from thdpack.common.align import check_bool, check_int, check_positive_int, integer_array
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.plan import PackPlan, plan_packs, validate_lengths
@@ -128,10 +128,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self.vision_lengths = integer_array(vision_lengths, "vision_lengths").astype(np.int64)
         self.groups = None if groups is None else np.asarray(groups)  # e.g. a preference pair's rows share a pack
         self.shared_prefix = None if shared_prefix is None else np.asarray(shared_prefix)
-        self.shuffle = shuffle
+        self.shuffle = check_bool(shuffle, "shuffle")
         self.seed = int(self.options.seed)
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
-        self.drop_last = drop_last
+        self.drop_last = check_bool(drop_last, "drop_last")
         self.balance = balance
         check_positive_int(micro_batches, "micro_batches")
         self.micro_batches = micro_batches

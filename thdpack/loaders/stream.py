@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from thdpack.common.align import check_int, round_up
+from thdpack.common.align import check_bool, check_int, round_up
 from thdpack.loaders.collate import with_sample_index
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
 from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, cut_overflow
@@ -117,7 +117,7 @@ class StreamingPacker(IterableDataset):
         self.pack_size, self.align, self.overflow = options.pack_size, options.align, options.overflow
         self.max_samples_per_pack, self.limit = options.max_samples_per_pack, options.usable_length
         self.length_fn = length_fn or _default_length
-        self.skip_consumed = skip_consumed
+        self.skip_consumed = check_bool(skip_consumed, "skip_consumed")
         self.num_replicas, self.rank = distributed_default(num_replicas, rank)
         self._reset()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from thdpack.common.align import check_number, host_array, integer_array
+from thdpack.common.align import check_bool, check_number, host_array, integer_array
 from thdpack.losses.reductions import reduce_token_losses
 from thdpack.losses.target_logps import DEFAULT_CHUNK, token_logps
 
@@ -30,6 +30,7 @@ def group_advantages(rewards, groups, *, eps: float = 1e-6, scale: bool = True) 
         broadcast with ``batch.token_values``.
     """
     check_number(eps, "eps", positive=False, what=" (added to each group's standard deviation)")
+    scale = check_bool(scale, "scale")
     r = torch.as_tensor(_numbers(rewards, "rewards"), dtype=torch.float64).reshape(-1)
     g = torch.as_tensor(integer_array(groups, "groups")).reshape(-1)
     if g.shape != r.shape or g.is_floating_point():

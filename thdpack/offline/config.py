@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
-from thdpack.common.align import check_int, check_number
+from thdpack.common.align import check_bool, check_int, check_number
 from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.mixture import STOPPING, WEIGHT_BY, WEIGHT_KEYS
@@ -288,6 +288,8 @@ class BuildConfig:
         check_input(self.input)
         for option in options():
             option.check(getattr(self, option.name))
+            if option.kind == "flag":  # a numpy bool read as the bool it is (metadata.json records it)
+                setattr(self, option.name, bool(getattr(self, option.name)))
         self.value_columns()
         self._check_mixture()
         if need_tokenizer and not self.tokenizer:
@@ -485,8 +487,8 @@ class Option:
             return
         if self.kind == "int":
             check_int(value, self.name, self.minimum, error=ConfigError)
-        elif self.kind == "flag" and not isinstance(value, bool):
-            raise ConfigError(f"{self.name} must be true or false, got {value!r}")
+        elif self.kind == "flag":
+            check_bool(value, self.name, error=ConfigError)
         elif self.kind == "number":
             try:
                 check_number(value, self.name, positive=True)

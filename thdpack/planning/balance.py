@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from thdpack.common.align import check_number, check_positive_int, round_up
+from thdpack.common.align import check_bool, check_number, check_positive_int, round_up
 from thdpack.common.jit import njit
 from thdpack.planning.options import PlanOptions, options_from
 from thdpack.planning.packing import PackStats, pack_sums
@@ -237,8 +237,8 @@ def plan_balanced(
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     cost = CostModel.of(cost)
     options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
-    shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost, shuffle_steps=shuffle_steps,
-                 fillers=bool(fillers))
+    shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
+                 shuffle_steps=check_bool(shuffle_steps, "shuffle_steps"), fillers=check_bool(fillers, "fillers"))
     split = None if groups is None else _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
     if split is not None and split.big.any():  # some group needs several packs
         return _plan_bundles(split, options, **shape)

@@ -337,9 +337,10 @@ def export_bridge(path: str | Path, output: str | Path, *, pad_seq_to_mult: int 
     """Convert the packed dataset at ``path`` to Bridge's packed Parquet format at ``output`` (a
     directory, written atomically like a build). ``pad_seq_to_mult`` defaults to the build's
     alignment multiple, ``pad_id`` to the EOS id its tokenizer recorded. Returns Bridge's record."""
-    from thdpack.common.align import check_int
+    from thdpack.common.align import check_bool, check_int
     from thdpack.offline.store.dataset import load_packed
 
+    overwrite = check_bool(overwrite, "overwrite")
     ds = load_packed(path)
     meta = ds.metadata
     if meta.get("vision"):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.common.align import check_bool
 from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.stages import BuildStages, RayOptions, StoreOptions, config_with_engine
@@ -147,6 +148,7 @@ def build_packed(
 
     Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
+    overwrite, progress = check_bool(overwrite, "overwrite"), check_bool(progress, "progress")
     return _build(config_with_engine(cfg.single_source_form(), engine, ray), Path(output), overwrite, progress,
                   input_slice)
 
@@ -349,6 +351,7 @@ def analyze(cfg: BuildConfig, *, eval_multiple: int | None = None, progress: boo
     """Statistics of planning ``cfg`` without writing anything (``thdpack stats`` on raw data)."""
     import tempfile
 
+    progress = check_bool(progress, "progress")
     with tempfile.TemporaryDirectory(prefix="thdpack-stats-") as d:
         prep = prepare(cfg, Path(d), progress=progress)
         summary = prep.summary(eval_multiple)

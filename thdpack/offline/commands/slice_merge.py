@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.common.align import check_bool
 from thdpack.offline.store.dataset import read_metadata
 from thdpack.offline.errors import MAX_ERRORS_RECORDED, NotPackedError, OfflineError
 from thdpack.offline.store.schema import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
@@ -345,7 +346,7 @@ def merge_slices(
 ) -> MergeResult:
     """Merge the slice builds at ``slice_paths`` (paths, globs or a parent directory) into ``output``.
     The summary line goes to ``logging.getLogger("thdpack.offline.commands.slice_merge")``."""
-    return _merge(slice_paths, Path(output), overwrite, link)
+    return _merge(slice_paths, Path(output), check_bool(overwrite, "overwrite"), check_bool(link, "link"))
 
 
 def _merge(slice_paths, output: Path, overwrite: bool, link: bool) -> MergeResult:

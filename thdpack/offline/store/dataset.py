@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from thdpack.common.align import check_int, resolve_pad_multiple
+from thdpack.common.align import check_bool, check_int, resolve_pad_multiple
 from thdpack.batching.batch import ThdBatch
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
@@ -124,9 +124,7 @@ class PackedRowCollator:
         min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
         **layout_keywords,
     ):
-        if not isinstance(share_prefix, bool):
-            raise TypeError(f"share_prefix must be True or False (the rows' group_id / prefix_len columns), got "
-                            f"{share_prefix!r}")
+        share_prefix = check_bool(share_prefix, "share_prefix", hint=" (the rows' group_id / prefix_len columns)")
         self.sample_values = tuple(sample_values)
         self.share_prefix = share_prefix
         layout = layout_from("PackedRowCollator", layout, layout_keywords)
@@ -410,7 +408,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __init__(self, path: str | Path, *, verify: bool = False):
         self.path = Path(path)
-        self.verify = verify
+        self.verify = check_bool(verify, "verify")
         self.metadata = read_metadata(self.path)
         self._open()
 
@@ -532,7 +530,7 @@ class PackedDataset(torch.utils.data.Dataset):
         ``[num_packs + 1]`` offsets of each pack's samples in it. ``stream=True``: of a ``share_prefix``
         build, the tokens each sample adds to its pack's stream (a group's prefix counted for its first
         member only), as the build's own statistics count them; the stored lengths otherwise."""
-        shared = stream and bool(self.metadata.get("share_prefix"))
+        shared = check_bool(stream, "stream") and bool(self.metadata.get("share_prefix"))
         lens, counts = [], []
         for b in range(len(self._batches)):
             offsets, values = self._column(b, "seq_lens")
