@@ -231,3 +231,49 @@ def test_fp8_takes_a_bool_none_or_its_names(fp8):
                                           ("fp8", 16), ("FP8", 16), ("mxfp8", 32)])
 def test_fp8_values(fp8, multiple):
     assert cp_pad_multiple(2, fp8=fp8) == multiple
+
+
+# --- token ids and ignore labels are integers ---------------------------------------------------------------------
+
+NOT_INTS = st.one_of(st.sampled_from([1.5, 2.0, "151655", "7", True, np.float64(3.0)]),
+                     st.floats(allow_nan=True), st.text(max_size=3))
+VL = {"model_type": "qwen2_vl", "image_token_id": 90, "video_token_id": 91, "vision_start_token_id": 92,
+      "vision_config": {"spatial_merge_size": 2, "patch_size": 2, "in_channels": 3, "temporal_patch_size": 2}}
+VL_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_config.spatial_merge_size",
+           "vision_config.patch_size", "vision_config.in_channels", "vision_config.temporal_patch_size")
+
+
+@given(value=NOT_INTS, key=st.sampled_from(VL_KEYS))
+@settings(max_examples=60, deadline=None)
+def test_a_vlm_configs_token_ids_and_sizes_are_integers(value, key):
+    """An image token id of 1.5 (or the string "151655") is not read as token 1 (or 151655)."""
+    from thdpack.vlm import get_family
+
+    config = {**VL, "vision_config": dict(VL["vision_config"])}
+    if key.startswith("vision_config."):
+        config["vision_config"][key.split(".")[1]] = value
+    else:
+        config[key] = value
+    with pytest.raises(ValueError, match=rf"^the model config's {key} must be an integer >= [01], got "):
+        get_family(config)
+
+
+def test_a_vlm_configs_integers_still_read():
+    from thdpack.vlm import get_family
+
+    family = get_family({**VL, "image_token_id": np.int64(90)})
+    assert (family.image_token_id, family.video_token_id, family.spatial_merge_size, family.patch_shape) == (
+        90, 91, 2, (3, 2, 2))
+
+
+@given(value=NOT_INTS)
+@settings(max_examples=30, deadline=None)
+def test_a_batchs_ignore_index_is_an_integer(value):
+    """``hf_labels`` fills with ``ignore_index``: 1.5 would be the token id 1 there."""
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"^ignore_index must be an integer in int64 range, got "):
+        dataclasses.replace(_batch(), ignore_index=value)
+    for keyword in ("ignore_index", "pad_token_id"):  # as every builder takes them (BatchLayout)
+        with pytest.raises(ValueError, match=rf"^{keyword} must be an integer"):
+            build_thd_batch(SAMPLES, **{keyword: value})

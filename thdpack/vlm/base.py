@@ -26,6 +26,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from thdpack.common.align import check_int
 from thdpack.common.samples import SampleError
 from thdpack.common.model_config import config_first, config_get
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
@@ -114,6 +115,13 @@ class QwenVLFamily:
         # older hub configs of Qwen2-VL name the channels in_chans
         channels = config_first(config, ("vision_config.in_channels", "vision_config.in_chans"), 3)
         temporal = config_get(config, "vision_config.temporal_patch_size", 2)
+        for key, value, least in (("image_token_id", image, 0), ("video_token_id", video, 0),
+                                  ("vision_start_token_id", start, 0), ("vision_config.spatial_merge_size", merge, 1),
+                                  ("vision_config.in_channels", channels, 1),
+                                  ("vision_config.temporal_patch_size", temporal, 1),
+                                  ("vision_config.patch_size", patch, 1)):
+            if value is not None:  # token ids and sizes: integers (1.5 or "151655" is not read as one)
+                check_int(value, f"the model config's {key}", least, hint=f" ({model_type})")
         family = cls(
             model_type=model_type,
             image_token_id=int(image),
@@ -124,8 +132,6 @@ class QwenVLFamily:
             patch_shape=None if patch is None else (int(channels), int(temporal), int(patch)),
             mrope_convention=resolve_mrope_convention(mrope_convention),
         )
-        if family.spatial_merge_size < 1:
-            raise ValueError(f"{model_type}: vision_config.spatial_merge_size must be >= 1, got {merge!r}")
         if family.video_token_id is not None and family.video_token_id == family.image_token_id:
             raise ValueError(f"{model_type}: image_token_id and video_token_id are both {family.image_token_id}")
         return family
