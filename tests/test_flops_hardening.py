@@ -1,7 +1,8 @@
 """thdpack.flops under bad input (issue 43): partial multi-latent attention fields, ``mtp_layers``, MoE
 top-k, windows and layer frequencies of Megatron-style configs, ``layer_types`` strings, the accumulator's
 config and ``merge`` arguments, cross-attention memories (their unpadded lengths; refused without
-cross-attention layers), and docs/flops.md's ``count_padding`` example. Each bad input is one clear
+cross-attention layers), docs/flops.md's ``count_padding`` example, and attention whose value head dim is
+apart from its query / key head dim (MiMo-V2-Flash, transformers and Megatron-Bridge's provider). Each bad input is one clear
 ``ValueError`` / ``TypeError`` naming the argument or config key; every valid input counts as before."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import build_thd_batch
-from thdpack.flops import FlopsAccumulator, FlopsMeter, flops_coefficients, model_flops
+from thdpack.flops import (FlopsAccumulator, FlopsMeter, count_name, flops_coefficients, length_count, model_flops,
+                           model_flops_breakdown)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "flops.md"
 
@@ -296,3 +298,126 @@ def test_docs_count_padding_examples_run():
     assert acc.model_flops(TEXT, count_padding=True) > acc.model_flops(TEXT)
     with pytest.raises(TypeError):  # the module-level function takes the token count itself
         model_flops(TEXT, 28, 302, count_padding=True)
+
+
+# =========================================================================== a value head dim apart (MiMo-V2-Flash)
+# Queries and keys have head_dim, values and the attention output v_head_dim: q, k, v = h → n·d, k·d, k·dv;
+# o = n·dv → h; scores Q·Kᵀ over d, P·V over dv. MiMo-V2-Flash's sliding layers have twice the KV heads
+# (transformers builds them so; the checkpoint's swa_num_key_value_heads is 8 against 4).
+
+SEQ_LENS = [40, 60]
+MIMO = {"model_type": "mimo_v2_flash", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 24, "v_head_dim": 8, "sliding_window": 8, "intermediate_size": 128,
+        "vocab_size": 100, "layer_types": ["full_attention", "sliding_attention", "full_attention"]}
+MEGATRON_MIMO = dict(MEGATRON, num_layers=3, kv_channels=24, v_head_dim=8, window_size=8,
+                     hybrid_attention_pattern=[0, 1, 1], full_attn_num_query_groups=2, swa_num_query_groups=4,
+                     num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1],
+                     gated_linear_unit=True, mtp_num_layers=1)
+
+
+def _attention_by_hand(h, n, k, d, dv, full, sliding, window, seq_lens=SEQ_LENS) -> dict:
+    """Training FLOPs (3x the forward, 2 a MAC) of the attention of ``full`` and ``sliding`` layers
+    (``k`` KV heads each: a pair ``(full, sliding)``) over one pack of ``seq_lens``."""
+    tokens, squares = sum(seq_lens), sum(s * s for s in seq_lens)
+    # the window's unit of Σ sᵢ²: s² while the window cuts nothing, else 2·Σ_t min(t, w) = w·(2s − w + 1)
+    windowed = sum(s * s if s <= window else window * (2 * s - window + 1) for s in seq_lens)
+    proj = lambda kv: 6 * tokens * (h * n * d + h * kv * d + h * kv * dv + n * dv * h)  # noqa: E731
+    per_pair = 6 * n * (d + dv) // 2  # Q·Kᵀ and P·V on half the square (causal), x3
+    return {"attention_projections": full * proj(k[0]) + sliding * proj(k[1]),
+            "core_attention": full * per_pair * squares, f"sliding_attention_{window}": sliding * per_pair * windowed}
+
+
+def test_v_head_dim_equal_to_head_dim_counts_as_before():
+    # pinned from the count before this fix: transformers and Megatron-style, with and without windows
+    windowed = dict(TEXT, layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    for config, pinned in ((TEXT, 49612800), (windowed, 49416192), (MEGATRON, 75724800),
+                           (dict(MEGATRON, window_size=8), 74938368)):
+        head_dim = config.get("head_dim") or config["kv_channels"]
+        assert flops(config) == flops(dict(config, v_head_dim=head_dim)) == pinned
+
+
+def test_mimo_attention_counts_the_value_head_dim():
+    terms = model_flops_breakdown(MIMO, sum(SEQ_LENS), sum(s * s for s in SEQ_LENS), seq_lens=SEQ_LENS)
+    expected = _attention_by_hand(64, 4, (2, 4), 24, 8, full=2, sliding=1, window=8)
+    assert {name: terms[name] for name in expected} == expected
+    assert terms["mlp"] == 6 * 100 * 64 * 3 * 128 * 3 and terms["logits"] == 6 * 100 * 64 * 100
+    assert set(terms) == {*expected, "mlp", "logits"}
+    same = dict(MIMO, v_head_dim=24)
+    assert flops(MIMO) < flops(same)  # the V projection, P·V and the output projection narrower
+
+
+def test_plain_v_head_dim_outside_mimo():
+    # the value width alone (no MiMo family: every layer's KV heads num_key_value_heads)
+    config = dict(TEXT, head_dim=24, v_head_dim=8)
+    terms = model_flops_breakdown(config, sum(SEQ_LENS), sum(s * s for s in SEQ_LENS), seq_lens=SEQ_LENS)
+    expected = _attention_by_hand(64, 4, (2, 2), 24, 8, full=2, sliding=0, window=8)
+    assert terms["attention_projections"] == expected["attention_projections"]
+    assert terms["core_attention"] == expected["core_attention"]
+
+
+def test_megatron_mimo_provider_counts_its_layers():
+    # Megatron-Bridge's MiMoV2FlashModelProvider: hybrid_attention_pattern (1: sliding), KV groups by kind,
+    # v_head_dim, and MTP layers that slide with a dense MLP
+    terms = model_flops_breakdown(MEGATRON_MIMO, sum(SEQ_LENS), sum(s * s for s in SEQ_LENS), seq_lens=SEQ_LENS)
+    expected = _attention_by_hand(64, 4, (2, 4), 24, 8, full=1, sliding=2 + 1, window=8)
+    assert {name: terms[name] for name in expected} == expected
+    tokens = sum(SEQ_LENS)
+    assert terms["mlp"] == 6 * tokens * 64 * 3 * 128 * (1 + 1)  # decoder layer 1 and the MTP layer
+    assert terms["moe"] == 6 * tokens * 64 * 3 * 32 * 2 * 2
+    plain = dict(MEGATRON, kv_channels=24, v_head_dim=8)  # no pattern: num_query_groups everywhere, no window
+    terms = model_flops_breakdown(plain, tokens, sum(s * s for s in SEQ_LENS), seq_lens=SEQ_LENS)
+    expected = _attention_by_hand(64, 4, (2, 2), 24, 8, full=4, sliding=0, window=8)
+    assert terms["attention_projections"] == expected["attention_projections"]
+    assert terms["core_attention"] == expected["core_attention"]
+
+
+def test_megatron_mla_keeps_kv_channels_for_plain_attention():
+    # with multi_latent_attention on, v_head_dim is MLA's: a hybrid stack's '*' layer keeps kv_channels (16)
+    hybrid = dict(MEGATRON_MLA, num_layers=2, v_head_dim=8)
+    both, mla = (model_flops_breakdown(dict(hybrid, hybrid_layer_pattern=pattern), 100, 2000, seq_lens=[40, 60])
+                 for pattern in ("*+", "+"))
+    plain = 6 * 100 * (64 * (4 * 16 + 2 * 2 * 16) + 4 * 16 * 64)
+    assert both["attention_projections"] - mla["attention_projections"] == plain
+    assert both["core_attention"] - mla["core_attention"] == 6 * 4 * 16 * 2000
+
+
+@settings(max_examples=30, deadline=None)
+@given(bad=st.one_of(st.text(max_size=3), st.integers(0, 1), st.lists(st.integers(0, 1), max_size=2),
+                     st.lists(st.sampled_from([2, -1, 1.0, 0.0, True, "1"]), min_size=3, max_size=3)))
+def test_hybrid_attention_pattern_is_one_zero_or_one_a_layer(bad):
+    with pytest.raises(ValueError, match="hybrid_attention_pattern"):
+        flops(dict(MEGATRON_MIMO, hybrid_attention_pattern=bad))
+
+
+def test_tiny_mimo_model_gemms_equal_the_counted_terms():
+    """FlopCounterMode on a tiny random-weight MiMo-V2-Flash (eager attention: the whole square)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "MiMoV2FlashConfig"):
+        pytest.skip("this transformers has no MiMo-V2-Flash")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, d, dv, experts, s = 4, 12, 8, 4, 40
+    config = transformers.MiMoV2FlashConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=n, num_key_value_heads=2,
+        head_dim=d, v_head_dim=dv, num_hidden_layers=3, moe_intermediate_size=16, n_routed_experts=experts,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None, layer_types=["full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager")
+    ids = torch.randint(3, config.vocab_size, (1, s))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()  # forward and backward: the 6 of training
+    seen = counter.get_flop_counts()["Global"]
+    terms = model_flops_breakdown(config, s, s * s, seq_lens=[s])
+    assert model_flops_breakdown(config.to_dict(), s, s * s, seq_lens=[s]) == terms
+    routers = 6 * s * 32 * experts * 2  # two MoE layers' routers, which thdpack does not count
+    gemms = sum(terms[k] for k in ("attention_projections", "mlp", "moe", "logits"))
+    assert seen[torch.ops.aten.mm] == gemms + routers
+    # eager attention: Q·Kᵀ over d and P·V over dv on the whole square of each of the 3 layers; the two
+    # full layers' count is their causal half
+    per_layer = 6 * n * s * s * (d + dv)
+    assert seen[torch.ops.aten.bmm] == 3 * per_layer
+    assert 2 * terms["core_attention"] == 2 * per_layer
+    window = length_count([s], count_name("window_square_sum", 8))
+    assert terms["sliding_attention_8"] == 3 * n * (d + dv) * window

@@ -125,20 +125,22 @@ def flops_coefficients(
     """The per-count coefficients of :func:`model_flops` for ``config``.
 
     Text model (``config.text_config`` when present), ``h`` hidden size, ``V`` vocab,
-    ``d_q = heads·head_dim``, ``d_kv = kv_heads·head_dim``, ``e = 3`` for a gated MLP
-    (SwiGLU: gate, up, down) else 2. Per token, training:
+    ``d_q = heads·head_dim``, ``d_kv = kv_heads·head_dim``, ``d_v = kv_heads·v_head_dim``,
+    ``d_o = heads·v_head_dim`` (``v_head_dim = head_dim`` unless set apart, MiMo-V2-Flash), ``e = 3`` for
+    a gated MLP (SwiGLU: gate, up, down) else 2. Per token, training:
 
     ========================  ==========================================================
     ``mlp``                   ``6·h·e·ffn · N_dense``
     ``moe``                   ``6·h·e·(moe_ffn·k + shared_ffn) · N_moe`` (k experts per token)
-    ``attention_projections`` ``6·(h·(d_q + 2·d_kv + gate) + d_q·h) · L_attn``
-                              (``gate = d_q`` for an attention output gate, Qwen3-Next / 3.5)
+    ``attention_projections`` ``6·(h·(d_q + d_kv + d_v + gate) + d_o·h) · L_attn``
+                              (``gate = d_o`` for an attention output gate, Qwen3-Next / 3.5)
     ``linear_attention``      ``6·(h·(2·d_k + 2·d_v + 2·n_v) + K·(2·d_k + d_v) + 4·n_v·d_hk·d_hv
                               + d_v·h) · L_linear`` (Gated DeltaNet; no ``Σ sᵢ²`` term)
     ``logits``                ``6·h·V``
     ========================  ==========================================================
 
-    and per unit of ``Σ sᵢ²``: ``core_attention = 6·d_q · L_attn`` (causal).
+    and per unit of ``Σ sᵢ²``: ``core_attention = 3·(d_q + d_o) · L_attn`` (causal: ``Q·Kᵀ`` over
+    ``head_dim``, ``P·V`` over ``v_head_dim``; ``6·d_q`` when they are equal).
     ``N_moe`` counts layers with experts (``mlp_layer_types``, ``mlp_only_layers``,
     ``decoder_sparse_step``, ``first_k_dense_replace``, ``moe_layer_freq`` respected), ``N_dense``
     the others; the layers' kinds come from ``layer_types`` (or ``full_attention_interval``, ...).

@@ -63,14 +63,26 @@ class TextStructure:
     mtp_blocks: int = 0
 
 
+def _attention_widths(p: dict) -> tuple[int, int, int, int]:
+    """``(d_q, d_k, d_v, d_o)``: the widths of the query and key projections (``head_dim`` a head), of the
+    value projection and of the attention output (``v_head_dim`` a head: MiMo-V2-Flash's 128 against a
+    ``head_dim`` of 192; ``head_dim`` when unset)."""
+    v_head_dim = p.get("v_head_dim") or p["head_dim"]
+    return (p["heads"] * p["head_dim"], p["kv_heads"] * p["head_dim"], p["kv_heads"] * v_head_dim,
+            p["heads"] * v_head_dim)
+
+
 def _attention(p: dict, h: int, layer: Layer) -> dict:
-    d_q, d_kv = p["heads"] * p["head_dim"], p["kv_heads"] * p["head_dim"]
-    gate = d_q if p["gate"] else 0
-    terms = {"attention_projections": (TOKENS, 6 * (h * (d_q + 2 * d_kv + gate) + d_q * h))}
+    """q, k, v (and the output gate, as wide as the attention output) from ``h``, the output back to ``h``;
+    per causal pair, ``Q·Kᵀ`` over ``head_dim`` and ``P·V`` over ``v_head_dim`` (``3·(d_q + d_o)`` per unit
+    of ``Σ sᵢ²`` or of the window count: half the square, two FLOPs a MAC, three passes)."""
+    d_q, d_k, d_v, d_o = _attention_widths(p)
+    gate = d_o if p["gate"] else 0
+    terms = {"attention_projections": (TOKENS, 6 * (h * (d_q + d_k + d_v + gate) + d_o * h))}
     if layer.mixer == "sliding_attention":
-        terms[f"sliding_attention_{layer.window}"] = (count_name("window_square_sum", layer.window), 6 * d_q)
+        terms[f"sliding_attention_{layer.window}"] = (count_name("window_square_sum", layer.window), 3 * (d_q + d_o))
     else:
-        terms["core_attention"] = (SEQ, 6 * d_q)
+        terms["core_attention"] = (SEQ, 3 * (d_q + d_o))
     return terms
 
 
@@ -143,10 +155,10 @@ def _cross_attention(p: dict, h: int, layer: Layer) -> dict:
     """Attention from the text tokens to a memory (an encoder's or an image's tokens): q and o on the
     tokens, k and v on the memory tokens, and both products over every (token, memory token) pair of a
     sample, ``Σ qᵢ·kᵢ`` (not causal: twice the causal figure)."""
-    d_q, d_kv = p["heads"] * p["head_dim"], p["kv_heads"] * p["head_dim"]
-    return {"cross_attention_projections": (TOKENS, 6 * 2 * h * d_q),
-            "cross_attention_kv": ("cross_tokens", 6 * 2 * p["kv_input"] * d_kv),
-            "cross_attention": ("cross_seqlen_product_sum", 12 * d_q)}
+    d_q, d_k, d_v, d_o = _attention_widths(p)
+    return {"cross_attention_projections": (TOKENS, 6 * h * (d_q + d_o)),
+            "cross_attention_kv": ("cross_tokens", 6 * p["kv_input"] * (d_k + d_v)),
+            "cross_attention": ("cross_seqlen_product_sum", 6 * (d_q + d_o))}
 
 
 def _ffn(kind: str, p: dict, h: int) -> dict:
@@ -162,6 +174,7 @@ def _ffn(kind: str, p: dict, h: int) -> dict:
 
 _MIXERS = {"attention": _attention, "sliding_attention": _attention, "mla": _mla, "dsa": _dsa, "gdn": _gdn,
            "gdn2": _gdn, "kda": _kda, "mamba2": _mamba2, "cross_attention": _cross_attention}
+# Where a kind's sizes are when the structure gives none of its own (MiMo-V2-Flash's sliding layers have their own).
 _PARAMS_OF = {"sliding_attention": "attention", "gdn2": "gdn"}
 
 
@@ -179,8 +192,8 @@ def structure_terms(structure: TextStructure) -> dict:
     h, terms = structure.hidden, {}
     for layer in structure.layers:
         if layer.mixer is not None:
-            params = structure.params[_PARAMS_OF.get(layer.mixer, layer.mixer)]
-            _add(terms, _MIXERS[layer.mixer](params, h, layer))
+            kind = layer.mixer if layer.mixer in structure.params else _PARAMS_OF.get(layer.mixer, layer.mixer)
+            _add(terms, _MIXERS[layer.mixer](structure.params[kind], h, layer))
         if layer.ffn is not None:
             _add(terms, _ffn(layer.ffn, structure.params[layer.ffn], h))
     if structure.mtp_blocks:

@@ -28,6 +28,9 @@ NON_GATED_MLP_MODEL_TYPES = frozenset(
 GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 # Families whose "linear_attention" layers are Mamba-2 mixers, and where they read their sizes.
 MAMBA2_MODEL_TYPES = frozenset({"mamba2", "nemotron_h", "bamba", "granitemoehybrid"})
+# Families whose sliding-window layers have more key-value heads than num_key_value_heads: transformers builds
+# MiMo-V2-Flash's with twice as many (the checkpoint's swa_num_key_value_heads 8 against 4).
+_SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
 # Gemma's default alternation when a hub config.json gives neither layer_types nor sliding_window_pattern.
 _WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
@@ -39,7 +42,8 @@ _FFN_ONLY = {"mlp": "dense", "moe": "moe"}
 _NON_ATTENTION_FIELDS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_expand", "mamba_n_heads",
                          "mamba_num_heads", "mamba_d_ssm", "conv_L_cache", "linear_key_head_dim", "linear_num_heads",
                          "attn_layer_period")
-# Fields only multi-latent attention has (v_head_dim is not one: MiMo-V2-Flash's plain attention has it too).
+# Fields only multi-latent attention has (v_head_dim is not one: MiMo-V2-Flash's plain attention has it too, its
+# values' width).
 _MLA_ONLY_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 
 
@@ -234,10 +238,13 @@ def _layers(text, types: list[str], model_types: set, where: str) -> list[Layer]
 
 
 def _attention_params(text, where: str, gate: bool) -> dict:
+    """Plain attention: heads, key-value heads, ``head_dim`` (queries and keys) and ``v_head_dim`` (values and
+    the attention output, MiMo-V2-Flash; ``head_dim`` when unset)."""
     heads = config_int(text, "num_attention_heads", where=where)
     h = config_int(text, "hidden_size", where=where)
+    head_dim = config_int(text, "head_dim", max(h // heads, 1), where=where)
     return {"heads": heads, "kv_heads": config_int(text, "num_key_value_heads", heads, where=where),
-            "head_dim": config_int(text, "head_dim", max(h // heads, 1), where=where), "gate": gate}
+            "head_dim": head_dim, "v_head_dim": config_int(text, "v_head_dim", head_dim, where=where), "gate": gate}
 
 
 def _mla_params(text, where: str) -> dict:
@@ -305,6 +312,9 @@ def _params(text, layers: list[Layer], model_types: set, where: str, *, gated_ml
     if kinds & {"attention", "sliding_attention", "cross_attention"}:
         params["attention"] = _attention_params(text, where, bool(attention_output_gate))
         params["cross_attention"] = dict(params["attention"], kv_input=h)
+        factor = max((_SLIDING_KV_HEADS_FACTOR.get(t, 1) for t in model_types), default=1)
+        if factor != 1:
+            params["sliding_attention"] = dict(params["attention"], kv_heads=factor * params["attention"]["kv_heads"])
     if kinds & {"mla", "dsa"}:
         params["mla"] = _mla_params(text, where)
         params["dsa"] = dict(params["mla"], absorbed=False, trains=False, sparse_loss=False, **{

@@ -7,14 +7,15 @@ Two layouts. A ``hybrid_layer_pattern`` (or ``is_hybrid_model``) gives one symbo
 boundary, and ``/`` separates the multi-token-prediction depths (``"M*M*/MM/MM"``: two depths of ``MM``).
 Otherwise every layer is attention and a feed-forward: multi-latent (``multi_latent_attention``) or DeepSeek
 sparse attention (``experimental_attention_variant: dsa``), a sliding window (``window_size``,
-``window_attn_skip_freq``), Gated DeltaNet layers (``gdn`` / ``gdn2`` every ``linear_attention_freq``), Kimi
-delta attention (``kimi_kda_layers``), experts (``num_moe_experts``, ``moe_layer_freq``), and
-``mtp_num_layers`` prediction layers shaped as the last decoder layer.
+``window_attn_skip_freq``; MiMo-V2-Flash's ``hybrid_attention_pattern``), Gated DeltaNet layers (``gdn`` /
+``gdn2`` every ``linear_attention_freq``), Kimi delta attention (``kimi_kda_layers``), experts
+(``num_moe_experts``, ``moe_layer_freq``), and ``mtp_num_layers`` prediction layers shaped as the last decoder
+layer (MiMo-V2-Flash's: sliding, with a dense MLP).
 """
 
 from __future__ import annotations
 
-from thdpack.common.align import check_int
+from thdpack.common.align import check_int, is_int
 from thdpack.common.model_config import config_get, config_int
 from thdpack.flops.layer_costs import Layer, TextStructure, UnsupportedLayerError, check_topk
 
@@ -120,6 +121,21 @@ def _indexer_layers(config, count: int) -> list[bool]:
     return [max(n - offset, 0) % freq == 0 for n in range(1, count + 1)]
 
 
+def _local_attention_layers(config, num_layers: int, mtp: int) -> list[bool] | None:
+    """Megatron-Bridge's MiMo-V2-Flash provider: ``hybrid_attention_pattern``, 1 for a sliding-window layer and
+    0 for a full one, one entry a decoder layer (its MTP layers all slide); None without it."""
+    pattern = config_get(config, "hybrid_attention_pattern", None)
+    if pattern is None:
+        return None
+    if isinstance(pattern, (str, bytes)) or not isinstance(pattern, (list, tuple)):
+        raise ValueError(f"the model config's hybrid_attention_pattern must be a list of 1 (sliding window) / 0 "
+                         f"(full attention), one a layer, got {type(pattern).__name__} {pattern!r}")
+    if len(pattern) != num_layers or not all(is_int(value, 0, 2) for value in pattern):
+        raise ValueError(f"hybrid_attention_pattern must hold {num_layers} entries of 1 (sliding window) / 0 "
+                         f"(full attention), got {list(pattern)!r}")
+    return [bool(value) for value in pattern] + [True] * mtp
+
+
 def _check_mla_switch(config) -> None:
     """``ValueError`` for multi-latent attention fields without ``multi_latent_attention``, the switch that
     makes Megatron-core build MLA layers: counting them as plain attention would give another model's FLOPs."""
@@ -149,7 +165,9 @@ def _transformer_mixers(config, num_layers: int, mtp: int) -> list[Layer]:
             layers = [Layer("mla") for _ in range(total)]
     else:
         window = _window(config)
-        layers = [Layer("sliding_attention", window=window) if window and _is_window_layer(config, i + 1)
+        local = _local_attention_layers(config, num_layers, mtp)
+        layers = [Layer("sliding_attention", window=window)
+                  if window and (_is_window_layer(config, i + 1) if local is None else local[i])
                   else Layer("attention") for i in range(total)]
     if variant is not None and variant not in _GDN_VARIANTS and variant not in ("dsa",):
         raise UnsupportedLayerError(f"experimental_attention_variant {variant!r} is not counted "
@@ -171,7 +189,9 @@ def _transformer_mixers(config, num_layers: int, mtp: int) -> list[Layer]:
 def _transformer_layers(config, mtp: int) -> list[Layer]:
     num_layers = config_int(config, "num_layers")
     moe = _moe_pattern(config, num_layers)
-    moe += [moe[-1] if num_layers else False] * mtp
+    # MTP layers are built as the last decoder layer; MiMo-V2-Flash's (hybrid_attention_pattern) with a dense MLP
+    mimo = config_get(config, "hybrid_attention_pattern", None) is not None
+    moe += [moe[-1] if num_layers and not mimo else False] * mtp
     mixers = _transformer_mixers(config, num_layers, mtp)
     return [Layer(m.mixer, "moe" if e else "dense", m.window, m.indexer) for m, e in zip(mixers, moe)]
 
@@ -217,13 +237,27 @@ def _hybrid_layers(config) -> tuple[list[Layer], int]:
     return layers, depths if explicit is None else config_int(config, "mtp_num_layers", minimum=0)
 
 
+def _plain_attention_params(config, kinds: set, h: int, heads: int, gate: bool) -> dict:
+    """``{"attention": ...}`` (and ``"sliding_attention"`` when its KV groups differ): ``kv_channels`` a query
+    and key head; ``v_head_dim`` a value head only without MLA (MLA's field otherwise), as Megatron-Bridge's
+    MiMo-V2-Flash provider builds its attention, with ``full_attn_num_query_groups`` / ``swa_num_query_groups``
+    KV groups on the full / sliding layers of its ``hybrid_attention_pattern``."""
+    kv_heads = int(config_get(config, "num_query_groups", None) or heads)
+    head_dim = config_int(config, "kv_channels", max(h // heads, 1))
+    mla = config_get(config, "multi_latent_attention", False) or kinds & {"mla", "dsa"}
+    attention = {"heads": heads, "kv_heads": kv_heads, "gate": gate, "head_dim": head_dim,
+                 "v_head_dim": head_dim if mla else config_int(config, "v_head_dim", head_dim)}
+    if config_get(config, "hybrid_attention_pattern", None) is None:
+        return {"attention": attention}
+    return {kind: dict(attention, kv_heads=config_int(config, key, kv_heads)) for kind, key in (
+        ("attention", "full_attn_num_query_groups"), ("sliding_attention", "swa_num_query_groups"))}
+
+
 def _attention_and_mla_params(config, kinds: set, h: int, gate: bool) -> dict:
     params = {}
     heads = config_int(config, "num_attention_heads")
     if kinds & {"attention", "sliding_attention"}:
-        kv_heads = config_get(config, "num_query_groups", None) or heads
-        params["attention"] = {"heads": heads, "kv_heads": int(kv_heads), "gate": gate,
-                               "head_dim": config_int(config, "kv_channels", max(h // heads, 1))}
+        params.update(_plain_attention_params(config, kinds, h, heads, gate))
     if kinds & {"mla", "dsa"}:
         params["mla"] = {"heads": heads, "q_lora": config_int(config, "q_lora_rank", 0, minimum=0),
                          **{name: config_int(config, key, minimum=minimum) for name, key, minimum in (
