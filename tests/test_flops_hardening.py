@@ -2,8 +2,9 @@
 top-k, windows and layer frequencies of Megatron-style configs, ``layer_types`` strings, the accumulator's
 config and ``merge`` arguments, cross-attention memories (their unpadded lengths; refused without
 cross-attention layers), docs/flops.md's ``count_padding`` example, and attention whose value head dim is
-apart from its query / key head dim (MiMo-V2-Flash, transformers and Megatron-Bridge's provider). Each bad input is one clear
-``ValueError`` / ``TypeError`` naming the argument or config key; every valid input counts as before."""
+apart from its query / key head dim (MiMo-V2-Flash in transformers and Megatron-Bridge's provider, counted
+exactly). Each bad input is one clear ``ValueError`` / ``TypeError`` naming the argument or config key; every
+other valid input counts as before."""
 
 from __future__ import annotations
 
