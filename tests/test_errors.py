@@ -195,7 +195,7 @@ def test_bad_pad_multiple(value):
 
 
 def test_bad_fp8():
-    with pytest.raises(ValueError, match=r"fp8 must be True, 'fp8' or 'mxfp8'"):
+    with pytest.raises(ValueError, match=r"fp8 must be True, False, None, 'fp8' or 'mxfp8', got 'int4'"):
         cp_pad_multiple(fp8="int4")
 
 
