@@ -437,42 +437,27 @@ def test_empty_slice_is_a_clear_error(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-# ---------------------------------------------------------------------------- the names of before "input slice"
+# ---------------------------------------------------------------------------- unknown names; the merge's keywords
 
 
-def test_old_shard_names_are_refused_naming_the_new_ones(tmp_path, slice_set, capsys):
-    """thdpack 0.1.0's ``--shard``, ``{shard}``, ``shard_size_mb`` / ``--shard-size-mb`` and
-    ``build_packed(shard=)`` are unknown names whose errors name today's; slice builds whose
-    ``metadata.json`` says ``build_shard`` are refused by the merge, which says to rebuild them."""
+def test_unknown_placeholder_option_and_flag_are_refused(capsys):
+    """An ``--output`` placeholder other than ``{slice}``, ``{index}`` and ``{count}``, an unknown option (a YAML
+    key or an ``override`` keyword) and an unknown flag are errors that name them."""
     from thdpack.cli import build_parser
 
-    _, cfg, parts = slice_set
-    with pytest.raises(TypeError, match="shard"):
-        build_packed(cfg, tmp_path / "old-0", progress=False, shard=InputSlice(0, 3))
-    assert not (tmp_path / "old-0").exists()
-    with pytest.raises(ConfigError, match=r"only \{slice\}, \{index\} and \{count\} .*\{shard\} was renamed to \{slice\}"):
+    with pytest.raises(ConfigError, match=r"only \{slice\}, \{index\} and \{count\} may appear in braces"):
         InputSlice(3, 12).format_output("out/p-{shard}")
-    with pytest.raises(ConfigError, match=r"unknown option 'shard_size_mb' \(renamed to 'file_size_mb' in thdpack 0\.2\.0"):
+    with pytest.raises(ConfigError, match=r"unknown option 'shard_size_mb'"):
         BuildConfig.from_dict({"shard_size_mb": 7})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["build", "--shard", "1/2", "--shard-size-mb", "3"])
-    err = capsys.readouterr().err
-    assert "unrecognized arguments: --shard 1/2 --shard-size-mb 3 (--shard was renamed to --slice, " \
-           "--shard-size-mb was renamed to --file-size-mb in thdpack 0.2.0)" in err
-    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['shard_size_mb'\] \(renamed to 'file_size_mb'"):
+    assert "unrecognized arguments: --shard 1/2 --shard-size-mb 3" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['shard_size_mb'\]"):
         BuildConfig().override(file_size_mb=1, shard_size_mb=2)
-    renamed = []
-    for p in parts:  # metadata.json as thdpack 0.1.0 wrote it
-        q = tmp_path / "renamed" / p.name
-        shutil.copytree(p, q)
-        meta = json.loads((q / "metadata.json").read_text())
-        meta = {("build_shard" if k == "input_slice" else k): v for k, v in meta.items()}
-        (q / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-        renamed.append(q)
-    with pytest.raises(SliceMismatchError, match=r"not a slice build \(no 'input_slice' in metadata\.json; its "
-                       r"'build_shard' entry is thdpack 0\.1\.0's name of 'input_slice': rebuild the slice\)"):
-        merge_slices(renamed, tmp_path / "m-old")
-    assert not (tmp_path / "m-old").exists()
+
+
+def test_merge_takes_no_log_keyword_and_records_its_plan(tmp_path, slice_set):
+    _, _, parts = slice_set
     with pytest.raises(TypeError, match="unexpected keyword argument 'log'"):
         merge_slices(parts, tmp_path / "m-log", log=print)
     plan = merge_slices(parts, tmp_path / "m-new").metadata["input_slices"]["plan"]

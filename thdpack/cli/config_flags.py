@@ -1,29 +1,20 @@
 """The build options as flags: one per :class:`~thdpack.offline.config.BuildConfig` field.
 
-``build`` and ``stats`` (on raw input) take them; a flag not given leaves the ``--config`` value.
-A flag of thdpack 0.1.0 (``--shard-size-mb``) is an unrecognized argument whose error names its new
-name (:class:`ThdpackParser`)."""
+``build`` and ``stats`` (on raw input) take them; a flag not given leaves the ``--config`` value."""
 
 from __future__ import annotations
 
 import argparse
 
-from thdpack.offline.config import RENAMED_IN_0_2, BuildConfig, options
+from thdpack.offline.config import BuildConfig, options
 
 
 USAGE_LINES = 4  # the longest usage printed above an error
 
 
 class ThdpackParser(argparse.ArgumentParser):
-    """argparse's parser, whose "unrecognized arguments" error also names the new flag of each old one
-    given (``--shard`` -> ``--slice``: :data:`~thdpack.offline.config.RENAMED_IN_0_2`). Subcommand
-    parsers are of the same class; unknown arguments reach the top parser's :meth:`parse_args`."""
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}{renamed_flags_hint(extras)}")
-        return namespace
+    """argparse's parser, whose usage above an error stays short (:meth:`format_usage`). Subcommand
+    parsers are of the same class."""
 
     def format_usage(self) -> str:
         """The usage printed above an error: argparse's, or where that runs past :data:`USAGE_LINES` lines (a
@@ -33,14 +24,6 @@ class ThdpackParser(argparse.ArgumentParser):
             return usage
         positionals = [a.metavar or a.dest for a in self._actions if not a.option_strings]
         return " ".join(["usage:", self.prog, "[options]", *positionals, f"(every option: {self.prog} --help)"]) + "\n"
-
-
-def renamed_flags_hint(arguments: list[str]) -> str:
-    """`` (--shard was renamed to --slice in thdpack 0.2.0)`` for the old flags among ``arguments``
-    (``--shard 0/2``, ``--shard=0/2``); ``""`` when there are none."""
-    flags = dict.fromkeys(a.split("=", 1)[0] for a in arguments if a.startswith("--"))  # in order, once each
-    renames = ", ".join(f"{f} was renamed to {RENAMED_IN_0_2[f]}" for f in flags if f in RENAMED_IN_0_2)
-    return f" ({renames} in thdpack 0.2.0)" if renames else ""
 
 
 def add_config_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None, skip=()) -> None:

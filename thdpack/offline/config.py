@@ -59,15 +59,6 @@ SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_fie
 SOURCE_KEYS = ("path", "demo", "name", *WEIGHT_KEYS, *SOURCE_OPTIONS)
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
                   *(f"ray_{k}" for k in RAY_KEYS))  # options that never change the output
-# thdpack 0.1.0's names -> today's, as a user writes them (CHANGELOG.md). An old name is not read: it is an
-# unknown option, flag, placeholder or metadata entry, and the error for it names the new one.
-RENAMED_IN_0_2 = {
-    "shard_size_mb": "file_size_mb",  # YAML key, BuildConfig.override keyword (BuildConfig.from_dict / override)
-    "--shard-size-mb": "--file-size-mb",  # flags (thdpack.cli.config_flags.ThdpackParser)
-    "--shard": "--slice",
-    "{shard}": "{slice}",  # placeholder of thdpack build --output (InputSlice.format_output)
-    "build_shard": "input_slice",  # metadata.json entry of a slice build (thdpack merge: check_slices)
-}
 # recorded in metadata.json only when given (None / false: older builds stay byte-identical)
 RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len",
                    *(f"mixture_{k}" for k in MIXTURE_KEYS))
@@ -237,7 +228,7 @@ class BuildConfig:
         unknown = [k for k in data if k not in cls.keys()]
         if unknown:
             k = unknown[0]
-            hint = _renamed_hint(k, cls.keys()) or _close_hint(k, cls.keys())
+            hint = _close_hint(k, cls.keys())
             raise ConfigError(f"{origin}: unknown option '{k}'{hint}; options: {', '.join(cls.keys())}")
         cfg = cls(**data)
         if base_dir is not None:
@@ -268,7 +259,7 @@ class BuildConfig:
         changes = {k: v for k, v in changes.items() if v is not None}
         unknown = [k for k in changes if k not in self.keys()]
         if unknown:
-            raise ConfigError(f"unknown option(s) {unknown}{_renamed_hint(unknown[0], self.keys())}")
+            raise ConfigError(f"unknown option(s) {unknown}")
         # paths given here are cwd-relative: make them absolute so that base_dir does not apply
         if "input" in changes:
             paths = changes["input"] if isinstance(changes["input"], (list, tuple)) else [changes["input"]]
@@ -442,13 +433,6 @@ def yaml_error_line(path, exc) -> str:
     if context and start is not None and (mark is None or (start.line, start.column) != (mark.line, mark.column)):
         context = f"{context} at {start.line + 1}:{start.column + 1}"
     return f"{where}: invalid YAML: {problem}" + (f" ({context})" if context else "")
-
-
-def _renamed_hint(key: str, keys: list[str]) -> str:
-    """`` (renamed to 'NEW' ...)`` when the unknown option ``key`` is thdpack 0.1.0's name of option
-    ``NEW`` of ``keys`` (:data:`RENAMED_IN_0_2`); else ``""``."""
-    new = RENAMED_IN_0_2.get(key)
-    return f" (renamed to '{new}' in thdpack 0.2.0; see CHANGELOG.md)" if new in keys else ""
 
 
 def _close_hint(key: str, keys: list[str]) -> str:

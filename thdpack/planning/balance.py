@@ -462,13 +462,6 @@ def _cost_sorted_steps(costs: np.ndarray, num_replicas: int, micro_batches: int,
     return steps, int(repeated), None if filler_costs is None else np.take_along_axis(copy, by_rank, 1).reshape(shape)
 
 
-def _shuffled_steps(steps: np.ndarray, seed: int, shuffle_steps: bool) -> np.ndarray:
-    """``steps`` (``[S, R, M]``) in an order randomised by ``seed``, or as they are without ``shuffle_steps``."""
-    if shuffle_steps and len(steps):
-        return steps[np.random.default_rng(seed).permutation(len(steps))]
-    return steps
-
-
 def _deal(group: np.ndarray, costs: np.ndarray, num_replicas: int, micro_batches: int) -> np.ndarray:
     """Deal ``R·M`` packs (sorted by decreasing cost) to ranks, M each, least-loaded first.
 

@@ -39,7 +39,6 @@ from thdpack.offline.store.dataset import read_metadata
 from thdpack.offline.errors import MAX_ERRORS_RECORDED, NotPackedError, OfflineError
 from thdpack.offline.store.schema import (LIST_COLUMNS, METADATA_FILE, PackedMetadata, bytes_sha256, data_file_name,
                                     file_sha256)
-from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.inputs.input_slice import MERGED_KEY, SLICE_KEY, slice_info, slice_rows
 from thdpack.offline.procs import check_signals
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
@@ -100,13 +99,6 @@ def expand_slice_paths(specs) -> list[Path]:
     return out
 
 
-def _old_slice_entry(meta: dict) -> str:
-    """What the not-a-slice error adds for a slice build of thdpack 0.1.0 (its entry was named
-    ``build_shard``): that the entry is there under its old name, so the slice must be rebuilt."""
-    old = [k for k, new in RENAMED_IN_0_2.items() if new == SLICE_KEY and k in meta]
-    return f"; its '{old[0]}' entry is thdpack 0.1.0's name of '{SLICE_KEY}': rebuild the slice" if old else ""
-
-
 def _diff_keys(a, b) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return sorted(k for k in set(a) | set(b) if a.get(k, object) != b.get(k, object))
@@ -134,8 +126,8 @@ def check_slices(paths) -> list[tuple[Path, PackedMetadata]]:
         info = slice_info(meta)
         if not isinstance(info, dict):
             raise SliceMismatchError(
-                f"{p} is a packed dataset but not a slice build (no '{SLICE_KEY}' in {METADATA_FILE}"
-                f"{_old_slice_entry(meta)}); build slices with thdpack build --slice I/N"
+                f"{p} is a packed dataset but not a slice build (no '{SLICE_KEY}' in {METADATA_FILE}); "
+                "build slices with thdpack build --slice I/N"
             )
         slices.append((Path(p), meta, info))
 

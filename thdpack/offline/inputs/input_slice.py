@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.common.align import check_int
-from thdpack.offline.config import RENAMED_IN_0_2
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.schema import bytes_sha256
 from thdpack.offline.store.staging import fsync_file
@@ -97,7 +96,6 @@ class InputSlice:
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(
                 f"--output {text!r}: only {{slice}}, {{index}} and {{count}} may appear in braces ({exc})"
-                f"{_renamed_placeholders(text)}"
             ) from None
 
     def select(self, source) -> SliceSource:
@@ -110,12 +108,6 @@ class InputSlice:
             )
         logger.info(f"slice     {self}: input rows {start:,}..{stop - 1:,} ({stop - start:,} of {total:,})")
         return SliceSource(source, self, start, stop)
-
-
-def _renamed_placeholders(text: str) -> str:
-    """``; {shard} was renamed to {slice} in thdpack 0.2.0`` for the old placeholders in ``text``."""
-    old = [name for name in RENAMED_IN_0_2 if name.startswith("{") and name in text]
-    return "".join(f"; {name} was renamed to {RENAMED_IN_0_2[name]} in thdpack 0.2.0" for name in old)
 
 
 def parse_slice(spec: str | None, environ: Mapping[str, str] | None = None) -> InputSlice | None:
