@@ -11,27 +11,7 @@ PR #5046, and torchtitan's varlen CUDA graphs, PR #4158, do the same)::
     cu_seqlens         [0, 5, 7, 11]                  (3 samples)
     max_num_seqs=6  -> [0, 5, 7, 11, 11, 11, 11]      (3 zero-length sequences after them)
 
-The kernels accept them: flash-attn's varlen kernels read each sequence's bounds from the device
-offsets (``BlockInfo``, ``csrc/flash_attn/src/block_info.h``: ``actual_seqlen_q =
-cu_seqlens_q[b + 1] - cu_seqlens_q[b]``) and a thread block past its sequence's end returns at once
-(``if (m_block * kBlockM >= binfo.actual_seqlen_q) return;`` in ``flash_fwd_kernel.h``), so an empty
-sequence launches blocks that do nothing; TransformerEngine's attention supports zero-length THD
-sequences (TransformerEngine issue #2599, whose only problem is the speed of its RoPE kernel when there
-are very many of them) and megatron-core relies on them for THD CUDA graphs (TransformerEngine PR #2898,
-Megatron-LM PR #4359). flash-linear-attention's chunked kernels number chunks by counting restarts
-(``prepare_chunk_indices``), which a zero-length sequence *between* two others would shift; trailing
-ones, the only kind made here, create no chunk.
-
-``max_seqlen`` must be static too (a host integer baked into a CUDA graph, and a recompile for
-``torch.compile`` when it changes): with ``max_num_seqs`` the kernels get the stream length, an upper
-bound of every padded length (the ``pad_to`` tail included) that every batch of a ``pad_to`` epoch
-shares; Megatron-Bridge likewise hands a dataset-wide bound, never below a sequence's length, which
-would read past it. The cost is thread blocks that exit at once.
-
-thdpack keeps the batch's own ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen`` real (``[n+1]``)
-and pads only what goes to a kernel (``ThdBatch.to_hf_kwargs``, ``packed_seq_params_dict``):
-``seq_lens``, ``num_samples``, CP shards, per-sample values, losses and FLOPs read the real offsets
-and stay right by construction, and user code doing ``len(batch.cu_seqlens) - 1`` keeps counting samples.
+Details: docs/attention.md, "Static shapes: zero-length sequences and a static max_seqlen".
 """
 
 from __future__ import annotations

@@ -380,32 +380,9 @@ class ThdBatch:
         keys they do not read. Models with sliding-window layers: call
         :func:`thdpack.integrations.packed_model` first (a whole-stream mask has no window).
 
-        Hybrid models (Gated DeltaNet, Mamba, short convolutions): on a machine without their kernels
-        (``flash-linear-attention``, ``causal-conv1d``, ``mamba-ssm``; always on the CPU) transformers refuses
-        ``seq_idx`` / ``cu_seq_lens_q`` with a ``ValueError``; :func:`thdpack.integrations.packed_model` makes
-        such a model exact on every machine.
-
-        With ``max_num_seqs`` (static shapes), ``cu_seq_lens_q/k`` are int32 ``[max_num_seqs + 1]`` (the last
-        value repeated: zero-length sequences) and ``max_length_q/k`` the stream length
-        (:mod:`thdpack.attention.static`); a ``pad_to`` tail is the last sample's (its ``seq_idx``, after all of
-        its real tokens), so no real token sees it.
-
-        On a CP shard the tensors are the rank's local tokens, ``cu_seq_lens_q/k`` and ``seq_idx`` the local
-        layout, and the targets go in ``shift_labels`` (transformers' loss uses them as they are; a one-token
-        shift would cross the chunk seams). transformers models do not attend across ranks by themselves: a
-        shard is for attention implementations that do (ring / all-gather CP), with the flash kwargs only
-        (masks span the whole stream: anything else is a ``ValueError``). A scan or convolution over a shard's
-        two chunks is not a sample's: ``packed_model`` refuses it.
-
-        A VLM batch (built with ``model_config``) gives ``position_ids`` as ``[4, 1, T]`` (the text positions,
-        then the 3 mRoPE rows), ``mm_token_type_ids`` ``[1, T]``, and the pack's pixel values, grids (and
-        ``second_per_grid_ts``). Vision inputs are the whole pack's, also on a CP shard (see
-        :func:`thdpack.parallel.cp.vision_shard_extras`).
-
-        A shared-prefix batch (``prefix_tree``) needs its tree mask: ``"flex_attention"`` gets its
-        ``BlockMask``, ``"sdpa"`` / ``"eager"`` its :meth:`attention_mask_4d`; its segments' offsets stand in
-        the boundary keys (no scan can restart from a shared prefix: ``packed_model`` refuses it); the flash
-        kwargs alone cannot express it and ``include_labels=True`` cannot score it: both are a ``ValueError``.
+        Hybrid models without their kernels, static shapes, CP shards, VLM and shared-prefix batches:
+        docs/attention.md, "to_hf_kwargs: hybrid models, static shapes, CP shards, VLM and shared-prefix
+        batches".
         """
         include_labels = check_bool(include_labels, "include_labels")
         kind = attention_kind(attn_implementation)
@@ -474,15 +451,9 @@ class ThdBatch:
         (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged.
         A shared-prefix batch is a ``ValueError`` (varlen kernels cannot express its tree).
 
-        A hybrid-CP batch (``cp_block_start`` set, :func:`thdpack.hybrid_cp_shards`) adds ``local_cp_size``
-        (its block's ``cp_size``) and ``cp_group``, the block's process group, which megatron-core hands
-        TransformerEngine's attention in place of its static CP group; with ``local_cp_size == 1`` it is None
-        (megatron-core then turns CP off for the micro-batch). ``cp_group`` is the group itself, a mapping
-        ``{k: group}`` (what :func:`thdpack.parallel.hybrid_blocks.hybrid_cp_groups` returns) or a function of
-        ``group_size=k`` (megatron-core's ``parallel_state.get_hybrid_data_context_parallel_groups``); a group
-        whose size is not the block's or in which this process is not the shard's position is a
-        ``ValueError``, and so is ``cp_group`` for a batch that is not hybrid (static CP runs on megatron-core's
-        own CP group)."""
+        A hybrid-CP batch adds ``local_cp_size`` and ``cp_group``: docs/megatron.md, "packed_seq_params_dict:
+        a hybrid-CP batch (local_cp_size, cp_group)".
+        """
         refuse_tree("packed_seq_params_dict() (varlen cu_seqlens: TE THD, megatron-core)", self)
         hybrid = self._hybrid_cp_fields(cp_group)
         unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)

@@ -38,13 +38,8 @@ class BatchLayout:
             ``cu_seqlens`` are unchanged. The tail is the last sample's: its ``position_ids``
             continue that sample's count and ``seq_idx`` gives it that sample's id (a causal
             layer's real tokens never see it).
-        max_num_seqs: the most samples a batch holds (an integer >= 1, or None): a batch of more
-            is a ``ValueError`` naming its number of samples, and the offsets handed to kernels
-            (``to_hf_kwargs``, ``packed_seq_params_dict``) are padded to ``max_num_seqs + 1``
-            entries by repeating their last value, with the stream length as ``max_seqlen``
-            (:mod:`thdpack.attention.static`); with ``pad_to``, every batch then has one shape
-            (CUDA graphs, ``torch.compile(dynamic=False)``). The batch's own ``cu_seqlens`` stay
-            real. :class:`thdpack.ThdCollator` plans at most this many samples per pack.
+        max_num_seqs: the most samples a batch holds (an integer >= 1, or None): docs/attention.md,
+        "BatchLayout.max_num_seqs".
         cp_rank: with ``cp_size > 1``, build only this rank's CP shard (as
             :func:`thdpack.shard_for_cp` would), assembled directly without the
             whole stream.

@@ -5,17 +5,7 @@ Counting a pack as one sequence of length ``pack_len`` charges causal attention
 ``pack_len²``; the kernels do ``Σ sᵢ²`` over the real sub-sequence lengths. Every
 count here is exact integer arithmetic on what the batches actually hold.
 
-Conventions (the same as Megatron-LM's ``num_floating_point_operations``):
-
-- a GEMM ``[m, k] @ [k, n]`` is ``2·m·k·n`` FLOPs; training is 3x the forward
-  (forward, backward data-gradient, backward weight-gradient), hence the ``6``s;
-- norms, activations, softmax, rotary embeddings, routers, biases and the
-  embedding lookup are not counted (each is well under 1% of a layer);
-- causal core attention of a sequence of length ``s`` costs
-  ``2·(2·s²·d_q)/2`` forward (``QKᵀ`` and ``A·V``, half of the square), so
-  ``6·d_q·s²`` for training, and the packed version sums it over sub-sequences:
-  ``6·d_q·Σ sᵢ²``. Bidirectional (vision) attention is twice that.
-
+Conventions (Megatron-LM's): docs/flops.md, "Conventions of every count".
 The package does not import ``transformers``: a config is a ``transformers`` config
 object or a plain dict, read by :mod:`thdpack.common.model_config`; a VL config's
 ``text_config`` / ``vision_config`` are used when present. See ``docs/flops.md`` for

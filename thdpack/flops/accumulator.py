@@ -69,36 +69,14 @@ class FlopsAccumulator:
     """Counts added micro-batch by micro-batch: samples, real tokens, padded tokens,
     ``Σ sᵢ²``, vision patches and the vision attention sums (:class:`VisionStats`).
 
-    ``add`` takes whatever a step consumes:
-
-    - a :class:`thdpack.ThdBatch`; a CP shard adds its rank's share: its local real
-      tokens, its local stream, and :func:`cp_seqlen_squared_share` of ``Σ sᵢ²``
-      (samples and vision are counted on CP rank 0). The shares of all CP ranks add
-      up exactly to the whole batch: every sample is counted once, not once per rank;
-      a shared-prefix batch adds its stream's real tokens (each prefix once) and the tree's
-      attention work (``ThdBatch.seqlen_squared_sum``: ``p² + Σ c·(2p + c)`` per group);
-    - a mapping of model inputs: ``cu_seqlens_unpadded`` / ``cu_seqlens`` (with their
-      ``*_argmin``, NeMo / Megatron-Bridge), else ``cu_seq_lens_q`` (transformers
-      flash-attention kwargs), else ``position_ids`` of one packed row restarting at 0
-      (a 4-row mRoPE tensor: its text row), else the BSHD fallback from
-      ``input_ids`` ``[B, S]``; plus ``image_grid_thw`` / ``video_grid_thw``;
-    - a tensor of token ids ``[B, S]`` (BSHD) or ``[T]``.
-
-    The BSHD fallback adds ``B·S`` tokens and ``B·S²`` to ``Σ sᵢ²``: exactly the legacy
-    pack-length count, so dense pretraining figures do not change. A packed micro-batch
-    whose ``cu_seqlens`` hold no tokens beside ``input_ids`` that do falls back the same
-    way (:meth:`add_cu_seqlens`), as Megatron-LM and Megatron-Bridge do: never zero work
-    for a micro-batch that has tokens.
+    ``add`` takes a :class:`thdpack.ThdBatch` (a CP shard: its rank's share), a mapping of model inputs, or
+    token ids ``[B, S]`` / ``[T]``: docs/flops.md, "FlopsAccumulator.add: what each input adds".
 
     Counts are Python ints; counts read from tensors on an accelerator are kept as
     device tensors until read (no host sync per micro-batch).
 
-    Models with sliding windows or top-k attention need more than ``Σ sᵢ²``: given the model
-    config, the accumulator also adds up every length count the model needs
-    (``window_square_sum[w]``, ``causal_pairs[k]``, ``causal_pairs``: :func:`length_count`),
-    the same way (a CP rank its share, a shared-prefix tree its tree's work), and for
-    cross-attention layers ``cross_tokens`` and ``cross_seqlen_product_sum`` from the
-    ``cross_cu_seqlens`` of a micro-batch. :meth:`counts` holds them by name.
+    Window, top-k and cross-attention counts (given the model config): docs/flops.md, "FlopsAccumulator:
+    window, top-k and cross-attention counts".
 
     Args:
         vision_config: the model config (or its ``vision_config``); needed to sum

@@ -145,26 +145,10 @@ def flops_coefficients(
     ``decoder_sparse_step``, ``first_k_dense_replace``, ``moe_layer_freq`` respected), ``N_dense``
     the others; the layers' kinds come from ``layer_types`` (or ``full_attention_interval``, ...).
 
-    Every other layer kind (sliding windows, multi-latent and DeepSeek sparse attention, Kimi delta
-    attention, Mamba-2, Gated DeltaNet 2, cross-attention, MoE latents, multi-token prediction):
-    :mod:`thdpack.flops.layer_costs`, and ``docs/flops.md`` for the fields each reads. A kind not
-    covered raises :class:`UnsupportedLayerError` (a ``NotImplementedError``) naming it.
-    ``mtp_layers``: multi-token-prediction layers to count (default: Megatron's ``mtp_num_layers``;
-    none for transformers configs, whose models do not run them).
+    Other layer kinds, and ``mtp_layers``: docs/flops.md, "flops_coefficients: other layer kinds, multi-token
+    prediction".
 
-    Vision tower (``config.vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5),
-    width ``w``, MLP ``I``, ``f = 6`` (3 with ``vision_backward=False``, a frozen
-    tower: forward only, ``f = 2``), per patch:
-
-    ============================  ======================================================
-    ``vision_patch_embed``        ``f·C·T·P²·w`` (Conv3d over ``C×T×P×P`` pixels)
-    ``vision_blocks``             ``f·w·(4·w + e_v·I) · depth`` (qkv, proj, MLP)
-    ``vision_merger``             ``f·w·(w·m² + out) · (1 + deepstack)``
-    ============================  ======================================================
-
-    and ``vision_attention = 2·f·w · full_blocks`` per unit of ``Σ (patches per frame)²``,
-    ``vision_window_attention = 2·f·w · window_blocks`` per unit of the window sum
-    (bidirectional: twice the causal figure). ``e_v = 3`` for Qwen2.5-VL's gated MLP.
+    Vision tower terms (``vision_*``): docs/flops.md, "flops_coefficients: the vision tower's terms".
     """
     check_config(config)
     terms = _text_terms(config, gated_mlp, attention_output_gate, layer_types, mtp_layers)

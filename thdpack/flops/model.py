@@ -132,13 +132,7 @@ def _missing_count_message(term: str, count: str) -> str:
 def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_options):
     """Training FLOPs (forward + backward) of a model on packed batches.
 
-    ``FLOPs = Σ_terms coefficient × count`` with the per-term formulas of
-    :func:`flops_coefficients`; in short, per token
-    ``6·h·(ffn·e·N_dense + moe_ffn·k·e·N_moe + shared·e·N_moe)``
-    ``+ 6·L_attn·(h·(d_q + 2·d_kv + gate) + d_q·h) + GDN layers + 6·h·V``, plus
-    ``6·L_attn·d_q·Σ sᵢ²``, plus the vision tower. With ``Σ sᵢ² = B·s²`` and
-    ``num_tokens = B·s`` it is Megatron-LM's ``num_floating_point_operations`` for
-    ``B`` sequences of length ``s``.
+    Details: docs/flops.md, "model_flops in one formula".
 
     Args:
         config: a ``transformers`` config or a dict (VL configs: ``text_config`` and

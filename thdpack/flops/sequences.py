@@ -231,12 +231,8 @@ def seqlen_squared_sum(
         total could overflow), or the tensor described under ``as_tensor``.
         Zero-length segments contribute nothing.
 
-    When the real lengths hold no tokens (``[0]``, ``[0, 0]``, ``[0, -1, -1]`` cut at 1)
-    and ``cu_seqlens`` gives a layout beside ``cu_seqlens_unpadded`` that has ``T``
-    tokens in ``B`` rows, the micro-batch is counted dense, as Megatron-Bridge does:
-    ``T² // B`` (:func:`dense_square_sum`; 0 when ``T`` is 0). Without that layout the
-    token count of the micro-batch is unknown here, and ``ValueError`` says so rather
-    than report no attention work (:meth:`FlopsAccumulator.add_cu_seqlens` takes it).
+    No tokens in the real lengths (counted dense, or a ``ValueError``): docs/flops.md, "seqlen_squared_sum: a
+    micro-batch whose real lengths hold no tokens".
 
     A :class:`thdpack.ThdBatch` gives it as ``batch.seqlen_squared_sum``.
     """

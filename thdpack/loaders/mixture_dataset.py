@@ -23,22 +23,10 @@ class MixtureDataset(Dataset):
     ``MixtureDataset(sources)[k]`` is sample ``k`` of the blend: row ``plan.row[k]`` of source
     ``plan.source[k]``, as a dict with ``"sample_index": k`` (its place in the blend) and
     ``"source_index"`` (its source's position in ``sources``), which :class:`thdpack.ThdCollator` puts in
-    ``batch.sample_index`` and ``batch.source_index``::
+    ``batch.sample_index`` and ``batch.source_index`` (an example: docs/mixtures.md, "In a DataLoader").
 
-        mixture = MixtureDataset([{"name": "chat", "dataset": chat, "weight": 0.7, "lengths": chat["length"]},
-                                  {"name": "math", "dataset": math, "epochs": 2, "lengths": math["length"]}],
-                                 seed=0)
-        sampler = TokenBudgetBatchSampler(mixture.lengths, 4096, seed=0)
-        loader = DataLoader(mixture, batch_sampler=sampler, collate_fn=ThdCollator(), num_workers=2)
-        # or, in blend order: DataLoader(StreamingPacker(mixture, 4096), batch_size=None, collate_fn=ThdCollator())
-
-    The blend is a function of the datasets' lengths (and rows' lengths with ``weight_by="tokens"``), the
-    weights and ``seed`` only: every worker, rank and restart computes the same one, and an offline build
-    with the same sources, weights and seed blends the same rows in the same order. It is drawn once (not
-    per epoch: build with ``seed + epoch`` for a fresh draw of downsampled sources); the sampler or packer
-    in front of it shuffles and resumes as always (``docs/resume.md``). ``state_dict()`` /
-    ``load_state_dict()`` hold only the blend's fingerprint, so a ``StatefulDataLoader`` refuses to resume
-    over another blend.
+    One blend for every worker, rank, restart and offline build, drawn once; resumed by the sampler or packer
+    in front: docs/mixtures.md, "MixtureDataset: one blend everywhere, drawn once".
 
     Args:
         sources: a list of mappings, one per source: ``dataset`` (anything with ``__len__`` and

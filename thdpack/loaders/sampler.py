@@ -45,54 +45,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     ``thdpack.IndexedDataset(ds)`` for batches whose ``sample_index`` are the dataset
     rows (otherwise their positions in the pack, ``0..n-1``).
 
-    Resuming (see ``docs/resume.md``): the sampler's position is the epoch and
-    the step its next pack comes from. A DataLoader with workers draws packs
-    ahead of training, so with a plain ``DataLoader`` save
-    ``sampler.state_dict(consumed=k)``, ``k`` being the batches the loop took from
-    the current ``for batch in loader``; with torchdata's ``StatefulDataLoader``
-    save ``loader.state_dict()``. ``load_state_dict()`` then continues with exactly
-    the packs an uninterrupted run would yield next, across epochs::
+    Resuming (``state_dict(consumed=k)``, ``load_state_dict()``): docs/resume.md, "TokenBudgetBatchSampler:
+    where to save the position".
 
-        while sampler.epoch < num_epochs:          # the sampler moves on by itself
-            for k, batch in enumerate(loader, start=1):
-                train_step(batch)
-                if checkpoint_now:
-                    save(sampler.state_dict(consumed=k))
-
-    Args:
+    Args (in full: docs/loaders.md, "TokenBudgetBatchSampler: arguments"):
         lengths: ``[n]`` token count of every dataset row.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or its fields
-            as keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
-            ``max_samples_per_pack``, ``seed``, ``vision_budget``), not both: see
-            :func:`thdpack.plan_packs` (``overflow="split"`` is not available here: a batch
-            sampler yields whole rows). ``seed`` is the base seed: epoch e is planned
-            with ``seed + e``.
-        shuffle: visit packs in a seeded random order each epoch.
-        num_replicas, rank: data-parallel world; default from ``torch.distributed``.
-        drop_last: drop the packs that do not fill a step on every rank.
-        balance: ``None`` (deal packs round-robin) or ``"compute"``: plan with
-            :func:`thdpack.planning.balance.plan_balanced` so that in every step the
-            ranks' costs (``cost``: ``a·Σs + b·Σs²``) are as equal as possible.
-            Each step then gives every rank ``micro_batches`` consecutive packs; the tokens a nearly
-            full budget leaves over are spread over the last step's packs, not left in one short pack
-            (:meth:`balanced_plan` holds the epoch's straggler and its bound).
-        micro_batches: packs per rank per optimizer step (used with ``balance``).
-        cost: a :class:`thdpack.planning.balance.CostModel` or ``(a, b)``.
-        vision_lengths: with ``vision_budget``, the VLM second budget: ``[n]`` vision
-            patches per row (:func:`thdpack.vlm.vision_lengths`).
-        groups: ``[n]`` group id per row: a group's rows land in one pack (see
-            :func:`thdpack.plan_packs`; e.g. DPO pairs, ``thdpack.losses.pair_groups``). With
-            ``balance="compute"`` a group larger than one pack (e.g. GRPO rollouts of a prompt)
-            spans up to ``micro_batches`` packs, all run by one rank in one step
-            (:func:`thdpack.planning.balance.plan_balanced`).
-        shared_prefix: with ``groups``, ``[n]`` each row's prefix shared with its group (0: unshared),
-            counted once against the pack budget (:func:`thdpack.plan_packs`); build the packs with
-            ``ThdCollator(share_prefix=...)``, whose rule gives these lengths
-            (:func:`thdpack.batching.shared_prefix.group_prefixes`).
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its fields as keywords, not
+            both (``overflow="split"`` is not available); epoch e is planned with ``seed + e``.
+        shuffle, num_replicas, rank, drop_last: seeded pack order; the data-parallel world; drop partial steps.
+        balance, micro_batches, cost: ``"compute"``: equal rank costs per step, ``micro_batches`` packs each.
+        vision_lengths, groups, shared_prefix: ``[n]`` vision patches, group ids and shared prefixes per row.
 
     Attributes:
-        options: the :class:`thdpack.PlanOptions` every epoch is planned with (its ``seed``
-            plus the epoch).
+        options: the :class:`thdpack.PlanOptions` every epoch is planned with (its ``seed`` plus the epoch).
     """
 
     def __init__(

@@ -41,32 +41,21 @@ def _default_length(sample, index: int) -> int:
 class StreamingPacker(IterableDataset):
     """An iterable of packs (each a list of samples) over an iterable of samples.
 
-    Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None,
-    collate_fn=ThdCollator())``, with any number of workers.
+    Use it as ``DataLoader(StreamingPacker(stream, 4096), batch_size=None, collate_fn=ThdCollator())``.
 
     Each sample of a pack (a mapping) is yielded as a dict with ``"sample_index"``: its
     position in the stream (all shares counted; a piece of a split sample has its sample's),
     unless it has that field already; :class:`thdpack.ThdCollator` puts it in
     ``batch.sample_index``. Other samples are yielded as they are.
 
-    Stream shares: the stream is dealt into ``num_replicas × num_workers`` shares,
-    sample ``i`` going to share ``i % shares``; data-parallel rank ``r``'s
-    DataLoader worker ``w`` packs share ``r · num_workers + w`` alone, so every
-    sample is packed exactly once, deterministically. Each worker reads the whole
-    stream and skips the other shares' samples (without measuring them); give
-    ``num_replicas=1, rank=0`` if ``samples`` is already this rank's share.
+    Each DP rank × DataLoader worker packs its own share of the stream (sample ``i`` to share ``i % shares``):
+    docs/loaders.md, "StreamingPacker: stream shares".
 
     Args:
         samples: any iterable of samples (mappings with ``input_ids``); iterating
             it again must give the same samples in the same order.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or the fields of
-            it a stream uses as keywords, not both: ``pack_size`` (token budget of a pack,
-            after rounding each sample up to ``align``), ``align`` (per-sample multiple,
-            :func:`thdpack.cp_pad_multiple`), ``overflow`` (``"error"``, ``"truncate"``,
-            ``"split"`` or ``"drop"`` for a sample longer than ``pack_size``, as in
-            :func:`thdpack.plan_packs`) and ``max_samples_per_pack`` (optional cap on samples
-            per pack). ``options.algorithm``, ``seed`` and ``vision_budget`` must keep their
-            defaults (a stream is packed by best fit over its open packs).
+        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its ``pack_size``, ``align``,
+            ``overflow``, ``max_samples_per_pack`` as keywords, not both (docs/loaders.md).
         buffer_size: most packs held open at once (memory and reordering bound).
             Larger buffers pack tighter; see ``benchmarks/balance.py``.
         length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``): an
@@ -76,17 +65,8 @@ class StreamingPacker(IterableDataset):
     ``stats`` is the :class:`thdpack.PackStats` of the packs emitted so far (this
     share's samples only), counted as :func:`thdpack.plan_packs` counts a plan.
 
-    Resuming (``docs/resume.md``): ``state_dict()`` holds the number of input
-    samples consumed (stream positions, all shares counted), the open packs
-    (with their samples), packs decided but not yet yielded, the statistics'
-    totals and the share. After
-    ``load_state_dict(state)``, iterating a fresh packer over the same stream
-    skips the consumed samples (or, with ``skip_consumed=False``, expects the
-    stream itself to resume after them) and yields exactly the packs an
-    uninterrupted run would have yielded next. With workers, each worker has its
-    own state: use torchdata's ``StatefulDataLoader``, which saves and restores
-    it inside every worker; a plain ``DataLoader`` resumes exactly only with
-    ``num_workers=0`` (then save ``packer.state_dict()``).
+    Resuming: ``state_dict()`` / ``load_state_dict()`` (with workers: torchdata's ``StatefulDataLoader``):
+    docs/resume.md, "StreamingPacker: what its state holds".
     """
 
     def __init__(

@@ -11,32 +11,7 @@ a second all-to-all gives the tokens back. Nothing per document is needed beyond
     rank 2  | s2 s2 s2 s2 |   tokens  8..11
     rank 3  | s2 +  +  +  |   tokens 12..15 (``+``: the stream tail, part of sample 2's padded span)
 
-The stream tail. The stream is padded to a multiple of :func:`ulysses_pad_multiple` by
-*extending the last sample's padded span* (the convention of ``pad_to``): ``cu_seqlens_padded[-1]``
-grows to the padded length, ``cu_seqlens`` (real lengths), ``seq_lens`` and the number of samples do
-not change, and ``max_seqlen`` is the largest padded length after it. Tail slots hold
-``pad_token_id``, the label ``ignore_index`` (no loss), ``position_ids`` that continue the last
-slot's count (the last sample's ``s, s+1, ...`` as its own alignment pads), mRoPE rows
-(``mrope_position_ids``) that continue each row's count from the last slot, and 0 in every other
-token extra (``mm_token_type_ids``: text). They join the last sample's attention segment after all
-its real tokens, so under causal attention no real token sees them.
-
-Ulysses × ring (``cp_size > 1``, Ulysses inside ring context parallelism): the batch, built with
-``cp_size`` (every padded length a multiple of ``2·cp``), is padded to a multiple of
-``lcm(2·cp, cp·sp)``, split into CP shards by TransformerEngine's dual-chunk rule
-(:mod:`thdpack.parallel.cp`), and each CP shard's local stream is cut into ``sp`` contiguous
-slices. After the SP all-to-all an SP group holds exactly its CP rank's shard (the layout
-:func:`thdpack.shard_for_cp` gives for the padded batch), on which ring / p2p attention runs with
-the global ``cu_seqlens_padded``. Global rank layout: CP outer, SP inner (SP groups of
-consecutive ranks, as DeepSpeed's ``initialize_sequence_parallel`` makes them).
-
-Head counts (what DeepSpeed's ``UlyssesSPAttentionHF`` accepts): ``num_heads % sp == 0``; key/value
-heads ``num_kv_heads % sp == 0`` (each rank gets ``num_kv_heads / sp``) or ``sp % num_kv_heads == 0``
-(each kv head is replicated ``sp / num_kv_heads`` times, one per rank). Ring attention splits no
-heads, so ``cp`` adds no head rule.
-
-This module reads a batch through its fields and builds the shard with ``dataclasses.replace``; it
-never imports the batching layer above it.
+Details: docs/attention.md, "Ulysses: the stream tail, Ulysses × ring, head counts".
 """
 
 from __future__ import annotations

@@ -192,21 +192,8 @@ def plan_balanced(
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
 
-    Every rank runs ``S·M`` micro-batches (``S`` the steps :func:`thdpack.plan_packs`' packs need), so the
-    plan is made for balance over those ``S·R·M`` slots, then filled:
-
-    1. Packs are planned by :func:`thdpack.plan_packs` (token budget kept).
-    2. The slack is spread (:func:`thdpack.planning.spread.spread_slack`): the cheapest packs are re-cut,
-       largest item first to the least-loaded pack with room, into a step of ``R·M`` even packs (a few
-       packs more when they are not a multiple of ``R·M``): what a nearly full budget leaves over goes to
-       every rank, not to one runt pack.
-    3. Packs are sorted by cost and cut into steps of ``R·M`` consecutive packs, so a step holds packs of
-       similar cost; inside a step, packs are dealt greedily (largest first, to the least-loaded rank
-       with room). Slots left over (fewer items than slots) take copies of the cheapest packs.
-    4. When the ranks' totals are still off :attr:`BalancedPlan.straggler_bound` (the least any plan of
-       the same items could reach), the earlier steps are relabelled and the last one filled rank by rank
-       (:mod:`thdpack.planning.rank_fill`), if that does better.
-    5. With ``shuffle_steps``, the order of steps is randomised by ``seed``.
+    Packs are planned, their slack spread, sorted by cost into steps, dealt, and the last step filled rank by
+    rank: docs/rl.md, "plan_balanced: the steps of a plan".
 
     Args:
         lengths, vision_lengths: as in :func:`thdpack.plan_packs`.

@@ -6,36 +6,7 @@ the sources' row counts (and, for token weights, their row lengths), the weights
 else: not of processes, workers, input slices or engines. So an offline build, a DataLoader and every rank
 get the same blend.
 
-How much of a source goes in (:class:`MixtureSource`, one of):
-
-- ``weight``: a share of the blend, of its samples or, with ``weight_by="tokens"``, of its tokens,
-  normalised over the weighted sources. How large the weighted part is: ``size=`` (samples, or tokens),
-  else ``stopping=``: ``"first_exhausted"`` (the weighted source that would run out first is used once,
-  the others drawn in proportion; ``datasets.interleave_datasets``' default) or ``"all_exhausted"`` (the
-  one that would run out last is used once, the others repeated).
-- ``epochs``: a fixed repetition, fractional allowed: ``round(epochs · rows)`` samples (half up).
-- ``max_samples``: at most that many rows (all of them when the source has fewer).
-
-Rows: a source taking ``c`` samples of its ``n`` rows takes ``c // n`` full passes (upsampling repeats
-whole rows: every row once per pass) and ``c % n`` rows more, drawn without replacement; every pass in its
-own seeded order (the seed and the source's name: adding a source leaves the others' draws as they were).
-With token weights the last, partial pass is the prefix of its pass whose tokens come closest to what the
-source still owes.
-
-Order: the sources are interleaved smoothly, as Megatron's ``BlendedDataset`` does: the k-th of source
-i's ``cᵢ`` samples sits at ``(k + u) / cᵢ`` of the blend, ``u`` in ``[0, 1)`` drawn from the seed (with
-token weights, a point of its tokens as a fraction of the source's), so every window of the blend is
-close to it, and no period of the interleave lines up with the round-robin shares of a
-:class:`thdpack.StreamingPacker`'s workers (Megatron's greedy order is periodic for simple weights). The
-counts are the largest remainder apportionment of the shares, each within one sample of Megatron's greedy
-blending rule (``helpers.cpp``'s ``build_blending_indices``) and never further from the shares; every
-prefix of the blend holds within two samples of what Megatron's prefix holds (``tests/test_mixture.py``,
-against megatron-core's own helper where it can run).
-
-Packing that keeps the blend: :func:`plan_stratified` fills every step of ``step_packs`` packs from the
-blend's next samples, so each step holds close to the blend's shares (whole-dataset BFD,
-:func:`thdpack.plan_packs`, packs tighter and leaves the mixture to chance in each step);
-``benchmarks/mixture.py`` measures both.
+Details: docs/mixtures.md, "The blend's rules (thdpack.planning.mixture)".
 """
 
 from __future__ import annotations

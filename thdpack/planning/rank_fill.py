@@ -19,21 +19,7 @@ prefix once), which no plan undercuts. :func:`straggler_bound` is ``max(1, floor
 plan's own mean: no plan whose ranks cost as much in all does better, so it is never above the plan's
 straggler, and a plan is balanced as well as its items allow when the two are close.
 
-Dealing every step on its own (largest pack first, to the least-loaded rank *of that step*) balances
-the steps, not the ranks: the costliest pack of a step goes to the same rank step after step, and a step
-whose packs were re-cut evenly still gives one rank a long sample and two even packs beside it (4 ranks ×
-3 micro-batches, one step)::
-
-    packs of even cost   rank 0: 273  87  87 = 447   rank 3: 90 90 90 = 270   straggler 1.25
-    filled rank by rank  rank 0: 273  56  55 = 384   rank 3: 95 96 94 = 385   straggler 1.00
-
-:func:`refill_last_step` relabels the earlier steps (:func:`relabel`: each step's shares, costliest first,
-to the ranks that run the least so far; the steps stay as they were), then fills the last step's slots
-from its items (pieces, or whole groups), costliest first, each to the least-loaded rank (over all steps)
-that can take it: in a slot of its own while that rank has an empty one, else in its least-loaded slot
-with room; then, while the costliest rank can trade an item with a cheaper one (a move or a swap that
-lowers the larger of the two), it does (:func:`_improve`). :func:`refill_around_bundles` does the same
-for every step of a plan whose groups span several packs, their packs placed first.
+Details: docs/rl.md, "Filling the last step rank by rank (thdpack.planning.rank_fill)".
 """
 
 from __future__ import annotations

@@ -16,20 +16,7 @@ and video embeddings, so the ranks' outputs concatenated in rank order are the p
     cp = 3     └ rank 0 ┘└ rank 1 ──────────┘└ rank 2 ┘
     rank cost  13        12                  10         largest 13: no contiguous split does better
 
-(``docs/vlm.md`` draws a whole pack.) A unit of ``p = h·w`` patches costs, in the training FLOPs of
-:func:`thdpack.flops.flops_coefficients` and :func:`thdpack.flops.vision_seqlen_stats`,
-``a·p + b·p² + c·W(h, w)``: ``a`` the per-patch terms (patch embedding, blocks, mergers), ``b`` full
-attention over the frame (Qwen2.5-VL: its full-attention blocks only), ``c·W`` Qwen2.5-VL's window
-blocks (``W`` the frame's sum of squared window sizes).
-
-The split (:func:`balanced_cuts`) gives each rank a contiguous range of units and minimises the largest
-rank cost exactly over all contiguous splits (a binary search on the integer bottleneck); among the
-splits that reach it, each cut, first to last, lies as near an even share of what is left as the
-bottleneck allows (after a rank that holds one large image, the others share the rest evenly), and no
-rank is empty while there are at least as many units as ranks. With fewer units than ranks,
-ranks ``U .. cp−1`` are empty: by default (``placeholder=True``) each of them encodes one placeholder
-frame of ``m × m`` zero patches (one merged token, which the gather drops), so that every rank runs the
-tower's modules (FSDP's and DDP's collectives stay in step; the towers cannot run on zero rows).
+Details: docs/vlm.md, "Vision split: what a unit costs, how the cuts are chosen".
 """
 
 from __future__ import annotations

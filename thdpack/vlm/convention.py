@@ -20,13 +20,7 @@ follows, by default, the rule of the transformers installed where the batch is b
     Megatron-Bridge's own THD Qwen3-VL ``get_rope_index`` (``modelling_qwen3_vl/rope.py``)
     follows this rule.
 
-The three differ only on Qwen2.5-VL videos with fractional ``second_per_grid_ts``,
-Qwen2.5-VL images with ``t > 1``, and items whose last temporal offset reaches
-``max(h, w)`` (videos, or images with ``t > 1``). Without transformers installed the
-default is ``"exact"``. Transformers 5.3 to 5.5 compute other positions for items with
-``t > 1`` and for Qwen2.5-VL (their ``get_vision_position_ids`` puts every frame of an item
-at temporal position ``p · interval``); no convention reproduces them: thdpack warns and
-uses ``"truncate-spg"``, which those releases' successors compute.
+Details: docs/vlm.md, "mRoPE conventions: where they differ".
 """
 
 from __future__ import annotations

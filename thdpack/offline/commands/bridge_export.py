@@ -22,12 +22,7 @@ id (``loss_mask`` 0) to ``ceil(s - 1, m) + 1`` tokens, as Bridge's own packer do
 lengths minus one, and the logical ``cu_seqlens`` end at the last non-EOS token of what the
 reader streams of each sample (so a padded sample whose last token is not EOS counts ``s``).
 
-So in Bridge's units a sample costs ``ceil(s - 1, m) <= ceil(s, a)`` tokens whenever ``m``
-divides the build's alignment multiple ``a``: a pack planned to ``pack_size`` in thdpack's
-units never exceeds ``pack_size`` in Bridge's. Conversion checks every pack anyway.
-
-Bridge's ``pack_metadata_file_path`` is a JSON *list* of dicts (one per packed split), written
-here as ``bridge_metadata.json`` with the keys of Bridge's ``create_packing_strategy``.
+Details: docs/megatron.md, "Bridge export: units, metadata file".
 """
 
 from __future__ import annotations

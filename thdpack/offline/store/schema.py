@@ -1,13 +1,7 @@
 """The packed dataset on disk.
 
-A packed dataset is a directory::
-
-    metadata.json                   written last: its presence means the build completed
-    data-00000-of-00002.arrow       data files: Arrow IPC streams (or .parquet), one row per pack
-    data-00001-of-00002.arrow
-    tokenizer/                      optional copy of the tokenizer (save_pretrained)
-
-Each row is one pack, its samples (or sample pieces) back to back:
+A directory of data files, one row per pack (docs/build.md, "On-disk format: the directory"); a row holds
+its samples (or sample pieces) back to back:
 
 =================  =================  =====================================================
 column             Arrow type         meaning
@@ -31,18 +25,7 @@ NAME``             double>            column NAME of each sample's input row (it
                                       row within that source
 =================  =================  =====================================================
 
-Preference builds (``prompt`` / ``chosen`` / ``rejected`` rows) write two samples per input row
-``r``, its chosen and rejected sequence, whose ``sample_index`` is ``2r`` and ``2r + 1``
-(the layout :func:`thdpack.losses.dpo_loss` reads); ``source.format`` is ``preference``.
-
-Alignment padding is not stored: the loader's collator adds it for the CP/TP/FP8
-multiple in use (``metadata.json`` records the multiple the plan reserved room for).
-Arrow data files are what ``datasets`` writes too: ``datasets.Dataset.from_file`` reads them.
-
-``metadata.json`` is one type, :class:`PackedMetadata`: build and merge write it
-(:func:`metadata_text`), and every reader gets it back through one schema
-(:func:`check_metadata`): every key a reader uses, its type and range, totals that agree,
-data file paths inside the directory.
+More (preference rows, padding, ``metadata.json``): docs/build.md, "On-disk format: details".
 """
 
 from __future__ import annotations

@@ -23,58 +23,7 @@ algorithm is provably the one tiktoken runs, and says why not otherwise:
   another (tiktoken's special-token split is leftmost-first, HF's leftmost-longest);
 - what the post-processor adds around a row (BOS/EOS) is a fixed prefix and suffix.
 
-How each algorithm merges. tiktoken: while some adjacent pair of parts spells a
-token, merge the pair whose token ranks lowest, the leftmost on a tie. ``tokenizers``
-(``word.rs`` ``merge_all``): while some adjacent pair is a listed merge, apply the
-listed merge of lowest position, the leftmost on a tie (a queue of (rank, position);
-a stale entry is recognised by the token it gives, which is exact because parts only
-grow). With one merge per token (trained BPE: Qwen, GPT-2) the two can still differ
-only where two parts that are not a listed merge spell a token (``'a' + 'bc'`` when
-``'abc'`` was learned as ``'ab' + 'c'``): that case is not exact by construction; the
-sample check below covers it.
-
-Several merges (Llama 3: its ``tokenizer.json`` was converted from a tiktoken rank
-table, listing every split of every token, ``'ĠĠ' + 'ĠĠ'`` and ``'Ġ' + 'ĠĠĠ'`` both
-giving ``'ĠĠĠĠ'``, sorted by the token's rank). Accepted when the merges that give a
-token are one run of the list (so rank = the run's position) and every split of a
-merged token into two parts BPE can form is listed. Then the two are exact:
-
-1. Same candidates: a pair is listed iff its two parts spell a merged token.
-2. Same token merged: the lowest listed merge lies in the run of the lowest-ranked
-   token any pair spells.
-3. Same pair merged. Lemma: in tiktoken's process, every pair that spells a token T
-   at any time splits T where tiktoken's process on T's bytes alone splits it last.
-   Proof: the parts a, b of such a pair were made by merges inside the span of T
-   only (parts never split). Each of those was, when it was made, the leftmost
-   lowest among all pairs of the text, so also among the pairs inside T's span,
-   which are pairs of the text too; merges elsewhere do not change the span. So
-   the merges inside the span are, in order, tiktoken's process on T alone, which
-   is deterministic and passes through the one state [a, b]. Hence all pairs that
-   spell the lowest token T split it the same way: they are the same listed merge,
-   and ``tokenizers`` also takes the leftmost. By induction on the steps, the two
-   processes are the same.
-
-Unreachable tokens. By the same argument every part either process makes is a
-token that BPE gives for its own bytes. One that BPE splits (588 of Llama 3.2's
-when ``ignore_merges`` is off) is therefore never output by ``tokenizers``, nor
-merged by tiktoken (a candidate never chosen can be removed); leaving it out keeps
-tiktoken from taking a piece that spells it whole (tiktoken's shortcut). With
-``ignore_merges`` both take a piece that is a token whole.
-
-Several splits (DeepSeek: digits ``\p{N}{1,3}``, then CJK runs, then a GPT-style
-regex, each ``Split`` isolated, then ByteLevel). ``tokenizers`` runs each split on
-each piece of the one before. One regex for tiktoken would not be the same (the last
-regex's ``\s+(?!\S)`` looks past a piece's end), so :class:`_SplitEncoder` does it
-literally: added tokens are cut out first, the splits before the last run in Python
-(the ``regex`` module), and tiktoken encodes each piece with the last split's regex:
-the same pieces, the same BPE. The regex engines (Oniguruma in ``tokenizers``,
-fancy-regex in tiktoken, ``regex`` here) are assumed to agree on the patterns and
-Unicode classes; the sample check covers that assumption.
-
-So every encoding is also checked: the first :data:`HEAD_ROWS` rows of a process
-and one row in :data:`CHECK_EVERY` after them are encoded by ``tokenizers`` too, and
-any difference raises :class:`FastTokenizerMismatch`; ``thdpack build`` then
-tokenizes everything again with ``tokenizers`` (no partial result is kept).
+Details: docs/build.md, "Fast tokenizer (tiktoken): why its ids are the tokenizer's".
 """
 
 from __future__ import annotations

@@ -17,32 +17,7 @@ torch it was built for. Two backends turn the decoded frames into patches
   torchvision's: ``tests/test_video_processor.py`` measures it);
 - ``auto`` (the default): ``processor`` when it loads, else ``builtin``.
 
-The rules (both backends):
-
-- **Qwen3-VL, Qwen3.5** (``qwen3_vl/video_processing_qwen3_vl.py``, ``Qwen3VLVideoProcessor``):
-  frames (``sample_frames``): ``n = int(total / video_fps · fps)`` clamped to
-  ``min(max(n, min_frames), max_frames, total)``, not floored to the temporal patch;
-  size (``resize`` with ``cap_pixels_per_frame`` unset, i.e. off): that module's
-  ``smart_resize(n, h, w, temporal_factor, factor, min_pixels, max_pixels)``, whose
-  bounds hold ``t_bar · h · w``, the **whole video** (``size`` shortest / longest edge,
-  ``128 · 32²`` / ``768 · 32²``); mean / std ``IMAGENET_STANDARD`` (0.5), whatever the
-  image processor's;
-- **Qwen2-VL, Qwen2.5-VL** (``qwen2_vl/video_processing_qwen2_vl.py``, ``Qwen2VLVideoProcessor``):
-  it samples no frame by default (``do_sample_frames=False``), so frames follow Qwen's
-  reference preprocessing (``qwen-vl-utils``' ``smart_nframes``): ``n = total / video_fps · fps``,
-  clamped to ``[min_frames, min(max_frames, total)]`` and floored to a multiple of the
-  temporal patch; size (``resize``, cap unset): the per-frame ``smart_resize`` of
-  ``qwen2_vl/image_processing_qwen2_vl.py``, ``min_pixels <= h·w <= max_pixels`` (``128 · 28²``
-  / ``768 · 28²``), and only when ``total_pixels`` is given qwen-vl-utils' cap
-  ``max(min(max_pixels, total_pixels / n · temporal), 1.05 · min_pixels)``; mean / std ``OPENAI_CLIP``.
-
-Both: indices ``linspace(0, total - 1, n).round()``, sampled fps ``n / total · video_fps``;
-every frame to one ``(h, w)`` (bicubic: PIL's, for torchvision's); rescale to [0, 1],
-normalize, and cut ``[grid_t · grid_h · grid_w, 3 · temporal · patch²]`` in the processors'
-``patchify`` order, the last frame repeated up to a multiple of ``temporal``;
-``second_per_grid_ts = temporal / sampled_fps`` (a float: fractional values kept), and
-Qwen3-VL / Qwen3.5's timestamps: per temporal patch, the mean time of its first and last
-frame (``index / video_fps``), written ``<{t:.1f} seconds>``.
+Details: docs/build.md, "Videos: the frame and size rules of each family".
 """
 
 from __future__ import annotations
