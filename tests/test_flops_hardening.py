@@ -3,7 +3,8 @@ top-k, windows and layer frequencies of Megatron-style configs, ``layer_types`` 
 config and ``merge`` arguments, cross-attention memories (their unpadded lengths; refused without
 cross-attention layers), docs/flops.md's ``count_padding`` example, and attention whose value head dim is
 apart from its query / key head dim (MiMo-V2-Flash in transformers and Megatron-Bridge's provider, counted
-exactly). Each bad input is one clear ``ValueError`` / ``TypeError`` naming the argument or config key; every
+exactly), and attention sizes the counts do not read (Inkling's swa_*, Gemma 4's global_*, Laguna's and
+Step3.7's per-layer heads, KV sharing, a heterogeneous per_layer_config: refused). Each bad input is one clear ``ValueError`` / ``TypeError`` naming the argument or config key; every
 other valid input counts as before."""
 
 from __future__ import annotations
@@ -422,3 +423,79 @@ def test_tiny_mimo_model_gemms_equal_the_counted_terms():
     assert 2 * terms["core_attention"] == 2 * per_layer
     window = length_count([s], count_name("window_square_sum", 8))
     assert terms["sliding_attention_8"] == 3 * n * (d + dv) * window
+
+
+# =========================================================================== attention sizes the counts do not read
+# Fields some families set apart from num_attention_heads / num_key_value_heads / head_dim (Inkling's sliding
+# layers, Gemma 4's global layers and KV sharing, Laguna's and Step3.7's per-layer heads and g_proj gate, a
+# heterogeneous per_layer_config): counted as plain attention they gave another model's FLOPs; now refused.
+
+UNREAD = {"swa_num_attention_heads": 8, "swa_num_key_value_heads": 4, "swa_head_dim": 8,
+          "per_layer_config": {"1": {"head_dim": 32}}, "num_attention_heads_per_layer": [4, 8],
+          "num_sliding_attention_heads": 8, "attention_other_setting": {"num_attention_heads": 8},
+          "gating": False, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+          "num_kv_shared_layers": 1, "kv_source_layers": [0, 0]}
+INERT = {"swa_head_dim": None, "per_layer_config": {}, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
+         "kv_source_layers": [0, 1], "global_head_dim": None, "gating": None}
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD))
+def test_unread_attention_fields_are_refused(key):
+    for config, where in ((dict(TEXT, **{key: UNREAD[key]}), ""),
+                          ({"model_type": "qwen3_vl", "text_config": dict(TEXT, **{key: UNREAD[key]})},
+                           "text_config.")):
+        with pytest.raises(ValueError, match=rf"^the model config sets {re.escape(where + key)}: .*do not read"):
+            flops(config)
+        with pytest.raises(ValueError, match=re.escape(where + key)):  # whatever layer_types says
+            flops(config, layer_types=["full_attention", "sliding_attention"])
+        with pytest.raises(ValueError, match=re.escape(where + key)):
+            FlopsAccumulator(config).add_bshd(1, 8).model_flops(config)
+
+
+def test_inert_attention_fields_count_as_before():
+    assert flops(dict(TEXT, **INERT)) == flops(TEXT) == 49612800
+
+
+@settings(max_examples=40, deadline=None)
+@given(key=st.sampled_from(["swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+                            "num_sliding_attention_heads", "global_head_dim", "num_global_key_value_heads"]),
+       size=st.integers(1, 64))
+def test_any_size_of_an_unread_field_is_refused(key, size):
+    # equal to the plain size or not: the family's attention differs from plain attention
+    with pytest.raises(ValueError, match=rf"sets {key}:"):
+        flops(dict(TEXT, **{key: size}))
+
+
+def test_inkling_hub_config_without_layer_types_is_refused():
+    # a hub config.json lists local_layer_ids and sliding_window_size, not layer_types: it was counted as full
+    # attention everywhere, each sliding layer with the full layers' sizes and none of Inkling's extra GEMMs
+    inkling = dict(TEXT, model_type="inkling_text", swa_num_attention_heads=8, swa_num_key_value_heads=4,
+                   swa_head_dim=8, sliding_window_size=8, local_layer_ids=[0])
+    with pytest.raises(ValueError, match=r"swa_num_attention_heads, swa_num_key_value_heads, swa_head_dim: "
+                                         r"the sliding layers' own attention sizes \(Inkling"):
+        flops(inkling)
+
+
+@pytest.mark.parametrize("name", ["InklingTextConfig", "Inkling2TextConfig", "Inkling2LoopTextConfig",
+                                  "InklingConfig", "Gemma4TextConfig", "DiffusionGemmaTextConfig",
+                                  "EmbeddingGemma2TextConfig", "LagunaConfig", "Step3p7TextConfig",
+                                  "Dots3NoteTextConfig", "Gemma3nTextConfig"])
+def test_transformers_families_with_unread_attention_sizes_are_refused(name):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"this transformers has no {name}")
+    config = getattr(transformers, name)()
+    for given in (config, config.to_dict()):  # the object (per-layer attributes) and its dict
+        with pytest.raises(ValueError, match=r"^the model config sets .*which the FLOPs counts do not read"):
+            flops(given)
+
+
+def test_kv_sharing_of_kolibri_is_refused_and_homogeneous_objects_are_counted():
+    transformers = pytest.importorskip("transformers")
+    if hasattr(transformers, "Kolibri1_1Config"):
+        kolibri = transformers.Kolibri1_1Config()
+        with pytest.raises(ValueError, match=r"sets kv_source_layers: layers reusing another layer's keys"):
+            flops(dict(kolibri.to_dict(), intermediate_size=64))
+    # a plain config object's per_layer_config (a view of every layer, all alike) is not a per-layer config
+    qwen3 = transformers.Qwen3Config(**{k: v for k, v in TEXT.items() if k != "model_type"})
+    assert flops(qwen3) == flops(TEXT)

@@ -5,7 +5,9 @@ Sources, in order: ``layer_types`` (or ``layers_block_type``, Nemotron-H's ``hyb
 else ``full_attention_interval`` (Qwen3-Next), ``attn_layer_indices`` (Bamba), a Mamba-2 model's all-SSM
 stack, the sliding window (``sliding_window`` with ``sliding_window_pattern``, ``use_sliding_window`` /
 ``max_window_layers``, or on every layer), else full attention everywhere. A layer kind the counts do not
-cover raises :class:`UnsupportedLayerError` naming it: nothing is counted as dense attention by default.
+cover raises :class:`UnsupportedLayerError` naming it: nothing is counted as dense attention by default; a config
+setting attention sizes the counts do not read (Inkling's ``swa_head_dim``, Gemma 4's ``global_head_dim``, a
+heterogeneous ``per_layer_config``, ...) raises ``ValueError`` naming them.
 Megatron-style configs (``num_layers``, ``ffn_hidden_size``, ...) are read by
 :mod:`thdpack.flops.megatron_layers`.
 """
@@ -42,6 +44,25 @@ _FFN_ONLY = {"mlp": "dense", "moe": "moe"}
 _NON_ATTENTION_FIELDS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_expand", "mamba_n_heads",
                          "mamba_num_heads", "mamba_d_ssm", "conv_L_cache", "linear_key_head_dim", "linear_num_heads",
                          "attn_layer_period")
+# Attention sizes some families set apart from num_attention_heads, num_key_value_heads and head_dim, which the
+# counts do not read: a config setting one is refused (a ValueError naming it) rather than counted as another model.
+_INKLING = ("the sliding layers' own attention sizes (Inkling, whose attention also has relative-position "
+            "states and short convolutions)")
+_UNREAD_ATTENTION_FIELDS = {
+    "swa_num_attention_heads": _INKLING, "swa_num_key_value_heads": _INKLING, "swa_head_dim": _INKLING,
+    "per_layer_config": "attention sizes layer by layer (Gemma 4, Dots3, Step3.7)",
+    "num_attention_heads_per_layer": "a head count layer by layer and the attention gate g_proj (Laguna)",
+    "num_sliding_attention_heads": "the sliding layers' own head count and the attention gate g_proj (Step3.7)",
+    "attention_other_setting": "the sliding layers' own attention sizes and the attention gate g_proj (Step3.7)",
+    "gating": "the attention gate g_proj, one gate a head or a value (Laguna, Step3.7)",
+    "global_head_dim": "the full-attention layers' own head_dim (Gemma 4)",
+    "num_global_key_value_heads": "the full-attention layers' own key-value heads (Gemma 4)",
+    "attention_k_eq_v": "keys reused as values, without v_proj (Gemma 4)",
+    "num_kv_shared_layers": "layers reusing an earlier layer's keys and values, without k_proj and v_proj "
+                            "(Gemma 3n, Gemma 4)",
+    "kv_source_layers": "layers reusing another layer's keys and values, without their projections "
+                        "(Mistral Large 4, Kolibri)",
+}
 # Fields only multi-latent attention has (v_head_dim is not one: MiMo-V2-Flash's plain attention has it too, its
 # values' width).
 _MLA_ONLY_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
@@ -69,6 +90,40 @@ def _refuse_unsupported(text, model_types: set) -> None:
     for refused, message in refusals:
         if refused:
             raise UnsupportedLayerError(message)
+
+
+def _sets_field(key: str, value) -> bool:
+    """Whether ``value`` of the config's ``key`` (one of :data:`_UNREAD_ATTENTION_FIELDS`) changes the
+    attention GEMMs: unset, off, zero, empty, or every layer its own ``kv_source_layers`` source, it does not
+    (``gating`` False is still a gate, one a value)."""
+    if value is None:
+        return False
+    if key == "gating":
+        return True
+    if key == "kv_source_layers" and isinstance(value, (list, tuple)):
+        return list(value) != list(range(len(value)))
+    if isinstance(value, (Mapping, list, tuple)):
+        return len(value) > 0
+    return value is not False and value != 0
+
+
+def _field_value(text, key: str):
+    """The config's ``key``; for a config object's ``per_layer_config`` (transformers' view of every layer's
+    config, there even when the layers agree), whether its layers differ (``is_heterogeneous``)."""
+    value = config_get(text, key, None)
+    if key == "per_layer_config" and value is not None and not isinstance(value, Mapping):
+        return bool(config_get(text, "is_heterogeneous", False))
+    return value
+
+
+def _refuse_unread_attention_fields(text, where: str) -> None:
+    """``ValueError`` naming the attention-size fields of :data:`_UNREAD_ATTENTION_FIELDS` the config sets
+    (checked before anything else is read: a per-layer config object refuses its global sizes)."""
+    found = [key for key in _UNREAD_ATTENTION_FIELDS if _sets_field(key, _field_value(text, key))]
+    if found:
+        raise ValueError(f"the model config sets {', '.join(where + key for key in found)}: "
+                         f"{_UNREAD_ATTENTION_FIELDS[found[0]]}, which the FLOPs counts do not read; counting "
+                         "its attention as plain attention would give another model's FLOPs")
 
 
 def _check_mla_fields(text, where: str) -> None:
@@ -343,6 +398,7 @@ def hf_structure(config, *, gated_mlp=None, attention_output_gate=None, layer_ty
     text = config_get(root, "text_config", root)
     where = "" if text is config else ("thinker_config.text_config." if root is not config else "text_config.")
     model_types = {config_get(c, "model_type", None) for c in (text, root, config)} - {None}
+    _refuse_unread_attention_fields(text, where)
     for node in (text, root):
         _refuse_unsupported(node, model_types)
     _check_mla_fields(text, where)
