@@ -42,6 +42,8 @@ CASES = {
     "build": (["--kind", "tokenized", "--num-samples", "2000", "--num-proc", "1", "--trl-style", "none", "--repeats", "1"],
               "driver"),
     "distributed": (["--sizes", "20000", "--slices", "2"], "global plan vs slice-local"),
+    # stored packs to batches: the collator against the split-and-rejoin route, on a small tokenized build
+    "load_packed": (["--source", "tokenized", "--num-samples", "2000", "--repeats", "1"], "same output"),
 }
 
 

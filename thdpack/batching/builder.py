@@ -103,15 +103,41 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
     check_num_seqs(len(samples), layout.max_num_seqs)
-    multiple, cp_size, cp_rank = layout.multiple, layout.cp_size, layout.cp_rank
+    cp_size, cp_rank = layout.cp_size, layout.cp_rank
     ids_parts, label_parts, mask_parts, tokens_truncated, pending = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
+    batch = stream_batch(concat_int64(ids_parts), None if label_parts is None else concat_int64(label_parts),
+                         None if mask_parts is None else concat_int64(mask_parts), seq_lens, layout,
+                         shard=model_config is None, sample_index=sample_index,
+                         sources=lambda: sources_of(samples, source_index), tokens_truncated=tokens_truncated,
+                         pending=pending)
+    if sample_values:
+        from thdpack.common.values import attach_sample_values
+
+        attach_sample_values(batch, samples, sample_values)
+    if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
+        vision().attach(batch, samples, model_config)
+        if cp_rank is not None:
+            batch = shard_for_cp(batch, cp_size, cp_rank)
+    warn_if_no_targets(batch, stacklevel)
+    return batch
+
+
+def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | None, seq_lens: np.ndarray,
+                 layout: BatchLayout, *, shard: bool = True, sample_index=None, sources=None, tokens_truncated: int = 0,
+                 pending: list = ()) -> ThdBatch:
+    """The batch of ``n`` samples given end to end (cut to ``layout.cut_length`` already): int64 ``ids``,
+    ``labels`` (or None) and 0/1 ``mask`` (or None), ``[S]``, and int64 ``seq_lens`` ``[n]`` (each >= 1).
+    With ``layout.cp_rank`` and ``shard``, that rank's shard, assembled directly. ``sources``: int64 ``[n]``
+    source of each sample, or a function giving it (called once the tokens are checked), or None (zeros);
+    ``pending``: the bool checks :func:`_read_samples` left (errors name the sample by its position)."""
     padded = padded_lengths(seq_lens, layout)
-    ids = _concat(ids_parts)
-    source = _concat(label_parts) if label_parts is not None else _EMPTY
-    mask = _concat(mask_parts) if mask_parts is not None else _EMPTY
-    direct_shard = cp_rank is not None and model_config is None
-    args = (ids, source, label_parts is not None, mask, mask_parts is not None, seq_lens, padded,
+    cp_size, cp_rank = layout.cp_size, layout.cp_rank
+    has_labels, has_mask = labels is not None, mask is not None
+    source = labels if has_labels else _EMPTY
+    mask = mask if has_mask else _EMPTY
+    direct_shard = shard and cp_rank is not None
+    args = (ids, source, has_labels, mask, has_mask, seq_lens, padded,
             int(layout.pad_token_id), int(layout.ignore_index))
     if direct_shard:
         status, token, zero_one, input_ids, labels, loss_mask, position_ids, cu, cu_padded, partition, local_lens = (
@@ -124,7 +150,8 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
     if status != OK:
         _raise_bad_value(status, token, ids, source, mask, cu, layout.ignore_index)
 
-    index = _sample_index(sample_index, len(samples))
+    index = _sample_index(sample_index, seq_lens.size)
+    sources = sources() if callable(sources) else np.zeros(seq_lens.size, np.int64) if sources is None else sources
     cu_padded_t = torch.from_numpy(cu_padded)
     batch = ThdBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -136,8 +163,8 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
         max_seqlen=int(padded.max()),
         seq_lens=torch.from_numpy(cu[1:] - cu[:-1]),
         sample_index=torch.from_numpy(index),
-        source_index=torch.from_numpy(sources_of(samples, source_index)),
-        pad_multiple=multiple,
+        source_index=torch.from_numpy(sources),
+        pad_multiple=layout.multiple,
         ignore_index=layout.ignore_index,
         tokens_truncated=tokens_truncated,
         max_num_seqs=layout.max_num_seqs,
@@ -147,15 +174,6 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
         batch.local_cu_seqlens_padded = cu_padded_t // cp_size
         batch.local_seq_lens = torch.from_numpy(local_lens)
         batch.partition_indices = torch.from_numpy(partition)
-    if sample_values:
-        from thdpack.common.values import attach_sample_values
-
-        attach_sample_values(batch, samples, sample_values)
-    if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
-        vision().attach(batch, samples, model_config)
-        if cp_rank is not None:
-            batch = shard_for_cp(batch, cp_size, cp_rank)
-    warn_if_no_targets(batch, stacklevel)
     return batch
 
 
@@ -270,7 +288,7 @@ def sources_of(samples: Sequence, source_index=None) -> np.ndarray:
     return index
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
+def concat_int64(parts: list[np.ndarray]) -> np.ndarray:
     """int64 ``[S]``: the parts end to end (read only by the kernels, so a view is fine)."""
     if len(parts) == 1:
         return parts[0].astype(np.int64, copy=False)

@@ -27,11 +27,12 @@ import torch
 import torch.utils.data
 
 from thdpack.common.align import check_bool, check_int, resolve_pad_multiple
-from thdpack.batching.batch import ThdBatch
+from thdpack.batching.batch import ThdBatch, warn_if_no_targets
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
+from thdpack.offline.store.row_batch import rows_batch
 from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SOURCE_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PackedMetadata, check_metadata, file_sha256, row_list, value_columns)
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
@@ -56,25 +57,32 @@ def unpack_row(row: Mapping) -> list[dict]:
 def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
     """:func:`unpack_row`; ``copy_pixels=False``: the pixel tensors too are views of the row's
     arrays (read-only memory for a memory-mapped data file), for a collator that copies them."""
-    check_pack_row(row, ("input_ids", "seq_lens"))
-    ids = row_list(row["input_ids"], "input_ids")
-    lens = row_list(row["seq_lens"], "seq_lens").astype(np.int64)
-    if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
-        raise ValueError(f"packed row: seq_lens {lens.tolist()[:8]}... sum to {int(lens.sum())} but input_ids has {ids.size} tokens")
+    ids, lens, targets = _row_tokens(row)
     cuts = np.cumsum(lens)[:-1]
-    fields = {"input_ids": np.split(ids, cuts)}
-    for name in TARGETS:
-        if name in row and row[name] is not None:
-            arr = row_list(row[name], name)
-            if arr.size != ids.size:
-                raise ValueError(f"packed row: '{name}' has {arr.size} values but input_ids has {ids.size}")
-            fields[name] = np.split(arr, cuts)
+    fields = {"input_ids": np.split(ids, cuts), **{name: np.split(arr, cuts) for name, arr in targets.items()}}
     samples = [{k: v[i] for k, v in fields.items()} for i in range(lens.size)]
     if "image_counts" in row:  # a VLM pack: each sample's pixel_values / image_grid_thw
         from thdpack.offline.store.vision_readback import add_vision
 
         add_vision(samples, row, copy=copy_pixels)
     return samples
+
+
+def _row_tokens(row: Mapping) -> tuple[np.ndarray, np.ndarray, dict]:
+    """``(ids [S], seq_lens int64 [n], {"loss_mask" | "labels": [S]})`` of a packed row, as numpy
+    arrays (views of the row's), checked to agree: ``ValueError`` otherwise."""
+    check_pack_row(row, ("input_ids", "seq_lens"))
+    ids = row_list(row["input_ids"], "input_ids")
+    lens = row_list(row["seq_lens"], "seq_lens").astype(np.int64)
+    if int(lens.sum()) != ids.size or (lens.size and lens.min() < 1):
+        raise ValueError(f"packed row: seq_lens {lens.tolist()[:8]}... sum to {int(lens.sum())} but input_ids has {ids.size} tokens")
+    targets = {}
+    for name in TARGETS:
+        if name in row and row[name] is not None:
+            targets[name] = row_list(row[name], name)
+            if targets[name].size != ids.size:
+                raise ValueError(f"packed row: '{name}' has {targets[name].size} values but input_ids has {ids.size}")
+    return ids, lens, targets
 
 
 PACK_ROW = "input_ids, seq_lens, sample_index, sample_start and loss_mask or labels"  # what a pack row holds
@@ -102,8 +110,10 @@ class PackedRowCollator:
     holds the input rows of the samples; of a mixture's packs (a ``source_index`` column), ``source_index``
     holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
     ``cp_group`` and ``model_config`` are those of :class:`thdpack.ThdCollator` (the
-    packs are planned already, so there are no planning arguments): the rows' samples go
-    through a ``ThdCollator`` built with them. ``sample_values``: the
+    packs are planned already, so there are no planning arguments): text packs go straight from
+    their stored streams into the builder's kernels (:mod:`thdpack.offline.store.row_batch`), VLM and
+    shared-prefix packs through their samples and a ``ThdCollator`` built with them: the same batch.
+    ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
 
@@ -130,10 +140,33 @@ class PackedRowCollator:
         layout = layout_from("PackedRowCollator", layout, layout_keywords)
         share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
         self.collator = ThdCollator(layout=layout, cp_group=cp_group, model_config=model_config, **share)
+        self._text = model_config is None and not share_prefix  # built straight from the rows' streams
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):
             rows = [rows]
+        if self._text and rows and all(isinstance(row, Mapping) and "image_counts" not in row for row in rows):
+            batch = self._straight(rows)
+        else:
+            batch = self._rejoined(rows)
+        for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
+            batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
+        return batch
+
+    def _straight(self, rows) -> ThdBatch:
+        """The batch of text packs ``rows``, built from their stored streams (:mod:`.row_batch`)."""
+        parts, index = [], []
+        for i, row in enumerate(rows):
+            check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
+            parts.append(_row_tokens(row))
+            index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
+        batch = rows_batch(parts, self.collator.layout, sample_index=np.concatenate(index),
+                           sources=(lambda: _row_sources(rows)) if all(SOURCE_COLUMN in row for row in rows) else None)
+        warn_if_no_targets(batch, 4)  # the frame that called the collator
+        return batch
+
+    def _rejoined(self, rows) -> ThdBatch:
+        """The batch of ``rows`` (VLM or shared-prefix packs) built from their samples by ``self.collator``."""
         samples, index = [], []
         for i, row in enumerate(rows):  # pixels: views of the rows, copied once by the collator's concatenation
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
@@ -143,11 +176,13 @@ class PackedRowCollator:
         batch = _own_pixels(self.collator(samples), samples)
         batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
         if all(SOURCE_COLUMN in row for row in rows):  # a mixture's packs: each sample's source
-            batch = dataclasses.replace(batch, source_index=torch.from_numpy(np.concatenate(
-                [row_list(row[SOURCE_COLUMN], SOURCE_COLUMN).astype(np.int64) for row in rows])))
-        for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
-            batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
+            batch = dataclasses.replace(batch, source_index=torch.from_numpy(_row_sources(rows)))
         return batch
+
+
+def _row_sources(rows) -> np.ndarray:
+    """int64 ``[n]`` the source of every sample of a mixture's packs ``rows``."""
+    return np.concatenate([row_list(row[SOURCE_COLUMN], SOURCE_COLUMN).astype(np.int64) for row in rows])
 
 
 _GROUP_FIELD = "group"  # the sample field share_prefix reads each sample's group from

@@ -1,0 +1,137 @@
+"""Stored text packs load straight (issue 44): ``PackedRowCollator`` builds the batch from the stored
+row's streams (thdpack/offline/store/row_batch.py), never splitting it into samples. Over every row of
+real builds (the demo with a loss mask; CP 2 with labels; a two-source mixture with per-sample values),
+alone and several at once, with layout overrides (CP ranks, a pad multiple, a ``max_length`` that cuts),
+its batch equals, field by field and dtype by dtype, the route it replaced: the row's samples
+(``unpack_row``) through a ``ThdCollator``, then the stored ``sample_index`` / ``source_index`` patched in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from thdpack import ThdCollator
+from thdpack.cli import main as cli_main
+from thdpack.common.values import PREFIX
+from thdpack.offline import load_packed, unpack_row
+from thdpack.offline.store.schema import SOURCE_COLUMN
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-rows", "300", "--pack-size", "2048"]
+
+
+def rejoined(collator, rows: list[dict]):
+    """The batch of ``rows`` by the route before issue 44: their samples through a ``ThdCollator``."""
+    samples = [s for row in rows for s in unpack_row(row)]
+    batch = ThdCollator(layout=collator.collator.layout)(samples)
+    index = np.concatenate([np.asarray(row["sample_index"], np.int64) for row in rows])
+    batch = dataclasses.replace(batch, sample_index=torch.from_numpy(index))
+    if all(SOURCE_COLUMN in row for row in rows):
+        sources = np.concatenate([np.asarray(row[SOURCE_COLUMN], np.int64) for row in rows])
+        batch = dataclasses.replace(batch, source_index=torch.from_numpy(sources))
+    for name in collator.sample_values:
+        batch.extras[PREFIX + name] = torch.from_numpy(np.concatenate([row["sample_values." + name] for row in rows]))
+    return batch
+
+
+def assert_same(got, want, where: str) -> None:
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, dict):
+            assert a.keys() == b.keys(), (where, f.name)
+            pairs = [(f"{f.name}[{k}]", a[k], b[k]) for k in b]
+        else:
+            pairs = [(f.name, a, b)]
+        for name, x, y in pairs:
+            if isinstance(y, torch.Tensor):
+                assert isinstance(x, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), (where, name)
+            else:
+                assert type(x) is type(y) and x == y, (where, name, x, y)
+
+
+def build(tmp_path_factory, name: str, *args: str):
+    out = tmp_path_factory.mktemp(name) / "packs"
+    assert cli_main(["build", *args, "--output", str(out), "-q"]) == 0
+    return load_packed(out)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build(tmp_path_factory, "demo", *DEMO)
+
+
+@pytest.fixture(scope="module")
+def demo_cp2(tmp_path_factory):
+    return build(tmp_path_factory, "cp2", *DEMO, "--cp-size", "2", "--targets", "labels")
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    """Two pre-tokenized sources with a float and an int value per row."""
+    d = tmp_path_factory.mktemp("mix-in")
+    rng = np.random.default_rng(0)
+    inputs = []
+    for k in range(2):
+        rows = []
+        for i in range(120):
+            n = int(rng.integers(2, 300))
+            rows.append({"input_ids": rng.integers(0, 3000, n).tolist(), "loss_mask": (rng.random(n) < 0.6).tolist(),
+                         "reward": float(rng.normal()), "domain": int(rng.integers(0, 5))})
+        path = d / f"source{k}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        inputs.append({"path": str(path), "format": "tokenized", "weight": 0.5})
+    config = d / "mix.yaml"
+    config.write_text(json.dumps({"input": inputs, "tokenizer": str(ROOT / "thdpack" / "demo" / "tokenizer"),
+                                  "pack_size": 1024, "overflow": "truncate", "sample_values": ["reward", "domain"]}))
+    return build(tmp_path_factory, "mix", "--config", str(config))
+
+
+def check_rows(ds, **overrides) -> None:
+    collator = ds.collator(**overrides)
+    collator._rejoined = None  # text packs never take the samples' route
+    rows = [ds[k] for k in range(len(ds))]
+    for k, row in enumerate(rows):
+        assert_same(collator(row), rejoined(collator, [row]), f"pack {k} {overrides}")
+    for k in range(0, len(rows) - 2, max(1, len(rows) // 4)):  # a few calls of three rows
+        assert_same(collator(rows[k:k + 3]), rejoined(collator, rows[k:k + 3]), f"packs {k}..{k + 2} {overrides}")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pad_multiple": 16}, {"max_length": 256}], ids=str)
+def test_demo_packs_load_as_their_samples_collated(demo, overrides):
+    assert demo.metadata["targets"] == "loss_mask" and len(demo) > 5
+    check_rows(demo, **overrides)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"cp_rank": 0}, {"cp_rank": 1}, {"cp_rank": 1, "max_length": 300}],
+                         ids=str)
+def test_cp2_label_packs_load_as_their_samples_collated(demo_cp2, overrides):
+    assert demo_cp2.metadata["targets"] == "labels" and demo_cp2.metadata["cp_size"] == 2
+    check_rows(demo_cp2, **overrides)
+
+
+def test_a_mixtures_packs_load_with_their_sources_and_values(mixture):
+    assert SOURCE_COLUMN in mixture[0] and set(mixture.metadata["sample_values"]) == {"reward", "domain"}
+    check_rows(mixture)
+    batch = mixture.collator()([mixture[k] for k in range(len(mixture))])
+    assert set(batch.source_index.tolist()) == {0, 1}
+
+
+def test_bad_rows_are_refused_as_before(demo):
+    """A row whose tokens or targets are not integers fails as its samples did: naming the same sample."""
+    collator = demo.collator()
+    collator._rejoined = None
+    rows = [demo[0], dict(demo[1], input_ids=np.asarray(demo[1]["input_ids"], bool))]
+    first = len(rows[0]["seq_lens"])
+    with pytest.raises(ValueError, match=f"sample {first}\\b.*input_ids"):
+        collator(rows)
+    with pytest.raises(ValueError, match=f"sample {first}\\b.*input_ids"):
+        rejoined(collator, rows)
+    short = dict(demo[0], loss_mask=demo[0]["loss_mask"][:-1])
+    with pytest.raises(ValueError, match="'loss_mask' has"):
+        collator(short)
