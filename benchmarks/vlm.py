@@ -26,7 +26,7 @@ Methods, each from the same list of samples to the concatenated ``input_ids``
   thdpack      ``thdpack.vlm.mrope_for_stream`` on the THD stream, straight from
                the grids (the function ``build_thd_batch`` uses), vectorised over
                the whole pack: no per-sample loop, no model call.
-  build        the whole ``build_thd_batch(samples, model_config=cfg)`` for
+  build        the whole ``build_thd_batch(samples, vlm=get_family(cfg))`` for
                context (labels, position ids, cu_seqlens, token types, mRoPE,
                pixel values and grids concatenated, ViT cu_seqlens).
 
@@ -202,8 +202,9 @@ def thdpack_positions(family, samples):
 
 def build(config, samples):
     from thdpack import build_thd_batch
+    from thdpack.vlm import get_family
 
-    batch = build_thd_batch(samples, model_config=config)
+    batch = build_thd_batch(samples, vlm=get_family(config))
     return batch.input_ids, batch.token_extras["mrope_position_ids"]
 
 

@@ -12,7 +12,7 @@ Everything runs offline on the CPU in a few seconds:
    patch, ``<|vision_end|>``) and a question, then an assistant answer. Labels
    mask the whole prompt (system and user turns, image placeholders, the
    ``<|im_start|>assistant`` header) and score the answer;
-3. ``ThdCollator(model_config=cfg, pack_size=..., vision_budget=...)`` plans the
+3. ``ThdCollator(vlm=get_family(cfg), pack_size=..., vision_budget=...)`` plans the
    samples into packs under a token budget and a ViT-patch budget and builds
    each pack as one THD stream with ``mm_token_type_ids``, the 3 mRoPE rows and
    the pack's concatenated ``pixel_values`` / ``image_grid_thw``;
@@ -39,7 +39,7 @@ import torch
 from thdpack import ThdCollator
 from thdpack.demo.models import TINY_TEXT
 from thdpack.integrations import packed_model
-from thdpack.vlm import vision_lengths
+from thdpack.vlm import get_family, vision_lengths
 
 IGNORE = -100
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -273,7 +273,7 @@ def main(argv=None) -> dict:
 
     cfg = tiny_config(args.family, tokens)
     collate = ThdCollator(
-        model_config=cfg, pack_size=args.pack_size, vision_budget=args.vision_budget, pad_multiple=args.pad_multiple
+        vlm=get_family(cfg), pack_size=args.pack_size, vision_budget=args.vision_budget, pad_multiple=args.pad_multiple
     )
     t0 = time.perf_counter()
     packs = collate(samples)

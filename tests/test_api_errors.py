@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import BatchLayout, PackedRowCollator, SampleError, ThdCollator, build_thd_batch, plan_packs
+from thdpack import (BatchLayout, PackedRowCollator, SampleError, ThdCollator, build_thd_batch, hybrid_cp_shards,
+                     plan_hybrid_cp, plan_packs, rebalance)
+from thdpack.vlm import get_family
 
 OK = {"input_ids": [1, 2, 3]}
 IGNORE = -100
@@ -227,13 +229,13 @@ def _image_sample(width):
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_pixel_rows_of_wrong_width(model_type):
     cfg = _vlm_config(model_type)
-    build_thd_batch([_image_sample(24)], model_config=cfg)  # 3 · 2 · 2² = 24
+    build_thd_batch([_image_sample(24)], vlm=get_family(cfg))  # 3 · 2 · 2² = 24
     with pytest.raises(
         ValueError,
         match=r"^sample 1: 'pixel_values' rows have 25 values but the model config expects 24 "
         r"\(in_channels 3 · temporal_patch_size 2 · patch_size 2²\)",
     ) as err:
-        build_thd_batch([_image_sample(24), _image_sample(25)], model_config=cfg)
+        build_thd_batch([_image_sample(24), _image_sample(25)], vlm=get_family(cfg))
     assert (err.value.sample, err.value.field) == (1, "pixel_values")
 
 
@@ -242,13 +244,13 @@ def test_pixel_width_from_legacy_in_chans_and_video_rows():
     video = {"input_ids": [1, VS] + [VID] * 8 + [VE], "video_grid_thw": [[2, 4, 4]],
              "pixel_values_videos": torch.zeros(32, 9)}
     with pytest.raises(ValueError, match=r"^sample 0: 'pixel_values_videos' rows have 9 values but the model config expects 8"):
-        build_thd_batch([video], model_config=cfg)
+        build_thd_batch([video], vlm=get_family(cfg))
 
 
 def test_pixel_width_unchecked_without_patch_size():
     cfg = _vlm_config()
     del cfg["vision_config"]
-    batch = build_thd_batch([_image_sample(7)], model_config=cfg)
+    batch = build_thd_batch([_image_sample(7)], vlm=get_family(cfg))
     assert batch.extras["pixel_values"].shape == (16, 7)
 
 
@@ -335,7 +337,7 @@ def test_collator_renames_every_sample_error(bad, message):
     """The bad sample is 3rd in the call but 2nd of the second pack (pack_size 12, next fit: 12 | 2 + 8)."""
     samples = [{"input_ids": list(range(1, 13))}, {"input_ids": [1, 2]}, bad]
     with pytest.raises(ValueError, match=rf"^sample 2: {message}.*\(position 1 of pack 1\)$"):
-        ThdCollator(pack_size=12, algorithm="sequential", model_config=_vlm_config())(samples)
+        ThdCollator(pack_size=12, algorithm="sequential", vlm=get_family(_vlm_config()))(samples)
 
 
 def test_sample_error_is_a_value_error_rebuilt_from_its_message():
@@ -385,9 +387,22 @@ def test_layout_validated_when_made(keywords, message):
             make(**keywords)
 
 
-def test_vlm_batch_without_a_registered_vision_extension(monkeypatch):
-    import thdpack.common.extensions
+@pytest.mark.parametrize("make", [lambda cfg: build_thd_batch([_image_sample(24)], vlm=cfg),
+                                  lambda cfg: ThdCollator(vlm=cfg),
+                                  lambda cfg: rebalance([_image_sample(24)], 64, vlm=cfg, share_prefix="group"),
+                                  lambda cfg: hybrid_cp_shards([_image_sample(24)], plan_hybrid_cp([8], 1, 8), 0, vlm=cfg)])
+def test_a_model_config_is_not_a_family(make):
+    """The builder takes the family, not the config it is resolved from: a config is a TypeError saying how."""
+    with pytest.raises(TypeError, match=r"vlm must be a VLM family, thdpack\.vlm\.get_family\(model_config\), or "
+                       r"None; got dict$"):
+        make(_vlm_config())
 
-    monkeypatch.setattr(thdpack.common.extensions, "_vision", None)
-    with pytest.raises(RuntimeError, match=r"^no vision extension is registered: import thdpack.vlm"):
-        build_thd_batch([_image_sample(24)], model_config=_vlm_config())
+
+def test_a_family_handed_in_builds_what_it_resolves_to():
+    """The family object is all the builder needs: handed in explicitly, a VLM batch is built (no registration)."""
+    family = get_family(_vlm_config())
+    batch = build_thd_batch([_image_sample(24)], vlm=family)
+    assert batch.extras["vlm_model_type"] == family.model_type
+    assert batch.token_extras["mrope_position_ids"].shape == (3, 8)
+    (shard,) = hybrid_cp_shards([_image_sample(24)], plan_hybrid_cp([8], 1, 8), 0, vlm=family)
+    assert torch.equal(shard.token_extras["mrope_position_ids"], batch.token_extras["mrope_position_ids"])

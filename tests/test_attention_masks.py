@@ -31,6 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block
 import test_equivalence as te  # noqa: E402
 import test_vlm as tv  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 from thdpack.attention.block_mask import document_block_mask  # noqa: E402
 from thdpack.attention.dense_mask import dense_document_mask  # noqa: E402
 from thdpack.attention.documents import document_ids  # noqa: E402
@@ -162,7 +163,7 @@ def test_qwen2_5_vl_attends_per_sample(attn):
     samples = tv.mixed_samples("qwen2_5_vl", seed=3)
     alone = [tv.run_alone(model, s) for s in samples]
     for layout in ({"pad_multiple": 4}, {"pad_multiple": 8, "pad_to": 512}):
-        batch = build_thd_batch(samples, model_config=model.config, **layout)
+        batch = build_thd_batch(samples, vlm=get_family(model.config), **layout)
         kw = batch.to_hf_kwargs(attn_implementation=attn)
         assert kw["position_ids"].shape == (4, 1, batch.num_padded_tokens)  # the text row keeps samples apart
         assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(torch.bool if attn == "sdpa" else torch.float32))

@@ -13,6 +13,8 @@ against the package.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "thdpack"
@@ -45,8 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # the reason. The test fails on any cycle not listed here.
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
-# Core modules that still import thdpack.vlm, with the reason; to be replaced by
-# a hook the VLM family passes in. The test fails on any import not listed.
+# Core modules that still import thdpack.vlm, with the reason; to be replaced by the
+# family handed in (``vlm=``). The test fails on any import not listed.
 KNOWN_CORE_VLM_IMPORTS: dict[tuple[str, str], str] = {}
 
 # Packages outside the core: the model families themselves, the offline pipeline (its VLM
@@ -54,10 +56,8 @@ KNOWN_CORE_VLM_IMPORTS: dict[tuple[str, str], str] = {}
 # modules and core packages such as thdpack.flops — is core.
 NOT_CORE = ("thdpack.vlm", "thdpack.offline", "thdpack.integrations", "thdpack.demo")
 
-# Core modules allowed to import thdpack.vlm, with the reason.
-VLM_INTEGRATION_POINTS = {
-    "thdpack.__init__": "imports thdpack.vlm so that it registers its thdpack.common.extensions hooks (issue 14 point 8)",
-}
+# Core modules allowed to import thdpack.vlm, with the reason: none (the family is handed in, issue 44 point 5).
+VLM_INTEGRATION_POINTS: dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:
@@ -206,6 +206,17 @@ def test_core_does_not_import_vlm():
            for m in core}
     bad = {m: t for m, t in bad.items() if t}
     assert not bad, f"core modules import thdpack.vlm (pass family behaviour in instead): {bad}"
+
+
+def test_no_import_for_its_side_effect():
+    """The VLM family is an object handed to the builder (``vlm=thdpack.vlm.get_family(cfg)``), not a hook an
+    import registers: no extension table in the core, and ``import thdpack`` loads no part of thdpack.vlm."""
+    assert not (PACKAGE_DIR / "common" / "extensions.py").exists()
+    for path in PACKAGE_DIR.rglob("*.py"):
+        assert "register_vision" not in path.read_text(encoding="utf-8"), path
+    code = "import sys, thdpack; print(sorted(m for m in sys.modules if m.startswith('thdpack.vlm')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr or out.stdout
 
 
 def layer_of(module: str) -> int:

@@ -20,6 +20,7 @@ from thdpack import ThdCollator  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.offline.stages import MODEL_CONFIG_NEEDS  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-rows", "40", "--pack-size", "2048"]
@@ -136,12 +137,16 @@ def test_stats_takes_a_complete_model_config(packed, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model_config, got", [(None, "none"), ({"model_type": "qwen3"}, "'qwen3'")])
-def test_a_collator_with_a_vision_budget_needs_a_vlm_model_config(tmp_path, capsys, model_config, got):
-    """The words ``thdpack build`` says for the same combination (``vision_budget`` without a VLM's config)."""
-    with pytest.raises(ValueError) as err:
-        ThdCollator(pack_size=4096, vision_budget=2048, model_config=model_config)
-    assert str(err.value).startswith("vision_budget needs a VLM model_config (model_type one of qwen2_5_vl, ")
-    assert str(err.value).endswith(f"), got {got}")
+def test_a_vision_budget_needs_a_vlm_model_config(tmp_path, capsys, model_config, got):
+    """``thdpack build`` with ``vision_budget`` and no VLM's config names the model types it takes; a collator
+    without a family says where one comes from, and a config of no VLM family resolves to none."""
+    if model_config is None:
+        with pytest.raises(ValueError, match=r"^vision_budget needs vlm=, the VLM family: "
+                           r"thdpack\.vlm\.get_family\(model_config\)$"):
+            ThdCollator(pack_size=4096, vision_budget=2048)
+    else:
+        with pytest.raises(ValueError, match=r"^unknown VLM model_type 'qwen3'; thdpack\.vlm supports qwen2_5_vl, "):
+            get_family(model_config)
     flags = []
     if model_config is not None:
         path = tmp_path / "config.json"
@@ -149,10 +154,12 @@ def test_a_collator_with_a_vision_budget_needs_a_vlm_model_config(tmp_path, caps
                                     "num_attention_heads": 4, "vocab_size": 151936}))
         flags = ["--model-config", path]
     code, lines = _main(capsys, "build", *SMALL, *flags, "--vision-budget", 2048, "--output", tmp_path / "out", "-q")
-    assert code == 2 and _error(lines, "build") == str(err.value).replace("vision_budget needs",
-                                                                          "vision_budget / image_processor need")
+    message = _error(lines, "build")
+    assert code == 2 and message.startswith("vision_budget / image_processor need a VLM model_config (model_type one "
+                                            "of qwen2_5_vl, ")
+    assert message.endswith(f"), got {got}")
 
 
-def test_a_collator_with_a_vision_budget_and_a_vlm_config_or_none_is_taken():
-    assert ThdCollator(pack_size=4096, vision_budget=2048, model_config={"model_type": "qwen2_vl"}).options.vision_budget
+def test_a_collator_with_a_vision_budget_and_a_vlm_family_or_none_is_taken():
+    assert ThdCollator(pack_size=4096, vision_budget=2048, vlm=get_family({"model_type": "qwen2_vl"})).options.vision_budget
     assert ThdCollator(pack_size=4096).options.vision_budget is None

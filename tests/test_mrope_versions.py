@@ -309,7 +309,7 @@ def test_old_convention_equals_old_release(version, wheel, family, packs, second
     samples = [make_sample(family, layout, rng, spg) for layout in packs]
     fam = get_family(model_config(family), mrope_convention=f"transformers=={version}")
     assert fam.mrope_convention == REFERENCES[version]
-    batch = build_thd_batch(samples, model_config=fam, pad_multiple=pad_multiple)
+    batch = build_thd_batch(samples, vlm=fam, pad_multiple=pad_multiple)
     assert batch.extras["mrope_convention"] == REFERENCES[version]
     for i, s in enumerate(samples):
         want, delta = old_rope(version, wheel, family, s["input_ids"], s.get("image_grid_thw"),
@@ -328,7 +328,7 @@ def test_every_family_on_a_fixed_pack(family, version, wheel):
     text_only = {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}
     samples = [make_sample(family, layout, np.random.default_rng(5), [0.5]), text_only]
     fam = get_family(model_config(family), mrope_convention=f"transformers=={version}")
-    batch = build_thd_batch(samples, model_config=fam, pad_multiple=8)
+    batch = build_thd_batch(samples, vlm=fam, pad_multiple=8)
     s = samples[0]
     want, delta = old_rope(version, wheel, family, s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], [0.5])
     assert np.array_equal(rows_of(batch, 0), want)
@@ -342,7 +342,7 @@ def test_exact_convention_equals_installed_transformers(family, layout, seconds,
     """``"exact"`` equals the installed transformers' (5.24) own ``get_rope_index``."""
     assert conv.convention_for_transformers(transformers.__version__) == conv.EXACT
     sample = make_sample(family, layout, np.random.default_rng(seed), torch.tensor(seconds, dtype=torch.float64))
-    batch = build_thd_batch([sample], model_config=get_family(model_config(family), mrope_convention="exact"))
+    batch = build_thd_batch([sample], vlm=get_family(model_config(family), mrope_convention="exact"))
     want, delta = call_rope_index(installed_rope_index(family), family, sample["input_ids"],
                                   sample.get("image_grid_thw"), sample.get("video_grid_thw"),
                                   sample.get("second_per_grid_ts"))
@@ -361,7 +361,7 @@ def test_fractional_seconds_per_grid_issue_example(version, wheel):
     sample = _video_sample((4, 4, 4), [0.5])
     frames = {}
     for name in (conv.EXACT, conv.TRUNCATE_SPG, conv.TRANSFORMERS_4):
-        batch = build_thd_batch([sample], model_config=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
+        batch = build_thd_batch([sample], vlm=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
         frames[name] = rows_of(batch, 0)[0, 3:19:4].tolist()  # first token of each frame (4 tokens per frame)
     assert frames == {conv.EXACT: [3, 4, 5, 6], conv.TRUNCATE_SPG: [3, 3, 3, 3], conv.TRANSFORMERS_4: [3, 3, 3, 3]}
     want, _ = old_rope(version, wheel, "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [0.5])
@@ -376,7 +376,7 @@ def test_text_after_video_issue_example(version, wheel):
     end = len(sample["input_ids"])
     tails = {}
     for name in (conv.EXACT, conv.TRANSFORMERS_4):
-        batch = build_thd_batch([sample], model_config=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
+        batch = build_thd_batch([sample], vlm=get_family(model_config("qwen2_5_vl"), mrope_convention=name))
         tails[name] = rows_of(batch, 0)[:, end - 3 :].tolist()  # vision end token, then 2 text tokens
     assert tails == {conv.EXACT: [[5, 6, 7]] * 3, conv.TRANSFORMERS_4: [[34, 35, 36]] * 3}
     want, _ = old_rope(version, wheel, "qwen2_5_vl", sample["input_ids"], None, sample["video_grid_thw"], [1.0])
@@ -407,7 +407,7 @@ def test_default_follows_installed_transformers(installed, version, expected):
     fam = get_family(model_config("qwen2_5_vl"))
     assert fam.mrope_convention == expected
     sample = _video_sample((4, 4, 4), [0.5])
-    batch = build_thd_batch([sample], model_config=model_config("qwen2_5_vl"))
+    batch = build_thd_batch([sample], vlm=get_family(model_config("qwen2_5_vl")))
     assert batch.extras["mrope_convention"] == expected
     assert rows_of(batch, 0)[0, 3:19:4].tolist() == ([3, 4, 5, 6] if expected == conv.EXACT else [3, 3, 3, 3])
 
@@ -479,7 +479,7 @@ def test_bridge_qwen3_vl_rope_is_transformers_4(fn):
         want = want.numpy()
     got = {}
     for name in (conv.TRANSFORMERS_4, conv.EXACT):
-        batch = build_thd_batch([sample], model_config=get_family(model_config("qwen3_vl"), mrope_convention=name))
+        batch = build_thd_batch([sample], vlm=get_family(model_config("qwen3_vl"), mrope_convention=name))
         got[name] = rows_of(batch, 0)
     assert np.array_equal(got[conv.TRANSFORMERS_4], want)
     assert not np.array_equal(got[conv.EXACT], want)  # the image with t = 5 > max(1, 2)

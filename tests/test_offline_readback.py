@@ -21,6 +21,7 @@ from test_vlm import mixed_samples, tiny_config  # noqa: E402
 
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.offline import PackedRowCollator, unpack_row  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 
 FAMILY = "qwen2_5_vl"  # images, videos and second_per_grid_ts
 
@@ -64,7 +65,7 @@ def test_collated_pixels_are_the_batch_own(pack):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning about tensors over read-only memory
         batch = PackedRowCollator(model_config=cfg)(row)
-    expected = build_thd_batch(unpack_row(row), model_config=cfg)
+    expected = build_thd_batch(unpack_row(row), vlm=get_family(cfg))
     for name in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts"):
         got, want = batch.extras[name], expected.extras[name]
         assert (got is None) == (want is None), name

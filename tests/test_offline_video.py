@@ -38,6 +38,7 @@ from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.videos import write_video  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 from thdpack.offline.vision.video import (  # noqa: E402
     VideoOptions, frame_timestamps, load_video, sample_indices, video_patches, video_rule,
 )
@@ -215,7 +216,7 @@ def test_video_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path
         rows = batch.sample_index.tolist()
         seen += rows
         samples = [refs[r] for r in rows]
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch(samples, model_config=model_cfg).to_hf_kwargs())
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch(samples, vlm=get_family(model_cfg)).to_hf_kwargs())
         assert_model_equivalent(model, batch, samples)
         assert_mrope_is_transformers(model, family, batch, samples)
     assert sorted(seen) == list(range(len(ROWS)))
@@ -356,7 +357,7 @@ def test_video_shards_merge(tmp_path, assets):
         batch = ds.collator()(ds[k])
         rows = batch.sample_index.tolist()
         seen += rows
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], model_config=model_cfg).to_hf_kwargs())
+        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], vlm=get_family(model_cfg)).to_hf_kwargs())
     assert sorted(seen) == list(range(len(ROWS)))
 
 

@@ -1,5 +1,5 @@
 """Shared prefixes of Qwen-VL prompts with images: ``build_thd_batch(samples, share_prefix="group",
-model_config=cfg)``.
+vlm=get_family(cfg))``.
 
 Consumer code: the families' own ``model.model.get_rope_index`` (mRoPE of every sample alone) and tiny
 random-weight transformers VLMs (``test_vlm.tiny_config``: 2 text layers, 2 ViT blocks, fp32, eval mode)
@@ -32,6 +32,7 @@ from hypothesis import strategies as st  # noqa: E402
 import test_vlm as tv  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.losses import packed_loss, sequence_logps  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 
 REL = 1e-5
 FAMILY = "qwen2_5_vl"
@@ -83,8 +84,8 @@ def vlm_samples(family: str = FAMILY) -> tuple:
 def batches(family: str = FAMILY, **layout):
     samples = list(vlm_samples(family))
     cfg = tv.tiny_config(family)
-    return samples, build_thd_batch(samples, model_config=cfg), build_thd_batch(
-        samples, share_prefix="group", model_config=cfg, **layout)
+    return samples, build_thd_batch(samples, vlm=get_family(cfg)), build_thd_batch(
+        samples, share_prefix="group", vlm=get_family(cfg), **layout)
 
 
 def flat_rows(batch) -> torch.Tensor:
@@ -235,13 +236,13 @@ def test_declared_prefix_must_end_after_whole_equal_images():
     p0 = len(samples[4]["input_ids"])  # group 0's prompt: text, an image (placeholders 5..8), text
     for j in (0, 2, 4):
         samples[j]["prefix_len"] = p0
-    tree = build_thd_batch(samples, share_prefix="group", model_config=cfg)
+    tree = build_thd_batch(samples, share_prefix="group", vlm=get_family(cfg))
     assert tree.prefix_tree.prefix_lens[[0, 2, 4]].tolist() == [p0] * 3
     for j in (0, 2, 4):
         samples[j]["prefix_len"] = 7  # inside the image's placeholders
     with pytest.raises(ValueError, match=r"^group 0 \(samples 0, 2, 4\): the declared prefix_len=7 .* ends inside "
                                          r"sample 0's image at tokens 5\.\.8") as err:
-        build_thd_batch(samples, share_prefix="group", model_config=cfg, min_prefix_len=4)
+        build_thd_batch(samples, share_prefix="group", vlm=get_family(cfg), min_prefix_len=4)
     assert "\n" not in str(err.value)
     for j in (0, 2, 4):
         samples[j]["prefix_len"] = p0
@@ -249,7 +250,7 @@ def test_declared_prefix_must_end_after_whole_equal_images():
         samples[j]["prefix_len"] = 40  # past group 2's image, whose pixels differ
     with pytest.raises(ValueError, match=r"^group 2 \(samples 3, 6\): the declared prefix_len=40 .* sample 6's "
                                          r"image 0 differs from sample 3's"):
-        build_thd_batch(samples, share_prefix="group", model_config=cfg)
+        build_thd_batch(samples, share_prefix="group", vlm=get_family(cfg))
 
 
 # --------------------------------------------------------------------------- hypothesis: random groups
@@ -304,12 +305,12 @@ def test_random_vlm_groups(case):
     ``get_rope_index`` alone, its tokens its own, no prefix ends inside an image, each item is listed once."""
     samples = random_samples(case)
     cfg = tv.tiny_config(FAMILY)
-    batch = build_thd_batch(samples, share_prefix="group", model_config=cfg, min_prefix_len=case["min_prefix_len"],
+    batch = build_thd_batch(samples, share_prefix="group", vlm=get_family(cfg), min_prefix_len=case["min_prefix_len"],
                             pad_multiple=case["pad_multiple"])
     model = tv.tiny_model(FAMILY)
     if batch.prefix_tree is None:  # nothing shared: the unshared batch
         assert torch.equal(batch.token_extras["mrope_position_ids"],
-                           build_thd_batch(samples, model_config=cfg, pad_multiple=case["pad_multiple"])
+                           build_thd_batch(samples, vlm=get_family(cfg), pad_multiple=case["pad_multiple"])
                            .token_extras["mrope_position_ids"])
         return
     pt = batch.prefix_tree
@@ -325,17 +326,15 @@ def test_random_vlm_groups(case):
 
 def test_prefix_stops_where_members_mrope_rows_differ():
     """Equal tokens and images but other mRoPE rows (e.g. a video's spacing given in another dtype): the
-    vision extension's limit cuts a found prefix there and refuses a declared one."""
-    from thdpack.vlm.tree_vision import prefix_limit
-
+    family's limit cuts a found prefix there and refuses a declared one."""
     samples, flat, _ = batches()
-    cfg = tv.tiny_config(FAMILY)
+    family = get_family(tv.tiny_config(FAMILY))
     p0 = len(samples[4]["input_ids"])
     members = np.array([0, 2, 4])
-    limit = prefix_limit(flat, cfg)
+    limit = family.prefix_limit(flat)
     assert limit(members, p0, False, "group 0") == p0
     flat.token_extras["mrope_position_ids"][1, int(flat.cu_seqlens[2]) + 20] += 1
-    limit = prefix_limit(flat, cfg)
+    limit = family.prefix_limit(flat)
     assert limit(members, p0, False, "group 0") == 20
     with pytest.raises(ValueError, match=r"^group 0: the declared prefix_len=40 .* mRoPE positions differ from token 20"):
         limit(members, p0, True, "group 0")
@@ -357,19 +356,19 @@ def test_collator_builds_the_same_tree():
     from thdpack import ThdCollator
 
     samples, _, tree = batches(pad_multiple=8)
-    packs = ThdCollator(pack_size=4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)(samples)
+    packs = ThdCollator(pack_size=4096, share_prefix="group", vlm=get_family(tv.tiny_config(FAMILY)), pad_multiple=8)(samples)
     assert len(packs) == 1
     got = packs[0]
     assert_same_tree(got, tree, samples)
 
 
 def test_rebalance_shares_vlm_prompts_as_build_thd_batch_does():
-    """thdpack.rebalance(share_prefix="group", model_config=) plans each prompt with images once, cut where
+    """thdpack.rebalance(share_prefix="group", vlm=family) plans each prompt with images once, cut where
     build_thd_batch cuts it (whole, equal images): its pack is the tree build_thd_batch lays out."""
     from thdpack import rebalance
 
     samples, _, tree = batches(pad_multiple=8)
-    packs, handle = rebalance(samples, 4096, share_prefix="group", model_config=tv.tiny_config(FAMILY), pad_multiple=8)
+    packs, handle = rebalance(samples, 4096, share_prefix="group", vlm=get_family(tv.tiny_config(FAMILY)), pad_multiple=8)
     assert len(packs) == 1
     got = packs[0]
     assert_same_tree(got, tree, samples)

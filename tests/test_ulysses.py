@@ -36,6 +36,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from thdpack import ThdCollator, build_thd_batch, shard_for_cp, shard_for_ulysses  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 from thdpack.parallel.ulysses import (  # noqa: E402
     check_head_counts, pad_for_ulysses, ulysses_pad_multiple, ulysses_positions)
 
@@ -445,9 +446,9 @@ def test_vlm_shards():
     image = lambda n: [1, 118] + [120] * 4 + [119] + [2] * n  # noqa: E731  a 4x4 patch image (4 tokens)
     samples = [{"input_ids": image(n), "image_grid_thw": [[1, 4, 4]], "pixel_values": torch.zeros(16, 24)}
                for n in (3, 1)] + [{"input_ids": [5, 6, 7]}]
-    batch = build_thd_batch(samples, model_config=config)
+    batch = build_thd_batch(samples, vlm=get_family(config))
     sp = 4  # 21 tokens: a tail of 3
-    ref = build_thd_batch(samples, model_config=config, pad_to=24)
+    ref = build_thd_batch(samples, vlm=get_family(config), pad_to=24)
     types = ref.token_extras["mm_token_type_ids"]
     image_row = torch.cumsum((types == 1).long(), 0) - 1
     shards = [shard_for_ulysses(batch, sp, r) for r in range(sp)]

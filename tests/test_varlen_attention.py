@@ -27,6 +27,7 @@ from thdpack import build_thd_batch  # noqa: E402
 from thdpack.attention.backends import VARLEN_ATTENTION, attention_kind  # noqa: E402
 from thdpack.integrations import register_varlen_attention  # noqa: E402
 from thdpack.integrations import varlen_attention as va  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 
 NAME = register_varlen_attention()
 GRAD_ATOL = 1e-5
@@ -135,7 +136,7 @@ def test_qwen2_5_vl_on_the_pack_equals_each_sample_alone():
     model.load_state_dict(reference.state_dict())
     assert model.model.visual.config._attn_implementation == NAME
     samples = tv.mixed_samples("qwen2_5_vl")
-    batch = build_thd_batch(samples, model_config=model.config, pad_multiple=4)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=4)
     assert_pack_equals_alone(model, reference, batch, samples, run_alone=_vlm_alone)
 
 

@@ -32,6 +32,7 @@ from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp  # no
 from thdpack.parallel.hybrid_blocks import block_sizes  # noqa: E402
 from thdpack.planning.hybrid_cp import HybridCPPlan, schedule_cost  # noqa: E402
 from thdpack.vlm import gather_vision_embeddings, plan_vision_split, shard_vision_rows, vision_rank_inputs  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, max_examples=40)
 FAMILY = "qwen2_vl"
@@ -44,7 +45,7 @@ PLAIN = st.one_of(st.text(max_size=4), st.integers(), st.floats(allow_nan=False)
 
 def _pack(layout, seed: int = 0):
     sample = make_sample(FAMILY, layout, np.random.default_rng(seed))
-    return build_thd_batch([sample], model_config=CONFIG, cp_size=2)
+    return build_thd_batch([sample], vlm=get_family(CONFIG), cp_size=2)
 
 
 IMAGES = _pack([("text", 3), ("image", (1, 4, 4)), ("text", 2), ("image", (1, 2, 4)), ("text", 1)])  # 4 + 2 tokens

@@ -46,7 +46,7 @@ from test_vlm import FAMILIES, MODEL_CLASSES, make_sample, tiny_config  # noqa: 
 
 from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
 from thdpack.flops import model_flops_breakdown, vision_seqlen_stats  # noqa: E402
-from thdpack.vlm import (VisionSplit, gather_vision_embeddings, plan_vision_split, shard_vision_rows,  # noqa: E402
+from thdpack.vlm import (VisionSplit, get_family, gather_vision_embeddings, plan_vision_split, shard_vision_rows,  # noqa: E402
                          vision_rank_inputs)
 from thdpack.planning.vision_split import VisionCost, balanced_cuts, sample_vision_costs  # noqa: E402
 
@@ -86,7 +86,7 @@ def pack(family: str, name: str):
     rng = np.random.default_rng(5)
     torch.manual_seed(5)
     samples = [make_sample(family, layout, rng) for layout in (MIXED if name == "mixed" else FEW)]
-    batch = build_thd_batch(samples, model_config=tiny_config(family), cp_size=WORLD)
+    batch = build_thd_batch(samples, vlm=get_family(tiny_config(family)), cp_size=WORLD)
     for key in ("pixel_values", "pixel_values_videos"):
         batch.extras[key] = batch.extras[key].to(torch.float64)
     return batch

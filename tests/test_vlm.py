@@ -246,7 +246,7 @@ def assert_equivalent(model, batch, samples) -> float:
 def test_packed_equals_alone(family):
     model = tiny_model(family)
     samples = mixed_samples(family)
-    batch = build_thd_batch(samples, model_config=model.config, pad_multiple=4)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=4)
     assert_equivalent(model, batch, samples)
     # mRoPE rows and deltas equal get_rope_index sample by sample; pad slots as documented
     rows = batch.token_extras["mrope_position_ids"]
@@ -281,7 +281,7 @@ def test_image_processor_outputs_pack():
             layout += [("image", tuple(grid)), ("text", 2)]
         ids = build_ids("qwen2_5_vl", layout, rng)
         samples.append({"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids]), **out})
-    batch = build_thd_batch(samples, model_config=model.config)
+    batch = build_thd_batch(samples, vlm=get_family(model.config))
     assert batch.extras["pixel_values"].shape[1] == PIXEL_DIM
     assert_equivalent(model, batch, samples)
 
@@ -291,7 +291,7 @@ def test_equivalence_detects_wrong_positions(family):
     """Negative control: the check is sensitive to the mRoPE rows and to the text row."""
     model = tiny_model(family)
     samples = mixed_samples(family, seed=1)
-    batch = build_thd_batch(samples, model_config=model.config)
+    batch = build_thd_batch(samples, vlm=get_family(model.config))
     kw = batch.to_hf_kwargs()
     good = model(**kw, use_cache=False).logits
     bad_rows = dict(kw, position_ids=kw["position_ids"][0:1].expand(4, -1, -1))  # text positions as mRoPE
@@ -316,7 +316,7 @@ def test_qwen3_5_hybrid_on_cpu(attn):
     assert "linear_attention" in model.config.text_config.layer_types
     samples = mixed_samples("qwen3_5", seed=2)
     assert any("pixel_values_videos" in s for s in samples) and any("pixel_values" in s for s in samples)
-    batch = build_thd_batch(samples, model_config=model.config, pad_multiple=2)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=2)
     rows = batch.token_extras["mrope_position_ids"]
     for i, sample in enumerate(samples):
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
@@ -352,7 +352,7 @@ def test_qwen3_5_hybrid_on_cpu(attn):
 def test_to_hf_kwargs_layout():
     model = tiny_model("qwen2_5_vl")
     samples = mixed_samples("qwen2_5_vl")
-    batch = build_thd_batch(samples, model_config=model.config)
+    batch = build_thd_batch(samples, vlm=get_family(model.config))
     kw = batch.to_hf_kwargs()
     T = batch.num_padded_tokens
     assert kw["position_ids"].shape == (4, 1, T)
@@ -378,7 +378,7 @@ def test_vision_metadata():
     family = "qwen3_vl"
     model = tiny_model(family)
     samples = mixed_samples(family)
-    batch = build_thd_batch(samples, model_config=model.config.to_dict())
+    batch = build_thd_batch(samples, vlm=get_family(model.config.to_dict()))
     ex = batch.extras
     grids = torch.cat([ex["image_grid_thw"], ex["video_grid_thw"]])
     assert ex["vision_cu_seqlens"].dtype == torch.int32
@@ -398,18 +398,19 @@ def test_vision_metadata():
 
 
 def test_dict_config_needs_no_transformers():
-    """The core builds a VLM batch from a config dict with transformers unimportable, with only
-    ``thdpack`` imported (it loads thdpack.vlm, which registers the vision extension)."""
+    """The core builds a VLM batch from a config dict with transformers unimportable: the family resolved
+    from the dict (``thdpack.vlm.get_family``) and handed to the builder."""
     cfg = tiny_config("qwen2_5_vl").to_dict()
     code = f"""
 import sys
 sys.modules["transformers"] = None  # any import of transformers fails
 import torch
 from thdpack import build_thd_batch
+from thdpack.vlm import get_family
 cfg = {cfg!r}
 s = {{"input_ids": [1, {VS}] + [{IMG}] * 4 + [{VE}, 2], "image_grid_thw": [[1, 4, 4]],
       "pixel_values": torch.zeros(16, {PIXEL_DIM})}}
-b = build_thd_batch([s, {{"input_ids": [3, 4]}}], model_config=cfg)
+b = build_thd_batch([s, {{"input_ids": [3, 4]}}], vlm=get_family(cfg))
 print(b.token_extras["mrope_position_ids"].tolist())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -480,7 +481,7 @@ def test_mrope_matches_get_rope_index(family, packs, spg_kind, seconds, pad_mult
             if spg is not None:
                 s["second_per_grid_ts"] = spg
         samples.append(s)
-    batch = build_thd_batch(samples, model_config=model.config, pad_multiple=pad_multiple)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=pad_multiple)
     rows = batch.token_extras["mrope_position_ids"]
     fam = get_family(model.config)
     for i, sample in enumerate(samples):
@@ -508,7 +509,7 @@ def test_qwen2_5_temporal_positions_round_like_torch(spg_kind):
         layout += [("video", (4, 2, 2)), ("text", 1)]
     rng = np.random.default_rng(0)
     samples = [make_sample("qwen2_5_vl", layout, rng, spg=_spg(spg_kind, seconds)), {"input_ids": [1, 2, 3]}]
-    batch = build_thd_batch(samples, model_config=model.config, pad_multiple=4)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=4)
     ref, _ = reference_rope(model, samples[0])
     assert torch.equal(batch.token_extras["mrope_position_ids"][:, : ref.shape[1]], ref)
 
@@ -521,7 +522,7 @@ def test_cp_shards_of_vlm_batch(family):
     model = tiny_model(family)
     samples = mixed_samples(family, seed=3)
     cp = 2
-    batch = build_thd_batch(samples, model_config=model.config, cp_size=cp)
+    batch = build_thd_batch(samples, vlm=get_family(model.config), cp_size=cp)
     assert_equivalent(model, batch, samples)  # CP padding keeps equivalence
     types = batch.token_extras["mm_token_type_ids"]
     # vision embeddings scattered into the global stream before the split (rows = embedding ids)
@@ -655,7 +656,7 @@ def test_plan_then_build_vlm():
     lengths = [len(s["input_ids"]) for s in samples]
     plan = plan_packs(lengths, 96, vision_lengths=vision_lengths(samples), vision_budget=80)
     for k in range(len(plan)):
-        batch = build_thd_batch(plan.gather(samples, k), model_config=cfg, sample_index=plan.pack(k))
+        batch = build_thd_batch(plan.gather(samples, k), vlm=get_family(cfg), sample_index=plan.pack(k))
         assert batch.num_tokens <= 96
         assert int(batch.extras["sample_vision_patches"].sum()) <= 80
 
@@ -677,7 +678,7 @@ def _img_sample(grid=(1, 4, 4), tokens=None, rows=None):
 def test_bad_input(family):
     cfg = tiny_config(family)
     ok = {"input_ids": [5, 6, 7]}
-    build = functools.partial(build_thd_batch, model_config=cfg)
+    build = functools.partial(build_thd_batch, vlm=get_family(cfg))
 
     # placeholder count does not match its grid
     two = _img_sample()
@@ -721,34 +722,34 @@ def test_bad_input(family):
 
 def test_bad_config_and_video_support():
     with pytest.raises(ValueError, match=r"unknown VLM model_type 'llava'.*qwen2_5_vl"):
-        build_thd_batch([{"input_ids": [1]}], model_config={"model_type": "llava"})
+        build_thd_batch([{"input_ids": [1]}], vlm=get_family({"model_type": "llava"}))
     with pytest.raises(ValueError, match="has no 'model_type'"):
-        build_thd_batch([{"input_ids": [1]}], model_config={"image_token_id": 3})
+        build_thd_batch([{"input_ids": [1]}], vlm=get_family({"image_token_id": 3}))
     assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"} <= set(supported_model_types())
     # a config without video (video_token_id: null) rejects video inputs, naming the numbers
     cfg = dict(tiny_config("qwen2_vl").to_dict(), video_token_id=None)
     video = {"input_ids": [1, 2], "video_grid_thw": [[2, 4, 4]], "pixel_values_videos": torch.zeros(32, PIXEL_DIM)}
     with pytest.raises(ValueError, match=r"sample 1: has video inputs \('video_grid_thw' with 1 videos, 'pixel_values_videos' with 32 rows\) but the model config \(qwen2_vl\) has no video token"):
-        build_thd_batch([{"input_ids": [3]}, video], model_config=cfg)
+        build_thd_batch([{"input_ids": [3]}, video], vlm=get_family(cfg))
     # second_per_grid_ts must have one value per video
     s = make_sample("qwen2_5_vl", [("video", (2, 2, 2))], np.random.default_rng(0), spg=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"sample 0: 'second_per_grid_ts' has 2 values but 'video_grid_thw' has 1 videos"):
-        build_thd_batch([s], model_config=tiny_config("qwen2_5_vl"))
+        build_thd_batch([s], vlm=get_family(tiny_config("qwen2_5_vl")))
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_collator_with_model_config(family):
-    """ThdCollator(model_config=...) gives the same VLM batch as build_thd_batch, also as a
+def test_collator_with_a_vlm_family(family):
+    """ThdCollator(vlm=get_family(...)) gives the same VLM batch as build_thd_batch, also as a
     CP shard (cp_rank) and when planning packs under a vision budget."""
     model = tiny_model(family)
     samples = mixed_samples(family, seed=5)
-    whole = build_thd_batch(samples, model_config=model.config, cp_size=2)
-    batch = ThdCollator(model_config=model.config, cp_size=2)(samples)
+    whole = build_thd_batch(samples, vlm=get_family(model.config), cp_size=2)
+    batch = ThdCollator(vlm=get_family(model.config), cp_size=2)(samples)
     for key in ("input_ids", "labels", "position_ids", "cu_seqlens_padded"):
         assert torch.equal(getattr(batch, key), getattr(whole, key))
     for key, value in whole.token_extras.items():
         assert torch.equal(batch.token_extras[key], value)
-    shard = ThdCollator(model_config=model.config, cp_size=2, cp_rank=1)(samples)
+    shard = ThdCollator(vlm=get_family(model.config), cp_size=2, cp_rank=1)(samples)
     expected = shard_for_cp(whole, 2, 1)
     assert torch.equal(shard.input_ids, expected.input_ids)
     assert torch.equal(shard.token_extras["mrope_position_ids"], expected.token_extras["mrope_position_ids"])
@@ -756,7 +757,7 @@ def test_collator_with_model_config(family):
 
     patches = vision_lengths(samples)
     budget = int(patches.max())
-    packs = ThdCollator(model_config=model.config, pack_size=4096, vision_budget=budget)(samples)
+    packs = ThdCollator(vlm=get_family(model.config), pack_size=4096, vision_budget=budget)(samples)
     assert sorted(i for b in packs for i in b.sample_index.tolist()) == list(range(len(samples)))
     for b in packs:
         assert int(patches[b.sample_index.numpy()].sum()) <= budget

@@ -18,10 +18,9 @@ The public surface, group by group in the order a user meets it (``__all__`` kee
 - losses: ``packed_loss`` -- a loss over a packed batch that means what it means unpacked.
 
 Low-level helpers stay importable from their modules (``thdpack.parallel.cp``, ``thdpack.batching.layout``,
-``thdpack.losses``, ``thdpack.vlm``, ...).
+``thdpack.losses``, ``thdpack.vlm``, ...). VLM packing: ``vlm=thdpack.vlm.get_family(model_config)``.
 """
 
-import thdpack.vlm  # noqa: F401  registers the vision extension that build_thd_batch(model_config=) calls
 from thdpack.common.align import cp_pad_multiple
 from thdpack.common.version import __version__
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced

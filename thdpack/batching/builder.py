@@ -21,7 +21,7 @@ from thdpack.attention.static import check_num_seqs
 from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
-from thdpack.common.extensions import vision
+from thdpack.batching.vision_family import check_vlm
 from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
 from thdpack.common.align import is_int
 from thdpack.common.samples import SampleError, get_field, refuse_bools, same_length, sample_list, to_int_array
@@ -32,7 +32,7 @@ def build_thd_batch(
     *,
     sample_index: Sequence[int] | None = None,
     source_index: Sequence[int] | None = None,
-    model_config=None,
+    vlm=None,
     sample_values: Sequence[str] | None = None,
     share_prefix: str | None = None,
     min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
@@ -63,8 +63,8 @@ def build_thd_batch(
         source_index: ``[n]`` the source (of a dataset mixture) of each sample, integers >= 0, recorded
             in ``batch.source_index``; default: the samples' ``"source_index"`` field
             (:data:`SOURCE_INDEX_FIELD`; given to every sample or to none), else 0 for every sample.
-        model_config: for VLM samples, the transformers config (or its dict) of a
-            supported family (see :mod:`thdpack.vlm`): adds the concatenated vision
+        vlm: for VLM samples, the model's family, ``thdpack.vlm.get_family(model_config)``
+            (a :class:`~thdpack.batching.vision_family.VisionFamily`): adds the concatenated vision
             inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
         sample_values: names of per-sample fields (a number or vector per sample: weights,
             rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
@@ -75,7 +75,7 @@ def build_thd_batch(
             once as ``[prefix][member 1][member 2]...`` (:mod:`thdpack.batching.shared_prefix`: the
             prefix is each member's ``"prefix_len"`` field or the longest common one; the batch's
             ``prefix_tree`` carries the segments and every sample's targets). Masks for
-            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP. With ``model_config`` a prefix ends
+            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP. With ``vlm`` a prefix ends
             before any image / video it would split or that differs between members, its images are
             listed once and each member's mRoPE rows continue from it (:mod:`thdpack.vlm.tree_vision`).
         min_prefix_len: with ``share_prefix``, the shortest prefix worth sharing (default 32 tokens);
@@ -85,19 +85,20 @@ def build_thd_batch(
         A :class:`ThdBatch` on the CPU.
     """
     layout = layout_from("build_thd_batch", layout, layout_keywords)
+    check_vlm(vlm, "build_thd_batch")
     return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
-                       model_config=model_config, sample_values=sample_values, share_prefix=share_prefix,
+                       vlm=vlm, sample_values=sample_values, share_prefix=share_prefix,
                        min_prefix_len=min_prefix_len, stacklevel=4)
 
 
-def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, source_index=None, model_config=None,
+def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, source_index=None, vlm=None,
                 sample_values=None, share_prefix=None, min_prefix_len=DEFAULT_MIN_PREFIX_LEN,
                 stacklevel: int = 3) -> ThdBatch:
     """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
     batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
     if share_prefix is not None:
         return _build_shared(samples, layout, share_prefix, min_prefix_len, sample_index=sample_index,
-                             source_index=source_index, model_config=model_config, sample_values=sample_values,
+                             source_index=source_index, vlm=vlm, sample_values=sample_values,
                              stacklevel=stacklevel + 1)
     samples = sample_list(samples, "build_thd_batch")
     if not samples:
@@ -108,15 +109,15 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
     batch = stream_batch(concat_int64(ids_parts), None if label_parts is None else concat_int64(label_parts),
                          None if mask_parts is None else concat_int64(mask_parts), seq_lens, layout,
-                         shard=model_config is None, sample_index=sample_index,
+                         shard=vlm is None, sample_index=sample_index,
                          sources=lambda: sources_of(samples, source_index), tokens_truncated=tokens_truncated,
                          pending=pending)
     if sample_values:
         from thdpack.common.values import attach_sample_values
 
         attach_sample_values(batch, samples, sample_values)
-    if model_config is not None:  # VLM: vision inputs, token types and mRoPE rows (thdpack.vlm)
-        vision().attach(batch, samples, model_config)
+    if vlm is not None:  # VLM: vision inputs, token types and mRoPE rows, then the CP shard
+        vlm.attach(batch, samples)
         if cp_rank is not None:
             batch = shard_for_cp(batch, cp_size, cp_rank)
     warn_if_no_targets(batch, stacklevel)
@@ -178,20 +179,20 @@ def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | 
 
 
 def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *, sample_index, source_index,
-                  model_config, sample_values, stacklevel: int) -> ThdBatch:
+                  vlm, sample_values, stacklevel: int) -> ThdBatch:
     """:func:`build_batch` with ``share_prefix``: the unshared stream first (its checks, its targets), then
     the tree gathered from it (:mod:`thdpack.batching.shared_prefix`); the plain batch when no group shares."""
-    check_share_args(share_prefix, min_prefix_len, layout, model_config)
+    check_share_args(share_prefix, min_prefix_len, layout)
     samples = sample_list(samples, "build_thd_batch")
     check_num_seqs(len(samples), layout.max_num_seqs)
     flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, source_index=source_index,
-                       sample_values=sample_values, model_config=model_config, stacklevel=stacklevel + 1)
-    limit = None if model_config is None else vision().prefix_limit(flat, model_config)  # whole, equal images
+                       sample_values=sample_values, vlm=vlm, stacklevel=stacklevel + 1)
+    limit = None if vlm is None else vlm.prefix_limit(flat)  # whole, equal images
     tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len), limit)
     if tree is not None:
-        return tree if model_config is None else vision().attach_tree(tree, flat, model_config)
+        return tree if vlm is None else vlm.attach_tree(tree, flat)
     return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
-                       sample_values=sample_values, model_config=model_config, stacklevel=stacklevel + 1)
+                       sample_values=sample_values, vlm=vlm, stacklevel=stacklevel + 1)
 
 
 def _read_samples(samples, max_length):

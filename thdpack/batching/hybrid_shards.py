@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
 from thdpack.batching.layout import layout_from
+from thdpack.batching.vision_family import check_vlm
 from thdpack.common.align import check_int
 from thdpack.planning.hybrid_cp import HybridCPPlan
 
 # build_thd_batch keywords besides the layout's that hybrid_cp_shards passes on (no share_prefix: a prefix tree
 # cannot be split over CP ranks)
-BUILD_KEYWORDS = ("model_config", "sample_values")
+BUILD_KEYWORDS = ("vlm", "sample_values")
 
 
 def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int, **layout) -> list[ThdBatch]:
@@ -32,7 +33,7 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
         rank: this process's data-parallel × CP position, ``0 .. plan.world_size − 1``.
         **layout: :class:`thdpack.BatchLayout` keywords (``pad_token_id``, ``ignore_index``, ``tp_size``,
             ``sequence_parallel``, ``pad_multiple``: the plan's, so that each sample gets the plan's padded
-            length) and ``model_config``, ``sample_values``. ``cp_size`` / ``cp_rank`` come from the plan;
+            length) and ``vlm``, ``sample_values``. ``cp_size`` / ``cp_rank`` come from the plan;
             ``pad_to`` and ``max_length`` are refused (a micro-batch's length is the plan's).
 
     Returns:
@@ -48,6 +49,7 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
         raise TypeError(f"samples must be a sequence of samples or a mapping {{sample id: sample}}, got "
                         f"{type(samples).__name__}")
     build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
+    check_vlm(build.get("vlm"), "hybrid_cp_shards")
     for name in ("cp_size", "cp_rank", "pad_to", "max_length", "layout", "share_prefix"):
         if layout.get(name) is not None:
             raise TypeError(f"hybrid_cp_shards() takes no {name}=: the plan decides each micro-batch's CP size, rank "

@@ -42,7 +42,6 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.batching.layout import BatchLayout, padded_lengths
 from thdpack.batching.prefix_tree import PrefixTree
 from thdpack.common.align import check_int, round_up
-from thdpack.common.extensions import vision
 from thdpack.common.samples import SampleError, get_field
 from thdpack.planning.plan import number_groups
 
@@ -53,10 +52,9 @@ DEFAULT_MIN_PREFIX_LEN = 32
 """Shortest prefix worth sharing (tokens); shorter ones leave their group unshared."""
 
 
-def check_share_args(share_prefix, min_prefix_len, layout: BatchLayout, model_config) -> None:
+def check_share_args(share_prefix, min_prefix_len, layout: BatchLayout) -> None:
     """``ValueError`` / ``TypeError`` naming the argument unless ``share_prefix`` is None or a field name,
-    ``min_prefix_len`` an integer >= 1, and the layout one a tree can take (no CP). With ``model_config``
-    (VLM samples) the vision extension must support trees (:mod:`thdpack.vlm.tree_vision`)."""
+    ``min_prefix_len`` an integer >= 1, and the layout one a tree can take (no CP)."""
     if share_prefix is None:
         return
     if not isinstance(share_prefix, str) or not share_prefix:
@@ -66,9 +64,6 @@ def check_share_args(share_prefix, min_prefix_len, layout: BatchLayout, model_co
     if layout.cp_size > 1:
         raise ValueError(f"share_prefix={share_prefix!r} with cp_size={layout.cp_size}: context-parallel attention "
                          "(ring / TE THD) cannot express a shared-prefix tree; use share_prefix=None with CP")
-    if model_config is not None and vision().attach_tree is None:
-        raise ValueError(f"share_prefix={share_prefix!r} with model_config: the registered vision extension builds "
-                         "no shared-prefix trees; use share_prefix=None")
 
 
 def flat_layout(layout: BatchLayout) -> BatchLayout:
@@ -118,7 +113,7 @@ def group_prefixes(flat: ThdBatch, samples: Sequence, share_prefix: str, min_pre
     batch ``flat`` (no padding) and the samples' group ids and declared :data:`PREFIX_FIELD`, for segments
     padded to ``multiple`` (the rules: the module docstring). ``ValueError`` naming the group for a
     declared prefix that is not the members' common one. ``limit``: None, or ``limit(members, p, declared,
-    name) -> int`` shortening a group's prefix (VLM: to whole, equal images; the vision extension's
+    name) -> int`` shortening a group's prefix (VLM: to whole, equal images; the family's
     ``prefix_limit``), before the minimum and padding rules."""
     groups = read_groups(samples, share_prefix)
     declared = [_sample_int(s, PREFIX_FIELD, i, required=False) for i, s in enumerate(samples)]

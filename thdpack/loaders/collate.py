@@ -14,10 +14,9 @@ from torch.utils.data import Dataset
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
-from thdpack.common.extensions import vision as vision_extension
-from thdpack.common.extensions import vlm_config_problem
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
+from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
@@ -125,8 +124,8 @@ class ThdCollator:
             pack under that many vision patches. With the layout's ``max_num_seqs``, a pack holds at
             most that many samples (``max_samples_per_pack`` is capped to it). Without ``pack_size``,
             no planning.
-        model_config: for VLM samples, the model's transformers config (or dict):
-            see :func:`thdpack.build_thd_batch`.
+        vlm: for VLM samples, the model's family, ``thdpack.vlm.get_family(model_config)``:
+            see :func:`thdpack.build_thd_batch`; needed by ``vision_budget``.
         sample_values: per-sample fields carried into ``batch.sample_values`` (see
             :func:`thdpack.build_thd_batch`).
         group_field: with ``pack_size``, the sample field holding an integer group id: a
@@ -157,7 +156,7 @@ class ThdCollator:
         ulysses_sp_size: int = 1,
         ulysses_rank: int | None = None,
         sp_group=None,
-        model_config=None,
+        vlm=None,
         sample_values: Sequence[str] | None = None,
         group_field: str | None = None,
         share_prefix: str | None = None,
@@ -167,15 +166,15 @@ class ThdCollator:
         plan_keywords = {name: keywords.pop(name) for name in _PLAN_KEYWORDS if name in keywords}
         layout = layout_from("ThdCollator", layout, keywords)  # validated now, rather than in a worker
         self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
+        check_vlm(vlm, "ThdCollator")
         self.options = _cap_samples(_collator_options(options, plan_keywords, self.layout.multiple),
                                     self.layout.max_num_seqs)
         if self.options is not None:
             check_kernel_limits(self.options)
-            if self.options.vision_budget is not None and vlm_config_problem("vision_budget", model_config):
-                raise ValueError(vlm_config_problem("vision_budget", model_config))  # its vision counts need it
-        self.build_kwargs = dict(model_config=model_config, sample_values=sample_values)
-        self.group_field = _share_fields(share_prefix, min_prefix_len, group_field, self.layout, model_config,
-                                         ulysses_sp_size)
+            if self.options.vision_budget is not None and vlm is None:  # its vision counts need the family
+                raise ValueError("vision_budget needs vlm=, the VLM family: thdpack.vlm.get_family(model_config)")
+        self.build_kwargs = dict(vlm=vlm, sample_values=sample_values)
+        self.group_field = _share_fields(share_prefix, min_prefix_len, group_field, self.layout, ulysses_sp_size)
         if share_prefix is not None:
             self.build_kwargs.update(share_prefix=share_prefix, min_prefix_len=int(min_prefix_len))
         self.ulysses_sp_size, self.ulysses_rank = _ulysses_rank(self.layout, ulysses_sp_size, ulysses_rank, sp_group)
@@ -204,7 +203,7 @@ class ThdCollator:
             lengths = np.minimum(lengths, self.layout.max_length)
         per_sample = {}
         if self.options.vision_budget is not None:
-            per_sample["vision_lengths"] = vision_extension().lengths(samples)
+            per_sample["vision_lengths"] = self.build_kwargs["vlm"].vision_lengths(samples)
         if self.group_field is not None:
             per_sample["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
         if "share_prefix" in self.build_kwargs:  # each group's prefix, as every pack's build will find it
@@ -243,10 +242,10 @@ class ThdCollator:
 _PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple
 
 
-def _share_fields(share_prefix, min_prefix_len, group_field, layout: BatchLayout, model_config, sp_size) -> str | None:
+def _share_fields(share_prefix, min_prefix_len, group_field, layout: BatchLayout, sp_size) -> str | None:
     """The field a collator plans groups by: ``group_field``, or ``share_prefix`` (``ValueError`` for two
     different fields, for Ulysses or what :func:`check_share_args` refuses)."""
-    check_share_args(share_prefix, min_prefix_len, layout, model_config)
+    check_share_args(share_prefix, min_prefix_len, layout)
     if share_prefix is None:
         return group_field
     if group_field not in (None, share_prefix):

@@ -65,7 +65,7 @@ def rebalance_hybrid_cp(local_samples: Sequence, hybrid_cp: HybridCP | int, *, g
         cost, groups: as :func:`thdpack.plan_hybrid_cp` (``groups``: per rank, one id per local sample; the same
             id on two ranks is two groups).
         **layout: :class:`thdpack.BatchLayout` keywords for every micro-batch (``tp_size``,
-            ``sequence_parallel``, ``pad_multiple`` also shape the plan), and ``model_config``,
+            ``sequence_parallel``, ``pad_multiple`` also shape the plan), and ``vlm``,
             ``sample_values``.
 
     Returns:

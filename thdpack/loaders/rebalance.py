@@ -25,10 +25,10 @@ import torch
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_thd_batch
 from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_from
+from thdpack.batching.vision_family import check_vlm
 from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD, check_share_args, flat_layout,
                                             group_prefixes, read_groups)
 from thdpack.common.align import check_positive_int
-from thdpack.common.extensions import vision
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
 from thdpack.loaders.routing import RankRecord, Route, plan_route
@@ -39,7 +39,7 @@ from thdpack.planning.rank_fill import straggler_bound
 
 # build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. With
 # "share_prefix" each rank finds its groups' prefixes (_local_prefixes), and plan_route counts each once.
-BUILD_KEYWORDS = ("model_config", "sample_values", "share_prefix", "min_prefix_len")
+BUILD_KEYWORDS = ("vlm", "sample_values", "share_prefix", "min_prefix_len")
 
 
 def _rebalance_hybrid(local_samples, pack_size: int, hybrid_cp, micro_batches: int, group, cost, groups, layout):
@@ -90,7 +90,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
             ``(batches, plan, offsets)``.
         **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
             :class:`thdpack.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
-            or ``layout=``, and ``model_config``, ``sample_values``, ``share_prefix``,
+            or ``layout=``, and ``vlm``, ``sample_values``, ``share_prefix``,
             ``min_prefix_len``. The plan aligns to the layout's multiple and cuts lengths to its
             ``max_length``. With ``share_prefix="group"`` the groups are that sample field (per rank,
             as ``groups=``, which must then group alike or be None): each rank finds its groups'
@@ -143,13 +143,14 @@ def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
 
 
 def _share_of(build_kwargs: dict, layout: BatchLayout) -> tuple | None:
-    """``(field, min_prefix_len, model_config)`` of a shared-prefix rebalance (checked as
+    """``(field, min_prefix_len, vlm)`` of a shared-prefix rebalance (checked as
     ``build_thd_batch`` checks them), or None."""
     field = build_kwargs.get("share_prefix")
     min_prefix_len = build_kwargs.setdefault("min_prefix_len", DEFAULT_MIN_PREFIX_LEN)
-    model_config = build_kwargs.get("model_config")
-    check_share_args(field, min_prefix_len, layout, model_config)
-    return None if field is None else (field, int(min_prefix_len), model_config)
+    vlm = build_kwargs.get("vlm")
+    check_share_args(field, min_prefix_len, layout)
+    check_vlm(vlm, "rebalance")
+    return None if field is None else (field, int(min_prefix_len), vlm)
 
 
 def _plan_options(pack_size: int, layout: BatchLayout) -> PlanOptions:
@@ -199,9 +200,9 @@ def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple, layout:
     """``(groups, prefixes)``, int64 ``[n]`` each: the samples' ``share[0]`` field (which ``groups=``, when
     given, must partition alike) and the prefix each shares with its group, as ``build_thd_batch``
     would lay it out (:func:`thdpack.batching.shared_prefix.group_prefixes`; a group's members are
-    all here, so each rank finds its own). VLM samples (``share[2]``, a model config): a prefix ends before
+    all here, so each rank finds its own). VLM samples (``share[2]``, the family): a prefix ends before
     an image it would split or that differs between members, as ``build_thd_batch`` cuts it."""
-    field, min_prefix_len, model_config = share
+    field, min_prefix_len, vlm = share
     own = read_groups(samples, field)
     if gid is not None:
         differs = np.flatnonzero(number_groups(gid) != number_groups(own))
@@ -211,8 +212,8 @@ def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple, layout:
                              f"sample {i}: groups {int(gid[i])}, {field} {int(own[i])}); give one of them, or both alike")
     if not samples:
         return own, np.zeros(0, np.int64)
-    flat = build_thd_batch(samples, layout=flat_layout(layout), model_config=model_config)
-    limit = None if model_config is None else vision().prefix_limit(flat, model_config)
+    flat = build_thd_batch(samples, layout=flat_layout(layout), vlm=vlm)
+    limit = None if vlm is None else vlm.prefix_limit(flat)
     return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple, limit)
 
 

@@ -32,10 +32,14 @@ from thdpack.common.model_config import config_first, config_get
 from thdpack.vlm.convention import EXACT, TRANSFORMERS_4, resolve_mrope_convention
 from thdpack.vlm.items import MODE_F32, MODE_F64, MODE_INT, RopeItems
 from thdpack.vlm.mrope import mrope_for_stream
+from thdpack.vlm.tree_vision import attach_tree, prefix_limit
+from thdpack.vlm.vision_fields import attach_vision, vision_lengths
 
 @runtime_checkable
 class VlmFamily(Protocol):
-    """What :func:`thdpack.build_thd_batch` needs from a model family (one file per family)."""
+    """What the shared vision code (:mod:`thdpack.vlm.vision_fields`, :mod:`thdpack.vlm.mrope`) needs from a
+    model family (one file per family); :class:`QwenVLFamily` adds what the builder calls
+    (:class:`thdpack.batching.vision_family.VisionFamily`)."""
 
     model_type: str
     image_token_id: int
@@ -226,6 +230,23 @@ class QwenVLFamily:
         one = np.ones(1, np.int64)
         out = mrope_for_stream(self, ids, cu, cu[1:], images, one * len(images), videos, one * len(videos))
         return out.positions
+
+    # ---- a pack's vision fields: what the builder and collators call (thdpack.batching.vision_family) ----
+    def attach(self, batch, samples):
+        """:func:`thdpack.vlm.vision_fields.attach_vision` of ``samples`` under this family."""
+        return attach_vision(batch, samples, self)
+
+    def vision_lengths(self, samples) -> np.ndarray:
+        """int64 ``[n]`` ViT patches per sample (:func:`thdpack.vlm.vision_fields.vision_lengths`)."""
+        return vision_lengths(samples)
+
+    def prefix_limit(self, flat):
+        """:func:`thdpack.vlm.tree_vision.prefix_limit` of the unshared batch ``flat`` under this family."""
+        return prefix_limit(flat, self)
+
+    def attach_tree(self, tree, flat):
+        """:func:`thdpack.vlm.tree_vision.attach_tree` of the shared-prefix batch ``tree`` under this family."""
+        return attach_tree(tree, flat, self)
 
 
 def _has_key(config, key: str) -> bool:

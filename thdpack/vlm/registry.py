@@ -22,8 +22,8 @@ def get_family(model_config, mrope_convention: str | None = None):
     follow (:mod:`thdpack.vlm.convention`): None or ``"transformers-installed"`` (the
     installed transformers' rule), ``"transformers==5.12.1"``, or ``"exact"``,
     ``"truncate-spg"``, ``"transformers-4"``. An already-built family keeps its own
-    convention unless one is given. Pass the result as ``model_config`` to
-    ``build_thd_batch`` / ``ThdCollator`` to fix the convention of every batch.
+    convention unless one is given. Pass the result as ``vlm=`` to ``build_thd_batch`` /
+    ``ThdCollator`` / ``rebalance`` (it implements :class:`thdpack.batching.vision_family.VisionFamily`).
     """
     if hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions"):
         if mrope_convention is None:

@@ -1,9 +1,9 @@
 """Vision fields of a shared-prefix VLM batch: a group's prompt with images laid out once.
 
-``build_thd_batch(samples, share_prefix="group", model_config=cfg)`` builds the unshared batch of the
+``build_thd_batch(samples, share_prefix="group", vlm=family)`` builds the unshared batch of the
 samples first (vision attached: :func:`thdpack.vlm.vision_fields.attach_vision`), finds each group's
-prefix on it, and gathers the tree from it (:mod:`thdpack.batching.shared_prefix`). Two hooks of the
-vision extension (:mod:`thdpack.common.extensions`) come from here:
+prefix on it, and gathers the tree from it (:mod:`thdpack.batching.shared_prefix`). Two methods of a
+family (:class:`thdpack.batching.vision_family.VisionFamily`) come from here:
 
 - :func:`prefix_limit`: a prefix may not end inside an image or video (its placeholders would be
   split between the prefix and the members), and every image / video in it must be the same for all
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from thdpack.vlm.registry import get_family
 
 _KINDS = (  # (name, token type, pixels, grid, per-item sample index, per-item patch counts)
     ("image", 1, "pixel_values", "image_grid_thw", "image_sample_index", "image_patch_counts"),
@@ -65,11 +64,10 @@ def _items(flat, family, spec) -> _Items:
     return _Items(kind, sample, start, end, np.cumsum(rows) - rows, rows, grid)
 
 
-def prefix_limit(flat, model_config):
+def prefix_limit(flat, family):
     """``limit(members, p, declared, name) -> int`` for the groups of ``flat`` (the unshared batch, vision
     attached): the longest prefix ``<= p`` that ends on no image / video and whose images and videos are
     the same for all ``members``; a ``declared`` prefix that is not is a ``ValueError`` naming ``name``."""
-    family = get_family(model_config)
     tables = [(_items(flat, family, spec), flat.extras.get(spec[2])) for spec in _KINDS]
     spg = flat.extras.get("second_per_grid_ts")
     rope, cu = flat.token_extras["mrope_position_ids"].numpy(), flat.cu_seqlens.numpy().astype(np.int64)
@@ -132,7 +130,7 @@ def _first_difference(items: _Items, pixels, spg, a: int, b: int, cut: int) -> t
     return None, cut
 
 
-def attach_tree(tree, flat, model_config):
+def attach_tree(tree, flat, family):
     """Add the vision fields to the shared-prefix batch ``tree`` gathered from the unshared ``flat``
     (in place; returns it).
 
@@ -146,7 +144,6 @@ def attach_tree(tree, flat, model_config):
     ``vision_cu_seqlens``, ``num_image_segments``, ``vision_max_seqlen``. ``sample_vision_patches`` and
     ``rope_deltas`` stay per sample, as unshared.
     """
-    family = get_family(model_config)
     pt = tree.prefix_tree
     rows = pt.unshared_rows.numpy()
     total = int(tree.input_ids.numel())

@@ -1,8 +1,8 @@
 """Vision fields of a VLM pack: read and check each sample's pixels and grids,
 concatenate them in pack order, and add mRoPE rows and token types to the batch.
 
-Called by :func:`thdpack.build_thd_batch` (through :mod:`thdpack.common.extensions`) when
-``model_config`` is given, after the text stream is built; it reads the stream (so
+Called by :func:`thdpack.build_thd_batch` (as ``vlm.attach``, :meth:`thdpack.vlm.QwenVLFamily.attach`) when
+``vlm`` is given, after the text stream is built; it reads the stream (so
 ``max_length`` truncation and alignment padding are already applied) and never
 builds a ``[B, S]`` copy.
 """
@@ -18,7 +18,6 @@ from thdpack.common.samples import SampleError, get_field
 from thdpack.vlm.items import RopeItems
 from thdpack.vlm.convention import EXACT
 from thdpack.vlm.mrope import mrope_for_stream
-from thdpack.vlm.registry import get_family
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw")
@@ -51,8 +50,9 @@ class _PackGrids:
     video_counts: np.ndarray
 
 
-def attach_vision(batch, samples, model_config):
-    """Add the VLM fields to ``batch`` (in place; returns it).
+def attach_vision(batch, samples, family):
+    """Add the VLM fields of ``samples`` under ``family`` (a :class:`~thdpack.vlm.VlmFamily`) to ``batch``
+    (in place; returns it).
 
     ``batch.token_extras`` (per token, sharded by CP like ``input_ids``):
         ``mm_token_type_ids``: int32 ``[T]``, 0 text (and pad slots), 1 image, 2 video.
@@ -79,7 +79,6 @@ def attach_vision(batch, samples, model_config):
         ``mrope_convention``: the transformers rule the mRoPE rows follow
         (:mod:`thdpack.vlm.convention`).
     """
-    family = get_family(model_config)
     vision = _read_vision(list(samples), family)
     grids = _pack_grids(vision, batch.num_samples)
     rope = _stream_mrope(batch, family, vision, grids)

@@ -38,6 +38,7 @@ from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
 from thdpack.common.samples import IGNORE_INDEX
 from thdpack.common.values import PREFIX
+from thdpack.vlm.registry import get_family
 
 
 # ---------------------------------------------------------------------------- rows -> samples
@@ -109,11 +110,11 @@ class PackedRowCollator:
     samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
     holds the input rows of the samples; of a mixture's packs (a ``source_index`` column), ``source_index``
     holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
-    ``cp_group`` and ``model_config`` are those of :class:`thdpack.ThdCollator` (the
-    packs are planned already, so there are no planning arguments): text packs go straight from
-    their stored streams into the builder's kernels (:mod:`thdpack.offline.store.row_batch`), VLM and
-    shared-prefix packs through their samples and a ``ThdCollator`` built with them: the same batch.
-    ``sample_values``: the
+    and ``cp_group`` are those of :class:`thdpack.ThdCollator` (the packs are planned already, so
+    there are no planning arguments), and ``model_config`` (a VLM's config or family) gives its ``vlm=``:
+    text packs go straight from their stored streams into the builder's kernels
+    (:mod:`thdpack.offline.store.row_batch`), VLM and shared-prefix packs through their samples and a
+    ``ThdCollator`` built with them: the same batch. ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
 
@@ -139,8 +140,9 @@ class PackedRowCollator:
         self.share_prefix = share_prefix
         layout = layout_from("PackedRowCollator", layout, layout_keywords)
         share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
-        self.collator = ThdCollator(layout=layout, cp_group=cp_group, model_config=model_config, **share)
-        self._text = model_config is None and not share_prefix  # built straight from the rows' streams
+        vlm = None if model_config is None else get_family(model_config)  # a config (dict) or a family
+        self.collator = ThdCollator(layout=layout, cp_group=cp_group, vlm=vlm, **share)
+        self._text = vlm is None and not share_prefix  # built straight from the rows' streams
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):

@@ -178,12 +178,14 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
     """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`)
     and the build's ``model_config``, or None for a text build."""
     from thdpack.vlm import get_family, supported_model_types
-    from thdpack.common.extensions import vlm_config_problem
     from thdpack.common.model_config import config_first
 
-    if model_config is None or model_config.get("model_type") not in supported_model_types():
+    types = supported_model_types()
+    if model_config is None or model_config.get("model_type") not in types:
         if opts.vision_budget is not None or opts.image_processor is not None:
-            raise ConfigError(vlm_config_problem("vision_budget / image_processor", model_config))
+            got = "none" if model_config is None else repr(model_config.get("model_type"))
+            raise ConfigError(f"vision_budget / image_processor need a VLM model_config (model_type one of "
+                              f"{', '.join(types)}), got {got}")
         return None
     if (opts.images_field not in source.columns and opts.videos_field not in source.columns
             and not _rows_have_images(source, opts)
