@@ -1,6 +1,6 @@
-"""``PlanOptions``: the planning settings stated once, validated once, and taken alike by
-``plan_packs``, ``plan_balanced``, ``TokenBudgetBatchSampler``, ``StreamingPacker`` and
-``ThdCollator`` (``options=``, or the same keywords as before; not both)."""
+"""``PlanOptions``: the planning settings stated once, validated once, and taken alike, one way (keywords), by
+``plan_packs``, ``plan_balanced``, ``TokenBudgetBatchSampler``, ``StreamingPacker`` and ``ThdCollator``, which
+hold the options their keywords built (``.options``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import inspect
 import numpy as np
 import pytest
 
-from thdpack import (
-    PlanOptions, StreamingPacker, ThdCollator, TokenBudgetBatchSampler, plan_balanced, plan_packs,
-)
-from thdpack.planning.options import ALGORITHMS, PLAN_FIELDS
+from thdpack import StreamingPacker, ThdCollator, TokenBudgetBatchSampler, plan_balanced, plan_packs
+from thdpack.planning.options import ALGORITHMS, PLAN_FIELDS, PlanOptions
 
 LENGTHS = np.random.default_rng(0).integers(1, 200, 120)
 VISION = np.random.default_rng(1).integers(0, 50, 120)
@@ -61,55 +59,56 @@ def test_validated_once_with_the_messages_of_the_planners(keywords, message):
         plan_packs([1, 2], pack_size, **keywords)
 
 
-def test_plan_packs_and_plan_balanced_take_options_or_keywords_alike():
-    same_plan(plan_packs(LENGTHS, options=OPTIONS, vision_lengths=VISION), plan_packs(LENGTHS, **KEYWORDS,
-                                                                                      vision_lengths=VISION))
-    a = plan_balanced(LENGTHS, num_replicas=2, micro_batches=2, options=OPTIONS, vision_lengths=VISION)
+def test_plan_packs_and_plan_balanced_take_the_keywords_alike():
+    same_plan(plan_packs(LENGTHS, **OPTIONS.keywords(), vision_lengths=VISION),
+              plan_packs(LENGTHS, **KEYWORDS, vision_lengths=VISION))
+    a = plan_balanced(LENGTHS, num_replicas=2, micro_batches=2, vision_lengths=VISION, **OPTIONS.keywords())
     b = plan_balanced(LENGTHS, num_replicas=2, micro_batches=2, vision_lengths=VISION, **KEYWORDS)
     same_plan(a.plan, b.plan)
     np.testing.assert_array_equal(a.steps, b.steps)
     groups = np.arange(LENGTHS.size) // 2
     grouped = dataclasses.replace(OPTIONS, max_samples_per_pack=None, overflow="error", vision_budget=None)
-    same_plan(plan_packs(np.minimum(LENGTHS, 100), groups=groups, options=grouped),
+    same_plan(plan_packs(np.minimum(LENGTHS, 100), groups=groups, **grouped.keywords()),
               plan_packs(np.minimum(LENGTHS, 100), 256, groups=groups, algorithm="first_fit_shuffle", align=8, seed=4))
+
+
+def test_keywords_are_the_options_fields():
+    assert OPTIONS.keywords() == KEYWORDS and PlanOptions(**OPTIONS.keywords()) == OPTIONS
 
 
 def test_sampler_plans_every_epoch_with_its_options_and_the_epoch_seed():
     kw = dict(KEYWORDS, overflow="drop")
-    a = TokenBudgetBatchSampler(LENGTHS, vision_lengths=VISION, num_replicas=1, rank=0,
-                                options=PlanOptions(**kw))
+    a = TokenBudgetBatchSampler(LENGTHS, vision_lengths=VISION, num_replicas=1, rank=0, **kw)
     b = TokenBudgetBatchSampler(LENGTHS, vision_lengths=VISION, num_replicas=1, rank=0, **kw)
     assert a.options == b.options == PlanOptions(**kw)
     assert (list(a), list(a)) == (list(b), list(b))
     assert a.state_dict() == b.state_dict()  # the same fingerprint
-    same_plan(a.plan(1), plan_packs(LENGTHS, vision_lengths=VISION, options=dataclasses.replace(a.options, seed=5)))
+    same_plan(a.plan(1), plan_packs(LENGTHS, vision_lengths=VISION, **dict(kw, seed=5)))
     assert a.plan(0).sample_index.tolist() != a.plan(1).sample_index.tolist()  # first_fit_shuffle: the seed counts
     assert a.max_length == a.options.usable_length == 256
 
 
 def test_stream_takes_the_options_it_uses_and_refuses_the_others():
     samples = [{"input_ids": np.arange(int(n))} for n in LENGTHS[:50]]
-    options = PlanOptions(128, align=4, overflow="split", max_samples_per_pack=3)
-    a = StreamingPacker(samples, options=options, buffer_size=4, num_replicas=1, rank=0)
-    b = StreamingPacker(samples, 128, align=4, overflow="split", max_samples_per_pack=3, buffer_size=4,
+    a = StreamingPacker(samples, 128, align=4, overflow="split", max_samples_per_pack=3, buffer_size=4,
                         num_replicas=1, rank=0)
-    assert [[len(s["input_ids"]) for s in p] for p in a] == [[len(s["input_ids"]) for s in p] for p in b]
-    assert a.state_dict()["fingerprint"] == b.state_dict()["fingerprint"]
+    assert a.options == PlanOptions(128, align=4, overflow="split", max_samples_per_pack=3)
+    packs = [[len(s["input_ids"]) for s in p] for p in a]
+    assert all(len(p) <= 3 and sum(-(-n // 4) * 4 for n in p) <= 128 for p in packs)
+    assert sum(map(sum, packs)) == int(LENGTHS[:50].sum())  # split: every token kept
     for changed in (dict(algorithm="ffd"), dict(seed=1), dict(vision_budget=10)):
-        with pytest.raises(ValueError, match=rf"^StreamingPacker does not use the options {list(changed)[0]}="):
-            StreamingPacker(samples, options=PlanOptions(128, **changed), num_replicas=1, rank=0)
-    with pytest.raises(TypeError, match=r"StreamingPacker\(\) got unexpected keyword argument\(s\) 'algorithm'"):
-        StreamingPacker(samples, 128, algorithm="ffd", num_replicas=1, rank=0)
+        with pytest.raises(TypeError, match=rf"StreamingPacker\(\) got unexpected keyword argument\(s\) "
+                                            rf"'{list(changed)[0]}'"):
+            StreamingPacker(samples, 128, num_replicas=1, rank=0, **changed)
 
 
 def test_collator_plans_with_the_layouts_multiple_as_align():
     samples = [{"input_ids": list(range(int(n)))} for n in LENGTHS[:30]]
-    a = ThdCollator(options=PlanOptions(256, overflow="truncate", seed=2, algorithm="first_fit_shuffle"), cp_size=2)
     b = ThdCollator(pack_size=256, overflow="truncate", seed=2, algorithm="first_fit_shuffle", cp_size=2)
-    assert a.options == b.options and a.options.align == 4
-    assert [x.sample_index.tolist() for x in a(samples)] == [x.sample_index.tolist() for x in b(samples)]
-    with pytest.raises(ValueError, match=r"pad multiple \(4\) as align, but options has align=8; leave it at 1"):
-        ThdCollator(options=PlanOptions(256, align=8), cp_size=2)
+    assert b.options == PlanOptions(256, overflow="truncate", seed=2, algorithm="first_fit_shuffle", align=4)
+    lengths = [len(s["input_ids"]) for s in samples]
+    want = plan_packs(lengths, **b.options.keywords())
+    assert [x.sample_index.tolist() for x in b(samples)] == [want.pack(k).tolist() for k in range(len(want))]
     with pytest.raises(TypeError, match=r"got unexpected keyword argument\(s\) 'align'"):
         ThdCollator(pack_size=256, align=4)
     with pytest.raises(TypeError, match=r"planning keyword\(s\) \['overflow'\] without pack_size"):
@@ -124,18 +123,15 @@ def test_collator_plans_with_the_layouts_multiple_as_align():
     lambda **kw: StreamingPacker([], num_replicas=1, rank=0, **kw),
     lambda **kw: ThdCollator(**kw),
 ])
-def test_options_and_keywords_at_once_is_a_type_error_naming_the_clash(make):
-    make(options=PlanOptions(8))  # options alone
-    with pytest.raises(TypeError, match=r"\(\) takes options= or the planning keywords \['overflow', 'pack_size'\], "
-                                        r"not both$"):
-        make(options=PlanOptions(8), pack_size=8, overflow="drop")
-    with pytest.raises(TypeError, match=r"options must be a thdpack.PlanOptions, got dict"):
-        make(options={"pack_size": 8})
+def test_an_options_object_is_not_a_second_way_in(make):
+    make(pack_size=8, overflow="drop")  # the keywords
+    with pytest.raises(TypeError, match=r"\(\) got unexpected keyword argument\(s\) 'options'$"):
+        make(options=PlanOptions(8), pack_size=8)
 
 
-def test_every_planner_takes_the_options_by_one_name():
+def test_every_planner_takes_the_options_one_way():
     for planner in (plan_packs, plan_balanced, TokenBudgetBatchSampler, StreamingPacker, ThdCollator):
         parameters = inspect.signature(planner).parameters
-        assert parameters["options"].default is None
+        assert "options" not in parameters, planner
         assert not set(PLAN_FIELDS[1:]) & set(parameters), planner  # the keywords come from PlanOptions' fields
     assert set(ALGORITHMS) == {"bfd", "ffd", "first_fit_shuffle", "sequential"}

@@ -19,7 +19,7 @@ from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_a
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
-from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
+from thdpack.planning.options import PLAN_FIELDS, PlanOptions, plan_options
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 
@@ -114,13 +114,11 @@ class ThdCollator:
             Without an SP rank, the whole batch, its stream padded to the Ulysses multiple
             (:func:`thdpack.parallel.ulysses.pad_for_ulysses`: for an adapter that cuts the slices
             itself, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` does).
-        options, **plan_keywords: to plan the samples of a call into packs of at most
-            ``pack_size`` tokens (after alignment): a :class:`thdpack.PlanOptions`, or its
-            fields as keywords (``pack_size``, ``algorithm``, ``overflow``,
-            ``max_samples_per_pack``, ``seed``, ``vision_budget``; see
-            :func:`thdpack.plan_packs`), not both. The call then returns a
-            :class:`PackedBatches` list, one batch per pack. ``align`` is the layout's pad
-            multiple (``options.align`` must be 1 or equal to it); ``vision_budget`` keeps each
+        **plan_keywords: to plan the samples of a call into packs of at most ``pack_size`` tokens
+            (after alignment): the planning keywords ``pack_size``, ``algorithm``, ``overflow``,
+            ``max_samples_per_pack``, ``seed``, ``vision_budget`` (see :func:`thdpack.plan_packs`).
+            The call then returns a :class:`PackedBatches` list, one batch per pack. ``align`` is the
+            layout's pad multiple; ``vision_budget`` keeps each
             pack under that many vision patches. With the layout's ``max_num_seqs``, a pack holds at
             most that many samples (``max_samples_per_pack`` is capped to it). Without ``pack_size``,
             no planning.
@@ -143,7 +141,7 @@ class ThdCollator:
             whole batch is built (a ``cp_rank`` is applied by :func:`thdpack.shard_for_ulysses`).
         ulysses_sp_size, ulysses_rank: the Ulysses SP size and rank (from ``sp_group``); ``1, None``
             without Ulysses, ``ulysses_rank`` None for the whole padded batch.
-        options: the :class:`thdpack.PlanOptions` each call is planned with (``align`` the
+        options: the :class:`~thdpack.planning.options.PlanOptions` each call is planned with (``align`` the
             layout's multiple), or None without planning.
     """
 
@@ -151,7 +149,6 @@ class ThdCollator:
         self,
         *,
         layout: BatchLayout | None = None,
-        options: PlanOptions | None = None,
         cp_group=None,
         ulysses_sp_size: int = 1,
         ulysses_rank: int | None = None,
@@ -167,7 +164,7 @@ class ThdCollator:
         layout = layout_from("ThdCollator", layout, keywords)  # validated now, rather than in a worker
         self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
         check_vlm(vlm, "ThdCollator")
-        self.options = _cap_samples(_collator_options(options, plan_keywords, self.layout.multiple),
+        self.options = _cap_samples(_collator_options(plan_keywords, self.layout.multiple),
                                     self.layout.max_num_seqs)
         if self.options is not None:
             check_kernel_limits(self.options)
@@ -210,7 +207,7 @@ class ThdCollator:
             flat = build_batch(samples, flat_layout(self.layout), stacklevel=3)
             per_sample["shared_prefix"] = group_prefixes(flat, samples, self.group_field,
                                                          self.build_kwargs["min_prefix_len"], self.layout.multiple)
-        plan = plan_packs(lengths, options=self.options, **per_sample)
+        plan = plan_packs(lengths, **self.options.keywords(), **per_sample)
         batches = [self._build_pack(plan, samples, source, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)
 
@@ -257,22 +254,16 @@ def _share_fields(share_prefix, min_prefix_len, group_field, layout: BatchLayout
     return share_prefix
 
 
-def _collator_options(options: PlanOptions | None, plan_keywords: dict, multiple: int) -> PlanOptions | None:
+def _collator_options(plan_keywords: dict, multiple: int) -> PlanOptions | None:
     """The :class:`PlanOptions` a collator plans each call with, aligned to the layout's pad
-    ``multiple``; None when neither ``options`` nor a ``pack_size`` is given."""
-    if options is None:
-        if plan_keywords.get("pack_size") is None:
-            unused = sorted(name for name in plan_keywords if name != "pack_size")
-            if unused:
-                raise TypeError(f"ThdCollator() got the planning keyword(s) {unused} without pack_size; give "
-                                "pack_size= (or options=) to plan each call into packs, or drop them")
-            return None
-        return PlanOptions(**plan_keywords, align=multiple)
-    options = options_from("ThdCollator", options, plan_keywords, fields=_PLAN_KEYWORDS)
-    if options.align not in (1, multiple):
-        raise ValueError(f"ThdCollator plans with its layout's pad multiple ({multiple}) as align, but options has "
-                         f"align={options.align}; leave it at 1 or give {multiple}")
-    return dataclasses.replace(options, align=multiple)
+    ``multiple``; None without a ``pack_size``."""
+    if plan_keywords.get("pack_size") is None:
+        unused = sorted(name for name in plan_keywords if name != "pack_size")
+        if unused:
+            raise TypeError(f"ThdCollator() got the planning keyword(s) {unused} without pack_size; give "
+                            "pack_size= to plan each call into packs, or drop them")
+        return None
+    return plan_options("ThdCollator", {**plan_keywords, "align": multiple})
 
 
 def _cap_samples(options: PlanOptions | None, max_num_seqs: int | None) -> PlanOptions | None:

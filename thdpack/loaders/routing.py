@@ -125,7 +125,8 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     prefix = None if records[0].prefix is None else np.concatenate([r.prefix for r in records]).astype(np.int64)
     try:
         plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
-                             shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True, options=options)
+                             shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True,
+                             **options.keywords())
     except ValueError as exc:
         raise ValueError(f"rebalance: {exc} (samples are numbered rank by rank: rank r's first local sample is "
                          f"global sample offsets[r], offsets {offsets[:-1].tolist()[:16]})") from None

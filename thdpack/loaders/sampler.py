@@ -12,7 +12,7 @@ from torch.utils.data import Sampler
 
 from thdpack.common.align import check_bool, check_int, check_positive_int, integer_array
 from thdpack.planning.balance import BalancedPlan, CostModel, plan_balanced
-from thdpack.planning.options import PlanOptions, options_from
+from thdpack.planning.options import plan_options
 from thdpack.planning.plan import PackPlan, plan_packs, validate_lengths
 
 
@@ -50,14 +50,14 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     Args (in full: docs/loaders.md, "TokenBudgetBatchSampler: arguments"):
         lengths: ``[n]`` token count of every dataset row.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its fields as keywords, not
-            both (``overflow="split"`` is not available); epoch e is planned with ``seed + e``.
+        pack_size, **plan_keywords: the planning keywords, as in :func:`thdpack.plan_packs`
+            (``overflow="split"`` is not available); epoch e is planned with ``seed + e``.
         shuffle, num_replicas, rank, drop_last: seeded pack order; the data-parallel world; drop partial steps.
         balance, micro_batches, cost: ``"compute"``: equal rank costs per step, ``micro_batches`` packs each.
         vision_lengths, groups, shared_prefix: ``[n]`` vision patches, group ids and shared prefixes per row.
 
     Attributes:
-        options: the :class:`thdpack.PlanOptions` every epoch is planned with (its ``seed`` plus the epoch).
+        options: the :class:`~thdpack.planning.options.PlanOptions` every epoch is planned with (its ``seed`` plus the epoch).
     """
 
     def __init__(
@@ -75,12 +75,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         vision_lengths: Sequence[int] | np.ndarray | None = None,
         groups: Sequence[int] | np.ndarray | None = None,
         shared_prefix: Sequence[int] | np.ndarray | None = None,
-        options: PlanOptions | None = None,
         **plan_keywords,
     ):
         if balance not in (None, "compute"):
             raise ValueError(f"balance must be None or 'compute', got {balance!r}")
-        self.options = options_from("TokenBudgetBatchSampler", options, {"pack_size": pack_size, **plan_keywords})
+        self.options = plan_options("TokenBudgetBatchSampler", {"pack_size": pack_size, **plan_keywords})
         if self.options.overflow == "split":
             raise ValueError(
                 "TokenBudgetBatchSampler yields whole dataset rows, so overflow='split' is not possible here; "
@@ -129,12 +128,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             if self.balance == "compute":
                 balanced = plan_balanced(
                     self.lengths, num_replicas=self.num_replicas, micro_batches=self.micro_batches, cost=self.cost,
-                    shuffle_steps=self.shuffle, options=options, **per_row,
+                    shuffle_steps=self.shuffle, **options.keywords(), **per_row,
                 )
                 plan = balanced.plan
                 schedules = balanced.steps.transpose(1, 0, 2).reshape(self.num_replicas, -1)
             else:
-                plan = plan_packs(self.lengths, options=options, **per_row)
+                plan = plan_packs(self.lengths, **options.keywords(), **per_row)
                 order = np.arange(len(plan))
                 if self.shuffle:
                     order = np.random.default_rng([self.seed, epoch]).permutation(len(plan))

@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from thdpack.common.align import check_bool, check_int, round_up
 from thdpack.loaders.collate import with_sample_index
-from thdpack.planning.options import PLAN_FIELDS, PlanOptions, options_from
+from thdpack.planning.options import plan_options
 from thdpack.planning.packing import PACK_TOTALS_KEYS, PackStats, PackTotals, cut_overflow
 from thdpack.loaders.sampler import check_state_dict, distributed_default
 from thdpack.common.samples import SampleError, check_sample_stream, get_field, slice_sample, to_int_array
@@ -30,8 +30,8 @@ class _OpenPack:
     real_tokens: int = 0
 
 
-_STREAM_OPTIONS = ("pack_size", "align", "overflow", "max_samples_per_pack")  # the PlanOptions a stream uses
-_NOT_STREAM_OPTIONS = tuple(name for name in PLAN_FIELDS if name not in _STREAM_OPTIONS)  # must keep defaults
+# the planning keywords a stream takes (best fit over its open packs: no algorithm, seed or vision budget)
+_STREAM_OPTIONS = ("pack_size", "align", "overflow", "max_samples_per_pack")
 
 
 def _default_length(sample, index: int) -> int:
@@ -54,8 +54,8 @@ class StreamingPacker(IterableDataset):
     Args:
         samples: any iterable of samples (mappings with ``input_ids``); iterating
             it again must give the same samples in the same order.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its ``pack_size``, ``align``,
-            ``overflow``, ``max_samples_per_pack`` as keywords, not both (docs/loaders.md).
+        pack_size, **plan_keywords: the planning keywords ``pack_size``, ``align``, ``overflow``,
+            ``max_samples_per_pack`` (docs/loaders.md).
         buffer_size: most packs held open at once (memory and reordering bound).
             Larger buffers pack tighter; see ``benchmarks/balance.py``.
         length_fn: ``(sample, index) -> int`` token count (default: ``len(input_ids)``): an
@@ -79,14 +79,10 @@ class StreamingPacker(IterableDataset):
         skip_consumed: bool = True,
         num_replicas: int | None = None,
         rank: int | None = None,
-        options: PlanOptions | None = None,
         **plan_keywords,
     ):
         check_sample_stream(samples, "StreamingPacker")
-        options = options_from("StreamingPacker", options, {"pack_size": pack_size, **plan_keywords},
-                               fields=_STREAM_OPTIONS)
-        options.check_unused("StreamingPacker", _NOT_STREAM_OPTIONS,
-                             "a stream is packed by best fit over its open packs, without a vision budget")
+        options = plan_options("StreamingPacker", {"pack_size": pack_size, **plan_keywords}, fields=_STREAM_OPTIONS)
         check_int(buffer_size, "buffer_size", 1)
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"length_fn must be a function (sample, index) -> int, got {type(length_fn).__name__}")

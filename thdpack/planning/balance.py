@@ -22,7 +22,7 @@ import numpy as np
 
 from thdpack.common.align import check_bool, check_number, check_positive_int, round_up
 from thdpack.common.jit import njit
-from thdpack.planning.options import PlanOptions, options_from
+from thdpack.planning.options import PlanOptions, plan_options
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
 from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
@@ -187,7 +187,6 @@ def plan_balanced(
     groups=None,
     shared_prefix=None,
     fillers: bool = False,
-    options: PlanOptions | None = None,
     **plan_keywords,
 ) -> BalancedPlan:
     """Plan packs and deal them to ``num_replicas`` ranks × ``micro_batches`` per step.
@@ -197,8 +196,7 @@ def plan_balanced(
 
     Args:
         lengths, vision_lengths: as in :func:`thdpack.plan_packs`.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions` or its fields as
-            keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
+        pack_size, **plan_keywords: the planning keywords (``pack_size``, ``algorithm``, ``align``, ``overflow``,
             ``max_samples_per_pack``, ``seed``, ``vision_budget``), as in :func:`thdpack.plan_packs`.
         num_replicas, micro_batches: data-parallel ranks ``R``; packs per rank per step ``M``.
         cost: a :class:`CostModel` or ``(linear, quadratic)``.
@@ -223,14 +221,14 @@ def plan_balanced(
     check_positive_int(micro_batches, "micro_batches")
     num_replicas, micro_batches = int(num_replicas), int(micro_batches)
     cost = CostModel.of(cost)
-    options = options_from("plan_balanced", options, {"pack_size": pack_size, **plan_keywords})
+    options = plan_options("plan_balanced", {"pack_size": pack_size, **plan_keywords})
     shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
                  shuffle_steps=check_bool(shuffle_steps, "shuffle_steps"), fillers=check_bool(fillers, "fillers"))
     split = None if groups is None else _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
     if split is not None and split.big.any():  # some group needs several packs
         return _plan_bundles(split, options, **shape)
     plan = plan_packs(lengths, vision_lengths=vision_lengths, groups=groups, shared_prefix=shared_prefix,
-                      options=options)
+                      **options.keywords())
     return _plan_whole_groups(plan, split, options, **shape)
 
 
@@ -594,7 +592,7 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
     :func:`thdpack.planning.spread.recut`. The plan is then scheduled by :func:`_bundle_steps`.
     """
     small = np.flatnonzero(~split.big[split.group_of])
-    small_plan = plan_packs(split.lengths[small], groups=split.gid[small], options=options,
+    small_plan = plan_packs(split.lengths[small], groups=split.gid[small], **options.keywords(),
                             vision_lengths=None if split.vision is None else split.vision[small],
                             shared_prefix=None if split.prefix is None else split.prefix[small])
     big = _pack_big_groups(split, options, micro_batches)

@@ -23,7 +23,7 @@ import numpy as np
 from thdpack.common.align import check_int, round_up
 from thdpack.common.jit import njit
 from thdpack.planning import binpack
-from thdpack.planning.options import PlanOptions, options_from
+from thdpack.planning.options import plan_options
 from thdpack.planning.packing import PackStats, cut_overflow
 from thdpack.planning.plan import PackPlan, validate_lengths
 
@@ -482,7 +482,7 @@ def interleave_keys(source: np.ndarray, units: np.ndarray, num_sources: int,
 
 
 def plan_stratified(lengths, sources, pack_size: int | None = None, *, step_packs: int = 1,
-                    weight_by: str = "samples", options: PlanOptions | None = None, **plan_keywords) -> PackPlan:
+                    weight_by: str = "samples", **plan_keywords) -> PackPlan:
     """Packs that keep the blend: every step of ``step_packs`` consecutive packs is filled from the blend's
     next samples, so each step holds close to the blend's shares.
 
@@ -498,9 +498,8 @@ def plan_stratified(lengths, sources, pack_size: int | None = None, *, step_pack
     Args:
         lengths: ``[n]`` token counts (each >= 1), e.g. ``MixturePlan.lengths``.
         sources: ``[n]`` integer source of every sample (>= 0), e.g. ``MixturePlan.source``.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or its fields as keywords:
-            ``pack_size``, ``align``, ``overflow``, ``max_samples_per_pack`` as in
-            :func:`thdpack.plan_packs`; ``algorithm``, ``seed`` and ``vision_budget`` keep their defaults.
+        pack_size, **plan_keywords: the planning keywords ``pack_size``, ``align``, ``overflow``,
+            ``max_samples_per_pack`` as in :func:`thdpack.plan_packs`; ``algorithm``, ``seed`` and ``vision_budget`` keep their defaults.
         step_packs: packs per step (an integer >= 1): the packs of one optimizer step (data-parallel ranks ×
             micro-batches), each step close to the blend.
         weight_by: what the blend's shares count: ``"samples"`` or ``"tokens"``.
@@ -509,7 +508,7 @@ def plan_stratified(lengths, sources, pack_size: int | None = None, *, step_pack
         A :class:`thdpack.PackPlan` (``algorithm="stratified"``) over the samples' positions, packs in step
         order; pieces within a pack by position.
     """
-    options = options_from("plan_stratified", options, {"pack_size": pack_size, **plan_keywords})
+    options = plan_options("plan_stratified", {"pack_size": pack_size, **plan_keywords})
     options.check_unused("plan_stratified", ("algorithm", "seed", "vision_budget"),
                          "it fills every step by best fit from the blend's next samples, without a vision budget")
     check_int(step_packs, "step_packs", 1)

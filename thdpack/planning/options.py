@@ -2,8 +2,8 @@
 
 :class:`PlanOptions` is what every planner shares. :func:`thdpack.plan_packs`,
 :func:`thdpack.plan_balanced`, :class:`thdpack.TokenBudgetBatchSampler`,
-:class:`thdpack.StreamingPacker` and :class:`thdpack.ThdCollator` take one (``options=``) or
-its fields as keywords (:func:`options_from`), and hold the one they built. Per-sample data
+:class:`thdpack.StreamingPacker` and :class:`thdpack.ThdCollator` take its fields as keywords
+(:func:`plan_options` builds it) and hold the one they built (``.options``). Per-sample data
 (``lengths``, ``vision_lengths``, ``groups``) is not an option: it is passed beside them.
 """
 
@@ -69,6 +69,10 @@ class PlanOptions:
                     f"pack_size · vision_budget must be < 2**56, got {self.pack_size} · {self.vision_budget}"
                 )
 
+    def keywords(self) -> dict:
+        """The fields as the keywords of :func:`thdpack.plan_packs` (what built these options)."""
+        return {name: getattr(self, name) for name in PLAN_FIELDS}
+
     def check_unused(self, owner: str, names: tuple[str, ...], why: str) -> None:
         """``ValueError`` naming the fields of ``names`` that differ from their defaults:
         ``owner`` does not use them (``why`` says so)."""
@@ -85,20 +89,10 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanOptions) if f.init)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions) if f.init}
 
 
-def options_from(owner: str, options: PlanOptions | None, keywords: dict, *,
-                 fields: tuple[str, ...] = PLAN_FIELDS) -> PlanOptions:
-    """``options``, or one built from ``keywords`` (the :class:`PlanOptions` fields among ``fields``
-    that a caller of ``owner`` passed; ``pack_size=None`` counts as not passed when ``options`` is
-    given). ``TypeError`` naming ``owner`` for unknown keywords, for both at once, or for an
-    ``options`` that is not a :class:`PlanOptions`."""
+def plan_options(owner: str, keywords: dict, *, fields: tuple[str, ...] = PLAN_FIELDS) -> PlanOptions:
+    """The :class:`PlanOptions` of ``keywords``: the fields among ``fields`` that a caller of ``owner``
+    passed. ``TypeError`` naming ``owner`` for any other keyword."""
     unknown = sorted(set(keywords) - set(fields))
     if unknown:
         raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-    if options is None:
-        return PlanOptions(**keywords)
-    if not isinstance(options, PlanOptions):
-        raise TypeError(f"{owner}(): options must be a thdpack.PlanOptions, got {type(options).__name__}")
-    clash = sorted(name for name, value in keywords.items() if not (name == "pack_size" and value is None))
-    if clash:
-        raise TypeError(f"{owner}() takes options= or the planning keywords {clash}, not both")
-    return options
+    return PlanOptions(**keywords)

@@ -16,7 +16,7 @@ import numpy as np
 
 from thdpack.planning import binpack
 from thdpack.common.align import INT64_MAX, check_int, first_non_int64, round_up
-from thdpack.planning.options import PlanOptions, options_from
+from thdpack.planning.options import PlanOptions, plan_options
 from thdpack.planning.packing import PackStats, cut_overflow
 from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
 from thdpack.common.samples import SampleError
@@ -143,20 +143,17 @@ def plan_packs(
     vision_lengths: Sequence[int] | np.ndarray | None = None,
     groups: Sequence[int] | np.ndarray | None = None,
     shared_prefix: Sequence[int] | np.ndarray | None = None,
-    options: PlanOptions | None = None,
     **plan_keywords,
 ) -> PackPlan:
-    """Plan packs of at most ``pack_size`` tokens from sample lengths.
-
-    ``plan_packs(lengths, 4096, align=8, overflow="truncate")`` is
-    ``plan_packs(lengths, options=PlanOptions(4096, align=8, overflow="truncate"))``.
+    """Plan packs of at most ``pack_size`` tokens from sample lengths:
+    ``plan_packs(lengths, 4096, align=8, overflow="truncate")``.
 
     Args:
         lengths: ``[n]`` integer token counts, each >= 1.
-        pack_size, options, **plan_keywords: a :class:`thdpack.PlanOptions`, or its fields as
-            keywords (``pack_size``; ``algorithm="bfd"``, ``align=1``, ``overflow="error"``,
+        pack_size, **plan_keywords: the fields of :class:`thdpack.planning.options.PlanOptions`
+            (``pack_size``; ``algorithm="bfd"``, ``align=1``, ``overflow="error"``,
             ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``; each documented
-            there), not both. ``algorithm``: ``"bfd"`` best-fit decreasing over the whole input
+            there). ``algorithm``: ``"bfd"`` best-fit decreasing over the whole input
             (global, not windowed), ``"ffd"`` first-fit decreasing, ``"first_fit_shuffle"``
             (first fit in an order randomised by ``seed``, for curricula that must not sort)
             or ``"sequential"`` (next fit in input order). ``overflow``: a sample whose
@@ -188,7 +185,7 @@ def plan_packs(
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
         (then by start, for split samples).
     """
-    options = options_from("plan_packs", options, {"pack_size": pack_size, **plan_keywords})
+    options = plan_options("plan_packs", {"pack_size": pack_size, **plan_keywords})
     if shared_prefix is not None and groups is None:
         raise ValueError("shared_prefix needs groups=: a prefix is shared by the samples of one group (one pack)")
     if groups is not None:
@@ -295,7 +292,7 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_p
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
         _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
-    outer = plan_packs(group_sizes, vision_lengths=group_vision, options=replace(options, align=1))
+    outer = plan_packs(group_sizes, vision_lengths=group_vision, **replace(options, align=1).keywords())
     members = np.argsort(group_of, kind="stable")  # members of group g, by input index, are contiguous
     member_counts = np.bincount(group_of, minlength=num_groups)
     member_start = np.cumsum(member_counts) - member_counts
