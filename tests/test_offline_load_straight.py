@@ -1,9 +1,11 @@
-"""Stored text packs load straight (issue 44): ``PackedRowCollator`` builds the batch from the stored
-row's streams (thdpack/offline/store/row_batch.py), never splitting it into samples. Over every row of
-real builds (the demo with a loss mask; CP 2 with labels; a two-source mixture with per-sample values),
+"""Stored packs load straight (issue 44): ``PackedRowCollator`` builds the batch from the stored
+row's streams (thdpack/offline/store/row_batch.py), never splitting it into samples; a VLM pack's vision
+fields come from views of the row. Over every row of real builds (the demo with a loss mask; CP 2 with
+labels; a two-source mixture with per-sample values; Qwen2-VL and Qwen2.5-VL builds with images, CP 1 and 2),
 alone and several at once, with layout overrides (CP ranks, a pad multiple, a ``max_length`` that cuts),
 its batch equals, field by field and dtype by dtype, the route it replaced: the row's samples
-(``unpack_row``) through a ``ThdCollator``, then the stored ``sample_index`` / ``source_index`` patched in.
+(``unpack_row``) through a ``ThdCollator`` (with the VLM family), then the stored ``sample_index`` /
+``source_index`` patched in.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-rows", "300", "-
 def rejoined(collator, rows: list[dict]):
     """The batch of ``rows`` by the route before issue 44: their samples through a ``ThdCollator``."""
     samples = [s for row in rows for s in unpack_row(row)]
-    batch = ThdCollator(layout=collator.collator.layout)(samples)
+    batch = ThdCollator(layout=collator.collator.layout, vlm=collator._vlm)(samples)
     index = np.concatenate([np.asarray(row["sample_index"], np.int64) for row in rows])
     batch = dataclasses.replace(batch, sample_index=torch.from_numpy(index))
     if all(SOURCE_COLUMN in row for row in rows):
@@ -135,3 +137,59 @@ def test_bad_rows_are_refused_as_before(demo):
     short = dict(demo[0], loss_mask=demo[0]["loss_mask"][:-1])
     with pytest.raises(ValueError, match="'loss_mask' has"):
         collator(short)
+
+
+# --------------------------------------------------------------------------- VLM packs
+
+
+@pytest.fixture(scope="module")
+def vlm_builds(tmp_path_factory):
+    """Small VLM builds of tests/test_offline_vlm.py's chat rows with generated images: Qwen2-VL and
+    Qwen2.5-VL, and Qwen2-VL planned for CP 2."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("PIL.Image")
+    from test_offline_vlm import assets as assets_fixture, cfg
+    from thdpack.offline import build_packed
+
+    assets = assets_fixture.__wrapped__(tmp_path_factory)
+    out = tmp_path_factory.mktemp("vlm-builds")
+    return {name: load_packed(build_packed(cfg(assets, family, **kw), out / name, progress=False).path)
+            for name, family, kw in [("qwen2_vl", "qwen2_vl", {}), ("qwen2_5_vl", "qwen2_5_vl", {}),
+                                     ("cp2", "qwen2_vl", {"cp_size": 2})]}
+
+
+@pytest.mark.parametrize(("build_name", "overrides"), [
+    ("qwen2_vl", {}), ("qwen2_vl", {"pad_multiple": 16}), ("qwen2_5_vl", {}), ("cp2", {}), ("cp2", {"cp_rank": 0}),
+    ("cp2", {"cp_rank": 1}), ("qwen2_vl", {"model_config": None})], ids=str)
+def test_vlm_packs_load_as_their_samples_collated(vlm_builds, build_name, overrides):
+    ds = vlm_builds[build_name]
+    assert "image_counts" in ds.columns and any(ds[k]["image_counts"].any() for k in range(len(ds)))
+    check_rows(ds, **overrides)
+
+
+def test_vlm_batches_own_their_pixels(vlm_builds):
+    """The row's pixels are read-only views of the memory-mapped file; a batch's are its own copy, also
+    where one sample holds all of them."""
+    ds = vlm_builds["qwen2_vl"]
+    collator = ds.collator()
+    for k in range(len(ds)):
+        row = ds[k]
+        pixels = collator(row).extras["pixel_values"]
+        if pixels is not None:
+            assert not np.shares_memory(pixels.numpy(), row["pixel_values"]), k
+            pixels.add_(0)  # writable
+
+
+def test_vlm_rows_are_refused_as_before(vlm_builds):
+    """A cut through an image and a damaged vision column fail as the samples' route does."""
+    ds = vlm_builds["qwen2_vl"]
+    collator = ds.collator(max_length=8)
+    k = next(k for k in range(len(ds)) if ds[k]["image_counts"].any())
+    with pytest.raises(ValueError) as got:
+        collator(ds[k])
+    with pytest.raises(ValueError) as want:
+        rejoined(collator, [ds[k]])
+    assert str(got.value) == str(want.value)
+    bad = dict(ds[k], image_counts=ds[k]["image_counts"][:-1])
+    with pytest.raises(ValueError, match="image_counts has"):
+        ds.collator()(bad)

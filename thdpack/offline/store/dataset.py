@@ -112,9 +112,10 @@ class PackedRowCollator:
     holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
     and ``cp_group`` are those of :class:`thdpack.ThdCollator` (the packs are planned already, so
     there are no planning arguments), and ``model_config`` (a VLM's config or family) gives its ``vlm=``:
-    text packs go straight from their stored streams into the builder's kernels
-    (:mod:`thdpack.offline.store.row_batch`), VLM and shared-prefix packs through their samples and a
-    ``ThdCollator`` built with them: the same batch. ``sample_values``: the
+    packs go straight from their stored streams into the builder's kernels
+    (:mod:`thdpack.offline.store.row_batch`; a VLM pack's vision fields from views of the row),
+    shared-prefix packs through their samples and a ``ThdCollator`` built with them: the same batch.
+    ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
 
@@ -142,12 +143,12 @@ class PackedRowCollator:
         share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
         vlm = None if model_config is None else get_family(model_config)  # a config (dict) or a family
         self.collator = ThdCollator(layout=layout, cp_group=cp_group, vlm=vlm, **share)
-        self._text = vlm is None and not share_prefix  # built straight from the rows' streams
+        self._vlm = vlm
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):
             rows = [rows]
-        if self._text and rows and all(isinstance(row, Mapping) and "image_counts" not in row for row in rows):
+        if not self.share_prefix and rows and all(isinstance(row, Mapping) for row in rows):
             batch = self._straight(rows)
         else:
             batch = self._rejoined(rows)
@@ -156,19 +157,21 @@ class PackedRowCollator:
         return batch
 
     def _straight(self, rows) -> ThdBatch:
-        """The batch of text packs ``rows``, built from their stored streams (:mod:`.row_batch`)."""
-        parts, index = [], []
+        """The batch of ``rows`` (text or VLM packs), built from their stored streams (:mod:`.row_batch`)."""
+        parts, index, vision = [], [], []
         for i, row in enumerate(rows):
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
             parts.append(_row_tokens(row))
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
+            vision.extend(_row_vision(row, parts[-1][1].size))
         batch = rows_batch(parts, self.collator.layout, sample_index=np.concatenate(index),
-                           sources=(lambda: _row_sources(rows)) if all(SOURCE_COLUMN in row for row in rows) else None)
+                           sources=(lambda: _row_sources(rows)) if all(SOURCE_COLUMN in row for row in rows) else None,
+                           vlm=self._vlm, vision=vision)
         warn_if_no_targets(batch, 4)  # the frame that called the collator
-        return batch
+        return _own_pixels(batch, vision)
 
     def _rejoined(self, rows) -> ThdBatch:
-        """The batch of ``rows`` (VLM or shared-prefix packs) built from their samples by ``self.collator``."""
+        """The batch of ``rows`` (shared-prefix packs) built from their samples by ``self.collator``."""
         samples, index = [], []
         for i, row in enumerate(rows):  # pixels: views of the rows, copied once by the collator's concatenation
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
@@ -180,6 +183,16 @@ class PackedRowCollator:
         if all(SOURCE_COLUMN in row for row in rows):  # a mixture's packs: each sample's source
             batch = dataclasses.replace(batch, source_index=torch.from_numpy(_row_sources(rows)))
         return batch
+
+
+def _row_vision(row: Mapping, n: int) -> list[dict]:
+    """The ``n`` samples of packed ``row`` holding their vision fields only (pixels: views of the row's);
+    ``{}`` each for a text pack."""
+    if "image_counts" not in row:
+        return [{} for _ in range(n)]
+    from thdpack.offline.store.vision_readback import add_vision
+
+    return add_vision([{} for _ in range(n)], row, copy=False)
 
 
 def _row_sources(rows) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Stored packs straight to a :class:`~thdpack.batching.batch.ThdBatch`: the rows' token arrays,
 end to end, into the builder's kernels (:func:`thdpack.batching.builder.stream_batch`), never split
-into samples and joined again. Text packs; :class:`thdpack.offline.PackedRowCollator` takes VLM and
-shared-prefix packs through their samples."""
+into samples and joined again. VLM packs add each sample's vision fields (views of the row's pixels)
+after the stream is built; :class:`thdpack.offline.PackedRowCollator` takes shared-prefix packs through
+their samples."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from thdpack.attention.static import check_num_seqs
-from thdpack.batching.batch import ThdBatch
+from thdpack.batching.batch import ThdBatch, shard_for_cp
 from thdpack.batching.builder import concat_int64, stream_batch
 from thdpack.batching.layout import BatchLayout
 from thdpack.common.samples import to_int_array
 
-def rows_batch(rows: Sequence[tuple], layout: BatchLayout, *, sample_index: np.ndarray, sources=None) -> ThdBatch:
+def rows_batch(rows: Sequence[tuple], layout: BatchLayout, *, sample_index: np.ndarray, sources=None, vlm=None,
+               vision: Sequence = ()) -> ThdBatch:
     """The batch of the samples of ``rows``, each ``(ids [S], seq_lens int64 [n], {"loss_mask" | "labels": [S]})``
     (one pack row's integer or bool numpy arrays, checked to agree), as :func:`thdpack.build_thd_batch` builds it from the same samples in order: the same
     tensors, dtypes and errors (a sample named by its position in the batch). ``sample_index``: int64
-    ``[n]``; ``sources``: as :func:`~thdpack.batching.builder.stream_batch` takes it."""
+    ``[n]``; ``sources``: as :func:`~thdpack.batching.builder.stream_batch` takes it. ``vlm``: the VLM family,
+    with ``vision`` ``[n]`` mappings holding each sample's vision fields only
+    (:func:`~thdpack.offline.store.vision_readback.add_vision`)."""
     n = sum(lens.size for _, lens, _ in rows)
     if n == 0:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
@@ -38,8 +42,12 @@ def rows_batch(rows: Sequence[tuple], layout: BatchLayout, *, sample_index: np.n
     seq_lens = np.concatenate([lens for _, lens, _ in rows])
     streams = [concat_int64(p) if p else None for p in (ids_parts, label_parts, mask_parts)]
     streams, seq_lens, truncated = _cut(streams, seq_lens, layout.cut_length)
-    return stream_batch(*streams, seq_lens, layout, sample_index=sample_index, sources=sources,
-                        tokens_truncated=truncated)
+    batch = stream_batch(*streams, seq_lens, layout, shard=vlm is None, sample_index=sample_index, sources=sources,
+                         tokens_truncated=truncated)
+    if vlm is None:
+        return batch
+    vlm.attach(batch, vision)  # on the whole stream, then the CP shard: as build_thd_batch(vlm=...) does
+    return batch if layout.cp_rank is None else shard_for_cp(batch, layout.cp_size, layout.cp_rank)
 
 
 def _ints(values: np.ndarray, lens: np.ndarray, first: int, field: str) -> np.ndarray:
