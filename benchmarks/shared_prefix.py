@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from thdpack import FlopsAccumulator, ThdCollator
+from thdpack import ThdCollator
+from thdpack.flops import FlopsAccumulator
 from thdpack.flops import model_flops_breakdown
 from thdpack.losses import packed_loss
 

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import (BatchLayout, PackedRowCollator, SampleError, ThdCollator, build_thd_batch, hybrid_cp_shards,
-                     plan_hybrid_cp, plan_packs, rebalance)
+from thdpack import SampleError, ThdCollator, build_thd_batch, hybrid_cp_shards, plan_hybrid_cp, plan_packs, rebalance
+from thdpack.batching import BatchLayout
+from thdpack.offline import PackedRowCollator
 from thdpack.vlm import get_family
 
 OK = {"input_ids": [1, 2, 3]}

@@ -16,14 +16,11 @@ from thdpack import (
     ThdCollator,
     build_thd_batch,
     local_seq_lens,
-    model_flops,
-    packed_loss,
-    seqlen_squared_sum,
     shard_for_cp,
     thd_partition_indices,
 )
-from thdpack.flops import FlopsAccumulator, FlopsMeter, flops_coefficients, overcount_report
-from thdpack.losses import count_items, dpo_loss, group_advantages, policy_gradient_loss, sequence_logps
+from thdpack.flops import FlopsAccumulator, FlopsMeter, flops_coefficients, model_flops, overcount_report, seqlen_squared_sum
+from thdpack.losses import count_items, dpo_loss, packed_loss, group_advantages, policy_gradient_loss, sequence_logps
 
 TEXT = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 100}

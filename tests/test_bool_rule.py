@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import (BatchLayout, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple,
-                     plan_balanced)
+from thdpack import ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple, plan_balanced
+from thdpack.batching import BatchLayout
 from thdpack.common.samples import SampleError
 
 HOLDS_BOOLS = r"^sample {}: field '{}' holds bools; token ids and labels are integers"

@@ -14,7 +14,8 @@ from thdpack.common.align import resolve_pad_multiple
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import PackedBatches, ThdBatch, ThdCollator, build_thd_batch, cp_pad_multiple, plan_packs
+from thdpack import ThdBatch, ThdCollator, build_thd_batch, cp_pad_multiple, plan_packs
+from thdpack.loaders import PackedBatches
 
 SETTINGS = settings(max_examples=60, deadline=None)
 IGNORE = -100

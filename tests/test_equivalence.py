@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import PackedBatches, ThdBatch, ThdCollator, build_thd_batch, plan_packs  # noqa: E402
+from thdpack import ThdBatch, ThdCollator, build_thd_batch, plan_packs  # noqa: E402
+from thdpack.loaders import PackedBatches  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 
 IGNORE = -100

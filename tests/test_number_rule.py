@@ -16,28 +16,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import (
-    BatchLayout,
     CostModel,
-    FlopsAccumulator,
-    FlopsMeter,
-    PlanOptions,
     StreamingPacker,
     ThdCollator,
     TokenBudgetBatchSampler,
     build_thd_batch,
     cp_pad_multiple,
     local_seq_lens,
-    model_flops,
-    overcount_report,
-    packed_loss,
     plan_balanced,
     plan_packs,
-    seqlen_squared_sum,
     shard_for_cp,
     shard_for_ulysses,
     thd_partition_indices,
-    throughput,
 )
+from thdpack.batching import BatchLayout
+from thdpack.flops import FlopsAccumulator, FlopsMeter, model_flops, overcount_report, seqlen_squared_sum, throughput
+from thdpack.losses import packed_loss
+from thdpack.planning import PlanOptions
 from thdpack.common.align import check_int, is_int
 from thdpack.flops import (
     attention_overcount_factor,

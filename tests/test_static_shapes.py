@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import BatchLayout, FlopsAccumulator, StreamingPacker, ThdCollator, build_thd_batch, packed_loss
+from thdpack import StreamingPacker, ThdCollator, build_thd_batch
+from thdpack.batching import BatchLayout
+from thdpack.flops import FlopsAccumulator
+from thdpack.losses import packed_loss
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.demo.models import TINY_TEXT
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thdpack
-from thdpack import PackStats, StreamingPacker, ThdCollator, plan_packs
+from thdpack import StreamingPacker, ThdCollator, plan_packs
+from thdpack.planning import PackStats
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

@@ -26,28 +26,19 @@ the formulas and worked numbers. What lives where (import from here):
 """
 
 from thdpack.flops.accumulator import FlopsAccumulator
-from thdpack.flops.coefficients import (
-    GATED_ATTENTION_MODEL_TYPES,
-    NON_GATED_MLP_MODEL_TYPES,
-    FlopsCoefficients,
-    UnsupportedLayerError,
-    flops_coefficients,
-)
+from thdpack.flops.coefficients import UnsupportedLayerError, flops_coefficients
 from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
 from thdpack.flops.model import model_flops, model_flops_breakdown, needed_length_counts
 from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
-from thdpack.flops.rank_work import hybrid_cp_rank_counts, hybrid_cp_rank_flops
+from thdpack.flops.rank_work import hybrid_cp_rank_flops
 from thdpack.flops.sequences import (count_name, cp_length_count_share, cp_seqlen_squared_share, length_count,
-                                      lengths_squared_sum, segment_lengths, seqlen_squared_sum, tree_length_count,
+                                      lengths_squared_sum, seqlen_squared_sum, tree_length_count,
                                       tree_seqlen_squared_sum)
 from thdpack.flops.vision_stats import VisionStats, vision_seqlen_stats
 
 __all__ = [
-    "GATED_ATTENTION_MODEL_TYPES",
     "GPU_PEAK_TFLOPS",
-    "NON_GATED_MLP_MODEL_TYPES",
     "FlopsAccumulator",
-    "FlopsCoefficients",
     "FlopsMeter",
     "UnsupportedLayerError",
     "VisionStats",
@@ -56,7 +47,6 @@ __all__ = [
     "cp_length_count_share",
     "cp_seqlen_squared_share",
     "flops_coefficients",
-    "hybrid_cp_rank_counts",
     "hybrid_cp_rank_flops",
     "length_count",
     "lengths_squared_sum",
@@ -66,7 +56,6 @@ __all__ = [
     "needed_length_counts",
     "overcount_report",
     "peak_tflops_for",
-    "segment_lengths",
     "seqlen_squared_sum",
     "throughput",
     "tree_length_count",

@@ -58,7 +58,7 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
     """Over-count factors of a pack-length count for a planned dataset.
 
     Args:
-        plan: a :class:`thdpack.PackPlan` (its packs, real piece lengths and ``pack_size``).
+        plan: a :class:`thdpack.planning.PackPlan` (its packs, real piece lengths and ``pack_size``).
         pack_lengths: instead of ``plan``, one array of real lengths per pack.
         pack_len: the pack length the legacy count would charge (default: the plan's
             ``pack_size``).

@@ -1,1 +1,10 @@
-"""A plan in a DataLoader: the batch sampler, the streaming packer and the collators."""
+"""A plan in a DataLoader: the batch sampler, the streaming packer, the collators, dataset mixtures and run-time
+rebalancing. ``ThdCollator``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` and ``rebalance``
+are ``thdpack``'s."""
+
+from thdpack.loaders.collate import PackedBatches
+from thdpack.loaders.hybrid_rebalance import rebalance_hybrid_cp
+from thdpack.loaders.mixture_dataset import MixtureDataset
+from thdpack.loaders.rebalance import RebalanceHandle
+
+__all__ = ["PackedBatches", "MixtureDataset", "RebalanceHandle", "rebalance_hybrid_cp"]

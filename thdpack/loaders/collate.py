@@ -282,7 +282,7 @@ def source_index(samples: Sequence) -> np.ndarray | None:
     for i, s in enumerate(samples):
         if isinstance(s, Mapping) and "seq_lens" in s:  # its samples would be collated as one
             raise SampleError.at(i, " is a pack (a row of load_packed: it has 'seq_lens'), not a sample; collate packs "
-                                 "with PackedDataset.collator() or thdpack.PackedRowCollator", field="seq_lens")
+                                 "with PackedDataset.collator() or thdpack.offline.PackedRowCollator", field="seq_lens")
     values = [get_field(s, SAMPLE_INDEX_FIELD, i) for i, s in enumerate(samples)]
     given = [v is not None for v in values]
     if not any(given):

@@ -64,7 +64,7 @@ def rebalance_hybrid_cp(local_samples: Sequence, hybrid_cp: HybridCP | int, *, g
         group: the process group (or a :class:`thdpack.loaders.exchange.Comm`).
         cost, groups: as :func:`thdpack.plan_hybrid_cp` (``groups``: per rank, one id per local sample; the same
             id on two ranks is two groups).
-        **layout: :class:`thdpack.BatchLayout` keywords for every micro-batch (``tp_size``,
+        **layout: :class:`thdpack.batching.BatchLayout` keywords for every micro-batch (``tp_size``,
             ``sequence_parallel``, ``pad_multiple`` also shape the plan), and ``vlm``,
             ``sample_values``.
 

@@ -89,7 +89,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
             1, and the call is :func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`, which returns
             ``(batches, plan, offsets)``.
         **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
-            :class:`thdpack.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
+            :class:`thdpack.batching.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
             or ``layout=``, and ``vlm``, ``sample_values``, ``share_prefix``,
             ``min_prefix_len``. The plan aligns to the layout's multiple and cuts lengths to its
             ``max_length``. With ``share_prefix="group"`` the groups are that sample field (per rank,
@@ -293,8 +293,8 @@ class RebalanceHandle:
         batch_sizes: int64 ``[b]`` samples per micro-batch.
         filler: bool ``[b]``: micro-batch ``k`` only fills a repeated slot (no targets; its values
             are dropped by :meth:`restore`).
-        plan: the :class:`thdpack.BalancedPlan` every rank computed (global sample ids).
-        options: the :class:`thdpack.PlanOptions` it was planned with (``align``: the layout's multiple).
+        plan: the :class:`thdpack.planning.BalancedPlan` every rank computed (global sample ids).
+        options: the :class:`thdpack.planning.PlanOptions` it was planned with (``align``: the layout's multiple).
         rank_costs: float64 ``[R]`` every rank's cost of its micro-batches under the call's cost model.
         straggler: ``max / mean`` of ``rank_costs`` (1.0 is perfect balance).
         straggler_bound: the least ``straggler`` any plan of these samples (and groups) on these ranks,

@@ -46,7 +46,7 @@ class Route:
 
     Attributes:
         offsets: int64 ``[R+1]``: rank ``r``'s local sample ``i`` is global sample ``offsets[r] + i``.
-        plan: the :class:`thdpack.BalancedPlan` of the ``N`` lengths (global ids).
+        plan: the :class:`thdpack.planning.BalancedPlan` of the ``N`` lengths (global ids).
         batch_ids: per rank, int64 ``[m_r]``: the global ids of its micro-batches' samples, in order.
         batch_bounds: per rank, int64 ``[b_r + 1]``: where each of its ``b_r`` micro-batches starts
             in ``batch_ids`` (``b_r`` the same on every rank).

@@ -154,7 +154,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return self._plan_for_epoch(self.epoch if epoch is None else epoch)[0]
 
     def balanced_plan(self, epoch: int | None = None) -> BalancedPlan | None:
-        """With ``balance="compute"``, the :class:`thdpack.BalancedPlan` of ``epoch`` (default: the current
+        """With ``balance="compute"``, the :class:`thdpack.planning.BalancedPlan` of ``epoch`` (default: the current
         one), whose ``straggler`` over the epoch's ranks stands beside ``straggler_bound``; None without."""
         self._plan_for_epoch(self.epoch if epoch is None else epoch)
         return self._cached[3]

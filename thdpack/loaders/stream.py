@@ -62,7 +62,7 @@ class StreamingPacker(IterableDataset):
             integer >= 1 (a float, a negative count or None is a ``ValueError`` naming the sample).
         num_replicas, rank: data-parallel world; default from ``torch.distributed``.
 
-    ``stats`` is the :class:`thdpack.PackStats` of the packs emitted so far (this
+    ``stats`` is the :class:`thdpack.planning.PackStats` of the packs emitted so far (this
     share's samples only), counted as :func:`thdpack.plan_packs` counts a plan.
 
     Resuming: ``state_dict()`` / ``load_state_dict()`` (with workers: torchdata's ``StatefulDataLoader``):
@@ -107,7 +107,7 @@ class StreamingPacker(IterableDataset):
 
     @property
     def stats(self) -> PackStats:
-        """The :class:`thdpack.PackStats` of the packs emitted so far."""
+        """The :class:`thdpack.planning.PackStats` of the packs emitted so far."""
         return PackStats.from_totals(self._totals, self.pack_size)
 
     def _current_share(self) -> tuple[int, int]:

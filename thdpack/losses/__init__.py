@@ -25,14 +25,11 @@ Built on the same reductions: :func:`dpo_loss` for preference pairs packed toget
 
 from thdpack.losses.policy_gradient import group_advantages, policy_gradient_loss
 from thdpack.losses.preference import dpo_loss, pair_groups
-from thdpack.losses.reductions import (REDUCTIONS, all_reduce_items, count_items, packed_loss, packed_loss_by_source,
-                                       reduce_token_losses, source_totals)
-from thdpack.losses.target_logps import (DEFAULT_CHUNK, check_batch, sample_sum, sample_target_counts, sequence_logps,
-                                         token_logps)
+from thdpack.losses.reductions import all_reduce_items, count_items, packed_loss, packed_loss_by_source, source_totals
+from thdpack.losses.target_logps import DEFAULT_CHUNK, check_batch, sample_target_counts, sequence_logps, token_logps
 
 __all__ = [
     "DEFAULT_CHUNK",
-    "REDUCTIONS",
     "all_reduce_items",
     "check_batch",
     "count_items",
@@ -42,8 +39,6 @@ __all__ = [
     "packed_loss_by_source",
     "pair_groups",
     "policy_gradient_loss",
-    "reduce_token_losses",
-    "sample_sum",
     "sample_target_counts",
     "sequence_logps",
     "source_totals",

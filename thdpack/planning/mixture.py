@@ -505,7 +505,7 @@ def plan_stratified(lengths, sources, pack_size: int | None = None, *, step_pack
         weight_by: what the blend's shares count: ``"samples"`` or ``"tokens"``.
 
     Returns:
-        A :class:`thdpack.PackPlan` (``algorithm="stratified"``) over the samples' positions, packs in step
+        A :class:`thdpack.planning.PackPlan` (``algorithm="stratified"``) over the samples' positions, packs in step
         order; pieces within a pack by position.
     """
     options = plan_options("plan_stratified", {"pack_size": pack_size, **plan_keywords})

@@ -21,20 +21,17 @@ all-gathered): :func:`plan_vision_split` (:mod:`thdpack.planning.vision_split`),
 :func:`gather_vision_embeddings`, :func:`shard_vision_rows` (:mod:`thdpack.parallel.vision_gather`).
 """
 
-from thdpack.batching.batch import HF_VISION_KEYS
 from thdpack.parallel.cp import vision_shard_extras
 from thdpack.parallel.vision_gather import gather_vision_embeddings, shard_vision_rows, vision_rank_inputs
 from thdpack.planning.vision_split import VisionSplit, plan_vision_split
-from thdpack.vlm.base import QwenVLFamily, RopeItems, VlmFamily
+from thdpack.vlm.base import QwenVLFamily, VlmFamily
 from thdpack.vlm.mrope import mrope_for_stream
 from thdpack.vlm.families import register_family
 from thdpack.vlm.registry import get_family, supported_model_types
-from thdpack.vlm.vision_fields import vision_lengths, vision_patch_count
+from thdpack.vlm.vision_fields import vision_lengths
 
 __all__ = [
-    "HF_VISION_KEYS",
     "QwenVLFamily",
-    "RopeItems",
     "VisionSplit",
     "VlmFamily",
     "gather_vision_embeddings",
@@ -45,7 +42,6 @@ __all__ = [
     "shard_vision_rows",
     "supported_model_types",
     "vision_lengths",
-    "vision_patch_count",
     "vision_rank_inputs",
     "vision_shard_extras",
 ]
