@@ -16,10 +16,23 @@ from thdpack.offline.config import options
 OPTIONS = {o.name: o for o in options()}
 
 
+def _fields() -> list[tuple[str, dataclasses.Field]]:
+    """``(option name, field)`` of every BuildConfig field, a section's (ray, mixture) fields as ``NAME_KEY``."""
+    out = []
+    for f in dataclasses.fields(BuildConfig):
+        section = f.metadata.get("section")
+        if section is not None:
+            out += [(f"{f.name}_{g.name}", g) for g in dataclasses.fields(section)]
+        elif not f.metadata.get("internal"):
+            out.append((f.name, f))
+    return out
+
+
 def test_every_field_is_an_option_with_its_default():
-    fields = [f for f in dataclasses.fields(BuildConfig) if not f.metadata.get("internal")]
-    assert [f.name for f in fields] == list(OPTIONS) == BuildConfig.keys()
-    assert all(OPTIONS[f.name].default == f.default for f in fields)
+    fields = _fields()
+    assert [name for name, _ in fields] == list(OPTIONS) == BuildConfig.keys()
+    assert all(OPTIONS[name].default == f.default for name, f in fields)
+    assert all(BuildConfig().value(OPTIONS[name]) == f.default for name, f in fields)
 
 
 def test_kinds_come_from_the_type_hints():
@@ -51,13 +64,13 @@ def test_each_option_refuses_what_its_kind_does_not_allow(name, tmp_path):
         base = dict(base, input=[{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.jsonl")}],
                     mixture_packing="stratified")
     for value in _bad_values(option):
-        cfg = BuildConfig(**{**base, name: value})
+        cfg = BuildConfig.from_dict({**base, name: value})  # a section's option (mixture_*, ray_*) by its flat key
         with pytest.raises(ConfigError, match=rf"^{name} must be "):
             cfg.validate()
     if name not in ("input", "sample_values", "group_column", "pack_size"):
-        BuildConfig(**{**base, name: _good_value(option)}).validate()  # the same field with a valid value passes
+        BuildConfig.from_dict({**base, name: _good_value(option)}).validate()  # the same field with a valid value passes
     if option.nullable and name != "input":
-        BuildConfig(**{**base, name: None}).validate()
+        BuildConfig.from_dict({**base, name: None}).validate()
 
 
 

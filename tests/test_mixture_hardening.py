@@ -173,6 +173,7 @@ from test_cli_robust import _error_line  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, build_packed  # noqa: E402
+from thdpack.offline.config import MixtureOptions  # noqa: E402
 from thdpack.offline.errors import ConfigError, InputError  # noqa: E402
 
 TOK = str(TOKENIZER_DIR)
@@ -239,9 +240,9 @@ def test_share_prefix_without_groups_says_what_the_single_source_build_says(tmp_
 
 
 @pytest.mark.parametrize("top, source, expected", [
-    ({"mixture_size": 10**13}, {}, "size 10,000,000,000,000 at weight 1"),
+    ({"mixture": MixtureOptions(size=10**13)}, {}, "size 10,000,000,000,000 at weight 1"),
     ({}, {"epochs": 1e12}, "at least 1,000,000,000,000 samples in the blend (epochs 1e+12 of each of its rows)"),
-    ({"mixture_stopping": "all_exhausted"}, {"weight": 1e-300}, "stopping='all_exhausted'"),
+    ({"mixture": MixtureOptions(stopping="all_exhausted")}, {"weight": 1e-300}, "stopping='all_exhausted'"),
 ])
 def test_a_config_past_the_bound_is_refused_before_reading(tmp_path, top, source, expected):
     cfg = _config([{"path": str(tmp_path / "never-read.jsonl"), **source}, {"path": str(tmp_path / "b.jsonl")}],

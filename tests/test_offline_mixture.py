@@ -27,6 +27,7 @@ pytest.importorskip("datasets")
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, build_packed, load_packed  # noqa: E402
+from thdpack.offline.config import MixtureOptions  # noqa: E402
 from thdpack.offline.errors import ConfigError, InputError  # noqa: E402
 from thdpack.planning.mixture import plan_mixture  # noqa: E402
 
@@ -60,7 +61,7 @@ def mixture_config(files: dict, **top) -> BuildConfig:
 @pytest.fixture(scope="module")
 def built(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("mixture-out") / "mix"
-    cfg = mixture_config(files, **{"mixture_stopping": "all_exhausted"})
+    cfg = mixture_config(files, mixture=MixtureOptions(stopping="all_exhausted"))
     return cfg, build_packed(cfg, out, progress=False)
 
 
@@ -186,8 +187,8 @@ def test_one_source_without_weights_is_the_plain_build(files, tmp_path):
 def test_stratified_packing_keeps_every_step_close_to_the_blend(files, tmp_path):
     cfg = BuildConfig(input=[{"path": str(files["chat"]), "weight": 0.5},
                              {"path": str(files["prose"]), "format": "text", "weight": 0.5}],
-                      tokenizer=TOK, pack_size=2048, overflow="truncate", mixture_packing="stratified",
-                      mixture_step_packs=4)
+                      tokenizer=TOK, pack_size=2048, overflow="truncate",
+                      mixture=MixtureOptions(packing="stratified", step_packs=4))
     result = build_packed(cfg.override(shuffle_packs=False), tmp_path / "strat", progress=False)
     ds = load_packed(result.path)
     src = [ds[k]["source_index"] for k in range(len(ds))]
@@ -195,7 +196,7 @@ def test_stratified_packing_keeps_every_step_close_to_the_blend(files, tmp_path)
     shares = np.array([np.mean(s == 0) for s in steps])
     assert result.metadata["algorithm"] == "stratified" and result.metadata["mixture"]["packing"] == "stratified"
     assert np.abs(shares - 0.5).max() < 0.2, shares
-    bfd = build_packed(dataclasses.replace(cfg, mixture_packing="bfd", mixture_step_packs=None, shuffle_packs=False),
+    bfd = build_packed(dataclasses.replace(cfg, mixture=MixtureOptions(packing="bfd"), shuffle_packs=False),
                        tmp_path / "bfd", progress=False)
     assert bfd.metadata["counts"]["samples"] == result.metadata["counts"]["samples"]
 
@@ -203,7 +204,7 @@ def test_stratified_packing_keeps_every_step_close_to_the_blend(files, tmp_path)
 def test_token_weights_give_token_shares(files, tmp_path):
     cfg = BuildConfig(input=[{"path": str(files["chat"]), "weight": 3}, {"path": str(files["prose"]), "format": "text",
                                                                        "weight": 1}],
-                      tokenizer=TOK, pack_size=4096, overflow="truncate", mixture_weight_by="tokens")
+                      tokenizer=TOK, pack_size=4096, overflow="truncate", mixture=MixtureOptions(weight_by="tokens"))
     report = build_packed(cfg, tmp_path / "tok", progress=False).metadata["mixture"]["sources"]
     assert report[0]["requested_share"] == pytest.approx(0.75)
     for r in report:
@@ -259,7 +260,7 @@ def test_a_bad_mixture_is_refused_naming_the_source(sources, message, tmp_path):
 
 def test_mixture_options_without_a_mixture_and_a_slice_are_refused(files, tmp_path):
     with pytest.raises(ConfigError, match="mixture_packing needs input as a list of sources"):
-        BuildConfig(input=str(files["chat"]), tokenizer=TOK, mixture_packing="stratified").validate()
+        BuildConfig(input=str(files["chat"]), tokenizer=TOK, mixture=MixtureOptions(packing="stratified")).validate()
     assert main(["build", "--config", str(ROOT / "configs" / "mixture.yaml"), "--output", str(tmp_path / "s"),
                  "--slice", "0/2", "-q"]) != 0
     assert not (tmp_path / "s").exists()
@@ -297,7 +298,7 @@ def test_sample_values_follow_their_samples_across_sources(tmp_path):
 
 
 def test_stratified_packing_of_pairs_is_refused(files, tmp_path):
-    cfg = mixture_config(files, mixture_packing="stratified")
+    cfg = mixture_config(files, mixture=MixtureOptions(packing="stratified"))
     with pytest.raises(ConfigError, match="stratified cannot keep preference pairs or group_column groups together"):
         build_packed(cfg, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

@@ -245,7 +245,7 @@ def test_ray_options_from_yaml_and_a_small_actor_pool(inputs, ray_instance, tmp_
                    "map_batch_size: 20\nray:\n  concurrency: 1\n  cpus_per_actor: 1\n")
     local, on_ray = build_both(tmp_path, ["--config", str(cfg)])
     assert tree_digest(on_ray) == tree_digest(local)
-    assert BuildConfig.from_yaml(cfg).ray_concurrency == 1
+    assert BuildConfig.from_yaml(cfg).ray.concurrency == 1
 
 
 def test_bad_rows_give_the_local_message_and_skip_the_same_rows(inputs, ray_instance, tmp_path, capsys):

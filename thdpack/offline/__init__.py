@@ -12,10 +12,9 @@ Importing this package is cheap: ``datasets`` / ``transformers`` are imported on
 the build, ``pyarrow`` only when a dataset is opened.
 """
 
-from thdpack.offline.config import BuildConfig
+from thdpack.offline.config import BuildConfig, RayOptions
 from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
-from thdpack.offline.stages import RayOptions
 
 
 def build_packed(*args, **kwargs):

@@ -51,8 +51,10 @@ TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
 WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
 ENGINES = ("local", "ray")  # where a build tokenizes and writes (docs/distributed.md)
 RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir",
-            "max_retries")  # YAML ray: section
-MIXTURE_KEYS = ("weight_by", "stopping", "size", "packing", "step_packs")  # YAML mixture: section (docs/build.md)
+            "max_retries")  # RayOptions' fields (YAML ray: section)
+MIXTURE_KEYS = ("weight_by", "stopping", "size", "packing", "step_packs")  # MixtureOptions' (mixture:; docs/build.md)
+_SECTIONS = ("mixture", "ray")  # BuildConfig's section fields
+_SECTION_OPTIONS = tuple(f"{n}_{k}" for n, keys in (("mixture", MIXTURE_KEYS), ("ray", RAY_KEYS)) for k in keys)
 MIXTURE_PACKING = ("bfd", "stratified")
 # a mixture source's own options (input: a list of sources); the other options are the build's, one for all
 SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_field", "append_eos", "split", "max_rows")
@@ -74,6 +76,52 @@ def _opt(default, help: str, choices=None, *, minimum: int = 1, accepts: tuple |
                                             "accepts": accepts, "flag_type": flag_type, "many": many})
 
 
+@dataclass(frozen=True)
+class RayOptions:
+    """The ``ray:`` section: where an ``engine: ray`` build runs (:mod:`thdpack.offline.cluster.ray_session`).
+    From Python: ``build_packed(cfg, out, engine="ray", ray=RayOptions(address="auto"))``; a flag or old flat
+    YAML key ``ray_KEY`` sets ``KEY``."""
+
+    address: str | None = _opt(None, "engine ray: the cluster to join (auto, HOST:PORT or ray://HOST:PORT; default "
+                               "RAY_ADDRESS, else a local Ray instance started and stopped by the build); in YAML "
+                               "also ray: {address: ...}")
+    num_cpus: int | None = _opt(None, "engine ray, local instance: its CPUs (default: every CPU of this machine)")
+    cpus_per_actor: float = _opt(1.0, "engine ray: CPUs each tokenizing actor and each pack-writing task reserves")
+    concurrency: int | None = _opt(None, "engine ray: tokenizing actors (default: the cluster's CPUs / "
+                                   "ray_cpus_per_actor)")
+    object_store_mb: int | None = _opt(None, "engine ray, local instance: object store size in MB (default: Ray's)")
+    spill_dir: str | None = _opt(None, "engine ray, local instance: directory objects spill to when the object "
+                                 "store is full (default: Ray's session directory)")
+    max_retries: int = _opt(2, "engine ray: times a piece of work (a part of the rows tokenized, a data file "
+                            "written, ...) is run again when its worker dies; once more stops the build with a "
+                            "line naming the input rows or file it was working on", minimum=0)
+
+
+@dataclass(frozen=True)
+class MixtureOptions:
+    """The ``mixture:`` section: how the sources of ``input`` (a list of sources) are blended and planned
+    (:mod:`thdpack.offline.commands.mixture_build`); None: not given (the default in brackets). A flag or old
+    flat YAML key ``mixture_KEY`` sets ``KEY``."""
+
+    weight_by: str | None = _opt(None, "mixture (input: a list of sources): what a source's weight is a share "
+                                 "of: samples (default) or tokens; in YAML also mixture: {weight_by: ...}",
+                                 WEIGHT_BY)
+    stopping: str | None = _opt(None, "mixture without mixture_size: first_exhausted (default: the weighted "
+                                "source that runs out first is used once) or all_exhausted (the last one)",
+                                STOPPING)
+    size: int | None = _opt(None, "mixture: the weighted sources' part of the blend, in samples (or tokens "
+                            "with weight_by tokens); default from mixture_stopping")
+    packing: str | None = _opt(None, "mixture: bfd (default: one best-fit plan over the blend) or stratified "
+                               "(every step of mixture_step_packs packs close to the blend)", MIXTURE_PACKING)
+    step_packs: int | None = _opt(None, "mixture_packing stratified: packs per step (default 1)")
+
+
+def _section(cls, help: str):
+    """A :class:`BuildConfig` field holding a section (``ray:``, ``mixture:``): a frozen dataclass of
+    :func:`_opt` fields, named ``NAME_KEY`` as options and flags."""
+    return field(default_factory=cls, metadata={"help": help, "section": cls})
+
+
 @dataclass
 class BuildConfig:
     """What ``thdpack build`` reads, how it tokenizes, plans and writes."""
@@ -88,17 +136,7 @@ class BuildConfig:
         "chat_template, ...; docs/build.md, Mixtures)",
         flag_type=str, many=True,
     )
-    mixture_weight_by: str | None = _opt(None, "mixture (input: a list of sources): what a source's weight is a share "
-                                         "of: samples (default) or tokens; in YAML also mixture: {weight_by: ...}",
-                                         WEIGHT_BY)
-    mixture_stopping: str | None = _opt(None, "mixture without mixture_size: first_exhausted (default: the weighted "
-                                        "source that runs out first is used once) or all_exhausted (the last one)",
-                                        STOPPING)
-    mixture_size: int | None = _opt(None, "mixture: the weighted sources' part of the blend, in samples (or tokens "
-                                    "with weight_by tokens); default from mixture_stopping")
-    mixture_packing: str | None = _opt(None, "mixture: bfd (default: one best-fit plan over the blend) or stratified "
-                                       "(every step of mixture_step_packs packs close to the blend)", MIXTURE_PACKING)
-    mixture_step_packs: int | None = _opt(None, "mixture_packing stratified: packs per step (default 1)")
+    mixture: MixtureOptions = _section(MixtureOptions, "input as a list of sources: the blend (docs/build.md, Mixtures)")
     split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
     max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
     format: str = _opt("auto", "row format: chat (messages), sharegpt (conversations of from/value turns), "
@@ -171,19 +209,7 @@ class BuildConfig:
     engine: str = _opt("local", "where the build tokenizes and writes: local (this machine, num_proc processes) or ray "
                        "(a Ray cluster, or a local Ray instance; the same output byte for byte; docs/distributed.md)",
                        ENGINES)
-    ray_address: str | None = _opt(None, "engine ray: the cluster to join (auto, HOST:PORT or ray://HOST:PORT; default "
-                                   "RAY_ADDRESS, else a local Ray instance started and stopped by the build); in YAML "
-                                   "also ray: {address: ...}")
-    ray_num_cpus: int | None = _opt(None, "engine ray, local instance: its CPUs (default: every CPU of this machine)")
-    ray_cpus_per_actor: float = _opt(1.0, "engine ray: CPUs each tokenizing actor and each pack-writing task reserves")
-    ray_concurrency: int | None = _opt(None, "engine ray: tokenizing actors (default: the cluster's CPUs / "
-                                       "ray_cpus_per_actor)")
-    ray_object_store_mb: int | None = _opt(None, "engine ray, local instance: object store size in MB (default: Ray's)")
-    ray_spill_dir: str | None = _opt(None, "engine ray, local instance: directory objects spill to when the object "
-                                     "store is full (default: Ray's session directory)")
-    ray_max_retries: int = _opt(2, "engine ray: times a piece of work (a part of the rows tokenized, a data file "
-                                "written, ...) is run again when its worker dies; once more stops the build with a "
-                                "line naming the input rows or file it was working on", minimum=0)
+    ray: RayOptions = _section(RayOptions, "engine ray: the cluster (docs/distributed.md)")
     skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
                                "overflow=error, ...) and report them, instead of stopping")
     save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
@@ -218,19 +244,16 @@ class BuildConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+        """The option names (YAML keys and flags; a section's as ``NAME_KEY``)."""
+        return [o.name for o in options()]
 
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
+        """The config of the YAML mapping ``data``: options, ``ray:`` / ``mixture:`` sections, or their options
+        as flat ``NAME_KEY`` keys (one of the two per key)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
-        data = _flatten_section(_flatten_section(data, origin, "ray", RAY_KEYS), origin, "mixture", MIXTURE_KEYS)
-        unknown = [k for k in data if k not in cls.keys()]
-        if unknown:
-            k = unknown[0]
-            hint = _close_hint(k, cls.keys())
-            raise ConfigError(f"{origin}: unknown option '{k}'{hint}; options: {', '.join(cls.keys())}")
-        cfg = cls(**data)
+        cfg = cls()._with(data, origin, sections_given=True)
         if base_dir is not None:
             cfg.base_dir = Path(base_dir)
         return cfg
@@ -254,10 +277,11 @@ class BuildConfig:
         return cls.from_dict(data, base_dir=path.resolve().parent, origin=str(path))
 
     def override(self, **changes) -> "BuildConfig":
-        """A copy with ``changes`` applied (``None`` values are ignored). Paths given
+        """A copy with ``changes`` applied (``None`` values are ignored): options by name (a section's as
+        ``NAME_KEY``), or a section whole (``ray=RayOptions(...)``, or a mapping of some of its keys). Paths given
         here are relative to the working directory."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        unknown = [k for k in changes if k not in self.keys()]
+        unknown = [k for k in changes if k not in self.keys() and k not in _SECTIONS]
         if unknown:
             raise ConfigError(f"unknown option(s) {unknown}")
         # paths given here are cwd-relative: make them absolute so that base_dir does not apply
@@ -271,14 +295,37 @@ class BuildConfig:
         for key in ("model_config", "image_processor", "image_dir"):
             if isinstance(changes.get(key), str) and Path(changes[key]).expanduser().exists():
                 changes[key] = str(Path(changes[key]).expanduser().absolute())
-        return dataclasses.replace(self, **changes)
+        return self._with(changes, "override")
+
+    def _with(self, changes: dict, origin: str, *, sections_given: bool = False) -> "BuildConfig":
+        """A copy with ``changes`` (option names; sections whole or as ``NAME_KEY`` options) applied: the one
+        place a key finds its field. ``sections_given``: a YAML mapping (a key given both ways is refused)."""
+        top, parts = {}, {}
+        for key, value in changes.items():
+            if key in _SECTIONS:
+                parts[key] = _section_of(key, getattr(self, key), value, origin)
+            elif key in _SECTION_OPTIONS:
+                continue
+            elif key not in self.keys():
+                raise ConfigError(f"{origin}: unknown option '{key}'{_close_hint(key, self.keys())}; options: "
+                                  f"{', '.join(self.keys())}")
+            else:
+                top[key] = value
+        for name in _SECTIONS:
+            flat = {o.key: changes[o.name] for o in options() if o.section == name and o.name in changes}
+            both = [k for k in flat if name in changes and isinstance(changes[name], dict) and k in changes[name]]
+            if both and sections_given:
+                raise ConfigError(f"{origin}: {name}.{both[0]} and {name}_{both[0]} both given; keep one")
+            if flat:
+                parts[name] = dataclasses.replace(parts.get(name, getattr(self, name)), **flat)
+        return dataclasses.replace(self, **top, **parts)
 
     # ------------------------------------------------------------------ checks
     def validate(self, *, need_tokenizer: bool | None = None) -> "BuildConfig":
         """Raise :class:`ConfigError` on the first invalid option; returns ``self``."""
         check_input(self.input)
         for option in options():
-            option.check(getattr(self, option.name))
+            option.check(self.value(option))
             if option.kind == "flag":  # a numpy bool read as the bool it is (metadata.json records it)
                 setattr(self, option.name, bool(getattr(self, option.name)))
         self.value_columns()
@@ -292,13 +339,13 @@ class BuildConfig:
 
     def _check_mixture(self) -> None:
         """ConfigError for ``mixture_*`` options without a mixture, and for what a mixture does not take."""
-        given = [f"mixture_{k}" for k in MIXTURE_KEYS if getattr(self, f"mixture_{k}") is not None]
+        given = [f"mixture_{k}" for k, v in vars(self.mixture).items() if v is not None]
         if not is_mixture(self.input):
             if given:
                 raise ConfigError(f"{given[0]} needs input as a list of sources (a mixture; docs/build.md, Mixtures)")
             return
         self.sources()
-        if self.mixture_step_packs is not None and self.mixture_packing != "stratified":
+        if self.mixture.step_packs is not None and self.mixture.packing != "stratified":
             raise ConfigError("mixture_step_packs needs mixture_packing: stratified")
 
     def _check_share_prefix(self) -> None:
@@ -336,8 +383,13 @@ class BuildConfig:
         """The options, as written (paths unresolved). ``recorded=True`` leaves out the
         options that cannot change the output (``num_proc``, ``map_batch_size``, ``tokenizer_backend``): what
         metadata.json records, so a build is byte-identical however it was parallelised."""
-        return {k: getattr(self, k) for k in self.keys()
-                if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and getattr(self, k) in (None, False))))}
+        values = {o.name: self.value(o) for o in options()}
+        return {k: v for k, v in values.items()
+                if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and v in (None, False))))}
+
+    def value(self, option: "Option"):
+        """The value of ``option`` (a section's: its field's)."""
+        return getattr(getattr(self, option.section), option.key) if option.section else getattr(self, option.name)
 
     def value_columns(self) -> list[str]:
         """``sample_values`` as a list of column names (a flag's comma-separated string split);
@@ -375,7 +427,7 @@ class BuildConfig:
                 except ConfigError as exc:
                     raise ConfigError(f"input source {name!r}: {exc}") from None
             spec = {"demo": entry["demo"]} if "demo" in entry else entry["path"]
-            cfg = dataclasses.replace(self, input=spec, **own, **{f"mixture_{k}": None for k in MIXTURE_KEYS})
+            cfg = dataclasses.replace(self, input=spec, **own, mixture=MixtureOptions())
             if name in names:
                 raise ConfigError(f"input sources {names[name]} and {i} are both named {name!r}: give each source "
                                   "its own name")
@@ -385,11 +437,11 @@ class BuildConfig:
                                   "once (epochs: 2 repeats it)")
             names[name], data[identity] = i, name
             out.append(SourceConfig(name, {k: entry[k] for k in WEIGHT_KEYS if k in entry}, cfg))
-        by_samples = (self.mixture_weight_by or "samples") == "samples"  # a size in tokens: checked on the rows
+        by_samples = (self.mixture.weight_by or "samples") == "samples"  # a size in tokens: checked on the rows
         try:  # the weights and sizes, before the long steps (each source's rows are counted later)
             check_mixture([{"name": s.name, "num_rows": 1, **s.weights} for s in out],
-                          size=self.mixture_size if by_samples else None,
-                          stopping=self.mixture_stopping or "first_exhausted", rows_at_least=True)
+                          size=self.mixture.size if by_samples else None,
+                          stopping=self.mixture.stopping or "first_exhausted", rows_at_least=True)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"input: {exc}") from None
         return out
@@ -399,28 +451,25 @@ class BuildConfig:
         (the same bytes as ``input: PATH``); any other config as it is."""
         if not is_mixture(self.input) or len(self.input) != 1 or any(k in self.input[0] for k in WEIGHT_KEYS):
             return self
-        if any(getattr(self, f"mixture_{k}") is not None for k in MIXTURE_KEYS):
+        if any(v is not None for v in vars(self.mixture).values()):
             return self
         return self.sources()[0].config
 
 
-def _flatten_section(data: dict, origin: str, section_name: str, keys: tuple) -> dict:
-    """A YAML section ``NAME: {key: ...}`` (``ray:``, :data:`RAY_KEYS`; ``mixture:``, :data:`MIXTURE_KEYS`) as the
-    options ``NAME_key``."""
-    if section_name not in data:
-        return data
-    section = data[section_name]
-    if not isinstance(section, dict):
-        raise ConfigError(f"{origin}: {section_name} must be a mapping of {', '.join(keys)}, got {section!r}")
-    unknown = [k for k in section if k not in keys]
+def _section_of(name: str, current, given, origin: str):
+    """Section ``name`` as ``given``: a :class:`RayOptions` / :class:`MixtureOptions` as it is, a mapping as some of
+    its keys over ``current`` (ConfigError naming ``origin`` for another value or an unknown key)."""
+    cls = type(current)
+    if isinstance(given, cls):
+        return given
+    keys = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(given, dict):
+        raise ConfigError(f"{origin}: {name} must be a mapping of {', '.join(keys)}, got {given!r}")
+    unknown = [k for k in given if k not in keys]
     if unknown:
-        raise ConfigError(f"{origin}: unknown key {section_name}.{unknown[0]}{_close_hint(str(unknown[0]), list(keys))}; "
-                          f"{section_name} keys: {', '.join(keys)}")
-    both = [k for k in section if f"{section_name}_{k}" in data]
-    if both:
-        raise ConfigError(f"{origin}: {section_name}.{both[0]} and {section_name}_{both[0]} both given; keep one")
-    return {**{k: v for k, v in data.items() if k != section_name},
-            **{f"{section_name}_{k}": v for k, v in section.items()}}
+        raise ConfigError(f"{origin}: unknown key {name}.{unknown[0]}{_close_hint(str(unknown[0]), keys)}; "
+                          f"{name} keys: {', '.join(keys)}")
+    return dataclasses.replace(current, **given)
 
 
 def yaml_error_line(path, exc) -> str:
@@ -460,6 +509,8 @@ class Option:
     accepts: tuple | None
     flag_type: type | None
     many: bool
+    section: str | None = None  # the section field holding it (ray, mixture), else None
+    key: str | None = None  # its field in that section
 
     def check(self, value) -> None:
         """:class:`ConfigError` naming the option when ``value`` breaks its rule."""
@@ -489,21 +540,34 @@ _KINDS = {bool: "flag", int: "int", float: "number", str: "text"}
 
 @functools.cache
 def options() -> tuple[Option, ...]:
-    """The options of :class:`BuildConfig`, in field order, each read off its type hint and ``_opt``."""
-    hints = typing.get_type_hints(BuildConfig)
+    """The options of :class:`BuildConfig`, in field order (a section's in its place, named ``NAME_KEY``), each
+    read off its type hint and ``_opt``."""
     out = []
     for f in dataclasses.fields(BuildConfig):
-        if f.metadata.get("internal"):
+        section = f.metadata.get("section")
+        if section is not None:
+            out += [dataclasses.replace(o, name=f"{f.name}_{o.name}", section=f.name, key=o.name)
+                    for o in _options_of(section)]
+        elif not f.metadata.get("internal"):
+            out.append(_options_of(BuildConfig, f.name)[0])
+    return tuple(out)
+
+
+def _options_of(cls, only: str | None = None) -> list[Option]:
+    """The :class:`Option` of each :func:`_opt` field of ``cls`` (``only``: of that field)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name != only:
             continue
         hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         base = args[0] if len(args) == 1 else hint
         kind = "value" if base is Any else _KINDS[base]
-        choices = f.metadata["choices"]
         out.append(Option(f.name, kind, base is Any or len(args) < len(typing.get_args(hint)), f.default,
-                          f.metadata["help"], choices or None, f.metadata["minimum"],
+                          f.metadata["help"], f.metadata["choices"] or None, f.metadata["minimum"],
                           f.metadata["accepts"], f.metadata["flag_type"], f.metadata["many"]))
-    return tuple(out)
+    return out
 
 
 def read_utf8(path: Path, label: str, unreadable: str, fix: str) -> str:

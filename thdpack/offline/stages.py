@@ -11,8 +11,9 @@ template) and splits it into what each stage reads:
 :class:`PlanningOptions`  planning the samples into packs (:mod:`thdpack.offline.commands.build_packs`)
 :class:`StoreOptions`     writing the packs and the files beside them (:mod:`thdpack.offline.store`,
                           :mod:`thdpack.offline.commands.bridge_export`)
-:class:`RayOptions`       ``engine: ray``: the cluster or local instance (:mod:`thdpack.offline.cluster`)
-:class:`MixtureOptions`   ``input`` as a list of sources: each source's input and tokenizing options, the blend
+:class:`RayOptions`       ``engine: ray``: the cluster or local instance (:mod:`thdpack.offline.cluster`;
+                          the config's ``ray`` section as it is, ``spill_dir`` resolved)
+:class:`MixtureStages`    ``input`` as a list of sources: each source's input and tokenizing options, the blend
                           (:mod:`thdpack.offline.commands.mixture_build`)
 ==================  ==========================================================================
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.common.align import check_int
-from thdpack.offline.config import BuildConfig, read_utf8
+from thdpack.offline.config import BuildConfig, RayOptions, read_utf8
 from thdpack.offline.errors import ConfigError
 from thdpack.planning.options import PlanOptions
 
@@ -236,84 +237,21 @@ class StoreOptions:
     Attributes:
         output_format: ``arrow``, ``parquet`` or ``megatron-bridge``.
         file_size_mb: the approximate size of a data file, in MB.
-        targets: the target column written: ``loss_mask`` or ``labels``.
         save_tokenizer: save a copy of the tokenizer in the output.
-        shuffle_packs: write the packs in a seeded random order (else in plan order).
-        seed: the seed of that order.
-        pack_size: the token budget of a pack.
-        align: the per-sample alignment multiple (Megatron-Bridge's ``pad_seq_to_mult``).
+        shuffle_packs: write the packs in a seeded random order (the plan's seed; else in plan order).
+
+    The target column, pack size, alignment and seed are the plan's (:class:`PlanningOptions`).
     """
 
     output_format: str
     file_size_mb: float
-    targets: str
     save_tokenizer: bool
     shuffle_packs: bool
-    seed: int
-    pack_size: int
-    align: int
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "StoreOptions":
         """The store options of ``cfg`` (not validated)."""
-        return cls(cfg.output_format, cfg.file_size_mb, cfg.targets, cfg.save_tokenizer, cfg.shuffle_packs,
-                   cfg.seed, cfg.pack_size, cfg.align)
-
-
-def _ray_default(key: str):
-    """The default of option ``ray_<key>`` (:class:`BuildConfig` states every default once)."""
-    return BuildConfig.__dataclass_fields__[f"ray_{key}"].default
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """The ``ray_*`` options of an ``engine: ray`` build (the YAML ``ray:`` section;
-    :mod:`thdpack.offline.cluster.ray_session`). From Python: ``build_packed(cfg, out, engine="ray",
-    ray=RayOptions(address="auto"))``; a field left out takes its :class:`BuildConfig` default.
-
-    Attributes:
-        address: the cluster to join (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``); None: ``RAY_ADDRESS``,
-            else a local instance.
-        num_cpus: CPUs of a local instance (None: every CPU of this machine).
-        cpus_per_actor: CPUs each tokenizing actor and each writing task reserves.
-        concurrency: tokenizing actors (None: the cluster's CPUs / ``cpus_per_actor``).
-        object_store_mb: object store of a local instance, in MB (None: Ray's default, 30% of memory).
-        spill_dir: where a local instance spills objects when its store is full (None: Ray's default).
-        max_retries: times a piece of work is run again when its worker dies; once more stops the build.
-    """
-
-    address: str | None = _ray_default("address")
-    num_cpus: int | None = _ray_default("num_cpus")
-    cpus_per_actor: float = _ray_default("cpus_per_actor")
-    concurrency: int | None = _ray_default("concurrency")
-    object_store_mb: int | None = _ray_default("object_store_mb")
-    spill_dir: str | None = _ray_default("spill_dir")
-    max_retries: int = _ray_default("max_retries")
-
-    @classmethod
-    def from_config(cls, cfg: BuildConfig) -> "RayOptions":
-        """The Ray options of ``cfg`` (not validated); ``spill_dir`` resolved against its directory."""
-        return cls(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus, cpus_per_actor=cfg.ray_cpus_per_actor,
-                   concurrency=cfg.ray_concurrency, object_store_mb=cfg.ray_object_store_mb,
-                   spill_dir=str(resolve_path(cfg.base_dir, cfg.ray_spill_dir)) if cfg.ray_spill_dir else None,
-                   max_retries=cfg.ray_max_retries)
-
-    def config_keys(self) -> dict:
-        """``{ray_<key>: value}`` of every field: the :class:`BuildConfig` options these are."""
-        return {f"ray_{k}": v for k, v in self.__dict__.items()}
-
-
-def config_with_engine(cfg: BuildConfig, engine: str | None, ray) -> BuildConfig:
-    """``cfg`` with ``engine`` (``local`` / ``ray``; None: as it is) and ``ray`` (a :class:`RayOptions`: all the Ray
-    options; a mapping: some of them, checked as the YAML ``ray:`` section) applied: what
-    :func:`~thdpack.offline.commands.build_packs.build_packed` takes besides the config."""
-    changes = {} if engine is None else {"engine": engine}
-    if isinstance(ray, RayOptions):
-        changes.update(ray.config_keys())
-    elif ray is not None:  # checked as the YAML ray: section (a mapping of known keys)
-        given = BuildConfig.from_dict({"ray": ray}, origin="build_packed(ray=...)")
-        changes.update({f"ray_{k}": getattr(given, f"ray_{k}") for k in ray})
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+        return cls(cfg.output_format, cfg.file_size_mb, cfg.save_tokenizer, cfg.shuffle_packs)
 
 
 @dataclass(frozen=True)
@@ -328,7 +266,7 @@ class SourceStages:
 
 
 @dataclass(frozen=True)
-class MixtureOptions:
+class MixtureStages:
     """A mixture build (``input``: a list of sources; :func:`thdpack.planning.mixture.plan_mixture`).
 
     Attributes:
@@ -346,7 +284,7 @@ class MixtureOptions:
     step_packs: int
 
     @classmethod
-    def from_config(cls, cfg: BuildConfig) -> "MixtureOptions | None":
+    def from_config(cls, cfg: BuildConfig) -> "MixtureStages | None":
         """The mixture options of ``cfg`` (validated), or None when ``input`` is not a list of sources."""
         from thdpack.offline.config import is_mixture
 
@@ -355,8 +293,9 @@ class MixtureOptions:
         values = tuple(cfg.value_columns())
         sources = tuple(SourceStages(s.name, dict(s.weights), InputOptions.from_config(s.config),
                                      TokenizeOptions.from_config(s.config, values)) for s in cfg.sources())
-        return cls(sources, cfg.mixture_weight_by or "samples", cfg.mixture_stopping or "first_exhausted",
-                   cfg.mixture_size, cfg.mixture_packing or "bfd", cfg.mixture_step_packs or 1)
+        given = cfg.mixture
+        return cls(sources, given.weight_by or "samples", given.stopping or "first_exhausted", given.size,
+                   given.packing or "bfd", given.step_packs or 1)
 
 
 @dataclass(frozen=True)
@@ -368,7 +307,7 @@ class BuildStages:
         model_config: the model config, read (a dict), or None.
         model_given: ``BuildConfig.model_config`` as given (metadata.json records it).
         engine: ``local`` or ``ray`` (``BuildConfig.engine``); ray: its options (used with ``engine: ray``).
-        mixture: a :class:`MixtureOptions` when ``input`` is a list of sources (then ``inputs`` and ``tokenize``
+        mixture: a :class:`MixtureStages` when ``input`` is a list of sources (then ``inputs`` and ``tokenize``
             are its first source's), else None.
     """
 
@@ -381,7 +320,7 @@ class BuildStages:
     model_given: Any
     engine: str
     ray: RayOptions
-    mixture: MixtureOptions | None = None
+    mixture: MixtureStages | None = None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "BuildStages":
@@ -389,12 +328,17 @@ class BuildStages:
         a model config or chat template that cannot be read."""
         cfg.validate()
         model_config = load_model_config(cfg.model_config, cfg.base_dir)  # before the long steps: fail fast
-        mixture = MixtureOptions.from_config(cfg)
+        mixture = MixtureStages.from_config(cfg)
         inputs, tokenize = ((InputOptions.from_config(cfg), TokenizeOptions.from_config(cfg)) if mixture is None
                             else (mixture.sources[0].inputs, mixture.sources[0].tokenize))
         return cls(inputs, tokenize, VisionOptions.from_config(cfg), PlanningOptions.from_config(cfg),
-                   StoreOptions.from_config(cfg), model_config, cfg.model_config, cfg.engine, RayOptions.from_config(cfg),
-                   mixture)
+                   StoreOptions.from_config(cfg), model_config, cfg.model_config, cfg.engine, _ray(cfg), mixture)
+
+
+def _ray(cfg: BuildConfig) -> RayOptions:
+    """``cfg.ray`` with ``spill_dir`` resolved against the config's directory."""
+    spill = cfg.ray.spill_dir
+    return dataclasses.replace(cfg.ray, spill_dir=str(resolve_path(cfg.base_dir, spill))) if spill else cfg.ray
 
 
 # ---------------------------------------------------------------------------- the files the config names

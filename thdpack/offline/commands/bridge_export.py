@@ -384,12 +384,13 @@ def check_text_only(vlm) -> None:
                           "rows have images; use output_format arrow and thdpack's loader")
 
 
-def write_build(out_dir: Path, store, files: list[dict], tokenizer_info: dict | None, run=None) -> dict:
+def write_build(out_dir: Path, planning, files: list[dict], tokenizer_info: dict | None, run=None) -> dict:
     """Bridge's files next to the data files ``files`` a build just wrote into ``out_dir``, pre-padded
-    for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.); ``store``: the build's
-    :class:`~thdpack.offline.stages.StoreOptions`; ``run``: as :func:`write_bridge` takes it."""
-    return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=store.targets,
-                        pack_size=store.pack_size, multiple=store.align, align=store.align,
+    for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.); ``planning``: the build's
+    :class:`~thdpack.offline.stages.PlanningOptions`; ``run``: as :func:`write_bridge` takes it."""
+    plan = planning.plan
+    return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=planning.targets,
+                        pack_size=plan.pack_size, multiple=plan.align, align=plan.align,
                         pad_id=bridge_pad_id({"tokenizer": tokenizer_info}), run=run)
 
 

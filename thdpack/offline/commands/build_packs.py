@@ -28,7 +28,8 @@ import numpy as np
 from thdpack.common.align import check_bool
 from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.stages import BuildStages, RayOptions, StoreOptions, config_with_engine
+from thdpack.offline.config import RayOptions
+from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
 from thdpack.offline.errors import ConfigError, InputError, require_hf
 from thdpack.offline.store.schema import (FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PREFIX_COLUMNS, SOURCE_COLUMN, PackedMetadata, SourceInfo)
@@ -140,8 +141,8 @@ def build_packed(
     ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
 
     ``engine``: ``"local"`` or ``"ray"`` (else ``cfg.engine``); ``ray``: the Ray options of an ``engine="ray"``
-    build (else ``cfg``'s ``ray_*`` options): a :class:`~thdpack.offline.stages.RayOptions` (all of them; a field
-    left out takes its default) or a mapping of some of them, as the YAML ``ray:`` section takes them::
+    build (else ``cfg.ray``): a :class:`~thdpack.offline.config.RayOptions` (all of them; a field left out takes
+    its default) or a mapping of some of them, as the YAML ``ray:`` section takes them::
 
         build_packed(cfg, "out/packs", engine="ray", ray=RayOptions(address="auto"))   # a running cluster
         build_packed(cfg, "out/packs", engine="ray", ray={"num_cpus": 8})            # a local Ray instance
@@ -149,7 +150,7 @@ def build_packed(
     Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
     overwrite, progress = check_bool(overwrite, "overwrite"), check_bool(progress, "progress")
-    return _build(config_with_engine(cfg.single_source_form(), engine, ray), Path(output), overwrite, progress,
+    return _build(cfg.single_source_form().override(engine=engine, ray=ray), Path(output), overwrite, progress,
                   input_slice)
 
 
@@ -172,7 +173,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         values = sample_value_arrays(prep.tokenized.dataset.data.table, list(stages.tokenize.value_columns),
                                      prep.sample_rows)
         row_offset = prep.source.row_start if input_slice is not None else 0
-        written = _write_pack_files(store, tmp, prep, values, row_offset=row_offset, progress=progress,
+        written = _write_pack_files(store, stages.planning, tmp, prep, values, row_offset=row_offset, progress=progress,
                                     ray_session=session)
         tok_info = _save_tokenizer_and_model(store, tmp, prep)
         prep.timings["write"] = time.perf_counter() - t0
@@ -181,7 +182,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
         summary["target_tokens"] = written["target_tokens"]
         meta = _metadata(stages, prep, summary, written, values, tok_info, cfg.as_dict(recorded=True))
         if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
-            meta["megatron_bridge"] = bridge_export.write_build(tmp, store, written["files"], tok_info,
+            meta["megatron_bridge"] = bridge_export.write_build(tmp, stages.planning, written["files"], tok_info,
                                                                 run=_bridge_tasks(session))
         if prep.vlm is not None:  # vision columns, image processor copy (thdpack/offline/vision/vlm_setup.py)
             prep.vlm.finish(tmp, meta, prep.tokenized.dataset.data.table, prep.sample_rows[plan.sample_index], plan)
@@ -229,16 +230,16 @@ def _bridge_tasks(session):
     return run
 
 
-def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: dict, *, row_offset,
-                      progress: bool, ray_session=None) -> dict:
-    """Write the packs of ``prep`` (in ``store.shuffle_packs`` order) as data files into ``tmp``, with the
+def _write_pack_files(store: StoreOptions, planning: PlanningOptions, tmp: Path, prep: Prepared, values: dict, *,
+                      row_offset, progress: bool, ray_session=None) -> dict:
+    """Write the packs of ``prep`` (in ``store.shuffle_packs`` order, seeded by the plan's seed) as data files into ``tmp``, with the
     ``values`` columns (``{name: [samples]}``) and input rows numbered from ``row_offset``; on the
     ``ray_session``'s cluster when given (one task per file);
     :func:`~thdpack.offline.store.writer.write_packs`'s result (``files``, ``target_tokens``)."""
     from thdpack.offline.store.writer import pack_files, write_packs
 
     plan = prep.plan
-    order = (np.random.default_rng(store.seed).permutation(len(plan)) if store.shuffle_packs
+    order = (np.random.default_rng(planning.plan.seed).permutation(len(plan)) if store.shuffle_packs
              else np.arange(len(plan)))
     # on Ray the tokenized rows travel as their part files' paths (read by the tasks), not as a table
     rows = prep.tokenized.rows if ray_session is not None else prep.tokenized.dataset.data.table
@@ -250,10 +251,10 @@ def _write_pack_files(store: StoreOptions, tmp: Path, prep: Prepared, values: di
                   row_offset=row_offset, extra=None if prep.vlm is None else prep.vlm.writer(rows), values=values,
                   **({"columns": columns} if columns else {}))
     if ray_session is None:
-        return write_packs(tmp, rows, store.targets, plan, prep.sample_rows, order, progress=progress, **kwargs)
+        return write_packs(tmp, rows, planning.targets, plan, prep.sample_rows, order, progress=progress, **kwargs)
     from thdpack.offline.cluster.ray_write import write_on_ray
 
-    files = pack_files(rows, store.targets, plan, prep.sample_rows, order, **kwargs)
+    files = pack_files(rows, planning.targets, plan, prep.sample_rows, order, **kwargs)
     return write_on_ray(ray_session, files, tmp, progress=progress)
 
 
@@ -305,8 +306,8 @@ def _metadata(stages: BuildStages, prep: Prepared, summary: dict, written: dict,
         complete=True,
         thdpack_version=__version__,
         file_format=bridge_export.data_file_format(store.output_format),
-        targets=store.targets,
-        columns=["input_ids", store.targets, "seq_lens", "sample_index", "sample_start"],
+        targets=planning.targets,
+        columns=["input_ids", planning.targets, "seq_lens", "sample_index", "sample_start"],
         num_packs=len(prep.plan),
         pack_size=plan.pack_size,
         align=plan.align,
