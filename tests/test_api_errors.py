@@ -360,7 +360,7 @@ def test_layout_keywords_and_layout_object_build_the_same_batch():
     by_keywords = build_thd_batch(samples, **keywords)
     by_layout = build_thd_batch(samples, layout=BatchLayout(**keywords))
     assert torch.equal(by_keywords.input_ids, by_layout.input_ids)
-    assert torch.equal(by_keywords.partition_indices, by_layout.partition_indices)
+    assert torch.equal(by_keywords.shard.partition_indices, by_layout.shard.partition_indices)
     assert ThdCollator(**keywords).layout == BatchLayout(**keywords)
     assert ThdCollator(cp_size=1, cp_rank=0).layout.cp_rank is None  # one CP rank: the whole batch
 

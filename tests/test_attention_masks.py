@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block
 
 import test_equivalence as te  # noqa: E402
 import test_vlm as tv  # noqa: E402
-from thdpack import build_thd_batch  # noqa: E402
+from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
 from thdpack.attention.block_mask import document_block_mask  # noqa: E402
 from thdpack.attention.dense_mask import dense_document_mask  # noqa: E402
@@ -319,8 +319,8 @@ def test_batch_masks_agree_with_cu_seqlens(lengths, align, block_size):
     assert torch.equal(token_dense(batch.block_mask(block_size), T), want)
     cp_size = align.get("cp_size", 1)
     for rank in range(cp_size if cp_size > 1 else 0):
-        shard = batch.shard(cp_size, rank)
-        assert torch.equal(shard.document_ids, ids[shard.partition_indices])
+        shard = shard_for_cp(batch, cp_size, rank)
+        assert torch.equal(shard.document_ids, ids[shard.shard.partition_indices])
 
 
 # --------------------------------------------------------------------------- argument validation
@@ -340,7 +340,7 @@ def test_bad_arguments():
     for name in (None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3",
                  "paged|flash_attention_2"):
         assert batch.to_hf_kwargs(attn_implementation=name).keys() == batch.to_hf_kwargs().keys()
-    shard = batch.shard(2, 1)
+    shard = shard_for_cp(batch, 2, 1)
     for call in (shard.block_mask, shard.attention_mask_4d,
                  lambda: shard.to_hf_kwargs(attn_implementation="sdpa"),
                  lambda: shard.to_hf_kwargs(attn_implementation="flex_attention")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from operator import attrgetter
 
 import numpy as np
 import pytest
@@ -194,7 +195,7 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
     local_sum = torch.zeros(n, dtype=torch.int64)
     for r in range(cp):
         shard = shard_for_cp(batch, cp, r)
-        idx = shard.partition_indices
+        idx = shard.shard.partition_indices
         assert idx.dtype == torch.int64
         assert idx.tolist() == thd_partition_indices(cu_p, cp, r).tolist() == te_partition_reference(cu_p, cp, r)
         # every rank: same number of tokens, P_i / cp of every sample
@@ -206,9 +207,9 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
         if extras:
             assert torch.equal(shard.token_extras["mrope"], batch.token_extras["mrope"][:, idx])
         # local layout and local lengths
-        assert shard.local_cu_seqlens_padded.dtype == torch.int32
-        assert shard.local_cu_seqlens_padded.tolist() == [c // cp for c in cu_p.tolist()]
-        lsl = shard.local_seq_lens
+        assert shard.shard.local_cu_seqlens_padded.dtype == torch.int32
+        assert shard.shard.local_cu_seqlens_padded.tolist() == [c // cp for c in cu_p.tolist()]
+        lsl = shard.shard.local_seq_lens
         assert lsl.dtype == torch.int32
         assert lsl.tolist() == te_local_seq_lens(seq_lens, cu_p, cp, r)
         assert local_seq_lens(batch.seq_lens, cu_p, cp, r).tolist() == lsl.tolist()
@@ -226,11 +227,8 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
         assert torch.equal(shard.cu_seqlens_padded, cu_p)
         assert shard.max_seqlen == batch.max_seqlen
         assert torch.equal(shard.seq_lens, batch.seq_lens)
-        assert (shard.cp_size, shard.cp_rank) == (cp, r)
+        assert (shard.shard.cp_size, shard.shard.cp_rank) == (cp, r)
         assert shard.is_shard
-        # the method form gives the same shard
-        other = batch.shard(cp, r)
-        assert torch.equal(other.partition_indices, idx) and torch.equal(other.input_ids, shard.input_ids)
         # Megatron fields stay global on a shard
         params = shard.to_packed_seq_params()
         assert psp_field(params, "qkv_format") == "thd"
@@ -246,8 +244,8 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
         kw = shard.to_hf_kwargs()
         assert torch.equal(kw["input_ids"], shard.input_ids.unsqueeze(0))
         assert torch.equal(kw["position_ids"], shard.position_ids.unsqueeze(0))
-        assert torch.equal(kw["cu_seq_lens_q"], shard.local_cu_seqlens_padded)
-        assert torch.equal(kw["cu_seq_lens_k"], shard.local_cu_seqlens_padded)
+        assert torch.equal(kw["cu_seq_lens_q"], shard.shard.local_cu_seqlens_padded)
+        assert torch.equal(kw["cu_seq_lens_k"], shard.shard.local_cu_seqlens_padded)
         assert kw["max_length_q"] == kw["max_length_k"] == batch.max_seqlen // cp
         assert torch.equal(kw["shift_labels"], shard.labels.unsqueeze(0))
         all_idx.append(idx)
@@ -315,7 +313,7 @@ def test_local_seq_lens_cp1_is_seq_lens():
     seq_lens = torch.tensor([3, 1, 5], dtype=torch.int32)
     assert local_seq_lens(seq_lens, cu, 1, 0).tolist() == [3, 1, 5]
     shard = shard_for_cp(build_thd_batch(make_samples([3, 1, 5], 0)), 1, 0)
-    assert shard.local_seq_lens.tolist() == [3, 1, 5]
+    assert shard.shard.local_seq_lens.tolist() == [3, 1, 5]
 
 
 def test_pad_multiple_combines_with_cp():
@@ -335,7 +333,7 @@ def test_uncp_batch_with_aligned_lengths_shards():
     check_cp_batch(batch, None, lengths, 1, 1, False, extras=False)
     for r in range(2):
         shard = shard_for_cp(batch, 2, r)
-        assert shard.partition_indices.tolist() == te_partition_reference(batch.cu_seqlens_padded, 2, r)
+        assert shard.shard.partition_indices.tolist() == te_partition_reference(batch.cu_seqlens_padded, 2, r)
 
 
 # --------------------------------------------------------------------------- collator
@@ -349,16 +347,16 @@ def test_collator_returns_shard(cp):
     for r in range(cp):
         got = ThdCollator(cp_size=cp, cp_rank=r)(samples)
         want = shard_for_cp(batch, cp, r)
-        assert (got.cp_size, got.cp_rank) == (cp, r)
-        for name in ("input_ids", "labels", "position_ids", "partition_indices", "local_seq_lens",
-                     "local_cu_seqlens_padded", "cu_seqlens", "cu_seqlens_padded"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert (got.shard.cp_size, got.shard.cp_rank) == (cp, r)
+        for name in ("input_ids", "labels", "position_ids", "shard.partition_indices", "shard.local_seq_lens",
+                     "shard.local_cu_seqlens_padded", "cu_seqlens", "cu_seqlens_padded"):
+            assert torch.equal(attrgetter(name)(got), attrgetter(name)(want)), name
     whole = ThdCollator(cp_size=cp)(samples)  # no rank: the whole CP-padded batch
     assert not whole.is_shard and torch.equal(whole.input_ids, batch.input_ids)
     packs = ThdCollator(cp_size=cp, cp_rank=cp - 1, pack_size=48)(samples)
     assert len(packs) >= 2
     for shard in packs:
-        assert shard.cp_rank == cp - 1
+        assert shard.shard.cp_rank == cp - 1
         assert shard.num_padded_tokens * cp == int(shard.cu_seqlens_padded[-1])
         assert all(p % (2 * cp) == 0 for p in shard.seq_lens_padded.tolist())
 
@@ -389,14 +387,14 @@ def cp_causal_attention(shards, qs, ks, vs) -> list[torch.Tensor]:
     v_all = torch.empty(T, H, D, dtype=vs[0].dtype)
     pos_all = torch.empty(T, dtype=torch.int64)
     for shard, k, v in zip(shards, ks, vs):  # the all-gather
-        k_all[shard.partition_indices] = k
-        v_all[shard.partition_indices] = v
-        pos_all[shard.partition_indices] = shard.position_ids
+        k_all[shard.shard.partition_indices] = k
+        v_all[shard.shard.partition_indices] = v
+        pos_all[shard.shard.partition_indices] = shard.position_ids
     cu_p = shards[0].cu_seqlens_padded.to(torch.int64)
     key_sample = torch.searchsorted(cu_p, torch.arange(T), right=True) - 1
     outs = []
     for shard, q in zip(shards, qs):
-        local_cu = shard.local_cu_seqlens_padded.to(torch.int64)
+        local_cu = shard.shard.local_cu_seqlens_padded.to(torch.int64)
         n_local = q.shape[0]
         q_sample = torch.searchsorted(local_cu, torch.arange(n_local), right=True) - 1
         allowed = (q_sample[:, None] == key_sample[None, :]) & (pos_all[None, :] <= shard.position_ids[:, None])
@@ -421,23 +419,23 @@ def test_cp_attention_equals_unsharded(cp, seed):
 
     shards = [shard_for_cp(batch, cp, r) for r in range(cp)]
     for shard in shards:
-        idx = shard.partition_indices
+        idx = shard.shard.partition_indices
         # labels, positions and indices agree with the global stream
         assert torch.equal(shard.position_ids, batch.position_ids[idx])
         assert torch.equal(shard.labels, batch.labels[idx])
         assert torch.equal(shard.input_ids, batch.input_ids[idx])
-    outs = cp_causal_attention(shards, [q[s.partition_indices] for s in shards],
-                               [k[s.partition_indices] for s in shards], [v[s.partition_indices] for s in shards])
+    outs = cp_causal_attention(shards, [q[s.shard.partition_indices] for s in shards],
+                               [k[s.shard.partition_indices] for s in shards], [v[s.shard.partition_indices] for s in shards])
     got = torch.full_like(q, float("nan"))
     for shard, o in zip(shards, outs):
-        got[shard.partition_indices] = o
+        got[shard.shard.partition_indices] = o
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
     # a wrong split is caught: ranks exchanging their index sets breaks the result
     wrong = torch.full_like(q, float("nan"))
     for shard, o in zip(reversed(shards), outs):
-        wrong[shard.partition_indices] = o
+        wrong[shard.shard.partition_indices] = o
     assert not torch.allclose(wrong, want)
 
 
@@ -457,9 +455,9 @@ def test_cp_loss_sums_to_global_loss():
     want = ForCausalLMLoss(logits.unsqueeze(0), kw["labels"], vocab, num_items_in_batch=n_items)
     total = 0.0
     for r in range(cp):
-        shard = batch.shard(cp, r)
+        shard = shard_for_cp(batch, cp, r)
         skw = shard.to_hf_kwargs()
-        total = total + ForCausalLMLoss(logits[shard.partition_indices].unsqueeze(0), skw["labels"], vocab,
+        total = total + ForCausalLMLoss(logits[shard.shard.partition_indices].unsqueeze(0), skw["labels"], vocab,
                                         num_items_in_batch=n_items, shift_labels=skw["shift_labels"])
     torch.testing.assert_close(total, want, rtol=1e-10, atol=1e-10)
 
@@ -529,7 +527,7 @@ def test_errors_cp_rank():
         with pytest.raises(ValueError, match="cp_rank"):
             shard_for_cp(batch, 2, bad)
         with pytest.raises(ValueError, match="cp_rank"):
-            batch.shard(2, bad)
+            shard_for_cp(batch, 2, bad)
         with pytest.raises(ValueError, match="cp_rank"):
             local_seq_lens(batch.seq_lens, cu, 2, bad)
     for bad in (-1, 2, 5):
@@ -563,9 +561,9 @@ def test_error_cu_seqlens_not_divisible():
 
 def test_error_sharding_a_shard():
     batch = build_thd_batch(make_samples([5, 9], 0), cp_size=4)
-    shard = batch.shard(2, 1)
+    shard = shard_for_cp(batch, 2, 1)
     with pytest.raises(ValueError, match="already a CP shard"):
-        shard.shard(2, 0)
+        shard_for_cp(shard, 2, 0)
     with pytest.raises(ValueError, match="already a CP shard"):
         shard_for_cp(shard, 2, 1)
     with pytest.raises(ValueError, match="already a CP shard"):

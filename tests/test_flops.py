@@ -571,13 +571,13 @@ def test_cp_shards_count_each_sample_once(cp):
     starts = batch.cu_seqlens_padded[:-1].tolist()
     for shard, acc in zip(shards, per_rank):
         brute = 0
-        for p in shard.partition_indices.tolist():
+        for p in shard.shard.partition_indices.tolist():
             i = max(k for k in range(len(starts)) if starts[k] <= p)
             q = p - starts[i]
             if q < seq[i]:
                 brute += 2 * q + 1
         assert acc.seqlen_squared_sum == brute
-        assert acc.tokens == int(shard.local_seq_lens.sum())
+        assert acc.tokens == int(shard.shard.local_seq_lens.sum())
 
 
 def test_vision_counted_once_per_sample_across_cp_ranks():

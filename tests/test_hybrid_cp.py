@@ -114,15 +114,15 @@ def test_shards_tile_every_micro_batch(world):
         assert [b.sample_index.tolist() for b in shards] == [plan.micro_batch(j).tolist()
                                                             for j in plan.rank_micro_batches(r)]
         for b in shards:
-            k, start = b.cp_size, b.cp_block_start
+            k, start = b.shard.cp_size, b.shard.block_start
             whole = build_thd_batch([samples[i] for i in b.sample_index.tolist()], cp_size=k, pad_multiple=2)
             want = whole if k == 1 else shard_for_cp(whole, k, r - start)
             for name in ("input_ids", "labels", "position_ids", "loss_mask"):
                 assert torch.equal(getattr(b, name), getattr(want, name)), name
-            mask = whole.padding_mask[want.partition_indices] if k > 1 else whole.padding_mask
+            mask = whole.padding_mask[want.shard.partition_indices] if k > 1 else whole.padding_mask
             assert torch.equal(b.padding_mask, mask)
             key = tuple(b.sample_index.tolist())
-            seen.setdefault(key, []).append(want.partition_indices if k > 1 else torch.arange(whole.num_padded_tokens))
+            seen.setdefault(key, []).append(want.shard.partition_indices if k > 1 else torch.arange(whole.num_padded_tokens))
     for key, parts in seen.items():
         total = int(plan.padded_lengths[list(key)].sum())
         assert sorted(torch.cat(parts).tolist()) == list(range(total))  # each slot on exactly one rank
@@ -139,27 +139,27 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
     for r in range(8):
         for b in hybrid_cp_shards(samples, plan, r):
             fake = object()
-            if b.cp_size == 1:
+            if b.shard.cp_size == 1:
                 d = b.packed_seq_params_dict()
                 assert d["local_cp_size"] == 1 and d["cp_group"] is None
                 seen.add(1)
                 continue
-            where = f"position {r - b.cp_block_start} of the block of {b.cp_size} ranks at {b.cp_block_start}"
+            where = f"position {r - b.shard.block_start} of the block of {b.shard.cp_size} ranks at {b.shard.block_start}"
             with pytest.raises(ValueError, match=f"{where}: pass that block's process group as cp_group="):
                 b.packed_seq_params_dict()
-            for given in (fake, {b.cp_size: fake}, lambda group_size: {b.cp_size: fake}[group_size]):
+            for given in (fake, {b.shard.cp_size: fake}, lambda group_size: {b.shard.cp_size: fake}[group_size]):
                 d = b.packed_seq_params_dict(cp_group=given)
-                assert d["local_cp_size"] == b.cp_size and d["cp_group"] is fake
+                assert d["local_cp_size"] == b.shard.cp_size and d["cp_group"] is fake
                 assert torch.equal(d["cu_seqlens_q_padded"], b.cu_seqlens_padded)  # global, as for static CP
             kw = to_gpt_forward_kwargs(b, cp_group=fake)
             params = kw["packed_seq_params"]
             assert isinstance(params, dict) if core is None else isinstance(params, core.PackedSeqParams)
             assert torch.equal(kw["padding_mask"][0], b.padding_mask) and megatron_env.field(params, "cp_group") is fake
-            assert megatron_env.field(params, "local_cp_size") == b.cp_size
+            assert megatron_env.field(params, "local_cp_size") == b.shard.cp_size
             assert torch.equal(megatron_env.field(params, "cu_seqlens_q_padded"), b.cu_seqlens_padded)
-            seen.add(b.cp_size)
+            seen.add(b.shard.cp_size)
     assert {1, 8} <= seen
-    static = build_thd_batch([samples[1]], cp_size=2).shard(2, 0)
+    static = shard_for_cp(build_thd_batch([samples[1]], cp_size=2), 2, 0)
     assert "local_cp_size" not in static.packed_seq_params_dict()  # static CP unchanged
     with pytest.raises(ValueError, match="cp_group is for a hybrid-CP batch"):
         static.packed_seq_params_dict(cp_group=object())
@@ -187,12 +187,12 @@ def test_padding_mask():
     assert batch.padding_mask.tolist() == want
     cp = build_thd_batch(samples, cp_size=2, pad_to=24)
     for rank in range(2):
-        shard = cp.shard(2, rank)
-        assert torch.equal(shard.padding_mask, cp.padding_mask[shard.partition_indices])
+        shard = shard_for_cp(cp, 2, rank)
+        assert torch.equal(shard.padding_mask, cp.padding_mask[shard.shard.partition_indices])
         direct = build_thd_batch(samples, cp_size=2, pad_to=24, cp_rank=rank)  # the assembler's own shard
         assert torch.equal(direct.padding_mask, shard.padding_mask)
     uly = shard_for_ulysses(cp, 2, 1)
-    assert torch.equal(uly.padding_mask, cp.padding_mask[uly.partition_indices])
+    assert torch.equal(uly.padding_mask, cp.padding_mask[uly.shard.partition_indices])
     tree = build_thd_batch([{"input_ids": list(range(1, 40)), "group": 0}, {"input_ids": list(range(1, 38)) + [9],
                                                                            "group": 0}], share_prefix="group")
     with pytest.raises(ValueError, match="^padding_mask .* cannot express a shared-prefix batch") as info:

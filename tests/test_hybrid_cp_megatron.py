@@ -110,7 +110,7 @@ def _check_against_get_batch(shard, samples, k: int, keywords: dict) -> list[dic
     from thdpack import build_thd_batch
 
     out = []
-    local = shard.local_cu_seqlens_padded if shard.is_shard else shard.cu_seqlens_padded
+    local = shard.shard.local_cu_seqlens_padded if shard.is_shard else shard.cu_seqlens_padded
     for n, i in enumerate(shard.sample_index.tolist()):
         alone = build_thd_batch([samples[i]], cp_size=k, **keywords)
         got = get_batch_on_this_cp_rank(_megatron_batch(alone, k), is_hybrid_cp=True,
@@ -118,7 +118,7 @@ def _check_against_get_batch(shard, samples, k: int, keywords: dict) -> list[dic
         a, b = int(local[n]), int(local[n + 1])
         mine = {"tokens": shard.input_ids, "labels": shard.labels, "position_ids": shard.position_ids,
                 "padding_mask": shard.padding_mask}
-        slots = (shard.partition_indices[a:b] - int(shard.cu_seqlens_padded[n])) if shard.is_shard else \
+        slots = (shard.shard.partition_indices[a:b] - int(shard.cu_seqlens_padded[n])) if shard.is_shard else \
             torch.arange(b - a)
         out.append({"sample": i, "slots": slots.tolist(),
                     "equal": {key: bool(torch.equal(got[key][0], value[a:b])) for key, value in mine.items()}})
@@ -135,11 +135,11 @@ def _all_gather_attention(shard, group) -> dict:
 
     w = ring.weights()
     q, key, value = ring.qkv(w, shard.input_ids, shard.position_ids)
-    k = shard.cp_size
+    k = shard.shard.cp_size
     parts = [torch.empty_like(torch.cat([key, value], -1)) for _ in range(k)]
     dist.all_gather(parts, torch.cat([key, value], -1).contiguous(), group=group)
-    index = [torch.empty_like(shard.partition_indices) for _ in range(k)]
-    dist.all_gather(index, shard.partition_indices.contiguous(), group=group)
+    index = [torch.empty_like(shard.shard.partition_indices) for _ in range(k)]
+    dist.all_gather(index, shard.shard.partition_indices.contiguous(), group=group)
     total = int(shard.cu_seqlens_padded[-1])
     kv = torch.zeros(total, *parts[0].shape[1:], dtype=parts[0].dtype)
     for part, at in zip(parts, index):
@@ -148,7 +148,7 @@ def _all_gather_attention(shard, group) -> dict:
     doc_k = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
     pos_k = torch.arange(total) - cu[:-1][doc_k]
     real_k = pos_k < shard.seq_lens.long()[doc_k]
-    doc_q, pos_q = doc_k[shard.partition_indices], pos_k[shard.partition_indices]
+    doc_q, pos_q = doc_k[shard.shard.partition_indices], pos_k[shard.shard.partition_indices]
     allowed = (doc_q[:, None] == doc_k[None]) & (pos_k[None] <= pos_q[:, None]) & real_k[None]
     out, _ = ring.block_attention(q, kv[..., :ring.DIM], kv[..., ring.DIM:], allowed)
     logits = out.reshape(-1, ring.HEADS * ring.DIM) @ w["head"]
@@ -220,10 +220,10 @@ def _layout_results(name: str, rank: int) -> dict:
         scheduler = BalancedCPScheduler(max_seq_len_per_rank=budget, dp_cp_group=dp_cp)
         out["megatron_schedule"] = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)[1]
     for shard in hybrid_cp_shards(samples, plan, pos, **keywords):
-        k = shard.cp_size
+        k = shard.shard.cp_size
         group = ps.get_hybrid_data_context_parallel_groups(group_size=k) if k > 1 else None
         params = shard.to_packed_seq_params(cp_group=ps.get_hybrid_data_context_parallel_groups)
-        mb = {"k": k, "start": shard.cp_block_start, "cp_rank": shard.cp_rank,
+        mb = {"k": k, "start": shard.shard.block_start, "cp_rank": shard.shard.cp_rank,
               "megatron_group": dist.get_process_group_ranks(group) if group is not None else [rank],
               "params": {"type": type(params).__name__, "is_packed_seq_params": isinstance(params, PackedSeqParams),
                          "local_cp_size": params.local_cp_size,

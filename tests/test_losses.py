@@ -227,7 +227,7 @@ def test_cp_shards_sum_to_the_whole_batch_loss(reduction):
         for r in range(2):
             shard = shard_for_cp(batch, 2, r)
             extra = {"sample_targets": sample_target_counts(batch)} if reduction == "sample" else {}
-            total = total + packed_loss(logits[shard.partition_indices], shard, reduction, n, **extra)
+            total = total + packed_loss(logits[shard.shard.partition_indices], shard, reduction, n, **extra)
         torch.testing.assert_close(total, whole, rtol=1e-12, atol=0)
         torch.testing.assert_close(whole, reference_loss(model, rows, reduction), rtol=1e-12, atol=0)
 
@@ -294,7 +294,7 @@ def test_errors_name_the_argument():
         token_logps(logits[:, :3], batch)
     shard = shard_for_cp(batch, 2, 1)
     with pytest.raises(ValueError, match="CP shard needs sample_targets="):
-        packed_loss(logits[shard.partition_indices], shard, "sample")
+        packed_loss(logits[shard.shard.partition_indices], shard, "sample")
     sampler = TokenBudgetBatchSampler([6, 4], 16, shuffle=False)
     with pytest.raises(ValueError, match=r"step=1 is outside epoch 0 of 1 optimizer steps"):
         sampler.step_items(1)
@@ -351,7 +351,7 @@ def packed_dpo_step(policy, ref, batch, cp_size, beta, num_items, chunk_size=Non
     with torch.no_grad():
         ref_logits = ref(**kw, use_cache=False).logits[0]
     shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
-    idx = [s.partition_indices if s.is_shard else slice(None) for s in shards]
+    idx = [s.shard.partition_indices if s.is_shard else slice(None) for s in shards]
     chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
     pol = sum(sequence_logps(logits[i], s, **chunk)[0] for i, s in zip(idx, shards))
     refl = sum(sequence_logps(ref_logits[i], s)[0] for i, s in zip(idx, shards))

@@ -20,7 +20,7 @@ import torch
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import build_thd_batch
+from thdpack import build_thd_batch, shard_for_cp
 
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
 
@@ -45,7 +45,7 @@ def test_total_tokens_is_the_global_stream_length(cp_size):
     assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]  # seq_idx, by its documented rule
     if cp_size > 1:
         for rank in range(cp_size):  # a shard keeps the global metadata
-            assert batch.shard(cp_size, rank).packed_seq_params_dict()["total_tokens"] == stream
+            assert shard_for_cp(batch, cp_size, rank).packed_seq_params_dict()["total_tokens"] == stream
 
 
 @pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])
@@ -84,7 +84,7 @@ def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, la
     assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != layout_padded
     views = [batch.packed_seq_params_dict()]
     if kw.get("cp_size", 1) > 1:
-        views += [batch.shard(kw["cp_size"], r).packed_seq_params_dict() for r in range(kw["cp_size"])]
+        views += [shard_for_cp(batch, kw["cp_size"], r).packed_seq_params_dict() for r in range(kw["cp_size"])]
     for d in views:
         for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             if padded:

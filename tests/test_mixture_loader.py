@@ -284,7 +284,7 @@ def test_source_totals_on_cp_shards_add_up_to_the_whole_batch():
     totals = items = sample_totals = 0
     for rank in (0, 1):
         shard = shard_for_cp(whole, 2, rank)
-        shard_logits = logits.detach()[shard.partition_indices]
+        shard_logits = logits.detach()[shard.shard.partition_indices]
         t, n = source_totals(-token_logps(shard_logits, shard), shard, 3)
         s, _ = source_totals(-token_logps(shard_logits, shard), shard, 3, "sample", sample_targets=counts)
         totals, items, sample_totals = totals + t, items + n, sample_totals + s

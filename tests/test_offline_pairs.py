@@ -219,7 +219,7 @@ def check_values(out: Path, rows: list[dict], cp_size: int = 1) -> int:
             torch.testing.assert_close(batch.sample_values["domain"], want_domain, rtol=0, atol=0)
             per_token = batch.token_values("domain")
             assert per_token.numel() == batch.input_ids.numel()
-            cu = batch.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
+            cu = batch.shard.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
             for j in range(len(index)):
                 assert (per_token[int(cu[j]) : int(cu[j + 1])] == want_domain[j]).all()
         pieces += len(index)

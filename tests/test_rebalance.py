@@ -25,6 +25,7 @@ import functools
 import threading
 import zlib
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import pytest
@@ -143,9 +144,9 @@ def check_exchange(name: str, world: int, outputs: list[dict]) -> None:
         for batch, filler in zip(o["batches"], o["filler"]):
             ids = batch.sample_index.tolist()
             alone = build_thd_batch([samples[g] for g in ids], sample_index=ids, sample_values=["uid"], **layout)
-            names = FIELDS + (("partition_indices",) if "cp_rank" in layout else ())
+            names = FIELDS + (("shard.partition_indices",) if "cp_rank" in layout else ())
             for field in names if not filler else ("input_ids", "position_ids"):
-                assert torch.equal(getattr(batch, field), getattr(alone, field)), (name, field)
+                assert torch.equal(attrgetter(field)(batch), attrgetter(field)(alone)), (name, field)
             assert (batch.prefix_tree is None) == (alone.prefix_tree is None), name
             for field in TREE_FIELDS if alone.prefix_tree is not None else ():
                 assert torch.equal(getattr(batch.prefix_tree, field), getattr(alone.prefix_tree, field)), field
@@ -309,8 +310,8 @@ def test_cp_layout_composes(gloo_results):
         for whole, shard in zip(r["cp"]["batches"], r["cp_shard"]["batches"], strict=True):
             assert (whole.cu_seqlens_padded % 4 == 0).all() and whole.pad_multiple == 4
             want = shard_for_cp(whole, 2, 1)
-            for field in ("input_ids", "labels", "position_ids", "partition_indices", "local_cu_seqlens_padded"):
-                assert torch.equal(getattr(shard, field), getattr(want, field)), field
+            for field in ("input_ids", "labels", "position_ids", "shard.partition_indices", "shard.local_cu_seqlens_padded"):
+                assert torch.equal(attrgetter(field)(shard), attrgetter(field)(want)), field
 
 
 def test_model_logps_come_back_to_their_rank(gloo_results):

@@ -126,12 +126,12 @@ def exchange(buffer: torch.Tensor, rank: int, cp: int, group):
 def ring_attention(q, k, v, shard, group) -> torch.Tensor:
     """The unsharded causal attention output at this rank's tokens (``[t, H, D]``, pad slots 0),
     from the rank's own ``q, k, v`` and the metadata of its shard only."""
-    cp, rank = shard.cp_size, shard.cp_rank
-    local_cu = shard.local_cu_seqlens_padded.long()
+    cp, rank = shard.shard.cp_size, shard.shard.cp_rank
+    local_cu = shard.shard.local_cu_seqlens_padded.long()
     doc, offset, h = local_halves(local_cu)
     front, back = offset < h, offset >= h
     q_real = real_slots(shard.cu_seqlens, local_cu, cp, rank)
-    assert torch.equal(torch.zeros_like(shard.local_seq_lens).index_add_(0, doc, q_real.int()), shard.local_seq_lens)
+    assert torch.equal(torch.zeros_like(shard.shard.local_seq_lens).index_add_(0, doc, q_real.int()), shard.shard.local_seq_lens)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype)
     kv = torch.cat([k, v], -1)
@@ -189,7 +189,7 @@ def _ring_worker(rank: int, init_file: str, batches: dict, out: str) -> None:
             loss = F.cross_entropy(logits, shard.labels, ignore_index=shard.ignore_index, reduction="sum")
             totals = torch.stack([loss, torch.tensor(float(shard.num_targets), dtype=torch.float64)])
             dist.all_reduce(totals, group=group)
-            result[name] = {"logits": logits, "index": shard.partition_indices, "loss": totals[0] / totals[1]}
+            result[name] = {"logits": logits, "index": shard.shard.partition_indices, "loss": totals[0] / totals[1]}
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()

@@ -42,7 +42,7 @@ def test_values_follow_their_samples_through_planning_building_and_cp(lengths, c
         for rank in range(cp):
             shard = shard_for_cp(batch, cp, rank) if cp > 1 else batch
             for name in names:
-                torch.testing.assert_close(shard.token_values(name), batch.token_values(name)[shard.partition_indices]
+                torch.testing.assert_close(shard.token_values(name), batch.token_values(name)[shard.shard.partition_indices]
                                            if cp > 1 else batch.token_values(name), rtol=0, atol=0)
 
 
@@ -51,7 +51,7 @@ def test_direct_shard_build_carries_values():
     whole = build_thd_batch(rows, cp_size=2, sample_values=["reward"])
     for rank in range(2):
         shard = build_thd_batch(rows, cp_size=2, cp_rank=rank, sample_values=["reward"])
-        assert torch.equal(shard.token_values("reward"), whole.token_values("reward")[shard.partition_indices])
+        assert torch.equal(shard.token_values("reward"), whole.token_values("reward")[shard.shard.partition_indices])
 
 
 def test_values_move_with_the_batch():

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import build_thd_batch
+from thdpack import build_thd_batch, shard_for_cp
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ def test_pad_slots_and_pad_to_tail_hold_their_samples_id(lengths, pad_multiple, 
 def test_a_cp_shard_gives_the_whole_streams_seq_idx():
     batch = build_thd_batch(samples_of([5, 2, 7, 1]), cp_size=2)
     for rank in range(2):
-        shard = batch.shard(2, rank)
+        shard = shard_for_cp(batch, 2, rank)
         assert torch.equal(shard.seq_idx, batch.seq_idx)
         assert shard.seq_idx.shape[1] == shard.packed_seq_params_dict()["total_tokens"]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import StreamingPacker, ThdCollator, build_thd_batch
+from thdpack import StreamingPacker, ThdCollator, build_thd_batch, shard_for_cp
 from thdpack.batching import BatchLayout
 from thdpack.flops import FlopsAccumulator
 from thdpack.losses import packed_loss
@@ -276,10 +276,10 @@ def test_max_num_seqs_pads_only_what_kernels_read(lengths, spare, cp_size, pad_m
     assert torch.equal(params["cu_seqlens_q_padded"], static.static_cu_seqlens_padded)  # always set
     assert params["max_seqlen_q"] == params["max_seqlen_kv"] == params["total_tokens"] == T
     for rank in range(cp_size if cp_size > 1 else 0):
-        shards = (static.shard(cp_size, rank), build_thd_batch(samples, **layout, pad_to=pad_to, max_num_seqs=m,
+        shards = (shard_for_cp(static, cp_size, rank), build_thd_batch(samples, **layout, pad_to=pad_to, max_num_seqs=m,
                                                               cp_rank=rank))
         for shard in shards:  # whole-batch sharding and the direct shard alike
-            _assert_same_batch(shard, plain.shard(cp_size, rank))
+            _assert_same_batch(shard, shard_for_cp(plain, cp_size, rank))
             local = shard.to_hf_kwargs()
             assert torch.equal(local["cu_seq_lens_q"], static.static_cu_seqlens_padded // cp_size)
             assert local["max_length_q"] == T // cp_size

@@ -172,7 +172,7 @@ def test_errors_name_the_bad_value():
     with pytest.raises(ValueError, match=r"cu_seqlens_padded must hold integers"):
         torch_cp_indices([0.0, 4.0], 2)
     with pytest.raises(ValueError, match=r"batch is a CP shard \(cp_size=2, rank 1\)"):
-        torch_cp_indices(build_thd_batch(samples, cp_size=2).shard(2, 1), 2)
+        torch_cp_indices(shard_for_cp(build_thd_batch(samples, cp_size=2), 2, 1), 2)
 
 
 # --------------------------------------------------------------------------- torch's CP on gloo
@@ -265,7 +265,7 @@ def test_torch_context_parallel_on_two_gloo_processes(tmp_path):
         for name in ("input_ids", "labels", "position_ids"):
             assert torch.equal(res[name], getattr(shard, name)), (r, name)
         # rank r's attention output is the global output at its partition indices
-        torch.testing.assert_close(res["local_out"], results[0]["out"][:, :, shard.partition_indices])
+        torch.testing.assert_close(res["local_out"], results[0]["out"][:, :, shard.shard.partition_indices])
     for start, s in zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist()):
         span = slice(start, start + s)
         alone = F.scaled_dot_product_attention(q[:, :, span], k[:, :, span], v[:, :, span], is_causal=True)

@@ -236,7 +236,7 @@ def _check_model(rank: int, world: int, refs: dict) -> None:
         model, ATTN, sequence_parallel_size=world, micro_batch_size=1, seq_length_is_variable=True)
     group = mpu.get_sequence_parallel_group()
     shard = ThdCollator(ulysses_sp_size=world, sp_group=group)(refs["samples"])
-    assert (shard.sp_size, shard.sp_rank) == (world, rank)
+    assert (shard.shard.sp_size, shard.shard.sp_rank) == (world, rank)
     out, logits, attn = run_model(model, **shard.to_hf_kwargs())  # labels + shift_labels: HF's loss on them
     if shard.num_targets:  # HF's loss of the rank (a mean over its targets) is the CE of our targets
         local = F.cross_entropy(logits, shard.labels, ignore_index=IGNORE)
@@ -264,7 +264,7 @@ def _all_gather_cp_attention(shard, cp_group):
     the whole stream's keys, all-gathered over the CP group and put back by the dual-chunk rule,
     causally inside each document of the global ``cu_seqlens_padded`` (what ring attention computes)."""
     cu = shard.cu_seqlens_padded.tolist()
-    cp, total = shard.cp_size, cu[-1]
+    cp, total = shard.shard.cp_size, cu[-1]
     pos = torch.cat([_dual_chunk_positions(cu, cp, c) for c in range(cp)])
     doc = torch.searchsorted(shard.cu_seqlens_padded, torch.arange(total), right=True) - 1
 
@@ -272,7 +272,7 @@ def _all_gather_cp_attention(shard, cp_group):
         length = query.shape[2]
         cu_local = kwargs["cu_seq_lens_q"]  # what to_hf_kwargs handed the model: the CP rank's layout
         assert torch.equal(cu_local * cp, shard.cu_seqlens_padded) and int(cu_local[-1]) == length == total // cp
-        q_pos = _dual_chunk_positions(cu, cp, shard.cp_rank)
+        q_pos = _dual_chunk_positions(cu, cp, shard.shard.cp_rank)
         k_all, v_all = (torch.empty(*x.shape[:2], total, x.shape[3]) for x in (key, value))
         k_all[:, :, pos], v_all[:, :, pos] = torch.cat(_all_gather(key, cp_group), 2), torch.cat(_all_gather(value, cp_group), 2)
         groups = query.shape[1] // key.shape[1]
@@ -296,15 +296,15 @@ def _check_ulysses_ring(rank: int, refs: dict) -> None:
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     collate = ThdCollator(cp_size=cp, cp_group=cp_groups[sp_rank], ulysses_sp_size=sp, sp_group=sp_groups[cp_rank])
     shard = collate(refs["samples"])
-    assert (shard.cp_rank, shard.sp_rank) == (cp_rank, sp_rank)
+    assert (shard.shard.cp_rank, shard.shard.sp_rank) == (cp_rank, sp_rank)
     length = shard.num_padded_tokens
     cp_positions = _dual_chunk_positions(shard.cu_seqlens_padded.tolist(), cp, cp_rank)
-    assert torch.equal(shard.partition_indices, cp_positions[sp_rank * length:(sp_rank + 1) * length])
+    assert torch.equal(shard.shard.partition_indices, cp_positions[sp_rank * length:(sp_rank + 1) * length])
     uattn = ulysses_sp.UlyssesSPAttentionHF(_all_gather_cp_attention(shard, cp_groups[sp_rank]), 1, 4, 16, 2, 2,
                                             sp_groups[cp_rank], seq_length_is_variable=True)
     ALL_ATTENTION_FUNCTIONS[ATTN] = lambda module, q, k, v, mask, *a, **kw: uattn(module, q, k, v, None, *a, **kw)
     _, logits, attn = run_model(tiny_qwen3(ATTN), **shard.to_hf_kwargs(include_labels=False))
-    where = torch.cat(_all_gather(shard.partition_indices, None))
+    where = torch.cat(_all_gather(shard.shard.partition_indices, None))
     full_logits = torch.empty(int(shard.cu_seqlens_padded[-1]), VOCAB)
     full_attn = torch.empty(int(shard.cu_seqlens_padded[-1]), attn.shape[-1])
     full_logits[where], full_attn[where] = torch.cat(_all_gather(logits, None)), torch.cat(_all_gather(attn, None))
@@ -398,17 +398,18 @@ def test_slices_are_the_padded_stream(lengths, sp, cp, pad_multiple, extras):
     for c in range(cp):
         cp_shard = shard_for_cp(ref, cp, c)
         shards = [shard_for_ulysses(batch, sp, r, cp_size=cp, cp_rank=c, pad_token_id=3) for r in range(sp)]
-        for name in FIELDS + ("partition_indices",):
+        for name in FIELDS:
             assert torch.equal(torch.cat([getattr(s, name) for s in shards]), getattr(cp_shard, name)), name
+        assert torch.equal(torch.cat([s.shard.partition_indices for s in shards]), cp_shard.shard.partition_indices)
         if extras:
             for key, value in padded_extras(batch, total).items():
-                assert torch.equal(torch.cat([s.token_extras[key] for s in shards], -1), value[..., cp_shard.partition_indices])
+                assert torch.equal(torch.cat([s.token_extras[key] for s in shards], -1), value[..., cp_shard.shard.partition_indices])
         for r, s in enumerate(shards):
-            assert (s.sp_size, s.sp_rank, s.cp_size, s.cp_rank, s.num_padded_tokens) == (sp, r, cp, c, total // (sp * cp))
+            assert (s.shard.sp_size, s.shard.sp_rank, s.shard.cp_size, s.shard.cp_rank, s.num_padded_tokens) == (sp, r, cp, c, total // (sp * cp))
             assert torch.equal(s.cu_seqlens_padded, ref.cu_seqlens_padded) and torch.equal(s.cu_seqlens, ref.cu_seqlens)
-            assert torch.equal(s.local_cu_seqlens_padded, cp_shard.local_cu_seqlens_padded)
-            assert torch.equal(s.local_seq_lens, cp_shard.local_seq_lens) and s.max_seqlen == ref.max_seqlen
-        seen += [s.partition_indices for s in shards]
+            assert torch.equal(s.shard.local_cu_seqlens_padded, cp_shard.shard.local_cu_seqlens_padded)
+            assert torch.equal(s.shard.local_seq_lens, cp_shard.shard.local_seq_lens) and s.max_seqlen == ref.max_seqlen
+        seen += [s.shard.partition_indices for s in shards]
     order = torch.cat(seen)
     assert torch.equal(order.sort().values, torch.arange(total))
     if cp == 1:
@@ -456,18 +457,20 @@ def test_vlm_shards():
         assert torch.equal(torch.cat([s.token_extras[key] for s in shards], -1), value), key
     for s in shards:
         local = s.token_extras["mm_token_type_ids"]
-        assert torch.equal(s.extras["vision_token_positions"], s.partition_indices[local != 0])
-        assert torch.equal(s.extras["image_embed_index"], image_row[s.partition_indices][local == 1])
+        assert torch.equal(s.extras["vision_token_positions"], s.shard.partition_indices[local != 0])
+        assert torch.equal(s.extras["image_embed_index"], image_row[s.shard.partition_indices][local == 1])
         kw = s.to_hf_kwargs()
         assert kw["position_ids"].shape == (4, 1, 6) and torch.equal(kw["pixel_values"], ref.extras["pixel_values"])
     assert torch.equal(torch.cat([s.extras["image_embed_index"] for s in shards]), torch.arange(8))
 
 
 def _same(got, want) -> None:
-    for name in FIELDS + ("partition_indices", "cu_seqlens", "cu_seqlens_padded", "local_cu_seqlens_padded"):
+    for name in FIELDS + ("cu_seqlens", "cu_seqlens_padded"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert (got.max_seqlen, got.sp_size, got.sp_rank, got.cp_size, got.cp_rank) == (
-        want.max_seqlen, want.sp_size, want.sp_rank, want.cp_size, want.cp_rank)
+    for name in ("partition_indices", "local_cu_seqlens_padded"):
+        assert torch.equal(getattr(got.shard, name), getattr(want.shard, name)), name
+    assert (got.max_seqlen, got.shard.sp_size, got.shard.sp_rank, got.shard.cp_size, got.shard.cp_rank) == (
+        want.max_seqlen, want.shard.sp_size, want.shard.sp_rank, want.shard.cp_size, want.shard.cp_rank)
 
 
 @pytest.mark.parametrize("layout", [dict(pad_token_id=5), dict(pad_token_id=5, max_length=10),

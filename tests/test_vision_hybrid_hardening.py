@@ -247,7 +247,7 @@ def _hybrid_shard():
     """A hybrid-CP micro-batch on a block of 2 ranks."""
     plan = HybridCPPlan.from_blocks([6], [2], [0], 2)
     (batch,) = hybrid_cp_shards([{"input_ids": list(range(1, 7))}], plan, 1)
-    assert batch.cp_size == 2
+    assert batch.shard.cp_size == 2
     return batch
 
 

@@ -533,7 +533,7 @@ def test_cp_shards_of_vlm_batch(family):
     seen = []
     for rank in range(cp):
         shard = shard_for_cp(batch, cp, rank)
-        idx = shard.partition_indices
+        idx = shard.shard.partition_indices
         seen.append(idx)
         for key, value in batch.token_extras.items():
             assert torch.equal(shard.token_extras[key], value[..., idx])

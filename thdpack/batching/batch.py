@@ -19,6 +19,7 @@ from thdpack.attention.documents import documents_of
 from thdpack.flops.sequences import tree_seqlen_squared_sum
 from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_mask
 from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
+from thdpack.parallel.shard import WHOLE, Shard
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
 from thdpack.parallel.groups import GROUP, check_process_group
 from thdpack.common.align import check_bool, check_int
@@ -70,29 +71,13 @@ class ThdBatch:
         token_extras: more per-token tensors, token axis last (``[..., T]``), e.g.
             mRoPE rows; CP sharding indexes them like ``input_ids``.
         extras: other per-batch data added by later stages.
-        cp_size, cp_rank: ``1, 0`` for a whole batch; set on a CP shard
-            (:func:`thdpack.shard_for_cp`), whose per-token tensors are then the
-            rank's ``T / cp_size`` tokens while ``cu_seqlens``,
-            ``cu_seqlens_padded`` and ``max_seqlen`` stay global.
-        local_cu_seqlens_padded: shard only, int32 ``[n+1]``,
-            ``cu_seqlens_padded // cp_size`` (the local layout).
-        local_seq_lens: shard only, int32 ``[n]`` real tokens of each sample on this rank.
-        partition_indices: shard only, int64 ``[T / cp_size]`` position of each
-            local token in the global stream.
         max_num_seqs: None, or the fixed number of sequences the kernels see (static shapes,
             ``BatchLayout.max_num_seqs``): ``to_hf_kwargs`` and ``packed_seq_params_dict`` pad
             their offsets to ``max_num_seqs + 1`` entries (``static_cu_seqlens``); every field
             above stays real.
-        sp_size, sp_rank: ``1, 0`` but on a Ulysses shard (:func:`thdpack.shard_for_ulysses`):
-            its per-token tensors are then the rank's contiguous ``T' / (cp_size·sp_size)`` tokens
-            of the stream padded to ``T'`` (``cu_seqlens_padded[-1]``); the ``local_*`` fields and
-            ``partition_indices`` are set as on a CP shard (``local_*``: the layout attention sees
-            after the all-to-all, the whole padded stream when ``cp_size == 1``).
-        cp_block_start: None, but on a hybrid-CP batch (per-sample CP, :func:`thdpack.hybrid_cp_shards`): the
-            first data-parallel × CP position of the block of ``cp_size`` ranks it runs on (a multiple of
-            ``cp_size``; :mod:`thdpack.parallel.hybrid_blocks`). With ``cp_size > 1`` it is a CP shard as above
-            (the dual-chunk split over the block); with ``cp_size == 1`` a whole batch on one rank.
-            :meth:`to_packed_seq_params` then carries megatron-core's ``local_cp_size`` (and ``cp_group``).
+        shard: which part of the pack the batch holds (:class:`thdpack.parallel.shard.Shard`): the whole
+            stream (:data:`~thdpack.parallel.shard.WHOLE`), or one CP / Ulysses / hybrid-CP rank's shard, with
+            its sizes, ranks, local offsets and ``partition_indices``.
         prefix_tree: None, or for a shared-prefix batch (``build_thd_batch(share_prefix=...)``) its
             :class:`thdpack.batching.prefix_tree.PrefixTree`. Then the stream's segments (``cu_seqlens``,
             ``cu_seqlens_padded``, ``seq_lens``, ``max_seqlen``, ``document_ids``) are the shared prefixes,
@@ -122,17 +107,10 @@ class ThdBatch:
     tokens_truncated: int = 0
     token_extras: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)
-    cp_size: int = 1
-    cp_rank: int = 0
-    local_cu_seqlens_padded: torch.Tensor | None = None
-    local_seq_lens: torch.Tensor | None = None
-    partition_indices: torch.Tensor | None = None
     max_num_seqs: int | None = None
-    sp_size: int = 1
-    sp_rank: int = 0
     prefix_tree: PrefixTree | None = None
-    cp_block_start: int | None = None
     source_index: torch.Tensor | None = None
+    shard: Shard = WHOLE
 
     def __post_init__(self):
         check_int(self.ignore_index, "ignore_index", None, hint=" (the label of unscored positions)")
@@ -168,11 +146,8 @@ class ThdBatch:
 
     @property
     def is_shard(self) -> bool:
-        return self.local_cu_seqlens_padded is not None
-
-    def shard(self, cp_size: int, cp_rank: int) -> "ThdBatch":
-        """This batch's CP shard for ``cp_rank`` (see :func:`shard_for_cp`)."""
-        return shard_for_cp(self, cp_size, cp_rank)
+        """True when the batch holds one rank's tokens only (``shard.partition_indices`` set)."""
+        return self.shard.partition_indices is not None
 
     @property
     def seq_lens_padded(self) -> torch.Tensor:
@@ -202,7 +177,7 @@ class ThdBatch:
         shared-prefix batch is a ``ValueError``."""
         refuse_tree("padding_mask (each sample's pad slots after its tokens)", self)
         cu = self.cu_seqlens_padded.to(torch.int64)
-        slots = self.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        slots = self.shard.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
         slots = slots.to(cu.device)
         doc = documents_of(cu, slots)
         return slots - cu[doc] >= self.seq_lens.to(device=cu.device, dtype=torch.int64)[doc]
@@ -268,6 +243,7 @@ class ThdBatch:
             changes[name] = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in getattr(self, name).items()}
         if self.prefix_tree is not None:
             changes["prefix_tree"] = self.prefix_tree.map(fn)
+        changes["shard"] = self.shard.map(fn)
         return dataclasses.replace(self, **changes)
 
     def to(self, device, non_blocking: bool = False) -> "ThdBatch":
@@ -288,7 +264,7 @@ class ThdBatch:
         sample of each local token (the whole stream's ids at ``partition_indices``). On a shared-prefix
         batch: the segment of every slot (:attr:`document_parents` tells which prefix a member sees)."""
         cu = self.cu_seqlens_padded.to(torch.int64)
-        slots = self.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        slots = self.shard.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
         return documents_of(cu, slots.to(cu.device)).to(torch.int32)
 
     @property
@@ -337,8 +313,9 @@ class ThdBatch:
     def _whole_stream_offsets(self, what: str, device) -> torch.Tensor:
         """int64 ``cu_seqlens_padded`` on ``device`` (default: the batch's); ``ValueError`` on a shard."""
         if self.is_shard:
-            kind = f"Ulysses shard (sp_size={self.sp_size}" if self.sp_size > 1 else f"CP shard (cp_size={self.cp_size}"
-            rank = self.sp_rank if self.sp_size > 1 else self.cp_rank
+            sh = self.shard
+            kind = f"Ulysses shard (sp_size={sh.sp_size}" if sh.sp_size > 1 else f"CP shard (cp_size={sh.cp_size}"
+            rank = sh.sp_rank if sh.sp_size > 1 else sh.cp_rank
             raise ValueError(f"{what} is for a whole batch, and this is a {kind}, rank {rank}): masks span "
                              "the whole stream; build them on the batch before sharding, or attend across ranks "
                              "with a CP attention (ring / all-gather) over the flash kwargs")
@@ -390,11 +367,11 @@ class ThdBatch:
             refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", self)
         if kind != "flash" and self.is_shard:
             self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
-        cu = self.cu_seqlens_padded if not self.is_shard else self.local_cu_seqlens_padded
-        max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.cp_size
+        cu = self.cu_seqlens_padded if not self.is_shard else self.shard.local_cu_seqlens_padded
+        max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.shard.cp_size
         seq_idx = seq_idx_from_cu_seqlens(cu)
         if self.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
-            cu, max_len = pad_cu_seqlens(cu, self.max_num_seqs), self.static_max_seqlen // self.cp_size
+            cu, max_len = pad_cu_seqlens(cu, self.max_num_seqs), self.static_max_seqlen // self.shard.cp_size
         kw = {
             "input_ids": self.input_ids.unsqueeze(0),
             "position_ids": self.position_ids.unsqueeze(0),
@@ -477,12 +454,12 @@ class ThdBatch:
         if not isinstance(cp_group, Mapping) and not callable(cp_group):
             check_process_group(cp_group, "cp_group", f"{GROUP}, a mapping {{cp_size: group}}, a function of "
                                 "group_size or None")
-        if self.cp_block_start is None:
+        if self.shard.block_start is None:
             if cp_group is not None:
                 raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "
-                                 f"(cp_size={self.cp_size}): static CP runs on megatron-core's own CP group")
+                                 f"(cp_size={self.shard.cp_size}): static CP runs on megatron-core's own CP group")
             return {}
-        k = self.cp_size
+        k = self.shard.cp_size
         if k == 1:
             return {"local_cp_size": 1, "cp_group": None}
         group = cp_group
@@ -491,7 +468,7 @@ class ThdBatch:
         elif callable(cp_group):
             group = cp_group(group_size=k)
         check_process_group(group, f"cp_group's group of {k} ranks")
-        where = f"position {self.cp_rank} of the block of {k} ranks at {self.cp_block_start}"
+        where = f"position {self.shard.cp_rank} of the block of {k} ranks at {self.shard.block_start}"
         if group is None:
             raise ValueError(f"this hybrid-CP batch runs on {where}: pass that block's process group as cp_group= "
                              "(thdpack.parallel.hybrid_blocks.hybrid_cp_groups(), or megatron-core's "
@@ -500,7 +477,7 @@ class ThdBatch:
 
         if dist.is_available() and dist.is_initialized():
             size, rank = dist.get_world_size(group), dist.get_rank(group)
-            if (size, rank) != (k, self.cp_rank):
+            if (size, rank) != (k, self.shard.cp_rank):
                 raise ValueError(f"cp_group has {size} ranks and this process is its rank {rank}; this batch is "
                                  f"{where}: give the group of this block")
         return {"local_cp_size": k, "cp_group": group}
@@ -527,7 +504,7 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     :func:`thdpack.thd_partition_indices` (:mod:`thdpack.parallel.cp`).
 
     The shard keeps the *global* ``cu_seqlens``, ``cu_seqlens_padded`` and
-    ``max_seqlen`` (TransformerEngine divides by cp itself), and adds
+    ``max_seqlen`` (TransformerEngine divides by cp itself); its ``shard`` (layout ``"cp"``) holds
     ``local_cu_seqlens_padded`` (``cu_seqlens_padded // cp_size``: the local
     layout), ``local_seq_lens`` (real tokens per sample on this rank) and
     ``partition_indices`` (where each local token sits in the global stream).
@@ -543,13 +520,14 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
                         f"{type(batch).__name__}; for raw offsets use thdpack.thd_partition_indices")
     check_cp_args(cp_size, cp_rank)
     refuse_tree("shard_for_cp (TE / Megatron ring attention over cu_seqlens)", batch)
-    if batch.cp_size != 1:
-        raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}, rank {batch.cp_rank})")
-    if batch.cp_block_start is not None:
-        raise ValueError(f"batch is a hybrid-CP batch (one rank's, at position {batch.cp_block_start}): its plan "
+    have = batch.shard
+    if have.cp_size != 1:
+        raise ValueError(f"batch is already a CP shard (cp_size={have.cp_size}, rank {have.cp_rank})")
+    if have.block_start is not None:
+        raise ValueError(f"batch is a hybrid-CP batch (one rank's, at position {have.block_start}): its plan "
                          "decided its CP size; build the block's shards with thdpack.hybrid_cp_shards")
-    if batch.sp_size != 1:
-        raise ValueError(f"batch is a Ulysses shard (sp_size={batch.sp_size}, rank {batch.sp_rank}); for Ulysses x ring "
+    if have.sp_size != 1:
+        raise ValueError(f"batch is a Ulysses shard (sp_size={have.sp_size}, rank {have.sp_rank}); for Ulysses x ring "
                          "shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, cp_rank=)")
     index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
     shard = dataclasses.replace(
@@ -559,11 +537,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
         loss_mask=batch.loss_mask[index],
         position_ids=batch.position_ids[index],
         token_extras={k: v[..., index] for k, v in batch.token_extras.items()},
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
-        local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
-        partition_indices=index,
+        shard=Shard("cp", cp_size, cp_rank, local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
+                    local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
+                    partition_indices=index),
     )
     if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
         shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}

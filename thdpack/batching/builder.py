@@ -20,6 +20,7 @@ import torch
 from thdpack.attention.static import check_num_seqs
 from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
 from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
+from thdpack.parallel.shard import Shard
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
 from thdpack.batching.vision_family import check_vlm
 from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
@@ -171,10 +172,8 @@ def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | 
         max_num_seqs=layout.max_num_seqs,
     )
     if direct_shard:
-        batch.cp_size, batch.cp_rank = cp_size, cp_rank
-        batch.local_cu_seqlens_padded = cu_padded_t // cp_size
-        batch.local_seq_lens = torch.from_numpy(local_lens)
-        batch.partition_indices = torch.from_numpy(partition)
+        batch.shard = Shard("cp", cp_size, cp_rank, local_cu_seqlens_padded=cu_padded_t // cp_size,
+                            local_seq_lens=torch.from_numpy(local_lens), partition_indices=torch.from_numpy(partition))
     return batch
 
 

@@ -2,8 +2,9 @@
 :class:`~thdpack.ThdBatch` of the micro-batch's samples, built for its block's CP size ``k``: the rank's
 dual-chunk shard when ``k > 1`` (chunks ``j`` and ``2k − 1 − j`` of every sample, ``j`` the rank's position
 in the block, as :func:`thdpack.shard_for_cp` with ``cp_size = k``), the whole micro-batch when ``k = 1``.
-Every batch carries ``cp_block_start``, so its ``to_packed_seq_params(cp_group=...)`` gives megatron-core's
-``local_cp_size`` and the block's ``cp_group``; ``padding_mask`` its pad slots.
+Every batch's ``shard`` has layout ``"hybrid-cp"`` and its ``block_start``, so its
+``to_packed_seq_params(cp_group=...)`` gives megatron-core's ``local_cp_size`` and the block's ``cp_group``;
+``padding_mask`` its pad slots.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
 
     Returns:
         list of :class:`thdpack.ThdBatch`: for each micro-batch of ``plan.rank_micro_batches(rank)``, a batch
-        with ``sample_index`` the plan's sample ids, ``cp_size = k``, ``cp_rank`` the rank's position in the
-        block and ``cp_block_start`` the block's first position. ``ValueError`` when the layout pads a sample
-        to another length than the plan (naming the sample and both lengths).
+        with ``sample_index`` the plan's sample ids and ``shard`` of layout ``"hybrid-cp"``: ``cp_size = k``,
+        ``cp_rank`` the rank's position in the block, ``block_start`` the block's first position.
+        ``ValueError`` when the layout pads a sample to another length than the plan (naming the sample and both
+        lengths).
     """
     if not isinstance(plan, HybridCPPlan):
         raise TypeError(f"hybrid_cp_shards takes a HybridCPPlan (thdpack.plan_hybrid_cp), got {type(plan).__name__}")
@@ -62,7 +64,8 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
         shape = dataclasses.replace(base, cp_size=k, cp_rank=rank - start if k > 1 else None)
         batch = build_batch([_sample(samples, int(i)) for i in ids], shape, sample_index=ids, stacklevel=3, **build)
         _check_lengths(batch, plan, ids)
-        out.append(dataclasses.replace(batch, cp_block_start=start))
+        batch.shard = dataclasses.replace(batch.shard, layout="hybrid-cp", block_start=start)
+        out.append(batch)
     return out
 
 

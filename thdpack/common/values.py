@@ -64,7 +64,7 @@ def _read_one(samples: Sequence, name: str) -> torch.Tensor:
 def sample_ids(batch) -> torch.Tensor:
     """int64 ``[T]`` the sample (position in the pack) of every slot of the (local) stream, pad
     slots included. On a CP shard each sample's local span is ``P / cp_size`` slots."""
-    cu = batch.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
+    cu = batch.shard.local_cu_seqlens_padded if batch.is_shard else batch.cu_seqlens_padded
     cu = cu.to(torch.int64)
     counts = cu[1:] - cu[:-1]
     return torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts,

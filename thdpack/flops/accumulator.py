@@ -28,6 +28,7 @@ from thdpack.flops.sequences import (
 )
 from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
 from thdpack.common.model_config import check_config, config_get
+from thdpack.parallel.shard import WHOLE, Shard
 
 __all__ = ["FlopsAccumulator"]
 
@@ -142,19 +143,20 @@ class FlopsAccumulator:
             parents = batch.prefix_tree.parents
             self._add(**{name: tree_length_count(seq_lens, parents, name) for name in self.length_counts})
             return
-        if getattr(batch, "sp_size", 1) > 1:
-            self._add_ulysses_shard(batch, seq_lens)
+        shard = getattr(batch, "shard", WHOLE)
+        if shard.sp_size > 1:
+            self._add_ulysses_shard(batch, shard, seq_lens)
             return
-        if getattr(batch, "cp_size", 1) > 1:
-            first = batch.cp_rank == 0
+        if shard.cp_size > 1:
+            cp, cp_rank, first = shard.cp_size, shard.cp_rank, shard.cp_rank == 0
             self._add(
                 samples=(seq_lens > 0).sum() if first else 0,
-                tokens=batch.local_seq_lens.to(torch.int64).sum(),
+                tokens=shard.local_seq_lens.to(torch.int64).sum(),
                 padded_tokens=batch.input_ids.numel(),
-                seqlen_squared_sum=cp_seqlen_squared_share(seq_lens, batch.cu_seqlens_padded, batch.cp_size, batch.cp_rank),
+                seqlen_squared_sum=cp_seqlen_squared_share(seq_lens, batch.cu_seqlens_padded, cp, cp_rank),
             )
-            self._add(**{name: cp_length_count_share(seq_lens, batch.cu_seqlens_padded, batch.cp_size, batch.cp_rank,
-                                                     name) for name in self.length_counts})
+            self._add(**{name: cp_length_count_share(seq_lens, batch.cu_seqlens_padded, cp, cp_rank, name)
+                         for name in self.length_counts})
             if first:
                 self._add_vision_from(batch.extras)
             return
@@ -167,18 +169,17 @@ class FlopsAccumulator:
         self._add_lengths(seq_lens)
         self._add_vision_from(batch.extras)
 
-    def _add_ulysses_shard(self, batch, seq_lens: torch.Tensor) -> None:
+    def _add_ulysses_shard(self, batch, shard: Shard, seq_lens: torch.Tensor) -> None:
         """A Ulysses SP rank (:func:`thdpack.shard_for_ulysses`): the MLP work of its slice's real tokens, and
         ``1/sp`` of the attention work (its ``num_heads / sp`` heads over the whole stream, or over its CP
         rank's shard under Ulysses x ring); the ranks' shares add up to the pack's ``Σ sᵢ²`` exactly.
         The samples (and vision work) are counted by the first rank of the pack only."""
-        sp, rank = batch.sp_size, batch.sp_rank
-        cp, cp_rank = getattr(batch, "cp_size", 1), getattr(batch, "cp_rank", 0)
+        sp, rank, cp, cp_rank = shard.sp_size, shard.sp_rank, shard.cp_size, shard.cp_rank
         cu = batch.cu_seqlens_padded.to(torch.int64).cpu()
         lens = seq_lens.cpu()
         whole = (cp_seqlen_squared_share(lens, cu, cp, cp_rank) if cp > 1 else (lens * lens).sum())
         whole = int(whole)
-        positions = batch.partition_indices.to(torch.int64).cpu()
+        positions = shard.partition_indices.to(torch.int64).cpu()
         sample = torch.searchsorted(cu[1:], positions, right=True).clamp(max=max(lens.numel() - 1, 0))
         real = (positions - cu[sample]) < lens[sample] if lens.numel() else torch.zeros(0, dtype=torch.bool)
         first = rank == 0 and cp_rank == 0

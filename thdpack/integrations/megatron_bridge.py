@@ -76,7 +76,7 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     _check_args("to_bridge_batch", batch, ignore_label)
     if batch.is_shard:
         raise ValueError(
-            f"to_bridge_batch: got CP rank {batch.cp_rank}'s shard of a pack; Megatron-Bridge's training steps shard "
+            f"to_bridge_batch: got CP rank {batch.shard.cp_rank}'s shard of a pack; Megatron-Bridge's training steps shard "
             "packed batches themselves: collate the whole pack (ThdCollator without cp_rank) for them"
         )
     fields = batch.packed_seq_params_dict()  # the static offsets under max_num_seqs (thdpack.attention.static)

@@ -150,7 +150,7 @@ def check_reduction(reduction) -> None:
 
 def _sample_counts(batch, sample_targets) -> torch.Tensor:
     if sample_targets is None:
-        if batch.is_shard and batch.cp_size > 1:
+        if batch.is_shard and batch.shard.cp_size > 1:
             raise ValueError(
                 "packed_loss(reduction='sample') on a CP shard needs sample_targets=: each sample's target count "
                 "over all CP ranks (sample_target_counts(batch) of the whole batch, or the shard's all-reduced)"

@@ -111,7 +111,8 @@ def _cu_seqlens_padded(batch_or_cu):
     cu = getattr(batch_or_cu, "cu_seqlens_padded", None)
     if cu is None:
         return batch_or_cu
-    if getattr(batch_or_cu, "cp_size", 1) != 1:
-        raise ValueError(f"batch is a CP shard (cp_size={batch_or_cu.cp_size}, rank {batch_or_cu.cp_rank}); "
+    shard = getattr(batch_or_cu, "shard", None)
+    if shard is not None and shard.cp_size != 1:
+        raise ValueError(f"batch is a CP shard (cp_size={shard.cp_size}, rank {shard.cp_rank}); "
                          "torch_cp_indices takes the whole batch")
     return cu

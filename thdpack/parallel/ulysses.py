@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from thdpack.common.align import check_int, integer_array
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, partition_indices, vision_shard_extras
 from thdpack.parallel.dual_chunk import chunk_length, rank_chunks
+from thdpack.parallel.shard import Shard
 
 POSITION_EXTRAS = ("mrope_position_ids",)
 """Token extras whose tail slots continue counting (each row from the last slot); others get 0."""
@@ -209,9 +210,9 @@ def _check_batch(batch, owner: str) -> None:
     if getattr(batch, "prefix_tree", None) is not None:  # a tree's prefix rows are read by several members
         raise ValueError(f"{owner} cannot shard a shared-prefix batch (DeepSpeed's Ulysses attention runs varlen "
                          "cu_seqlens, which cannot express the tree); build it with share_prefix=None under Ulysses")
-    if batch.local_cu_seqlens_padded is not None:
-        raise ValueError(f"{owner} takes a whole batch, got a shard (cp_size={batch.cp_size}, "
-                         f"sp_size={getattr(batch, 'sp_size', 1)}); shard the whole batch once for both")
+    if batch.shard.local_cu_seqlens_padded is not None:
+        raise ValueError(f"{owner} takes a whole batch, got a shard (cp_size={batch.shard.cp_size}, "
+                         f"sp_size={batch.shard.sp_size}); shard the whole batch once for both")
 
 
 # ---------------------------------------------------------------------------- the verbs
@@ -262,9 +263,9 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         A :class:`thdpack.ThdBatch` whose ``input_ids``, ``labels`` (targets), ``loss_mask``,
         ``position_ids`` (int64 ``[L]``, the global ones: DeepSpeed all-gathers them) and token
         extras (``[..., L]``) are the rank's ``L`` tokens; ``cu_seqlens``, ``cu_seqlens_padded``
-        (int32 ``[n+1]``, of the padded stream) and ``max_seqlen`` are global; ``sp_size`` /
-        ``sp_rank`` and ``cp_size`` / ``cp_rank`` are set; ``local_cu_seqlens_padded`` (int32
-        ``[n+1]``) and ``local_seq_lens`` (int32 ``[n]``) describe what attention sees after the
+        (int32 ``[n+1]``, of the padded stream) and ``max_seqlen`` are global; its ``shard`` (layout
+        ``"ulysses"``) holds ``sp_size`` / ``sp_rank``, ``cp_size`` / ``cp_rank``; ``local_cu_seqlens_padded``
+        (int32 ``[n+1]``) and ``local_seq_lens`` (int32 ``[n]``) describe what attention sees after the
         all-to-all (the whole padded stream, or the CP rank's shard of it: ``cu_seqlens_padded //
         cp``), which :meth:`ThdBatch.to_hf_kwargs` passes as ``cu_seq_lens_q/k``, with the targets
         as ``shift_labels``; ``partition_indices`` (int64 ``[L]``) are the tokens' positions in the
@@ -293,9 +294,9 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         take = _Take(total, layout.padded_total, start, stop, positions, needs_tail)
         local_cu, local_lens = (cu // cp_size).to(torch.int32), local_seq_lens(batch.seq_lens, cu, cp_size, cp_rank)
     shard = dataclasses.replace(
-        batch, **_per_token(batch, take, pad_token_id), cu_seqlens_padded=cu,
-        max_seqlen=layout.max_seqlen, cp_size=cp_size, cp_rank=cp_rank, sp_size=sp_size, sp_rank=rank,
-        local_cu_seqlens_padded=local_cu, local_seq_lens=local_lens, partition_indices=positions,
+        batch, **_per_token(batch, take, pad_token_id), cu_seqlens_padded=cu, max_seqlen=layout.max_seqlen,
+        shard=Shard("ulysses", cp_size, cp_rank, sp_size, rank, local_cu_seqlens_padded=local_cu,
+                    local_seq_lens=local_lens, partition_indices=positions),
     )
     types = batch.token_extras.get("mm_token_type_ids")
     if types is not None:  # VLM: global positions of this rank's vision tokens (tail slots are text)
