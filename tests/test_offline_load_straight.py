@@ -1,7 +1,8 @@
 """Stored packs load straight (issue 44): ``PackedRowCollator`` builds the batch from the stored
 row's streams (thdpack/offline/store/row_batch.py), never splitting it into samples; a VLM pack's vision
 fields come from views of the row. Over every row of real builds (the demo with a loss mask; CP 2 with
-labels; a two-source mixture with per-sample values; Qwen2-VL and Qwen2.5-VL builds with images, CP 1 and 2),
+labels; a two-source mixture with per-sample values; Qwen2-VL and Qwen2.5-VL builds with images, CP 1 and 2;
+DPO and GRPO-like ``share_prefix`` builds, whose batches are shared-prefix trees),
 alone and several at once, with layout overrides (CP ranks, a pad multiple, a ``max_length`` that cuts),
 its batch equals, field by field and dtype by dtype, the route it replaced: the row's samples
 (``unpack_row``) through a ``ThdCollator`` (with the VLM family), then the stored ``sample_index`` /
@@ -30,8 +31,13 @@ DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-rows", "300", "-
 
 def rejoined(collator, rows: list[dict]):
     """The batch of ``rows`` by the route before issue 44: their samples through a ``ThdCollator``."""
-    samples = [s for row in rows for s in unpack_row(row)]
-    batch = ThdCollator(layout=collator.collator.layout, vlm=collator._vlm)(samples)
+    samples = []
+    for row in rows:
+        samples += unpack_row(row)
+        if collator.share_prefix:  # each sample's group and declared prefix, as the build stored them
+            samples[-len(row["seq_lens"]):] = [dict(s, group=int(g), prefix_len=int(p)) for s, g, p in zip(
+                samples[-len(row["seq_lens"]):], row["group_id"], row["prefix_len"])]
+    batch = ThdCollator(layout=collator.collator.layout, vlm=collator._vlm, **collator._share)(samples)
     index = np.concatenate([np.asarray(row["sample_index"], np.int64) for row in rows])
     batch = dataclasses.replace(batch, sample_index=torch.from_numpy(index))
     if all(SOURCE_COLUMN in row for row in rows):
@@ -42,19 +48,26 @@ def rejoined(collator, rows: list[dict]):
     return batch
 
 
+def differences(got, want, name: str = "batch") -> list[str]:
+    """Where ``got`` and ``want`` differ: tensors by value and dtype, dicts and dataclasses (the batch, its
+    prefix tree) field by field, anything else by type and ``==``."""
+    if isinstance(want, torch.Tensor):
+        ok = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+        return [] if ok else [name]
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or got.keys() != want.keys():
+            return [name]
+        return [d for k in want for d in differences(got[k], want[k], f"{name}[{k}]")]
+    if dataclasses.is_dataclass(want):
+        if type(got) is not type(want):
+            return [name]
+        return [d for f in dataclasses.fields(want)
+                for d in differences(getattr(got, f.name), getattr(want, f.name), f"{name}.{f.name}")]
+    return [] if type(got) is type(want) and got == want else [name]
+
+
 def assert_same(got, want, where: str) -> None:
-    for f in dataclasses.fields(want):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if isinstance(b, dict):
-            assert a.keys() == b.keys(), (where, f.name)
-            pairs = [(f"{f.name}[{k}]", a[k], b[k]) for k in b]
-        else:
-            pairs = [(f.name, a, b)]
-        for name, x, y in pairs:
-            if isinstance(y, torch.Tensor):
-                assert isinstance(x, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), (where, name)
-            else:
-                assert type(x) is type(y) and x == y, (where, name, x, y)
+    assert not differences(got, want), (where, differences(got, want))
 
 
 def build(tmp_path_factory, name: str, *args: str):
@@ -193,3 +206,65 @@ def test_vlm_rows_are_refused_as_before(vlm_builds):
     bad = dict(ds[k], image_counts=ds[k]["image_counts"][:-1])
     with pytest.raises(ValueError, match="image_counts has"):
         ds.collator()(bad)
+
+
+# --------------------------------------------------------------------------- shared-prefix packs
+
+
+@pytest.fixture(scope="module")
+def shared_builds(tmp_path_factory):
+    """tests/test_offline_shared_prefix.py's DPO and GRPO-like (``group_column``, pad multiple 8) builds
+    with ``share_prefix: true``."""
+    pytest.importorskip("datasets")
+    from test_offline_shared_prefix import built
+
+    tmp = tmp_path_factory.mktemp("shared-builds")
+    return {kind: load_packed(built(tmp, kind, True)) for kind in ("dpo", "groups")}
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("dpo", {}), ("dpo", {"share_prefix": False}), ("dpo", {"pad_multiple": 16}), ("groups", {}),
+    ("groups", {"share_prefix": False})], ids=str)
+def test_shared_prefix_packs_load_as_their_samples_collated(shared_builds, kind, overrides):
+    ds = shared_builds[kind]
+    collator = ds.collator(**overrides)
+    trees = sum(collator(ds[k]).prefix_tree is not None for k in range(len(ds)))
+    assert trees > 0 if collator.share_prefix else trees == 0
+    check_rows(ds, **overrides)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "groups"])
+def test_shared_prefix_packs_cut_by_max_length(shared_builds, kind):
+    """A ``max_length`` that keeps every declared prefix whole and cuts some members' answers."""
+    ds = shared_builds[kind]
+    align = ds.metadata["align"]  # a max_length is cut down to the pad multiple
+    cut = -(-max(int(ds[k]["prefix_len"].max()) for k in range(len(ds))) // align) * align
+    assert any(int(ds[k]["seq_lens"].max()) > cut for k in range(len(ds)))
+    check_rows(ds, max_length=cut)
+
+
+def test_vlm_packs_with_group_columns_load_as_their_samples_collated(vlm_builds):
+    """A VLM build cannot share prefixes (its config refuses), but a collator asked to reads the rows' groups:
+    VLM pack rows given group columns (each sample its own group) load as their samples do."""
+    ds = vlm_builds["qwen2_vl"]
+    collator = ds.collator(share_prefix=True, min_prefix_len=4)
+    rows = [dict(ds[k], group_id=np.arange(len(ds[k]["seq_lens"])), prefix_len=np.zeros(len(ds[k]["seq_lens"]), int))
+            for k in range(len(ds))]
+    for k, row in enumerate(rows):
+        assert_same(collator(row), rejoined(collator, [row]), f"pack {k}")
+    assert_same(collator(rows), rejoined(collator, rows), "all packs")
+
+
+def test_shared_prefix_rows_are_refused_as_before(shared_builds):
+    """A ``max_length`` that cuts a declared prefix fails as the samples' route does."""
+    collator = shared_builds["dpo"].collator(max_length=6)
+    with pytest.raises(ValueError, match="declares prefix_len=") as got:
+        collator(shared_builds["dpo"][0])
+    with pytest.raises(ValueError) as want:
+        rejoined(collator, [shared_builds["dpo"][0]])
+    assert str(got.value) == str(want.value)
+
+
+def test_shared_prefix_rows_without_groups_are_refused(demo):
+    with pytest.raises(KeyError, match="packed row 0 has no 'group_id' column"):
+        demo.collator(share_prefix=True)(demo[0])

@@ -32,7 +32,7 @@ from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import BatchLayout, layout_from
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
-from thdpack.offline.store.row_batch import rows_batch
+from thdpack.offline.store.row_batch import rows_batch, rows_shared_batch
 from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SOURCE_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PackedMetadata, check_metadata, file_sha256, row_list, value_columns)
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD
@@ -52,12 +52,6 @@ def unpack_row(row: Mapping) -> list[dict]:
     ``labels``); values may be numpy arrays, lists, tensors or Arrow values. The
     returned arrays are views of the row's arrays (pixels: tensors of one writable copy of the pack's).
     """
-    return _unpack(row, copy_pixels=True)
-
-
-def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
-    """:func:`unpack_row`; ``copy_pixels=False``: the pixel tensors too are views of the row's
-    arrays (read-only memory for a memory-mapped data file), for a collator that copies them."""
     ids, lens, targets = _row_tokens(row)
     cuts = np.cumsum(lens)[:-1]
     fields = {"input_ids": np.split(ids, cuts), **{name: np.split(arr, cuts) for name, arr in targets.items()}}
@@ -65,7 +59,7 @@ def _unpack(row: Mapping, copy_pixels: bool) -> list[dict]:
     if "image_counts" in row:  # a VLM pack: each sample's pixel_values / image_grid_thw
         from thdpack.offline.store.vision_readback import add_vision
 
-        add_vision(samples, row, copy=copy_pixels)
+        add_vision(samples, row)
     return samples
 
 
@@ -111,11 +105,10 @@ class PackedRowCollator:
     holds the input rows of the samples; of a mixture's packs (a ``source_index`` column), ``source_index``
     holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
     and ``cp_group`` are those of :class:`thdpack.ThdCollator` (the packs are planned already, so
-    there are no planning arguments), and ``model_config`` (a VLM's config or family) gives its ``vlm=``:
-    packs go straight from their stored streams into the builder's kernels
-    (:mod:`thdpack.offline.store.row_batch`; a VLM pack's vision fields from views of the row),
-    shared-prefix packs through their samples and a ``ThdCollator`` built with them: the same batch.
-    ``sample_values``: the
+    there are no planning arguments), and ``model_config`` (a VLM's config or family) gives its ``vlm=``.
+    Packs go straight from their stored streams into the builder's kernels
+    (:mod:`thdpack.offline.store.row_batch`; a VLM pack's vision fields from views of the row), never
+    split into samples: the batch ``ThdCollator`` builds of the same samples. ``sample_values``: the
     per-sample value columns to return as ``batch.sample_values[name]`` (``[n]``, int64 or
     float64; :meth:`PackedDataset.collator` passes those the build wrote).
 
@@ -142,47 +135,32 @@ class PackedRowCollator:
         layout = layout_from("PackedRowCollator", layout, layout_keywords)
         share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
         vlm = None if model_config is None else get_family(model_config)  # a config (dict) or a family
-        self.collator = ThdCollator(layout=layout, cp_group=cp_group, vlm=vlm, **share)
-        self._vlm = vlm
+        self.collator = ThdCollator(layout=layout, cp_group=cp_group, vlm=vlm, **share)  # its layout, args checked
+        self._vlm, self._share = vlm, share
 
     def __call__(self, rows) -> ThdBatch:
         if isinstance(rows, Mapping):
             rows = [rows]
-        if not self.share_prefix and rows and all(isinstance(row, Mapping) for row in rows):
-            batch = self._straight(rows)
-        else:
-            batch = self._rejoined(rows)
+        batch = self._straight(rows)
         for name in self.sample_values:  # in stream order, like the samples (a CP shard keeps them all)
             batch.extras[PREFIX + name] = torch.from_numpy(_row_values(rows, name))
         return batch
 
     def _straight(self, rows) -> ThdBatch:
-        """The batch of ``rows`` (text or VLM packs), built from their stored streams (:mod:`.row_batch`)."""
+        """The batch of ``rows``, built from their stored streams (:mod:`.row_batch`)."""
         parts, index, vision = [], [], []
         for i, row in enumerate(rows):
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
             parts.append(_row_tokens(row))
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
-            vision.extend(_row_vision(row, parts[-1][1].size))
-        batch = rows_batch(parts, self.collator.layout, sample_index=np.concatenate(index),
-                           sources=(lambda: _row_sources(rows)) if all(SOURCE_COLUMN in row for row in rows) else None,
-                           vlm=self._vlm, vision=vision)
+            views = _row_vision(row, parts[-1][1].size)
+            vision.extend(_with_prefixes(views, row, i) if self.share_prefix else views)
+        build = rows_shared_batch if self.share_prefix else rows_batch
+        batch = build(parts, self.collator.layout, **self._share, vlm=self._vlm, vision=vision,
+                      sample_index=np.concatenate(index) if index else np.zeros(0, np.int64),
+                      sources=(lambda: _row_sources(rows)) if all(SOURCE_COLUMN in row for row in rows) else None)
         warn_if_no_targets(batch, 4)  # the frame that called the collator
         return _own_pixels(batch, vision)
-
-    def _rejoined(self, rows) -> ThdBatch:
-        """The batch of ``rows`` (shared-prefix packs) built from their samples by ``self.collator``."""
-        samples, index = [], []
-        for i, row in enumerate(rows):  # pixels: views of the rows, copied once by the collator's concatenation
-            check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
-            unpacked = _unpack(row, copy_pixels=False)
-            samples.extend(_with_prefixes(unpacked, row, i) if self.share_prefix else unpacked)
-            index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
-        batch = _own_pixels(self.collator(samples), samples)
-        batch = dataclasses.replace(batch, sample_index=torch.from_numpy(np.concatenate(index)))
-        if all(SOURCE_COLUMN in row for row in rows):  # a mixture's packs: each sample's source
-            batch = dataclasses.replace(batch, source_index=torch.from_numpy(_row_sources(rows)))
-        return batch
 
 
 def _row_vision(row: Mapping, n: int) -> list[dict]:
