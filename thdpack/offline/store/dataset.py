@@ -153,8 +153,9 @@ class PackedRowCollator:
             check_pack_row(row, ("input_ids", "seq_lens", "sample_index"), f"packed row {i}")
             parts.append(_row_tokens(row))
             index.append(row_list(row["sample_index"], "sample_index").astype(np.int64))
-            views = _row_vision(row, parts[-1][1].size)
-            vision.extend(_with_prefixes(views, row, i) if self.share_prefix else views)
+            if self._vlm is not None or self.share_prefix or "image_counts" in row:  # text packs need none
+                views = _row_vision(row, parts[-1][1].size)  # (a VLM row's columns checked even without vlm)
+                vision.extend(_with_prefixes(views, row, i) if self.share_prefix else views)
         build = rows_shared_batch if self.share_prefix else rows_batch
         batch = build(parts, self.collator.layout, **self._share, vlm=self._vlm, vision=vision,
                       sample_index=np.concatenate(index) if index else np.zeros(0, np.int64),
