@@ -309,6 +309,10 @@ class BuildStages:
         engine: ``local`` or ``ray`` (``BuildConfig.engine``); ray: its options (used with ``engine: ray``).
         mixture: a :class:`MixtureStages` when ``input`` is a list of sources (then ``inputs`` and ``tokenize``
             are its first source's), else None.
+        recorded: the config as metadata.json records it (``BuildConfig.as_dict(recorded=True)``).
+
+    A mixture of one source without a weight or ``mixture`` option is the plain build of that source
+    (:meth:`BuildConfig.single_source_form`: the same bytes as ``input: PATH``).
     """
 
     inputs: InputOptions
@@ -321,18 +325,27 @@ class BuildStages:
     engine: str
     ray: RayOptions
     mixture: MixtureStages | None = None
+    recorded: Mapping | None = None
 
     @classmethod
     def from_config(cls, cfg: BuildConfig) -> "BuildStages":
         """Validate ``cfg`` and resolve every stage's options once: ConfigError on an invalid option,
         a model config or chat template that cannot be read."""
-        cfg.validate()
+        cfg = cfg.single_source_form().validate()
         model_config = load_model_config(cfg.model_config, cfg.base_dir)  # before the long steps: fail fast
         mixture = MixtureStages.from_config(cfg)
         inputs, tokenize = ((InputOptions.from_config(cfg), TokenizeOptions.from_config(cfg)) if mixture is None
                             else (mixture.sources[0].inputs, mixture.sources[0].tokenize))
         return cls(inputs, tokenize, VisionOptions.from_config(cfg), PlanningOptions.from_config(cfg),
-                   StoreOptions.from_config(cfg), model_config, cfg.model_config, cfg.engine, _ray(cfg), mixture)
+                   StoreOptions.from_config(cfg), model_config, cfg.model_config, cfg.engine, _ray(cfg), mixture,
+                   cfg.as_dict(recorded=True))
+
+    @property
+    def sources(self) -> tuple:
+        """The build's sources, each a :class:`SourceStages`: a mixture's, or the one source of a plain build."""
+        if self.mixture is not None:
+            return self.mixture.sources
+        return (SourceStages("input", {}, self.inputs, self.tokenize),)
 
 
 def _ray(cfg: BuildConfig) -> RayOptions:

@@ -15,7 +15,6 @@ second build or merge of the same output fails at once; file-system failures bec
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import shutil
 import time
@@ -30,90 +29,24 @@ from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.config import RayOptions
 from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
-from thdpack.offline.errors import ConfigError, InputError, require_hf
+from thdpack.offline.errors import require_hf
 from thdpack.offline.store.schema import (FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PREFIX_COLUMNS, SOURCE_COLUMN, PackedMetadata, SourceInfo)
-from thdpack.offline.commands.mixture_build import prepare_mixture
 from thdpack.offline.commands.model_record import MODEL_CONFIG_FILE, canonical_json, model_info
-from thdpack.offline.tokenizing.row_formats import row_format
-from thdpack.offline.inputs.sources import read_source
 from thdpack.offline.procs import signals_raise
 from thdpack.offline.store.staging import commit_staged, fsync_file, staged_output
 from thdpack.offline.commands.pack_stats import nemo_fields
-from thdpack.offline.commands.sample_plan import (Prepared, check_group_options, log_plan, plan_samples, Planner,
-                                                  select_rows, sequences_of, target_counter)
-from thdpack.offline.tokenizing.tokenize_step import resolve_format, tokenize_source
-from thdpack.offline.vision.vlm_setup import vlm_build
+from thdpack.offline.commands.pipeline import prepare_stages
+from thdpack.offline.commands.sample_plan import Prepared
 
 logger = logging.getLogger(__name__)
 
 
 def prepare(cfg: BuildConfig, work_dir: Path, *, progress: bool = True, input_slice=None) -> Prepared:
-    """Read, tokenize and plan ``cfg`` (tokenized rows are memory-mapped from ``work_dir``);
-    with ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice's rows."""
+    """Read, tokenize and plan ``cfg`` (:func:`~thdpack.offline.commands.pipeline.prepare_stages`; tokenized rows
+    are memory-mapped from ``work_dir``); with ``input_slice`` only that slice's rows."""
     require_hf("thdpack build")
-    return prepare_stages(BuildStages.from_config(cfg.single_source_form()), work_dir, progress=progress,
-                          input_slice=input_slice)
-
-
-def prepare_stages(stages: BuildStages, work_dir: Path, *, progress: bool = True, input_slice=None,
-                   ray_session=None) -> Prepared:
-    """:func:`prepare` of a configuration already resolved into its stages' options (``stages``):
-    each stage is handed only its own. ``ray_session``: tokenize on that Ray cluster (``engine: ray``)."""
-    require_hf("thdpack build")
-    if stages.mixture is not None:  # input: a list of sources (thdpack/offline/commands/mixture_build.py)
-        return prepare_mixture(stages, work_dir, progress=progress, input_slice=input_slice, ray_session=ray_session)
-    planning = stages.planning
-    t = {}
-    t0 = time.perf_counter()
-    if ray_session is None:
-        source = read_source(stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
-    else:  # the rows are read where they are, by Ray tasks (thdpack/offline/inputs/cluster_source.py)
-        from thdpack.offline.inputs.cluster_source import read_on_cluster
-
-        source = read_on_cluster(ray_session, stages.inputs, progress=progress, fetch_dir=work_dir / "inputs")
-    t["read"] = time.perf_counter() - t0
-    if source.num_rows == 0:
-        raise InputError(f"{source.files[0].path if source.files else stages.inputs.input}: no rows")
-    logger.info(f"read      {source.num_rows:,} rows from {len(source.files)} input(s) in {t['read']:.1f}s")
-    if input_slice is not None:  # tokenize and plan only this slice's rows (thdpack/offline/inputs/input_slice.py)
-        source = input_slice.select(source)
-    pairs = row_format(resolve_format(stages.tokenize, source)).sequences_per_row > 1  # preference rows
-    if pairs or planning.group_column:  # before the long steps: options that would part a pair or a group
-        check_group_options(planning, input_slice,
-                             "preference rows (prompt / chosen / rejected)" if pairs else "group_column")
-    # rows with images (thdpack/offline/vision/vlm_setup.py), else None
-    vlm = vlm_build(stages.vision, stages.model_config, source)
-    if planning.share_prefix and (vlm is not None or not (pairs or planning.group_column)):
-        raise ConfigError("share_prefix: rows with images are not shared (a shared image prompt's mRoPE rows are not "
-                          "built); remove share_prefix" if vlm is not None else
-                          f"share_prefix needs preference rows (prompt / chosen / rejected) or group_column; the rows "
-                          f"are {resolve_format(stages.tokenize, source)} rows")
-
-    t0 = time.perf_counter()
-    mapper = None
-    if ray_session is not None:
-        from thdpack.offline.cluster.ray_map import map_on_ray
-
-        mapper = functools.partial(map_on_ray, ray_session, progress=progress,
-                                   name=" + ".join(f.path for f in source.files[:3]) + " + ..." * (len(source.files) > 3))
-    tokenized = tokenize_source(stages.tokenize, source, work_dir, progress=progress, vlm=vlm, mapper=mapper)
-    t["tokenize"] = time.perf_counter() - t0
-    what = tokenized.fmt + (f", loss on {stages.tokenize.loss}" if tokenized.fmt == "chat" else "")
-    logger.info(f"tokenized {source.num_rows:,} rows ({what}): {int(tokenized.lengths.sum()):,} tokens in {t['tokenize']:.1f}s")
-
-    sequences = sequences_of(tokenized, planning, pairs)
-    sample_rows, skipped, patches, prefix = select_rows(planning, source, tokenized, sequences, vlm, ray_session)
-    t0 = time.perf_counter()
-    planner = Planner(planning, sequences, vlm, patches, prefix)
-    count = target_counter(planning.targets, tokenized, ray_session)
-    plan, sample_rows, piece_targets, without = plan_samples(planner, count, source, sample_rows,
-                                                              whole_input=input_slice is None)
-    t["plan"] = time.perf_counter() - t0
-    log_plan(planning, plan, without, t["plan"])
-    return Prepared(source, tokenized, plan, sample_rows, skipped, piece_targets, without, t, stages.model_config,
-                    vlm, prefix, sequences.group)
-
+    return prepare_stages(BuildStages.from_config(cfg), work_dir, progress=progress, input_slice=input_slice)
 
 
 # ---------------------------------------------------------------------------- build
@@ -150,8 +83,7 @@ def build_packed(
     Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
     overwrite, progress = check_bool(overwrite, "overwrite"), check_bool(progress, "progress")
-    return _build(cfg.single_source_form().override(engine=engine, ray=ray), Path(output), overwrite, progress,
-                  input_slice)
+    return _build(cfg.override(engine=engine, ray=ray), Path(output), overwrite, progress, input_slice)
 
 
 def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
@@ -180,7 +112,7 @@ def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, inpu
 
         summary = prep.summary()
         summary["target_tokens"] = written["target_tokens"]
-        meta = _metadata(stages, prep, summary, written, values, tok_info, cfg.as_dict(recorded=True))
+        meta = _metadata(stages, prep, summary, written, values, tok_info)
         if store.output_format == bridge_export.FORMAT:  # + Megatron-Bridge's packed Parquet (bridge_export.py)
             meta["megatron_bridge"] = bridge_export.write_build(tmp, stages.planning, written["files"], tok_info,
                                                                 run=_bridge_tasks(session))
@@ -290,10 +222,10 @@ def _save_tokenizer_and_model(store: StoreOptions, tmp: Path, prep: Prepared) ->
 
 
 def _metadata(stages: BuildStages, prep: Prepared, summary: dict, written: dict, values: dict,
-              tok_info: dict | None, recorded_config: dict) -> PackedMetadata:
+              tok_info: dict | None) -> PackedMetadata:
     """``metadata.json`` of a build: the format, the options (from the resolved ``stages``), the counts and
     ``summary``, the source, tokenizer and model, the data files ``written``, the ``values`` columns' dtypes, and
-    the config as given (``recorded_config``: ``BuildConfig.as_dict(recorded=True)``)."""
+    the config as given (``stages.recorded``)."""
     from thdpack.common.version import __version__
 
     plan, planning, store = stages.planning.plan, stages.planning, stages.store
@@ -330,7 +262,7 @@ def _metadata(stages: BuildStages, prep: Prepared, summary: dict, written: dict,
         files=written["files"],
         stats=summary,
         skipped_examples=prep.skipped_examples(),
-        config=recorded_config,
+        config=dict(stages.recorded),
     )
     if values:  # sample_values: one column per value (thdpack/offline/store/schema.py)
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}

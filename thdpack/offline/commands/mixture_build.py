@@ -1,10 +1,11 @@
-"""A mixture build (``input``: a list of sources): read and tokenize each source by its own options, blend
-the kept rows by the sources' weights, plan the blend into packs.
+"""A mixture build's blend (``input``: a list of sources): the kept rows of the sources, each read, tokenized and
+selected by its own options (:mod:`~thdpack.offline.commands.pipeline`), blended by the sources' weights and
+planned into packs.
 
 1. **Each source** is read and tokenized as a build of that source alone would (its own ``format``, ``loss``,
    ``chat_template``, fields, ``max_rows``; the build's tokenizer and targets), locally or on Ray, into its own
    work directory; its bad and too long rows are found as a single build finds them (``skip_bad_rows`` counts
-   them, per source and cause).
+   them, per source and cause): the pipeline's steps, the same for one source or several.
 2. **The blend**: :func:`thdpack.planning.mixture.plan_mixture` over each source's kept *units*: its rows, or
    with ``group_column`` its groups (a group is drawn, repeated and packed whole); a preference row (chosen +
    rejected) is one unit; ``weight_by: tokens`` counts a unit's tokens. Seeded by the build's ``seed``: which
@@ -28,8 +29,6 @@ target tokens packed, and its share of the blend as requested, as drawn (``reali
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -39,13 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from thdpack.offline.commands import sample_plan as sp
-from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.inputs.sources import Source, read_source
-from thdpack.offline.stages import BuildStages, SourceStages
+from thdpack.offline.errors import InputError
+from thdpack.offline.inputs.sources import Source
+from thdpack.offline.stages import BuildStages
 from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.tokenizing.row_tokenizer import ERROR_COLUMN, TAIL_TARGETS_COLUMN
-from thdpack.offline.tokenizing.tokenize_step import Tokenized, resolve_format, tokenize_source
-from thdpack.offline.vision.vlm_setup import vlm_build
+from thdpack.offline.tokenizing.tokenize_step import Tokenized
 from thdpack.planning.mixture import MixtureSource, plan_mixture, plan_stratified
 
 logger = logging.getLogger(__name__)
@@ -53,8 +51,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _SourceRows:
-    """One source read, tokenized and filtered (its rows and sequences numbered within the source)."""
+class SourceRows:
+    """One source read, tokenized and selected (its rows and sequences numbered within the source;
+    :mod:`~thdpack.offline.commands.pipeline`)."""
 
     name: str
     source: Source
@@ -64,6 +63,8 @@ class _SourceRows:
     skipped: list  # (input row, reason)
     failed: int  # rows that failed to tokenize (the rest of skipped: too long)
     prefix: np.ndarray | None = None  # share_prefix: int64 [sequences] each one's group prefix (0: unshared)
+    patches: np.ndarray | None = None  # rows with images: vision patches per sequence (sample_plan.select_rows)
+    vlm: object = None  # rows with images: the source's VlmBuild (a plain build only), else None
 
     @property
     def per_row(self) -> int:
@@ -138,23 +139,11 @@ class MixtureRecord:
     report: dict  # metadata.json's mixture entry (finished by record_written)
 
 
-def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, input_slice=None,
-                    ray_session=None) -> "sp.Prepared":
-    """Read, tokenize, blend and plan the sources of ``stages.mixture`` (see the module docstring): a
+def blend_and_plan(rows: list[SourceRows], stages: BuildStages, ray_session=None) -> "sp.Prepared":
+    """Blend the sources' selected ``rows`` (by ``stages.mixture``) and plan the blend (see the module docstring): a
     :class:`~thdpack.offline.commands.sample_plan.Prepared` whose ``sample_rows`` index the sources' tokenized rows
     side by side (a repeated row once per repeat) and whose ``mixture`` is the :class:`MixtureRecord`."""
-    import time
-
-    if input_slice is not None:
-        raise ConfigError("--slice is not available for a mixture: the blend needs every source's kept rows; build "
-                          "in one process (num_proc: N, or engine: ray, parallelises the tokenizing)")
     mixture, planning = stages.mixture, stages.planning
-    t0 = time.perf_counter()
-    reads = [_read_source(i, s, stages, work_dir, progress, ray_session) for i, s in enumerate(mixture.sources)]
-    _check_share_prefix(planning, reads)
-    rows = [_source_rows(r, stages, progress, ray_session) for r in reads]
-    timings = {"tokenize": time.perf_counter() - t0}
-    t0 = time.perf_counter()
     blend = _blend(rows, mixture, planning.plan.seed)
     logger.info(str(blend))
     tokenized = _side_by_side(rows, planning.targets, stages.tokenize.value_columns)
@@ -170,8 +159,6 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     where = _ItemWhere(rows, blend)
     plan, vrows, piece_targets, without = sp.plan_samples(planner, count, where,
                                                            np.arange(blend_seq.size, dtype=np.int64))
-    timings["plan"] = time.perf_counter() - t0
-    sp.log_plan(planning, plan, without, timings["plan"])
     blended = BlendedInput(tuple(r.name for r in rows), tuple(r.source for r in rows))
     skipped = sorted((int(blended.row_offsets[k]) + row, why) for k, r in enumerate(rows) for row, why in r.skipped)
     sample_rows = blend_seq[vrows]
@@ -181,7 +168,7 @@ def prepare_mixture(stages: BuildStages, work_dir, *, progress: bool = True, inp
     report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
                      item_source[blend_item], item_source[packed_items])
     _refuse_unpacked(report["sources"], planning)
-    return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, timings,
+    return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, {},
                        stages.model_config, shared_prefix=prefix, groups=_row_units(rows) if grouped else None,
                        mixture=MixtureRecord(row_source, row_ids, report))
 
@@ -203,7 +190,7 @@ def _refuse_unpacked(report: list[dict], planning) -> None:
                              f"{'; '.join(fix)}; or drop the source from the mixture")
 
 
-def _row_units(rows: list[_SourceRows]) -> np.ndarray:
+def _row_units(rows: list[SourceRows]) -> np.ndarray:
     """int64 ``[tokenized rows]`` the unit of each tokenized row (the sources side by side), numbered across the
     sources (0 for rows not kept): a ``share_prefix`` build's ``group_id``. A unit drawn twice keeps its number."""
     out, first = [], 0
@@ -216,89 +203,8 @@ def _row_units(rows: list[_SourceRows]) -> np.ndarray:
     return np.concatenate(out)
 
 
-@dataclass(frozen=True)
-class _SourceRead:
-    """One source read (not yet tokenized), its row format resolved, and its work directory."""
-
-    spec: SourceStages
-    source: Source
-    fmt: str
-    work: object  # Path: work_dir/source-i
-
-    @property
-    def pairs(self) -> bool:
-        """Preference rows: a chosen and a rejected sequence per row."""
-        return row_format(self.fmt).sequences_per_row > 1
-
-
-@contextlib.contextmanager
-def _named(name: str):
-    """A ConfigError / InputError raised inside, as the same error naming mixture source ``name``."""
-    try:
-        yield
-    except (ConfigError, InputError) as exc:
-        raise type(exc)(f"mixture source {name!r}: {exc}") from None
-
-
-def _read_source(i: int, src: SourceStages, stages: BuildStages, work_dir, progress: bool, ray_session) -> _SourceRead:
-    """Source ``i`` read (its files fetched into ``work_dir/source-i``) and its format resolved; the options its rows
-    cannot take refused before anything is tokenized."""
-    planning = stages.planning
-    work = work_dir / f"source-{i:03d}"
-    work.mkdir()
-    with _named(src.name):
-        if ray_session is None:
-            source = read_source(src.inputs, progress=progress, fetch_dir=work / "inputs")
-        else:
-            from thdpack.offline.inputs.cluster_source import read_on_cluster
-
-            source = read_on_cluster(ray_session, src.inputs, progress=progress, fetch_dir=work / "inputs")
-        if source.num_rows == 0:
-            raise InputError("no rows")
-        read = _SourceRead(src, source, resolve_format(src.tokenize, source), work)
-        if read.pairs or planning.group_column:  # a pair, a group: one unit of the blend, in one pack
-            sp.check_group_options(planning, None, "preference rows (prompt / chosen / rejected)" if read.pairs else
-                                   "group_column")
-            if stages.mixture.packing == "stratified":  # before tokenizing: plan_stratified takes no groups
-                raise ConfigError("mixture_packing stratified cannot keep preference pairs or group_column groups "
-                                  "together yet: use bfd")
-        if vlm_build(stages.vision, stages.model_config, source) is not None:
-            raise ConfigError("rows with images cannot be mixed yet: build this source on its own")
-    return read
-
-
-def _check_share_prefix(planning, reads: list[_SourceRead]) -> None:
-    """ConfigError for ``share_prefix`` when no source has groups to share within (as a build of one source
-    without them is refused), naming the sources and their rows."""
-    if planning.share_prefix and not planning.group_column and not any(r.pairs for r in reads):
-        named = ", ".join(f"{r.spec.name!r} ({r.fmt} rows)" for r in reads)
-        raise ConfigError(f"share_prefix needs preference rows (prompt / chosen / rejected) or group_column; no "
-                          f"mixture source has them: {named}")
-
-
-def _source_rows(read: _SourceRead, stages: BuildStages, progress: bool, ray_session) -> _SourceRows:
-    """The source ``read`` tokenized into its work directory and filtered as a build of it alone would."""
-    planning, src, source = stages.planning, read.spec, read.source
-    with _named(src.name):
-        mapper = None
-        if ray_session is not None:
-            from thdpack.offline.cluster.ray_map import map_on_ray
-
-            mapper = functools.partial(map_on_ray, ray_session, progress=progress, name=f"source {src.name!r}")
-        tokenized = tokenize_source(src.tokenize, source, read.work, progress=progress, mapper=mapper)
-        sequences = sp.sequences_of(tokenized, planning, read.pairs)
-        if planning.share_prefix and not (read.pairs or planning.group_column):  # no groups: laid out alone
-            planning = dataclasses.replace(planning, share_prefix=False)
-        sample_rows, skipped, _, prefix = sp.select_rows(planning, source, tokenized, sequences, None, ray_session)
-    failed = np.unique(sequences.row[[s for s, _ in tokenized.errors]]).size if tokenized.errors else 0
-    logger.info(f"source {src.name!r}: {source.num_rows:,} rows ({tokenized.fmt}), {len(skipped):,} skipped")
-    if stages.planning.share_prefix and prefix is None:
-        prefix = np.zeros(tokenized.lengths.size, np.int64)
-    return _SourceRows(src.name, source, tokenized, sequences, sample_rows, skipped, failed, prefix)
-
-
-def _blend(rows: list[_SourceRows], mixture, seed: int):
-    """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept units (:attr:`_SourceRows.units`;
+def _blend(rows: list[SourceRows], mixture, seed: int):
+    """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept units (:attr:`SourceRows.units`;
     its ``row``: a unit's index)."""
     sources = []
     for r, spec in zip(rows, mixture.sources):
@@ -316,7 +222,7 @@ def _blend(rows: list[_SourceRows], mixture, seed: int):
         raise InputError(f"mixture: {exc}") from None
 
 
-def _blend_sequences(rows: list[_SourceRows], blend, seq_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _blend_sequences(rows: list[SourceRows], blend, seq_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(blend_seq, blend_item)``: int64 the tokenized row (the sources side by side) of every sequence of the
     blend, in blend order (a unit's sequences ascending: a preference row's chosen then rejected), and the blend
     sample (unit) it belongs to."""
@@ -336,7 +242,7 @@ def _blend_sequences(rows: list[_SourceRows], blend, seq_offset: np.ndarray) -> 
     return blend_seq, blend_item
 
 
-def _side_by_side(rows: list[_SourceRows], targets: str, value_columns) -> Tokenized:
+def _side_by_side(rows: list[SourceRows], targets: str, value_columns) -> Tokenized:
     """The sources' tokenized rows as one :class:`Tokenized` (rows source after source): the columns the planner
     and the writer read (locally the tokens too; on Ray the small ones, the part files for the tokens)."""
     import datasets
