@@ -111,12 +111,14 @@ def time_pass(collate, batches) -> float:
 def check_same(thd_out, hf_out) -> list[str]:
     import torch
 
+    from thdpack.integrations.hf_kwargs import hf_labels
+
     problems = []
     pairs = {
         "input_ids": (thd_out.input_ids, hf_out["input_ids"][0]),
         "position_ids": (thd_out.position_ids, hf_out["position_ids"][0]),
         "cu_seqlens": (thd_out.cu_seqlens.to(torch.int64), torch.as_tensor(hf_out["cu_seq_lens_q"]).to(torch.int64)),
-        "labels (HF convention)": (thd_out.hf_labels(), hf_out["labels"][0]),
+        "labels (HF convention)": (hf_labels(thd_out), hf_out["labels"][0]),
     }
     for name, (a, b) in pairs.items():
         if a.shape != b.shape or not torch.equal(a.to(torch.int64), b.to(torch.int64)):

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import thdpack  # noqa: E402
+from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_proof  # noqa: E402  (the headline's checks: ceiling, varlen, mfu, paths)
@@ -120,7 +121,7 @@ def check_flash_varlen(args, dev) -> dict:
     # as built, then static shapes (max_num_seqs): offsets padded with zero-length sequences, max_seqlen the stream
     for layout in ({}, {"max_num_seqs": "spare"}):
         batch, q, k, v, ref = attention_case(args, 1, dev, **layout)
-        kw = batch.to_hf_kwargs()
+        kw = to_hf_kwargs(batch)
         out = flash_attn_varlen_func(q, k, v, kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], kw["max_length_q"],
                                      kw["max_length_k"], causal=True)
         diffs.append(max_diff(out, ref, _real(batch)))
@@ -135,7 +136,7 @@ def check_te_thd(args, dev) -> dict:
     batch, q, k, v, ref = attention_case(args, 2, dev)
     attn = DotProductAttention(HEADS, HEAD_DIM, num_gqa_groups=KV_HEADS, qkv_format="thd",
                                attn_mask_type="padding_causal").to(dev)
-    p = batch.packed_seq_params_dict()
+    p = packed_seq_params_dict(batch)
     out = attn(q, k, v, cu_seqlens_q=p["cu_seqlens_q"], cu_seqlens_kv=p["cu_seqlens_kv"],
                cu_seqlens_q_padded=p["cu_seqlens_q_padded"], cu_seqlens_kv_padded=p["cu_seqlens_kv_padded"],
                max_seqlen_q=p["max_seqlen_q"], max_seqlen_kv=p["max_seqlen_kv"]).view_as(q)
@@ -228,7 +229,7 @@ def check_step(args, dev) -> dict:
     for total in args.step_tokens:
         batch = random_pack(total, 5, dev=dev)
         packed = _small_qwen3(packed_attn, dev, dtype)
-        t_packed = _time_step(packed, batch.to_hf_kwargs(attn_implementation=packed_attn), args.repeats)
+        t_packed = _time_step(packed, to_hf_kwargs(batch, attn_implementation=packed_attn), args.repeats)
         padded = _small_qwen3("sdpa", dev, dtype)
         padded.load_state_dict(packed.state_dict())
         S, lens = int(batch.seq_lens.max()), batch.seq_lens.tolist()
@@ -240,7 +241,7 @@ def check_step(args, dev) -> dict:
         padded_kw = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         t_padded = _time_step(padded, padded_kw, args.repeats)
         with torch.no_grad():  # the same weights and targets: the same token-mean loss
-            loss_diff = abs(float(packed(**batch.to_hf_kwargs(attn_implementation=packed_attn)).loss)
+            loss_diff = abs(float(packed(**to_hf_kwargs(batch, attn_implementation=packed_attn)).loss)
                             - float(padded(**padded_kw).loss))
         out[f"{total}"] = {"samples": len(lens), "padded_shape": [len(lens), S], "packed_s": t_packed,
                            "padded_s": t_padded, "speedup": t_padded / t_packed, "loss_abs_diff": loss_diff}
@@ -344,7 +345,7 @@ def _model_case(family: str, args, dev) -> dict:
     model = _hybrid_model(family, dev, dtype, args.quick)
     batch = random_pack(args.tokens, 6, align=8, dev=dev)
     real = _real(batch)
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     out = {"layer": _mixer_layers(model), "samples": int(batch.seq_lens.numel()), "tokens": int(real.sum())}
     with torch.no_grad():
         ref = _logits_alone(model, batch)

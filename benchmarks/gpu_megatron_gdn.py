@@ -1,7 +1,7 @@
 """megatron-core's own Gated DeltaNet layer on thdpack packs, on a GPU (issue 29 point 6).
 
 ``megatron_gdn_check()`` runs ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (megatron-core >= 0.18: its
-``qkv_format == "thd"`` path; a tiny config, bf16) once on a thdpack pack, with ``ThdBatch.to_packed_seq_params()``,
+``qkv_format == "thd"`` path; a tiny config, bf16) once on a thdpack pack, with ``to_packed_seq_params(ThdBatch)``,
 and once on each sample alone (no ``packed_seq_params``), and returns the largest difference over the real tokens:
 ``{"max_abs_diff", "tolerance", "cases": {...}}``, one case per layout (no padding; ``pad_multiple=8``; static
 shapes: ``max_num_seqs`` with 3 spare sequences and ``pad_to``). Called by ``benchmarks/gpu_check.py``.
@@ -188,8 +188,10 @@ def pack_vs_alone(layer, batch, dtype) -> float:
     and on each sample alone (no ``packed_seq_params``: one sequence)."""
     import torch
 
+    from thdpack.integrations import to_packed_seq_params
+
     device = next(layer.parameters()).device
-    params = batch.to(device).to_packed_seq_params()
+    params = to_packed_seq_params(batch.to(device))
     hidden = layer.hidden_size
     with torch.no_grad():
         packed, _ = layer(embed(batch.input_ids, device, dtype, hidden=hidden), None, packed_seq_params=params)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import thdpack
 from thdpack.integrations.varlen_attention import register_varlen_attention, varlen_attention_forward
+from thdpack.integrations import to_hf_kwargs
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936)  # Qwen3-8B's width; 4 of its 36 layers
@@ -84,7 +85,7 @@ def check_varlen(args, dev) -> dict:
     for name, layout in (("as_built", {"pad_multiple": 8}),
                          ("static", {"pad_multiple": 8, "max_num_seqs": len(samples) + 8, "pad_to": total + 8 * len(samples)})):
         batch = thdpack.build_thd_batch(samples, **layout).to(dev)
-        kw = batch.to_hf_kwargs(attn_implementation=register_varlen_attention())
+        kw = to_hf_kwargs(batch, attn_implementation=register_varlen_attention())
         T = batch.input_ids.numel()
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(1, h, T, 64, device=dev, dtype=dtype, generator=g) for h in (8, 4, 4))
@@ -156,7 +157,7 @@ def check_mfu(args, dev) -> dict:
                     f"parameters, {dtype}", "flop_counter_formula": formulas, "ceiling_tflops": ceiling}
     for total in args.mfu_tokens:
         batch = thdpack.build_thd_batch(sft_samples(total, cfg.vocab_size, 11)).to(dev)
-        kw = batch.to_hf_kwargs(attn_implementation=name)
+        kw = to_hf_kwargs(batch, attn_implementation=name)
         seconds = _median_time(lambda: _step(model, kw), dev, args.repeats)
         with FlopCounterMode(display=False) as counter:
             _step(model, kw)
@@ -188,7 +189,7 @@ def check_paths(args, dev) -> dict:
         samples = sft_samples(total, cfg.vocab_size, 5)
         collator = thdpack.ThdCollator()
         collate_s = _median_time(lambda: collator(samples), torch.device("cpu"), args.repeats)
-        kw = collator(samples).to(dev).to_hf_kwargs(attn_implementation=name)
+        kw = to_hf_kwargs(collator(samples).to(dev), attn_implementation=name)
         flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
             [{"input_ids": s["input_ids"].tolist()} for s in samples])
         flat = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in flat.items()}

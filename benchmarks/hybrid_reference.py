@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.integrations import packed_model  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 TOLERANCE = 1e-4  # relative, float32: loss and every gradient, pack vs alone
 MODES = ("forward", "fwd+bwd")
@@ -136,7 +137,7 @@ def rel_diff(a: list, b: list) -> float:
 def case_rows(family: str, tokens: int, samples: int, args) -> list[dict]:
     model = hybrid_model(family, args.hidden, args.layers, args.vocab)
     rows_in = samples_of(pack_lengths(tokens, samples, args.seed), args.vocab, args.seed + 1)
-    kwargs = build_thd_batch(rows_in).to_hf_kwargs(attn_implementation="sdpa")
+    kwargs = to_hf_kwargs(build_thd_batch(rows_in), attn_implementation="sdpa")
     out = []
     for mode in MODES:
         backward = mode == "fwd+bwd"

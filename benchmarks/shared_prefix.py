@@ -45,6 +45,7 @@ from thdpack import ThdCollator
 from thdpack.flops import FlopsAccumulator
 from thdpack.flops import model_flops_breakdown
 from thdpack.losses import packed_loss
+from thdpack.integrations import to_hf_kwargs
 
 QWEN3_8B = json.loads((Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-8b.json").read_text())
 
@@ -129,7 +130,7 @@ def step(model, batches, num_items: int) -> float:
     model.zero_grad(set_to_none=True)
     total = 0.0
     for b in batches:
-        logits = model(**b.to_hf_kwargs(attn_implementation="sdpa", include_labels=False), use_cache=False).logits
+        logits = model(**to_hf_kwargs(b, attn_implementation="sdpa", include_labels=False), use_cache=False).logits
         loss = packed_loss(logits, b, "token", num_items=num_items)
         loss.backward()
         total += float(loss.detach())

@@ -27,6 +27,7 @@ from thdpack import ThdCollator, TokenBudgetBatchSampler
 from thdpack.demo.models import tiny_qwen3
 from thdpack.integrations import packed_model
 from thdpack.losses import dpo_loss, pair_groups, sequence_logps
+from thdpack.integrations import to_hf_kwargs
 
 
 def preference_pairs(num_pairs: int, vocab_size: int, seed: int = 0) -> list[dict]:
@@ -53,7 +54,7 @@ def packed_step(policy, reference, batches, num_pairs: int, beta: float) -> floa
     """Accumulate the gradient of one optimizer step over ``batches``; returns its DPO loss."""
     total = 0.0
     for batch in batches:
-        kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=policy.config._attn_implementation)
+        kw = to_hf_kwargs(batch, include_labels=False, attn_implementation=policy.config._attn_implementation)
         policy_logps, _ = sequence_logps(policy(**kw).logits, batch)
         with torch.no_grad():
             reference_logps, _ = sequence_logps(reference(**kw).logits, batch)

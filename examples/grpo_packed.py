@@ -38,6 +38,7 @@ import thdpack
 from thdpack.demo.models import tiny_qwen3
 from thdpack.integrations import packed_model
 from thdpack.losses import all_reduce_items, count_items, group_advantages, policy_gradient_loss, sequence_logps
+from thdpack.integrations import to_hf_kwargs
 
 DOMAINS = ("math", "code", "chat")
 
@@ -65,7 +66,7 @@ def packed_step(model, batches, reduction: str, num_items: int) -> tuple[float, 
     ``sequence_logps`` of its packs (concatenated, batch order) and per-domain (NLL sum, tokens)."""
     total, logps, nll = 0.0, [], {d: [0.0, 0] for d in range(len(DOMAINS))}
     for batch in batches:
-        kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=model.config._attn_implementation)
+        kw = to_hf_kwargs(batch, include_labels=False, attn_implementation=model.config._attn_implementation)
         logits = model(**kw).logits
         loss = policy_gradient_loss(logits, batch, batch.token_values("advantage"), reduction, num_items)
         loss.backward()

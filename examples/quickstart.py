@@ -10,7 +10,7 @@ response that is trained on. Steps:
 2. feed a DataLoader through ``TokenBudgetBatchSampler`` + ``ThdCollator``;
 3. run one packed forward/backward step of a tiny random-weight Qwen3 model
    (needs ``transformers``; skipped with a note when it is not installed):
-   ``packed_model(model)`` once, then ``model(**batch.to_hf_kwargs(attn_implementation=...))``
+   ``packed_model(model)`` once, then ``model(**to_hf_kwargs(batch, attn_implementation=...))``
    with the model's own attention backend (docs/hybrid.md);
 4. print the attention work a pack-length count would claim versus ``Σ sᵢ²``.
 """
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 import thdpack
 from thdpack.demo.models import tiny_qwen3
 from thdpack.integrations import packed_model
+from thdpack.integrations import to_hf_kwargs
 
 
 def demo_samples(num_samples: int, vocab_size: int, seed: int = 0) -> list[dict]:
@@ -87,7 +88,7 @@ def main() -> None:
         return
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = model(**batch.to_hf_kwargs(attn_implementation=model.config._attn_implementation))
+    out = model(**to_hf_kwargs(batch, attn_implementation=model.config._attn_implementation))
     out.loss.backward()
     optimizer.step()
     print(f"\none packed training step of a tiny Qwen3: loss {out.loss.item():.4f} over {batch.num_targets} target tokens")

@@ -24,6 +24,7 @@ from thdpack.demo.models import tiny_qwen3
 from thdpack.flops import attention_overcount_factor
 from thdpack.integrations import packed_model
 from thdpack.offline import load_packed
+from thdpack.integrations import to_hf_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
             print(f"skip      pack of samples {batch.sample_index.tolist()[:4]}: no target token")
             continue
         batch = batch.to(device)
-        out = model(**batch.to_hf_kwargs(attn_implementation=attn))
+        out = model(**to_hf_kwargs(batch, attn_implementation=attn))
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -40,6 +40,7 @@ from thdpack import ThdCollator
 from thdpack.demo.models import TINY_TEXT
 from thdpack.integrations import packed_model
 from thdpack.vlm import get_family, vision_lengths
+from thdpack.integrations import to_hf_kwargs
 
 IGNORE = -100
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -230,7 +231,7 @@ def tiny_model(family: str, tokens: ChatTokens, seed: int):
 @torch.no_grad()
 def max_logit_diff(model, batch, samples, image_token_id: int) -> float:
     """Largest |packed - alone| logit over the pack's real tokens, every sample run alone."""
-    kw = batch.to_hf_kwargs(include_labels=False, attn_implementation=model.config._attn_implementation)
+    kw = to_hf_kwargs(batch, include_labels=False, attn_implementation=model.config._attn_implementation)
     packed = model(**kw).logits[0]
     worst = 0.0
     for k, i in enumerate(batch.sample_index.tolist()):
@@ -289,7 +290,7 @@ def main(argv=None) -> dict:
         )
 
     batch = packs[0]
-    kw = batch.to_hf_kwargs(attn_implementation=cfg._attn_implementation)  # sdpa: its 4D document mask
+    kw = to_hf_kwargs(batch, attn_implementation=cfg._attn_implementation)  # sdpa: its 4D document mask
     print("\nfirst pack as transformers kwargs: " + ", ".join(
         f"{k} {list(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v}" for k, v in kw.items()
     ))

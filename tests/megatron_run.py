@@ -9,7 +9,7 @@ Tasks:
     {"kind": "packed_seq_params", "fields": {...}}
         ``megatron.core.packed_seq_params.PackedSeqParams(**fields)``; returns its ``seq_idx``.
     {"kind": "thdpack_packed_seq_params", "samples": [[ids], ...], "cp_size", "cp_rank"}
-        thdpack's ``ThdBatch.to_packed_seq_params()`` with megatron-core importable; returns
+        thdpack's ``to_packed_seq_params(ThdBatch)`` with megatron-core importable; returns
         ``total_tokens``, ``seq_idx`` and ``cu_seqlens_q_padded`` of the ``PackedSeqParams`` it made
         (None where a field is None: the padded fields of a batch without padding).
     {"kind": "bridge_steps", "samples", "cp_size"}
@@ -96,11 +96,12 @@ def thdpack_packed_seq_params(task: dict) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from thdpack import build_thd_batch, shard_for_cp
+    from thdpack.integrations import to_packed_seq_params
 
     batch = build_thd_batch([{"input_ids": ids} for ids in task["samples"]], cp_size=task["cp_size"])
     if task.get("cp_rank") is not None:
         batch = shard_for_cp(batch, task["cp_size"], task["cp_rank"])
-    params = batch.to_packed_seq_params()
+    params = to_packed_seq_params(batch)
     assert isinstance(params, PackedSeqParams), type(params)
     return {"total_tokens": params.total_tokens, "seq_idx": _list_or_none(params.seq_idx),
             "cu_seqlens_q_padded": _list_or_none(params.cu_seqlens_q_padded)}

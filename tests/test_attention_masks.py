@@ -35,6 +35,7 @@ from thdpack.vlm import get_family  # noqa: E402
 from thdpack.attention.block_mask import document_block_mask  # noqa: E402
 from thdpack.attention.dense_mask import dense_document_mask  # noqa: E402
 from thdpack.attention.documents import document_ids  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 LOGIT_ATOL, LOSS_ATOL = te.LOGIT_ATOL, te.LOSS_ATOL
 FLASH_KEYS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
@@ -98,7 +99,7 @@ def test_text_models_attend_per_sample(family, attn):
         if attn == "flex_attention" and name == "plain":
             continue
         batch = build_thd_batch(text_samples(), **layout)
-        kw = batch.to_hf_kwargs(attn_implementation=attn)
+        kw = to_hf_kwargs(batch, attn_implementation=attn)
         assert FLASH_KEYS | {"seq_idx", "attention_mask"} <= kw.keys()
         assert torch.equal(kw["seq_idx"], batch.seq_idx)
         if attn == "flex_attention":
@@ -117,7 +118,7 @@ def test_flex_model_reads_the_block_mask():
     kwargs with a one-document BlockMask (the pack as one sequence) move later samples' logits."""
     model = text_model("qwen3", "flex_attention")
     batch = build_thd_batch(text_samples(), **PACKS["pad8"])
-    kw = batch.to_hf_kwargs(attn_implementation="flex_attention", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="flex_attention", include_labels=False)
     good = model(**kw, use_cache=False).logits[0]
     kw["attention_mask"] = document_block_mask([0, PAD_TO])
     leaky = model(**kw, use_cache=False).logits[0]
@@ -134,7 +135,7 @@ def test_4d_mask_where_transformers_derives_none(attn, dtype):
     ``attention_mask_4d`` (bool for sdpa, additive float32 for eager), which keeps the samples apart."""
     model = text_model("llama", attn)
     batch = build_thd_batch(text_samples(), pad_multiple=8)
-    kw = batch.to_hf_kwargs(attn_implementation=attn)
+    kw = to_hf_kwargs(batch, attn_implementation=attn)
     no_mask = {k: v for k, v in kw.items() if k != "attention_mask"}
     with pytest.raises(AssertionError, match="logit diff"):
         assert_packed_equals_alone(model, no_mask, batch, text_alone("llama"), use_cache=True)
@@ -164,7 +165,7 @@ def test_qwen2_5_vl_attends_per_sample(attn):
     alone = [tv.run_alone(model, s) for s in samples]
     for layout in ({"pad_multiple": 4}, {"pad_multiple": 8, "pad_to": 512}):
         batch = build_thd_batch(samples, vlm=get_family(model.config), **layout)
-        kw = batch.to_hf_kwargs(attn_implementation=attn)
+        kw = to_hf_kwargs(batch, attn_implementation=attn)
         assert kw["position_ids"].shape == (4, 1, batch.num_padded_tokens)  # the text row keeps samples apart
         assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(torch.bool if attn == "sdpa" else torch.float32))
         assert FLASH_KEYS | {"seq_idx"} <= kw.keys()  # transformers keeps them out of the vision tower
@@ -336,17 +337,17 @@ def test_bad_arguments():
             batch.attention_mask_4d(bad)
     for bad in ("xformers", "flex", "SDPA", 3):
         with pytest.raises(ValueError, match="attn_implementation must be None, 'flash_attention_2'"):
-            batch.to_hf_kwargs(attn_implementation=bad)
+            to_hf_kwargs(batch, attn_implementation=bad)
     for name in (None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3",
                  "paged|flash_attention_2"):
-        assert batch.to_hf_kwargs(attn_implementation=name).keys() == batch.to_hf_kwargs().keys()
+        assert to_hf_kwargs(batch, attn_implementation=name).keys() == to_hf_kwargs(batch).keys()
     shard = shard_for_cp(batch, 2, 1)
     for call in (shard.block_mask, shard.attention_mask_4d,
-                 lambda: shard.to_hf_kwargs(attn_implementation="sdpa"),
-                 lambda: shard.to_hf_kwargs(attn_implementation="flex_attention")):
+                 lambda: to_hf_kwargs(shard, attn_implementation="sdpa"),
+                 lambda: to_hf_kwargs(shard, attn_implementation="flex_attention")):
         with pytest.raises(ValueError, match=r"is for a whole batch, and this is a CP shard \(cp_size=2, rank 1\)"):
             call()
-    assert "cu_seq_lens_q" in shard.to_hf_kwargs(attn_implementation="flash_attention_2")
+    assert "cu_seq_lens_q" in to_hf_kwargs(shard, attn_implementation="flash_attention_2")
 
     for fn in (document_ids, document_block_mask, dense_document_mask):
         with pytest.raises(ValueError, match=r"must start at 0 and never decrease, got \[0, 5, 3\]"):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from thdpack import ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple, plan_balanced
 from thdpack.batching import BatchLayout
 from thdpack.common.samples import SampleError
+from thdpack.integrations import to_hf_kwargs
 
 HOLDS_BOOLS = r"^sample {}: field '{}' holds bools; token ids and labels are integers"
 
@@ -140,7 +141,7 @@ def _online_table():
                                          lambda v: plan_balanced(LENGTHS, 16, num_replicas=3, shuffle_steps=v).steps.tolist()),
         "group_advantages(scale)": ("scale", lambda v: group_advantages([1.0, 3.0, 2.0], [0, 0, 1], scale=v).tolist()),
         "ThdBatch.to(non_blocking)": ("non_blocking", lambda v: _ids(_batch().to("cpu", non_blocking=v))),
-        "ThdBatch.to_hf_kwargs(include_labels)": ("include_labels", lambda v: sorted(_batch().to_hf_kwargs(include_labels=v))),
+        "to_hf_kwargs(ThdBatch, include_labels)": ("include_labels", lambda v: sorted(to_hf_kwargs(_batch(), include_labels=v))),
         "PackedRowCollator(share_prefix)": ("share_prefix", lambda v: PackedRowCollator(share_prefix=v).share_prefix),
     }
 

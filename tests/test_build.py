@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from thdpack import ThdBatch, ThdCollator, build_thd_batch, cp_pad_multiple, plan_packs
 from thdpack.loaders import PackedBatches
+from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs, to_packed_seq_params
+from thdpack.integrations.hf_kwargs import hf_labels
 
 SETTINGS = settings(max_examples=60, deadline=None)
 IGNORE = -100
@@ -349,7 +351,7 @@ def test_hf_kwargs(case):
     ignore = kw["ignore_index"]
     batch = build_thd_batch(samples, **kw)
     T = batch.num_padded_tokens
-    hf = batch.to_hf_kwargs()
+    hf = to_hf_kwargs(batch)
     assert set(hf) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                        "seq_idx", "labels"}
     assert torch.equal(hf["seq_idx"], batch.seq_idx) and hf["seq_idx"].shape == (1, T)
@@ -363,7 +365,7 @@ def test_hf_kwargs(case):
     assert hl.dtype == torch.int64
     assert hl[0].item() == ignore
     assert torch.equal(hl[1:], batch.labels[:-1])
-    assert torch.equal(batch.hf_labels(), hl)
+    assert torch.equal(hf_labels(batch), hl)
     # HF's causal-LM loss scores logits[t] against labels[t + 1]: simulate it
     shift = hl[1:]
     scored = torch.nonzero(shift != ignore).flatten()
@@ -374,7 +376,7 @@ def test_hf_kwargs(case):
         assert cup[i] <= t and t + 1 < cup[i] + lens[i], "HF shift scores across a boundary or a pad"
         assert shift[t] == batch.labels[t]
     assert int((shift != ignore).sum()) == int(batch.loss_mask.sum())
-    no_labels = batch.to_hf_kwargs(include_labels=False)
+    no_labels = to_hf_kwargs(batch, include_labels=False)
     assert "labels" not in no_labels and set(no_labels) == set(hf) - {"labels"}
 
 
@@ -382,7 +384,7 @@ def test_hf_kwargs(case):
 def test_packed_seq_params(core, monkeypatch):
     megatron_env.import_packed_seq_params(monkeypatch, core)
     batch = build_thd_batch([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}], cp_size=2)
-    d = batch.packed_seq_params_dict()
+    d = packed_seq_params_dict(batch)
     assert set(d) == {
         "qkv_format",
         "cu_seqlens_q",
@@ -399,7 +401,7 @@ def test_packed_seq_params(core, monkeypatch):
     assert torch.equal(d["cu_seqlens_q_padded"], batch.cu_seqlens_padded)
     assert torch.equal(d["cu_seqlens_kv_padded"], batch.cu_seqlens_padded)
     assert d["max_seqlen_q"] == d["max_seqlen_kv"] == batch.max_seqlen == 4
-    params = batch.to_packed_seq_params()
+    params = to_packed_seq_params(batch)
     if core is None:
         assert isinstance(params, dict) and params.keys() == d.keys()
     else:  # megatron-core 0.19.2's has every field, and computes seq_idx from total_tokens

@@ -27,6 +27,7 @@ from thdpack import (
     shard_for_cp,
     thd_partition_indices,
 )
+from thdpack.integrations import to_hf_kwargs, to_packed_seq_params
 
 IGNORE = -100
 
@@ -230,7 +231,7 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
         assert (shard.shard.cp_size, shard.shard.cp_rank) == (cp, r)
         assert shard.is_shard
         # Megatron fields stay global on a shard
-        params = shard.to_packed_seq_params()
+        params = to_packed_seq_params(shard)
         assert psp_field(params, "qkv_format") == "thd"
         for name, want in (("cu_seqlens_q", cu), ("cu_seqlens_kv", cu)):
             assert torch.equal(psp_field(params, name), want), name
@@ -241,7 +242,7 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
                 assert torch.equal(psp_field(params, name), cu_p), name
         assert psp_field(params, "max_seqlen_q") == psp_field(params, "max_seqlen_kv") == batch.max_seqlen
         # transformers kwargs use the local layout and the targets as shift_labels
-        kw = shard.to_hf_kwargs()
+        kw = to_hf_kwargs(shard)
         assert torch.equal(kw["input_ids"], shard.input_ids.unsqueeze(0))
         assert torch.equal(kw["position_ids"], shard.position_ids.unsqueeze(0))
         assert torch.equal(kw["cu_seq_lens_q"], shard.shard.local_cu_seqlens_padded)
@@ -451,12 +452,12 @@ def test_cp_loss_sums_to_global_loss():
     T = batch.num_padded_tokens
     logits = torch.randn(T, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     n_items = int(batch.loss_mask.sum())
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     want = ForCausalLMLoss(logits.unsqueeze(0), kw["labels"], vocab, num_items_in_batch=n_items)
     total = 0.0
     for r in range(cp):
         shard = shard_for_cp(batch, cp, r)
-        skw = shard.to_hf_kwargs()
+        skw = to_hf_kwargs(shard)
         total = total + ForCausalLMLoss(logits[shard.shard.partition_indices].unsqueeze(0), skw["labels"], vocab,
                                         num_items_in_batch=n_items, shift_labels=skw["shift_labels"])
     torch.testing.assert_close(total, want, rtol=1e-10, atol=1e-10)

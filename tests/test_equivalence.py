@@ -27,6 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from thdpack import ThdBatch, ThdCollator, build_thd_batch, plan_packs  # noqa: E402
 from thdpack.loaders import PackedBatches  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 IGNORE = -100
 VOCAB = 128
@@ -127,7 +128,7 @@ def assert_equivalent(model, batch: ThdBatch, samples) -> dict:
     seq_lens = batch.seq_lens.tolist()
     assert cu_pad[0] == 0 and cu_pad[-1] == T
 
-    out = model(**batch.to_hf_kwargs(), use_cache=False)
+    out = model(**to_hf_kwargs(batch), use_cache=False)
     logits = out.logits
     assert logits.shape == (1, T, VOCAB)
     logits = logits[0]
@@ -479,7 +480,7 @@ def test_packing_mistakes_are_detected(family, attn):
     model = tiny_model(family, attn)
     samples = plain_samples([9, 12], seed=12)
     batch = build_thd_batch(samples)
-    kw = batch.to_hf_kwargs(include_labels=False)
+    kw = to_hf_kwargs(batch, include_labels=False)
     good = model(**kw, use_cache=False).logits[0]
     kw["position_ids"] = torch.arange(batch.num_padded_tokens)[None]
     leaky = model(**kw, use_cache=False).logits[0]

@@ -33,6 +33,7 @@ from thdpack.flops import (
     throughput,
     vision_seqlen_stats,
 )
+from thdpack.integrations import to_hf_kwargs
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -649,7 +650,7 @@ def test_accumulator_reads_model_input_dicts():
     assert acc.tokens == sum(real) and acc.padded_tokens == sum(padded) and acc.samples == 3
 
     batch = build_thd_batch(make_samples(real[:2] + real[3:]))
-    hf = batch.to_hf_kwargs()
+    hf = to_hf_kwargs(batch)
     assert FlopsAccumulator().add(hf).counts() == FlopsAccumulator().add(batch).counts()
     # transformers' DataCollatorWithFlattening without flash kwargs: positions restart per sample
     flat = {"input_ids": batch.input_ids.unsqueeze(0), "position_ids": batch.position_ids.unsqueeze(0)}

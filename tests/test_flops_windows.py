@@ -24,6 +24,7 @@ from thdpack.flops import (
     tree_length_count,
 )
 from thdpack.flops.sequences import length_count_values, parse_count_name
+from thdpack.integrations import to_hf_kwargs
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -147,7 +148,7 @@ def test_accumulator_carries_the_window_counts_of_a_windowed_model():
     assert terms["sliding_attention_8"] == 2 * 6 * 32 * counts[name]  # 2 window layers, 6·d_q each
     assert terms["core_attention"] == 6 * 32 * sum(s * s for s in LENGTHS)  # the global layer
     # the same micro-batch as model inputs, as a CP shard pair, as BSHD: the same window counts
-    for inputs in (batch.to_hf_kwargs(), {"cu_seqlens": batch.cu_seqlens, "input_ids": batch.input_ids}):
+    for inputs in (to_hf_kwargs(batch), {"cu_seqlens": batch.cu_seqlens, "input_ids": batch.input_ids}):
         assert FlopsAccumulator(TINY_GEMMA3).add(inputs).counts()[name] == counts[name]
     shards = FlopsAccumulator(TINY_GEMMA3)
     cp_batch = build_thd_batch(_samples(LENGTHS), cp_size=2)

@@ -1,6 +1,6 @@
 """Hybrid models on packs (issue 29): every transformers family with linear-attention (Gated DeltaNet),
 SSM (Mamba-2, Mamba-1) or short-convolution layers gives, through ``packed_model`` and the call a user makes
-(``model(**batch.to_hf_kwargs(attn_implementation=...))``, the config's own ``use_cache`` default), the
+(``model(**to_hf_kwargs(batch, attn_implementation=...))``, the config's own ``use_cache`` default), the
 logits, token-mean loss and every parameter's gradient of each sample run alone; the same call without
 ``packed_model`` either is exact or raises.
 
@@ -24,6 +24,7 @@ from hybrid_models import VOCAB, available_families, tiny_hybrid  # noqa: E402
 from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
 from thdpack.integrations import packed_model  # noqa: E402
 from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 IGNORE = -100
 REL = 1e-5  # max |packed - alone| / max |alone|, float32
@@ -79,7 +80,7 @@ def alone(model, samples, grads: bool = True):
 
 def packed(model, batch, attn, grads: bool = True):
     with torch.set_grad_enabled(grads):
-        out = model(**batch.to_hf_kwargs(attn_implementation=attn))
+        out = model(**to_hf_kwargs(batch, attn_implementation=attn))
     grads = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True) if grads else None
     return out.logits[0].detach(), out.loss.detach(), grads
 
@@ -133,7 +134,7 @@ def test_raw_call_is_exact_or_refused(family):
     batch = build_thd_batch(samples, pad_multiple=4)
     try:
         with torch.no_grad():
-            logits = model(**batch.to_hf_kwargs(attn_implementation="sdpa")).logits[0]
+            logits = model(**to_hf_kwargs(batch, attn_implementation="sdpa")).logits[0]
     except ValueError as err:
         assert "can't keep packed sequences apart" in str(err) and "\n" not in str(err)
         return
@@ -152,7 +153,7 @@ def test_the_boundaries_matter(family):
     model = packed_model(fresh_model(family, "sdpa"))
     samples = samples_of(LENGTHS)
     batch = build_thd_batch(samples)
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     total = batch.num_padded_tokens
     one = dict(kw, seq_idx=torch.zeros_like(kw["seq_idx"]),
                cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32),
@@ -179,7 +180,7 @@ def test_any_lengths(lengths, align, family):
     samples = samples_of(lengths, seed=len(lengths))
     batch = build_thd_batch(samples, pad_multiple=align)
     with torch.no_grad():
-        logits = model(**batch.to_hf_kwargs(attn_implementation="sdpa")).logits[0]
+        logits = model(**to_hf_kwargs(batch, attn_implementation="sdpa")).logits[0]
         for i, sample in enumerate(samples):
             ref = model(input_ids=torch.tensor([sample["input_ids"]])).logits[0]
             a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
@@ -192,7 +193,7 @@ def test_boundaries_equal_data_collator_with_flattening():
     collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True,
                                                        return_position_ids=True)
     theirs = collator([{"input_ids": s["input_ids"]} for s in samples])
-    ours = build_thd_batch(samples).to_hf_kwargs(attn_implementation="sdpa")
+    ours = to_hf_kwargs(build_thd_batch(samples), attn_implementation="sdpa")
     for key in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "input_ids"):
         assert ours[key].dtype == theirs[key].dtype, key
         assert torch.equal(ours[key], theirs[key]), key
@@ -203,7 +204,7 @@ def test_static_tail_is_the_last_samples():
     """Static shapes: zero-length sequences at the end of cu_seq_lens_q hold no slot; the pad_to tail's
     seq_idx is the last sample's (after all of its real tokens, so no real token sees it)."""
     batch = build_thd_batch(samples_of([3, 4]), pad_to=16, max_num_seqs=5)
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa")
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa")
     assert kw["cu_seq_lens_q"].tolist() == [0, 3, 16, 16, 16, 16]
     assert kw["seq_idx"].tolist() == [[0] * 3 + [1] * 13]
     assert kw["max_length_q"] == 16
@@ -216,15 +217,15 @@ def test_packed_model_refuses_what_it_cannot_scan():
     model = packed_model(fresh_model("qwen3_5_text", "sdpa"))
     batch = build_thd_batch(samples_of([6, 4, 10]), cp_size=2)
     with torch.no_grad(), pytest.raises(ValueError, match="CP / Ulysses shard's chunks or a shared-prefix tree"):
-        model(**shard_for_cp(batch, 2, 0).to_hf_kwargs(attn_implementation="flash_attention_2", include_labels=False))
+        model(**to_hf_kwargs(shard_for_cp(batch, 2, 0), attn_implementation="flash_attention_2", include_labels=False))
     prompt = [1 + i % 50 for i in range(40)]
     group = [{"input_ids": prompt + [60 + i] * (3 + i), "labels": [IGNORE] * 40 + [60 + i] * (3 + i), "group": 0}
              for i in range(3)]
     tree = build_thd_batch(group, share_prefix="group")
     assert tree.prefix_tree is not None and tree.num_tokens < 3 * 40
     with torch.no_grad(), pytest.raises(ValueError, match="shared-prefix tree cannot be scanned"):
-        model(**tree.to_hf_kwargs(attn_implementation="sdpa", include_labels=False))
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+        model(**to_hf_kwargs(tree, attn_implementation="sdpa", include_labels=False))
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     bare = {k: kw[k] for k in ("input_ids", "position_ids")}
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids restart inside the row .* carries no seq_idx"):
         model(**bare)
@@ -248,11 +249,11 @@ def test_packed_model_needs_nothing_on_plain_models_and_refuses_unknown_layers()
         return max(rel(logits[a : a + s], w) for a, s, w in
                    zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist(), want))
 
-    assert worst(batch.to_hf_kwargs()) > 1e-2  # the flash kwargs on an sdpa model, under use_cache=True
+    assert worst(to_hf_kwargs(batch)) > 1e-2  # the flash kwargs on an sdpa model, under use_cache=True
     assert packed_model(model) is model
     assert not any(hasattr(m, "_thdpack_state") for m in model.model.modules())  # no layer is wrapped
-    assert worst(batch.to_hf_kwargs()) < REL  # the hook gives the call the sdpa mask its backend reads
-    assert worst(batch.to_hf_kwargs(attn_implementation="sdpa")) < REL
+    assert worst(to_hf_kwargs(batch)) < REL  # the hook gives the call the sdpa mask its backend reads
+    assert worst(to_hf_kwargs(batch, attn_implementation="sdpa")) < REL
     unknown = transformers.Qwen3ForCausalLM(config)
     unknown.config.layer_types = ["retention"]
     with pytest.raises(ValueError, match=r"layer types \['retention'\], which are not attention"):
@@ -291,13 +292,13 @@ def test_custom_attention_names():
 
     batch = build_thd_batch(samples_of([3, 4]))
     with pytest.raises(ValueError, match="or a name registered in transformers' AttentionInterface, got 'thd_x'"):
-        batch.to_hf_kwargs(attn_implementation="thd_x")
+        to_hf_kwargs(batch, attn_implementation="thd_x")
     AttentionInterface.register("thd_masked", sdpa_attention_forward)
     AttentionMaskInterface.register("thd_masked", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     AttentionInterface.register("thd_varlen", sdpa_attention_forward)
-    kw = batch.to_hf_kwargs(attn_implementation="thd_masked")
+    kw = to_hf_kwargs(batch, attn_implementation="thd_masked")
     assert torch.equal(kw["attention_mask"], batch.attention_mask_4d())
-    kw = batch.to_hf_kwargs(attn_implementation="thd_varlen")
+    kw = to_hf_kwargs(batch, attn_implementation="thd_varlen")
     assert "attention_mask" not in kw and torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded)
     model = packed_model(fresh_model("qwen3_5_text", "sdpa"))
     model.set_attn_implementation("thd_masked")
@@ -354,7 +355,7 @@ def test_a_copy_of_a_prepared_model_runs_its_own_weights():
             p.mul_(0.5)
     samples = samples_of(LENGTHS)
     batch = build_thd_batch(samples)
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     for m in (model, twin):
         want = [m(input_ids=torch.tensor([s["input_ids"]])).logits[0].detach() for s in samples]
         with torch.no_grad():
@@ -388,7 +389,7 @@ def test_sliding_window_layers_keep_their_window(family, attn):
 
     def worst() -> float:
         with torch.no_grad():
-            logits = model(**batch.to_hf_kwargs(attn_implementation=attn)).logits[0]
+            logits = model(**to_hf_kwargs(batch, attn_implementation=attn)).logits[0]
         return max(rel(logits[a : a + s], w) for a, s, w in
                    zip(batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist(), want))
 

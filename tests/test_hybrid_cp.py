@@ -18,6 +18,7 @@ from thdpack.flops.rank_work import hybrid_cp_rank_flops
 from thdpack.integrations.megatron_bridge import to_gpt_forward_kwargs
 from thdpack.parallel.hybrid_blocks import block_ranks, block_sizes, check_block
 from thdpack.planning.hybrid_cp import HybridCPPlan, schedule_cost
+from thdpack.integrations import packed_seq_params_dict
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
@@ -140,15 +141,15 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
         for b in hybrid_cp_shards(samples, plan, r):
             fake = object()
             if b.shard.cp_size == 1:
-                d = b.packed_seq_params_dict()
+                d = packed_seq_params_dict(b)
                 assert d["local_cp_size"] == 1 and d["cp_group"] is None
                 seen.add(1)
                 continue
             where = f"position {r - b.shard.block_start} of the block of {b.shard.cp_size} ranks at {b.shard.block_start}"
             with pytest.raises(ValueError, match=f"{where}: pass that block's process group as cp_group="):
-                b.packed_seq_params_dict()
+                packed_seq_params_dict(b)
             for given in (fake, {b.shard.cp_size: fake}, lambda group_size: {b.shard.cp_size: fake}[group_size]):
-                d = b.packed_seq_params_dict(cp_group=given)
+                d = packed_seq_params_dict(b, cp_group=given)
                 assert d["local_cp_size"] == b.shard.cp_size and d["cp_group"] is fake
                 assert torch.equal(d["cu_seqlens_q_padded"], b.cu_seqlens_padded)  # global, as for static CP
             kw = to_gpt_forward_kwargs(b, cp_group=fake)
@@ -160,9 +161,9 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
             seen.add(b.shard.cp_size)
     assert {1, 8} <= seen
     static = shard_for_cp(build_thd_batch([samples[1]], cp_size=2), 2, 0)
-    assert "local_cp_size" not in static.packed_seq_params_dict()  # static CP unchanged
+    assert "local_cp_size" not in packed_seq_params_dict(static)  # static CP unchanged
     with pytest.raises(ValueError, match="cp_group is for a hybrid-CP batch"):
-        static.packed_seq_params_dict(cp_group=object())
+        packed_seq_params_dict(static, cp_group=object())
 
 
 @pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])

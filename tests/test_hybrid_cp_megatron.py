@@ -203,6 +203,7 @@ def _layout_results(name: str, rank: int) -> dict:
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     from thdpack import hybrid_cp_shards
+    from thdpack.integrations import to_packed_seq_params
     from thdpack.parallel.hybrid_blocks import hybrid_cp_groups
 
     tp, lengths, budget, keywords = LAYOUTS[name]
@@ -222,7 +223,7 @@ def _layout_results(name: str, rank: int) -> dict:
     for shard in hybrid_cp_shards(samples, plan, pos, **keywords):
         k = shard.shard.cp_size
         group = ps.get_hybrid_data_context_parallel_groups(group_size=k) if k > 1 else None
-        params = shard.to_packed_seq_params(cp_group=ps.get_hybrid_data_context_parallel_groups)
+        params = to_packed_seq_params(shard, cp_group=ps.get_hybrid_data_context_parallel_groups)
         mb = {"k": k, "start": shard.shard.block_start, "cp_rank": shard.shard.cp_rank,
               "megatron_group": dist.get_process_group_ranks(group) if group is not None else [rank],
               "params": {"type": type(params).__name__, "is_packed_seq_params": isinstance(params, PackedSeqParams),
@@ -232,7 +233,7 @@ def _layout_results(name: str, rank: int) -> dict:
               "samples": _check_against_get_batch(shard, samples, k, keywords)}
         if k > 1:
             mb["attention"] = _all_gather_attention(shard, group)
-            ours_params = shard.to_packed_seq_params(cp_group=ours)
+            ours_params = to_packed_seq_params(shard, cp_group=ours)
             mb["ours_cp_group"] = dist.get_process_group_ranks(ours_params.cp_group)
         if name == "tp1":
             mb["moe"] = _moe_values(shard, group, samples)

@@ -35,6 +35,7 @@ from thdpack.losses import (  # noqa: E402
     sequence_logps,
     token_logps,
 )
+from thdpack.integrations import to_hf_kwargs
 
 IGNORE = -100
 VOCAB = 64
@@ -132,7 +133,7 @@ def test_sequence_logps_sums_each_sample_alone():
     rows = make_rows([5, 11, 2, 8], [1, 4, 0, 8], seed=3)  # the last row has no target
     batch = build_thd_batch(rows, pad_multiple=8)
     with torch.no_grad():
-        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        logits = model(**to_hf_kwargs(batch, include_labels=False), use_cache=False).logits
         logps, counts = sequence_logps(logits, batch, chunk_size=7)
         want = torch.stack([alone_logps(model, r).sum() for r in rows])
     assert counts.tolist() == row_targets(rows).tolist() == [4, 7, 1, 0]
@@ -165,7 +166,7 @@ def packed_step_grad(model, rows, lengths, reduction, R, M, step, seed):
     if num_items == 0:
         return None, step_rows  # nothing to train in this step: a real loop skips it
     for batch in batches:
-        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        logits = model(**to_hf_kwargs(batch, include_labels=False), use_cache=False).logits
         packed_loss(logits, batch, reduction, num_items).backward()
     return grads(model).clone(), step_rows
 
@@ -205,7 +206,7 @@ def test_batch_mean_is_not_the_step_mean():
     b1, b2 = build_thd_batch(rows[:2]), build_thd_batch(rows[2:])
     model.zero_grad()
     for b in (b1, b2):
-        logits = model(**b.to_hf_kwargs(include_labels=False), use_cache=False).logits
+        logits = model(**to_hf_kwargs(b, include_labels=False), use_cache=False).logits
         (packed_loss(logits, b, "token") / 2).backward()
     naive = grads(model).clone()
     model.zero_grad()
@@ -220,7 +221,7 @@ def test_cp_shards_sum_to_the_whole_batch_loss(reduction):
     rows = make_rows([9, 14, 5], [3, 0, 2], seed=6)
     batch = build_thd_batch(rows, cp_size=2)
     with torch.no_grad():
-        logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits[0]
+        logits = model(**to_hf_kwargs(batch, include_labels=False), use_cache=False).logits[0]
         whole = packed_loss(logits, batch, reduction)
         n = count_items([batch], reduction)
         total = 0.0
@@ -346,7 +347,7 @@ def reference_dpo(policy, ref, rows, beta) -> torch.Tensor:
 def packed_dpo_step(policy, ref, batch, cp_size, beta, num_items, chunk_size=None):
     """One pack's DPO loss, backpropagated: the pack run whole, its logits split into CP shards
     whose partial sequence log-probs are summed (a CP all-reduce). Returns the detached loss."""
-    kw = batch.to_hf_kwargs(include_labels=False)
+    kw = to_hf_kwargs(batch, include_labels=False)
     logits = policy(**kw, use_cache=False).logits[0]
     with torch.no_grad():
         ref_logits = ref(**kw, use_cache=False).logits[0]
@@ -463,7 +464,7 @@ def test_packed_policy_gradient_equals_unpacked(reduction, off_policy):
     for sampler in samplers:
         for pack in list(sampler)[:M]:
             batch = build_thd_batch([rows[i] for i in pack], sample_index=pack, sample_values=["advantage"])
-            logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+            logits = model(**to_hf_kwargs(batch, include_labels=False), use_cache=False).logits
             old = None
             if off_policy:  # the sampler's log-probs: this policy's, shifted per token (what old_shift says)
                 # position t of a row scores its token t+1, as logits[t] alone does (no alignment pads here)

@@ -40,7 +40,7 @@ megatron-core's code. The test asserts that
    ``_resolve_cu_seqlens`` at its local length x cp, and ``_build_thd_cp_a2a_perm`` of its offsets turns the
    ranks' thdpack shards, concatenated in rank order, back into the stream;
 5. megatron-core's GDN with CP 2 (two gloo processes, its own all-to-all), each rank fed thdpack's shard and
-   ``shard.to_packed_seq_params()``, gives each rank the output rows of the whole pack run at cp 1.
+   ``to_packed_seq_params(shard)``, gives each rank the output rows of the whole pack run at cp 1.
 
 benchmarks/gpu_megatron_gdn.py runs the same layer with fla's real kernels on a GPU.
 """
@@ -58,6 +58,7 @@ import megatron_env  # tests/megatron_env.py
 
 from thdpack import build_thd_batch, shard_for_cp
 from thdpack.attention.static import pad_cu_seqlens
+from thdpack.integrations import to_packed_seq_params
 
 pytestmark = pytest.mark.xdist_group("megatron_gdn")  # one worker, one subprocess for all (--dist loadgroup)
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +245,7 @@ def forward_task(task: dict, layer) -> dict:
     diff = bench.pack_vs_alone(layer, batch, torch.float32)
     conv, scan = list(RECORD["conv"]), list(RECORD["scan"])
     return {"conv_cu_seqlens": conv[0], "scan_cu_seqlens": scan[0], "alone_cu_seqlens": conv[1:] + scan[1:],
-            "fields": _fields(batch.to_packed_seq_params()), "max_abs_diff": diff}
+            "fields": _fields(to_packed_seq_params(batch)), "max_abs_diff": diff}
 
 
 def cp_perm_task(task: dict) -> dict:
@@ -258,7 +259,7 @@ def cp_perm_task(task: dict) -> dict:
     shards = [shard_for_cp(batch, cp, r) for r in range(cp)]
     resolved = []
     for shard in shards:
-        p = shard.to_packed_seq_params()
+        p = to_packed_seq_params(shard)
         total = shard.input_ids.numel() * cp  # GDN: seq_len = hidden_states rows x sp x cp
         cu = _GDNBase._resolve_cu_seqlens(None, p.cu_seqlens_q_padded, p.cu_seqlens_q, total, "cu_seqlens_q", cp)
         cu_kv = _GDNBase._resolve_cu_seqlens(None, p.cu_seqlens_kv_padded, p.cu_seqlens_kv, total, "cu_seqlens_kv",
@@ -286,7 +287,7 @@ def _cp_rank(rank: int, world: int, store: str, layout: dict, queue) -> None:
         RECORD["scan"].clear()
         with torch.no_grad():
             out, _ = layer(bench.embed(shard.input_ids, "cpu", torch.float32, hidden=SIZES["hidden"]), None,
-                           packed_seq_params=shard.to_packed_seq_params())
+                           packed_seq_params=to_packed_seq_params(shard))
         queue.put((rank, out.squeeze(1).tolist(), RECORD["scan"][0], dist.get_world_size(), layer.cp_size, None))
         dist.barrier()
         dist.destroy_process_group()
@@ -330,7 +331,7 @@ def cp_forward_task(task: dict, started, layer) -> dict:
     batch = _batch(task["layout"])
     with torch.no_grad():
         whole, _ = layer(bench.embed(batch.input_ids, "cpu", torch.float32, hidden=SIZES["hidden"]), None,
-                         packed_seq_params=batch.to_packed_seq_params())
+                         packed_seq_params=to_packed_seq_params(batch))
     real = torch.zeros(batch.input_ids.numel(), dtype=torch.bool)
     for a, s in zip(batch.cu_seqlens_padded[:-1].tolist(), batch.seq_lens.tolist()):
         real[a:a + s] = True

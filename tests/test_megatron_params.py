@@ -1,4 +1,4 @@
-"""``ThdBatch.to_packed_seq_params()`` sets ``total_tokens`` (issue 13 §2), so that megatron-core
+"""``to_packed_seq_params(ThdBatch)`` sets ``total_tokens`` (issue 13 §2), so that megatron-core
 (>= 0.19) computes ``seq_idx`` and its Mamba mixer scans each sample on its own; and it leaves
 ``cu_seqlens_q/kv_padded`` None when no sample is padded, as Megatron-Bridge does (issue 20 §6:
 TransformerEngine picks a slower kernel when they are set).
@@ -21,6 +21,7 @@ import torch
 import megatron_env  # tests/megatron_env.py
 
 from thdpack import build_thd_batch, shard_for_cp
+from thdpack.integrations import packed_seq_params_dict, to_packed_seq_params
 
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
 
@@ -40,12 +41,12 @@ def sample_of_each_slot(cu_padded: list[int]) -> list[int]:
 def test_total_tokens_is_the_global_stream_length(cp_size):
     batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=cp_size)
     stream = int(batch.input_ids.numel())
-    d = batch.packed_seq_params_dict()
+    d = packed_seq_params_dict(batch)
     assert d["total_tokens"] == stream == int(batch.cu_seqlens_padded[-1])
     assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]  # seq_idx, by its documented rule
     if cp_size > 1:
         for rank in range(cp_size):  # a shard keeps the global metadata
-            assert shard_for_cp(batch, cp_size, rank).packed_seq_params_dict()["total_tokens"] == stream
+            assert packed_seq_params_dict(shard_for_cp(batch, cp_size, rank))["total_tokens"] == stream
 
 
 @pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])
@@ -82,9 +83,9 @@ def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, la
     megatron_env.import_packed_seq_params(monkeypatch, core)
     batch = build_thd_batch([{"input_ids": list(range(3, 3 + n))} for n in lengths], **kw)
     assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != layout_padded
-    views = [batch.packed_seq_params_dict()]
+    views = [packed_seq_params_dict(batch)]
     if kw.get("cp_size", 1) > 1:
-        views += [shard_for_cp(batch, kw["cp_size"], r).packed_seq_params_dict() for r in range(kw["cp_size"])]
+        views += [packed_seq_params_dict(shard_for_cp(batch, kw["cp_size"], r)) for r in range(kw["cp_size"])]
     for d in views:
         for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             if padded:
@@ -93,7 +94,7 @@ def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, la
                 assert d[name] is None, name
         assert layout_of(d) == batch.cu_seqlens_padded.tolist()  # what megatron-core reads: the layout
         assert torch.equal(d["cu_seqlens_q"], batch.cu_seqlens) and d["total_tokens"] == batch.input_ids.numel()
-    params = batch.to_packed_seq_params()
+    params = to_packed_seq_params(batch)
     assert isinstance(params, dict) if core is None else isinstance(params, core.PackedSeqParams)
     assert (megatron_env.field(params, "cu_seqlens_q_padded") is not None) == padded
 
@@ -110,6 +111,6 @@ def test_megatron_core_016_without_total_tokens(monkeypatch):
                       ("megatron.core.packed_seq_params", module)):
         monkeypatch.setitem(sys.modules, name, mod)
     batch = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=2)
-    params = batch.to_packed_seq_params()
+    params = to_packed_seq_params(batch)
     assert isinstance(params, params_016)
     assert torch.equal(params.cu_seqlens_q_padded, batch.cu_seqlens_padded) and params.qkv_format == "thd"

@@ -10,6 +10,7 @@ import torch
 from hybrid_models import tiny_hybrid  # tests/hybrid_models.py
 from thdpack import build_thd_batch
 from thdpack.integrations.moe_router import router_aux_loss
+from thdpack.integrations import to_hf_kwargs
 
 transformers = pytest.importorskip("transformers")
 LENGTHS = (7, 3, 10, 5)
@@ -40,8 +41,8 @@ def test_qwen3_moe_counts_pad_slots_and_the_mask_keeps_them_out(qwen3_moe):
     plain = build_thd_batch(samples())
     padded = build_thd_batch(samples(), pad_multiple=16)
     assert int(padded.padding_mask.sum()) == padded.num_padded_tokens - padded.num_tokens > 0
-    want = qwen3_moe(**plain.to_hf_kwargs(), use_cache=False, output_router_logits=True)
-    out = qwen3_moe(**padded.to_hf_kwargs(), use_cache=False, output_router_logits=True)
+    want = qwen3_moe(**to_hf_kwargs(plain), use_cache=False, output_router_logits=True)
+    out = qwen3_moe(**to_hf_kwargs(padded), use_cache=False, output_router_logits=True)
     real = ~padded.padding_mask
     for layer_plain, layer_padded in zip(want.router_logits, out.router_logits):  # the real rows route alike
         torch.testing.assert_close(layer_padded[real], layer_plain, rtol=1e-5, atol=1e-5)
@@ -57,12 +58,12 @@ def test_qwen3_moe_with_a_document_mask_fails_in_transformers(qwen3_moe):
     RuntimeError. The decoder alone gives the router logits, and router_aux_loss the loss (module docstring).
     If this starts passing, transformers changed: update docs/megatron.md and thdpack/integrations/moe_router.py."""
     padded = build_thd_batch(samples(), pad_multiple=16)
-    kw = padded.to_hf_kwargs(attn_implementation="sdpa")
+    kw = to_hf_kwargs(padded, attn_implementation="sdpa")
     with pytest.raises(RuntimeError, match="must match the size"):
         qwen3_moe(**kw, output_router_logits=True)
     kw.pop("labels")
     logits = qwen3_moe.model(**kw, output_router_logits=True).router_logits
-    want = qwen3_moe(**build_thd_batch(samples()).to_hf_kwargs(), use_cache=False, output_router_logits=True).aux_loss
+    want = qwen3_moe(**to_hf_kwargs(build_thd_batch(samples())), use_cache=False, output_router_logits=True).aux_loss
     torch.testing.assert_close(router_aux_loss(qwen3_moe, logits, padded), want, rtol=1e-5, atol=1e-6)
 
 
@@ -75,7 +76,7 @@ def test_qwen3_5_moe_router_aux_loss_over_real_tokens():
 
     model = packed_model(tiny_hybrid("qwen3_5_moe_text"))
     plain, padded = build_thd_batch(samples()), build_thd_batch(samples(), pad_multiple=8, pad_to=48)
-    kw_plain, kw_padded = (b.to_hf_kwargs(include_labels=False, attn_implementation="sdpa") for b in (plain, padded))
+    kw_plain, kw_padded = (to_hf_kwargs(b, include_labels=False, attn_implementation="sdpa") for b in (plain, padded))
     logits_plain = model.model(**kw_plain, output_router_logits=True).router_logits
     logits_padded = model.model(**kw_padded, output_router_logits=True).router_logits
     module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])

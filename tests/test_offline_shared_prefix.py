@@ -30,6 +30,7 @@ from thdpack.batching.shared_prefix import group_prefixes  # noqa: E402
 from thdpack.losses import sequence_logps  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.stages import BuildStages  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 MIN_PREFIX = 4
 PACK = 160
@@ -147,7 +148,7 @@ def test_sequence_logps_of_shared_packs_equal_the_unshared_build(outputs):
     def logps(batches) -> dict[int, float]:
         out = {}
         for batch in batches:
-            kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+            kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
             with torch.no_grad():
                 values = sequence_logps(model(**kw, use_cache=False).logits[0], batch)[0]
             out.update(zip(batch.sample_index.tolist(), values.tolist()))

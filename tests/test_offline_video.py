@@ -42,6 +42,7 @@ from thdpack.vlm import get_family  # noqa: E402
 from thdpack.offline.vision.video import (  # noqa: E402
     VideoOptions, frame_timestamps, load_video, sample_indices, video_patches, video_rule,
 )
+from thdpack.integrations import to_hf_kwargs
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 VIDEO_OPTS = {"min_pixels": 16, "max_pixels": 256}
@@ -216,7 +217,7 @@ def test_video_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path
         rows = batch.sample_index.tolist()
         seen += rows
         samples = [refs[r] for r in rows]
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch(samples, vlm=get_family(model_cfg)).to_hf_kwargs())
+        assert_same_hf_kwargs(to_hf_kwargs(batch), to_hf_kwargs(build_thd_batch(samples, vlm=get_family(model_cfg))))
         assert_model_equivalent(model, batch, samples)
         assert_mrope_is_transformers(model, family, batch, samples)
     assert sorted(seen) == list(range(len(ROWS)))
@@ -227,7 +228,7 @@ def assert_mrope_is_transformers(model, family: str, batch, samples):
     """Every sample's 3 mRoPE rows in the pack equal the installed transformers'
     ``get_rope_index`` of that sample alone (Qwen2.5-VL: with its fractional
     ``second_per_grid_ts``)."""
-    pos = batch.to_hf_kwargs()["position_ids"]  # [4, 1, T]: text positions, then the 3 mRoPE rows
+    pos = to_hf_kwargs(batch)["position_ids"]  # [4, 1, T]: text positions, then the 3 mRoPE rows
     for i, s in enumerate(samples):
         ids = s["input_ids"].reshape(1, -1)
         kw = {"image_grid_thw": s.get("image_grid_thw"), "video_grid_thw": s.get("video_grid_thw"),
@@ -297,7 +298,7 @@ def test_video_patches_count_in_the_vision_budget_with_images(tmp_path, assets):
     write_rows(path, [ROWS[1]])  # one image and one video
     res = build_packed(cfg(assets, input=str(path), image_dir=str(assets)), tmp_path / "all", progress=False)
     sample = load_packed(res.path).collator()(load_packed(res.path)[0])
-    kw = sample.to_hf_kwargs()
+    kw = to_hf_kwargs(sample)
     total = int(kw["image_grid_thw"].prod(1).sum() + kw["video_grid_thw"].prod(1).sum())
     assert res.metadata["vision"]["vision_patches"] == total and kw["video_grid_thw"].shape[0] == 1
     with pytest.raises(InputError, match=rf"mixed\.jsonl:1: {total} vision patches, more than vision_budget={total - 1}"):
@@ -317,7 +318,7 @@ def test_a_video_over_the_budget_is_rejected_dropped_or_cut_in_frames(tmp_path, 
     assert res.metadata["vision"]["video_patches_cut"] == 1 and res.metadata["vision"]["vision_patches"] == 48
     ds = load_packed(res.path)
     batch = ds.collator()(ds[0])
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     assert kw["video_grid_thw"].tolist() == [[1, 6, 8]]
     assert int((kw["input_ids"] == VID).sum()) == 48 // MERGE**2
     full = reference_samples(assets, "qwen2_vl", [ROWS[0]])[0]["pixel_values_videos"]
@@ -357,7 +358,7 @@ def test_video_shards_merge(tmp_path, assets):
         batch = ds.collator()(ds[k])
         rows = batch.sample_index.tolist()
         seen += rows
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], vlm=get_family(model_cfg)).to_hf_kwargs())
+        assert_same_hf_kwargs(to_hf_kwargs(batch), to_hf_kwargs(build_thd_batch([refs[r] for r in rows], vlm=get_family(model_cfg))))
     assert sorted(seen) == list(range(len(ROWS)))
 
 
@@ -454,7 +455,7 @@ def test_built_video_pixels_follow_the_family_transformers_video_processor(tmp_p
     ds = load_packed(res.path)
     got = {}
     for k in range(len(ds)):
-        kw = ds.collator()(ds[k]).to_hf_kwargs()
+        kw = to_hf_kwargs(ds.collator()(ds[k]))
         pv = kw["pixel_values_videos"].numpy()
         at = 0
         for r, g in zip(ds.collator()(ds[k]).sample_index.tolist(), kw["video_grid_thw"].tolist()):

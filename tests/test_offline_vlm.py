@@ -35,6 +35,7 @@ from thdpack.flops import model_overcount_factor  # noqa: E402
 from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
 from thdpack.offline.errors import ConfigError  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 IGNORE = -100
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -152,7 +153,7 @@ def reference_samples(assets, rows, *, text_rows=False):
 @torch.no_grad()
 def assert_model_equivalent(model, batch, samples):
     """The packed batch's logits equal each sample's logits alone; the loss is the token-weighted mean."""
-    out = model(**batch.to_hf_kwargs(), use_cache=False)
+    out = model(**to_hf_kwargs(batch), use_cache=False)
     ce_sum, n_sum = 0.0, 0
     for i, s in enumerate(samples):
         ids = s["input_ids"].reshape(1, -1)
@@ -201,7 +202,7 @@ def test_packs_from_disk_equal_build_thd_batch_and_feed_the_model(tmp_path, asse
         seen += rows
         samples = [refs[r] for r in rows]
         want = build_thd_batch(samples, vlm=get_family(model_cfg))
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), want.to_hf_kwargs())
+        assert_same_hf_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
         for key in ("mrope_position_ids", "mm_token_type_ids"):
             assert torch.equal(batch.token_extras[key], want.token_extras[key])
         assert torch.equal(batch.extras["vision_cu_seqlens"], want.extras["vision_cu_seqlens"])
@@ -233,11 +234,11 @@ def test_text_rows_cp_shards_and_processor_directory(tmp_path, assets):
         rows_k = ds[k]["sample_index"].tolist()
         samples = [refs[r] for r in rows_k]
         whole = ds.collator(cp_rank=None)(ds[k])
-        assert_same_hf_kwargs(whole.to_hf_kwargs(), build_thd_batch(samples, vlm=get_family(model_cfg), cp_size=2).to_hf_kwargs())
+        assert_same_hf_kwargs(to_hf_kwargs(whole), to_hf_kwargs(build_thd_batch(samples, vlm=get_family(model_cfg), cp_size=2)))
         for r in range(2):  # each CP rank's shard
             got = ds.collator(cp_rank=r)(ds[k])
             want = build_thd_batch(samples, vlm=get_family(model_cfg), cp_size=2, cp_rank=r)
-            assert_same_hf_kwargs(got.to_hf_kwargs(), want.to_hf_kwargs())
+            assert_same_hf_kwargs(to_hf_kwargs(got), to_hf_kwargs(want))
 
 
 def test_metadata_stats_and_byte_identical_rebuild(tmp_path, assets, capsys):
@@ -420,7 +421,7 @@ def test_vlm_shards_merge(tmp_path, assets):
         batch = collate(ds[k])
         rows = batch.sample_index.tolist()
         seen += rows
-        assert_same_hf_kwargs(batch.to_hf_kwargs(), build_thd_batch([refs[r] for r in rows], vlm=get_family(model_cfg)).to_hf_kwargs())
+        assert_same_hf_kwargs(to_hf_kwargs(batch), to_hf_kwargs(build_thd_batch([refs[r] for r in rows], vlm=get_family(model_cfg))))
     assert sorted(seen) == list(range(len(CHAT_ROWS)))
     # a shard of another VLM build does not merge
     other = build_packed(cfg(assets, family="qwen2_vl", shuffle_packs=False), tmp_path / "other", progress=False,

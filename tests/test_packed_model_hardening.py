@@ -24,6 +24,7 @@ from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.integrations import FlopsCallback, packed_model, register_varlen_attention  # noqa: E402
 from thdpack.integrations.megatron_bridge import to_bridge_batch, to_gpt_forward_kwargs  # noqa: E402
 from thdpack.integrations.moe_router import router_aux_loss  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 VOCAB = 128
 ATOL = 1e-4
@@ -127,7 +128,7 @@ def test_a_thdpack_batch_without_its_boundaries_is_exact(attn):
     model = packed_model(fresh_model("llama", attn))
     samples = tokens([5, 2, 7])
     batch = build_thd_batch([{"input_ids": s} for s in samples], pad_multiple=4)
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     logits = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"]).logits[0]
     starts = batch.cu_seqlens_padded.tolist()
     for a, s in zip(starts, samples):
@@ -230,7 +231,7 @@ def test_router_aux_loss_names_what_it_takes(qwen3_moe):
     with pytest.raises(ValueError, match=r"router_logits\[0\] must be \[T, num_experts\] with the model's 8"):
         router_aux_loss(qwen3_moe, (torch.zeros(batch.num_padded_tokens, 5),), batch)
     with pytest.raises(TypeError, match="batch must be the thdpack.ThdBatch .*, got dict"):
-        router_aux_loss(qwen3_moe, (layer,), batch.to_hf_kwargs())
+        router_aux_loss(qwen3_moe, (layer,), to_hf_kwargs(batch))
     with pytest.raises(TypeError, match="model must be a transformers MoE model .*, got NoneType"):
         router_aux_loss(None, (layer,), batch)
     assert torch.isfinite(router_aux_loss(qwen3_moe, [layer, layer], batch))  # a list is taken

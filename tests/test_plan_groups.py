@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from thdpack import SampleError, TokenBudgetBatchSampler, plan_balanced, plan_packs
 from thdpack.planning.options import ALGORITHMS
+from thdpack.integrations import to_hf_kwargs
 
 
 def round_up(x, m):
@@ -342,7 +343,7 @@ def test_policy_gradient_with_groups_over_one_pack_equals_unpacked(reduction):
         assert all(step_groups.count(g) == 3 for g in step_groups)  # whole groups on this rank in this step
         for pack in packs:
             batch = build_thd_batch([rows[i] for i in pack], sample_index=pack, sample_values=["advantage"])
-            logits = model(**batch.to_hf_kwargs(include_labels=False), use_cache=False).logits
+            logits = model(**to_hf_kwargs(batch, include_labels=False), use_cache=False).logits
             policy_gradient_loss(logits, batch, batch.token_values("advantage"), reduction, num_items).backward()
             step_rows += [rows[i] for i in pack]
     spanning = [g for s in samplers for g in set(groups) if sum(g in {groups[i] for i in p} for p in list(s)[:M]) > 1]

@@ -40,6 +40,7 @@ from thdpack import CostModel, build_thd_batch, plan_packs, rebalance, shard_for
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample  # noqa: E402
 from thdpack.losses import sequence_logps  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 IGNORE = -100
 VOCAB = 64
@@ -221,7 +222,7 @@ def model_scenario(rank: int, world: int, model, name: str = "model") -> dict:
     samples, kwargs = scenario(name, rank, world)
     alone = torch.stack([alone_logp(model, s) for s in samples])
     batches, handle = rebalance(samples, **kwargs)
-    logps = [sequence_logps(model(**b.to_hf_kwargs(include_labels=False, attn_implementation="sdpa"),
+    logps = [sequence_logps(model(**to_hf_kwargs(b, include_labels=False, attn_implementation="sdpa"),
                                   use_cache=False).logits, b)[0] for b in batches]
     trees = [b.prefix_tree is not None for b, f in zip(batches, handle.filler) if not f]
     return dict(alone=alone, back=handle.restore(torch.cat(logps)), trees=trees)

@@ -22,6 +22,7 @@ import megatron_env  # tests/megatron_env.py
 
 from thdpack import build_thd_batch, shard_for_cp
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
+from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
 
 transformers = pytest.importorskip("transformers")
 from transformers import DataCollatorWithFlattening  # noqa: E402
@@ -54,7 +55,7 @@ def test_equals_transformers_flattening_collator(lengths, with_labels):
     hf = DataCollatorWithFlattening(return_seq_idx=True, return_flash_attn_kwargs=True)(
         [{k: list(v) for k, v in s.items()} for s in samples])
     batch = build_thd_batch(samples)
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     assert batch.seq_idx.dtype == hf["seq_idx"].dtype == torch.int32
     assert batch.seq_idx.shape == hf["seq_idx"].shape == (1, sum(lengths))
     assert torch.equal(batch.seq_idx, hf["seq_idx"])
@@ -97,7 +98,7 @@ def test_a_cp_shard_gives_the_whole_streams_seq_idx():
     for rank in range(2):
         shard = shard_for_cp(batch, 2, rank)
         assert torch.equal(shard.seq_idx, batch.seq_idx)
-        assert shard.seq_idx.shape[1] == shard.packed_seq_params_dict()["total_tokens"]
+        assert shard.seq_idx.shape[1] == packed_seq_params_dict(shard)["total_tokens"]
 
 
 MEGATRON_CASES = [
@@ -117,7 +118,7 @@ def test_megatron_core_seq_idx_equals_seq_idx(core, lengths, kw):
     given packed_seq_params_dict() (static or not), builds exactly batch.seq_idx."""
     params_class = core.PackedSeqParams
     batch = build_thd_batch(samples_of(lengths), **kw)
-    params = params_class(**batch.packed_seq_params_dict())
+    params = params_class(**packed_seq_params_dict(batch))
     assert params.seq_idx.dtype == torch.int32
     assert torch.equal(params.seq_idx, batch.seq_idx), (lengths, kw)
 

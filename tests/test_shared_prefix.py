@@ -29,6 +29,7 @@ from thdpack import (SampleError, ThdCollator, TokenBudgetBatchSampler, build_th
                      shard_for_cp)
 from thdpack.batching.shared_prefix import group_prefixes
 from thdpack.flops import FlopsAccumulator, tree_seqlen_squared_sum
+from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
 
 
 pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
@@ -279,18 +280,18 @@ def test_bad_arguments_and_fields():
 
 def test_dialects_that_cannot_express_the_tree_refuse():
     batch = build_thd_batch(group_samples([(6, [2, 3])]), share_prefix="group", min_prefix_len=1)
-    for call in (lambda: batch.to_hf_kwargs(include_labels=False),
-                 lambda: batch.to_hf_kwargs(attn_implementation="flash_attention_2", include_labels=False),
-                 lambda: batch.packed_seq_params_dict(), lambda: batch.seq_idx, lambda: shard_for_cp(batch, 2, 0)):
+    for call in (lambda: to_hf_kwargs(batch, include_labels=False),
+                 lambda: to_hf_kwargs(batch, attn_implementation="flash_attention_2", include_labels=False),
+                 lambda: packed_seq_params_dict(batch), lambda: batch.seq_idx, lambda: shard_for_cp(batch, 2, 0)):
         with pytest.raises(ValueError, match="cannot express a shared-prefix batch .* share_prefix=None"):
             call()
     with pytest.raises(ValueError, match="include_labels=True"):
-        batch.to_hf_kwargs(attn_implementation="sdpa")
-    kw = batch.to_hf_kwargs(attn_implementation="sdpa", include_labels=False)
+        to_hf_kwargs(batch, attn_implementation="sdpa")
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     assert kw["attention_mask"].dtype == torch.bool and kw["attention_mask"].shape == (1, 1, 11, 11)
-    kw = batch.to_hf_kwargs(attn_implementation="eager", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="eager", include_labels=False)
     assert kw["attention_mask"].dtype == torch.float32
-    kw = batch.to_hf_kwargs(attn_implementation="flex_attention", include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation="flex_attention", include_labels=False)
     assert kw["attention_mask"].shape == (1, 1, 11, 11)
     moved = batch.to("cpu")
     assert moved.prefix_tree is not batch.prefix_tree and torch.equal(moved.prefix_tree.target_rows,

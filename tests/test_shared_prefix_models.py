@@ -33,6 +33,7 @@ from test_shared_prefix import IGNORE, group_samples  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.losses import (dpo_loss, group_advantages, packed_loss, policy_gradient_loss, sequence_logps,  # noqa: E402
                             token_logps)
+from thdpack.integrations import to_hf_kwargs
 
 
 pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
@@ -72,7 +73,7 @@ def batches(samples, **layout):
 
 def logits_of(model, batch, attn, grad=False):
     with torch.set_grad_enabled(grad):
-        return model(**batch.to_hf_kwargs(attn_implementation=attn, include_labels=False), use_cache=False).logits[0]
+        return model(**to_hf_kwargs(batch, attn_implementation=attn, include_labels=False), use_cache=False).logits[0]
 
 
 def flat_rows(batch) -> torch.Tensor:

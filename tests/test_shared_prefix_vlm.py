@@ -33,6 +33,7 @@ import test_vlm as tv  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.losses import packed_loss, sequence_logps  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 REL = 1e-5
 FAMILY = "qwen2_5_vl"
@@ -182,7 +183,7 @@ def vlm_model(attn: str) -> torch.nn.Module:
 
 
 def logits_of(model, batch, attn: str) -> torch.Tensor:
-    kw = batch.to_hf_kwargs(attn_implementation=attn, include_labels=False)
+    kw = to_hf_kwargs(batch, attn_implementation=attn, include_labels=False)
     return model(**kw, use_cache=False).logits[0]
 
 

@@ -29,6 +29,7 @@ from thdpack.flops import FlopsAccumulator
 from thdpack.losses import packed_loss
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.demo.models import TINY_TEXT
+from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,14 +140,14 @@ def test_compiles_once_over_20_packs_and_equals_eager(models, packs):
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(varlen, backend=counter, dynamic=False, fullgraph=True)
     for i, batch in enumerate(batches):
-        kw = batch.to_hf_kwargs()
+        kw = to_hf_kwargs(batch)
         out = compiled(**kw, use_cache=False)
         assert counter.frame_count == 1, f"pack {i} ({batch.num_samples} samples) compiled again"
         eager = varlen(**kw, use_cache=False)
         torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=1e-12)
         torch.testing.assert_close(out.loss, eager.loss, rtol=0, atol=1e-12)
     shapes = {tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v)
-                    for k, v in sorted(b.to_hf_kwargs().items())) for b in batches}
+                    for k, v in sorted(to_hf_kwargs(b).items())) for b in batches}
     assert len(shapes) == 1, shapes  # one shape: every tensor, and max_length_q/k
 
 
@@ -158,7 +159,7 @@ def test_static_packs_give_each_sample_as_alone(models, packs):
     samples, batches = packs
     chosen = [max(batches, key=lambda b: b.num_samples), min(batches, key=lambda b: b.num_samples)]
     for batch in chosen:
-        kw = batch.to_hf_kwargs()
+        kw = to_hf_kwargs(batch)
         assert kw["cu_seq_lens_q"].shape == (MAX_SEQS + 1,) and kw["max_length_q"] == PACK
         out = varlen(**kw, use_cache=False)
         ce = F.cross_entropy(out.logits[0], batch.labels, ignore_index=batch.ignore_index, reduction="none")
@@ -216,7 +217,7 @@ def test_collator_plans_at_most_max_num_seqs(cap, want):
     assert collator.options.max_samples_per_pack == want
     batches = collator(samples)
     assert max(b.num_samples for b in batches) == want
-    assert {tuple(b.to_hf_kwargs()["cu_seq_lens_q"].shape) for b in batches} == {(4,)}
+    assert {tuple(to_hf_kwargs(b)["cu_seq_lens_q"].shape) for b in batches} == {(4,)}
 
 
 def test_streaming_packer_with_a_static_collator():
@@ -245,7 +246,7 @@ def _assert_same_batch(static, plain) -> None:
             assert torch.equal(getattr(static, name), value), name
     assert static.num_samples == plain.num_samples and static.seqlen_squared_sum == plain.seqlen_squared_sum
     assert _counts(static) == _counts(plain)  # FLOPs from the batch (real lengths)
-    assert _counts(static.to_hf_kwargs()) == _counts(plain.to_hf_kwargs())  # ... and from the model inputs
+    assert _counts(to_hf_kwargs(static)) == _counts(to_hf_kwargs(plain))  # ... and from the model inputs
     logits = torch.randn(static.num_padded_tokens, 16, generator=torch.Generator().manual_seed(0))  # ids < 16
     for reduction in ("token",) if static.is_shard else ("token", "sample"):
         assert torch.equal(packed_loss(logits, static, reduction), packed_loss(logits, plain, reduction))
@@ -269,9 +270,9 @@ def test_max_num_seqs_pads_only_what_kernels_read(lengths, spare, cp_size, pad_m
                                                                      plain.cu_seqlens_padded)):
         assert got.shape == (m + 1,) and got.dtype == torch.int32
         assert got[: n + 1].tolist() == real.tolist() and bool((got[n:] == real[-1]).all())
-    kw = static.to_hf_kwargs()
+    kw = to_hf_kwargs(static)
     assert torch.equal(kw["cu_seq_lens_q"], static.static_cu_seqlens_padded) and kw["max_length_q"] == T
-    params = static.packed_seq_params_dict()
+    params = packed_seq_params_dict(static)
     assert torch.equal(params["cu_seqlens_q"], static.static_cu_seqlens)
     assert torch.equal(params["cu_seqlens_q_padded"], static.static_cu_seqlens_padded)  # always set
     assert params["max_seqlen_q"] == params["max_seqlen_kv"] == params["total_tokens"] == T
@@ -280,7 +281,7 @@ def test_max_num_seqs_pads_only_what_kernels_read(lengths, spare, cp_size, pad_m
                                                               cp_rank=rank))
         for shard in shards:  # whole-batch sharding and the direct shard alike
             _assert_same_batch(shard, shard_for_cp(plain, cp_size, rank))
-            local = shard.to_hf_kwargs()
+            local = to_hf_kwargs(shard)
             assert torch.equal(local["cu_seq_lens_q"], static.static_cu_seqlens_padded // cp_size)
             assert local["max_length_q"] == T // cp_size
 

@@ -39,6 +39,7 @@ from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
 from thdpack.parallel.ulysses import (  # noqa: E402
     check_head_counts, pad_for_ulysses, ulysses_pad_multiple, ulysses_positions)
+from thdpack.integrations import hf_kwargs, to_hf_kwargs
 
 IGNORE = -100
 VOCAB = 128
@@ -136,7 +137,7 @@ def references():
     samples = make_samples(MODEL_LENGTHS, seed=7)
     model, sdpa = tiny_qwen3(ATTN), tiny_qwen3("sdpa")
     whole = build_thd_batch(samples, pad_to=80)
-    _, logits, attn = run_model(model, **whole.to_hf_kwargs(include_labels=False))
+    _, logits, attn = run_model(model, **to_hf_kwargs(whole, include_labels=False))
     alone, ce = [], []
     for s in samples:
         _, out, _ = run_model(sdpa, input_ids=torch.as_tensor(s["input_ids"])[None])
@@ -180,7 +181,7 @@ def _check_adapter(rank: int, world: int, group) -> None:
     mine = build_thd_batch(packs[rank])
     padded = -(-mine.num_padded_tokens // world) * world
     fed = build_thd_batch(packs[rank], pad_to=padded)  # the builder's own tail padding (the adapter does none)
-    item = {"input_ids": fed.input_ids[None], "position_ids": fed.position_ids[None], "labels": fed.hf_labels()[None]}
+    item = {"input_ids": fed.input_ids[None], "position_ids": fed.position_ids[None], "labels": hf_kwargs.hf_labels(fed)[None]}
     adapter = ulysses_sp.UlyssesSPDataLoaderAdapter([item], sp_rank=rank, sp_group=group, sp_world_size=world,
                                                     device="cpu")
     for j, samples in enumerate(packs):
@@ -190,7 +191,7 @@ def _check_adapter(rank: int, world: int, group) -> None:
         assert torch.equal(got["input_ids"][0], ours.input_ids), (j, got["input_ids"], ours.input_ids)
         assert torch.equal(got["position_ids"][0], ours.position_ids), (j, got["position_ids"], ours.position_ids)
         assert torch.equal(got["shift_labels"][0], ours.labels), (j, got["shift_labels"], ours.labels)
-        assert torch.equal(ours.to_hf_kwargs()["shift_labels"][0], ours.labels)
+        assert torch.equal(to_hf_kwargs(ours)["shift_labels"][0], ours.labels)
 
 
 def _check_head_rule(world: int, group) -> None:
@@ -237,7 +238,7 @@ def _check_model(rank: int, world: int, refs: dict) -> None:
     group = mpu.get_sequence_parallel_group()
     shard = ThdCollator(ulysses_sp_size=world, sp_group=group)(refs["samples"])
     assert (shard.shard.sp_size, shard.shard.sp_rank) == (world, rank)
-    out, logits, attn = run_model(model, **shard.to_hf_kwargs())  # labels + shift_labels: HF's loss on them
+    out, logits, attn = run_model(model, **to_hf_kwargs(shard))  # labels + shift_labels: HF's loss on them
     if shard.num_targets:  # HF's loss of the rank (a mean over its targets) is the CE of our targets
         local = F.cross_entropy(logits, shard.labels, ignore_index=IGNORE)
         torch.testing.assert_close(out.loss, local, rtol=1e-6, atol=1e-6)
@@ -303,7 +304,7 @@ def _check_ulysses_ring(rank: int, refs: dict) -> None:
     uattn = ulysses_sp.UlyssesSPAttentionHF(_all_gather_cp_attention(shard, cp_groups[sp_rank]), 1, 4, 16, 2, 2,
                                             sp_groups[cp_rank], seq_length_is_variable=True)
     ALL_ATTENTION_FUNCTIONS[ATTN] = lambda module, q, k, v, mask, *a, **kw: uattn(module, q, k, v, None, *a, **kw)
-    _, logits, attn = run_model(tiny_qwen3(ATTN), **shard.to_hf_kwargs(include_labels=False))
+    _, logits, attn = run_model(tiny_qwen3(ATTN), **to_hf_kwargs(shard, include_labels=False))
     where = torch.cat(_all_gather(shard.shard.partition_indices, None))
     full_logits = torch.empty(int(shard.cu_seqlens_padded[-1]), VOCAB)
     full_attn = torch.empty(int(shard.cu_seqlens_padded[-1]), attn.shape[-1])
@@ -421,7 +422,7 @@ def test_to_hf_kwargs_of_a_shard():
     whole stream attention sees after the all-to-all) and its targets as ``shift_labels``."""
     batch = build_thd_batch([{"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": [6] * 4},
                              {"input_ids": [10, 11, 12, 13, 14]}])  # 14 tokens: sp=4 pads 2
-    kw = shard_for_ulysses(batch, 4, 3).to_hf_kwargs()
+    kw = to_hf_kwargs(shard_for_ulysses(batch, 4, 3))
     assert kw["input_ids"].tolist() == [[13, 14, 0, 0]]
     assert kw["position_ids"].tolist() == [[3, 4, 5, 6]]  # sample 2's last two tokens, then the tail counting on
     assert kw["cu_seq_lens_q"].tolist() == kw["cu_seq_lens_k"].tolist() == [0, 5, 9, 16]
@@ -459,7 +460,7 @@ def test_vlm_shards():
         local = s.token_extras["mm_token_type_ids"]
         assert torch.equal(s.extras["vision_token_positions"], s.shard.partition_indices[local != 0])
         assert torch.equal(s.extras["image_embed_index"], image_row[s.shard.partition_indices][local == 1])
-        kw = s.to_hf_kwargs()
+        kw = to_hf_kwargs(s)
         assert kw["position_ids"].shape == (4, 1, 6) and torch.equal(kw["pixel_values"], ref.extras["pixel_values"])
     assert torch.equal(torch.cat([s.extras["image_embed_index"] for s in shards]), torch.arange(8))
 
@@ -532,7 +533,7 @@ _TREE = build_thd_batch([{"input_ids": [5, 6, 7, 8, i], "group": 0} for i in (1,
      r"num_kv_heads=6 and sp_size=4: one must divide the other"),
     (lambda: shard_for_ulysses(_B, 2, 0, num_heads=6, num_kv_heads=4), ValueError,
      r"num_heads=6 is not a multiple of num_kv_heads=4"),
-    (lambda: shard_for_ulysses(_B.to_hf_kwargs(), 2, 0), TypeError, r"takes a thdpack.ThdBatch .*, got dict"),
+    (lambda: shard_for_ulysses(to_hf_kwargs(_B), 2, 0), TypeError, r"takes a thdpack.ThdBatch .*, got dict"),
     (lambda: shard_for_ulysses(shard_for_ulysses(_B, 2, 0), 2, 0), ValueError,
      r"takes a whole batch, got a shard \(cp_size=1, sp_size=2\)"),
     (lambda: shard_for_ulysses(shard_for_cp(build_thd_batch([{"input_ids": [1] * 4}], cp_size=2), 2, 0), 2, 0),

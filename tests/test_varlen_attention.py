@@ -28,6 +28,7 @@ from thdpack.attention.backends import VARLEN_ATTENTION, attention_kind  # noqa:
 from thdpack.integrations import register_varlen_attention  # noqa: E402
 from thdpack.integrations import varlen_attention as va  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 NAME = register_varlen_attention()
 GRAD_ATOL = 1e-5
@@ -64,7 +65,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def assert_pack_equals_alone(model, reference, batch, samples, run_alone=None):
     """Logits of each sample, the token-mean loss and every parameter gradient of the packed step equal each
     sample alone through ``reference`` (its losses summed over tokens, divided by the pack's target count)."""
-    out = model(**batch.to_hf_kwargs(attn_implementation=NAME))  # the model's own defaults: use_cache as configured
+    out = model(**to_hf_kwargs(batch, attn_implementation=NAME))  # the model's own defaults: use_cache as configured
     out.loss.backward()
     packed_grads = _grads(model)
     targets = int(batch.loss_mask.sum())
@@ -104,7 +105,7 @@ def test_text_models_on_the_pack_equal_each_sample_alone(family, layout):
     samples = _samples(te.MIXED_LENGTHS)
     batch = build_thd_batch(samples, **layout)
     if "max_num_seqs" in layout:  # static offsets: [M+1], zero-length sequences at the end
-        kw = batch.to_hf_kwargs(attn_implementation=NAME)
+        kw = to_hf_kwargs(batch, attn_implementation=NAME)
         assert kw["cu_seq_lens_q"].shape == (17,) and kw["max_length_q"] == 96
     assert_pack_equals_alone(*text_models(family), batch, samples)
 
@@ -241,11 +242,11 @@ def test_what_neither_path_can_do_is_refused_by_name():
     tree = build_thd_batch([{"input_ids": [5, 6, 7, 8], "g": 0}, {"input_ids": [5, 6, 7, 9], "g": 0}],
                            share_prefix="g", min_prefix_len=2)
     with pytest.raises(ValueError, match="thdpack_varlen"):
-        tree.to_hf_kwargs(attn_implementation=NAME)
+        to_hf_kwargs(tree, attn_implementation=NAME)
 
 
 def test_the_name_is_known_without_transformers_registration():
     """A DataLoader worker that never imported transformers still builds the kwargs for the name."""
     assert NAME == VARLEN_ATTENTION and attention_kind(VARLEN_ATTENTION) == "flash"
-    kw = build_thd_batch([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]).to_hf_kwargs(attn_implementation=NAME)
+    kw = to_hf_kwargs(build_thd_batch([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]), attn_implementation=NAME)
     assert "attention_mask" not in kw and kw["cu_seq_lens_q"].tolist() == [0, 3, 5]

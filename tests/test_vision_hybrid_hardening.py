@@ -33,6 +33,7 @@ from thdpack.parallel.hybrid_blocks import block_sizes  # noqa: E402
 from thdpack.planning.hybrid_cp import HybridCPPlan, schedule_cost  # noqa: E402
 from thdpack.vlm import gather_vision_embeddings, plan_vision_split, shard_vision_rows, vision_rank_inputs  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
+from thdpack.integrations import packed_seq_params_dict  # noqa: E402
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, max_examples=40)
 FAMILY = "qwen2_vl"
@@ -266,14 +267,14 @@ def test_plain_data_as_a_process_group_is_a_type_error(group):
     _one_line(TypeError, f"^group {what}", lambda: rebalance_hybrid_cp(samples, 8, group=group))
     batch = _hybrid_shard()
     _one_line(TypeError, f"^cp_group {what} \\(.*\\), a mapping \\{{cp_size: group\\}}",
-              lambda: batch.packed_seq_params_dict(cp_group=group))
+              lambda: packed_seq_params_dict(batch, cp_group=group))
     _one_line(TypeError, f"^cp_group's group of 2 ranks {what}",
-              lambda: batch.packed_seq_params_dict(cp_group={2: group}))
+              lambda: packed_seq_params_dict(batch, cp_group={2: group}))
 
 
 def test_a_group_object_still_passes():
     fake = object()
-    assert _hybrid_shard().packed_seq_params_dict(cp_group=fake)["cp_group"] is fake
+    assert packed_seq_params_dict(_hybrid_shard(), cp_group=fake)["cp_group"] is fake
     one = plan_vision_split({"image_grid_thw": [[1, 2, 4]]}, 1, CONFIG)
     x = torch.randn(2, 3)
     assert torch.equal(gather_vision_embeddings(x, one, None), x)

@@ -49,6 +49,7 @@ from thdpack.flops import model_flops_breakdown, vision_seqlen_stats  # noqa: E4
 from thdpack.vlm import (VisionSplit, get_family, gather_vision_embeddings, plan_vision_split, shard_vision_rows,  # noqa: E402
                          vision_rank_inputs)
 from thdpack.planning.vision_split import VisionCost, balanced_cuts, sample_vision_costs  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -287,7 +288,7 @@ def test_gathered_embeddings_drive_the_model(gloo_results, family):
                 pooler_output=(full[0][part],), deepstack_features=[(f[part],) for f in full[1:]])
         else:
             encoder[kind] = BaseModelOutputWithPooling(pooler_output=(full[0][part],))
-    kw = batch.to_hf_kwargs(include_labels=False)
+    kw = to_hf_kwargs(batch, include_labels=False)
     with torch.no_grad():
         want = model(**kw, use_cache=False).logits
         for key in ("pixel_values", "pixel_values_videos"):

@@ -27,6 +27,7 @@ from thdpack import ThdCollator, build_thd_batch, plan_packs, shard_for_cp  # no
 from thdpack.planning import binpack as _binpack  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
 IGNORE = -100
 VOCAB = 128
@@ -221,7 +222,7 @@ def run_alone(model, sample):
 @torch.no_grad()
 def assert_equivalent(model, batch, samples) -> float:
     """Logits of every sample and the token-weighted loss agree; returns the max logit diff."""
-    out = model(**batch.to_hf_kwargs(), use_cache=False)
+    out = model(**to_hf_kwargs(batch), use_cache=False)
     packed = out.logits[0]
     worst = 0.0
     ce_sum, n_sum = 0.0, 0
@@ -292,7 +293,7 @@ def test_equivalence_detects_wrong_positions(family):
     model = tiny_model(family)
     samples = mixed_samples(family, seed=1)
     batch = build_thd_batch(samples, vlm=get_family(model.config))
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     good = model(**kw, use_cache=False).logits
     bad_rows = dict(kw, position_ids=kw["position_ids"][0:1].expand(4, -1, -1))  # text positions as mRoPE
     one_seq = kw["position_ids"].clone()
@@ -321,7 +322,7 @@ def test_qwen3_5_hybrid_on_cpu(attn):
     for i, sample in enumerate(samples):
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         assert torch.equal(rows[:, a : a + s], reference_rope(model, sample)[0])
-    kw = batch.to_hf_kwargs(attn_implementation=attn)
+    kw = to_hf_kwargs(batch, attn_implementation=attn)
     assert torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded) and torch.equal(kw["seq_idx"], batch.seq_idx)
     with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
         model(**kw)
@@ -353,7 +354,7 @@ def test_to_hf_kwargs_layout():
     model = tiny_model("qwen2_5_vl")
     samples = mixed_samples("qwen2_5_vl")
     batch = build_thd_batch(samples, vlm=get_family(model.config))
-    kw = batch.to_hf_kwargs()
+    kw = to_hf_kwargs(batch)
     T = batch.num_padded_tokens
     assert kw["position_ids"].shape == (4, 1, T)
     assert torch.equal(kw["position_ids"][0, 0], batch.position_ids)
@@ -368,7 +369,7 @@ def test_to_hf_kwargs_layout():
     assert torch.equal(kw["video_grid_thw"], torch.cat([s["video_grid_thw"] for s in samples if "video_grid_thw" in s]))
     assert kw["second_per_grid_ts"].dtype == torch.float32 and kw["second_per_grid_ts"].numel() == 3
     # a text-only LLM batch is unchanged
-    plain = build_thd_batch([{"input_ids": [1, 2, 3]}]).to_hf_kwargs()
+    plain = to_hf_kwargs(build_thd_batch([{"input_ids": [1, 2, 3]}]))
     assert plain["position_ids"].shape == (1, 3) and "mm_token_type_ids" not in plain
 
 
@@ -541,7 +542,7 @@ def test_cp_shards_of_vlm_batch(family):
         assert torch.equal(shard.extras["vision_token_positions"], idx[ltypes != 0])
         assert torch.equal(shard.extras["image_embed_index"], stream[idx][ltypes == 1])
         assert torch.equal(shard.extras["video_embed_index"] + 1000, stream[idx][ltypes == 2])
-        kw = shard.to_hf_kwargs()
+        kw = to_hf_kwargs(shard)
         assert kw["position_ids"].shape == (4, 1, batch.num_padded_tokens // cp)
         assert torch.equal(kw["position_ids"][1:, 0], batch.token_extras["mrope_position_ids"][:, idx])
         assert "vision_token_positions" not in batch.extras  # the whole batch is untouched

@@ -4,7 +4,7 @@ Memory is ``T²`` elements: 1 GiB as bool and 4 GiB as float32 for a 32k-token p
 eager attention also adds it to a ``[1, H, T, T]`` score tensor). Use it for small packs, for
 kernels that take nothing else, or where transformers does not derive the mask from
 ``position_ids`` itself (it does for sdpa / eager when no attention mask and no cache is given,
-see :meth:`thdpack.ThdBatch.to_hf_kwargs`). Prefer FlexAttention's ``BlockMask``
+see :func:`thdpack.integrations.to_hf_kwargs`). Prefer FlexAttention's ``BlockMask``
 (:func:`thdpack.attention.block_mask.document_block_mask`, ``O(T)`` plus a tile table) or
 flash-attn varlen over ``cu_seqlens_padded`` (no mask at all) for long packs.
 """

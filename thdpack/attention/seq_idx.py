@@ -8,7 +8,7 @@ transformers' ``seq_idx`` keyword) where a scan restarts. Two conventions, one v
   ``seq_idx[0, t]`` the index of the sample of token t in the pack (``0..n-1``);
 - megatron-core (>= 0.19): ``PackedSeqParams.__post_init__`` builds the same int32
   ``[1, total_tokens]`` from ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) and
-  ``total_tokens`` (``ThdBatch.packed_seq_params_dict`` sets both).
+  ``total_tokens`` (``thdpack.integrations.megatron_core.packed_seq_params_dict`` sets both).
 
 Pad slots, alignment padding and a ``pad_to`` tail alike, hold the id of the sample whose padded
 span they are in (``cu_seqlens_padded`` decides, as in megatron-core, and as ``position_ids``

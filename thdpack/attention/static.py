@@ -61,7 +61,8 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
 
 
 def static_seq_params(fields: dict, max_num_seqs: int) -> dict:
-    """Megatron-core ``PackedSeqParams`` fields (``ThdBatch.packed_seq_params_dict``) with static shapes.
+    """Megatron-core ``PackedSeqParams`` fields (``thdpack.integrations.megatron_core.packed_seq_params_dict``)
+    with static shapes.
 
     Every offset field becomes int32 ``[max_num_seqs + 1]`` (:func:`pad_cu_seqlens`); the padded
     fields are set even where they equal the real ones (a field that is None for one batch and a

@@ -1,18 +1,17 @@
-"""The packed THD batch, its CP shard (:func:`shard_for_cp`, over the index arithmetic
-of :mod:`thdpack.parallel.cp`) and its conversions to consumer formats."""
+"""The packed THD batch and its CP shard (:func:`shard_for_cp`, over the index arithmetic of
+:mod:`thdpack.parallel.cp`). Consumers' views live with them: :mod:`thdpack.integrations.hf_kwargs`
+(transformers), :mod:`thdpack.integrations.megatron_core` (``PackedSeqParams``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
-from thdpack.attention.static import pad_cu_seqlens, static_seq_params
-from thdpack.attention.backends import attention_kind, dense_mask_dtype
+from thdpack.attention.static import pad_cu_seqlens
 from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, check_block_size
 from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
 from thdpack.attention.documents import documents_of
@@ -21,12 +20,8 @@ from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_
 from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
 from thdpack.parallel.shard import WHOLE, Shard
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
-from thdpack.parallel.groups import GROUP, check_process_group
 from thdpack.common.align import check_bool, check_int
 from thdpack.common.samples import IGNORE_INDEX
-
-# keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
-HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 _warned_no_targets = False  # warn_if_no_targets warns once per process
 
@@ -72,9 +67,9 @@ class ThdBatch:
             mRoPE rows; CP sharding indexes them like ``input_ids``.
         extras: other per-batch data added by later stages.
         max_num_seqs: None, or the fixed number of sequences the kernels see (static shapes,
-            ``BatchLayout.max_num_seqs``): ``to_hf_kwargs`` and ``packed_seq_params_dict`` pad
-            their offsets to ``max_num_seqs + 1`` entries (``static_cu_seqlens``); every field
-            above stays real.
+            ``BatchLayout.max_num_seqs``): :mod:`thdpack.integrations`' ``to_hf_kwargs`` and
+            ``packed_seq_params_dict`` pad their offsets to ``max_num_seqs + 1`` entries (``static_cu_seqlens``);
+            every field above stays real.
         shard: which part of the pack the batch holds (:class:`thdpack.parallel.shard.Shard`): the whole
             stream (:data:`~thdpack.parallel.shard.WHOLE`), or one CP / Ulysses / hybrid-CP rank's shard, with
             its sizes, ranks, local offsets and ``partition_indices``.
@@ -177,7 +172,8 @@ class ThdBatch:
         shared-prefix batch is a ``ValueError``."""
         refuse_tree("padding_mask (each sample's pad slots after its tokens)", self)
         cu = self.cu_seqlens_padded.to(torch.int64)
-        slots = self.shard.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        whole = torch.arange(self.num_padded_tokens, device=cu.device)
+        slots = self.shard.partition_indices if self.is_shard else whole
         slots = slots.to(cu.device)
         doc = documents_of(cu, slots)
         return slots - cu[doc] >= self.seq_lens.to(device=cu.device, dtype=torch.int64)[doc]
@@ -264,7 +260,8 @@ class ThdBatch:
         sample of each local token (the whole stream's ids at ``partition_indices``). On a shared-prefix
         batch: the segment of every slot (:attr:`document_parents` tells which prefix a member sees)."""
         cu = self.cu_seqlens_padded.to(torch.int64)
-        slots = self.shard.partition_indices if self.is_shard else torch.arange(self.num_padded_tokens, device=cu.device)
+        whole = torch.arange(self.num_padded_tokens, device=cu.device)
+        slots = self.shard.partition_indices if self.is_shard else whole
         return documents_of(cu, slots.to(cu.device)).to(torch.int32)
 
     @property
@@ -288,7 +285,7 @@ class ThdBatch:
         On a shared-prefix batch, the tree's mask (:func:`thdpack.attention.tree_mask.tree_block_mask`).
         """
         q_block, kv_block = check_block_size(block_size)
-        cu = self._whole_stream_offsets("block_mask()", device)
+        cu = whole_stream_offsets(self, "block_mask()", device)
         if self.prefix_tree is not None:
             lens, parents = self._tree_segments(cu.device)
             return build_tree_block_mask(cu, lens, parents, self.num_padded_tokens, q_block, kv_block)
@@ -301,7 +298,7 @@ class ThdBatch:
         or flash-attn varlen for long ones (:mod:`thdpack.attention.dense_mask`). On a shared-prefix
         batch, the tree's mask (:func:`thdpack.attention.tree_mask.dense_tree_mask`)."""
         check_mask_dtype(dtype)
-        cu = self._whole_stream_offsets("attention_mask_4d()", device)
+        cu = whole_stream_offsets(self, "attention_mask_4d()", device)
         if self.prefix_tree is not None:
             return build_dense_tree_mask(cu, *self._tree_segments(cu.device), self.num_padded_tokens, dtype)
         return build_dense_mask(cu, self.num_padded_tokens, dtype)
@@ -310,193 +307,20 @@ class ThdBatch:
         """int64 ``[S]`` real lengths and parents of the segments, on ``device``."""
         return self.seq_lens.to(device, torch.int64), self.prefix_tree.parents.to(device, torch.int64)
 
-    def _whole_stream_offsets(self, what: str, device) -> torch.Tensor:
-        """int64 ``cu_seqlens_padded`` on ``device`` (default: the batch's); ``ValueError`` on a shard."""
-        if self.is_shard:
-            sh = self.shard
-            kind = f"Ulysses shard (sp_size={sh.sp_size}" if sh.sp_size > 1 else f"CP shard (cp_size={sh.cp_size}"
-            rank = sh.sp_rank if sh.sp_size > 1 else sh.cp_rank
-            raise ValueError(f"{what} is for a whole batch, and this is a {kind}, rank {rank}): masks span "
-                             "the whole stream; build them on the batch before sharding, or attend across ranks "
-                             "with a CP attention (ring / all-gather) over the flash kwargs")
-        cu = self.cu_seqlens_padded.to(torch.int64)
-        return cu if device is None else cu.to(device)
 
-    # ---- consumers -------------------------------------------------------
-    def hf_labels(self) -> torch.Tensor:
-        """int64 ``[T]`` labels for a transformers causal LM, whose loss shifts by one:
-        ``hf_labels[t + 1] == labels[t]``, so the model scores exactly the targets. Not for a
-        shared-prefix batch (a prefix's last row has several targets): use :mod:`thdpack.losses`."""
-        if self.prefix_tree is not None:
-            raise ValueError("hf_labels() / to_hf_kwargs(include_labels=True) cannot score a shared-prefix batch (a "
-                             "prefix's last row predicts every member's first token): pass include_labels=False and "
-                             "compute the loss with thdpack.losses (packed_loss, sequence_logps, dpo_loss, ...)")
-        out = torch.full_like(self.labels, self.ignore_index)
-        out[1:] = self.labels[:-1]
-        return out
 
-    def to_hf_kwargs(self, *, include_labels: bool = True, attn_implementation: str | None = None) -> dict:
-        """Keyword arguments for ``model(**kw)`` of a transformers causal LM, exact on the pack whatever the
-        model's ``use_cache`` default and whatever its layer types (docs/hybrid.md).
-
-        Tensors get a batch axis of 1. Every backend gets the boundaries of every layer type:
-
-        - ``position_ids`` int64 ``[1, T]`` (rotary positions; restart at 0 per sample);
-        - ``cu_seq_lens_q/k`` int32 ``[n+1]`` (the padded layout) and ``max_length_q/k``: flash-attention varlen
-          kernels, and the Gated DeltaNet / Mamba-2 scans of hybrid models (transformers passes
-          ``cu_seq_lens_q`` to them as ``cu_seqlens``);
-        - ``seq_idx`` int32 ``[1, T]`` (:attr:`seq_idx`): the short causal convolutions of those layers, as
-          transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` gives it.
-
-        ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention mask
-        (:mod:`thdpack.attention.backends`): None, flash names, hub kernels and custom names registered without
-        a mask function get none (varlen kernels read the offsets); ``"flex_attention"`` gets ``attention_mask``
-        = :meth:`block_mask`; ``"sdpa"`` a bool and ``"eager"`` a float32 additive ``[1, 1, T, T]``
-        :meth:`attention_mask_4d` (``T²``: for small packs, as transformers' own packed sdpa mask). A 4D mask is
-        used as it is, cache or not, so ``use_cache=False`` is no longer needed. Attention layers ignore the
-        keys they do not read. Models with sliding-window layers: call
-        :func:`thdpack.integrations.packed_model` first (a whole-stream mask has no window).
-
-        Hybrid models without their kernels, static shapes, CP shards, VLM and shared-prefix batches:
-        docs/attention.md, "to_hf_kwargs: hybrid models, static shapes, CP shards, VLM and shared-prefix
-        batches".
-        """
-        include_labels = check_bool(include_labels, "include_labels")
-        kind = attention_kind(attn_implementation)
-        if kind == "flash":
-            refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", self)
-        if kind != "flash" and self.is_shard:
-            self._whole_stream_offsets("to_hf_kwargs() for flex_attention / sdpa / eager", None)
-        cu = self.cu_seqlens_padded if not self.is_shard else self.shard.local_cu_seqlens_padded
-        max_len = self.max_seqlen if not self.is_shard else self.max_seqlen // self.shard.cp_size
-        seq_idx = seq_idx_from_cu_seqlens(cu)
-        if self.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
-            cu, max_len = pad_cu_seqlens(cu, self.max_num_seqs), self.static_max_seqlen // self.shard.cp_size
-        kw = {
-            "input_ids": self.input_ids.unsqueeze(0),
-            "position_ids": self.position_ids.unsqueeze(0),
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": max_len,
-            "max_length_k": max_len,
-            "seq_idx": seq_idx,
-        }
-        if kind == "flex":
-            kw["attention_mask"] = self.block_mask()
-        elif kind == "dense":
-            kw["attention_mask"] = self.attention_mask_4d(dense_mask_dtype(attn_implementation))
-        return self._hf_vision_and_labels(kw, include_labels)
-
-    def _hf_vision_and_labels(self, kw: dict, include_labels: bool) -> dict:
-        """``kw`` with a VLM's mRoPE rows, token types and vision inputs, and the labels (see :meth:`to_hf_kwargs`)."""
-        mrope = self.token_extras.get("mrope_position_ids")
-        if mrope is not None:  # VLM batch (thdpack.vlm)
-            kw["position_ids"] = torch.cat([self.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
-            kw["mm_token_type_ids"] = self.token_extras["mm_token_type_ids"].unsqueeze(0)
-            kw.update({k: self.extras[k] for k in HF_VISION_KEYS if self.extras.get(k) is not None})
-        if include_labels:
-            if self.is_shard:
-                kw["labels"] = self.labels.unsqueeze(0)
-                kw["shift_labels"] = self.labels.unsqueeze(0)
-            else:
-                kw["labels"] = self.hf_labels().unsqueeze(0)
-        return kw
-
-    def packed_seq_params_dict(self, cp_group=None) -> dict:
-        """Megatron-core ``PackedSeqParams`` fields as a dict (global metadata, also on
-        a CP shard: TransformerEngine derives the per-rank layout itself).
-
-        ``total_tokens`` (int) is the global stream length ``cu_seqlens_padded[-1]``, on a CP
-        shard too: megatron-core (>= 0.19) builds ``seq_idx`` int32 ``[1, total_tokens]`` from it
-        and ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``; sample i's slots hold i), which its
-        Mamba mixer scans by; Mamba's context parallelism exchanges sequence shards for head
-        shards before the scan, so the scan sees the whole stream. Without it ``seq_idx`` stays
-        None and the mixer scans the pack as one sequence.
-
-        ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` are ``cu_seqlens_padded`` (int32
-        ``[n+1]``) when the batch has an alignment multiple (``pad_multiple > 1``: CP, FP8, ...) or
-        some sample is padded (``pad_to``), and None otherwise, when the padded and real layouts are
-        equal: as Megatron-Bridge leaves them (it sets them whenever ``pad_seq_to_mult > 1``), since
-        TransformerEngine picks a slower kernel when they are set. With an alignment they stay set
-        even when every length is already a multiple: megatron-core's CP paths hand
-        ``cu_seqlens_q_padded`` to TransformerEngine's partitioning unconditionally. Megatron-core
-        reads ``cu_seqlens_q`` where they are None (``seq_idx`` included), so the layout is the same
-        either way.
-
-        With ``max_num_seqs`` (static shapes): every offset field int32 ``[max_num_seqs + 1]``, the
-        padded ones always set, ``max_seqlen_q/kv`` = ``total_tokens``
-        (:func:`thdpack.attention.static.static_seq_params`); megatron-core's ``seq_idx`` is unchanged.
-        A shared-prefix batch is a ``ValueError`` (varlen kernels cannot express its tree).
-
-        A hybrid-CP batch adds ``local_cp_size`` and ``cp_group``: docs/megatron.md, "packed_seq_params_dict:
-        a hybrid-CP batch (local_cp_size, cp_group)".
-        """
-        refuse_tree("packed_seq_params_dict() (varlen cu_seqlens: TE THD, megatron-core)", self)
-        hybrid = self._hybrid_cp_fields(cp_group)
-        unpadded = self.pad_multiple == 1 and torch.equal(self.cu_seqlens_padded, self.cu_seqlens)
-        padded = None if unpadded else self.cu_seqlens_padded
-        fields = {
-            "qkv_format": "thd",
-            "cu_seqlens_q": self.cu_seqlens,
-            "cu_seqlens_kv": self.cu_seqlens,
-            "cu_seqlens_q_padded": padded,
-            "cu_seqlens_kv_padded": padded,
-            "max_seqlen_q": self.max_seqlen,
-            "max_seqlen_kv": self.max_seqlen,
-            "total_tokens": int(self.cu_seqlens_padded[-1]),
-        }
-        fields = fields if self.max_num_seqs is None else static_seq_params(fields, self.max_num_seqs)
-        return {**fields, **hybrid}
-
-    def _hybrid_cp_fields(self, cp_group) -> dict:
-        """``{}`` for a batch that is not hybrid-CP; else ``local_cp_size`` and ``cp_group`` (see
-        :meth:`packed_seq_params_dict`)."""
-        if not isinstance(cp_group, Mapping) and not callable(cp_group):
-            check_process_group(cp_group, "cp_group", f"{GROUP}, a mapping {{cp_size: group}}, a function of "
-                                "group_size or None")
-        if self.shard.block_start is None:
-            if cp_group is not None:
-                raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "
-                                 f"(cp_size={self.shard.cp_size}): static CP runs on megatron-core's own CP group")
-            return {}
-        k = self.shard.cp_size
-        if k == 1:
-            return {"local_cp_size": 1, "cp_group": None}
-        group = cp_group
-        if isinstance(cp_group, Mapping):
-            group = cp_group.get(k)
-        elif callable(cp_group):
-            group = cp_group(group_size=k)
-        check_process_group(group, f"cp_group's group of {k} ranks")
-        where = f"position {self.shard.cp_rank} of the block of {k} ranks at {self.shard.block_start}"
-        if group is None:
-            raise ValueError(f"this hybrid-CP batch runs on {where}: pass that block's process group as cp_group= "
-                             "(thdpack.parallel.hybrid_blocks.hybrid_cp_groups(), or megatron-core's "
-                             "parallel_state.get_hybrid_data_context_parallel_groups)")
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
-            if (size, rank) != (k, self.shard.cp_rank):
-                raise ValueError(f"cp_group has {size} ranks and this process is its rank {rank}; this batch is "
-                                 f"{where}: give the group of this block")
-        return {"local_cp_size": k, "cp_group": group}
-
-    def to_packed_seq_params(self, cp_group=None):
-        """Megatron-core's ``PackedSeqParams`` when ``megatron.core`` is importable,
-        else a dict with the same field names (see :meth:`packed_seq_params_dict`).
-        Fields the installed ``PackedSeqParams`` lacks are left out (``total_tokens`` came in
-        megatron-core 0.19; 0.16.x, the newest for Python 3.11, has none). The padded fields are
-        None when the batch has no alignment multiple and no sample is padded. A hybrid-CP batch adds
-        ``local_cp_size`` and ``cp_group`` (``cp_group=``: see :meth:`packed_seq_params_dict`)."""
-        refuse_tree("megatron-core PackedSeqParams (varlen cu_seqlens)", self)
-        fields = self.packed_seq_params_dict(cp_group)
-        try:
-            from megatron.core.packed_seq_params import PackedSeqParams
-        except ImportError:
-            return fields
-        known = {f.name for f in dataclasses.fields(PackedSeqParams)}
-        return PackedSeqParams(**{k: v for k, v in fields.items() if k in known})
+def whole_stream_offsets(batch: ThdBatch, what: str, device=None) -> torch.Tensor:
+    """int64 ``cu_seqlens_padded`` of ``batch`` on ``device`` (default: the batch's); ``ValueError`` naming
+    ``what`` on a shard (a whole-stream mask cannot be built from one rank's tokens)."""
+    if batch.is_shard:
+        sh = batch.shard
+        kind = f"Ulysses shard (sp_size={sh.sp_size}" if sh.sp_size > 1 else f"CP shard (cp_size={sh.cp_size}"
+        rank = sh.sp_rank if sh.sp_size > 1 else sh.cp_rank
+        raise ValueError(f"{what} is for a whole batch, and this is a {kind}, rank {rank}): masks span "
+                         "the whole stream; build them on the batch before sharding, or attend across ranks "
+                         "with a CP attention (ring / all-gather) over the flash kwargs")
+    cu = batch.cu_seqlens_padded.to(torch.int64)
+    return cu if device is None else cu.to(device)
 
 
 def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
@@ -527,8 +351,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
         raise ValueError(f"batch is a hybrid-CP batch (one rank's, at position {have.block_start}): its plan "
                          "decided its CP size; build the block's shards with thdpack.hybrid_cp_shards")
     if have.sp_size != 1:
-        raise ValueError(f"batch is a Ulysses shard (sp_size={have.sp_size}, rank {have.sp_rank}); for Ulysses x ring "
-                         "shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, cp_rank=)")
+        raise ValueError(f"batch is a Ulysses shard (sp_size={have.sp_size}, rank {have.sp_rank}); for Ulysses x "
+                         "ring shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, "
+                         "cp_rank=)")
     index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
     shard = dataclasses.replace(
         batch,
@@ -537,9 +362,9 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
         loss_mask=batch.loss_mask[index],
         position_ids=batch.position_ids[index],
         token_extras={k: v[..., index] for k, v in batch.token_extras.items()},
-        shard=Shard("cp", cp_size, cp_rank, local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
-                    local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank),
-                    partition_indices=index),
+        shard=Shard("cp", cp_size, cp_rank, partition_indices=index,
+                    local_cu_seqlens_padded=(batch.cu_seqlens_padded // cp_size).to(torch.int32),
+                    local_seq_lens=local_seq_lens(batch.seq_lens, batch.cu_seqlens_padded, cp_size, cp_rank)),
     )
     if "mm_token_type_ids" in batch.token_extras:  # VLM: global positions of this rank's vision tokens
         shard.extras = {**batch.extras, **vision_shard_extras(batch.token_extras["mm_token_type_ids"], index)}

@@ -2,9 +2,9 @@
 :class:`~thdpack.ThdBatch` of the micro-batch's samples, built for its block's CP size ``k``: the rank's
 dual-chunk shard when ``k > 1`` (chunks ``j`` and ``2k − 1 − j`` of every sample, ``j`` the rank's position
 in the block, as :func:`thdpack.shard_for_cp` with ``cp_size = k``), the whole micro-batch when ``k = 1``.
-Every batch's ``shard`` has layout ``"hybrid-cp"`` and its ``block_start``, so its
-``to_packed_seq_params(cp_group=...)`` gives megatron-core's ``local_cp_size`` and the block's ``cp_group``;
-``padding_mask`` its pad slots.
+Every batch's ``shard`` has layout ``"hybrid-cp"`` and its ``block_start``, so
+``thdpack.integrations.to_packed_seq_params(batch, cp_group=...)`` gives megatron-core's ``local_cp_size`` and
+the block's ``cp_group``; ``padding_mask`` its pad slots.
 """
 
 from __future__ import annotations

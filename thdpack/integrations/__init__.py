@@ -9,9 +9,13 @@ imports none of them.
   kernel as a transformers attention backend (an exact per-sample reference on the CPU).
 - :mod:`thdpack.integrations.hybrid`: :func:`packed_model`, which makes a transformers model (hybrids
   with linear-attention, SSM and short-convolution layers included) exact on packs on any machine.
+- :mod:`thdpack.integrations.hf_kwargs`: :func:`to_hf_kwargs`, a batch as a transformers model's keywords.
+- :mod:`thdpack.integrations.megatron_core`: :func:`to_packed_seq_params` (and ``packed_seq_params_dict``),
+  a batch as megatron-core's ``PackedSeqParams``.
 """
 
-__all__ = ["FlopsCallback", "hf_collator", "packed_model", "register_varlen_attention"]
+__all__ = ["FlopsCallback", "hf_collator", "packed_model", "register_varlen_attention", "to_hf_kwargs",
+           "to_packed_seq_params", "packed_seq_params_dict"]
 
 
 def __getattr__(name):
@@ -19,6 +23,14 @@ def __getattr__(name):
         from thdpack.integrations.varlen_attention import register_varlen_attention
 
         return register_varlen_attention
+    if name == "to_hf_kwargs":
+        from thdpack.integrations.hf_kwargs import to_hf_kwargs
+
+        return to_hf_kwargs
+    if name in ("to_packed_seq_params", "packed_seq_params_dict"):
+        from thdpack.integrations import megatron_core
+
+        return getattr(megatron_core, name)
     if name == "packed_model":
         from thdpack.integrations.hybrid import packed_model
 

@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from thdpack.common.align import check_bool
 from thdpack.flops import FlopsMeter, flops_coefficients, throughput
+from thdpack.integrations.hf_kwargs import to_hf_kwargs
 
 __all__ = ["FlopsCallback", "hf_collator"]
 
@@ -39,7 +40,7 @@ __all__ = ["FlopsCallback", "hf_collator"]
 def hf_collator(collator, model=None):
     """Wrap a thdpack collator (:class:`thdpack.ThdCollator`) into a ``data_collator``
     for ``transformers.Trainer``: each :class:`thdpack.ThdBatch` becomes
-    ``batch.to_hf_kwargs()`` (a dict with a batch axis of 1).
+    ``to_hf_kwargs(batch)`` (a dict with a batch axis of 1).
 
     With ``model`` (the model the trainer trains), the batches carry the attention inputs of its
     ``config._attn_implementation`` (the mask for sdpa / eager / flex), and the model is made exact on packs
@@ -55,7 +56,7 @@ def hf_collator(collator, model=None):
         attn = getattr(model.config, "_attn_implementation", None)
 
     def collate(samples):
-        return collator(samples).to_hf_kwargs(attn_implementation=attn)
+        return to_hf_kwargs(collator(samples), attn_implementation=attn)
 
     return collate
 

@@ -29,6 +29,7 @@ import torch
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.common.align import check_int
+from thdpack.integrations.megatron_core import packed_seq_params_dict, to_packed_seq_params
 
 # the vision inputs of a VLM batch (ThdBatch.extras / token_extras) that Bridge's models take
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -67,7 +68,7 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     int64 ``[1, T]``, ``attention_mask`` None, ``cu_seqlens_q`` / ``cu_seqlens_kv`` int32
     ``[1, n+1]`` (real lengths), ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` int32
     ``[1, n+1]`` (the layout; None when no sample is padded, as in
-    :meth:`~thdpack.ThdBatch.packed_seq_params_dict`: TransformerEngine picks a slower kernel
+    :func:`~thdpack.integrations.megatron_core.packed_seq_params_dict`: TransformerEngine picks a slower kernel
     when they are set), ``max_seqlen_q`` / ``max_seqlen_kv`` int32 ``[1, 1]``; for a VLM
     batch also ``visual_inputs`` (pixel values, grids, ``mm_token_type_ids`` ``[1, T]``). A batch built
     with ``max_num_seqs=M`` gives ``[1, M+1]`` offsets (the last value repeated) and the stream length as
@@ -76,10 +77,10 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
     _check_args("to_bridge_batch", batch, ignore_label)
     if batch.is_shard:
         raise ValueError(
-            f"to_bridge_batch: got CP rank {batch.shard.cp_rank}'s shard of a pack; Megatron-Bridge's training steps shard "
-            "packed batches themselves: collate the whole pack (ThdCollator without cp_rank) for them"
+            f"to_bridge_batch: got CP rank {batch.shard.cp_rank}'s shard of a pack; Megatron-Bridge's training steps "
+            "shard packed batches themselves: collate the whole pack (ThdCollator without cp_rank) for them"
         )
-    fields = batch.packed_seq_params_dict()  # the static offsets under max_num_seqs (thdpack.attention.static)
+    fields = packed_seq_params_dict(batch)  # the static offsets under max_num_seqs (thdpack.attention.static)
     max_seqlen = torch.tensor([[fields["max_seqlen_q"]]], dtype=torch.int32)
     layout = fields["cu_seqlens_q_padded"]  # None when no sample is padded
     out = {
@@ -110,8 +111,8 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
 
     Returns a dict: ``input_ids``, ``position_ids``, ``labels`` (target labels, ``ignore_label`` where nothing
     is scored) int64 ``[1, T]``; ``loss_mask`` float32 ``[1, T]``; ``attention_mask`` None;
-    ``packed_seq_params`` (:meth:`thdpack.ThdBatch.to_packed_seq_params`, with ``local_cp_size`` and the block's
-    ``cp_group`` on a hybrid-CP batch: ``cp_group=`` as there); and ``padding_mask`` bool ``[1, T]``
+    ``packed_seq_params`` (:func:`thdpack.integrations.megatron_core.to_packed_seq_params`, with ``local_cp_size``
+    and the block's ``cp_group`` on a hybrid-CP batch: ``cp_group=`` as there); and ``padding_mask`` bool ``[1, T]``
     (:attr:`thdpack.ThdBatch.padding_mask`, True on pad slots), which megatron-core's MoE layers use to keep
     pad slots out of the routers' aux and z losses, token counts and expert-bias updates. ``T`` is the local
     length on a shard."""
@@ -122,7 +123,7 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
         "attention_mask": None,
         "labels": torch.where(batch.loss_mask, batch.labels, ignore_label).long().unsqueeze(0),
         "loss_mask": batch.loss_mask.float().unsqueeze(0),
-        "packed_seq_params": batch.to_packed_seq_params(cp_group=cp_group),
+        "packed_seq_params": to_packed_seq_params(batch, cp_group=cp_group),
         "padding_mask": batch.padding_mask.unsqueeze(0),
     }
 

@@ -5,7 +5,7 @@ What transformers does with the pad slots of a packed batch (5.x; ``load_balanci
 family's modeling file, called by ``*ForCausalLM.forward`` when ``output_router_logits=True``, with the
 ``attention_mask`` the model was called with):
 
-- without an ``attention_mask`` (flash-attention kwargs, ``ThdBatch.to_hf_kwargs()``): the loss averages the
+- without an ``attention_mask`` (flash-attention kwargs, ``to_hf_kwargs(ThdBatch)``): the loss averages the
   routing fractions and probabilities over *every* slot, so alignment pad slots and a ``pad_to`` tail count as
   tokens: the loss is that of a batch with extra tokens of the pad id;
 - with thdpack's document masks (``to_hf_kwargs(attn_implementation="sdpa" | "eager" | "flex_attention")``,

@@ -4,7 +4,7 @@ nothing to compile and no ``flash-attn`` build.
 :func:`register_varlen_attention` registers :data:`VARLEN_ATTENTION` in transformers' ``AttentionInterface``
 (with transformers' flash mask function, so no ``[T, T]`` mask is ever built) and returns the name to pass as
 ``attn_implementation``. The attention function reads the offsets every packed batch carries
-(``ThdBatch.to_hf_kwargs()``: ``cu_seq_lens_q/k`` int32 ``[n+1]``, ``max_length_q/k``) and
+(``to_hf_kwargs(ThdBatch)``: ``cu_seq_lens_q/k`` int32 ``[n+1]``, ``max_length_q/k``) and
 
 - on CUDA in float16 / bfloat16 calls ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10): causal or not,
   sliding windows, GQA, the module's softmax scale, static offsets (zero-length sequences at the end); torch
@@ -32,7 +32,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 def register_varlen_attention() -> str:
     """Register :data:`VARLEN_ATTENTION` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
     (idempotent) and return the name, for ``from_pretrained(..., attn_implementation=name)`` /
-    ``model.set_attn_implementation(name)`` and ``batch.to_hf_kwargs(attn_implementation=name)``."""
+    ``model.set_attn_implementation(name)`` and ``to_hf_kwargs(batch, attn_implementation=name)``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -63,7 +63,8 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                          f"has none), got dropout={dropout}: set the config's attention_dropout to 0")
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r} reads sample boundaries from cu_seq_lens_q/k, "
-                         "not an attention_mask: pass a packed batch (ThdBatch.to_hf_kwargs) without padding")
+                         "not an attention_mask: pass a packed batch (thdpack.integrations.to_hf_kwargs) without "
+                         "padding")
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     b, h, s, d = query.shape

@@ -63,7 +63,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     packs::
 
         batches, handle = thdpack.rebalance(rollouts, 8192, groups=prompt_ids, micro_batches=4)
-        logps = torch.cat([sequence_logps(model(**b.to_hf_kwargs()).logits, b)[0] for b in batches])
+        logps = torch.cat([sequence_logps(model(**to_hf_kwargs(b)).logits, b)[0] for b in batches])
         mine = handle.restore(logps.detach())   # [len(rollouts)], in the order of rollouts
 
     Args:

@@ -76,7 +76,7 @@ def hybrid_cp_groups(dp_cp_ranks=None) -> dict:
     Returns:
         ``{k: ProcessGroup}`` for every block size ``k >= 2`` of the caller's data-parallel × CP group: the
         group of the aligned block of ``k`` that holds the caller (for ``k = R`` the whole data-parallel ×
-        CP group). Pass it as ``ThdBatch.to_packed_seq_params(cp_group=groups)``; megatron-core's own
+        CP group). Pass it as ``thdpack.integrations.to_packed_seq_params(batch, cp_group=groups)``; megatron-core's own
         ``get_hybrid_data_context_parallel_groups`` is the same groups, made by ``initialize_model_parallel
         (hybrid_context_parallel=True)``.
     """

@@ -267,7 +267,7 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         ``"ulysses"``) holds ``sp_size`` / ``sp_rank``, ``cp_size`` / ``cp_rank``; ``local_cu_seqlens_padded``
         (int32 ``[n+1]``) and ``local_seq_lens`` (int32 ``[n]``) describe what attention sees after the
         all-to-all (the whole padded stream, or the CP rank's shard of it: ``cu_seqlens_padded //
-        cp``), which :meth:`ThdBatch.to_hf_kwargs` passes as ``cu_seq_lens_q/k``, with the targets
+        cp``), which :func:`thdpack.integrations.to_hf_kwargs` passes as ``cu_seq_lens_q/k``, with the targets
         as ``shift_labels``; ``partition_indices`` (int64 ``[L]``) are the tokens' positions in the
         padded stream. A VLM batch's shard also gets :func:`thdpack.parallel.cp.vision_shard_extras`.
         Without CP and away from the tail, the per-token tensors are views of the batch's (no copy,

@@ -5,7 +5,7 @@ Linear-attention, SSM and short-convolution layers keep packed samples apart onl
 is missing, transformers refuses the boundaries (>= 5.25) or, in older versions, drops some of them
 silently. :func:`packed_model` wraps each such layer (the instance's ``forward``; no model source is edited
 and no global state changes) so that, when the call carries sample boundaries (``cu_seq_lens_q`` /
-``seq_idx``, as :meth:`thdpack.ThdBatch.to_hf_kwargs` gives them), the layer runs on each sample's span
+``seq_idx``, as :func:`thdpack.integrations.to_hf_kwargs` gives them), the layer runs on each sample's span
 alone (the reference path: the model's own PyTorch code on exactly what the sample alone would see) and
 the outputs are concatenated. Where every kernel the layer needs is present and runs on the inputs' device,
 and transformers is a version checked to pass them the boundaries (:data:`NATIVE_SINCE`), the layer is
@@ -59,7 +59,7 @@ class _PackedState:
 
 
 def packed_model(model):
-    """Make a transformers model exact on packed batches (:meth:`thdpack.ThdBatch.to_hf_kwargs`) on any
+    """Make a transformers model exact on packed batches (:func:`thdpack.integrations.to_hf_kwargs`) on any
     machine, and return it. Idempotent.
 
     - every model: a packed call (``cu_seq_lens_q`` / ``seq_idx``) without an ``attention_mask`` gets the
@@ -158,13 +158,13 @@ def _without_boundaries(model, state: _PackedState, args, kwargs):
         raise ValueError(
             f"{name}: position_ids restart inside the row (a packed batch) but the call "
             "carries no seq_idx / cu_seq_lens_q, so its linear-attention / SSM / convolution layers would "
-            "scan the pack as one sequence; pass batch.to_hf_kwargs() (thdpack) or "
+            "scan the pack as one sequence; pass to_hf_kwargs(batch) (thdpack) or "
             "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)")
     if padding is not None and not bool(padding.all()):
         raise ValueError(
             f"{name}: position_ids restart between attended tokens of a row (packed samples) and attention_mask "
             "is a [B, S] padding mask with pad slots, with which transformers attends across the samples; pass "
-            "a packed batch's boundaries (thdpack: batch.to_hf_kwargs()) and no padding mask")
+            "a packed batch's boundaries (thdpack: to_hf_kwargs(batch)) and no padding mask")
     return _pack_from_restarts(model, args, kwargs, rows)
 
 
@@ -195,7 +195,7 @@ def _pack_from_restarts(model, args, kwargs, rows: torch.Tensor):
     why = f"{rows.shape[0]} rows" if kind == "flash" else f"attn_implementation={implementation!r}"
     raise ValueError(f"{name}: position_ids restart inside a row (packed samples) and the call carries no "
                      f"boundaries; with {why} thdpack cannot keep the samples apart from the positions alone: "
-                     "pass one packed row with its boundaries (thdpack: batch.to_hf_kwargs())")
+                     "pass one packed row with its boundaries (thdpack: to_hf_kwargs(batch))")
 
 
 def _offsets_from_restarts(row: torch.Tensor) -> dict:
@@ -294,7 +294,7 @@ def spans_of(cu, seq_idx) -> list[tuple[int, int]]:
             want = document_ids(ends, device=ids.device).long() if spans else ids[:0].long()
             if ids.numel() != offsets[-1] or not torch.equal(_dense_rank(ids), want):
                 raise ValueError(f"seq_idx (length {ids.numel()}) does not give the samples of cu_seq_lens_q "
-                                 f"(stream length {offsets[-1]}): pass both from the same batch.to_hf_kwargs()")
+                                 f"(stream length {offsets[-1]}): pass both from the same to_hf_kwargs(batch)")
         return spans
     ids = torch.as_tensor(seq_idx).reshape(-1)
     if ids.numel() == 0:
