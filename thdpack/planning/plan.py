@@ -148,42 +148,26 @@ def plan_packs(
     """Plan packs of at most ``pack_size`` tokens from sample lengths:
     ``plan_packs(lengths, 4096, align=8, overflow="truncate")``.
 
-    Args:
+    Args (in full: docs/loaders.md, "plan_packs: arguments"):
         lengths: ``[n]`` integer token counts, each >= 1.
         pack_size, **plan_keywords: the fields of :class:`thdpack.planning.options.PlanOptions`
-            (``pack_size``; ``algorithm="bfd"``, ``align=1``, ``overflow="error"``,
-            ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``; each documented
-            there). ``algorithm``: ``"bfd"`` best-fit decreasing over the whole input
-            (global, not windowed), ``"ffd"`` first-fit decreasing, ``"first_fit_shuffle"``
-            (first fit in an order randomised by ``seed``, for curricula that must not sort)
-            or ``"sequential"`` (next fit in input order). ``overflow``: a sample whose
-            aligned length exceeds ``pack_size`` raises a ``ValueError`` naming it
-            (``"error"``), keeps its first tokens (``"truncate"``), is cut into pack-size
-            pieces, all kept (``"split"``), or is left out (``"drop"``); what is cut is
-            counted in ``plan.stats``.
-        vision_lengths: with ``vision_budget``, a second budget for VLMs: ``[n]`` vision
-            patches per sample (>= 0; :func:`thdpack.vlm.vision_lengths`); a pack holds at
-            most ``vision_budget`` of them (the ViT's memory and time scale with patches,
-            not text tokens). Each pack then stays within both budgets (2-D variants of the
-            same algorithms; ``"bfd"``/``"ffd"`` place samples by decreasing larger share of
-            either budget). A sample with vision patches is never truncated or split (its
-            placeholders must match its grids): if it is too long, or has more patches than
-            ``vision_budget``, only ``overflow="drop"`` applies; other policies raise.
-        groups: ``[n]`` integer group id of every sample (e.g. a preference pair's chosen
-            and rejected sequences): the samples of a group land in one pack. Each group is
-            planned as one item of its members' summed aligned length (and vision patches),
-            then expanded in the same pack order. A group longer than ``pack_size`` is a
-            ``ValueError`` naming it, whatever ``overflow`` says (members are never cut);
-            ``max_samples_per_pack`` is not available with groups.
-        shared_prefix: with ``groups``, ``[n]`` the prefix each sample shares with its group, laid out
-            once (``build_thd_batch(share_prefix=...)``; the same for every member, 0 for a group laid
-            out unshared; :mod:`thdpack.planning.prefix_budget`): a group counts
-            ``round_up(p) + Σ round_up(Lⱼ − p)`` against ``pack_size``, and ``plan.shared_length`` /
-            ``plan.stats`` count each prefix once per pack.
+            (``pack_size``; ``algorithm="bfd"`` / ``"ffd"`` / ``"first_fit_shuffle"`` / ``"sequential"``,
+            ``align=1``, ``overflow="error"`` / ``"truncate"`` / ``"split"`` / ``"drop"``,
+            ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``).
+        vision_lengths: with ``vision_budget``, ``[n]`` vision patches per sample (>= 0), a second
+            budget; a sample with patches is never truncated or split.
+        groups: ``[n]`` integer group id per sample: a group's samples land in one pack (never cut).
+        shared_prefix: with ``groups``, ``[n]`` the prefix each sample shares with its group, counted
+            once per pack.
 
     Returns:
         A :class:`PackPlan`. Within a pack, pieces are ordered by input index
         (then by start, for split samples).
+
+    Raises:
+        ValueError: a sample over ``pack_size`` with ``overflow="error"``, a group over ``pack_size``,
+            ``shared_prefix`` without ``groups``, or invalid lengths / options.
+        TypeError: an unknown keyword.
     """
     options = plan_options("plan_packs", {"pack_size": pack_size, **plan_keywords})
     if shared_prefix is not None and groups is None:
