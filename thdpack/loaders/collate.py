@@ -81,68 +81,32 @@ class IndexedDataset(Dataset):
 
 
 class ThdCollator:
-    """Turn a list of samples into a :class:`ThdBatch`.
+    """Turn a list of samples into a :class:`ThdBatch`:
+    ``DataLoader(dataset, batch_size=8, collate_fn=ThdCollator())``, or with
+    :class:`thdpack.TokenBudgetBatchSampler` as ``batch_sampler`` (each batch is then one pack).
 
-    Use as ``DataLoader(dataset, batch_size=8, collate_fn=ThdCollator())`` or with
-    :class:`thdpack.TokenBudgetBatchSampler` as ``batch_sampler`` (then each batch
-    is already one pack).
-
-    ``batch.sample_index``: where every sample of the batch came from. A sample may say so in
-    its ``"sample_index"`` field (:data:`SAMPLE_INDEX_FIELD`, an integer >= 0; read here and not
-    otherwise carried into the batch): :class:`IndexedDataset` adds the dataset index (wrap the
-    dataset a sampler draws from), :class:`thdpack.StreamingPacker` the position in its stream.
-    Samples without the field (a plain list, a dataset not wrapped) are numbered by their
-    position in the call, ``0..n-1``. Give it to every sample of a call or to none. Likewise
-    ``batch.source_index``: the samples' ``"source_index"`` field (their source in a dataset mixture,
-    which :class:`thdpack.loaders.mixture_dataset.MixtureDataset` sets), else 0.
+    ``batch.sample_index`` (int64 ``[n]``): each sample's ``"sample_index"`` field (:data:`SAMPLE_INDEX_FIELD`,
+    set by :class:`IndexedDataset` / :class:`thdpack.StreamingPacker`; all or none), else ``0..n-1``;
+    ``batch.source_index``: the ``"source_index"`` field, else 0. In full: docs/loaders.md, "ThdCollator".
 
     Args:
-        layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout`, or its fields
-            as keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
-            ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
-            ``cp_rank``, ``max_num_seqs``), as in :func:`thdpack.build_thd_batch`; with ``cp_size > 1``
-            and a ``cp_rank``, each call returns this rank's CP shard
-            (:func:`thdpack.shard_for_cp`) instead of the whole batch.
-        cp_group: a ``torch.distributed`` process group of the CP ranks; when given
-            and ``cp_rank`` is None, the rank is this process's rank in it.
-            Without either, the whole (CP-padded) batch is returned.
-        ulysses_sp_size, ulysses_rank, sp_group: Ulysses sequence parallelism (DeepSpeed ALST, verl):
-            with ``ulysses_sp_size > 1`` and an SP rank (``ulysses_rank``, or this process's rank
-            in the ``torch.distributed`` group ``sp_group``), each call returns that rank's
-            :func:`thdpack.shard_for_ulysses` (with ``cp_size > 1``, of the CP rank's shard: give
-            ``cp_rank`` or ``cp_group`` too; the tail slots get the layout's ``pad_token_id``).
-            Without an SP rank, the whole batch, its stream padded to the Ulysses multiple
-            (:func:`thdpack.parallel.ulysses.pad_for_ulysses`: for an adapter that cuts the slices
-            itself, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` does).
-        **plan_keywords: to plan the samples of a call into packs of at most ``pack_size`` tokens
-            (after alignment): the planning keywords ``pack_size``, ``algorithm``, ``overflow``,
-            ``max_samples_per_pack``, ``seed``, ``vision_budget`` (see :func:`thdpack.plan_packs`).
-            The call then returns a :class:`PackedBatches` list, one batch per pack. ``align`` is the
-            layout's pad multiple; ``vision_budget`` keeps each
-            pack under that many vision patches. With the layout's ``max_num_seqs``, a pack holds at
-            most that many samples (``max_samples_per_pack`` is capped to it). Without ``pack_size``,
-            no planning.
-        vlm: for VLM samples, the model's family, ``thdpack.vlm.get_family(model_config)``:
-            see :func:`thdpack.build_thd_batch`; needed by ``vision_budget``.
-        sample_values: per-sample fields carried into ``batch.sample_values`` (see
-            :func:`thdpack.build_thd_batch`).
-        group_field: with ``pack_size``, the sample field holding an integer group id: a
-            group's samples land in one pack (``plan_packs(groups=...)``, e.g. DPO pairs).
-        share_prefix, min_prefix_len: the sample field holding an integer group id whose members'
-            common prefix is laid out once (``build_thd_batch(share_prefix=...)``; a DPO pair's or a
-            GRPO group's prompt), and the shortest prefix worth sharing. With ``pack_size`` the groups
-            are planned as ``group_field`` would plan them (give that the same field, or none), each
-            prefix counted once against the budget (``plan_packs(shared_prefix=...)``). Not with CP or
-            Ulysses (their attention cannot express the tree).
+        layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout` or its fields as keywords
+            (as in :func:`thdpack.build_thd_batch`); with ``cp_size > 1`` and a ``cp_rank``, the CP shard.
+        cp_group: the CP ranks' process group (``cp_rank`` from it when None).
+        ulysses_sp_size, ulysses_rank, sp_group: Ulysses SP: that rank's :func:`thdpack.shard_for_ulysses`,
+            or without an SP rank the whole batch padded to the Ulysses multiple.
+        **plan_keywords: with ``pack_size``, plan each call into packs (:func:`thdpack.plan_packs` keywords,
+            ``align`` the layout's multiple) and return a :class:`PackedBatches` list, one batch per pack.
+        vlm: the model's family (``thdpack.vlm.get_family(model_config)``); needed by ``vision_budget``.
+        sample_values: per-sample fields carried into ``batch.sample_values``.
+        group_field: with ``pack_size``, the sample field of an integer group id: a group lands in one pack.
+        share_prefix, min_prefix_len: the group-id field whose common prefix is laid out once, and the
+            shortest prefix worth sharing (not with CP or Ulysses).
 
     Attributes:
-        layout: the :class:`BatchLayout` each batch is built with (``cp_rank`` resolved
-            from ``cp_group``; None with one CP rank: the whole batch is returned). With Ulysses the
-            whole batch is built (a ``cp_rank`` is applied by :func:`thdpack.shard_for_ulysses`).
-        ulysses_sp_size, ulysses_rank: the Ulysses SP size and rank (from ``sp_group``); ``1, None``
-            without Ulysses, ``ulysses_rank`` None for the whole padded batch.
-        options: the :class:`~thdpack.planning.options.PlanOptions` each call is planned with (``align`` the
-            layout's multiple), or None without planning.
+        layout: the :class:`BatchLayout` of each batch (``cp_rank`` resolved; None with one CP rank).
+        ulysses_sp_size, ulysses_rank: the Ulysses SP size and rank; ``1, None`` without Ulysses.
+        options: the :class:`~thdpack.planning.options.PlanOptions` of each call, or None without planning.
     """
 
     def __init__(
