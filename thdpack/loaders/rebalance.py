@@ -57,56 +57,28 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
               hybrid_cp=None, **layout) -> tuple[list[ThdBatch], "RebalanceHandle"]:
     """Deal this step's samples, wherever they were made, to the data-parallel ranks by cost, and pack them.
 
-    A collective: call it on every rank of ``group`` with that rank's samples. It all-gathers every
-    sample's length (and group id and encoded size), runs the same :func:`thdpack.plan_balanced` on
-    every rank, moves each sample to the rank that runs it in one all-to-all, and builds that rank's
-    packs::
-
-        batches, handle = thdpack.rebalance(rollouts, 8192, groups=prompt_ids, micro_batches=4)
-        logps = torch.cat([sequence_logps(model(**to_hf_kwargs(b)).logits, b)[0] for b in batches])
-        mine = handle.restore(logps.detach())   # [len(rollouts)], in the order of rollouts
+    A collective: call it on every rank of ``group`` with that rank's samples (one all-gather of the lengths,
+    the same :func:`thdpack.plan_balanced` on every rank, one all-to-all). In full, with an example:
+    docs/rl.md, "rebalance: arguments and returns".
 
     Args:
-        local_samples: this rank's samples (mappings with ``input_ids`` and ``labels`` / ``loss_mask``,
-            as :func:`thdpack.build_thd_batch` reads them); may be empty. Every field crosses the
-            network with its sample (tensors as arrays, other values pickled).
+        local_samples: this rank's samples (mappings with integer ``input_ids`` and ``labels`` / ``loss_mask``,
+            as :func:`thdpack.build_thd_batch` reads them); may be empty.
         pack_size: token budget of a micro-batch, counted after alignment (an integer >= 1).
-        group: the ``torch.distributed`` process group of the data-parallel ranks (None: the default
-            group). Without an initialised ``torch.distributed`` the call is world size 1: the
-            samples are planned into packs here, nothing is sent. With context parallelism give the DP
-            group; the CP ranks of a replica, holding the same samples, then get the same packs.
-        micro_batches: ``M``: every rank gets ``S·M`` micro-batches, ``S`` the plan's steps (the same
-            on every rank: lock-step collectives such as FSDP's stay matched). A group spans at most
-            ``M`` packs.
-        cost: a :class:`thdpack.CostModel` or ``(linear, quadratic)`` (None: tokens,
-            ``CostModel()``; ``CostModel.from_config(config)`` weighs attention's ``Σ s²``).
-        groups: ``[n]`` integer group id of every local sample (e.g. a GRPO prompt): a group's samples
-            stay on one rank, in one pack or at most ``M`` packs of one step. Ids are per rank (the
-            same id on two ranks is two groups). Give it on every rank or none.
-        hybrid_cp: plan the step under hybrid (per-sample) context parallelism instead
-            (:class:`thdpack.loaders.hybrid_rebalance.HybridCP`, or True: ``pack_size`` is the tokens one rank
-            holds in a micro-batch): ``group`` is then the data-parallel × CP group, ``micro_batches`` must be
-            1, and the call is :func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`, which returns
-            ``(batches, plan, offsets)``.
-        **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch: the
-            :class:`thdpack.batching.BatchLayout` fields (``pad_multiple``, ``cp_size``, ``cp_rank``, ...)
-            or ``layout=``, and ``vlm``, ``sample_values``, ``share_prefix``,
-            ``min_prefix_len``. The plan aligns to the layout's multiple and cuts lengths to its
-            ``max_length``. With ``share_prefix="group"`` the groups are that sample field (per rank,
-            as ``groups=``, which must then group alike or be None): each rank finds its groups'
-            prefixes (``build_thd_batch``'s rules), they are gathered with the lengths, the plan
-            counts each once, and every pack lays a group's prefix out once (its field renumbered
-            over the ranks, its ``prefix_len`` the planned one); ``restore`` is per member as ever.
+        group: the data-parallel process group (None: the default group; no ``torch.distributed``: world size 1).
+        micro_batches: ``M``: every rank gets ``S·M`` micro-batches (``S`` the plan's steps); a group spans at
+            most ``M`` packs.
+        cost: a :class:`thdpack.CostModel` or ``(linear, quadratic)`` (None: tokens, ``CostModel()``).
+        groups: ``[n]`` integer group id per local sample (per rank): a group stays on one rank and step.
+        hybrid_cp: plan under hybrid (per-sample) context parallelism instead
+            (:func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`, which returns ``(batches, plan, offsets)``).
+        **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch (layout fields or ``layout=``,
+            ``vlm``, ``sample_values``, ``share_prefix``, ``min_prefix_len``).
 
     Returns:
-        ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches, their
-        ``sample_index`` the samples' global ids (rank ``r``'s local sample ``i`` is
-        ``handle.offsets[r] + i``), and the :class:`RebalanceHandle` that sends results back. Every
-        sample is scored in exactly one micro-batch. The plan spreads the samples over every rank's
-        ``S·M`` micro-batches, as evenly as they allow (``handle.straggler`` beside
-        ``handle.straggler_bound``); a slot no pack is left for (fewer samples or groups than ranks ×
-        ``M``) is a *filler* (``handle.filler[k]``): one short sample with no targets (no loss, no
-        gradient).
+        ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches (``sample_index``: global
+        ids, rank ``r``'s local sample ``i`` is ``handle.offsets[r] + i``) and the :class:`RebalanceHandle`
+        that sends results back; a slot no pack is left for holds a filler (``handle.filler[k]``).
 
     Raises ``ValueError`` (on every rank, naming the rank and its local sample or group) for a
     sample longer than ``pack_size``, ``groups`` of the wrong length, a sample that is not a
