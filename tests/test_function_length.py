@@ -101,7 +101,6 @@ def too_long_docstrings(package_dir: Path = PACKAGE_DIR, limit: int = MAX_DOCSTR
 NOT_YET_SHORT = {
     "thdpack/batching/batch.py ThdBatch",
     "thdpack/batching/builder.py build_thd_batch", "thdpack/batching/shared_prefix.py <module>",
-    "thdpack/offline/vision/vlm_setup.py <module>",
 }
 
 

@@ -1,75 +1,24 @@
-"""Offline VLM builds: rows with image paths, processed with the family's image processor.
+"""Offline VLM builds, set-up and planning: :func:`vlm_build` / :class:`VlmBuild`, the one object the build calls.
 
-Rows (JSON Lines, Parquet, ...) in the common LLaMA-Factory layout::
+Rows with images (``images_field``, ``<image>`` markers or content parts) and videos (``videos_field``,
+``<video>`` markers or parts), in the LLaMA-Factory layout::
 
     {"messages": [{"role": "user", "content": "<image>What is this?"},
                   {"role": "assistant", "content": "A cat."}],
      "images": ["img/cat.png"]}
 
-(or ``{"text": "... <image> ...", "images": [...]}``). The build turns on when
-``model_config`` is a Qwen-VL family config (:func:`thdpack.vlm.supported_model_types`)
-and the rows have the ``images_field`` (or ``vision_budget`` / ``image_processor`` is
-set). Then, per row:
+The build turns on with a Qwen-VL family ``model_config`` (:func:`thdpack.vlm.supported_model_types`) and
+rows with images (or ``vision_budget`` / ``image_processor`` set). Each image goes through the family's image
+processor (``pixel_values`` float32 ``[P, D]``, ``image_grid_thw`` int ``[k, 3]``), each marker becomes its
+vision tokens (never targets), and planning adds the vision budget; a row with images is never truncated or
+split. Per pack, the vision columns (format version 2): ``pixel_values`` / ``image_grid_thw`` /
+``image_counts``, and for videos ``pixel_values_videos`` / ``video_grid_thw`` / ``second_per_grid_ts`` /
+``video_counts``.
 
-1. every image is opened (PIL; a path relative to ``image_dir``, default the directory
-   of the row's input file; or ``{"bytes": ...}`` / ``{"path": ...}`` as ``datasets``'
-   ``Image`` feature stores it) and the row's images go through the image processor:
-   ``pixel_values`` ``[P, D]`` float32 and ``image_grid_thw`` ``[k, 3]``;
-2. the k-th ``image_placeholder`` marker in the text (messages in order) becomes
-   ``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|image_pad|>`` + ``<|vision_end|>`` (the
-   tokens of the config's ``vision_start_token_id`` / ``image_token_id`` /
-   ``vision_end_token_id``, as Qwen-VL processors expand them); markers and images must
-   match one to one;
-3. the text is tokenized as any chat / text row; the image tokens are never targets,
-   and their count must equal the grids' (a tokenizer that splits them fails the row).
-
-Planning adds the vision budget (``plan_packs(vision_lengths=..., vision_budget=...)``);
-a row with images is never truncated or split (its placeholders must match its
-grids): a too long one is a bad row, or dropped under ``overflow: drop``.
-
-Per pack, three more columns (format version 2):
-
-=================  ======================  ==========================================
-``pixel_values``   large_list<float32>     the pack's images' patches, row-major
-                                           ``[P_pack, pixel_dim]``, in sample order
-``image_grid_thw`` list<int32>             ``(t, h, w)`` of every image, 3 values each
-``image_counts``   list<int32>             images of each sample
-=================  ======================  ==========================================
-
-:func:`thdpack.offline.unpack_row` gives every sample its ``pixel_values`` /
-``image_grid_thw`` back, and ``load_packed(path).collator()`` passes the saved model
-config to :func:`thdpack.build_thd_batch`, so a batch carries the mRoPE rows, token
-types and vision inputs that ``to_hf_kwargs()`` feeds the model. The image processor
-and the model config are saved with the dataset (``image_processor/``,
-``model_config.json``).
-
-Message content may also be a list of parts, as ``transformers`` processors and TRL
-take it: ``[{"type": "image"}, {"type": "text", "text": "What is this?"}]`` with the
-images in the images field, or ``{"type": "image", "image": "img/cat.png"}`` naming its
-own (``"path"`` / ``"url"`` work too; local files only). Each image part stands where a
-marker would.
-
-Videos: a ``videos`` field (``videos_field``) with ``<video>`` markers
-(``video_placeholder``), or content parts ``{"type": "video", "video": PATH}``, mixed
-with images and text. Each video is decoded and its frames prepared as Qwen's
-preprocessing and the family's transformers video processor do it
-(:mod:`thdpack.offline.vision.video`: PyAV, options in ``video:``), with that video processor's
-mean / std (not the image processor's); the marker becomes
-``<|vision_start|>`` + ``t·h·w / merge²`` × ``<|video_pad|>`` + ``<|vision_end|>``
-(Qwen3-VL / Qwen3.5: per temporal patch ``<{t:.1f} seconds>`` + start + ``h·w / merge²``
-pads + end, as their processors write it). Per pack, four more columns:
-``pixel_values_videos`` (large_list<float32>), ``video_grid_thw`` (list<int32>),
-``second_per_grid_ts`` (list<float32>, ``temporal / sampled fps`` of every video) and
-``video_counts`` (list<int32>). Video patches count in ``vision_budget`` with images.
-
-The build by stage, one module each: :func:`vlm_build` / :class:`VlmBuild` here (set-up
-and the planning checks, the one object the build calls); :mod:`thdpack.offline.vision.media`
-(images opened and processed, videos through :mod:`thdpack.offline.vision.video`);
-:mod:`thdpack.offline.vision.vlm_rows` (the row tokenizer, beside the text one);
-:mod:`thdpack.offline.store.vision_columns` (pack columns, vision metadata, per-row stats);
-:mod:`thdpack.offline.store.vision_readback` (a pack's samples get their images back).
-
-Not covered here: the rows' image / video bytes in the source fingerprint.
+The other stages: :mod:`thdpack.offline.vision.media` (images and videos), :mod:`thdpack.offline.vision.vlm_rows`
+(the row tokenizer), :mod:`thdpack.offline.store.vision_columns` (pack columns, metadata, stats),
+:mod:`thdpack.offline.store.vision_readback` (read-back). In full: docs/vlm.md, "Offline VLM builds: rows,
+steps and columns".
 """
 
 from __future__ import annotations
