@@ -7,7 +7,7 @@ Checks, each on packs of random lengths with alignment padding, against every sa
   the static offsets of ``max_num_seqs`` (zero-length sequences at the end, ``max_seqlen`` = the stream).
 - ``te_thd``: TransformerEngine's ``DotProductAttention`` with ``qkv_format="thd"`` (``padding_causal``,
   ``cu_seqlens_q/kv`` and their padded forms); CP with ``cp_comm_type="p2p"`` needs 2+ GPUs (skipped on one).
-- ``flex``: FlexAttention on CUDA with ``ThdBatch.block_mask()`` (compiled).
+- ``flex``: FlexAttention on CUDA with ``thdpack.batching.block_mask(batch)`` (compiled).
 - ``gdn``: a Gated DeltaNet layer (``flash-linear-attention``'s ``chunk_gated_delta_rule``) with
   ``cu_seqlens``: the recurrent state restarts at each sample.
 - ``step``: forward + backward time of a small random Qwen3 (transformers) on one pack vs the same
@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import thdpack  # noqa: E402
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs  # noqa: E402
+from thdpack.batching import block_mask, seq_idx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_proof  # noqa: E402  (the headline's checks: ceiling, varlen, mfu, paths)
@@ -152,7 +153,7 @@ def check_flex(args, dev) -> dict:
     batch = random_pack(args.tokens, 3, align=8, dev=dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     q, k, v = qkv(batch, dtype, dev)
-    mask = batch.block_mask()
+    mask = block_mask(batch)
     flex = torch.compile(flex_attention, dynamic=False)
     heads_first = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
     out = flex(heads_first(q), heads_first(k), heads_first(v), block_mask=mask, enable_gqa=True)[0].transpose(0, 1)
@@ -392,7 +393,7 @@ def _conv_seq_idx(args, dev) -> dict:
     def conv(t, **kw):  # t [1, s, D] contiguous: transposed, it is the channel-last layout seq_idx needs
         return causal_conv1d_fn(t.transpose(1, 2), weight, bias, activation="silu", **kw).transpose(1, 2)
 
-    out = conv(x, seq_idx=batch.seq_idx)
+    out = conv(x, seq_idx=seq_idx(batch))
     ref = per_sample(lambda t: conv(t[None])[0], batch, x[0])
     return {"max_abs_diff": max_diff(out[0], ref, _real(batch)), "tolerance": 2e-2}
 

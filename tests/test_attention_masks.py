@@ -4,7 +4,7 @@
   eager and sdpa, run on ``to_hf_kwargs(attn_implementation=...)``, give every sample the logits and
   the loss it has alone (the reference: the same weights, sdpa, the sample alone, no thdpack);
   where transformers does not derive the mask itself (a cache), ``attention_mask_4d`` does it;
-- torchtitan: ``ThdBatch.block_mask`` equals torchtitan's document mask (``get_document_mask_mod``
+- torchtitan: ``thdpack.batching.block_mask(batch)`` equals torchtitan's document mask (``get_document_mask_mod``
   and ``get_causal_mask_mod`` through torch's ``create_block_mask``) block for block, and its
   ``create_varlen_metadata_for_document`` finds the batch's ``cu_seqlens_padded``;
 - hypothesis: on random layouts the dense mask, the BlockMask (its tables and its dense form) and
@@ -34,8 +34,9 @@ from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
 from thdpack.attention.block_mask import document_block_mask  # noqa: E402
 from thdpack.attention.dense_mask import dense_document_mask  # noqa: E402
-from thdpack.attention.documents import document_ids  # noqa: E402
+from thdpack.attention import documents  # noqa: E402
 from thdpack.integrations import to_hf_kwargs  # noqa: E402
+from thdpack.batching import attention_mask_4d, block_mask, document_ids, seq_idx  # noqa: E402
 
 LOGIT_ATOL, LOSS_ATOL = te.LOGIT_ATOL, te.LOSS_ATOL
 FLASH_KEYS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
@@ -101,13 +102,13 @@ def test_text_models_attend_per_sample(family, attn):
         batch = build_thd_batch(text_samples(), **layout)
         kw = to_hf_kwargs(batch, attn_implementation=attn)
         assert FLASH_KEYS | {"seq_idx", "attention_mask"} <= kw.keys()
-        assert torch.equal(kw["seq_idx"], batch.seq_idx)
+        assert torch.equal(kw["seq_idx"], seq_idx(batch))
         if attn == "flex_attention":
             assert isinstance(kw["attention_mask"], BlockMask)
             assert kw["attention_mask"].shape == (1, 1, PAD_TO, PAD_TO)
         else:
             want = torch.bool if attn == "sdpa" else torch.float32
-            assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(want))
+            assert torch.equal(kw["attention_mask"], attention_mask_4d(batch, want))
         assert_packed_equals_alone(model, kw, batch, text_alone(family))
         assert_packed_equals_alone(model, kw, batch, text_alone(family), use_cache=False)
 
@@ -167,7 +168,7 @@ def test_qwen2_5_vl_attends_per_sample(attn):
         batch = build_thd_batch(samples, vlm=get_family(model.config), **layout)
         kw = to_hf_kwargs(batch, attn_implementation=attn)
         assert kw["position_ids"].shape == (4, 1, batch.num_padded_tokens)  # the text row keeps samples apart
-        assert torch.equal(kw["attention_mask"], batch.attention_mask_4d(torch.bool if attn == "sdpa" else torch.float32))
+        assert torch.equal(kw["attention_mask"], attention_mask_4d(batch, torch.bool if attn == "sdpa" else torch.float32))
         assert FLASH_KEYS | {"seq_idx"} <= kw.keys()  # transformers keeps them out of the vision tower
         assert_packed_equals_alone(model, kw, batch, alone)  # the default use_cache=True
         assert_packed_equals_alone(model, kw, batch, alone, use_cache=False)
@@ -175,7 +176,7 @@ def test_qwen2_5_vl_attends_per_sample(attn):
 
 def test_qwen_vl_text_models_refuse_flex_attention():
     """transformers 5.24 declares no flex_attention for the Qwen-VL text models
-    (``_supports_flex_attn`` unset): ``ThdBatch.block_mask`` serves text models and torchtitan there."""
+    (``_supports_flex_attn`` unset): ``thdpack.batching.block_mask(batch)`` serves text models and torchtitan there."""
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(tv.tiny_config("qwen2_5_vl"))
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex_attention"):
@@ -214,15 +215,15 @@ def test_block_mask_equals_torchtitan(layout, block_size):
     positions = batch.position_ids[None]  # torchtitan finds documents where positions restart at 0
     titan = create_block_mask(and_masks(get_causal_mask_mod(), get_document_mask_mod(positions)), 1, None, T, T,
                               device="cpu", BLOCK_SIZE=block_size)
-    mine = batch.block_mask(block_size)
+    mine = block_mask(batch, block_size)
     assert_same_block_mask(mine, titan)
     dense = create_mask(titan.mask_mod, 1, 1, T, T)
     assert torch.equal(create_mask(mine.mask_mod, 1, 1, T, T), dense)
-    assert torch.equal(batch.attention_mask_4d(), dense)
+    assert torch.equal(attention_mask_4d(batch), dense)
     meta = create_varlen_metadata_for_document(positions)
     assert torch.equal(meta.cu_seq_q, batch.cu_seqlens_padded) and meta.max_q == batch.max_seqlen
     titan_ids = torch.cumsum((positions[0] == 0).int(), 0) - 1  # get_document_mask_mod's doc_ids
-    assert torch.equal(batch.document_ids, titan_ids.to(torch.int32))
+    assert torch.equal(document_ids(batch), titan_ids.to(torch.int32))
 
 
 # --------------------------------------------------------------------------- random layouts
@@ -282,7 +283,7 @@ def test_masks_agree_with_offsets(layout, block_size):
     """Offsets with empty spans (repeated entries) and a stream past ``cu[-1]``."""
     cu, total = layout
     want = reference_mask(cu, total)
-    ids = document_ids(torch.tensor(cu), total)
+    ids = documents.document_ids(torch.tensor(cu), total)
     assert ids.dtype == torch.int32 and ids.shape == (total,)
     assert torch.equal(want, (ids[:, None] == ids[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
     assert torch.equal(dense_document_mask(cu, total)[0, 0], want)
@@ -310,18 +311,18 @@ def test_batch_masks_agree_with_cu_seqlens(lengths, align, block_size):
         align["pad_to"] = sum(-(-n // 8) * 8 for n in lengths) + 16
     batch = build_thd_batch(te.plain_samples(lengths), **align)
     T, cu = batch.num_padded_tokens, batch.cu_seqlens_padded.tolist()
-    ids = batch.document_ids
+    ids = document_ids(batch)
     for i, (a, s) in enumerate(zip(cu[:-1], batch.seq_lens.tolist())):
         assert bool((ids[a : cu[i + 1]] == i).all())
         assert batch.position_ids[a : a + s].tolist() == list(range(s))
-    assert torch.equal(ids, batch.seq_idx[0])  # thdpack.attention.seq_idx: the same documents
+    assert torch.equal(ids, seq_idx(batch)[0])  # thdpack.attention.seq_idx: the same documents
     want = reference_mask(cu, T)
-    assert torch.equal(batch.attention_mask_4d()[0, 0], want)
-    assert torch.equal(token_dense(batch.block_mask(block_size), T), want)
+    assert torch.equal(attention_mask_4d(batch)[0, 0], want)
+    assert torch.equal(token_dense(block_mask(batch, block_size), T), want)
     cp_size = align.get("cp_size", 1)
     for rank in range(cp_size if cp_size > 1 else 0):
         shard = shard_for_cp(batch, cp_size, rank)
-        assert torch.equal(shard.document_ids, ids[shard.shard.partition_indices])
+        assert torch.equal(document_ids(shard), ids[shard.shard.partition_indices])
 
 
 # --------------------------------------------------------------------------- argument validation
@@ -331,10 +332,10 @@ def test_bad_arguments():
     batch = build_thd_batch(te.plain_samples([3, 5]), cp_size=2)
     for bad in (0, -1, True, 1.5, (8,), (8, 8, 8), (8, 0), (8, 2**31), "128", None):
         with pytest.raises(ValueError, match=r"block_size must be an integer >= 1 \(and < 2\*\*31\) or a \(q_blo"):
-            batch.block_mask(bad)
+            block_mask(batch, bad)
     for bad in (torch.int64, "bool", float, None):
         with pytest.raises(ValueError, match="dtype must be torch.bool or a floating torch dtype"):
-            batch.attention_mask_4d(bad)
+            attention_mask_4d(batch, bad)
     for bad in ("xformers", "flex", "SDPA", 3):
         with pytest.raises(ValueError, match="attn_implementation must be None, 'flash_attention_2'"):
             to_hf_kwargs(batch, attn_implementation=bad)
@@ -342,14 +343,14 @@ def test_bad_arguments():
                  "paged|flash_attention_2"):
         assert to_hf_kwargs(batch, attn_implementation=name).keys() == to_hf_kwargs(batch).keys()
     shard = shard_for_cp(batch, 2, 1)
-    for call in (shard.block_mask, shard.attention_mask_4d,
+    for call in (lambda: block_mask(shard), lambda: attention_mask_4d(shard),
                  lambda: to_hf_kwargs(shard, attn_implementation="sdpa"),
                  lambda: to_hf_kwargs(shard, attn_implementation="flex_attention")):
         with pytest.raises(ValueError, match=r"is for a whole batch, and this is a CP shard \(cp_size=2, rank 1\)"):
             call()
     assert "cu_seq_lens_q" in to_hf_kwargs(shard, attn_implementation="flash_attention_2")
 
-    for fn in (document_ids, document_block_mask, dense_document_mask):
+    for fn in (documents.document_ids, document_block_mask, dense_document_mask):
         with pytest.raises(ValueError, match=r"must start at 0 and never decrease, got \[0, 5, 3\]"):
             fn([0, 5, 3])
         with pytest.raises(ValueError, match=r"must start at 0 and never decrease, got \[1, 5\]"):

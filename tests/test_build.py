@@ -18,6 +18,7 @@ from thdpack import ThdBatch, ThdCollator, build_thd_batch, cp_pad_multiple, pla
 from thdpack.loaders import PackedBatches
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs, to_packed_seq_params
 from thdpack.integrations.hf_kwargs import hf_labels
+from thdpack.batching import seq_idx
 
 SETTINGS = settings(max_examples=60, deadline=None)
 IGNORE = -100
@@ -354,7 +355,7 @@ def test_hf_kwargs(case):
     hf = to_hf_kwargs(batch)
     assert set(hf) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                        "seq_idx", "labels"}
-    assert torch.equal(hf["seq_idx"], batch.seq_idx) and hf["seq_idx"].shape == (1, T)
+    assert torch.equal(hf["seq_idx"], seq_idx(batch)) and hf["seq_idx"].shape == (1, T)
     assert hf["input_ids"].shape == (1, T) and hf["position_ids"].shape == (1, T) and hf["labels"].shape == (1, T)
     assert torch.equal(hf["input_ids"][0], batch.input_ids)
     assert torch.equal(hf["position_ids"][0], batch.position_ids)

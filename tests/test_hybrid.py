@@ -25,6 +25,7 @@ from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
 from thdpack.integrations import packed_model  # noqa: E402
 from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES  # noqa: E402
 from thdpack.integrations import to_hf_kwargs  # noqa: E402
+from thdpack.batching import attention_mask_4d
 
 IGNORE = -100
 REL = 1e-5  # max |packed - alone| / max |alone|, float32
@@ -297,7 +298,7 @@ def test_custom_attention_names():
     AttentionMaskInterface.register("thd_masked", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     AttentionInterface.register("thd_varlen", sdpa_attention_forward)
     kw = to_hf_kwargs(batch, attn_implementation="thd_masked")
-    assert torch.equal(kw["attention_mask"], batch.attention_mask_4d())
+    assert torch.equal(kw["attention_mask"], attention_mask_4d(batch))
     kw = to_hf_kwargs(batch, attn_implementation="thd_varlen")
     assert "attention_mask" not in kw and torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded)
     model = packed_model(fresh_model("qwen3_5_text", "sdpa"))

@@ -1,5 +1,5 @@
 """Hybrid (per-sample) context parallelism without megatron-core (issue 33): the plan's invariants, the shards,
-the per-rank FLOPs counts, ``ThdBatch.padding_mask`` and the one-line refusals. megatron-core's own code checks
+the per-rank FLOPs counts, ``thdpack.batching.padding_mask(batch)`` and the one-line refusals. megatron-core's own code checks
 the same objects in tests/test_hybrid_cp_megatron.py."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from thdpack.integrations.megatron_bridge import to_gpt_forward_kwargs
 from thdpack.parallel.hybrid_blocks import block_ranks, block_sizes, check_block
 from thdpack.planning.hybrid_cp import HybridCPPlan, schedule_cost
 from thdpack.integrations import packed_seq_params_dict
+from thdpack.batching import padding_mask
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
@@ -120,8 +121,8 @@ def test_shards_tile_every_micro_batch(world):
             want = whole if k == 1 else shard_for_cp(whole, k, r - start)
             for name in ("input_ids", "labels", "position_ids", "loss_mask"):
                 assert torch.equal(getattr(b, name), getattr(want, name)), name
-            mask = whole.padding_mask[want.shard.partition_indices] if k > 1 else whole.padding_mask
-            assert torch.equal(b.padding_mask, mask)
+            mask = padding_mask(whole)[want.shard.partition_indices] if k > 1 else padding_mask(whole)
+            assert torch.equal(padding_mask(b), mask)
             key = tuple(b.sample_index.tolist())
             seen.setdefault(key, []).append(want.shard.partition_indices if k > 1 else torch.arange(whole.num_padded_tokens))
     for key, parts in seen.items():
@@ -155,7 +156,7 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
             kw = to_gpt_forward_kwargs(b, cp_group=fake)
             params = kw["packed_seq_params"]
             assert isinstance(params, dict) if core is None else isinstance(params, core.PackedSeqParams)
-            assert torch.equal(kw["padding_mask"][0], b.padding_mask) and megatron_env.field(params, "cp_group") is fake
+            assert torch.equal(kw["padding_mask"][0], padding_mask(b)) and megatron_env.field(params, "cp_group") is fake
             assert megatron_env.field(params, "local_cp_size") == b.shard.cp_size
             assert torch.equal(megatron_env.field(params, "cu_seqlens_q_padded"), b.cu_seqlens_padded)
             seen.add(b.shard.cp_size)
@@ -182,22 +183,22 @@ def test_gpt_forward_kwargs_are_gpt_models_parameters(site):
 def test_padding_mask():
     samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4]}, {"input_ids": [5, 6, 7, 8, 9]}]
     plain = build_thd_batch(samples)
-    assert not plain.padding_mask.any() and plain.padding_mask.dtype == torch.bool
+    assert not padding_mask(plain).any() and padding_mask(plain).dtype == torch.bool
     batch = build_thd_batch(samples, pad_multiple=4, pad_to=20)
     want = [False] * 3 + [True] + [False] + [True] * 3 + [False] * 5 + [True] * 7
-    assert batch.padding_mask.tolist() == want
+    assert padding_mask(batch).tolist() == want
     cp = build_thd_batch(samples, cp_size=2, pad_to=24)
     for rank in range(2):
         shard = shard_for_cp(cp, 2, rank)
-        assert torch.equal(shard.padding_mask, cp.padding_mask[shard.shard.partition_indices])
+        assert torch.equal(padding_mask(shard), padding_mask(cp)[shard.shard.partition_indices])
         direct = build_thd_batch(samples, cp_size=2, pad_to=24, cp_rank=rank)  # the assembler's own shard
-        assert torch.equal(direct.padding_mask, shard.padding_mask)
+        assert torch.equal(padding_mask(direct), padding_mask(shard))
     uly = shard_for_ulysses(cp, 2, 1)
-    assert torch.equal(uly.padding_mask, cp.padding_mask[uly.shard.partition_indices])
+    assert torch.equal(padding_mask(uly), padding_mask(cp)[uly.shard.partition_indices])
     tree = build_thd_batch([{"input_ids": list(range(1, 40)), "group": 0}, {"input_ids": list(range(1, 38)) + [9],
                                                                            "group": 0}], share_prefix="group")
     with pytest.raises(ValueError, match="^padding_mask .* cannot express a shared-prefix batch") as info:
-        tree.padding_mask
+        padding_mask(tree)
     assert "\n" not in str(info.value)
 
 

@@ -26,7 +26,7 @@ groups, and every rank builds its micro-batches of thdpack's plan of the same gl
    .get_groups_and_subsamples`` on the same lengths (the test compares the two schedules' stragglers);
 6. (``tp1``) MoE: router logits of the rank's shard through megatron-core's ``z_loss_func``,
    ``compute_routing_scores_for_aux_loss``, ``get_tokens_per_expert_and_token_count`` (all-reduced over the
-   block group) and ``switch_load_balancing_loss_func``, with ``padding_mask=shard.padding_mask`` and on the
+   block group) and ``switch_load_balancing_loss_func``, with ``padding_mask=padding_mask(shard)`` and on the
    same rows without the pad slots.
 
 The test process compares: every token of the global batch runs exactly once, the attention logits equal each
@@ -49,6 +49,7 @@ import pytest
 import torch
 
 import megatron_env  # tests/megatron_env.py
+from thdpack.batching import padding_mask
 
 pytestmark = pytest.mark.xdist_group("megatron_hybrid_cp")
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ def _megatron_batch(sample_batch, k: int) -> dict:
     b = sample_batch
     return {"tokens": b.input_ids[None].clone(), "labels": b.labels[None].clone(),
             "loss_mask": b.loss_mask[None].float(),
-            "position_ids": b.position_ids[None].clone(), "padding_mask": b.padding_mask[None].clone(),
+            "position_ids": b.position_ids[None].clone(), "padding_mask": padding_mask(b)[None].clone(),
             "attention_mask": None, "cu_seqlens": b.cu_seqlens[None].clone(),
             "cu_seqlens_padded": b.cu_seqlens_padded[None].clone(), "max_seqlen": torch.tensor([[b.max_seqlen]]),
             "local_cp_size": torch.tensor(k, dtype=torch.int32)}
@@ -117,7 +118,7 @@ def _check_against_get_batch(shard, samples, k: int, keywords: dict) -> list[dic
                                         hybrid_cp_group_func=ps.get_hybrid_data_context_parallel_groups)
         a, b = int(local[n]), int(local[n + 1])
         mine = {"tokens": shard.input_ids, "labels": shard.labels, "position_ids": shard.position_ids,
-                "padding_mask": shard.padding_mask}
+                "padding_mask": padding_mask(shard)}
         slots = (shard.shard.partition_indices[a:b] - int(shard.cu_seqlens_padded[n])) if shard.is_shard else \
             torch.arange(b - a)
         out.append({"sample": i, "slots": slots.tolist(),
@@ -152,7 +153,7 @@ def _all_gather_attention(shard, group) -> dict:
     allowed = (doc_q[:, None] == doc_k[None]) & (pos_k[None] <= pos_q[:, None]) & real_k[None]
     out, _ = ring.block_attention(q, kv[..., :ring.DIM], kv[..., ring.DIM:], allowed)
     logits = out.reshape(-1, ring.HEADS * ring.DIM) @ w["head"]
-    real_q = ~shard.padding_mask
+    real_q = ~padding_mask(shard)
     result = {}
     for n, i in enumerate(shard.sample_index.tolist()):
         rows = (doc_q == n) & real_q
@@ -170,7 +171,7 @@ def _moe_values(shard, group, samples) -> dict:
 
     table = torch.randn(VOCAB, EXPERTS, generator=torch.Generator().manual_seed(3))
     logits = table[shard.input_ids]  # pad slots hold the pad token: logits like any token's
-    pad = shard.padding_mask
+    pad = padding_mask(shard)
     real = logits[~pad]
     out = {"z_masked": float(z_loss_func(logits, 1.0, padding_mask=pad)), "z_real": float(z_loss_func(real, 1.0)),
            "z_unmasked": float(z_loss_func(logits, 1.0)), "num_pad": int(pad.sum())}
@@ -422,7 +423,7 @@ def test_rebalance_hybrid_cp_moves_each_sample_to_its_block(ranks):
 
 
 def test_moe_padding_mask_keeps_pad_slots_out(ranks):
-    """With ``padding_mask=shard.padding_mask`` megatron-core's z loss, aux-loss scores and routing are those of
+    """With ``padding_mask=padding_mask(shard)`` megatron-core's z loss, aux-loss scores and routing are those of
     the same rows without pad slots, and the token counts all-reduced over a block those of the micro-batch's
     real tokens alone; without the mask, the pad slots count."""
     padded_seen = blocks_seen = 0

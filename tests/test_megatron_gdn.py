@@ -33,7 +33,7 @@ megatron-core's code. The test asserts that
 1. what the convolution and the scan receive is the samples' spans, ``cu_seqlens_padded`` (with
    ``max_num_seqs``, padded with zero-length sequences), with and without alignment padding, ``pad_to``,
    static shapes;
-2. ``seq_idx`` that megatron-core's ``PackedSeqParams`` builds equals ``batch.seq_idx``, and ``total_tokens`` is
+2. ``seq_idx`` that megatron-core's ``PackedSeqParams`` builds equals ``seq_idx(batch)``, and ``total_tokens`` is
    the stream;
 3. the layer's output on the pack equals its output on each sample alone (float32, CPU);
 4. with CP (2 and 4 ranks, with and without ``pad_multiple``), every rank's shard passes
@@ -59,6 +59,7 @@ import megatron_env  # tests/megatron_env.py
 from thdpack import build_thd_batch, shard_for_cp
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.integrations import to_packed_seq_params
+from thdpack.batching import seq_idx
 
 pytestmark = pytest.mark.xdist_group("megatron_gdn")  # one worker, one subprocess for all (--dist loadgroup)
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +131,7 @@ def test_fields_megatron_reads(answers, name):
     assert fields["cu_seqlens_kv_padded"] == fields["cu_seqlens_q_padded"]
     assert fields["total_tokens"] == batch.input_ids.numel()
     # built by megatron-core's PackedSeqParams.__post_init__ from total_tokens: [1, T], the sample of each slot
-    assert fields["seq_idx"] == batch.seq_idx.tolist() and len(fields["seq_idx"]) == 1
+    assert fields["seq_idx"] == seq_idx(batch).tolist() and len(fields["seq_idx"]) == 1
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

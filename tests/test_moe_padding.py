@@ -11,6 +11,7 @@ from hybrid_models import tiny_hybrid  # tests/hybrid_models.py
 from thdpack import build_thd_batch
 from thdpack.integrations.moe_router import router_aux_loss
 from thdpack.integrations import to_hf_kwargs
+from thdpack.batching import padding_mask
 
 transformers = pytest.importorskip("transformers")
 LENGTHS = (7, 3, 10, 5)
@@ -40,10 +41,10 @@ def test_qwen3_moe_counts_pad_slots_and_the_mask_keeps_them_out(qwen3_moe):
     transformers' loss on the pack without padding."""
     plain = build_thd_batch(samples())
     padded = build_thd_batch(samples(), pad_multiple=16)
-    assert int(padded.padding_mask.sum()) == padded.num_padded_tokens - padded.num_tokens > 0
+    assert int(padding_mask(padded).sum()) == padded.num_padded_tokens - padded.num_tokens > 0
     want = qwen3_moe(**to_hf_kwargs(plain), use_cache=False, output_router_logits=True)
     out = qwen3_moe(**to_hf_kwargs(padded), use_cache=False, output_router_logits=True)
-    real = ~padded.padding_mask
+    real = ~padding_mask(padded)
     for layer_plain, layer_padded in zip(want.router_logits, out.router_logits):  # the real rows route alike
         torch.testing.assert_close(layer_padded[real], layer_plain, rtol=1e-5, atol=1e-5)
     assert abs(float(out.aux_loss) - float(want.aux_loss)) > 1e-4  # the pad slots counted

@@ -1,4 +1,4 @@
-"""``ThdBatch.seq_idx`` (issue 23 point 2): the sample of every stream slot for Mamba-2 / Gated-DeltaNet
+"""``thdpack.batching.seq_idx(batch)`` (issue 23 point 2): the sample of every stream slot for Mamba-2 / Gated-DeltaNet
 layers, checked against the consumers' own code:
 
 - transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` on the same samples (dtype,
@@ -23,6 +23,7 @@ import megatron_env  # tests/megatron_env.py
 from thdpack import build_thd_batch, shard_for_cp
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
+from thdpack.batching import seq_idx
 
 transformers = pytest.importorskip("transformers")
 from transformers import DataCollatorWithFlattening  # noqa: E402
@@ -56,9 +57,9 @@ def test_equals_transformers_flattening_collator(lengths, with_labels):
         [{k: list(v) for k, v in s.items()} for s in samples])
     batch = build_thd_batch(samples)
     kw = to_hf_kwargs(batch)
-    assert batch.seq_idx.dtype == hf["seq_idx"].dtype == torch.int32
-    assert batch.seq_idx.shape == hf["seq_idx"].shape == (1, sum(lengths))
-    assert torch.equal(batch.seq_idx, hf["seq_idx"])
+    assert seq_idx(batch).dtype == hf["seq_idx"].dtype == torch.int32
+    assert seq_idx(batch).shape == hf["seq_idx"].shape == (1, sum(lengths))
+    assert torch.equal(seq_idx(batch), hf["seq_idx"])
     for key in ("input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k"):
         assert torch.equal(kw[key].to(hf[key].dtype), hf[key]), key
     assert kw["max_length_q"] == hf["max_length_q"]
@@ -75,30 +76,30 @@ def test_pad_slots_and_pad_to_tail_hold_their_samples_id(lengths, pad_multiple, 
     aligned = build_thd_batch(samples, pad_multiple=pad_multiple, cp_size=cp_size)
     pad_to = None if extra is None else aligned.num_padded_tokens + extra * aligned.pad_multiple
     batch = build_thd_batch(samples, pad_multiple=pad_multiple, cp_size=cp_size, pad_to=pad_to)
-    seq_idx = batch.seq_idx
+    ids = seq_idx(batch)
     T = batch.num_padded_tokens
-    assert seq_idx.shape == (1, T) and seq_idx.dtype == torch.int32
-    assert seq_idx[0].tolist() == sample_of_each_slot(batch.cu_seqlens_padded.tolist())
+    assert ids.shape == (1, T) and ids.dtype == torch.int32
+    assert ids[0].tolist() == sample_of_each_slot(batch.cu_seqlens_padded.tolist())
 
     real = torch.zeros(T, dtype=torch.bool)
     for a, s in zip(batch.cu_seqlens_padded[:-1].tolist(), batch.seq_lens.tolist()):
         real[a : a + s] = True
     hf = DataCollatorWithFlattening(return_seq_idx=True)(samples)
-    assert torch.equal(seq_idx[:, real], hf["seq_idx"])
+    assert torch.equal(ids[:, real], hf["seq_idx"])
     if pad_to is not None and extra:  # the tail is the last sample's
-        assert bool((seq_idx[0, aligned.num_padded_tokens:] == batch.num_samples - 1).all())
+        assert bool((ids[0, aligned.num_padded_tokens:] == batch.num_samples - 1).all())
 
     segments = find_packed_sequence_indices(batch.position_ids.unsqueeze(0))
-    segments = torch.zeros_like(seq_idx) if segments is None else segments  # None: one segment
-    assert torch.equal(segments.to(torch.int32), seq_idx)
+    segments = torch.zeros_like(ids) if segments is None else segments  # None: one segment
+    assert torch.equal(segments.to(torch.int32), ids)
 
 
 def test_a_cp_shard_gives_the_whole_streams_seq_idx():
     batch = build_thd_batch(samples_of([5, 2, 7, 1]), cp_size=2)
     for rank in range(2):
         shard = shard_for_cp(batch, 2, rank)
-        assert torch.equal(shard.seq_idx, batch.seq_idx)
-        assert shard.seq_idx.shape[1] == packed_seq_params_dict(shard)["total_tokens"]
+        assert torch.equal(seq_idx(shard), seq_idx(batch))
+        assert seq_idx(shard).shape[1] == packed_seq_params_dict(shard)["total_tokens"]
 
 
 MEGATRON_CASES = [
@@ -115,12 +116,12 @@ MEGATRON_CASES = [
 @pytest.mark.parametrize("core", [megatron_env.peer_param(megatron_env.core_params_or_reason(), megatron_env.CORE_ID)])
 def test_megatron_core_seq_idx_equals_seq_idx(core, lengths, kw):
     """megatron-core 0.19.2's own PackedSeqParams (its file loaded on its own: it imports only torch),
-    given packed_seq_params_dict() (static or not), builds exactly batch.seq_idx."""
+    given packed_seq_params_dict() (static or not), builds exactly seq_idx(batch)."""
     params_class = core.PackedSeqParams
     batch = build_thd_batch(samples_of(lengths), **kw)
     params = params_class(**packed_seq_params_dict(batch))
     assert params.seq_idx.dtype == torch.int32
-    assert torch.equal(params.seq_idx, batch.seq_idx), (lengths, kw)
+    assert torch.equal(params.seq_idx, seq_idx(batch)), (lengths, kw)
 
 
 @pytest.mark.parametrize("cu,message", [

@@ -7,7 +7,7 @@ The references here are written from the samples alone, never from thdpack's lay
   of its tokens 0..t (nothing of another member, no pad slot): so a causal model computes, at those
   rows, the logits the sample has alone;
 - the target table is each sample's own HF labels, shifted within the sample, at those rows;
-- torch's ``create_block_mask`` over the same mask gives the tables of ``ThdBatch.block_mask()``, and
+- torch's ``create_block_mask`` over the same mask gives the tables of ``thdpack.batching.block_mask(batch)``, and
   torch's ``create_mask`` over the BlockMask's mask_mod gives the dense mask;
 - FLOPs: the batch's ``seqlen_squared_sum`` is twice the mask's allowed (real row, real key) pairs less
   the real tokens, the convention of ``Σ sᵢ²``.
@@ -30,6 +30,7 @@ from thdpack import (SampleError, ThdCollator, TokenBudgetBatchSampler, build_th
 from thdpack.batching.shared_prefix import group_prefixes
 from thdpack.flops import FlopsAccumulator, tree_seqlen_squared_sum
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
+from thdpack.batching import attention_mask_4d, block_mask, document_parents, seq_idx
 
 
 pytestmark = pytest.mark.usefixtures("static_flex_compiles")  # tests/conftest.py
@@ -80,7 +81,7 @@ def assert_tree_matches_samples(batch, samples) -> None:
     """The checks of the module docstring, from ``samples`` alone."""
     rows = sample_rows(batch)
     assert batch.num_samples == len(samples) == len(rows)
-    mask = batch.attention_mask_4d()[0, 0]
+    mask = attention_mask_4d(batch)[0, 0]
     for j, (sample, r) in enumerate(zip(samples, rows)):
         ids = torch.as_tensor(np.asarray(sample["input_ids"]))
         assert torch.equal(batch.input_ids[r], ids), f"sample {j}: tokens"
@@ -98,7 +99,7 @@ def assert_tree_matches_samples(batch, samples) -> None:
 def reference_mask(batch) -> torch.Tensor:
     """bool ``[T, T]`` from the segments by the rule (own segment causally, the parent's real tokens)."""
     cu, lens = batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist()
-    parents = batch.document_parents.tolist()
+    parents = document_parents(batch).tolist()
     T = batch.num_padded_tokens
     out = torch.zeros(T, T, dtype=torch.bool)
     for d in range(len(lens)):
@@ -113,7 +114,7 @@ def reference_mask(batch) -> torch.Tensor:
 def assert_block_mask_is_torchs(batch, block_size) -> None:
     dense = reference_mask(batch)
     T = dense.shape[0]
-    got = batch.block_mask(block_size)
+    got = block_mask(batch, block_size)
 
     def mask_mod(b, h, q, kv):
         return dense[q, kv]
@@ -122,7 +123,7 @@ def assert_block_mask_is_torchs(batch, block_size) -> None:
     for name in MASK_TABLES:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(create_mask(got.mask_mod, 1, 1, T, T, device="cpu")[0, 0], dense)
-    assert torch.equal(batch.attention_mask_4d()[0, 0], dense)
+    assert torch.equal(attention_mask_4d(batch)[0, 0], dense)
 
 
 def real_slots(batch) -> torch.Tensor:
@@ -141,7 +142,7 @@ def test_layout_of_a_grpo_group_and_a_sample_alone():
     batch = build_thd_batch(samples, share_prefix="group", min_prefix_len=2)
     tree = batch.prefix_tree
     assert batch.seq_lens.tolist() == [4, 2, 1, 0, 3]  # prefix, its members, the sample alone
-    assert batch.document_parents.tolist() == [-1, 0, 0, 0, -1]
+    assert document_parents(batch).tolist() == [-1, 0, 0, 0, -1]
     assert batch.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 4, 0, 1, 2]
     assert tree.prefix_lens.tolist() == [4, 4, 4, 0]
     # the prefix's last row (3) predicts the first own token of members 0 and 1, none of member 2
@@ -230,7 +231,7 @@ def test_tree_layouts_against_the_samples(case):
     assert batch.num_tokens == int(lens.sum()) - sum((k - 1) * q for q, k in prefixes)  # every prefix once
     # FLOPs: the tree's Σ convention is twice the real pairs less the real tokens, Σ L² − Σ (k − 1)·p²
     real = real_slots(batch)
-    pairs = int(batch.attention_mask_4d()[0, 0][real][:, real].sum())
+    pairs = int(attention_mask_4d(batch)[0, 0][real][:, real].sum())
     assert batch.seqlen_squared_sum == 2 * pairs - batch.num_tokens
     assert batch.seqlen_squared_sum == int((lens * lens).sum()) - sum((k - 1) * q * q for q, k in prefixes)
 
@@ -282,7 +283,7 @@ def test_dialects_that_cannot_express_the_tree_refuse():
     batch = build_thd_batch(group_samples([(6, [2, 3])]), share_prefix="group", min_prefix_len=1)
     for call in (lambda: to_hf_kwargs(batch, include_labels=False),
                  lambda: to_hf_kwargs(batch, attn_implementation="flash_attention_2", include_labels=False),
-                 lambda: packed_seq_params_dict(batch), lambda: batch.seq_idx, lambda: shard_for_cp(batch, 2, 0)):
+                 lambda: packed_seq_params_dict(batch), lambda: seq_idx(batch), lambda: shard_for_cp(batch, 2, 0)):
         with pytest.raises(ValueError, match="cannot express a shared-prefix batch .* share_prefix=None"):
             call()
     with pytest.raises(ValueError, match="include_labels=True"):
@@ -399,7 +400,7 @@ def test_flops_count_the_tree():
     acc = FlopsAccumulator().add(tree)
     assert (acc.samples, acc.tokens, acc.padded_tokens) == (5, tree.num_tokens, tree.num_padded_tokens)
     assert acc.seqlen_squared_sum == tree.seqlen_squared_sum == tree_seqlen_squared_sum(tree.seq_lens,
-                                                                                         tree.document_parents)
+                                                                                         document_parents(tree))
     p, c = 40, np.array([6, 0, 11, 3])
     assert tree.seqlen_squared_sum == p * p + int((c * (2 * p + c)).sum()) + 17 * 17
     config = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

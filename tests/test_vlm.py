@@ -28,6 +28,7 @@ from thdpack.planning import binpack as _binpack  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
 from thdpack.integrations import to_hf_kwargs  # noqa: E402
+from thdpack.batching import seq_idx
 
 IGNORE = -100
 VOCAB = 128
@@ -323,7 +324,7 @@ def test_qwen3_5_hybrid_on_cpu(attn):
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         assert torch.equal(rows[:, a : a + s], reference_rope(model, sample)[0])
     kw = to_hf_kwargs(batch, attn_implementation=attn)
-    assert torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded) and torch.equal(kw["seq_idx"], batch.seq_idx)
+    assert torch.equal(kw["cu_seq_lens_q"], batch.cu_seqlens_padded) and torch.equal(kw["seq_idx"], seq_idx(batch))
     with pytest.raises(ValueError, match="can't keep packed sequences apart"), torch.no_grad():
         model(**kw)
     packed_model(model)

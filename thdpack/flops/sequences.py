@@ -178,7 +178,7 @@ def tree_seqlen_squared_sum(seq_lens, parents) -> int:
 
     Args:
         seq_lens: int ``[S]`` real lengths of the segments (``ThdBatch.seq_lens``).
-        parents: int ``[S]`` the parent segment of each, ``-1`` for a root (``ThdBatch.document_parents``).
+        parents: int ``[S]`` the parent segment of each, ``-1`` for a root (``thdpack.batching.document_parents(batch)``).
 
     Returns:
         A Python int (exact, as :func:`lengths_squared_sum`).

@@ -8,7 +8,8 @@ import torch
 from thdpack.attention.backends import attention_kind, dense_mask_dtype
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.attention.static import pad_cu_seqlens
-from thdpack.batching.batch import ThdBatch, whole_stream_offsets
+from thdpack.batching.batch import ThdBatch
+from thdpack.batching.views import attention_mask_4d, block_mask, whole_stream_offsets
 from thdpack.batching.prefix_tree import refuse_tree
 from thdpack.common.align import check_bool
 
@@ -39,14 +40,14 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
     - ``cu_seq_lens_q/k`` int32 ``[n+1]`` (the padded layout) and ``max_length_q/k``: flash-attention varlen
       kernels, and the Gated DeltaNet / Mamba-2 scans of hybrid models (transformers passes
       ``cu_seq_lens_q`` to them as ``cu_seqlens``);
-    - ``seq_idx`` int32 ``[1, T]`` (:attr:`~thdpack.ThdBatch.seq_idx`): the short causal convolutions of those
+    - ``seq_idx`` int32 ``[1, T]`` (:func:`thdpack.batching.views.seq_idx`): the short causal convolutions of those
       layers, as transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` gives it.
 
     ``attn_implementation`` (the model's ``config._attn_implementation``) picks the attention mask
     (:mod:`thdpack.attention.backends`): None, flash names, hub kernels and custom names registered without
     a mask function get none (varlen kernels read the offsets); ``"flex_attention"`` gets ``attention_mask``
-    = :meth:`~thdpack.ThdBatch.block_mask`; ``"sdpa"`` a bool and ``"eager"`` a float32 additive
-    ``[1, 1, T, T]`` :meth:`~thdpack.ThdBatch.attention_mask_4d` (``T²``: for small packs, as transformers' own
+    = :func:`thdpack.batching.views.block_mask`; ``"sdpa"`` a bool and ``"eager"`` a float32 additive
+    ``[1, 1, T, T]`` :func:`thdpack.batching.views.attention_mask_4d` (``T²``: for small packs, as transformers' own
     packed sdpa mask). A 4D mask is used as it is, cache or not, so ``use_cache=False`` is no longer needed.
     Attention layers ignore the keys they do not read. Models with sliding-window layers: call
     :func:`thdpack.integrations.packed_model` first (a whole-stream mask has no window).
@@ -76,9 +77,9 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
         "seq_idx": seq_idx,
     }
     if kind == "flex":
-        kw["attention_mask"] = batch.block_mask()
+        kw["attention_mask"] = block_mask(batch)
     elif kind == "dense":
-        kw["attention_mask"] = batch.attention_mask_4d(dense_mask_dtype(attn_implementation))
+        kw["attention_mask"] = attention_mask_4d(batch, dense_mask_dtype(attn_implementation))
     return _vision_and_labels(batch, kw, include_labels)
 
 

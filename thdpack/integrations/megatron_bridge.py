@@ -30,6 +30,7 @@ import torch
 from thdpack.batching.batch import ThdBatch
 from thdpack.common.align import check_int
 from thdpack.integrations.megatron_core import packed_seq_params_dict, to_packed_seq_params
+from thdpack.batching.views import padding_mask
 
 # the vision inputs of a VLM batch (ThdBatch.extras / token_extras) that Bridge's models take
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -113,7 +114,7 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
     is scored) int64 ``[1, T]``; ``loss_mask`` float32 ``[1, T]``; ``attention_mask`` None;
     ``packed_seq_params`` (:func:`thdpack.integrations.megatron_core.to_packed_seq_params`, with ``local_cp_size``
     and the block's ``cp_group`` on a hybrid-CP batch: ``cp_group=`` as there); and ``padding_mask`` bool ``[1, T]``
-    (:attr:`thdpack.ThdBatch.padding_mask`, True on pad slots), which megatron-core's MoE layers use to keep
+    (:func:`thdpack.batching.views.padding_mask`, True on pad slots), which megatron-core's MoE layers use to keep
     pad slots out of the routers' aux and z losses, token counts and expert-bias updates. ``T`` is the local
     length on a shard."""
     _check_args("to_gpt_forward_kwargs", batch, ignore_label)
@@ -124,7 +125,7 @@ def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int =
         "labels": torch.where(batch.loss_mask, batch.labels, ignore_label).long().unsqueeze(0),
         "loss_mask": batch.loss_mask.float().unsqueeze(0),
         "packed_seq_params": to_packed_seq_params(batch, cp_group=cp_group),
-        "padding_mask": batch.padding_mask.unsqueeze(0),
+        "padding_mask": padding_mask(batch).unsqueeze(0),
     }
 
 

@@ -15,7 +15,7 @@ family's modeling file, called by ``*ForCausalLM.forward`` when ``output_router_
   samples from ``position_ids`` and attends across them.
 
 :func:`router_aux_loss` computes the loss with the family's own ``load_balancing_loss_func`` and the batch's
-:attr:`~thdpack.ThdBatch.padding_mask` as its ``[1, T]`` mask, which keeps the pad slots out: it equals the
+:func:`thdpack.batching.views.padding_mask` as its ``[1, T]`` mask, which keeps the pad slots out: it equals the
 loss transformers gives for the same samples packed without padding. Get the router logits from the
 decoder, which does not compute the loss (``model.model(**kw, output_router_logits=True).router_logits``),
 or from ``model(**kw, output_router_logits=True)`` where no mask is passed, and add
@@ -29,6 +29,7 @@ import sys
 import torch
 
 from thdpack.batching.batch import ThdBatch
+from thdpack.batching.views import padding_mask
 
 
 def _text_config(config):
@@ -59,7 +60,7 @@ def router_aux_loss(model, router_logits, batch: ThdBatch) -> torch.Tensor:
         raise TypeError(f"router_aux_loss: batch must be the thdpack.ThdBatch the model ran on (build_thd_batch, "
                         f"ThdCollator), got {type(batch).__name__}")
     logits = _layer_logits(router_logits, batch.num_padded_tokens, experts)
-    mask = (~batch.padding_mask).to(torch.int64).unsqueeze(0)
+    mask = (~padding_mask(batch)).to(torch.int64).unsqueeze(0)
     return loss_func(logits, experts, top_k, mask.to(logits[0].device))
 
 
