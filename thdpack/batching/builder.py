@@ -40,47 +40,24 @@ def build_thd_batch(
     layout: BatchLayout | None = None,
     **layout_keywords,
 ) -> ThdBatch:
-    """Pack ``samples`` into one :class:`ThdBatch`.
+    """Pack ``samples`` into one :class:`ThdBatch` on the CPU. What each argument accepts and its
+    errors: docs/build.md, "Reference details", "build_thd_batch: what it takes".
 
     Args:
-        samples: mappings with ``input_ids`` (``[s]`` integers >= 0) and optionally
-            ``labels`` (``[s]``, HF style: unshifted, ``ignore_index`` = no loss) and/or
-            ``loss_mask`` (``[s]``, 1 = the token is a target). With both, a token is a
-            target only where both say so (the labels' ``ignore_index`` or a mask 0
-            excludes it). Without either, every token but the first is a target.
-            Lists, numpy arrays (object arrays of Python ints too), integer torch tensors
-            and Arrow values are accepted; anything else (floats, None, bools in
-            ``input_ids`` / ``labels``, values beyond int64, meta tensors) is a
-            ``ValueError`` naming the sample and field. ``samples`` itself must be a list
-            (any iterable) of them: one mapping is a ``ValueError``, None, a number or a
-            string a ``TypeError``.
-        layout, **layout_keywords: how the samples are padded and aligned and which CP
-            rank's shard is built: a :class:`thdpack.batching.layout.BatchLayout`, or its fields as
-            keywords (``pad_token_id``, ``ignore_index``, ``cp_size``, ``tp_size``,
-            ``sequence_parallel``, ``pad_multiple``, ``max_length``, ``pad_to``,
-            ``cp_rank``, ``max_num_seqs``; each documented there).
-        sample_index: ``[n]`` input row of each sample, recorded in the batch
-            (defaults to ``0..n-1``).
-        source_index: ``[n]`` the source (of a dataset mixture) of each sample, integers >= 0, recorded
-            in ``batch.source_index``; default: the samples' ``"source_index"`` field
-            (:data:`SOURCE_INDEX_FIELD`; given to every sample or to none), else 0 for every sample.
-        vlm: for VLM samples, the model's family, ``thdpack.vlm.get_family(model_config)``
-            (a :class:`~thdpack.batching.vision_family.VisionFamily`): adds the concatenated vision
-            inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
-        sample_values: names of per-sample fields (a number or vector per sample: weights,
-            rewards, advantages, domain ids) to carry into ``batch.sample_values`` (see
-            :mod:`thdpack.common.values`); a NaN or infinite value is a ``ValueError``
-            naming the sample and field.
-        share_prefix: None (every sample alone), or the name of a sample field holding a group id
-            (e.g. ``"group"``): the samples of a group that begin with the same tokens are laid out
-            once as ``[prefix][member 1][member 2]...`` (:mod:`thdpack.batching.shared_prefix`: the
-            prefix is each member's ``"prefix_len"`` field or the longest common one; the batch's
-            ``prefix_tree`` carries the segments and every sample's targets). Masks for
-            ``flex_attention`` / ``sdpa`` / ``eager`` only; no CP. With ``vlm`` a prefix ends
-            before any image / video it would split or that differs between members, its images are
-            listed once and each member's mRoPE rows continue from it (:mod:`thdpack.vlm.tree_vision`).
-        min_prefix_len: with ``share_prefix``, the shortest prefix worth sharing (default 32 tokens);
-            a group with a shorter one is laid out unshared.
+        samples: a list (any iterable) of mappings with ``input_ids`` (``[s]`` integers >= 0) and
+            optionally ``labels`` (``[s]``, HF style: unshifted, ``ignore_index`` = no loss) and/or
+            ``loss_mask`` (``[s]``, 1 = target); which tokens are targets: the module docstring.
+        layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout` or its fields as
+            keywords: padding, alignment, cut, and which CP rank's shard is built.
+        sample_index: ``[n]`` input row of each sample (defaults to ``0..n-1``).
+        source_index: ``[n]`` source (of a mixture) of each sample, integers >= 0; default: the
+            samples' :data:`SOURCE_INDEX_FIELD` field, else 0.
+        vlm: for VLM samples, the model's family (``thdpack.vlm.get_family(model_config)``): adds
+            the vision inputs, ``mm_token_type_ids`` and ``mrope_position_ids``.
+        sample_values: names of per-sample fields to carry into ``batch.sample_values``.
+        share_prefix: None, or the sample field holding a group id: each group's common prefix
+            laid out once (:mod:`thdpack.batching.shared_prefix`); no CP.
+        min_prefix_len: with ``share_prefix``, the shortest prefix worth sharing (default 32).
 
     Returns:
         A :class:`ThdBatch` on the CPU.
@@ -98,14 +75,15 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
     """:func:`build_thd_batch` with a validated ``layout`` (what the collators call per
     batch); a no-target warning names the frame ``stacklevel`` up (3: the caller's caller)."""
     if share_prefix is not None:
-        return _build_shared(samples, layout, share_prefix, min_prefix_len, sample_index=sample_index,
-                             source_index=source_index, vlm=vlm, sample_values=sample_values,
-                             stacklevel=stacklevel + 1)
+        def unshared(listed, shape):  # its warning 3 frames deeper: this, shared_batch, build_batch
+            return build_batch(listed, shape, sample_index=sample_index, source_index=source_index, vlm=vlm,
+                               sample_values=sample_values, stacklevel=stacklevel + 3)
+
+        return shared_batch(unshared, samples, layout, share_prefix, min_prefix_len, vlm)
     samples = sample_list(samples, "build_thd_batch")
     if not samples:
         raise ValueError("build_thd_batch got no samples; a batch needs at least one")
     check_num_seqs(len(samples), layout.max_num_seqs)
-    cp_size, cp_rank = layout.cp_size, layout.cp_rank
     ids_parts, label_parts, mask_parts, tokens_truncated, pending = _read_samples(samples, layout.cut_length)
     seq_lens = np.fromiter((p.size for p in ids_parts), dtype=np.int64, count=len(ids_parts))
     batch = stream_batch(concat_int64(ids_parts), None if label_parts is None else concat_int64(label_parts),
@@ -117,12 +95,19 @@ def build_batch(samples: Sequence, layout: BatchLayout, *, sample_index=None, so
         from thdpack.common.values import attach_sample_values
 
         attach_sample_values(batch, samples, sample_values)
-    if vlm is not None:  # VLM: vision inputs, token types and mRoPE rows, then the CP shard
-        vlm.attach(batch, samples)
-        if cp_rank is not None:
-            batch = shard_for_cp(batch, cp_size, cp_rank)
+    batch = with_vision(batch, layout, vlm, samples)
     warn_if_no_targets(batch, stacklevel)
     return batch
+
+
+def with_vision(batch: ThdBatch, layout: BatchLayout, vlm, samples: Sequence) -> ThdBatch:
+    """``batch`` (the whole stream, built with ``shard=vlm is None``) with the VLM family's vision inputs, token
+    types and mRoPE rows of ``samples`` (``[n]`` mappings with their vision fields), then ``layout``'s CP shard;
+    ``batch`` itself when ``vlm`` is None."""
+    if vlm is None:
+        return batch
+    vlm.attach(batch, samples)
+    return batch if layout.cp_rank is None else shard_for_cp(batch, layout.cp_size, layout.cp_rank)
 
 
 def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | None, seq_lens: np.ndarray,
@@ -177,21 +162,21 @@ def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | 
     return batch
 
 
-def _build_shared(samples, layout: BatchLayout, share_prefix, min_prefix_len, *, sample_index, source_index,
-                  vlm, sample_values, stacklevel: int) -> ThdBatch:
-    """:func:`build_batch` with ``share_prefix``: the unshared stream first (its checks, its targets), then
-    the tree gathered from it (:mod:`thdpack.batching.shared_prefix`); the plain batch when no group shares."""
+def shared_batch(unshared, samples, layout: BatchLayout, share_prefix, min_prefix_len, vlm) -> ThdBatch:
+    """The batch of ``samples`` with each group's shared prefix laid out once: ``unshared(samples, flat_layout)``
+    first (its checks, its targets), then the tree gathered from it (:mod:`thdpack.batching.shared_prefix`);
+    ``unshared(samples, layout)`` when no group shares. ``unshared(list, BatchLayout) -> ThdBatch`` builds
+    the batch without sharing; ``samples``: ``[n]`` mappings holding each sample's group id and declared
+    ``prefix_len`` (and its vision fields)."""
     check_share_args(share_prefix, min_prefix_len, layout)
     samples = sample_list(samples, "build_thd_batch")
     check_num_seqs(len(samples), layout.max_num_seqs)
-    flat = build_batch(samples, flat_layout(layout), sample_index=sample_index, source_index=source_index,
-                       sample_values=sample_values, vlm=vlm, stacklevel=stacklevel + 1)
+    flat = unshared(samples, flat_layout(layout))
     limit = None if vlm is None else vlm.prefix_limit(flat)  # whole, equal images
     tree = build_shared_batch(flat, samples, layout, share_prefix, int(min_prefix_len), limit)
     if tree is not None:
         return tree if vlm is None else vlm.attach_tree(tree, flat)
-    return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
-                       sample_values=sample_values, vlm=vlm, stacklevel=stacklevel + 1)
+    return unshared(samples, layout)
 
 
 def _read_samples(samples, max_length):

@@ -2,32 +2,13 @@
 GRPO group's prompt, branches of one conversation) laid out once as ``[prefix][member 1][member 2]...``.
 
 ``build_thd_batch(samples, share_prefix="group")`` shares within the groups of the sample field
-``"group"`` (an integer id). Each group's prefix is
-
-- declared: every member's :data:`PREFIX_FIELD` (``"prefix_len"``, e.g. the prompt's length), the same
-  for all members of the group; a member whose first ``prefix_len`` tokens (or the targets of
-  those rows) differ from the others' is a ``ValueError`` naming the group; or
-- found: the longest common prefix of the members' tokens, ended early where the members' targets on
-  the prefix rows would differ (so each shared row has one label; see below);
-
-and sharing happens when a group has two or more members, a prefix of at least ``min_prefix_len``
-tokens (:data:`DEFAULT_MIN_PREFIX_LEN`, 32: a shorter prefix saves less than 32 tokens per member,
-under a quarter of a 128-token FlexAttention tile, while every shared group adds partial tiles to the
-mask), and a tree shorter than the group unshared once every segment is padded to the layout's multiple
-(``round_up(p) + Σ round_up(cⱼ) < Σ round_up(p + cⱼ)``: with a large multiple, padding the prefix and
-every member separately can cost more than the prefix saves). Other samples are laid out alone, as
-unshared. A member equal to the prefix has no own tokens.
-
-Where the prefix ends: its rows ``0 .. p-2`` predict tokens ``1 .. p-1``, which every member shares,
-so their targets must agree (the found prefix stops before a disagreement); its last row ``p-1``
-predicts each member's token ``p``, which differ: that row's targets live in the target table of
-:class:`thdpack.batching.prefix_tree.PrefixTree` (``first_rows`` / ``first_labels``), and its
-``labels`` slot is ``ignore_index``. ``position_ids``: the prefix counts ``0 .. p-1``, each member
-continues at ``p``, as the sample alone. Each segment (prefix, member, sample alone) is padded to
-the layout's multiple; ``pad_to`` extends the last one.
-
-The batch is built from the unshared one (the same target rule, checks and errors), then gathered
-into the tree: every row of the tree is a row of the unshared stream, with the logits it has there.
+``"group"`` (an integer id). Each group's prefix is declared (every member's :data:`PREFIX_FIELD`,
+checked) or found (the longest common prefix whose rows' targets agree); a group shares when it has two
+or more members, a prefix of at least ``min_prefix_len`` tokens (:data:`DEFAULT_MIN_PREFIX_LEN`) and a
+tree shorter than the group unshared once padded. The prefix's last row predicts each member's first
+token: those targets live in :class:`thdpack.batching.prefix_tree.PrefixTree`'s target table. The
+batch is gathered from the unshared one (the same target rule, checks and errors). The rules in full:
+docs/rl.md, "Reference details", "Shared-prefix packing: the rules".
 """
 
 from __future__ import annotations

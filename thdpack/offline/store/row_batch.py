@@ -1,7 +1,8 @@
 """Stored packs straight to a :class:`~thdpack.batching.batch.ThdBatch`: the rows' token arrays,
 end to end, into the builder's kernels (:func:`thdpack.batching.builder.stream_batch`), never split
-into samples and joined again. VLM packs add each sample's vision fields (views of the row's pixels)
-after the stream is built; shared-prefix packs gather their tree from the unshared stream."""
+into samples and joined again. This module only turns stored rows into the arrays (ids, targets, seq_lens);
+the builder's own steps add the vision fields (:func:`~thdpack.batching.builder.with_vision`) and the
+shared-prefix tree (:func:`~thdpack.batching.builder.shared_batch`)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from thdpack.attention.static import check_num_seqs
-from thdpack.batching.batch import ThdBatch, shard_for_cp
-from thdpack.batching.builder import concat_int64, stream_batch
+from thdpack.batching.batch import ThdBatch
+from thdpack.batching.builder import concat_int64, shared_batch, stream_batch, with_vision
 from thdpack.batching.layout import BatchLayout
-from thdpack.batching.shared_prefix import build_shared_batch, check_share_args, flat_layout
 from thdpack.common.samples import to_int_array
 
 
 def rows_batch(rows: Sequence[tuple], layout: BatchLayout, *, sample_index: np.ndarray, sources=None, vlm=None,
                vision: Sequence = ()) -> ThdBatch:
     """The batch of the samples of ``rows``, each ``(ids [S], seq_lens int64 [n], {"loss_mask" | "labels": [S]})``
-    (one pack row's integer or bool numpy arrays, checked to agree), as :func:`thdpack.build_thd_batch` builds it from the same samples in order: the same
-    tensors, dtypes and errors (a sample named by its position in the batch). ``sample_index``: int64
+    (one pack row's integer or bool numpy arrays, checked to agree), as :func:`thdpack.build_thd_batch` builds
+    it from the same samples in order: the same tensors, dtypes and errors (a sample named by its position in the batch). ``sample_index``: int64
     ``[n]``; ``sources``: as :func:`~thdpack.batching.builder.stream_batch` takes it. ``vlm``: the VLM family,
     with ``vision`` ``[n]`` mappings holding each sample's vision fields only
     (:func:`~thdpack.offline.store.vision_readback.add_vision`)."""
@@ -45,27 +45,19 @@ def rows_batch(rows: Sequence[tuple], layout: BatchLayout, *, sample_index: np.n
     streams, seq_lens, truncated = _cut(streams, seq_lens, layout.cut_length)
     batch = stream_batch(*streams, seq_lens, layout, shard=vlm is None, sample_index=sample_index, sources=sources,
                          tokens_truncated=truncated)
-    if vlm is None:
-        return batch
-    vlm.attach(batch, vision)  # on the whole stream, then the CP shard: as build_thd_batch(vlm=...) does
-    return batch if layout.cp_rank is None else shard_for_cp(batch, layout.cp_size, layout.cp_rank)
+    return with_vision(batch, layout, vlm, vision)
 
 
 def rows_shared_batch(rows: Sequence[tuple], layout: BatchLayout, *, share_prefix: str, min_prefix_len: int,
                       sample_index: np.ndarray, sources=None, vlm=None, vision: Sequence) -> ThdBatch:
     """:func:`rows_batch` with each group's shared prefix laid out once, as
-    ``build_thd_batch(share_prefix=..., min_prefix_len=...)`` lays out the same samples: the tree gathered
-    from the unshared stream, or the plain batch when no group shares. ``vision``: ``[n]`` mappings holding
-    each sample's ``share_prefix`` group id and declared ``prefix_len`` (and its vision fields)."""
-    check_share_args(share_prefix, min_prefix_len, layout)
-    check_num_seqs(sum(lens.size for _, lens, _ in rows), layout.max_num_seqs)
-    keys = dict(sample_index=sample_index, sources=sources, vlm=vlm, vision=vision)
-    flat = rows_batch(rows, flat_layout(layout), **keys)
-    limit = None if vlm is None else vlm.prefix_limit(flat)  # whole, equal images
-    tree = build_shared_batch(flat, vision, layout, share_prefix, int(min_prefix_len), limit)
-    if tree is None:
-        return rows_batch(rows, layout, **keys)
-    return tree if vlm is None else vlm.attach_tree(tree, flat)
+    ``build_thd_batch(share_prefix=..., min_prefix_len=...)`` lays out the same samples
+    (:func:`~thdpack.batching.builder.shared_batch`). ``vision``: ``[n]`` mappings holding each sample's
+    ``share_prefix`` group id and declared ``prefix_len`` (and its vision fields)."""
+    def unshared(_, shape):
+        return rows_batch(rows, shape, sample_index=sample_index, sources=sources, vlm=vlm, vision=vision)
+
+    return shared_batch(unshared, vision, layout, share_prefix, min_prefix_len, vlm)
 
 
 def _ints(values: np.ndarray, lens: np.ndarray, first: int, field: str) -> np.ndarray:
