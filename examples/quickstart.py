@@ -82,7 +82,7 @@ def main() -> None:
     )
 
     try:
-        model = packed_model(tiny_qwen3(args.vocab_size))  # a no-op for Qwen3; hybrids get their boundaries
+        model = packed_model(tiny_qwen3(args.vocab_size))  # Qwen3: no layer wrapped; hybrids get their boundaries
     except ImportError:
         print("\ntransformers is not installed: skipping the packed training step (pip install -e '.[hf]')")
         return

@@ -225,7 +225,7 @@ def tiny_model(family: str, tokens: ChatTokens, seed: int):
     }
     torch.manual_seed(seed)
     model = getattr(transformers, classes[family])(tiny_config(family, tokens)).to(torch.float32)
-    return packed_model(model)  # hybrid layers get the pack's sample boundaries (a no-op for the others)
+    return packed_model(model)  # hybrid layers get the pack's sample boundaries (full-attention models: no layer wrapped)
 
 
 @torch.no_grad()
