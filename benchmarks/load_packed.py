@@ -63,7 +63,7 @@ def split_and_rejoin(ds, **overrides):
     """The route before issue 44: each row's samples (``unpack_row``) through a ``ThdCollator``, then the
     stored ``sample_index`` / ``source_index`` patched in (text packs without shared prefixes)."""
     packed = ds.collator(**overrides)
-    collator = thdpack.ThdCollator(layout=packed.collator.layout, vlm=packed.collator.build_kwargs["vlm"])
+    collator = thdpack.ThdCollator(**packed.collator.layout.keywords(), vlm=packed.collator.build_kwargs["vlm"])
 
     def collate(row):
         batch = collator(unpack_row(row))

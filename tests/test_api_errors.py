@@ -4,6 +4,8 @@ rule for samples that give both ``labels`` and ``loss_mask``."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -354,14 +356,16 @@ def test_sample_error_is_a_value_error_rebuilt_from_its_message():
 # -------------------------------------------------------------------------- the batch layout
 
 
-def test_layout_keywords_and_layout_object_build_the_same_batch():
+def test_layout_keywords_and_a_held_layouts_keywords_build_the_same_batch():
     samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8]}]
     keywords = dict(pad_token_id=9, cp_size=2, tp_size=2, sequence_parallel=True, pad_multiple=8, pad_to=32, cp_rank=1)
+    layout = BatchLayout(**keywords)
+    assert BatchLayout(**layout.keywords()) == layout and set(layout.keywords()) >= set(keywords)
     by_keywords = build_thd_batch(samples, **keywords)
-    by_layout = build_thd_batch(samples, layout=BatchLayout(**keywords))
+    by_layout = build_thd_batch(samples, **layout.keywords())
     assert torch.equal(by_keywords.input_ids, by_layout.input_ids)
     assert torch.equal(by_keywords.shard.partition_indices, by_layout.shard.partition_indices)
-    assert ThdCollator(**keywords).layout == BatchLayout(**keywords)
+    assert ThdCollator(**keywords).layout == layout == ThdCollator(**layout.keywords()).layout
     assert ThdCollator(cp_size=1, cp_rank=0).layout.cp_rank is None  # one CP rank: the whole batch
 
 
@@ -370,8 +374,26 @@ def test_unknown_layout_keyword_names_the_callee(owner):
     call = (lambda **kw: owner([{"input_ids": [1]}], **kw)) if owner is build_thd_batch else owner
     with pytest.raises(TypeError, match=rf"^{owner.__name__}\(\) got unexpected keyword argument\(s\) 'pad_id'"):
         call(pad_id=0)
-    with pytest.raises(TypeError, match=rf"^{owner.__name__}\(\) takes layout= or the layout keywords"):
-        call(layout=BatchLayout(), cp_size=2)
+
+
+@pytest.mark.parametrize("owner, call", [
+    ("build_thd_batch", lambda **kw: build_thd_batch([{"input_ids": [1, 2]}], **kw)),
+    ("ThdCollator", ThdCollator),
+    ("rebalance", lambda **kw: rebalance([{"input_ids": [1, 2]}], 8, **kw)),
+    ("rebalance", lambda **kw: rebalance([{"input_ids": [1, 2]}], 8, hybrid_cp=True, **kw)),
+    ("PackedRowCollator", PackedRowCollator),
+    ("hybrid_cp_shards", lambda **kw: hybrid_cp_shards([{"input_ids": [1, 2]}], plan_hybrid_cp([2], 1, 8), 0, **kw)),
+])
+def test_a_layout_object_is_not_a_second_way_in(owner, call):
+    call(pad_token_id=3)  # the keywords
+    for given in (dict(layout=BatchLayout()), dict(layout=BatchLayout(), cp_size=1), dict(layout=None)):
+        with pytest.raises(TypeError, match=rf"^{owner}\(\) takes the BatchLayout fields as keywords "
+                                            r"\(pad_token_id=, cp_size=, \.\.\.\), not layout=; hand a held "
+                                            r"layout on as \*\*layout\.keywords\(\)$"):
+            call(**given)
+    for entry in (build_thd_batch, ThdCollator, rebalance, PackedRowCollator, hybrid_cp_shards):
+        named = [p.name for p in inspect.signature(entry).parameters.values() if p.kind != p.VAR_KEYWORD]
+        assert "layout" not in named, entry
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def rejoined(collator, rows: list[dict]):
         if collator.share_prefix:  # each sample's group and declared prefix, as the build stored them
             samples[-len(row["seq_lens"]):] = [dict(s, group=int(g), prefix_len=int(p)) for s, g, p in zip(
                 samples[-len(row["seq_lens"]):], row["group_id"], row["prefix_len"])]
-    batch = ThdCollator(layout=collator.collator.layout, vlm=collator._vlm, **collator._share)(samples)
+    batch = ThdCollator(**collator.collator.layout.keywords(), vlm=collator._vlm, **collator._share)(samples)
     index = np.concatenate([np.asarray(row["sample_index"], np.int64) for row in rows])
     batch = dataclasses.replace(batch, sample_index=torch.from_numpy(index))
     if all(SOURCE_COLUMN in row for row in rows):

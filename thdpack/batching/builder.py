@@ -23,7 +23,7 @@ from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
 from thdpack.parallel.shard import Shard
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
 from thdpack.batching.vision_family import check_vlm
-from thdpack.batching.layout import BatchLayout, layout_from, padded_lengths
+from thdpack.batching.layout import BatchLayout, layout_of, padded_lengths
 from thdpack.common.align import is_int
 from thdpack.common.samples import SampleError, get_field, refuse_bools, same_length, sample_list, to_int_array
 
@@ -37,7 +37,6 @@ def build_thd_batch(
     sample_values: Sequence[str] | None = None,
     share_prefix: str | None = None,
     min_prefix_len: int = DEFAULT_MIN_PREFIX_LEN,
-    layout: BatchLayout | None = None,
     **layout_keywords,
 ) -> ThdBatch:
     """Pack ``samples`` into one :class:`ThdBatch` on the CPU. What each argument accepts and its
@@ -47,8 +46,8 @@ def build_thd_batch(
         samples: a list (any iterable) of mappings with ``input_ids`` (``[s]`` integers >= 0) and
             optionally ``labels`` (``[s]``, HF style: unshifted, ``ignore_index`` = no loss) and/or
             ``loss_mask`` (``[s]``, 1 = target); which tokens are targets: the module docstring.
-        layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout` or its fields as
-            keywords: padding, alignment, cut, and which CP rank's shard is built.
+        **layout_keywords: the :class:`thdpack.batching.layout.BatchLayout` fields (``layout=`` is a
+            ``TypeError``): padding, alignment, cut, and which CP rank's shard is built.
         sample_index: ``[n]`` input row of each sample (defaults to ``0..n-1``).
         source_index: ``[n]`` source (of a mixture) of each sample, integers >= 0; default: the
             samples' :data:`SOURCE_INDEX_FIELD` field, else 0.
@@ -62,7 +61,7 @@ def build_thd_batch(
     Returns:
         A :class:`ThdBatch` on the CPU.
     """
-    layout = layout_from("build_thd_batch", layout, layout_keywords)
+    layout = layout_of("build_thd_batch", layout_keywords)
     check_vlm(vlm, "build_thd_batch")
     return build_batch(samples, layout, sample_index=sample_index, source_index=source_index,
                        vlm=vlm, sample_values=sample_values, share_prefix=share_prefix,

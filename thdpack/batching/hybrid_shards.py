@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
-from thdpack.batching.layout import layout_from
+from thdpack.batching.layout import layout_of, refuse_layout_object
 from thdpack.batching.vision_family import check_vlm
 from thdpack.common.align import check_int
 from thdpack.planning.hybrid_cp import HybridCPPlan
@@ -50,13 +50,14 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
     if not hasattr(samples, "__getitem__") or isinstance(samples, (str, bytes)):  # a datasets.Dataset indexes
         raise TypeError(f"samples must be a sequence of samples or a mapping {{sample id: sample}}, got "
                         f"{type(samples).__name__}")
+    refuse_layout_object("hybrid_cp_shards", layout)
     build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
     check_vlm(build.get("vlm"), "hybrid_cp_shards")
-    for name in ("cp_size", "cp_rank", "pad_to", "max_length", "layout", "share_prefix"):
+    for name in ("cp_size", "cp_rank", "pad_to", "max_length", "share_prefix"):
         if layout.get(name) is not None:
             raise TypeError(f"hybrid_cp_shards() takes no {name}=: the plan decides each micro-batch's CP size, rank "
                             "and length")
-    base = layout_from("hybrid_cp_shards", None, layout)
+    base = layout_of("hybrid_cp_shards", layout)
     out = []
     for j in plan.rank_micro_batches(rank):
         ids = plan.micro_batch(j)

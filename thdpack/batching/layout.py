@@ -1,7 +1,8 @@
 """The layout of a built batch: how each sample is padded and aligned, what fills the
-pad slots, and which CP rank's shard is built. Defined once here; :func:`thdpack.build_thd_batch`
-takes its fields as keywords, :class:`thdpack.ThdCollator` and
-:class:`thdpack.offline.PackedRowCollator` hold one and pass it on.
+pad slots, and which CP rank's shard is built. Defined once here; :func:`thdpack.build_thd_batch`,
+:class:`thdpack.ThdCollator`, :func:`thdpack.rebalance`, :class:`thdpack.offline.PackedRowCollator`
+and :func:`thdpack.hybrid_cp_shards` take its fields as keywords alone (:func:`layout_of` builds it);
+code holding one hands it on as ``**layout.keywords()``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class BatchLayout:
         if self.cp_rank is not None:
             check_cp_args(self.cp_size, self.cp_rank)
 
+    def keywords(self) -> dict:
+        """The fields as the keywords of :func:`thdpack.build_thd_batch` (what built this layout)."""
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
+
     @property
     def cut_length(self) -> int | None:
         """``max_length`` rounded down to the pad multiple: the tokens a sample keeps."""
@@ -84,17 +89,21 @@ class BatchLayout:
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchLayout) if f.init)
 
 
-def layout_from(owner: str, layout: BatchLayout | None, keywords: dict) -> BatchLayout:
-    """``layout``, or one built from ``keywords`` (the :class:`BatchLayout` fields a
-    caller of ``owner`` passed); ``TypeError`` naming ``owner`` for unknown keywords or both."""
+def layout_of(owner: str, keywords: dict) -> BatchLayout:
+    """The :class:`BatchLayout` of ``keywords`` (its fields, as a caller of ``owner`` passed them);
+    ``TypeError`` naming ``owner`` for ``layout=`` (:func:`refuse_layout_object`) or any other keyword."""
+    refuse_layout_object(owner, keywords)
     unknown = sorted(set(keywords) - set(LAYOUT_FIELDS))
     if unknown:
         raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-    if layout is None:
-        return BatchLayout(**keywords)
-    if keywords:
-        raise TypeError(f"{owner}() takes layout= or the layout keywords {sorted(keywords)}, not both")
-    return layout
+    return BatchLayout(**keywords)
+
+
+def refuse_layout_object(owner: str, keywords: dict) -> None:
+    """``TypeError`` naming ``owner`` if ``keywords`` holds ``layout``: a layout is taken one way, its fields."""
+    if "layout" in keywords:
+        raise TypeError(f"{owner}() takes the BatchLayout fields as keywords (pad_token_id=, cp_size=, ...), "
+                        "not layout=; hand a held layout on as **layout.keywords()")
 
 
 def check_token_args(pad_token_id, ignore_index) -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
-from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.batching.layout import BatchLayout, layout_of
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
@@ -90,8 +90,8 @@ class ThdCollator:
     ``batch.source_index``: the ``"source_index"`` field, else 0. In full: docs/loaders.md, "ThdCollator".
 
     Args:
-        layout, **layout_keywords: a :class:`thdpack.batching.layout.BatchLayout` or its fields as keywords
-            (as in :func:`thdpack.build_thd_batch`); with ``cp_size > 1`` and a ``cp_rank``, the CP shard.
+        **layout_keywords: the :class:`thdpack.batching.layout.BatchLayout` fields (as in
+            :func:`thdpack.build_thd_batch`); with ``cp_size > 1`` and a ``cp_rank``, the CP shard.
         cp_group: the CP ranks' process group (``cp_rank`` from it when None).
         ulysses_sp_size, ulysses_rank, sp_group: Ulysses SP: that rank's :func:`thdpack.shard_for_ulysses`,
             or without an SP rank the whole batch padded to the Ulysses multiple.
@@ -112,7 +112,6 @@ class ThdCollator:
     def __init__(
         self,
         *,
-        layout: BatchLayout | None = None,
         cp_group=None,
         ulysses_sp_size: int = 1,
         ulysses_rank: int | None = None,
@@ -125,7 +124,7 @@ class ThdCollator:
         **keywords,
     ):
         plan_keywords = {name: keywords.pop(name) for name in _PLAN_KEYWORDS if name in keywords}
-        layout = layout_from("ThdCollator", layout, keywords)  # validated now, rather than in a worker
+        layout = layout_of("ThdCollator", keywords)  # validated now, rather than in a worker
         self.layout = dataclasses.replace(layout, cp_rank=_cp_rank(layout, cp_group))
         check_vlm(vlm, "ThdCollator")
         self.options = _cap_samples(_collator_options(plan_keywords, self.layout.multiple),

@@ -24,7 +24,7 @@ import torch
 
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_thd_batch
-from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_from
+from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_of, refuse_layout_object
 from thdpack.batching.vision_family import check_vlm
 from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD, check_share_args, flat_layout,
                                             group_prefixes, read_groups)
@@ -72,8 +72,8 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
         groups: ``[n]`` integer group id per local sample (per rank): a group stays on one rank and step.
         hybrid_cp: plan under hybrid (per-sample) context parallelism instead
             (:func:`thdpack.loaders.hybrid_rebalance.rebalance_hybrid_cp`, which returns ``(batches, plan, offsets)``).
-        **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch (layout fields or ``layout=``,
-            ``vlm``, ``sample_values``, ``share_prefix``, ``min_prefix_len``).
+        **layout: :func:`thdpack.build_thd_batch` keywords for every micro-batch (the layout fields, ``vlm``,
+            ``sample_values``, ``share_prefix``, ``min_prefix_len``; ``layout=`` is a ``TypeError``).
 
     Returns:
         ``(batches, handle)``: this rank's :class:`thdpack.ThdBatch` micro-batches (``sample_index``: global
@@ -86,6 +86,7 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     """
     check_positive_int(pack_size, "pack_size")
     check_positive_int(micro_batches, "micro_batches")
+    refuse_layout_object("rebalance", layout)
     if hybrid_cp is not None and hybrid_cp is not False:
         return _rebalance_hybrid(local_samples, pack_size, hybrid_cp, micro_batches, group, cost, groups, layout)
     cost = CostModel() if cost is None else CostModel.of(cost)
@@ -106,12 +107,11 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
 def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
     """``**layout`` as ``(BatchLayout, build_thd_batch keywords)``; ``TypeError`` naming unknown keywords."""
     build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
-    given = layout.pop("layout", None)
     unknown = sorted(set(layout) - set(LAYOUT_FIELDS))
     if unknown:
         raise TypeError(f"rebalance() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} (it takes "
-                        f"the BatchLayout fields, layout=, and {', '.join(BUILD_KEYWORDS)})")
-    return layout_from("rebalance", given, layout), build
+                        f"the BatchLayout fields and {', '.join(BUILD_KEYWORDS)})")
+    return layout_of("rebalance", layout), build
 
 
 def _share_of(build_kwargs: dict, layout: BatchLayout) -> tuple | None:
@@ -184,7 +184,7 @@ def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple, layout:
                              f"sample {i}: groups {int(gid[i])}, {field} {int(own[i])}); give one of them, or both alike")
     if not samples:
         return own, np.zeros(0, np.int64)
-    flat = build_thd_batch(samples, layout=flat_layout(layout), vlm=vlm)
+    flat = build_thd_batch(samples, **flat_layout(layout).keywords(), vlm=vlm)
     limit = None if vlm is None else vlm.prefix_limit(flat)
     return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple, limit)
 
@@ -224,12 +224,12 @@ def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, bui
             samples = _as_planned(samples, part, route, share[0])
         try:
             if not is_filler:
-                batches.append(build_thd_batch(samples, sample_index=part, layout=layout, **build_kwargs))
+                batches.append(build_thd_batch(samples, sample_index=part, **layout.keywords(), **build_kwargs))
                 continue
             with warnings.catch_warnings():  # a filler has no targets by design
                 warnings.simplefilter("ignore")
                 masked = [_without_targets(s, layout.ignore_index) for s in samples]
-                batches.append(build_thd_batch(masked, sample_index=part, layout=layout, **build_kwargs))
+                batches.append(build_thd_batch(masked, sample_index=part, **layout.keywords(), **build_kwargs))
         except SampleError as exc:
             if exc.sample is None or not 0 <= exc.sample < part.size:
                 raise

@@ -29,7 +29,7 @@ import torch.utils.data
 from thdpack.common.align import check_bool, check_int, resolve_pad_multiple
 from thdpack.batching.batch import ThdBatch, warn_if_no_targets
 from thdpack.loaders.collate import ThdCollator
-from thdpack.batching.layout import BatchLayout, layout_from
+from thdpack.batching.layout import layout_of
 from thdpack.offline.config import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
 from thdpack.offline.store.row_batch import rows_batch, rows_shared_batch
@@ -103,9 +103,10 @@ class PackedRowCollator:
     a list of rows (``batch_size=k``) gives one :class:`ThdBatch` holding all their
     samples (a stream of up to ``k · pack_size`` tokens). The batch's ``sample_index``
     holds the input rows of the samples; of a mixture's packs (a ``source_index`` column), ``source_index``
-    holds each sample's source and ``sample_index`` its row within that source. ``layout`` (or its fields as keywords),
-    and ``cp_group`` are those of :class:`thdpack.ThdCollator` (the packs are planned already, so
-    there are no planning arguments), and ``model_config`` (a VLM's config or family) gives its ``vlm=``.
+    holds each sample's source and ``sample_index`` its row within that source. The layout keywords (the
+    :class:`thdpack.batching.BatchLayout` fields) and ``cp_group`` are those of :class:`thdpack.ThdCollator`
+    (the packs are planned already, so there are no planning arguments), and ``model_config`` (a VLM's
+    config or family) gives its ``vlm=``.
     Packs go straight from their stored streams into the builder's kernels
     (:mod:`thdpack.offline.store.row_batch`; a VLM pack's vision fields from views of the row), never
     split into samples: the batch ``ThdCollator`` builds of the same samples. ``sample_values``: the
@@ -121,7 +122,6 @@ class PackedRowCollator:
     def __init__(
         self,
         *,
-        layout: BatchLayout | None = None,
         cp_group=None,
         model_config=None,
         sample_values: Sequence[str] = (),
@@ -132,10 +132,10 @@ class PackedRowCollator:
         share_prefix = check_bool(share_prefix, "share_prefix", hint=" (the rows' group_id / prefix_len columns)")
         self.sample_values = tuple(sample_values)
         self.share_prefix = share_prefix
-        layout = layout_from("PackedRowCollator", layout, layout_keywords)
+        layout = layout_of("PackedRowCollator", layout_keywords)
         share = dict(share_prefix=_GROUP_FIELD, min_prefix_len=min_prefix_len) if share_prefix else {}
         vlm = None if model_config is None else get_family(model_config)  # a config (dict) or a family
-        self.collator = ThdCollator(layout=layout, cp_group=cp_group, vlm=vlm, **share)  # its layout, args checked
+        self.collator = ThdCollator(**layout.keywords(), cp_group=cp_group, vlm=vlm, **share)  # its layout, args checked
         self._vlm, self._share = vlm, share
 
     def __call__(self, rows) -> ThdBatch:
