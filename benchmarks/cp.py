@@ -9,7 +9,7 @@ round-robin after a warm-up):
 
 * ``build``                 ``build_thd_batch(samples)`` (no CP)
 * ``build cp``              ``build_thd_batch(samples, cp_size=cp)``
-* ``build cp + shard 1``    the same, then ``shard_for_cp(batch, cp, 0)`` (sharding a
+* ``build cp + shard 1``    the same, then ``thdpack.shard(batch, cp_size=cp, cp_rank=0)`` (sharding a
                             whole batch that already exists)
 * ``build cp, cp_rank``     ``build_thd_batch(pack, cp_size=cp, cp_rank=0)``: the rank's
                             shard assembled directly (what ``ThdCollator(cp_rank=...)`` does)
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import thdpack
-from thdpack import build_thd_batch, cp_pad_multiple, shard_for_cp
+from thdpack import build_thd_batch, cp_pad_multiple
 
 
 def make_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -90,14 +90,14 @@ def timing_table(packs_by_kind: dict, cp: int, repeats: int) -> list[dict]:
         return build_thd_batch(pack, cp_size=cp)
 
     def build_shard_one(pack):
-        return shard_for_cp(build_thd_batch(pack, cp_size=cp), cp, 0)
+        return thdpack.shard(build_thd_batch(pack, cp_size=cp), cp_size=cp, cp_rank=0)
 
     def build_direct(pack):  # what ThdCollator(cp_size, cp_rank) does: only this rank's tokens
         return build_thd_batch(pack, cp_size=cp, cp_rank=0)
 
     def build_shard_all(pack):
         batch = build_thd_batch(pack, cp_size=cp)
-        return [shard_for_cp(batch, cp, r) for r in range(cp)]
+        return [thdpack.shard(batch, cp_size=cp, cp_rank=r) for r in range(cp)]
 
     cases = [
         ("build", build),

@@ -10,7 +10,7 @@ to [1, 4096] (the last cut to fit), built with ``build_thd_batch(..., pad_multip
 Sections (``--sections``; :data:`SECTIONS` maps each name to a function ``(args, batch) -> rows``,
 a row ``{"section", "case", "seconds", "ratio", "equal"}``; add a section by adding a function):
 
-* ``ulysses``: ``shard_for_ulysses`` of one rank, the tail rank, all ranks, under ring CP and through
+* ``ulysses``: ``shard(batch, sp_size=, sp_rank=)`` of one rank, the tail rank, all ranks, under ring CP and through
   the collator, each against building the pack (``ratio``: the shard's cost over the build's; the
   target: at most 1.2x), checked to be the padded stream (benchmarks/layouts_ulysses.py).
 * ``block_mask``: the document-causal FlexAttention ``BlockMask``. thdpack's ``block_mask(batch)``

@@ -8,10 +8,10 @@ one token short so that the stream needs a tail), timed best of ``--repeats`` pa
 ``--inner`` calls each, cases round-robin after a warm-up:
 
 * ``build``                 ``build_thd_batch(samples)`` (the reference cost)
-* ``shard rank 0``          ``shard_for_ulysses(batch, sp, 0)`` of the built batch (views)
+* ``shard rank 0``          ``thdpack.shard(batch, sp_size=sp, sp_rank=0)`` of the built batch (views)
 * ``shard rank sp-1``       the rank holding the stream tail (new tensors: its slice and the tail)
 * ``shard all sp ranks``    every rank's shard (no process needs them all; for scale)
-* ``cp=2: shard rank 0``    ``shard_for_ulysses(..., cp_size=2, cp_rank=0)`` of a batch built with
+* ``cp=2: shard rank 0``    ``thdpack.shard(..., cp_size=2, cp_rank=0)`` of a batch built with
                             ``cp_size=2`` (Ulysses x ring: a gather, not a slice), against ``build cp=2``
 * ``collate, rank r``       ``ThdCollator(ulysses_sp_size=sp, ulysses_rank=r)`` against ``ThdCollator()``
                             (the builder writes the tail there, through ``pad_to``)
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import thdpack
-from thdpack import ThdCollator, build_thd_batch, shard_for_ulysses
+from thdpack import ThdCollator, build_thd_batch
 
 SPEED_TARGET = 1.2  # a shard row costs at most this times the build
 
@@ -77,7 +77,7 @@ def best_of(cases, repeats: int, inner: int) -> list[float]:
 
 def check_shards(samples, batch, sp: int) -> bool:
     """The ``sp`` shards concatenated are the stream as ``build_thd_batch(pad_to=...)`` pads it."""
-    shards = [shard_for_ulysses(batch, sp, r) for r in range(sp)]
+    shards = [thdpack.shard(batch, sp_size=sp, sp_rank=r) for r in range(sp)]
     total = -(-batch.num_padded_tokens // sp) * sp
     ref = build_thd_batch(samples, pad_to=total)
     return all(torch.equal(torch.cat([getattr(s, f) for s in shards]), getattr(ref, f))
@@ -96,11 +96,11 @@ def bench_ulysses(args) -> tuple[list[dict], bool]:
     first, last = ThdCollator(ulysses_sp_size=sp, ulysses_rank=0), ThdCollator(ulysses_sp_size=sp, ulysses_rank=sp - 1)
     cases = [
         ("build", lambda: build_thd_batch(samples)),
-        ("shard rank 0", lambda: shard_for_ulysses(batch, sp, 0)),
-        (f"shard rank {sp - 1} (the tail)", lambda: shard_for_ulysses(batch, sp, sp - 1)),
-        (f"shard all {sp} ranks", lambda: [shard_for_ulysses(batch, sp, r) for r in range(sp)]),
+        ("shard rank 0", lambda: thdpack.shard(batch, sp_size=sp, sp_rank=0)),
+        (f"shard rank {sp - 1} (the tail)", lambda: thdpack.shard(batch, sp_size=sp, sp_rank=sp - 1)),
+        (f"shard all {sp} ranks", lambda: [thdpack.shard(batch, sp_size=sp, sp_rank=r) for r in range(sp)]),
         ("build cp=2", lambda: build_thd_batch(samples, cp_size=2)),
-        ("cp=2: shard rank 0", lambda: shard_for_ulysses(batch_cp, sp, 0, cp_size=2, cp_rank=0)),
+        ("cp=2: shard rank 0", lambda: thdpack.shard(batch_cp, sp_size=sp, sp_rank=0, cp_size=2, cp_rank=0)),
         ("collate", lambda: plain(samples)),
         ("collate, rank 0", lambda: first(samples)),
         (f"collate, rank {sp - 1}", lambda: last(samples)),

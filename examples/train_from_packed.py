@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from thdpack.demo.models import tiny_qwen3
-from thdpack.flops import attention_overcount_factor
+from thdpack.flops import attention_overcount_factor, seqlen_squared_sum
 from thdpack.integrations import packed_model
 from thdpack.offline import load_packed
 from thdpack.integrations import to_hf_kwargs
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         tokens += batch.num_tokens
         losses.append(out.loss.item())
         # attention work is Σ sᵢ² over the real samples, not pack_len²
-        overcount = attention_overcount_factor(1, ds.pack_size, batch.seqlen_squared_sum)
+        overcount = attention_overcount_factor(1, ds.pack_size, seqlen_squared_sum(batch))
         print(
             f"step {len(losses) - 1:3d}  loss {losses[-1]:.4f}  {batch.num_samples:2d} samples  "
             f"{batch.num_tokens} tokens  {batch.num_targets} targets  "

@@ -38,6 +38,7 @@ import torch
 
 from thdpack import ThdCollator
 from thdpack.demo.models import TINY_TEXT
+from thdpack.flops import seqlen_squared_sum
 from thdpack.integrations import packed_model
 from thdpack.vlm import get_family, vision_lengths
 from thdpack.integrations import to_hf_kwargs
@@ -286,7 +287,7 @@ def main(argv=None) -> dict:
         print(
             f"{k:>4}  {b.num_samples:>7}  {b.num_tokens:>6}  {b.num_padded_tokens:>6}  "
             f"{0 if grid is None else grid.shape[0]:>6}  {int(b.extras['sample_vision_patches'].sum()):>7}  "
-            f"{b.max_seqlen:>10}  {b.seqlen_squared_sum / b.num_padded_tokens**2:>10.3f}"
+            f"{b.max_seqlen:>10}  {seqlen_squared_sum(b) / b.num_padded_tokens**2:>10.3f}"
         )
 
     batch = packs[0]

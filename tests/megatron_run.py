@@ -95,12 +95,13 @@ def thdpack_packed_seq_params(task: dict) -> dict:
     the batch of ``samples`` (token lists) at ``cp_size``, or rank ``cp_rank``'s shard of it."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from thdpack import build_thd_batch, shard_for_cp
+    import thdpack
+    from thdpack import build_thd_batch
     from thdpack.integrations import to_packed_seq_params
 
     batch = build_thd_batch([{"input_ids": ids} for ids in task["samples"]], cp_size=task["cp_size"])
     if task.get("cp_rank") is not None:
-        batch = shard_for_cp(batch, task["cp_size"], task["cp_rank"])
+        batch = thdpack.shard(batch, cp_size=task["cp_size"], cp_rank=task["cp_rank"])
     params = to_packed_seq_params(batch)
     assert isinstance(params, PackedSeqParams), type(params)
     return {"total_tokens": params.total_tokens, "seq_idx": _list_or_none(params.seq_idx),

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import SampleError, ThdCollator, build_thd_batch, hybrid_cp_shards, plan_hybrid_cp, plan_packs, rebalance
+import thdpack
+from thdpack import SampleError, ThdCollator, build_thd_batch, plan_hybrid_cp, plan_packs, rebalance
 from thdpack.batching import BatchLayout
 from thdpack.offline import PackedRowCollator
 from thdpack.vlm import get_family
@@ -382,7 +383,7 @@ def test_unknown_layout_keyword_names_the_callee(owner):
     ("rebalance", lambda **kw: rebalance([{"input_ids": [1, 2]}], 8, **kw)),
     ("rebalance", lambda **kw: rebalance([{"input_ids": [1, 2]}], 8, hybrid_cp=True, **kw)),
     ("PackedRowCollator", PackedRowCollator),
-    ("hybrid_cp_shards", lambda **kw: hybrid_cp_shards([{"input_ids": [1, 2]}], plan_hybrid_cp([2], 1, 8), 0, **kw)),
+    ("shard", lambda **kw: thdpack.shard([{"input_ids": [1, 2]}], plan=plan_hybrid_cp([2], 1, 8), rank=0, **kw)),
 ])
 def test_a_layout_object_is_not_a_second_way_in(owner, call):
     call(pad_token_id=3)  # the keywords
@@ -391,7 +392,7 @@ def test_a_layout_object_is_not_a_second_way_in(owner, call):
                                             r"\(pad_token_id=, cp_size=, \.\.\.\), not layout=; hand a held "
                                             r"layout on as \*\*layout\.keywords\(\)$"):
             call(**given)
-    for entry in (build_thd_batch, ThdCollator, rebalance, PackedRowCollator, hybrid_cp_shards):
+    for entry in (build_thd_batch, ThdCollator, rebalance, PackedRowCollator, thdpack.shard):
         named = [p.name for p in inspect.signature(entry).parameters.values() if p.kind != p.VAR_KEYWORD]
         assert "layout" not in named, entry
 
@@ -413,7 +414,8 @@ def test_layout_validated_when_made(keywords, message):
 @pytest.mark.parametrize("make", [lambda cfg: build_thd_batch([_image_sample(24)], vlm=cfg),
                                   lambda cfg: ThdCollator(vlm=cfg),
                                   lambda cfg: rebalance([_image_sample(24)], 64, vlm=cfg, share_prefix="group"),
-                                  lambda cfg: hybrid_cp_shards([_image_sample(24)], plan_hybrid_cp([8], 1, 8), 0, vlm=cfg)])
+                                  lambda cfg: thdpack.shard([_image_sample(24)], plan=plan_hybrid_cp([8], 1, 8), rank=0,
+                                                            vlm=cfg)])
 def test_a_model_config_is_not_a_family(make):
     """The builder takes the family, not the config it is resolved from: a config is a TypeError saying how."""
     with pytest.raises(TypeError, match=r"vlm must be a VLM family, thdpack\.vlm\.get_family\(model_config\), or "
@@ -427,5 +429,5 @@ def test_a_family_handed_in_builds_what_it_resolves_to():
     batch = build_thd_batch([_image_sample(24)], vlm=family)
     assert batch.extras["vlm_model_type"] == family.model_type
     assert batch.token_extras["mrope_position_ids"].shape == (3, 8)
-    (shard,) = hybrid_cp_shards([_image_sample(24)], plan_hybrid_cp([8], 1, 8), 0, vlm=family)
+    (shard,) = thdpack.shard([_image_sample(24)], plan=plan_hybrid_cp([8], 1, 8), rank=0, vlm=family)
     assert torch.equal(shard.token_extras["mrope_position_ids"], batch.token_extras["mrope_position_ids"])

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
+import thdpack
 from thdpack import (
     SampleError,
     StreamingPacker,
     ThdCollator,
     build_thd_batch,
     local_seq_lens,
-    shard_for_cp,
     thd_partition_indices,
 )
 from thdpack.flops import FlopsAccumulator, FlopsMeter, flops_coefficients, model_flops, overcount_report, seqlen_squared_sum
@@ -119,9 +119,9 @@ def test_non_finite_sample_values_are_refused(reward):
 
 
 @pytest.mark.parametrize("batch,got", [({"input_ids": 1}, "dict"), (None, "NoneType"), (torch.zeros(4), "Tensor")])
-def test_shard_for_cp_needs_a_batch(batch, got):
-    with pytest.raises(TypeError, match=rf"^shard_for_cp takes a thdpack.ThdBatch .*, got {got}; "):
-        shard_for_cp(batch, 2, 0)
+def test_cp_shard_needs_a_batch(batch, got):
+    with pytest.raises(TypeError, match=rf"^shard\(batch, cp_size=, cp_rank=\) takes a thdpack.ThdBatch .*, got {got}; "):
+        thdpack.shard(batch, cp_size=2, cp_rank=0)
 
 
 @pytest.mark.parametrize("cu,shown", [

@@ -30,7 +30,8 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block
 
 import test_equivalence as te  # noqa: E402
 import test_vlm as tv  # noqa: E402
-from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import build_thd_batch  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
 from thdpack.attention.block_mask import document_block_mask  # noqa: E402
 from thdpack.attention.dense_mask import dense_document_mask  # noqa: E402
@@ -283,7 +284,7 @@ def test_masks_agree_with_offsets(layout, block_size):
     """Offsets with empty spans (repeated entries) and a stream past ``cu[-1]``."""
     cu, total = layout
     want = reference_mask(cu, total)
-    ids = documents.document_ids(torch.tensor(cu), total)
+    ids = documents.document_ids_from_offsets(torch.tensor(cu), total)
     assert ids.dtype == torch.int32 and ids.shape == (total,)
     assert torch.equal(want, (ids[:, None] == ids[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
     assert torch.equal(dense_document_mask(cu, total)[0, 0], want)
@@ -321,7 +322,7 @@ def test_batch_masks_agree_with_cu_seqlens(lengths, align, block_size):
     assert torch.equal(token_dense(block_mask(batch, block_size), T), want)
     cp_size = align.get("cp_size", 1)
     for rank in range(cp_size if cp_size > 1 else 0):
-        shard = shard_for_cp(batch, cp_size, rank)
+        shard = thdpack.shard(batch, cp_size=cp_size, cp_rank=rank)
         assert torch.equal(document_ids(shard), ids[shard.shard.partition_indices])
 
 
@@ -342,7 +343,7 @@ def test_bad_arguments():
     for name in (None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3",
                  "paged|flash_attention_2"):
         assert to_hf_kwargs(batch, attn_implementation=name).keys() == to_hf_kwargs(batch).keys()
-    shard = shard_for_cp(batch, 2, 1)
+    shard = thdpack.shard(batch, cp_size=2, cp_rank=1)
     for call in (lambda: block_mask(shard), lambda: attention_mask_4d(shard),
                  lambda: to_hf_kwargs(shard, attn_implementation="sdpa"),
                  lambda: to_hf_kwargs(shard, attn_implementation="flex_attention")):
@@ -350,7 +351,7 @@ def test_bad_arguments():
             call()
     assert "cu_seq_lens_q" in to_hf_kwargs(shard, attn_implementation="flash_attention_2")
 
-    for fn in (documents.document_ids, document_block_mask, dense_document_mask):
+    for fn in (documents.document_ids_from_offsets, document_block_mask, dense_document_mask):
         with pytest.raises(ValueError, match=r"must start at 0 and never decrease, got \[0, 5, 3\]"):
             fn([0, 5, 3])
         with pytest.raises(ValueError, match=r"must start at 0 and never decrease, got \[1, 5\]"):

@@ -19,6 +19,7 @@ from thdpack.loaders import PackedBatches
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs, to_packed_seq_params
 from thdpack.integrations.hf_kwargs import hf_labels
 from thdpack.batching import seq_idx
+from thdpack.flops import seqlen_squared_sum
 
 SETTINGS = settings(max_examples=60, deadline=None)
 IGNORE = -100
@@ -112,7 +113,7 @@ def check_batch(batch: ThdBatch, samples, kw, sample_index=None):
     assert isinstance(batch.max_seqlen, int) and batch.max_seqlen == int(p.max())
     assert batch.num_samples == n and batch.num_tokens == int(lens.sum()) and batch.num_padded_tokens == T
     assert len(batch) == T
-    assert isinstance(batch.seqlen_squared_sum, int) and batch.seqlen_squared_sum == int((lens * lens).sum())
+    assert isinstance(seqlen_squared_sum(batch), int) and seqlen_squared_sum(batch) == int((lens * lens).sum())
     assert batch.sample_index.tolist() == (list(range(n)) if sample_index is None else list(sample_index))
     assert batch.tokens_truncated == 0
 

@@ -24,7 +24,6 @@ from thdpack import (
     build_thd_batch,
     cp_pad_multiple,
     local_seq_lens,
-    shard_for_cp,
     thd_partition_indices,
 )
 from thdpack.integrations import to_hf_kwargs, to_packed_seq_params
@@ -195,7 +194,7 @@ def check_cp_batch(batch, samples, lengths, cp, tp, sp, pad_to=None, extras=True
     all_idx = []
     local_sum = torch.zeros(n, dtype=torch.int64)
     for r in range(cp):
-        shard = shard_for_cp(batch, cp, r)
+        shard = thdpack.shard(batch, cp_size=cp, cp_rank=r)
         idx = shard.shard.partition_indices
         assert idx.dtype == torch.int64
         assert idx.tolist() == thd_partition_indices(cu_p, cp, r).tolist() == te_partition_reference(cu_p, cp, r)
@@ -313,7 +312,7 @@ def test_local_seq_lens_cp1_is_seq_lens():
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     seq_lens = torch.tensor([3, 1, 5], dtype=torch.int32)
     assert local_seq_lens(seq_lens, cu, 1, 0).tolist() == [3, 1, 5]
-    shard = shard_for_cp(build_thd_batch(make_samples([3, 1, 5], 0)), 1, 0)
+    shard = thdpack.shard(build_thd_batch(make_samples([3, 1, 5], 0)), cp_size=1, cp_rank=0)
     assert shard.shard.local_seq_lens.tolist() == [3, 1, 5]
 
 
@@ -333,7 +332,7 @@ def test_uncp_batch_with_aligned_lengths_shards():
     batch = build_thd_batch(make_samples(lengths, 2))
     check_cp_batch(batch, None, lengths, 1, 1, False, extras=False)
     for r in range(2):
-        shard = shard_for_cp(batch, 2, r)
+        shard = thdpack.shard(batch, cp_size=2, cp_rank=r)
         assert shard.shard.partition_indices.tolist() == te_partition_reference(batch.cu_seqlens_padded, 2, r)
 
 
@@ -347,7 +346,7 @@ def test_collator_returns_shard(cp):
     batch = build_thd_batch(samples, cp_size=cp)
     for r in range(cp):
         got = ThdCollator(cp_size=cp, cp_rank=r)(samples)
-        want = shard_for_cp(batch, cp, r)
+        want = thdpack.shard(batch, cp_size=cp, cp_rank=r)
         assert (got.shard.cp_size, got.shard.cp_rank) == (cp, r)
         for name in ("input_ids", "labels", "position_ids", "shard.partition_indices", "shard.local_seq_lens",
                      "shard.local_cu_seqlens_padded", "cu_seqlens", "cu_seqlens_padded"):
@@ -418,7 +417,7 @@ def test_cp_attention_equals_unsharded(cp, seed):
     q, k, v = (torch.randn(T, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))
     want = varlen_causal_attention(q, k, v, batch.cu_seqlens_padded)
 
-    shards = [shard_for_cp(batch, cp, r) for r in range(cp)]
+    shards = [thdpack.shard(batch, cp_size=cp, cp_rank=r) for r in range(cp)]
     for shard in shards:
         idx = shard.shard.partition_indices
         # labels, positions and indices agree with the global stream
@@ -456,7 +455,7 @@ def test_cp_loss_sums_to_global_loss():
     want = ForCausalLMLoss(logits.unsqueeze(0), kw["labels"], vocab, num_items_in_batch=n_items)
     total = 0.0
     for r in range(cp):
-        shard = shard_for_cp(batch, cp, r)
+        shard = thdpack.shard(batch, cp_size=cp, cp_rank=r)
         skw = to_hf_kwargs(shard)
         total = total + ForCausalLMLoss(logits[shard.shard.partition_indices].unsqueeze(0), skw["labels"], vocab,
                                         num_items_in_batch=n_items, shift_labels=skw["shift_labels"])
@@ -469,7 +468,7 @@ def test_cp_loss_sums_to_global_loss():
 def causal_pairs_per_rank(batch, cp) -> list[int]:
     """Σ over samples of the causal (query, key) pairs each rank computes, padded layout:
     a query at position p of its sample sees p + 1 keys."""
-    return [int((shard_for_cp(batch, cp, r).position_ids + 1).sum()) for r in range(cp)]
+    return [int((thdpack.shard(batch, cp_size=cp, cp_rank=r).position_ids + 1).sum()) for r in range(cp)]
 
 
 def contiguous_pairs_per_rank(batch, cp) -> list[int]:
@@ -508,7 +507,7 @@ def test_errors_cp_size():
         with pytest.raises(ValueError, match="cp_size"):
             thd_partition_indices(cu, bad, 0)
         with pytest.raises(ValueError, match="cp_size"):
-            shard_for_cp(batch, bad, 0)
+            thdpack.shard(batch, cp_size=bad, cp_rank=0)
         with pytest.raises(ValueError, match="cp_size"):
             cp_pad_multiple(bad)
         with pytest.raises(ValueError, match="cp_size"):
@@ -526,9 +525,9 @@ def test_errors_cp_rank():
         with pytest.raises(ValueError, match="cp_rank"):
             thd_partition_indices(cu, 2, bad)
         with pytest.raises(ValueError, match="cp_rank"):
-            shard_for_cp(batch, 2, bad)
+            thdpack.shard(batch, cp_size=2, cp_rank=bad)
         with pytest.raises(ValueError, match="cp_rank"):
-            shard_for_cp(batch, 2, bad)
+            thdpack.shard(batch, cp_size=2, cp_rank=bad)
         with pytest.raises(ValueError, match="cp_rank"):
             local_seq_lens(batch.seq_lens, cu, 2, bad)
     for bad in (-1, 2, 5):
@@ -539,13 +538,13 @@ def test_errors_cp_rank():
 def test_error_batch_without_cp_padding_names_sample():
     batch = build_thd_batch(make_samples([4, 8, 3, 6], 0))  # no CP padding: sample 2 has length 3
     with pytest.raises(ValueError, match=r"sample 2\b"):
-        shard_for_cp(batch, 2, 0)
+        thdpack.shard(batch, cp_size=2, cp_rank=0)
     with pytest.raises(ValueError, match=r"sample 3\b"):
-        shard_for_cp(build_thd_batch(make_samples([4, 8, 12, 6], 0)), 2, 1)  # 6 % 4 != 0
+        thdpack.shard(build_thd_batch(make_samples([4, 8, 12, 6], 0)), cp_size=2, cp_rank=1)  # 6 % 4 != 0
     # padded for cp=2 is not enough for cp=4
     batch = build_thd_batch(make_samples([4, 8, 3], 0), cp_size=2)
     with pytest.raises(ValueError, match=r"sample 0\b"):
-        shard_for_cp(batch, 4, 0)
+        thdpack.shard(batch, cp_size=4, cp_rank=0)
 
 
 def test_error_cu_seqlens_not_divisible():
@@ -562,15 +561,15 @@ def test_error_cu_seqlens_not_divisible():
 
 def test_error_sharding_a_shard():
     batch = build_thd_batch(make_samples([5, 9], 0), cp_size=4)
-    shard = shard_for_cp(batch, 2, 1)
+    shard = thdpack.shard(batch, cp_size=2, cp_rank=1)
     with pytest.raises(ValueError, match="already a CP shard"):
-        shard_for_cp(shard, 2, 0)
+        thdpack.shard(shard, cp_size=2, cp_rank=0)
     with pytest.raises(ValueError, match="already a CP shard"):
-        shard_for_cp(shard, 2, 1)
+        thdpack.shard(shard, cp_size=2, cp_rank=1)
     with pytest.raises(ValueError, match="already a CP shard"):
-        shard_for_cp(shard, 1, 0)
+        thdpack.shard(shard, cp_size=1, cp_rank=0)
 
 
 def test_public_api():
-    for name in ("cp_pad_multiple", "thd_partition_indices", "shard_for_cp", "local_seq_lens"):
+    for name in ("cp_pad_multiple", "thd_partition_indices", "shard", "local_seq_lens"):
         assert name in thdpack.__all__ and callable(getattr(thdpack, name))

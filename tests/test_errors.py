@@ -7,8 +7,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from thdpack import (SampleError, StreamingPacker, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, cp_pad_multiple,
-                     plan_packs, shard_for_cp)
+import thdpack
+from thdpack import (SampleError, StreamingPacker, ThdCollator, TokenBudgetBatchSampler, build_thd_batch,
+                     cp_pad_multiple, plan_packs)
 
 OK = {"input_ids": [1, 2, 3]}
 
@@ -185,7 +186,7 @@ def test_bad_cp_size_of_a_shard_has_the_same_message(value):
     """One integer rule (thdpack.common.align.check_int), one message, wherever cp_size is checked."""
     batch = build_thd_batch([OK], cp_size=2)
     with pytest.raises(ValueError, match=rf"^cp_size must be an integer >= 1, got {value!r}$"):
-        shard_for_cp(batch, value, 0)
+        thdpack.shard(batch, cp_size=value, cp_rank=0)
 
 
 @pytest.mark.parametrize("value", [0, -16, 2.0, False])

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thdpack
-from thdpack import build_thd_batch, shard_for_cp
+from thdpack import build_thd_batch
 from thdpack.flops import (
     GPU_PEAK_TFLOPS,
     FlopsAccumulator,
@@ -291,8 +291,10 @@ def test_square_sum_rejects_decreasing():
 def test_thd_batch_square_sum():
     lengths = [17, 1, 64, 33, 5]
     batch = build_thd_batch(make_samples(lengths), pad_multiple=8)
-    assert batch.seqlen_squared_sum == seqlen_squared_sum(batch.cu_seqlens) == brute_square_sum(lengths)
+    assert seqlen_squared_sum(batch) == seqlen_squared_sum(batch.cu_seqlens) == brute_square_sum(lengths)
     assert seqlen_squared_sum(batch.cu_seqlens_padded, cu_seqlens_unpadded=batch.cu_seqlens) == brute_square_sum(lengths)
+    with pytest.raises(TypeError, match=r"^seqlen_squared_sum\(batch\) takes no other argument .* pass batch.cu_seqlens"):
+        seqlen_squared_sum(batch, as_tensor=True)
 
 
 # =========================================================================== pack vs one sequence
@@ -557,7 +559,7 @@ def test_cp_shards_count_each_sample_once(cp):
     lengths = [37, 4, 129, 64, 1, 250]
     batch = build_thd_batch(make_samples(lengths, seed=cp), cp_size=cp)
     whole = FlopsAccumulator().add(batch)
-    shards = [shard_for_cp(batch, cp, r) for r in range(cp)]
+    shards = [thdpack.shard(batch, cp_size=cp, cp_rank=r) for r in range(cp)]
     per_rank = [FlopsAccumulator().add(s) for s in shards]
     total = FlopsAccumulator()
     for acc in per_rank:
@@ -591,7 +593,7 @@ def test_vision_counted_once_per_sample_across_cp_ranks():
     stats = vision_seqlen_stats(grid, QWEN2_5_VL_7B)
     assert (whole.vision_patches, whole.vision_seqlen_squared_sum, whole.vision_window_seqlen_squared_sum) == (
         stats.patches, stats.seqlen_squared_sum, stats.window_seqlen_squared_sum)
-    ranks = [FlopsAccumulator(QWEN2_5_VL_7B).add(shard_for_cp(batch, 2, r)) for r in range(2)]
+    ranks = [FlopsAccumulator(QWEN2_5_VL_7B).add(thdpack.shard(batch, cp_size=2, cp_rank=r)) for r in range(2)]
     assert [r.vision_patches for r in ranks] == [stats.patches, 0]
     assert ranks[0].merge(ranks[1]).counts() == whole.counts()
     assert whole.model_flops(QWEN2_5_VL_7B) == model_flops(QWEN2_5_VL_7B, 142, 40**2 + 90**2 + 12**2, vision_grid_thw=grid)
@@ -654,11 +656,11 @@ def test_accumulator_reads_model_input_dicts():
     assert FlopsAccumulator().add(hf).counts() == FlopsAccumulator().add(batch).counts()
     # transformers' DataCollatorWithFlattening without flash kwargs: positions restart per sample
     flat = {"input_ids": batch.input_ids.unsqueeze(0), "position_ids": batch.position_ids.unsqueeze(0)}
-    assert FlopsAccumulator().add(flat).seqlen_squared_sum == batch.seqlen_squared_sum
+    assert FlopsAccumulator().add(flat).seqlen_squared_sum == seqlen_squared_sum(batch)
     # 4-row mRoPE (text row first)
     mrope = torch.cat([batch.position_ids.view(1, 1, -1), torch.zeros(3, 1, batch.num_padded_tokens, dtype=torch.long)])
     with_mrope = {"input_ids": flat["input_ids"], "position_ids": mrope}
-    assert FlopsAccumulator().add(with_mrope).seqlen_squared_sum == batch.seqlen_squared_sum
+    assert FlopsAccumulator().add(with_mrope).seqlen_squared_sum == seqlen_squared_sum(batch)
     # vision grids in the inputs
     vl = dict(hf, image_grid_thw=torch.tensor([[1, 34, 52]]), video_grid_thw=torch.tensor([[2, 16, 24]]))
     acc = FlopsAccumulator(QWEN2_5_VL_7B).add(vl)
@@ -666,7 +668,7 @@ def test_accumulator_reads_model_input_dicts():
     assert (acc.vision_patches, acc.vision_seqlen_squared_sum, acc.vision_window_seqlen_squared_sum) == (
         stats.patches, stats.seqlen_squared_sum, stats.window_seqlen_squared_sum)
     assert acc.model_flops(QWEN2_5_VL_7B) == model_flops(
-        QWEN2_5_VL_7B, batch.num_tokens, batch.seqlen_squared_sum, vision_grid_thw=[[1, 34, 52], [2, 16, 24]])
+        QWEN2_5_VL_7B, batch.num_tokens, seqlen_squared_sum(batch), vision_grid_thw=[[1, 34, 52], [2, 16, 24]])
     # without the vision config the window sums are unknown: refuse rather than undercount
     with pytest.raises(ValueError, match="window"):
         FlopsAccumulator().add(vl).model_flops(QWEN2_5_VL_7B)
@@ -768,7 +770,7 @@ def _train(tmp_path, with_callback: bool):
     def collate(items):
         assert len(items) == 1
         batch = build_thd_batch(items[0]["samples"])
-        seen.append((batch.num_tokens, batch.seqlen_squared_sum))
+        seen.append((batch.num_tokens, seqlen_squared_sum(batch)))
         return collate_pack(items[0]["samples"])
 
     model = _tiny_qwen3(vocab)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thdpack import build_thd_batch, plan_packs, shard_for_cp, shard_for_ulysses
+import thdpack
+from thdpack import build_thd_batch, plan_packs
 from thdpack.flops import (
     FlopsAccumulator,
     count_name,
@@ -153,13 +154,13 @@ def test_accumulator_carries_the_window_counts_of_a_windowed_model():
     shards = FlopsAccumulator(TINY_GEMMA3)
     cp_batch = build_thd_batch(_samples(LENGTHS), cp_size=2)
     for rank in range(2):
-        shards.add(shard_for_cp(cp_batch, 2, rank))
+        shards.add(thdpack.shard(cp_batch, cp_size=2, cp_rank=rank))
     assert shards.counts()[name] == counts[name]
     for cp in (1, 2):  # Ulysses ranks (under CP ranks): 1/sp each of the pack's (or CP shard's) count
         ulysses, cp_built = FlopsAccumulator(TINY_GEMMA3), build_thd_batch(_samples(LENGTHS), cp_size=cp)
         for cp_rank in range(cp):
             for rank in range(2):
-                ulysses.add(shard_for_ulysses(cp_built, 2, rank, cp_size=cp, cp_rank=cp_rank))
+                ulysses.add(thdpack.shard(cp_built, sp_size=2, sp_rank=rank, cp_size=cp, cp_rank=cp_rank))
         assert ulysses.counts()[name] == counts[name]
     bshd = FlopsAccumulator(TINY_GEMMA3).add_bshd(3, 20).counts()[name]
     assert bshd == 3 * (8 * 9 + 2 * 8 * 12)

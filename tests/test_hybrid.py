@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hybrid_models import VOCAB, available_families, tiny_hybrid  # noqa: E402
-from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import build_thd_batch  # noqa: E402
 from thdpack.integrations import packed_model  # noqa: E402
 from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES  # noqa: E402
 from thdpack.integrations import to_hf_kwargs  # noqa: E402
@@ -218,7 +219,8 @@ def test_packed_model_refuses_what_it_cannot_scan():
     model = packed_model(fresh_model("qwen3_5_text", "sdpa"))
     batch = build_thd_batch(samples_of([6, 4, 10]), cp_size=2)
     with torch.no_grad(), pytest.raises(ValueError, match="CP / Ulysses shard's chunks or a shared-prefix tree"):
-        model(**to_hf_kwargs(shard_for_cp(batch, 2, 0), attn_implementation="flash_attention_2", include_labels=False))
+        model(**to_hf_kwargs(thdpack.shard(batch, cp_size=2, cp_rank=0), attn_implementation="flash_attention_2",
+                             include_labels=False))
     prompt = [1 + i % 50 for i in range(40)]
     group = [{"input_ids": prompt + [60 + i] * (3 + i), "labels": [IGNORE] * 40 + [60 + i] * (3 + i), "group": 0}
              for i in range(3)]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import megatron_env  # tests/megatron_env.py
-from thdpack import (SampleError, build_thd_batch, cp_pad_multiple, hybrid_cp_shards, plan_hybrid_cp, shard_for_cp,
-                     shard_for_ulysses)
+import thdpack
+from thdpack import SampleError, build_thd_batch, cp_pad_multiple, plan_hybrid_cp
 from thdpack.flops import cp_seqlen_squared_share, model_flops
 from thdpack.flops.rank_work import hybrid_cp_rank_flops
 from thdpack.integrations.megatron_bridge import to_gpt_forward_kwargs
@@ -112,13 +112,13 @@ def test_shards_tile_every_micro_batch(world):
     plan = plan_hybrid_cp(lengths, world, 32, pad_multiple=2)
     seen = {}
     for r in range(world):
-        shards = hybrid_cp_shards(samples, plan, r, pad_multiple=2)
+        shards = thdpack.shard(samples, plan=plan, rank=r, pad_multiple=2)
         assert [b.sample_index.tolist() for b in shards] == [plan.micro_batch(j).tolist()
                                                             for j in plan.rank_micro_batches(r)]
         for b in shards:
             k, start = b.shard.cp_size, b.shard.block_start
             whole = build_thd_batch([samples[i] for i in b.sample_index.tolist()], cp_size=k, pad_multiple=2)
-            want = whole if k == 1 else shard_for_cp(whole, k, r - start)
+            want = whole if k == 1 else thdpack.shard(whole, cp_size=k, cp_rank=r - start)
             for name in ("input_ids", "labels", "position_ids", "loss_mask"):
                 assert torch.equal(getattr(b, name), getattr(want, name)), name
             mask = padding_mask(whole)[want.shard.partition_indices] if k > 1 else padding_mask(whole)
@@ -139,7 +139,7 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
     plan = plan_hybrid_cp(lengths, 8, 32)
     seen = set()
     for r in range(8):
-        for b in hybrid_cp_shards(samples, plan, r):
+        for b in thdpack.shard(samples, plan=plan, rank=r):
             fake = object()
             if b.shard.cp_size == 1:
                 d = packed_seq_params_dict(b)
@@ -161,7 +161,7 @@ def test_packed_seq_params_of_a_hybrid_batch(core, monkeypatch):
             assert torch.equal(megatron_env.field(params, "cu_seqlens_q_padded"), b.cu_seqlens_padded)
             seen.add(b.shard.cp_size)
     assert {1, 8} <= seen
-    static = shard_for_cp(build_thd_batch([samples[1]], cp_size=2), 2, 0)
+    static = thdpack.shard(build_thd_batch([samples[1]], cp_size=2), cp_size=2, cp_rank=0)
     assert "local_cp_size" not in packed_seq_params_dict(static)  # static CP unchanged
     with pytest.raises(ValueError, match="cp_group is for a hybrid-CP batch"):
         packed_seq_params_dict(static, cp_group=object())
@@ -189,11 +189,11 @@ def test_padding_mask():
     assert padding_mask(batch).tolist() == want
     cp = build_thd_batch(samples, cp_size=2, pad_to=24)
     for rank in range(2):
-        shard = shard_for_cp(cp, 2, rank)
+        shard = thdpack.shard(cp, cp_size=2, cp_rank=rank)
         assert torch.equal(padding_mask(shard), padding_mask(cp)[shard.shard.partition_indices])
         direct = build_thd_batch(samples, cp_size=2, pad_to=24, cp_rank=rank)  # the assembler's own shard
         assert torch.equal(padding_mask(direct), padding_mask(shard))
-    uly = shard_for_ulysses(cp, 2, 1)
+    uly = thdpack.shard(cp, sp_size=2, sp_rank=1)
     assert torch.equal(padding_mask(uly), padding_mask(cp)[uly.shard.partition_indices])
     tree = build_thd_batch([{"input_ids": list(range(1, 40)), "group": 0}, {"input_ids": list(range(1, 38)) + [9],
                                                                            "group": 0}], share_prefix="group")
@@ -258,7 +258,7 @@ def test_refusals_are_one_line_naming_the_sample_and_value():
         (lambda: plan_hybrid_cp([0, 3], 8, 32), SampleError, "^sample 0 is empty"),
         (lambda: hybrid_rank_out_of_range(), ValueError, r"^rank must be an integer in \[0, 8\)"),
         (lambda: hybrid_wrong_layout(), ValueError, "^sample 0 has 40 tokens padded to 48 here, 40 padded to 40"),
-        (lambda: hybrid_cp_shards([{"input_ids": [1, 2]}], plan_hybrid_cp([2], 2, 4), 0, cp_size=2), TypeError,
+        (lambda: thdpack.shard([{"input_ids": [1, 2]}], plan=plan_hybrid_cp([2], 2, 4), rank=0, cp_size=2), TypeError,
          "takes no cp_size="),
         (lambda: hybrid_shard_resharded(), ValueError, "is a hybrid-CP batch"),
     ]
@@ -269,17 +269,17 @@ def test_refusals_are_one_line_naming_the_sample_and_value():
 
 
 def hybrid_rank_out_of_range():
-    hybrid_cp_shards([{"input_ids": [1]}], plan_hybrid_cp([1], 8, 4), 8)
+    thdpack.shard([{"input_ids": [1]}], plan=plan_hybrid_cp([1], 8, 4), rank=8)
 
 
 def hybrid_wrong_layout():
     plan = plan_hybrid_cp([40, 1, 1, 1], 4, 64, cost=(0, 1))
-    hybrid_cp_shards([{"input_ids": list(range(1, 41))}] + [{"input_ids": [1]}] * 3, plan, 0, pad_multiple=16)
+    thdpack.shard([{"input_ids": list(range(1, 41))}] + [{"input_ids": [1]}] * 3, plan=plan, rank=0, pad_multiple=16)
 
 
 def hybrid_shard_resharded():
-    (batch,) = hybrid_cp_shards([{"input_ids": [1, 2, 3]}], plan_hybrid_cp([3], 1, 4), 0)
-    shard_for_cp(batch, 2, 0)
+    (batch,) = thdpack.shard([{"input_ids": [1, 2, 3]}], plan=plan_hybrid_cp([3], 1, 4), rank=0)
+    thdpack.shard(batch, cp_size=2, cp_rank=0)
 
 
 def test_rebalance_hybrid_cp_on_thread_ranks():
@@ -305,7 +305,7 @@ def test_rebalance_hybrid_cp_on_thread_ranks():
     everything = [s for x in local for s in x]
     assert offsets.tolist() == np.cumsum([0] + [len(x) for x in local]).tolist()
     for r, (batches, _, _) in enumerate(out):
-        want = hybrid_cp_shards(everything, plan, r, pad_multiple=2)
+        want = thdpack.shard(everything, plan=plan, rank=r, pad_multiple=2)
         assert [b.sample_index.tolist() for b in batches] == [b.sample_index.tolist() for b in want]
         for a, b in zip(batches, want):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)

@@ -11,7 +11,7 @@ megatron-core once and forks 8 gloo ranks, which run two layouts of the same pro
 
 For each, megatron-core's ``parallel_state.initialize_model_parallel(hybrid_context_parallel=True)`` makes its
 groups, and every rank builds its micro-batches of thdpack's plan of the same global batch
-(:func:`thdpack.plan_hybrid_cp`, :func:`thdpack.hybrid_cp_shards`) and checks them against megatron-core:
+(:func:`thdpack.plan_hybrid_cp`, ``thdpack.shard(samples, plan=, rank=)``) and checks them against megatron-core:
 
 1. the block of every micro-batch is the group ``get_hybrid_data_context_parallel_groups(group_size=k)``
    returns (and thdpack's own ``hybrid_cp_groups`` makes the same groups);
@@ -203,7 +203,7 @@ def _layout_results(name: str, rank: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    from thdpack import hybrid_cp_shards
+    import thdpack
     from thdpack.integrations import to_packed_seq_params
     from thdpack.parallel.hybrid_blocks import hybrid_cp_groups
 
@@ -221,7 +221,7 @@ def _layout_results(name: str, rank: int) -> dict:
     if rank == 0:
         scheduler = BalancedCPScheduler(max_seq_len_per_rank=budget, dp_cp_group=dp_cp)
         out["megatron_schedule"] = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)[1]
-    for shard in hybrid_cp_shards(samples, plan, pos, **keywords):
+    for shard in thdpack.shard(samples, plan=plan, rank=pos, **keywords):
         k = shard.shard.cp_size
         group = ps.get_hybrid_data_context_parallel_groups(group_size=k) if k > 1 else None
         params = to_packed_seq_params(shard, cp_group=ps.get_hybrid_data_context_parallel_groups)
@@ -245,7 +245,7 @@ def _layout_results(name: str, rank: int) -> dict:
         local = samples[pos::plan.world_size]
         batches, moved, offsets = rebalance_hybrid_cp(local, budget, group=dp_cp, cost=(0, 1), **keywords)
         order = [s for r in range(plan.world_size) for s in samples[r::plan.world_size]]  # global ids' order
-        want = hybrid_cp_shards(order, moved, pos, **keywords)
+        want = thdpack.shard(order, plan=moved, rank=pos, **keywords)
         out["rebalance"] = {"equal": len(batches) == len(want) and all(
             torch.equal(a.input_ids, b.input_ids) and torch.equal(a.sample_index, b.sample_index)
             and torch.equal(a.labels, b.labels) for a, b in zip(batches, want)),

@@ -21,7 +21,8 @@ import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import TokenBudgetBatchSampler, build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import TokenBudgetBatchSampler, build_thd_batch, plan_packs  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.losses import (  # noqa: E402
     all_reduce_items,
@@ -226,7 +227,7 @@ def test_cp_shards_sum_to_the_whole_batch_loss(reduction):
         n = count_items([batch], reduction)
         total = 0.0
         for r in range(2):
-            shard = shard_for_cp(batch, 2, r)
+            shard = thdpack.shard(batch, cp_size=2, cp_rank=r)
             extra = {"sample_targets": sample_target_counts(batch)} if reduction == "sample" else {}
             total = total + packed_loss(logits[shard.shard.partition_indices], shard, reduction, n, **extra)
         torch.testing.assert_close(total, whole, rtol=1e-12, atol=0)
@@ -293,7 +294,7 @@ def test_errors_name_the_argument():
         token_logps(logits, batch, chunk_size=0)
     with pytest.raises(ValueError, match="outside the logits' vocabulary"):
         token_logps(logits[:, :3], batch)
-    shard = shard_for_cp(batch, 2, 1)
+    shard = thdpack.shard(batch, cp_size=2, cp_rank=1)
     with pytest.raises(ValueError, match="CP shard needs sample_targets="):
         packed_loss(logits[shard.shard.partition_indices], shard, "sample")
     sampler = TokenBudgetBatchSampler([6, 4], 16, shuffle=False)
@@ -351,7 +352,7 @@ def packed_dpo_step(policy, ref, batch, cp_size, beta, num_items, chunk_size=Non
     logits = policy(**kw, use_cache=False).logits[0]
     with torch.no_grad():
         ref_logits = ref(**kw, use_cache=False).logits[0]
-    shards = [shard_for_cp(batch, cp_size, r) for r in range(cp_size)] if cp_size > 1 else [batch]
+    shards = [thdpack.shard(batch, cp_size=cp_size, cp_rank=r) for r in range(cp_size)] if cp_size > 1 else [batch]
     idx = [s.shard.partition_indices if s.is_shard else slice(None) for s in shards]
     chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
     pol = sum(sequence_logps(logits[i], s, **chunk)[0] for i, s in zip(idx, shards))

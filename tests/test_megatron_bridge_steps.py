@@ -15,7 +15,8 @@ import torch
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import ThdCollator, build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import ThdCollator, build_thd_batch
 from thdpack.integrations.megatron_bridge import BridgeCollator, VisualInputs, to_bridge_batch
 
 SAMPLES = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
@@ -53,7 +54,7 @@ def test_bridge_batch_is_the_pack(cp_size):
 def test_bridge_batch_refuses_a_cp_shard():
     thd = build_thd_batch([{"input_ids": s} for s in SAMPLES], cp_size=2)
     with pytest.raises(ValueError, match="rank 1's shard .* collate the whole pack"):
-        to_bridge_batch(shard_for_cp(thd, 2, 1))
+        to_bridge_batch(thdpack.shard(thd, cp_size=2, cp_rank=1))
 
 
 def test_bridge_batch_has_the_written_keys():

@@ -56,7 +56,8 @@ import torch
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import build_thd_batch
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.integrations import to_packed_seq_params
 from thdpack.batching import seq_idx
@@ -257,7 +258,7 @@ def cp_perm_task(task: dict) -> dict:
 
     cp = task["layout"]["cp_size"]
     batch = _batch(task["layout"])
-    shards = [shard_for_cp(batch, cp, r) for r in range(cp)]
+    shards = [thdpack.shard(batch, cp_size=cp, cp_rank=r) for r in range(cp)]
     resolved = []
     for shard in shards:
         p = to_packed_seq_params(shard)
@@ -284,7 +285,7 @@ def _cp_rank(rank: int, world: int, store: str, layout: dict, queue) -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         bench = _bench()
         layer = bench.gdn_layer(torch.device("cpu"), torch.float32, cp_group=dist.group.WORLD, **SIZES)
-        shard = shard_for_cp(_batch(layout), world, rank)
+        shard = thdpack.shard(_batch(layout), cp_size=world, cp_rank=rank)
         RECORD["scan"].clear()
         with torch.no_grad():
             out, _ = layer(bench.embed(shard.input_ids, "cpu", torch.float32, hidden=SIZES["hidden"]), None,
@@ -338,7 +339,7 @@ def cp_forward_task(task: dict, started, layer) -> dict:
         real[a:a + s] = True
     diff = 0.0
     for rank, out, *_ in results:
-        pos = shard_for_cp(batch, 2, rank).shard.partition_indices
+        pos = thdpack.shard(batch, cp_size=2, cp_rank=rank).shard.partition_indices
         keep = real[pos]
         diff = max(diff, float((torch.tensor(out)[keep] - whole.squeeze(1)[pos][keep]).abs().max()))
     return {"max_abs_diff": diff, "scan_cu_seqlens": [r[2] for r in results], "world_size": results[0][3],

@@ -20,7 +20,8 @@ import torch
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import build_thd_batch
 from thdpack.integrations import packed_seq_params_dict, to_packed_seq_params
 
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
@@ -46,7 +47,7 @@ def test_total_tokens_is_the_global_stream_length(cp_size):
     assert len(sample_of_each_slot(layout_of(d))) == d["total_tokens"]  # seq_idx, by its documented rule
     if cp_size > 1:
         for rank in range(cp_size):  # a shard keeps the global metadata
-            assert packed_seq_params_dict(shard_for_cp(batch, cp_size, rank))["total_tokens"] == stream
+            assert packed_seq_params_dict(thdpack.shard(batch, cp_size=cp_size, cp_rank=rank))["total_tokens"] == stream
 
 
 @pytest.mark.parametrize("site", [megatron_env.site_param(megatron_env.CORE_ID)])
@@ -85,7 +86,8 @@ def test_padded_fields_only_with_an_alignment_or_a_padded_sample(lengths, kw, la
     assert torch.equal(batch.cu_seqlens_padded, batch.cu_seqlens) != layout_padded
     views = [packed_seq_params_dict(batch)]
     if kw.get("cp_size", 1) > 1:
-        views += [packed_seq_params_dict(shard_for_cp(batch, kw["cp_size"], r)) for r in range(kw["cp_size"])]
+        views += [packed_seq_params_dict(thdpack.shard(batch, cp_size=kw["cp_size"], cp_rank=r))
+                  for r in range(kw["cp_size"])]
     for d in views:
         for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             if padded:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from thdpack import (StreamingPacker, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, shard_for_cp,
-                     shard_for_ulysses)
+import thdpack
+from thdpack import StreamingPacker, ThdCollator, TokenBudgetBatchSampler, build_thd_batch
 from thdpack.common.samples import SampleError
 from thdpack.loaders.mixture_dataset import MixtureDataset
 from thdpack.losses import packed_loss, packed_loss_by_source, source_totals
@@ -75,9 +75,10 @@ def test_source_index_travels_through_collator_shards_and_trees():
     packs = ThdCollator(pack_size=32)(rows)
     for b in packs:
         assert b.source_index.tolist() == [i % 3 for i in b.sample_index.tolist()]
-    assert shard_for_cp(build_thd_batch(rows, cp_size=2), 2, 1).source_index.tolist() == [0, 1, 2, 0, 1, 2]
+    cp_shard = thdpack.shard(build_thd_batch(rows, cp_size=2), cp_size=2, cp_rank=1)
+    assert cp_shard.source_index.tolist() == [0, 1, 2, 0, 1, 2]
     assert ThdCollator(cp_size=2, cp_rank=0)(rows).source_index.tolist() == [0, 1, 2, 0, 1, 2]
-    assert shard_for_ulysses(batch, 2, 1).source_index.tolist() == [0, 1, 2, 0, 1, 2]
+    assert thdpack.shard(batch, sp_size=2, sp_rank=1).source_index.tolist() == [0, 1, 2, 0, 1, 2]
     tree = build_thd_batch(rows, share_prefix="group", min_prefix_len=4)
     assert tree.prefix_tree is not None and tree.source_index.tolist() == [0, 1, 2, 0, 1, 2]
     assert build_thd_batch(rows, source_index=[5, 4, 3, 2, 1, 0]).source_index.tolist() == [5, 4, 3, 2, 1, 0]
@@ -283,7 +284,7 @@ def test_source_totals_on_cp_shards_add_up_to_the_whole_batch():
     counts = sample_target_counts(whole)
     totals = items = sample_totals = 0
     for rank in (0, 1):
-        shard = shard_for_cp(whole, 2, rank)
+        shard = thdpack.shard(whole, cp_size=2, cp_rank=rank)
         shard_logits = logits.detach()[shard.shard.partition_indices]
         t, n = source_totals(-token_logps(shard_logits, shard), shard, 3)
         s, _ = source_totals(-token_logps(shard_logits, shard), shard, 3, "sample", sample_targets=counts)

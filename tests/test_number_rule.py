@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import thdpack
 from thdpack import (
     CostModel,
     StreamingPacker,
@@ -25,8 +26,6 @@ from thdpack import (
     local_seq_lens,
     plan_balanced,
     plan_packs,
-    shard_for_cp,
-    shard_for_ulysses,
     thd_partition_indices,
 )
 from thdpack.batching import BatchLayout
@@ -144,8 +143,8 @@ CASES = {
     "StreamingPacker.length_fn": ("length_fn", "size",
                                   lambda v: list(StreamingPacker(SAMPLES, 16, length_fn=lambda s, i: v))),
     # CP shards
-    "shard_for_cp.cp_size": ("cp_size", "size", lambda v: shard_for_cp(BATCH, v, 0)),
-    "shard_for_cp.cp_rank": ("cp_rank", "count", lambda v: shard_for_cp(build_thd_batch(SAMPLES, cp_size=2), 2, v)),
+    "shard.cp_size": ("cp_size", "size", lambda v: thdpack.shard(BATCH, cp_size=v, cp_rank=0)),
+    "shard.cp_rank": ("cp_rank", "count", lambda v: thdpack.shard(build_thd_batch(SAMPLES, cp_size=2), cp_size=2, cp_rank=v)),
     "thd_partition_indices.cp_size": ("cp_size", "size", lambda v: thd_partition_indices(CU, v, 0)),
     "thd_partition_indices.cp_rank": ("cp_rank", "count", lambda v: thd_partition_indices(CU, 2, v)),
     "local_seq_lens.cp_rank": ("cp_rank", "count", lambda v: local_seq_lens([3, 4], CU, 2, v)),
@@ -233,7 +232,7 @@ def test_number_rule_cases_take_their_valid_values(case):
         good = 3
     if case == "model_flops.vision_patches":  # a text model: no vision work
         good = 0
-    if case == "shard_for_cp.cp_size":  # a batch built without CP padding
+    if case == "shard.cp_size":  # a batch built without CP padding
         good = 1
     if case == "dpo_loss.beta":
         good = 0.1
@@ -329,12 +328,12 @@ N = len(PLAN)
 # (call with the value, the argument as named, minimum, below, hint, error class): every check of a rank or an
 # index is check_int's, so every one says "NAME must be an integer in [MINIMUM, BELOW), got VALUE" (issue 30)
 BOUNDED = {
-    "shard_for_cp.cp_rank": (lambda v: shard_for_cp(build_thd_batch(SAMPLES, cp_size=2), 2, v), "cp_rank", 0, 2, "",
+    "shard.cp_rank": (lambda v: thdpack.shard(build_thd_batch(SAMPLES, cp_size=2), cp_size=2, cp_rank=v), "cp_rank", 0, 2, "",
                              ValueError),
     "build_thd_batch.cp_rank": (lambda v: build_thd_batch(SAMPLES, cp_size=2, cp_rank=v), "cp_rank", 0, 2, "",
                                 ValueError),
     "thd_partition_indices.cp_rank": (lambda v: thd_partition_indices(CU, 2, v), "cp_rank", 0, 2, "", ValueError),
-    "shard_for_ulysses.rank": (lambda v: shard_for_ulysses(BATCH, 2, v), "rank", 0, 2, " (the SP rank)", ValueError),
+    "shard.sp_rank": (lambda v: thdpack.shard(BATCH, sp_size=2, sp_rank=v), "sp_rank", 0, 2, " (the SP rank)", ValueError),
     "ThdCollator.ulysses_rank": (lambda v: ThdCollator(ulysses_sp_size=2, ulysses_rank=v), "ulysses_rank", 0, 2,
                                  " (the SP rank)", ValueError),
     "TokenBudgetBatchSampler.rank": (lambda v: TokenBudgetBatchSampler(LENGTHS, 16, num_replicas=2, rank=v), "rank",

@@ -55,7 +55,7 @@ def test_the_top_level_names_are_the_readmes():
     assert thdpack.IndexedDataset.__module__ == "thdpack.loaders.collate"
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     unused = [name for name in thdpack.__all__ if not re.search(rf"\b{name}\b", readme)]
-    assert set(unused) <= {"plan_hybrid_cp", "hybrid_cp_shards", "local_seq_lens"}, unused  # hybrid CP: docs/megatron.md
+    assert set(unused) <= {"plan_hybrid_cp", "local_seq_lens"}, unused  # hybrid CP: docs/megatron.md
 
 
 def test_a_subpackage_does_not_export_the_top_levels_names_again():

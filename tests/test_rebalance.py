@@ -7,7 +7,7 @@
   rank's order (tensors, 2-D tensors without the fillers' rows, lists), groups stay on one rank and
   in one pack (or one step's bundle), a rank with no samples still gets work, the per-rank cost
   straggler is <= 1.02 with one rank holding all the long samples, the CP layout composes (aligned
-  whole packs, and ``cp_rank`` shards equal to ``shard_for_cp`` of them), errors are raised on
+  whole packs, and ``cp_rank`` shards equal to ``thdpack.shard`` of them), errors are raised on
   every rank alike (no hang), and a tiny random float64 Qwen3 run on the rebalanced packs gives,
   through ``sequence_logps`` and ``restore``, each sample's log-probability computed alone on the
   rank that made it.
@@ -36,9 +36,11 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import CostModel, build_thd_batch, plan_packs, rebalance, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import CostModel, build_thd_batch, plan_packs, rebalance  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample  # noqa: E402
+from thdpack.flops import seqlen_squared_sum  # noqa: E402
 from thdpack.losses import sequence_logps  # noqa: E402
 from thdpack.integrations import to_hf_kwargs  # noqa: E402
 
@@ -192,7 +194,7 @@ def check_groups(inputs, outputs, pack_size: int, micro_batches: int) -> None:
 def rank_cost(batches) -> float:
     """The batches' cost under COST: tokens of the stream (a tree's prefixes once) and ``Σ s²`` (a tree's
     attention work, ``p² + Σ c·(2p + c)``)."""
-    return sum(COST.linear * int(b.seq_lens.sum()) + COST.quadratic * b.seqlen_squared_sum for b in batches)
+    return sum(COST.linear * int(b.seq_lens.sum()) + COST.quadratic * seqlen_squared_sum(b) for b in batches)
 
 
 # --------------------------------------------------------------------------- real gloo groups
@@ -305,12 +307,12 @@ def test_empty_ranks_get_work(gloo_results):
 
 
 def test_cp_layout_composes(gloo_results):
-    """``cp_size=2``: whole packs aligned to 2·cp; with ``cp_rank`` the same packs' ``shard_for_cp`` shards."""
+    """``cp_size=2``: whole packs aligned to 2·cp; with ``cp_rank`` the same packs' ``thdpack.shard`` shards."""
     world, results = gloo_results
     for r in results:
         for whole, shard in zip(r["cp"]["batches"], r["cp_shard"]["batches"], strict=True):
             assert (whole.cu_seqlens_padded % 4 == 0).all() and whole.pad_multiple == 4
-            want = shard_for_cp(whole, 2, 1)
+            want = thdpack.shard(whole, cp_size=2, cp_rank=1)
             for field in ("input_ids", "labels", "position_ids", "shard.partition_indices", "shard.local_cu_seqlens_padded"):
                 assert torch.equal(attrgetter(field)(shard), attrgetter(field)(want)), field
 

@@ -1,5 +1,5 @@
 """Ring attention over thdpack's own CP shards, end to end, on gloo processes: the metadata a rank
-gets from :func:`thdpack.shard_for_cp` (its tokens, position ids and target labels, the global
+gets from ``thdpack.shard(batch, cp_size=, cp_rank=)`` (its tokens, position ids and target labels, the global
 ``cu_seqlens`` / ``cu_seqlens_padded``, the local layout) is enough to compute the unsharded
 attention and loss, not only index-equal to TransformerEngine.
 
@@ -33,7 +33,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thdpack import build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import build_thd_batch
 
 HEADS, DIM, VOCAB = 2, 8, 64
 WORLD = 4
@@ -183,7 +184,8 @@ def _ring_worker(rank: int, init_file: str, batches: dict, out: str) -> None:
             if rank not in ranks:
                 continue
             group = groups[ranks]
-            shard = shard_for_cp(batch, cp, dist.get_rank(group))  # every rank of the ring gets the whole batch
+            # every rank of the ring gets the whole batch
+            shard = thdpack.shard(batch, cp_size=cp, cp_rank=dist.get_rank(group))
             q, k, v = qkv(w, shard.input_ids, shard.position_ids)
             logits = ring_attention(q, k, v, shard, group).reshape(-1, HEADS * DIM) @ w["head"]
             loss = F.cross_entropy(logits, shard.labels, ignore_index=shard.ignore_index, reduction="sum")

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import SampleError, ThdCollator, build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import SampleError, ThdCollator, build_thd_batch
 from thdpack.losses import token_logps
 
 
@@ -40,7 +41,7 @@ def test_values_follow_their_samples_through_planning_building_and_cp(lengths, c
             assert (tok[cu[j] : cu[j + 1]] == r["reward"]).all()
         assert batch.token_values("vec").shape == (batch.num_padded_tokens, 3)
         for rank in range(cp):
-            shard = shard_for_cp(batch, cp, rank) if cp > 1 else batch
+            shard = thdpack.shard(batch, cp_size=cp, cp_rank=rank) if cp > 1 else batch
             for name in names:
                 torch.testing.assert_close(shard.token_values(name), batch.token_values(name)[shard.shard.partition_indices]
                                            if cp > 1 else batch.token_values(name), rtol=0, atol=0)

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import megatron_env  # tests/megatron_env.py
 
-from thdpack import build_thd_batch, shard_for_cp
+import thdpack
+from thdpack import build_thd_batch
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
 from thdpack.batching import seq_idx
@@ -97,7 +98,7 @@ def test_pad_slots_and_pad_to_tail_hold_their_samples_id(lengths, pad_multiple, 
 def test_a_cp_shard_gives_the_whole_streams_seq_idx():
     batch = build_thd_batch(samples_of([5, 2, 7, 1]), cp_size=2)
     for rank in range(2):
-        shard = shard_for_cp(batch, 2, rank)
+        shard = thdpack.shard(batch, cp_size=2, cp_rank=rank)
         assert torch.equal(seq_idx(shard), seq_idx(batch))
         assert seq_idx(shard).shape[1] == packed_seq_params_dict(shard)["total_tokens"]
 

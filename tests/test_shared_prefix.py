@@ -9,7 +9,7 @@ The references here are written from the samples alone, never from thdpack's lay
 - the target table is each sample's own HF labels, shifted within the sample, at those rows;
 - torch's ``create_block_mask`` over the same mask gives the tables of ``thdpack.batching.block_mask(batch)``, and
   torch's ``create_mask`` over the BlockMask's mask_mod gives the dense mask;
-- FLOPs: the batch's ``seqlen_squared_sum`` is twice the mask's allowed (real row, real key) pairs less
+- FLOPs: the batch's ``seqlen_squared_sum(batch)`` is twice the mask's allowed (real row, real key) pairs less
   the real tokens, the convention of ``Σ sᵢ²``.
 
 The model tests (transformers' tiny Qwen3 / Llama, ``tests/test_shared_prefix_models.py``) check the
@@ -25,10 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from thdpack import (SampleError, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, plan_balanced, plan_packs,
-                     shard_for_cp)
+import thdpack
+from thdpack import SampleError, ThdCollator, TokenBudgetBatchSampler, build_thd_batch, plan_balanced, plan_packs
 from thdpack.batching.shared_prefix import group_prefixes
-from thdpack.flops import FlopsAccumulator, tree_seqlen_squared_sum
+from thdpack.flops import FlopsAccumulator, seqlen_squared_sum, tree_seqlen_squared_sum
 from thdpack.integrations import packed_seq_params_dict, to_hf_kwargs
 from thdpack.batching import attention_mask_4d, block_mask, document_parents, seq_idx
 
@@ -232,8 +232,8 @@ def test_tree_layouts_against_the_samples(case):
     # FLOPs: the tree's Σ convention is twice the real pairs less the real tokens, Σ L² − Σ (k − 1)·p²
     real = real_slots(batch)
     pairs = int(attention_mask_4d(batch)[0, 0][real][:, real].sum())
-    assert batch.seqlen_squared_sum == 2 * pairs - batch.num_tokens
-    assert batch.seqlen_squared_sum == int((lens * lens).sum()) - sum((k - 1) * q * q for q, k in prefixes)
+    assert seqlen_squared_sum(batch) == 2 * pairs - batch.num_tokens
+    assert seqlen_squared_sum(batch) == int((lens * lens).sum()) - sum((k - 1) * q * q for q, k in prefixes)
 
 
 # --------------------------------------------------------------------------- bad input and refused dialects
@@ -283,7 +283,8 @@ def test_dialects_that_cannot_express_the_tree_refuse():
     batch = build_thd_batch(group_samples([(6, [2, 3])]), share_prefix="group", min_prefix_len=1)
     for call in (lambda: to_hf_kwargs(batch, include_labels=False),
                  lambda: to_hf_kwargs(batch, attn_implementation="flash_attention_2", include_labels=False),
-                 lambda: packed_seq_params_dict(batch), lambda: seq_idx(batch), lambda: shard_for_cp(batch, 2, 0)):
+                 lambda: packed_seq_params_dict(batch), lambda: seq_idx(batch),
+                 lambda: thdpack.shard(batch, cp_size=2, cp_rank=0)):
         with pytest.raises(ValueError, match="cannot express a shared-prefix batch .* share_prefix=None"):
             call()
     with pytest.raises(ValueError, match="include_labels=True"):
@@ -371,7 +372,7 @@ def test_a_group_fits_when_its_prefix_counts_once():
 
 def test_balanced_costs_are_the_built_batches():
     """``plan_balanced(shared_prefix=)`` costs every pack as the tree it becomes: linear · tokens + quadratic ·
-    the batch's ``seqlen_squared_sum``; a group over one pack (a bundle) too. The sampler plans the same."""
+    the batch's ``seqlen_squared_sum(batch)``; a group over one pack (a bundle) too. The sampler plans the same."""
     samples = group_samples([(40, [4, 9, 0, 3]), (33, [20, 2]), (5, [8, 8]), (45, [1]), (60, [30] * 6)], seed=3)
     lens = [len(s["input_ids"]) for s in samples]
     groups = [s["group"] for s in samples]
@@ -384,7 +385,7 @@ def test_balanced_costs_are_the_built_batches():
     for k in range(len(balanced.plan)):
         batch = build_thd_batch([samples[i] for i in balanced.plan.pack(k)], share_prefix="group", min_prefix_len=1)
         assert batch.num_padded_tokens <= 200
-        assert balanced.costs[k] == pytest.approx(cost[0] * batch.num_tokens + cost[1] * batch.seqlen_squared_sum)
+        assert balanced.costs[k] == pytest.approx(cost[0] * batch.num_tokens + cost[1] * seqlen_squared_sum(batch))
     sampler = TokenBudgetBatchSampler(lens, 200, groups=groups, shared_prefix=prefix, balance="compute",
                                       micro_batches=3, num_replicas=1, rank=0, shuffle=False)
     collate = ThdCollator(share_prefix="group", min_prefix_len=1)
@@ -399,10 +400,10 @@ def test_flops_count_the_tree():
     flat = build_thd_batch(samples, pad_multiple=8)
     acc = FlopsAccumulator().add(tree)
     assert (acc.samples, acc.tokens, acc.padded_tokens) == (5, tree.num_tokens, tree.num_padded_tokens)
-    assert acc.seqlen_squared_sum == tree.seqlen_squared_sum == tree_seqlen_squared_sum(tree.seq_lens,
-                                                                                         document_parents(tree))
+    assert acc.seqlen_squared_sum == seqlen_squared_sum(tree) == tree_seqlen_squared_sum(tree.seq_lens,
+                                                                                          document_parents(tree))
     p, c = 40, np.array([6, 0, 11, 3])
-    assert tree.seqlen_squared_sum == p * p + int((c * (2 * p + c)).sum()) + 17 * 17
+    assert seqlen_squared_sum(tree) == p * p + int((c * (2 * p + c)).sum()) + 17 * 17
     config = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
     assert acc.model_flops(config) < FlopsAccumulator().add(flat).model_flops(config)

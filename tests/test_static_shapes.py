@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import StreamingPacker, ThdCollator, build_thd_batch, shard_for_cp
-from thdpack.batching import BatchLayout
-from thdpack.flops import FlopsAccumulator
+import thdpack
+from thdpack import StreamingPacker, ThdCollator, build_thd_batch
+from thdpack.batching import BatchLayout, static_cu_seqlens, static_cu_seqlens_padded, static_max_seqlen
+from thdpack.flops import FlopsAccumulator, seqlen_squared_sum
 from thdpack.losses import packed_loss
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.demo.models import TINY_TEXT
@@ -182,9 +183,9 @@ def test_pad_cu_seqlens_repeats_the_last_value():
     assert pad_cu_seqlens(cu, 3).tolist() == cu.tolist()  # already n == max_num_seqs
     assert pad_cu_seqlens(cu.to(torch.int64), 4).dtype == torch.int32
     batch = build_thd_batch([{"input_ids": [1] * n} for n in (5, 2, 4)], pad_to=16, max_num_seqs=5)
-    assert batch.static_cu_seqlens.tolist() == [0, 5, 7, 11, 11, 11]
-    assert batch.static_cu_seqlens_padded.tolist() == [0, 5, 7, 16, 16, 16]  # the tail is the last sample's
-    assert batch.static_max_seqlen == 16 and batch.max_seqlen == 9
+    assert static_cu_seqlens(batch).tolist() == [0, 5, 7, 11, 11, 11]
+    assert static_cu_seqlens_padded(batch).tolist() == [0, 5, 7, 16, 16, 16]  # the tail is the last sample's
+    assert static_max_seqlen(batch) == 16 and batch.max_seqlen == 9
     assert batch.cu_seqlens.tolist() == [0, 5, 7, 11] and batch.num_samples == 3
 
 
@@ -198,7 +199,7 @@ def test_more_samples_than_max_num_seqs_names_the_batchs_samples():
     with pytest.raises(ValueError, match=message):
         pad_cu_seqlens(torch.arange(6, dtype=torch.int32), 4)
     batch = build_thd_batch(samples, max_num_seqs=5)
-    assert batch.static_cu_seqlens.shape == (6,)
+    assert static_cu_seqlens(batch).shape == (6,)
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "4", 2**63])
@@ -226,7 +227,7 @@ def test_streaming_packer_with_a_static_collator():
     packer = StreamingPacker(samples, 16, max_samples_per_pack=4, num_replicas=1, rank=0)
     collator = ThdCollator(pad_to=16, max_num_seqs=4)
     batches = [collator(pack) for pack in packer]
-    assert {b.input_ids.shape + b.static_cu_seqlens.shape + b.static_cu_seqlens_padded.shape for b in batches} == {
+    assert {b.input_ids.shape + static_cu_seqlens(b).shape + static_cu_seqlens_padded(b).shape for b in batches} == {
         (16, 5, 5)}
     assert sum(b.num_samples for b in batches) == 40
 
@@ -244,7 +245,7 @@ def _assert_same_batch(static, plain) -> None:
     for name, value in vars(plain).items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(getattr(static, name), value), name
-    assert static.num_samples == plain.num_samples and static.seqlen_squared_sum == plain.seqlen_squared_sum
+    assert static.num_samples == plain.num_samples and seqlen_squared_sum(static) == seqlen_squared_sum(plain)
     assert _counts(static) == _counts(plain)  # FLOPs from the batch (real lengths)
     assert _counts(to_hf_kwargs(static)) == _counts(to_hf_kwargs(plain))  # ... and from the model inputs
     logits = torch.randn(static.num_padded_tokens, 16, generator=torch.Generator().manual_seed(0))  # ids < 16
@@ -266,23 +267,23 @@ def test_max_num_seqs_pads_only_what_kernels_read(lengths, spare, cp_size, pad_m
     static = build_thd_batch(samples, **layout, pad_to=pad_to, max_num_seqs=m)
     _assert_same_batch(static, plain)
     T = plain.num_padded_tokens
-    for got, real in ((static.static_cu_seqlens, plain.cu_seqlens), (static.static_cu_seqlens_padded,
+    for got, real in ((static_cu_seqlens(static), plain.cu_seqlens), (static_cu_seqlens_padded(static),
                                                                      plain.cu_seqlens_padded)):
         assert got.shape == (m + 1,) and got.dtype == torch.int32
         assert got[: n + 1].tolist() == real.tolist() and bool((got[n:] == real[-1]).all())
     kw = to_hf_kwargs(static)
-    assert torch.equal(kw["cu_seq_lens_q"], static.static_cu_seqlens_padded) and kw["max_length_q"] == T
+    assert torch.equal(kw["cu_seq_lens_q"], static_cu_seqlens_padded(static)) and kw["max_length_q"] == T
     params = packed_seq_params_dict(static)
-    assert torch.equal(params["cu_seqlens_q"], static.static_cu_seqlens)
-    assert torch.equal(params["cu_seqlens_q_padded"], static.static_cu_seqlens_padded)  # always set
+    assert torch.equal(params["cu_seqlens_q"], static_cu_seqlens(static))
+    assert torch.equal(params["cu_seqlens_q_padded"], static_cu_seqlens_padded(static))  # always set
     assert params["max_seqlen_q"] == params["max_seqlen_kv"] == params["total_tokens"] == T
     for rank in range(cp_size if cp_size > 1 else 0):
-        shards = (shard_for_cp(static, cp_size, rank), build_thd_batch(samples, **layout, pad_to=pad_to, max_num_seqs=m,
-                                                              cp_rank=rank))
+        shards = (thdpack.shard(static, cp_size=cp_size, cp_rank=rank),
+                  build_thd_batch(samples, **layout, pad_to=pad_to, max_num_seqs=m, cp_rank=rank))
         for shard in shards:  # whole-batch sharding and the direct shard alike
-            _assert_same_batch(shard, shard_for_cp(plain, cp_size, rank))
+            _assert_same_batch(shard, thdpack.shard(plain, cp_size=cp_size, cp_rank=rank))
             local = to_hf_kwargs(shard)
-            assert torch.equal(local["cu_seq_lens_q"], static.static_cu_seqlens_padded // cp_size)
+            assert torch.equal(local["cu_seq_lens_q"], static_cu_seqlens_padded(static) // cp_size)
             assert local["max_length_q"] == T // cp_size
 
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack import TorchCPLoadBalancer, build_thd_batch, shard_for_cp, thd_partition_indices, torch_cp_indices
+import thdpack
+from thdpack import TorchCPLoadBalancer, build_thd_batch, thd_partition_indices, torch_cp_indices
 
 lb = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
 
@@ -137,7 +138,7 @@ def test_rank_pieces_are_torchs_per_document_chunks(cp, chunks):
 
 def test_batch_and_torch_device_inputs():
     """A ThdBatch (pad_to tail, a 1-token sample) and its offsets as list / numpy / int32 tensor give
-    the same indices; ``x[rearrange]`` in cp pieces is every rank's ``shard_for_cp``; the load
+    the same indices; ``x[rearrange]`` in cp pieces is every rank's ``thdpack.shard``; the load
     balancer hands torch ``[1, T]`` rows."""
     samples = [{"input_ids": list(range(1, s + 1))} for s in (5, 1, 9, 3)]
     batch = build_thd_batch(samples, cp_size=2, pad_to=32)
@@ -146,7 +147,7 @@ def test_batch_and_torch_device_inputs():
         got = torch_cp_indices(cu, 2)
         assert torch.equal(got[0], rearrange) and torch.equal(got[1], restore)
     for r in range(2):
-        shard = shard_for_cp(batch, 2, r)
+        shard = thdpack.shard(batch, cp_size=2, cp_rank=r)
         for name in ("input_ids", "labels", "position_ids"):
             assert torch.equal(getattr(batch, name)[rearrange].view(2, -1)[r], getattr(shard, name)), name
     balancer = TorchCPLoadBalancer(batch, 2, device="cpu")
@@ -172,7 +173,7 @@ def test_errors_name_the_bad_value():
     with pytest.raises(ValueError, match=r"cu_seqlens_padded must hold integers"):
         torch_cp_indices([0.0, 4.0], 2)
     with pytest.raises(ValueError, match=r"batch is a CP shard \(cp_size=2, rank 1\)"):
-        torch_cp_indices(shard_for_cp(build_thd_batch(samples, cp_size=2), 2, 1), 2)
+        torch_cp_indices(thdpack.shard(build_thd_batch(samples, cp_size=2), cp_size=2, cp_rank=1), 2)
 
 
 # --------------------------------------------------------------------------- torch's CP on gloo
@@ -242,7 +243,7 @@ def _torch_cp_worker(rank: int, init_file: str, batch, out: str) -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_torch_context_parallel_on_two_gloo_processes(tmp_path):
     """torch's own CP code on 2 gloo processes: ``_context_parallel_shard`` with
-    :class:`TorchCPLoadBalancer` gives every rank its ``shard_for_cp`` tokens, FlexAttention on the
+    :class:`TorchCPLoadBalancer` gives every rank its ``thdpack.shard`` tokens, FlexAttention on the
     shards (document-causal ``BlockMask`` sharded by torch, K/V by ``flex_cp_allgather``) unsharded
     by ``context_parallel_unshard`` equals each document's causal SDPA alone. ``context_parallel``
     itself shards by the one-document indices, and its SDPA raises on CPU."""
@@ -261,7 +262,7 @@ def test_torch_context_parallel_on_two_gloo_processes(tmp_path):
         assert torch.equal(res["context_parallel_shard"], whole[r])
         assert "sdpa_error" in res, "torch's CP SDPA ran on CPU: test its output and update the docs"
         assert "_scaled_dot_product_flash_attention_for_cpu" in res["sdpa_error"]
-        shard = shard_for_cp(batch, 2, r)
+        shard = thdpack.shard(batch, cp_size=2, cp_rank=r)
         for name in ("input_ids", "labels", "position_ids"):
             assert torch.equal(res[name], getattr(shard, name)), (r, name)
         # rank r's attention output is the global output at its partition indices

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism: :func:`thdpack.shard_for_ulysses` checked against DeepSpeed's own code.
+"""Ulysses sequence parallelism: ``thdpack.shard(batch, sp_size=, sp_rank=)`` checked against DeepSpeed's own code.
 
 * DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (as TRL / ALST wrap a DataLoader) shards, on every rank
   of a real ``gloo`` group, the same packs exactly as thdpack does: ``input_ids``, ``position_ids``
@@ -13,7 +13,7 @@
   written here with the dual-chunk rule.
 * Its constructor's head-count rule equals ``check_head_counts``.
 * Hypothesis: the slices concatenated are the padded stream (every token once, in order), and
-  with CP each CP rank's slices are its ``shard_for_cp`` shard of the padded stream.
+  with CP each CP rank's slices are its CP shard (``cp_size=``, ``cp_rank=``) of the padded stream.
 
 Workers are forked (``start_method="fork"``, as tests/test_flops.py does): they inherit the imported
 torch / transformers / DeepSpeed and the models, which a fresh interpreter per rank would import again.
@@ -34,7 +34,8 @@ ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import ThdCollator, build_thd_batch, shard_for_cp, shard_for_ulysses  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import ThdCollator, build_thd_batch  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family  # noqa: E402
 from thdpack.parallel.ulysses import (  # noqa: E402
@@ -176,7 +177,7 @@ ADAPTER_LENGTHS = [(11, 5, 8), (7, 3, 13), (16, 6), (1, 2, 3, 4, 5, 6)]
 
 def _check_adapter(rank: int, world: int, group) -> None:
     """DeepSpeed's adapter over every rank's pack (one per rank, as a DataLoader gives them) hands this
-    rank, pack after pack, the slices shard_for_ulysses gives it."""
+    rank, pack after pack, the slices thdpack.shard gives it."""
     packs = [make_samples(lengths, seed=100 + j) for j, lengths in enumerate(ADAPTER_LENGTHS[:world])]
     mine = build_thd_batch(packs[rank])
     padded = -(-mine.num_padded_tokens // world) * world
@@ -186,7 +187,7 @@ def _check_adapter(rank: int, world: int, group) -> None:
                                                     device="cpu")
     for j, samples in enumerate(packs):
         got = next(adapter)
-        ours = shard_for_ulysses(build_thd_batch(samples), world, rank)
+        ours = thdpack.shard(build_thd_batch(samples), sp_size=world, sp_rank=rank)
         assert sorted(got) == ["input_ids", "position_ids", "shift_labels"], sorted(got)
         assert torch.equal(got["input_ids"][0], ours.input_ids), (j, got["input_ids"], ours.input_ids)
         assert torch.equal(got["position_ids"][0], ours.position_ids), (j, got["position_ids"], ours.position_ids)
@@ -381,7 +382,7 @@ def test_tail_without_numpy_is_the_same(fill):
        cp=st.sampled_from([1, 1, 2, 3]), pad_multiple=st.sampled_from([None, 4]), extras=st.booleans())
 def test_slices_are_the_padded_stream(lengths, sp, cp, pad_multiple, extras):
     """Every rank's slice, concatenated in rank order, is the stream padded as the builder pads to
-    ``pad_to`` (every token once, in order); with CP, the CP rank's shard_for_cp shard of it."""
+    ``pad_to`` (every token once, in order); with CP, the CP rank's CP shard of it."""
     samples = make_samples(lengths, seed=sum(lengths))
     layout = dict(cp_size=cp, pad_multiple=pad_multiple, pad_token_id=3)
     batch = build_thd_batch(samples, **layout)
@@ -397,8 +398,8 @@ def test_slices_are_the_padded_stream(lengths, sp, cp, pad_multiple, extras):
     assert padded.max_seqlen == ref.max_seqlen and padded.cu_seqlens_padded.dtype == torch.int32
     seen = []
     for c in range(cp):
-        cp_shard = shard_for_cp(ref, cp, c)
-        shards = [shard_for_ulysses(batch, sp, r, cp_size=cp, cp_rank=c, pad_token_id=3) for r in range(sp)]
+        cp_shard = thdpack.shard(ref, cp_size=cp, cp_rank=c)
+        shards = [thdpack.shard(batch, sp_size=sp, sp_rank=r, cp_size=cp, cp_rank=c, pad_token_id=3) for r in range(sp)]
         for name in FIELDS:
             assert torch.equal(torch.cat([getattr(s, name) for s in shards]), getattr(cp_shard, name)), name
         assert torch.equal(torch.cat([s.shard.partition_indices for s in shards]), cp_shard.shard.partition_indices)
@@ -422,7 +423,7 @@ def test_to_hf_kwargs_of_a_shard():
     whole stream attention sees after the all-to-all) and its targets as ``shift_labels``."""
     batch = build_thd_batch([{"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": [6] * 4},
                              {"input_ids": [10, 11, 12, 13, 14]}])  # 14 tokens: sp=4 pads 2
-    kw = to_hf_kwargs(shard_for_ulysses(batch, 4, 3))
+    kw = to_hf_kwargs(thdpack.shard(batch, sp_size=4, sp_rank=3))
     assert kw["input_ids"].tolist() == [[13, 14, 0, 0]]
     assert kw["position_ids"].tolist() == [[3, 4, 5, 6]]  # sample 2's last two tokens, then the tail counting on
     assert kw["cu_seq_lens_q"].tolist() == kw["cu_seq_lens_k"].tolist() == [0, 5, 9, 16]
@@ -453,7 +454,7 @@ def test_vlm_shards():
     ref = build_thd_batch(samples, vlm=get_family(config), pad_to=24)
     types = ref.token_extras["mm_token_type_ids"]
     image_row = torch.cumsum((types == 1).long(), 0) - 1
-    shards = [shard_for_ulysses(batch, sp, r) for r in range(sp)]
+    shards = [thdpack.shard(batch, sp_size=sp, sp_rank=r) for r in range(sp)]
     for key, value in ref.token_extras.items():
         assert torch.equal(torch.cat([s.token_extras[key] for s in shards], -1), value), key
     for s in shards:
@@ -477,7 +478,7 @@ def _same(got, want) -> None:
 @pytest.mark.parametrize("layout", [dict(pad_token_id=5), dict(pad_token_id=5, max_length=10),
                                     dict(pad_token_id=5, pad_multiple=4)], ids=["plain", "max_length", "pad_multiple"])
 def test_collator_option(layout):
-    """ThdCollator(ulysses_sp_size=..., ulysses_rank=...) gives shard_for_ulysses of the batch it would
+    """ThdCollator(ulysses_sp_size=..., ulysses_rank=...) gives thdpack.shard(sp_size=, sp_rank=) of the batch it would
     build without Ulysses (planned packs too, the tail with its pad_token_id, a max_length cut and a pad
     multiple kept); without a rank the padded whole batch; with CP the CP rank's."""
     samples = make_samples((13, 7, 22, 5, 9), seed=4)
@@ -489,13 +490,14 @@ def test_collator_option(layout):
             got = got if plan else [got]
             assert len(got) == len(whole)
             for g, batch in zip(got, whole):
-                _same(g, shard_for_ulysses(batch, 3, r, pad_token_id=5))
+                _same(g, thdpack.shard(batch, sp_size=3, sp_rank=r, pad_token_id=5))
     padded = ThdCollator(**layout, ulysses_sp_size=5)(samples)
     want = pad_for_ulysses(ThdCollator(**layout)(samples), 5, pad_token_id=5)
     assert all(torch.equal(getattr(padded, f), getattr(want, f)) for f in FIELDS + ("cu_seqlens_padded",))
     assert padded.num_padded_tokens % 5 == 0 and padded.input_ids[-1] == 5 and not padded.is_shard
     got = ThdCollator(**layout, cp_size=2, cp_rank=1, ulysses_sp_size=2, ulysses_rank=1)(samples)
-    _same(got, shard_for_ulysses(ThdCollator(**layout, cp_size=2)(samples), 2, 1, cp_size=2, cp_rank=1, pad_token_id=5))
+    _same(got, thdpack.shard(ThdCollator(**layout, cp_size=2)(samples), sp_size=2, sp_rank=1, cp_size=2, cp_rank=1,
+                             pad_token_id=5))
 
 
 def test_collator_pad_to():
@@ -517,31 +519,39 @@ _TREE = build_thd_batch([{"input_ids": [5, 6, 7, 8, i], "group": 0} for i in (1,
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: shard_for_ulysses(_B, 0, 0), ValueError, r"sp_size must be an integer >= 1, got 0"),
-    (lambda: shard_for_ulysses(_B, 2.0, 0), ValueError, r"sp_size must be an integer >= 1, got 2.0"),
-    (lambda: shard_for_ulysses(_B, True, 0), ValueError, r"sp_size must be an integer >= 1, got True"),
-    (lambda: shard_for_ulysses(_B, 4, 4), ValueError, r"^rank must be an integer in \[0, 4\), got 4 \(the SP rank\)$"),
-    (lambda: shard_for_ulysses(_B, 4, -1), ValueError, r"rank must be an integer in \[0, 4\)"),
-    (lambda: shard_for_ulysses(_B, 2, 0, cp_size=0), ValueError, r"cp_size must be an integer >= 1, got 0"),
-    (lambda: shard_for_ulysses(_B, 2, 0, cp_size=2, cp_rank=2), ValueError, r"cp_rank must be an integer in \[0, 2\)"),
-    (lambda: shard_for_ulysses(_B, 2, 0, cp_size=2), ValueError,
+    (lambda: thdpack.shard(_B, sp_size=0, sp_rank=0), ValueError, r"sp_size must be an integer >= 1, got 0"),
+    (lambda: thdpack.shard(_B, sp_size=2.0, sp_rank=0), ValueError, r"sp_size must be an integer >= 1, got 2.0"),
+    (lambda: thdpack.shard(_B, sp_size=True, sp_rank=0), ValueError, r"sp_size must be an integer >= 1, got True"),
+    (lambda: thdpack.shard(_B, sp_size=4, sp_rank=4), ValueError,
+     r"^sp_rank must be an integer in \[0, 4\), got 4 \(the SP rank\)$"),
+    (lambda: thdpack.shard(_B, sp_size=4, sp_rank=-1), ValueError, r"sp_rank must be an integer in \[0, 4\)"),
+    (lambda: thdpack.shard(_B, sp_size=2, sp_rank=0, cp_size=0), ValueError, r"cp_size must be an integer >= 1, got 0"),
+    (lambda: thdpack.shard(_B, sp_size=2, sp_rank=0, cp_size=2, cp_rank=2), ValueError,
+     r"cp_rank must be an integer in \[0, 2\)"),
+    (lambda: thdpack.shard(_B, sp_size=2, sp_rank=0, cp_size=2), ValueError,
      r"sample 0 has padded length 5, not a multiple of 2·cp = 4; build the batch with cp_size=2"),
-    (lambda: shard_for_ulysses(_B, 2, 0, pad_token_id=-1), ValueError, r"pad_token_id must be an integer >= 0, got -1"),
-    (lambda: shard_for_ulysses(_B, 4, 0, num_heads=6), ValueError, r"num_heads=6 is not a multiple of sp_size=4"),
-    (lambda: shard_for_ulysses(_B, 4, 0, num_heads=0), ValueError, r"num_heads must be an integer >= 1, got 0"),
-    (lambda: shard_for_ulysses(_B, 4, 0, num_heads=12, num_kv_heads=6), ValueError,
+    (lambda: thdpack.shard(_B, sp_size=2, sp_rank=0, pad_token_id=-1), ValueError,
+     r"pad_token_id must be an integer >= 0, got -1"),
+    (lambda: thdpack.shard(_B, sp_size=4, sp_rank=0, num_heads=6), ValueError,
+     r"num_heads=6 is not a multiple of sp_size=4"),
+    (lambda: thdpack.shard(_B, sp_size=4, sp_rank=0, num_heads=0), ValueError,
+     r"num_heads must be an integer >= 1, got 0"),
+    (lambda: thdpack.shard(_B, sp_size=4, sp_rank=0, num_heads=12, num_kv_heads=6), ValueError,
      r"num_kv_heads=6 and sp_size=4: one must divide the other"),
-    (lambda: shard_for_ulysses(_B, 2, 0, num_heads=6, num_kv_heads=4), ValueError,
+    (lambda: thdpack.shard(_B, sp_size=2, sp_rank=0, num_heads=6, num_kv_heads=4), ValueError,
      r"num_heads=6 is not a multiple of num_kv_heads=4"),
-    (lambda: shard_for_ulysses(to_hf_kwargs(_B), 2, 0), TypeError, r"takes a thdpack.ThdBatch .*, got dict"),
-    (lambda: shard_for_ulysses(shard_for_ulysses(_B, 2, 0), 2, 0), ValueError,
+    (lambda: thdpack.shard(to_hf_kwargs(_B), sp_size=2, sp_rank=0), TypeError,
+     r"takes a thdpack.ThdBatch .*, got dict"),
+    (lambda: thdpack.shard(thdpack.shard(_B, sp_size=2, sp_rank=0), sp_size=2, sp_rank=0), ValueError,
      r"takes a whole batch, got a shard \(cp_size=1, sp_size=2\)"),
-    (lambda: shard_for_ulysses(shard_for_cp(build_thd_batch([{"input_ids": [1] * 4}], cp_size=2), 2, 0), 2, 0),
+    (lambda: thdpack.shard(thdpack.shard(build_thd_batch([{"input_ids": [1] * 4}], cp_size=2), cp_size=2, cp_rank=0),
+                           sp_size=2, sp_rank=0),
      ValueError, r"takes a whole batch, got a shard \(cp_size=2, sp_size=1\)"),
-    (lambda: shard_for_cp(shard_for_ulysses(_B, 2, 1), 2, 0), ValueError, r"batch is a Ulysses shard \(sp_size=2, rank 1\)"),
+    (lambda: thdpack.shard(thdpack.shard(_B, sp_size=2, sp_rank=1), cp_size=2, cp_rank=0), ValueError,
+     r"batch is a Ulysses shard \(sp_size=2, rank 1\)"),
     (lambda: pad_for_ulysses(_B, 0), ValueError, r"sp_size must be an integer >= 1, got 0"),
-    (lambda: shard_for_ulysses(_TREE, 2, 0), ValueError,
-     r"shard_for_ulysses cannot shard a shared-prefix batch .*build it with share_prefix=None under Ulysses"),
+    (lambda: thdpack.shard(_TREE, sp_size=2, sp_rank=0), ValueError,
+     r"shard\(batch, sp_size=, sp_rank=\) cannot shard a shared-prefix batch .*build it with share_prefix=None under Ulysses"),
     (lambda: pad_for_ulysses(_TREE, 2), ValueError, r"pad_for_ulysses cannot shard a shared-prefix batch"),
     (lambda: pad_for_ulysses(_B, 2, cp_size=2), ValueError, r"sample 0 has padded length 5, not a multiple of 2·cp = 4"),
     (lambda: ulysses_positions([0, 5, 7], 4, 0), ValueError,
@@ -565,17 +575,17 @@ def test_argument_errors(call, error, match):
 def test_head_counts_accepted():
     for sp, heads, kv in [(4, 8, 8), (4, 8, 4), (4, 8, 2), (4, 8, 1), (8, 8, 2), (2, 4, None), (3, None, 6)]:
         check_head_counts(sp, heads, kv)
-        shard_for_ulysses(_B, sp, 0, num_heads=heads, num_kv_heads=kv)
+        thdpack.shard(_B, sp_size=sp, sp_rank=0, num_heads=heads, num_kv_heads=kv)
 
 
 NUMBER_ARGS = {  # argument -> a call taking the value there
-    "sp_size": lambda v: shard_for_ulysses(_B, v, 0),
-    "rank": lambda v: shard_for_ulysses(_B, 2, v),
-    "cp_size": lambda v: shard_for_ulysses(_B, 2, 0, cp_size=v),
-    "cp_rank": lambda v: shard_for_ulysses(_B, 2, 0, cp_size=2, cp_rank=v),
-    "pad_token_id": lambda v: shard_for_ulysses(_B, 2, 0, pad_token_id=v),
-    "num_heads": lambda v: shard_for_ulysses(_B, 2, 0, num_heads=v),
-    "num_kv_heads": lambda v: shard_for_ulysses(_B, 2, 0, num_kv_heads=v),
+    "sp_size": lambda v: thdpack.shard(_B, sp_size=v, sp_rank=0),
+    "sp_rank": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=v),
+    "cp_size": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=0, cp_size=v),
+    "cp_rank": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=0, cp_size=2, cp_rank=v),
+    "pad_token_id": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=0, pad_token_id=v),
+    "num_heads": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=0, num_heads=v),
+    "num_kv_heads": lambda v: thdpack.shard(_B, sp_size=2, sp_rank=0, num_kv_heads=v),
     "ulysses_sp_size": lambda v: ThdCollator(ulysses_sp_size=v),
     "ulysses_rank": lambda v: ThdCollator(ulysses_sp_size=2, ulysses_rank=v),
 }
@@ -601,7 +611,7 @@ def test_flops_of_the_ulysses_ranks_add_up_to_the_pack(cp, sp):
     samples = [{"input_ids": list(range(3, 3 + n))} for n in (5, 1, 17, 9, 2, 30)]
     batch = build_thd_batch(samples, cp_size=cp)
     whole = FlopsAccumulator().add(batch)
-    ranks = [FlopsAccumulator().add(shard_for_ulysses(batch, sp, r, cp_size=cp, cp_rank=c))
+    ranks = [FlopsAccumulator().add(thdpack.shard(batch, sp_size=sp, sp_rank=r, cp_size=cp, cp_rank=c))
              for c in range(cp) for r in range(sp)]
     for name in ("samples", "tokens", "seqlen_squared_sum"):
         assert sum(getattr(a, name) for a in ranks) == getattr(whole, name), name

@@ -26,8 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_vlm import make_sample, tiny_config  # noqa: E402
 
-from thdpack import (ThdCollator, build_thd_batch, hybrid_cp_shards, plan_hybrid_cp, rebalance,  # noqa: E402
-                     shard_for_cp)
+import thdpack  # noqa: E402
+from thdpack import ThdCollator, build_thd_batch, plan_hybrid_cp, rebalance  # noqa: E402
 from thdpack.loaders.hybrid_rebalance import HybridCP, rebalance_hybrid_cp  # noqa: E402
 from thdpack.parallel.hybrid_blocks import block_sizes  # noqa: E402
 from thdpack.planning.hybrid_cp import HybridCPPlan, schedule_cost  # noqa: E402
@@ -86,7 +86,7 @@ def test_a_video_plan_on_an_image_batch_is_refused():
 def test_shard_vision_rows_takes_the_plans_rows_only(rows, as_list):
     """Before: 11 embedding rows for a plan of 6 were cut silently (and fewer than 6 an IndexError)."""
     embeds = torch.randn(rows, 3)
-    for shard in (IMAGES, shard_for_cp(IMAGES, 2, 1)):
+    for shard in (IMAGES, thdpack.shard(IMAGES, cp_size=2, cp_rank=1)):
         _one_line(ValueError, f"^embeds has {rows} rows but the plan gathers 6",
                   lambda: shard_vision_rows([embeds] if as_list else embeds, shard, IMAGE_PLAN))
 
@@ -94,7 +94,8 @@ def test_shard_vision_rows_takes_the_plans_rows_only(rows, as_list):
 def test_valid_inputs_keep_their_rows():
     embeds = torch.arange(6.0)[:, None]
     assert shard_vision_rows(embeds, IMAGES, IMAGE_PLAN)[:, 0].tolist() == list(range(6))
-    parts = [shard_vision_rows([embeds], shard_for_cp(IMAGES, 2, r), IMAGE_PLAN)[0] for r in (0, 1)]
+    parts = [shard_vision_rows([embeds], thdpack.shard(IMAGES, cp_size=2, cp_rank=r), IMAGE_PLAN)[0]
+             for r in (0, 1)]
     assert sorted(torch.cat(parts)[:, 0].tolist()) == list(range(6))
     pixels, grid = vision_rank_inputs(IMAGES, IMAGE_PLAN, 0)
     assert pixels.shape[0] == int(grid.prod(1).sum())
@@ -103,9 +104,10 @@ def test_valid_inputs_keep_their_rows():
 
 def test_a_plan_of_another_pack_is_refused_by_shard_vision_rows():
     _one_line(ValueError, r"^shard's image_grid_thw has 2 image\(s\) .* but the plan 0 \[\]",
-              lambda: shard_vision_rows(torch.zeros(8, 3), shard_for_cp(IMAGES, 2, 0), VIDEO_PLAN))
+              lambda: shard_vision_rows(torch.zeros(8, 3), thdpack.shard(IMAGES, cp_size=2, cp_rank=0), VIDEO_PLAN))
     # shards without their grids: the embedding rows they read against the plan's tokens
-    shard = _without(shard_for_cp(VIDEO, 2, 1), "image_grid_thw", "video_grid_thw")  # its 8 video tokens
+    # its 8 video tokens
+    shard = _without(thdpack.shard(VIDEO, cp_size=2, cp_rank=1), "image_grid_thw", "video_grid_thw")
     _one_line(ValueError, "^shard reads video embedding rows up to 8 but the plan has 0 video tokens",
               lambda: shard_vision_rows(torch.zeros(6, 3), shard, IMAGE_PLAN))
     whole = _without(IMAGES, "image_grid_thw", "video_grid_thw")
@@ -236,9 +238,9 @@ def test_schedule_cost_checks_its_schedule(groups, lengths, kind, pattern):
     _one_line(kind, pattern, lambda: schedule_cost(groups, lengths))
 
 
-def test_hybrid_cp_shards_names_samples():
+def test_hybrid_cp_shard_names_samples():
     _one_line(TypeError, "^samples must be a sequence of samples or a mapping",
-              lambda: hybrid_cp_shards(None, plan_hybrid_cp([3], 1, 4), 0))
+              lambda: thdpack.shard(None, plan=plan_hybrid_cp([3], 1, 4), rank=0))
 
 
 # --------------------------------------------------------------------------- process groups
@@ -247,7 +249,7 @@ def test_hybrid_cp_shards_names_samples():
 def _hybrid_shard():
     """A hybrid-CP micro-batch on a block of 2 ranks."""
     plan = HybridCPPlan.from_blocks([6], [2], [0], 2)
-    (batch,) = hybrid_cp_shards([{"input_ids": list(range(1, 7))}], plan, 1)
+    (batch,) = thdpack.shard([{"input_ids": list(range(1, 7))}], plan=plan, rank=1)
     assert batch.shard.cp_size == 2
     return batch
 

@@ -6,7 +6,7 @@
   and Qwen3.5 towers on packs of images and videos of mixed sizes (an image with two temporal patches, a
   4-frame video, ...): every rank's gathered embeddings and deepstack features equal the whole tower run as
   transformers runs it (images, then videos), a loss that every rank computes on the vision rows of its
-  own text-stream CP shard (``shard_for_cp``) sums to the loss on the whole stream, and the tower's
+  own text-stream CP shard (``thdpack.shard``) sums to the loss on the whole stream, and the tower's
   parameter gradients summed over the ranks equal the whole tower's; with fewer frames than ranks (empty
   ranks with a placeholder frame, and without one: ``[0, D]`` blocks); errors raised on every rank alike.
 * The gathered embeddings fed to each real transformers model (``mm_encoder_outputs``) give the logits of
@@ -44,7 +44,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling  # noqa: E4
 from test_mrope_versions import _functions  # noqa: E402
 from test_vlm import FAMILIES, MODEL_CLASSES, make_sample, tiny_config  # noqa: E402
 
-from thdpack import build_thd_batch, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import build_thd_batch  # noqa: E402
 from thdpack.flops import model_flops_breakdown, vision_seqlen_stats  # noqa: E402
 from thdpack.vlm import (VisionSplit, get_family, gather_vision_embeddings, plan_vision_split, shard_vision_rows,  # noqa: E402
                          vision_rank_inputs)
@@ -137,7 +138,7 @@ def run_case(case, rank: int, group) -> dict:
         pixels, grid = vision_rank_inputs(batch, plan, rank)
         local = outputs(tower(pixels, grid_thw=grid))
     full = gather_vision_embeddings(local, plan, group)
-    shard = shard_for_cp(batch, cp, rank)
+    shard = thdpack.shard(batch, cp_size=cp, cp_rank=rank)
     loss = stream_loss(shard_vision_rows(full, shard, plan), shard.extras["vision_token_positions"],
                        loss_weights(family, batch))
     loss.backward()
@@ -364,14 +365,14 @@ def test_costs_are_the_flops_vision_terms(family):
 def test_plan_leaves_the_batch_and_its_shards_unchanged():
     batch = pack("qwen3_vl", "mixed")
     before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.extras.items()}
-    shard_before = shard_for_cp(batch, 2, 1)
+    shard_before = thdpack.shard(batch, cp_size=2, cp_rank=1)
     plan = plan_vision_split(batch, 4, tiny_config("qwen3_vl"))
     for r in range(4):
         vision_rank_inputs(batch, plan, r)
     assert batch.extras.keys() == before.keys()
     for k, v in before.items():
         assert (torch.equal(v, batch.extras[k]) if isinstance(v, torch.Tensor) else v == batch.extras[k]), k
-    shard = shard_for_cp(batch, 2, 1)
+    shard = thdpack.shard(batch, cp_size=2, cp_rank=1)
     assert shard.extras.keys() == shard_before.extras.keys()
     for k in ("input_ids", "labels", "position_ids"):
         assert torch.equal(getattr(shard, k), getattr(shard_before, k))

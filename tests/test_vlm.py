@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from thdpack import ThdCollator, build_thd_batch, plan_packs, shard_for_cp  # noqa: E402
+import thdpack  # noqa: E402
+from thdpack import ThdCollator, build_thd_batch, plan_packs  # noqa: E402
 from thdpack.planning import binpack as _binpack  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.vlm import get_family, supported_model_types, vision_lengths  # noqa: E402
@@ -534,7 +535,7 @@ def test_cp_shards_of_vlm_batch(family):
     stream[types == 2] = 1000 + torch.arange(n_vid)
     seen = []
     for rank in range(cp):
-        shard = shard_for_cp(batch, cp, rank)
+        shard = thdpack.shard(batch, cp_size=cp, cp_rank=rank)
         idx = shard.shard.partition_indices
         seen.append(idx)
         for key, value in batch.token_extras.items():
@@ -752,7 +753,7 @@ def test_collator_with_a_vlm_family(family):
     for key, value in whole.token_extras.items():
         assert torch.equal(batch.token_extras[key], value)
     shard = ThdCollator(vlm=get_family(model.config), cp_size=2, cp_rank=1)(samples)
-    expected = shard_for_cp(whole, 2, 1)
+    expected = thdpack.shard(whole, cp_size=2, cp_rank=1)
     assert torch.equal(shard.input_ids, expected.input_ids)
     assert torch.equal(shard.token_extras["mrope_position_ids"], expected.token_extras["mrope_position_ids"])
     assert torch.equal(shard.extras["vision_token_positions"], expected.extras["vision_token_positions"])

@@ -2,7 +2,7 @@
 
 Data flows one way::
 
-    samples -> plan_packs (lengths only) -> build_thd_batch -> shard_for_cp -> consumer
+    samples -> plan_packs (lengths only) -> build_thd_batch -> shard -> consumer
                                                   \\-> per-pack lengths -> thdpack.flops
 
 The names the README uses, group by group in the order a user meets them (``__all__`` keeps it):
@@ -11,7 +11,7 @@ The names the README uses, group by group in the order a user meets them (``__al
 - build: ``build_thd_batch``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
 - collate: ``ThdCollator``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
 - rebalance: ``rebalance`` -- samples made at run time (RL rollouts) moved to the ranks that run them, results back.
-- shard: ``cp_pad_multiple``, ``shard_for_cp``, ``hybrid_cp_shards``, ``shard_for_ulysses``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP (static or hybrid) or Ulysses SP rank's slice.
+- shard: ``cp_pad_multiple``, ``shard``, ``thd_partition_indices``, ``local_seq_lens``, ``torch_cp_indices``, ``TorchCPLoadBalancer`` -- a CP (static or hybrid) or Ulysses SP rank's slice: ``shard``'s keywords pick which.
 - offline: ``load_packed`` -- packs built ahead of time (lazy import).
 
 Everything else is public in its subpackage, each name exported once (docs/architecture.md lists them):
@@ -24,15 +24,14 @@ Everything else is public in its subpackage, each name exported once (docs/archi
 from thdpack.common.align import cp_pad_multiple
 from thdpack.common.version import __version__
 from thdpack.planning.balance import CostModel, plan_balanced
-from thdpack.batching.batch import ThdBatch, shard_for_cp
-from thdpack.batching.hybrid_shards import hybrid_cp_shards
+from thdpack.batching.batch import ThdBatch
+from thdpack.batching.sharding import shard
 from thdpack.planning.hybrid_cp import plan_hybrid_cp
 from thdpack.batching.builder import build_thd_batch
 from thdpack.loaders.collate import IndexedDataset, ThdCollator
 from thdpack.loaders.rebalance import rebalance
 from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.parallel.torch_cp import TorchCPLoadBalancer, torch_cp_indices
-from thdpack.parallel.ulysses import shard_for_ulysses
 from thdpack.planning.plan import plan_packs
 from thdpack.loaders.sampler import TokenBudgetBatchSampler
 from thdpack.common.samples import SampleError
@@ -49,8 +48,7 @@ __all__ = [
     # rebalance
     "rebalance",
     # shard
-    "cp_pad_multiple", "shard_for_cp", "hybrid_cp_shards", "shard_for_ulysses", "thd_partition_indices", "local_seq_lens",
-    "torch_cp_indices", "TorchCPLoadBalancer",
+    "cp_pad_multiple", "shard", "thd_partition_indices", "local_seq_lens", "torch_cp_indices", "TorchCPLoadBalancer",
     # offline
     "load_packed",
 ]

@@ -48,7 +48,7 @@ def document_block_mask(cu_seqlens_padded, total: int | None = None, *, block_si
     """The document-causal FlexAttention ``BlockMask`` of a THD stream, built from its offsets.
 
     Slot ``q`` attends to slot ``kv`` iff both lie in the same sample's padded span and
-    ``kv <= q`` (documents as :func:`thdpack.attention.documents.document_ids` assigns them: pad
+    ``kv <= q`` (documents as :func:`thdpack.attention.documents.document_ids_from_offsets` assigns them: pad
     slots and a ``pad_to`` tail belong to the sample before them). Equal, block for block, to
     ``create_block_mask(and_masks(causal, document_mask), 1, None, T, T, BLOCK_SIZE=block_size)``.
 

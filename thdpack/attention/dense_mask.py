@@ -26,7 +26,7 @@ def dense_document_mask(cu_seqlens_padded, total: int | None = None, *, dtype=to
     """The document-causal mask of a THD stream as a dense ``[1, 1, T, T]`` tensor.
 
     Slot ``q`` attends to slot ``kv`` iff both lie in the same sample's padded span and ``kv <= q``
-    (documents as :func:`thdpack.attention.documents.document_ids` assigns them). The dense form of
+    (documents as :func:`thdpack.attention.documents.document_ids_from_offsets` assigns them). The dense form of
     :func:`thdpack.attention.block_mask.document_block_mask`.
 
     Args:

@@ -66,8 +66,9 @@ def document_starts(cu: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cu[documents_of(cu, slots)]
 
 
-def document_ids(cu_seqlens_padded, total: int | None = None, *, device=None) -> torch.Tensor:
-    """The sample of every slot of a THD stream (the rule: this module's docstring).
+def document_ids_from_offsets(cu_seqlens_padded, total: int | None = None, *, device=None) -> torch.Tensor:
+    """The sample of every slot of a THD stream (the rule: this module's docstring), from its offsets (a batch's:
+    :func:`thdpack.batching.document_ids`).
 
     Args:
         cu_seqlens_padded: int ``[n+1]`` cumulative padded lengths (a torch tensor on any device,

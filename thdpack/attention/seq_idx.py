@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from thdpack.attention.documents import document_ids
+from thdpack.attention.documents import document_ids_from_offsets
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens_padded) -> torch.Tensor:
@@ -39,4 +39,4 @@ def seq_idx_from_cu_seqlens(cu_seqlens_padded) -> torch.Tensor:
     Returns:
         int32 ``[1, T]`` on the input's device (CPU for lists and numpy arrays).
     """
-    return document_ids(cu_seqlens_padded).unsqueeze(0)
+    return document_ids_from_offsets(cu_seqlens_padded).unsqueeze(0)

@@ -1,7 +1,8 @@
-"""The packed THD batch and its CP shard (:func:`shard_for_cp`, over the index arithmetic of
-:mod:`thdpack.parallel.cp`). Consumers' views live with them: :mod:`thdpack.integrations.hf_kwargs`
-(transformers), :mod:`thdpack.integrations.megatron_core` (``PackedSeqParams``), :mod:`thdpack.batching.views`
-(masks, document ids, pad slots, ``seq_idx``)."""
+"""The packed THD batch and its CP shard (:func:`_shard_for_cp`, what ``thdpack.shard(batch, cp_size=, cp_rank=)``
+runs, over the index arithmetic of :mod:`thdpack.parallel.cp`). Consumers' views live with them:
+:mod:`thdpack.integrations.hf_kwargs` (transformers), :mod:`thdpack.integrations.megatron_core` (``PackedSeqParams``),
+:mod:`thdpack.batching.views` (masks, document ids, pad slots, ``seq_idx``, static shapes), :mod:`thdpack.flops`
+(``seqlen_squared_sum(batch)``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thdpack.attention.static import pad_cu_seqlens
-from thdpack.flops.sequences import tree_seqlen_squared_sum
 from thdpack.batching.prefix_tree import PrefixTree, refuse_tree
 from thdpack.parallel.shard import WHOLE, Shard
 from thdpack.parallel.cp import check_cp_args, local_seq_lens, thd_partition_indices, vision_shard_extras
@@ -109,37 +108,8 @@ class ThdBatch:
         """int32 ``[n]`` padded lengths."""
         return self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]
 
-    @property
-    def seqlen_squared_sum(self) -> int:
-        """``Σ sᵢ²`` over real lengths (Python int: no int32 overflow). On a shared-prefix batch the tree's
-        attention work in the same convention, ``Σ_prefix p² + Σ_member c·(2p + c)``
-        (:func:`thdpack.flops.sequences.tree_seqlen_squared_sum`)."""
-        if self.prefix_tree is not None:
-            return tree_seqlen_squared_sum(self.seq_lens, self.prefix_tree.parents)
-        s = self.seq_lens.to(torch.int64)
-        return int((s * s).sum())
-
     def __len__(self) -> int:
         return self.num_padded_tokens
-
-    # ---- static shapes (thdpack.attention.static) ----
-    @property
-    def static_cu_seqlens(self) -> torch.Tensor:
-        """int32 ``[max_num_seqs + 1]``: ``cu_seqlens`` with its last value repeated (zero-length
-        sequences, :func:`thdpack.attention.static.pad_cu_seqlens`); ``cu_seqlens`` without ``max_num_seqs``."""
-        return self.cu_seqlens if self.max_num_seqs is None else pad_cu_seqlens(self.cu_seqlens, self.max_num_seqs)
-
-    @property
-    def static_cu_seqlens_padded(self) -> torch.Tensor:
-        """int32 ``[max_num_seqs + 1]``: ``cu_seqlens_padded`` likewise (its repeated last value is ``T``)."""
-        cu = self.cu_seqlens_padded
-        return cu if self.max_num_seqs is None else pad_cu_seqlens(cu, self.max_num_seqs)
-
-    @property
-    def static_max_seqlen(self) -> int:
-        """``max_seqlen`` for the kernels: with ``max_num_seqs`` the stream length ``T`` (global), an
-        upper bound every batch of a ``pad_to`` epoch shares; else ``max_seqlen``."""
-        return self.max_seqlen if self.max_num_seqs is None else int(self.cu_seqlens_padded[-1])
 
     # ---- per-sample values (thdpack.common.values) -------------------------------
     @property
@@ -185,7 +155,7 @@ class ThdBatch:
         return self._map_tensors(lambda t: t.pin_memory())
 
 
-def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
+def _shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     """Rank ``cp_rank``'s shard of ``batch``: every per-token tensor indexed by
     :func:`thdpack.thd_partition_indices` (:mod:`thdpack.parallel.cp`).
 
@@ -202,19 +172,20 @@ def shard_for_cp(batch: ThdBatch, cp_size: int, cp_rank: int) -> ThdBatch:
     (:func:`thdpack.parallel.cp.vision_shard_extras`).
     """
     if not isinstance(batch, ThdBatch):
-        raise TypeError(f"shard_for_cp takes a thdpack.ThdBatch (build_thd_batch, ThdCollator), got "
-                        f"{type(batch).__name__}; for raw offsets use thdpack.thd_partition_indices")
+        raise TypeError(f"shard(batch, cp_size=, cp_rank=) takes a thdpack.ThdBatch (build_thd_batch, ThdCollator), "
+                        f"got {type(batch).__name__}; for raw offsets use thdpack.thd_partition_indices")
     check_cp_args(cp_size, cp_rank)
-    refuse_tree("shard_for_cp (TE / Megatron ring attention over cu_seqlens)", batch)
+    refuse_tree("static CP sharding (thdpack.shard(batch, cp_size=, cp_rank=): TE / Megatron ring attention over "
+                "cu_seqlens)", batch)
     have = batch.shard
     if have.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={have.cp_size}, rank {have.cp_rank})")
     if have.block_start is not None:
         raise ValueError(f"batch is a hybrid-CP batch (one rank's, at position {have.block_start}): its plan "
-                         "decided its CP size; build the block's shards with thdpack.hybrid_cp_shards")
+                         "decided its CP size; build the block's shards with thdpack.shard(samples, plan=, rank=)")
     if have.sp_size != 1:
         raise ValueError(f"batch is a Ulysses shard (sp_size={have.sp_size}, rank {have.sp_rank}); for Ulysses x "
-                         "ring shard the whole batch once: thdpack.shard_for_ulysses(batch, sp_size, rank, cp_size=, "
+                         "ring shard the whole batch once: thdpack.shard(batch, sp_size=, sp_rank=, cp_size=, "
                          "cp_rank=)")
     index = thd_partition_indices(batch.cu_seqlens_padded, cp_size, cp_rank).to(batch.input_ids.device)
     shard = dataclasses.replace(

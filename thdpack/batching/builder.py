@@ -19,7 +19,7 @@ import torch
 
 from thdpack.attention.static import check_num_seqs
 from thdpack.batching.assemble import BAD_LABEL, NEGATIVE_ID, OK, assemble_shard, assemble_stream
-from thdpack.batching.batch import ThdBatch, shard_for_cp, warn_if_no_targets
+from thdpack.batching.batch import ThdBatch, _shard_for_cp, warn_if_no_targets
 from thdpack.parallel.shard import Shard
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, build_shared_batch, check_share_args, flat_layout
 from thdpack.batching.vision_family import check_vlm
@@ -106,7 +106,7 @@ def with_vision(batch: ThdBatch, layout: BatchLayout, vlm, samples: Sequence) ->
     if vlm is None:
         return batch
     vlm.attach(batch, samples)
-    return batch if layout.cp_rank is None else shard_for_cp(batch, layout.cp_size, layout.cp_rank)
+    return batch if layout.cp_rank is None else _shard_for_cp(batch, layout.cp_size, layout.cp_rank)
 
 
 def stream_batch(ids: np.ndarray, labels: np.ndarray | None, mask: np.ndarray | None, seq_lens: np.ndarray,

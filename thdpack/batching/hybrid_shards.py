@@ -1,7 +1,7 @@
 """One rank's micro-batches of a hybrid-CP plan (:func:`thdpack.planning.hybrid_cp.plan_hybrid_cp`): each a
 :class:`~thdpack.ThdBatch` of the micro-batch's samples, built for its block's CP size ``k``: the rank's
 dual-chunk shard when ``k > 1`` (chunks ``j`` and ``2k − 1 − j`` of every sample, ``j`` the rank's position
-in the block, as :func:`thdpack.shard_for_cp` with ``cp_size = k``), the whole micro-batch when ``k = 1``.
+in the block, as ``thdpack.shard(batch, cp_size=k, cp_rank=j)``), the whole micro-batch when ``k = 1``.
 Every batch's ``shard`` has layout ``"hybrid-cp"`` and its ``block_start``, so
 ``thdpack.integrations.to_packed_seq_params(batch, cp_group=...)`` gives megatron-core's ``local_cp_size`` and
 the block's ``cp_group``; ``padding_mask`` its pad slots.
@@ -19,13 +19,14 @@ from thdpack.batching.vision_family import check_vlm
 from thdpack.common.align import check_int
 from thdpack.planning.hybrid_cp import HybridCPPlan
 
-# build_thd_batch keywords besides the layout's that hybrid_cp_shards passes on (no share_prefix: a prefix tree
+# build_thd_batch keywords besides the layout's that _hybrid_cp_shards passes on (no share_prefix: a prefix tree
 # cannot be split over CP ranks)
 BUILD_KEYWORDS = ("vlm", "sample_values")
 
 
-def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int, **layout) -> list[ThdBatch]:
-    """The micro-batches data-parallel × CP position ``rank`` runs under ``plan``, in order.
+def _hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int, **layout) -> list[ThdBatch]:
+    """The micro-batches data-parallel × CP position ``rank`` runs under ``plan``, in order (what
+    ``thdpack.shard(samples, plan=, rank=, **layout)`` runs).
 
     Args:
         samples: the global batch's samples, by sample id (the plan's indices): a sequence, or a mapping
@@ -45,19 +46,20 @@ def hybrid_cp_shards(samples: Sequence | Mapping, plan: HybridCPPlan, rank: int,
         lengths).
     """
     if not isinstance(plan, HybridCPPlan):
-        raise TypeError(f"hybrid_cp_shards takes a HybridCPPlan (thdpack.plan_hybrid_cp), got {type(plan).__name__}")
+        raise TypeError(f"shard(samples, plan=, rank=) takes a HybridCPPlan (thdpack.plan_hybrid_cp), got "
+                        f"{type(plan).__name__}")
     check_int(rank, "rank", 0, below=plan.world_size, hint=" (the data-parallel × CP position)")
     if not hasattr(samples, "__getitem__") or isinstance(samples, (str, bytes)):  # a datasets.Dataset indexes
         raise TypeError(f"samples must be a sequence of samples or a mapping {{sample id: sample}}, got "
                         f"{type(samples).__name__}")
-    refuse_layout_object("hybrid_cp_shards", layout)
+    refuse_layout_object("shard", layout)
     build = {k: layout.pop(k) for k in BUILD_KEYWORDS if k in layout}
-    check_vlm(build.get("vlm"), "hybrid_cp_shards")
+    check_vlm(build.get("vlm"), "shard(samples, plan=, rank=)")
     for name in ("cp_size", "cp_rank", "pad_to", "max_length", "share_prefix"):
         if layout.get(name) is not None:
-            raise TypeError(f"hybrid_cp_shards() takes no {name}=: the plan decides each micro-batch's CP size, rank "
-                            "and length")
-    base = layout_of("hybrid_cp_shards", layout)
+            raise TypeError(f"shard(samples, plan=, rank=) takes no {name}=: the plan decides each micro-batch's CP "
+                            "size, rank and length")
+    base = layout_of("shard", layout)
     out = []
     for j in plan.rank_micro_batches(rank):
         ids = plan.micro_batch(j)
@@ -74,7 +76,8 @@ def _sample(samples, i: int):
     try:
         return samples[i]
     except (KeyError, IndexError):
-        raise KeyError(f"hybrid_cp_shards: sample {i} of the plan is not in samples (this rank runs it)") from None
+        raise KeyError(f"shard(samples, plan=, rank=): sample {i} of the plan is not in samples (this rank runs "
+                       "it)") from None
 
 
 def _check_lengths(batch: ThdBatch, plan: HybridCPPlan, ids) -> None:
@@ -83,5 +86,5 @@ def _check_lengths(batch: ThdBatch, plan: HybridCPPlan, ids) -> None:
     for i, s, p in zip(ids.tolist(), got, padded):
         if s != plan.lengths[i] or p != plan.padded_lengths[i]:
             raise ValueError(f"sample {i} has {s} tokens padded to {p} here, {plan.lengths[i]} padded to "
-                             f"{plan.padded_lengths[i]} in the plan: give hybrid_cp_shards the samples and the "
-                             "tp_size / sequence_parallel / pad_multiple the plan was made with")
+                             f"{plan.padded_lengths[i]} in the plan: give shard(samples, plan=, rank=) the samples "
+                             "and the tp_size / sequence_parallel / pad_multiple the plan was made with")

@@ -1,7 +1,7 @@
 """The layout of a built batch: how each sample is padded and aligned, what fills the
 pad slots, and which CP rank's shard is built. Defined once here; :func:`thdpack.build_thd_batch`,
 :class:`thdpack.ThdCollator`, :func:`thdpack.rebalance`, :class:`thdpack.offline.PackedRowCollator`
-and :func:`thdpack.hybrid_cp_shards` take its fields as keywords alone (:func:`layout_of` builds it);
+and ``thdpack.shard(samples, plan=, rank=)`` take its fields as keywords alone (:func:`layout_of` builds it);
 code holding one hands it on as ``**layout.keywords()``.
 """
 
@@ -42,7 +42,7 @@ class BatchLayout:
         max_num_seqs: the most samples a batch holds (an integer >= 1, or None): docs/attention.md,
         "BatchLayout.max_num_seqs".
         cp_rank: with ``cp_size > 1``, build only this rank's CP shard (as
-            :func:`thdpack.shard_for_cp` would), assembled directly without the
+            ``thdpack.shard(batch, cp_size=, cp_rank=)`` would), assembled directly without the
             whole stream.
         multiple: (derived) the multiple every padded length is rounded up to.
     """

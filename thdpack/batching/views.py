@@ -1,5 +1,5 @@
-"""A batch's attention views, one function each: its masks, document ids, pad slots and ``seq_idx``,
-over the offset functions of :mod:`thdpack.attention` (which take offsets, not a batch)."""
+"""A batch's attention views, one function each: its masks, document ids, pad slots, ``seq_idx`` and static-shape
+offsets, over the offset functions of :mod:`thdpack.attention` (which take offsets, not a batch)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from thdpack.attention.block_mask import DEFAULT_BLOCK_SIZE, build_block_mask, c
 from thdpack.attention.dense_mask import build_dense_mask, check_mask_dtype
 from thdpack.attention.documents import documents_of
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
+from thdpack.attention.static import pad_cu_seqlens
 from thdpack.attention.tree_mask import build_dense_tree_mask, build_tree_block_mask
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.prefix_tree import refuse_tree
@@ -89,6 +90,24 @@ def seq_idx(batch: ThdBatch) -> torch.Tensor:
     restart from a shared prefix: ``ValueError`` on a shared-prefix batch."""
     refuse_tree("seq_idx (a per-sequence scan)", batch)
     return seq_idx_from_cu_seqlens(batch.cu_seqlens_padded)
+
+
+def static_cu_seqlens(batch: ThdBatch) -> torch.Tensor:
+    """int32 ``[max_num_seqs + 1]``: ``cu_seqlens`` with its last value repeated (zero-length sequences,
+    :func:`thdpack.attention.static.pad_cu_seqlens`); ``batch.cu_seqlens`` itself without ``max_num_seqs``."""
+    return batch.cu_seqlens if batch.max_num_seqs is None else pad_cu_seqlens(batch.cu_seqlens, batch.max_num_seqs)
+
+
+def static_cu_seqlens_padded(batch: ThdBatch) -> torch.Tensor:
+    """int32 ``[max_num_seqs + 1]``: ``cu_seqlens_padded`` likewise (its repeated last value is ``T``)."""
+    cu = batch.cu_seqlens_padded
+    return cu if batch.max_num_seqs is None else pad_cu_seqlens(cu, batch.max_num_seqs)
+
+
+def static_max_seqlen(batch: ThdBatch) -> int:
+    """``max_seqlen`` for the kernels: with ``max_num_seqs`` the stream length ``T`` (global), an upper bound
+    every batch of a ``pad_to`` epoch shares; else ``batch.max_seqlen``."""
+    return batch.max_seqlen if batch.max_num_seqs is None else int(batch.cu_seqlens_padded[-1])
 
 
 def whole_stream_offsets(batch: ThdBatch, what: str, device=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from thdpack.flops.sequences import (
     lengths_squared_sum,
     segment_lengths,
     segments_from_position_ids,
+    seqlen_squared_sum,
     shows_no_tokens,
     tree_length_count,
 )
@@ -139,7 +140,7 @@ class FlopsAccumulator:
         seq_lens = batch.seq_lens.to(torch.int64)
         if getattr(batch, "prefix_tree", None) is not None:  # shared prefixes: the tree's work, its samples
             self._add(samples=batch.num_samples, tokens=seq_lens.sum(), padded_tokens=batch.input_ids.numel(),
-                      seqlen_squared_sum=batch.seqlen_squared_sum)
+                      seqlen_squared_sum=seqlen_squared_sum(batch))
             parents = batch.prefix_tree.parents
             self._add(**{name: tree_length_count(seq_lens, parents, name) for name in self.length_counts})
             return
@@ -170,8 +171,8 @@ class FlopsAccumulator:
         self._add_vision_from(batch.extras)
 
     def _add_ulysses_shard(self, batch, shard: Shard, seq_lens: torch.Tensor) -> None:
-        """A Ulysses SP rank (:func:`thdpack.shard_for_ulysses`): the MLP work of its slice's real tokens, and
-        ``1/sp`` of the attention work (its ``num_heads / sp`` heads over the whole stream, or over its CP
+        """A Ulysses SP rank (``thdpack.shard(batch, sp_size=, sp_rank=)``): the MLP work of its slice's real
+        tokens, and ``1/sp`` of the attention work (its ``num_heads / sp`` heads over the whole stream, or over its CP
         rank's shard under Ulysses x ring); the ranks' shares add up to the pack's ``Σ sᵢ²`` exactly.
         The samples (and vision work) are counted by the first rank of the pack only."""
         sp, rank, cp, cp_rank = shard.sp_size, shard.sp_rank, shard.cp_size, shard.cp_rank

@@ -232,10 +232,15 @@ def seqlen_squared_sum(
         Zero-length segments contribute nothing.
 
     No tokens in the real lengths (counted dense, or a ``ValueError``): docs/flops.md, "seqlen_squared_sum: a
-    micro-batch whose real lengths hold no tokens".
-
-    A :class:`thdpack.ThdBatch` gives it as ``batch.seqlen_squared_sum``.
+    micro-batch whose real lengths hold no tokens". A :class:`thdpack.ThdBatch` in place of ``cu_seqlens`` (alone):
+    its ``seq_lens``' sum, a Python int; on a shared-prefix batch the tree's (:func:`tree_seqlen_squared_sum`).
     """
+    if hasattr(cu_seqlens, "seq_lens") and hasattr(cu_seqlens, "cu_seqlens"):  # a ThdBatch (flops sits below it)
+        others = (cu_seqlens_argmin, cu_seqlens_unpadded, cu_seqlens_unpadded_argmin)
+        if as_tensor or any(v is not None for v in others):
+            raise TypeError("seqlen_squared_sum(batch) takes no other argument (a ThdBatch carries its lengths); for "
+                            "a tensor without a host sync pass batch.cu_seqlens with as_tensor=True")
+        return _batch_square_sum(cu_seqlens)
     if cu_seqlens_unpadded is not None:
         name, cu, argmin = "cu_seqlens_unpadded", cu_seqlens_unpadded, cu_seqlens_unpadded_argmin
         layout = None if cu_seqlens is None else segment_lengths(cu_seqlens, cu_seqlens_argmin, name="cu_seqlens")
@@ -257,6 +262,15 @@ def seqlen_squared_sum(
     if layout is None:
         raise ValueError(_no_tokens_message(name))
     return dense_square_sum(int(layout.sum()), layout.shape[0])
+
+
+def _batch_square_sum(batch) -> int:
+    """``Σ sᵢ²`` over a :class:`thdpack.ThdBatch`'s real lengths (a Python int: no int32 overflow); on a
+    shared-prefix batch the tree's attention work, ``Σ_prefix p² + Σ_member c·(2p + c)``."""
+    if batch.prefix_tree is not None:
+        return tree_seqlen_squared_sum(batch.seq_lens, batch.prefix_tree.parents)
+    s = batch.seq_lens.to(torch.int64)
+    return int((s * s).sum())
 
 
 def _no_tokens_message(name: str) -> str:

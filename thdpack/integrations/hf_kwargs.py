@@ -9,7 +9,7 @@ from thdpack.attention.backends import attention_kind, dense_mask_dtype
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.batching.batch import ThdBatch
-from thdpack.batching.views import attention_mask_4d, block_mask, whole_stream_offsets
+from thdpack.batching.views import attention_mask_4d, block_mask, static_max_seqlen, whole_stream_offsets
 from thdpack.batching.prefix_tree import refuse_tree
 from thdpack.common.align import check_bool
 
@@ -66,7 +66,7 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
     max_len = batch.max_seqlen if not batch.is_shard else batch.max_seqlen // batch.shard.cp_size
     seq_idx = seq_idx_from_cu_seqlens(cu)
     if batch.max_num_seqs is not None:  # static shapes: [max_num_seqs + 1] offsets, max_seqlen the stream's
-        cu, max_len = pad_cu_seqlens(cu, batch.max_num_seqs), batch.static_max_seqlen // batch.shard.cp_size
+        cu, max_len = pad_cu_seqlens(cu, batch.max_num_seqs), static_max_seqlen(batch) // batch.shard.cp_size
     kw = {
         "input_ids": batch.input_ids.unsqueeze(0),
         "position_ids": batch.position_ids.unsqueeze(0),

@@ -108,7 +108,7 @@ def to_bridge_batch(batch: ThdBatch, *, ignore_label: int = 0) -> dict:
 
 def to_gpt_forward_kwargs(batch: ThdBatch, *, cp_group=None, ignore_label: int = 0) -> dict:
     """Keyword arguments of megatron-core's ``GPTModel.forward`` for a batch, a static CP shard or a hybrid-CP
-    micro-batch (:func:`thdpack.hybrid_cp_shards`): what a forward step of one's own hands the model.
+    micro-batch (``thdpack.shard(samples, plan=, rank=)``): what a forward step of one's own hands the model.
 
     Returns a dict: ``input_ids``, ``position_ids``, ``labels`` (target labels, ``ignore_label`` where nothing
     is scored) int64 ``[1, T]``; ``loss_mask`` float32 ``[1, T]``; ``attention_mask`` None;

@@ -69,8 +69,8 @@ def _hybrid_cp_fields(batch: ThdBatch, cp_group) -> dict:
                             "group_size or None")
     if batch.shard.block_start is None:
         if cp_group is not None:
-            raise ValueError("cp_group is for a hybrid-CP batch (thdpack.hybrid_cp_shards); this batch is not one "
-                             f"(cp_size={batch.shard.cp_size}): static CP runs on megatron-core's own CP group")
+            raise ValueError("cp_group is for a hybrid-CP batch (thdpack.shard(samples, plan=, rank=)); this batch is "
+                             f"not one (cp_size={batch.shard.cp_size}): static CP runs on megatron-core's own CP group")
         return {}
     k = batch.shard.cp_size
     if k == 1:

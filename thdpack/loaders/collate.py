@@ -18,7 +18,7 @@ from thdpack.batching.layout import BatchLayout, layout_of
 from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
-from thdpack.parallel.ulysses import check_ulysses_args, pad_for_ulysses, shard_for_ulysses, ulysses_pad_multiple
+from thdpack.parallel.ulysses import _shard_for_ulysses, check_ulysses_args, pad_for_ulysses, ulysses_pad_multiple
 from thdpack.planning.options import PLAN_FIELDS, PlanOptions, plan_options
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
@@ -93,7 +93,7 @@ class ThdCollator:
         **layout_keywords: the :class:`thdpack.batching.layout.BatchLayout` fields (as in
             :func:`thdpack.build_thd_batch`); with ``cp_size > 1`` and a ``cp_rank``, the CP shard.
         cp_group: the CP ranks' process group (``cp_rank`` from it when None).
-        ulysses_sp_size, ulysses_rank, sp_group: Ulysses SP: that rank's :func:`thdpack.shard_for_ulysses`,
+        ulysses_sp_size, ulysses_rank, sp_group: Ulysses SP: that rank's ``thdpack.shard(batch, sp_size=, sp_rank=)``,
             or without an SP rank the whole batch padded to the Ulysses multiple.
         **plan_keywords: with ``pack_size``, plan each call into packs (:func:`thdpack.plan_packs` keywords,
             ``align`` the layout's multiple) and return a :class:`PackedBatches` list, one batch per pack.
@@ -195,8 +195,8 @@ class ThdCollator:
         sizes = dict(cp_size=self.layout.cp_size, pad_token_id=self.layout.pad_token_id)
         if self.ulysses_rank is None:
             return pad_for_ulysses(batch, self.ulysses_sp_size, **sizes)
-        return shard_for_ulysses(batch, self.ulysses_sp_size, self.ulysses_rank, cp_rank=self.layout.cp_rank or 0,
-                                 **sizes)
+        return _shard_for_ulysses(batch, self.ulysses_sp_size, self.ulysses_rank, cp_rank=self.layout.cp_rank or 0,
+                                  **sizes)
 
 
 _PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple

@@ -1,6 +1,6 @@
 """Run-time samples under hybrid (per-sample) context parallelism: every data-parallel × CP rank's samples
 planned together (:func:`thdpack.planning.hybrid_cp.plan_hybrid_cp`) and sent to the block of ranks that runs
-each, then built into the rank's micro-batch shards (:func:`thdpack.batching.hybrid_shards.hybrid_cp_shards`).
+each, then built into the rank's micro-batch shards (``thdpack.shard(samples, plan=, rank=)``).
 
 ::
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from thdpack.batching.batch import ThdBatch
-from thdpack.batching.hybrid_shards import hybrid_cp_shards
+from thdpack.batching.hybrid_shards import _hybrid_cp_shards
 from thdpack.common.align import check_bool, check_positive_int
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs
@@ -69,7 +69,7 @@ def rebalance_hybrid_cp(local_samples: Sequence, hybrid_cp: HybridCP | int, *, g
             ``sample_values``.
 
     Returns:
-        ``(batches, plan, offsets)``: this rank's micro-batches (:func:`thdpack.hybrid_cp_shards`, their
+        ``(batches, plan, offsets)``: this rank's micro-batches (``thdpack.shard(samples, plan=, rank=)``, their
         ``sample_index`` global ids), the plan every rank computed, and int64 ``[R + 1]``: rank ``r``'s local
         sample ``i`` is global sample ``offsets[r] + i``. ``SampleError`` on every rank (naming the rank and its
         local sample) for a sample no block holds.
@@ -92,7 +92,7 @@ def rebalance_hybrid_cp(local_samples: Sequence, hybrid_cp: HybridCP | int, *, g
         owner = int(np.searchsorted(offsets, exc.sample, side="right") - 1)
         raise exc.renamed(int(exc.sample - offsets[owner]), f" (local sample of rank {owner})") from None
     held = _fetch(comm, plan, offsets, samples, blobs, [rec["sizes"] for rec in records])
-    return hybrid_cp_shards(held, plan, comm.rank, **layout), plan, offsets
+    return _hybrid_cp_shards(held, plan, comm.rank, **layout), plan, offsets
 
 
 def _global_groups(records: list, offsets: np.ndarray) -> np.ndarray | None:

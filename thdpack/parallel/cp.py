@@ -8,8 +8,8 @@ chunk ``2·cp − 1 − r``, in that order, sample after sample (the rule itself
 every rank the same work.
 
 This module works on lengths and tensors only and knows nothing of
-:class:`thdpack.ThdBatch`; the batch-level verb, :func:`thdpack.shard_for_cp`
-(``ThdBatch.shard``), lives with the batch in :mod:`thdpack.batching.batch` and calls these.
+:class:`thdpack.ThdBatch`; the batch-level verb, ``thdpack.shard(batch, cp_size=, cp_rank=)``
+(``ThdBatch.shard`` the field it sets), lives with the batch in :mod:`thdpack.batching.batch` and calls these.
 """
 
 from __future__ import annotations

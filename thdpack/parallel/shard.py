@@ -15,11 +15,12 @@ class Shard:
     """The whole stream, or one rank's shard of it (``ThdBatch.shard``).
 
     Attributes:
-        layout: ``"whole"`` (:data:`WHOLE`); ``"cp"``, the dual-chunk CP shard of :func:`thdpack.shard_for_cp`
-            (per-token tensors: the rank's ``T / cp_size`` tokens; ``cu_seqlens``, ``cu_seqlens_padded`` and
-            ``max_seqlen`` stay global); ``"ulysses"``, :func:`thdpack.shard_for_ulysses` (the rank's contiguous
-            ``T' / (cp_size·sp_size)`` tokens of the stream padded to ``T'``); ``"hybrid-cp"``, a micro-batch of
-            :func:`thdpack.hybrid_cp_shards` (a ``"cp"`` shard over its block when ``cp_size > 1``, else whole).
+        layout: ``"whole"`` (:data:`WHOLE`); ``"cp"``, the dual-chunk CP shard of
+            ``thdpack.shard(batch, cp_size=, cp_rank=)`` (per-token tensors: the rank's ``T / cp_size`` tokens;
+            ``cu_seqlens``, ``cu_seqlens_padded`` and ``max_seqlen`` stay global); ``"ulysses"``,
+            ``thdpack.shard(batch, sp_size=, sp_rank=)`` (the rank's contiguous ``T' / (cp_size·sp_size)`` tokens of
+            the stream padded to ``T'``); ``"hybrid-cp"``, a micro-batch of ``thdpack.shard(samples, plan=, rank=)``
+            (a ``"cp"`` shard over its block when ``cp_size > 1``, else whole).
         cp_size, cp_rank: the ring CP size and this rank's place in it (``1, 0`` without CP).
         sp_size, sp_rank: the Ulysses size and rank (``1, 0`` but on a ``"ulysses"`` shard).
         block_start: ``"hybrid-cp"`` only: the first data-parallel × CP position of the block of ``cp_size``

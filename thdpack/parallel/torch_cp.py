@@ -10,7 +10,7 @@ each document's padded span cut into ``2·cp`` chunks, rank ``r`` keeping chunks
 Here ``rearrange`` is rank-major: rank 0's tokens (document after document), then rank 1's, ...,
 so torch's contiguous piece ``r`` of ``buffer[rearrange]`` is exactly
 :func:`thdpack.thd_partition_indices` for rank ``r``, and ``buffer[rearrange]`` sharded by torch
-equals :func:`thdpack.shard_for_cp`'s tensors on every rank. That is the layout torch's
+equals ``thdpack.shard(batch, cp_size=, cp_rank=)``'s tensors on every rank. That is the layout torch's
 ``_PerDocumentHeadTailLoadBalancer`` docstring draws; its torch 2.13 code emits the same chunks
 document-major (document, then rank), so torch's contiguous pieces of a multi-document pack are
 not the documented per-document chunks (the first rank gets the first documents whole) and
@@ -78,7 +78,7 @@ class TorchCPLoadBalancer:
     ``_context_parallel_shard`` (tensors and FlexAttention ``BlockMask`` buffers) and
     ``context_parallel_unshard``; rank ``r``'s shard of a ``[1, T]`` (or ``[1, H, T, D]``)
     buffer is then the buffer at :func:`thdpack.thd_partition_indices` ``(cu, cp, r)``, the
-    tokens of :func:`thdpack.shard_for_cp`. A ``BlockMask`` buffer needs ``T`` to be a multiple
+    tokens of ``thdpack.shard(batch, cp_size=, cp_rank=)``. A ``BlockMask`` buffer needs ``T`` to be a multiple
     of ``cp · 128`` (torch's block size; build with ``pad_to=``). The ``context_parallel``
     context manager (SDPA) takes no load balancer: it splits the whole stream head-tail, as
     for one document, and SDPA has no document mask there.

@@ -242,19 +242,18 @@ def pad_for_ulysses(batch, sp_size: int, *, cp_size: int = 1, pad_token_id: int 
     return dataclasses.replace(batch, **changes, cu_seqlens_padded=layout.cu_seqlens_padded, max_seqlen=layout.max_seqlen)
 
 
-def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_rank: int = 0, pad_token_id: int = 0,
-                      num_heads: int | None = None, num_kv_heads: int | None = None):
-    """Ulysses SP rank ``rank``'s contiguous slice of ``batch`` (and, with ``cp_size > 1``, of CP
-    rank ``cp_rank``'s dual-chunk shard), with the global offsets every rank needs after the all-to-all.
-
-    The stream is first padded to a multiple of :func:`ulysses_pad_multiple` (the tail: see the
-    module docstring), then rank ``rank`` keeps tokens ``[rank·L, (rank+1)·L)`` of it
+def _shard_for_ulysses(batch, sp_size: int, sp_rank: int, *, cp_size: int = 1, cp_rank: int = 0,
+                       pad_token_id: int = 0, num_heads: int | None = None, num_kv_heads: int | None = None):
+    """What ``thdpack.shard(batch, sp_size=, sp_rank=)`` runs: Ulysses SP rank ``sp_rank``'s contiguous slice of
+    ``batch`` (and, with ``cp_size > 1``, of CP rank ``cp_rank``'s dual-chunk shard), with the global offsets every
+    rank needs after the all-to-all. The stream is first padded to a multiple of :func:`ulysses_pad_multiple` (the
+    tail: see the module docstring), then rank ``sp_rank`` keeps tokens ``[sp_rank·L, (sp_rank+1)·L)`` of it
     (``L = T' / (cp·sp)``; of the CP shard's local stream with ``cp_size > 1``).
 
     Args:
         batch: a whole :class:`thdpack.ThdBatch`; with ``cp_size > 1`` built with that ``cp_size``
             (every padded length a multiple of ``2·cp``).
-        sp_size, rank: the Ulysses group size and this process's rank in it.
+        sp_size, sp_rank: the Ulysses group size and this process's rank in it.
         cp_size, cp_rank: ring context parallelism around Ulysses (CP outer, SP inner).
         pad_token_id: the id of the tail slots (an integer >= 0; the collator passes its layout's).
         num_heads, num_kv_heads: when given, checked against ``sp_size`` (:func:`check_head_counts`).
@@ -273,14 +272,14 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         Without CP and away from the tail, the per-token tensors are views of the batch's (no copy,
         as DeepSpeed's adapter slices); with CP, or on the rank holding the tail, new tensors.
     """
-    _check_batch(batch, "shard_for_ulysses")
-    check_ulysses_args(sp_size, rank, cp_size, cp_rank)
+    _check_batch(batch, "shard(batch, sp_size=, sp_rank=)")
+    check_ulysses_args(sp_size, sp_rank, cp_size, cp_rank, names=("sp_size", "sp_rank"))
     check_head_counts(sp_size, num_heads, num_kv_heads)
     check_int(pad_token_id, "pad_token_id", 0)
     layout = PaddedLayout(batch, sp_size, cp_size)
     cu, total = layout.cu_seqlens_padded, layout.total
     length = layout.padded_total // (cp_size * sp_size)
-    start, stop = rank * length, (rank + 1) * length
+    start, stop = sp_rank * length, (sp_rank + 1) * length
     device = batch.input_ids.device
     if cp_size == 1:
         take = _Take(total, layout.padded_total, start, stop, needs_tail=stop > total)
@@ -288,14 +287,14 @@ def shard_for_ulysses(batch, sp_size: int, rank: int, *, cp_size: int = 1, cp_ra
         positions = positions if device.type == "cpu" else positions.to(device)
         local_cu, local_lens = cu, batch.seq_lens
     else:  # the CP rank's positions (validates the 2·cp alignment), then the SP rank's slice of them
-        index = ulysses_positions(cu, sp_size, rank, cp_size, cp_rank)
+        index = ulysses_positions(cu, sp_size, sp_rank, cp_size, cp_rank)
         needs_tail = layout.padded_total > total and index.shape[0] > 0 and int(index.max()) >= total
         positions = torch.as_tensor(index, device=device)
         take = _Take(total, layout.padded_total, start, stop, positions, needs_tail)
         local_cu, local_lens = (cu // cp_size).to(torch.int32), local_seq_lens(batch.seq_lens, cu, cp_size, cp_rank)
     shard = dataclasses.replace(
         batch, **_per_token(batch, take, pad_token_id), cu_seqlens_padded=cu, max_seqlen=layout.max_seqlen,
-        shard=Shard("ulysses", cp_size, cp_rank, sp_size, rank, local_cu_seqlens_padded=local_cu,
+        shard=Shard("ulysses", cp_size, cp_rank, sp_size, sp_rank, local_cu_seqlens_padded=local_cu,
                     local_seq_lens=local_lens, partition_indices=positions),
     )
     types = batch.token_extras.get("mm_token_type_ids")

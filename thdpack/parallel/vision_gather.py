@@ -113,7 +113,7 @@ def shard_vision_rows(embeds, shard, plan):
     """The rows of ``embeds`` (:func:`gather_vision_embeddings`'s output, or a list of them) for the vision
     tokens of ``shard``, in the shard's token order: ``inputs_embeds[mm_token_type_ids != 0] = rows``.
 
-    ``shard``: a CP shard of the pack (:func:`thdpack.shard_for_cp`: its ``image_embed_index`` /
+    ``shard``: a CP shard of the pack (``thdpack.shard(batch, cp_size=, cp_rank=)``: its ``image_embed_index`` /
     ``video_embed_index``) or the whole batch; ``plan`` gives where the video rows start. ``TypeError`` /
     ``ValueError`` naming the argument for embeddings of another row count than the plan's tokens, a text
     batch (no ``mm_token_type_ids``), or a shard of another pack than the plan's (both counts given).
@@ -183,8 +183,8 @@ def _check_pixels(extras: Mapping, plan) -> None:
 def _token_types(shard) -> torch.Tensor:
     token_extras = getattr(shard, "token_extras", None)
     if not isinstance(token_extras, Mapping) or not isinstance(getattr(shard, "extras", None), Mapping):
-        raise TypeError("shard must be a VLM ThdBatch (the pack, or its CP shard: thdpack.shard_for_cp), got "
-                        f"{type(shard).__name__}")
+        raise TypeError("shard must be a VLM ThdBatch (the pack, or its CP shard: thdpack.shard(batch, cp_size=, "
+                        f"cp_rank=)), got {type(shard).__name__}")
     types = token_extras.get("mm_token_type_ids")
     if types is None:
         raise ValueError("shard has no mm_token_type_ids: a text batch; shard_vision_rows takes a VLM batch "

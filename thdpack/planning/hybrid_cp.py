@@ -20,7 +20,7 @@ one sample would be more than a rank's share of the step, or to give an idle ran
 to blocks by cost, largest first onto the least loaded block, with :class:`thdpack.CostModel`'s costs: a rank
 of a ``k``-block pays ``(linear · P + quadratic · s²) / k`` for a sample of ``s`` tokens padded to ``P``.
 
-The plan is integers only; :func:`thdpack.batching.hybrid_shards.hybrid_cp_shards` builds a rank's
+The plan is integers only; ``thdpack.shard(samples, plan=, rank=)`` builds a rank's
 micro-batches from it, and :meth:`HybridCPPlan.sample_id_groups` is the schedule in megatron-core's format
 (``hybrid_context_parallel_forward_backward``: per group, per rank, the sample ids).
 """

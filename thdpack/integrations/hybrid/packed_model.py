@@ -35,7 +35,7 @@ import torch
 from thdpack.attention.backends import attention_kind, dense_mask_dtype
 from thdpack.attention.block_mask import document_block_mask
 from thdpack.attention.dense_mask import dense_document_mask
-from thdpack.attention.documents import document_ids
+from thdpack.attention.documents import document_ids_from_offsets
 from thdpack.integrations.hybrid.mixers import (
     ATTENTION_LAYER_TYPES,
     MIXER_FAMILIES,
@@ -291,7 +291,7 @@ def spans_of(cu, seq_idx) -> list[tuple[int, int]]:
         if seq_idx is not None:
             ids = torch.as_tensor(seq_idx).reshape(-1)
             ends = [0] + [b for _, b in spans]
-            want = document_ids(ends, device=ids.device).long() if spans else ids[:0].long()
+            want = document_ids_from_offsets(ends, device=ids.device).long() if spans else ids[:0].long()
             if ids.numel() != offsets[-1] or not torch.equal(_dense_rank(ids), want):
                 raise ValueError(f"seq_idx (length {ids.numel()}) does not give the samples of cu_seq_lens_q "
                                  f"(stream length {offsets[-1]}): pass both from the same to_hf_kwargs(batch)")
