@@ -35,7 +35,6 @@ from thdpack.offline.tokenizing import chat_render, fastenc  # noqa: E402
 from thdpack.offline.inputs.sources import JSON_COLUMN  # noqa: E402
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE  # noqa: E402
 from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer  # noqa: E402
-from thdpack.offline.stages import TokenizeOptions  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 # family -> (tokenizer, template file or None for the tokenizer's own, the turn regex of the reference)
@@ -141,7 +140,7 @@ def encode(family: str, rows: list[dict], loss: str = "assistant", tiktoken: boo
     tiktoken form."""
     tok = load_tokenizer(family)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss=loss)
-    rt = RowTokenizer("chat", TokenizeOptions.from_config(conf), tok, [JSON_COLUMN], _tiktoken(FAMILIES[family][0]) if tiktoken else None)
+    rt = RowTokenizer("chat", conf.tokenize, tok, [JSON_COLUMN], _tiktoken(FAMILIES[family][0]) if tiktoken else None)
     out = []
     for i in range(0, len(rows), 500):
         lines = [json.dumps(r).encode() for r in rows[i:i + 500]]
@@ -281,9 +280,9 @@ def test_a_template_it_cannot_handle_names_the_option(template, why):
     tok = _with_template("qwen3", template)
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
     with pytest.raises(ConfigError, match=r"generation %} markers.*`chat_template:`") as err:
-        RowTokenizer("chat", TokenizeOptions.from_config(conf), tok, [JSON_COLUMN], None)
+        RowTokenizer("chat", conf.tokenize, tok, [JSON_COLUMN], None)
     assert why in str(err.value) and "\n" not in str(err.value)
-    RowTokenizer("chat", TokenizeOptions.from_config(BuildConfig(input="-", tokenizer="-", format="chat", loss="all")),
+    RowTokenizer("chat", BuildConfig(input="-", tokenizer="-", format="chat", loss="all").tokenize,
                  tok, [JSON_COLUMN], None)
 
 
@@ -334,7 +333,7 @@ def test_generation_markers_give_the_same_targets():
     marked = _with_template("qwen3", (DATA / "qwen2_5_generation_chat_template.jinja").read_text())
     assert [_rendered(marked, r) for r in rows] == [_rendered(load_tokenizer("qwen2.5"), r) for r in rows]
     conf = BuildConfig(input="-", tokenizer="-", format="chat", loss="assistant")
-    rt = RowTokenizer("chat", TokenizeOptions.from_config(conf), marked, [JSON_COLUMN], None)
+    rt = RowTokenizer("chat", conf.tokenize, marked, [JSON_COLUMN], None)
     assert rt.has_generation
     lines = [json.dumps(r).encode() for r in rows]
     got = rt(pa.table({JSON_COLUMN: pa.array(lines, pa.binary())})).to_pylist()

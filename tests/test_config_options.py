@@ -11,18 +11,19 @@ import pytest
 
 from thdpack.cli import build_parser
 from thdpack.offline import BuildConfig, ConfigError
-from thdpack.offline.config import options
+from thdpack.offline.config import SECTIONS, options
 
 OPTIONS = {o.name: o for o in options()}
 
 
 def _fields() -> list[tuple[str, dataclasses.Field]]:
-    """``(option name, field)`` of every BuildConfig field, a section's (ray, mixture) fields as ``NAME_KEY``."""
+    """``(option name, field)`` of every BuildConfig option field, a section's by its flat name (``pack_size``,
+    ``ray_address``); a section's derived fields (not options) left out."""
     out = []
     for f in dataclasses.fields(BuildConfig):
         section = f.metadata.get("section")
         if section is not None:
-            out += [(f"{f.name}_{g.name}", g) for g in dataclasses.fields(section)]
+            out += [(SECTIONS[f.name] + g.name, g) for g in dataclasses.fields(section) if "derived" not in g.metadata]
         elif not f.metadata.get("internal"):
             out.append((f.name, f))
     return out
@@ -90,13 +91,11 @@ def test_input_has_a_type_rule(value, message, tmp_path):
     """``input: 5`` passed validate() and failed later, in the build's reading of the input (issue 30): now
     validate() refuses it, one line naming input, by the rule read_source applies too."""
     from thdpack.offline.inputs.sources import read_source
-    from thdpack.offline.stages import InputOptions
-
     cfg = BuildConfig(input=value, base_dir=tmp_path)
     with pytest.raises(ConfigError, match=rf"^{message}$"):
         cfg.validate()
     with pytest.raises(ConfigError, match=rf"^{message}$"):
-        read_source(InputOptions.from_config(cfg), progress=False)
+        read_source(dataclasses.replace(cfg.source, base_dir=cfg.base_dir), progress=False)
 
 
 @pytest.mark.parametrize("value", ["rows.jsonl", "s3://bucket/rows-*.jsonl", ["a.jsonl", "b.parquet"],

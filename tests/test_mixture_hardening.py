@@ -173,7 +173,7 @@ from test_cli_robust import _error_line  # noqa: E402
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, build_packed  # noqa: E402
-from thdpack.offline.config import MixtureOptions  # noqa: E402
+from thdpack.offline.stage_options import MixtureOptions  # noqa: E402
 from thdpack.offline.errors import ConfigError, InputError  # noqa: E402
 
 TOK = str(TOKENIZER_DIR)

@@ -104,8 +104,8 @@ def log2_buckets(x: np.ndarray) -> list:
 def recount(ds, rows: dict[int, np.ndarray], cfg: BuildConfig) -> dict:
     """Every numeric figure of ``ds.metadata`` recounted: pack figures from the packs of ``ds``,
     input figures from ``rows`` (each input row's whole target flags) and ``cfg``'s rules."""
-    assert cfg.overflow == "truncate" and cfg.align == 1 or cfg.pack_size % cfg.align == 0
-    P, A = cfg.pack_size, cfg.align
+    assert cfg.planning.overflow == "truncate" and cfg.planning.align == 1 or cfg.planning.pack_size % cfg.planning.align == 0
+    P, A = cfg.planning.pack_size, cfg.planning.align
     limit = P // A * A
     seq, per_pack, n_per_pack, pack_tgt, piece_tgt, placed, files = [], [], [], [], [], set(), []
     for k in range(len(ds)):
@@ -127,7 +127,7 @@ def recount(ds, rows: dict[int, np.ndarray], cfg: BuildConfig) -> dict:
     length = {r: m.size for r, m in rows.items()}
     kept_targets = {r: int(m[1:min(m.size, limit)].sum()) for r, m in rows.items()}
     no_targets = sorted(r for r, t in kept_targets.items() if t == 0)
-    drop = cfg.without_targets == "drop"
+    drop = cfg.planning.without_targets == "drop"
     planned = sorted(r for r in rows if not (drop and kept_targets[r] == 0))
     assert sorted(placed) == planned  # the packs hold exactly the planned rows
     L = np.array([length[r] for r in planned])
@@ -148,7 +148,7 @@ def recount(ds, rows: dict[int, np.ndarray], cfg: BuildConfig) -> dict:
         "tokens": real,
         "target_tokens": int(piece_tgt.sum()),
         "without_targets": {
-            "policy": cfg.without_targets,
+            "policy": cfg.planning.without_targets,
             "dropped_samples": len(no_targets) if drop else 0,
             "dropped_tokens": sum(min(length[r], limit) for r in no_targets) if drop else 0,
             "pieces": int((piece_tgt == 0).sum()),
@@ -225,7 +225,7 @@ def test_demo_metadata_figures_are_recounted_from_the_packs(demo):
 
 def test_demo_build_has_no_pack_without_targets_by_default(demo):
     cfg, ds = demo["drop"]
-    assert cfg.without_targets == "drop" and ds.metadata["without_targets"] == "drop"
+    assert cfg.planning.without_targets == "drop" and ds.metadata["without_targets"] == "drop"
     assert all(pack_targets(ds[k], "loss_mask").sum() > 0 for k in range(len(ds)))
     c = ds.metadata["counts"]
     assert c["samples_without_targets"] > 0  # the demo has conversations whose answers truncation cuts off

@@ -27,7 +27,7 @@ pytest.importorskip("datasets")
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, build_packed, load_packed  # noqa: E402
-from thdpack.offline.config import MixtureOptions  # noqa: E402
+from thdpack.offline.stage_options import MixtureOptions  # noqa: E402
 from thdpack.offline.errors import ConfigError, InputError  # noqa: E402
 from thdpack.planning.mixture import plan_mixture  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_the_packed_samples_are_the_blend_of_the_kept_rows(built):
     kept = [r["units_kept"] for r in report]
     assert [r["unit"] for r in report] == ["row", "row", "pair"] and kept == [r["rows_kept"] for r in report]
     sources = [{"name": s.name, "num_rows": n, **s.weights} for s, n in zip(cfg.sources(), kept)]
-    blend = plan_mixture(sources, stopping="all_exhausted", seed=cfg.seed)
+    blend = plan_mixture(sources, stopping="all_exhausted", seed=cfg.planning.seed)
     samples = _samples_by_source(result.path)
     per_row = [1, 1, 2]  # preference rows: chosen and rejected
     for k, r in enumerate(report):
@@ -133,7 +133,7 @@ def test_the_online_mixture_dataset_draws_the_same_blend(built):
     kept = [sorted({row for s, row in packed if s == k}) for k in range(3)]  # all_exhausted: every kept row is in
     assert [len(k) for k in kept] == [r["rows_kept"] for r in result.metadata["mixture"]["sources"]]
     online = MixtureDataset([{"name": s.name, "dataset": [{"row": r} for r in rows], **s.weights}
-                             for s, rows in zip(cfg.sources(), kept)], stopping="all_exhausted", seed=cfg.seed)
+                             for s, rows in zip(cfg.sources(), kept)], stopping="all_exhausted", seed=cfg.planning.seed)
     drawn = Counter((int(online.plan.source[i]), kept[int(online.plan.source[i])][int(online.plan.row[i])])
                     for i in range(len(online)))
     assert drawn == packed

@@ -28,7 +28,6 @@ from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.demo.models import TINY_TEXT  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.tokenizing.row_formats import detect_format  # noqa: E402
-from thdpack.offline.stages import TokenizeOptions  # noqa: E402
 from test_losses import packed_dpo_step  # noqa: E402
 
 IGNORE = -100
@@ -89,7 +88,7 @@ def packed_samples(out: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 @pytest.mark.parametrize("make_rows", [string_rows, chat_rows], ids=["strings", "messages"])
 def test_pairs_share_a_pack_and_equal_their_prompt_completion_rows(tmp_path, make_rows):
     rows = make_rows(12, seed=1)
-    assert detect_format(rows[0].keys(), TokenizeOptions.from_config(BuildConfig())) == "preference"
+    assert detect_format(rows[0].keys(), BuildConfig().tokenize) == "preference"
     out = build(tmp_path, rows, "pairs", pack_size=pack_size(make_rows))
     ds = load_packed(out)
     assert ds.metadata["source"]["format"] == "preference"

@@ -189,7 +189,7 @@ def test_share_prefix_flag():
     parser.add_argument("--config")
     add_config_flags(parser)
     cfg = build_config(parser.parse_args(["--share-prefix", "--min-prefix-len", "16"]))
-    assert cfg.share_prefix is True and cfg.min_prefix_len == 16
+    assert cfg.planning.share_prefix is True and cfg.planning.min_prefix_len == 16
     assert build_config(parser.parse_args([])).as_dict(recorded=True).keys().isdisjoint(
         {"share_prefix", "min_prefix_len"})
     assert json.dumps(BuildConfig().as_dict(recorded=True), default=str).count("prefix") == 0

@@ -349,14 +349,14 @@ def _kill_workers(title: str, stop: threading.Event, killed: list, *, every: boo
     ("ray::_write_file", {"file_size_mb": 0.2}),
 ])
 def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides, ray_instance, tmp_path):
-    """build_packed(engine="ray", ray=RayOptions(...)) from Python; one worker killed (kill -9) is run again."""
+    """build_packed(cfg.override(engine="ray", ray=RayOptions(...))) from Python; one worker killed (kill -9) is run again."""
     cfg = BuildConfig.from_yaml(DEMO).override(max_rows=2000, **overrides)
     local = build_packed(cfg, tmp_path / "local", progress=False)
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_workers, args=(title, stop, killed), daemon=True)
     killer.start()
     try:
-        on_ray = build_packed(cfg, tmp_path / "ray", progress=False, engine="ray", ray=RayOptions(max_retries=1))
+        on_ray = build_packed(cfg.override(engine="ray", ray=RayOptions(max_retries=1)), tmp_path / "ray", progress=False)
     finally:
         stop.set()
         killer.join()
@@ -374,7 +374,7 @@ def test_a_part_whose_worker_dies_every_time_stops_the_build_naming_its_rows(inp
     killer.start()
     try:
         with pytest.raises(RayWorkerLost) as caught:
-            build_packed(cfg, tmp_path / "out", progress=False, engine="ray", ray={"max_retries": 1})
+            build_packed(cfg.override(engine="ray", ray={"max_retries": 1}), tmp_path / "out", progress=False)
     finally:
         stop.set()
         killer.join()

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from thdpack.demo import TOKENIZER_DIR, generate_rows, write_jsonl  # noqa: E402
 from thdpack.offline import BuildConfig, ConfigError, InputError, build_packed, load_packed, unpack_row  # noqa: E402
 from thdpack.offline.tokenizing.row_formats import DETECTION_ORDER, detect_format  # noqa: E402
-from thdpack.offline.stages import BuildStages, TokenizeOptions  # noqa: E402
+from thdpack.offline.stages import BuildStages  # noqa: E402
 from thdpack.offline.tokenizing.row_conversions import (SHAREGPT_ROLES, prompt_completion, sharegpt_row,  # noqa: E402
                                                     sharegpt_to_messages)
 
@@ -297,7 +297,7 @@ def test_prompt_completion_from_parquet_with_content_parts(tmp_path, rows):
 
 
 def test_detection_order(tmp_path):
-    cfg = TokenizeOptions.from_config(BuildConfig())
+    cfg = BuildConfig().tokenize
     assert DETECTION_ORDER == ("chat", "sharegpt", "preference", "prompt_completion", "tokenized", "text")
     assert detect_format(["prompt", "chosen", "rejected", "text"], cfg) == "preference"
     assert detect_format(["messages", "conversations", "prompt", "completion"], cfg) == "chat"
@@ -349,12 +349,12 @@ def format_flag_accepts(name: str) -> bool:
 def test_format_choices_are_auto_and_the_registered_formats():
     """``format``'s choices (the option and the flag) are "auto" + the registered formats, in the order of
     registration; ``auto`` tries every one of them."""
-    from thdpack.offline.config import FORMATS
+    from thdpack.offline.stage_options import FORMATS
     from thdpack.offline.tokenizing.row_formats import ROW_FORMATS
 
     assert list(ROW_FORMATS) == FORMAT_NAMES == FORMATS[1:] and sorted(DETECTION_ORDER) == sorted(FORMAT_NAMES)
     for name in ["auto", *FORMAT_NAMES]:
-        assert BuildConfig(input="-", format=name).validate().format == name and format_flag_accepts(name)
+        assert BuildConfig(input="-", format=name).validate().tokenize.format == name and format_flag_accepts(name)
     with pytest.raises(ConfigError, match="^format must be one of auto, chat, sharegpt, prompt_completion, "
                                           "preference, text, tokenized; got 'alpaca'$"):
         BuildConfig(input="-", format="alpaca").validate()
@@ -364,7 +364,7 @@ def test_format_choices_are_auto_and_the_registered_formats():
 def test_the_format_choices_are_known_without_importing_the_formats():
     """``BuildConfig`` (the lower layer) states the choices itself: nothing registers into it on import."""
     code = ("import sys; from thdpack.offline.config import BuildConfig; "
-            "assert BuildConfig(input='-', format='sharegpt').validate().format == 'sharegpt'; "
+            "assert BuildConfig(input='-', format='sharegpt').validate().tokenize.format == 'sharegpt'; "
             "assert 'thdpack.offline.tokenizing.row_formats' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -375,7 +375,7 @@ def test_a_new_row_format_is_one_registered_class():
     encoder). A class whose name is not a choice is refused."""
     import pyarrow as pa
 
-    from thdpack.offline import config
+    from thdpack.offline import stage_options as options
     from thdpack.offline.tokenizing import row_formats
     from thdpack.offline.tokenizing.row_tokenizer import RowTokenizer
 
@@ -392,22 +392,22 @@ def test_a_new_row_format_is_one_registered_class():
 
     with pytest.raises(ValueError, match="^row format 'shouted' is not a choice of 'format': add its name to FORMATS"):
         row_formats.register_format(Shouted)
-    saved = dict(row_formats.ROW_FORMATS), list(config.FORMATS)
+    saved = dict(row_formats.ROW_FORMATS), list(options.FORMATS)
     try:
-        config.FORMATS.append("shouted")
+        options.FORMATS.append("shouted")
         row_formats.register_format(Shouted)
         cfg = BuildConfig(input="-", tokenizer=str(TOKENIZER_DIR), format="shouted").validate()
         assert format_flag_accepts("shouted")
         tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-        got = RowTokenizer("shouted", TokenizeOptions.from_config(cfg), tok, ["line"])(pa.table({"line": ["Hello there", "", "ok"]}))
-        want = RowTokenizer("text", TokenizeOptions.from_config(cfg.override(format="text")), tok, ["text"])(
+        got = RowTokenizer("shouted", cfg.tokenize, tok, ["line"])(pa.table({"line": ["Hello there", "", "ok"]}))
+        want = RowTokenizer("text", cfg.override(format="text").tokenize, tok, ["text"])(
             pa.table({"text": ["HELLO THERE", "", "OK"]}))
         assert got.column("__error__").to_pylist() == [None, "'line' is empty", None]
         assert got.drop_columns(["__error__"]).equals(want.drop_columns(["__error__"]))
     finally:
         row_formats.ROW_FORMATS.clear()
         row_formats.ROW_FORMATS.update(saved[0])
-        config.FORMATS[:] = saved[1]
+        options.FORMATS[:] = saved[1]
     assert not format_flag_accepts("shouted")
 
 
@@ -430,7 +430,7 @@ def test_vlm_rows_refuse_formats_whose_text_cannot_hold_images():
     """Tokenized rows (no text to expand the placeholders in) and prompt/completion rows."""
     from thdpack.offline.vision.vlm_rows import VlmRowTokenizer
 
-    cfg = TokenizeOptions.from_config(BuildConfig(input="-"))
+    cfg = BuildConfig(input="-").tokenize
     with pytest.raises(ConfigError, match=r"^rows with images must be chat or text rows: the image placeholders are "
                                           r"expanded before tokenizing \(already tokenized VLM rows are not supported\)$"):
         VlmRowTokenizer("tokenized", cfg, None, [], None, None)

@@ -72,7 +72,7 @@ def reference_build(cfg: BuildConfig, n: int) -> dict:
         prep = prepare(cfg, Path(d), progress=False)
         table = prep.tokenized.dataset.data.table
         ids = table.column("input_ids").to_pylist()
-        tgt = table.column(cfg.targets).to_pylist()
+        tgt = table.column(cfg.tokenize.targets).to_pylist()
         lengths = prep.tokenized.lengths.copy()
         usable = prep.sample_rows.copy()
         total = prep.source.num_rows
@@ -83,9 +83,9 @@ def reference_build(cfg: BuildConfig, n: int) -> dict:
     for i in range(n):
         a, b = i * total // n, (i + 1) * total // n
         rows = usable[(usable >= a) & (usable < b)]
-        plan = plan_packs(lengths[rows], cfg.pack_size, algorithm=cfg.algorithm, align=cfg.align,
-                          overflow=cfg.overflow, max_samples_per_pack=cfg.max_samples_per_pack, seed=cfg.seed)
-        order = np.random.default_rng(cfg.seed).permutation(len(plan)) if cfg.shuffle_packs else np.arange(len(plan))
+        plan = plan_packs(lengths[rows], cfg.planning.pack_size, algorithm=cfg.planning.algorithm, align=cfg.planning.align,
+                          overflow=cfg.planning.overflow, max_samples_per_pack=cfg.planning.max_samples_per_pack, seed=cfg.planning.seed)
+        order = np.random.default_rng(cfg.planning.seed).permutation(len(plan)) if cfg.store.shuffle_packs else np.arange(len(plan))
         for k in order.tolist():
             pieces = range(int(plan.pack_offsets[k]), int(plan.pack_offsets[k + 1]))
             p_rows = [int(rows[plan.sample_index[j]]) for j in pieces]
@@ -93,7 +93,7 @@ def reference_build(cfg: BuildConfig, n: int) -> dict:
             p_len = [int(plan.length[j]) for j in pieces]
             packs.append({
                 "input_ids": [t for r, s, m in zip(p_rows, p_start, p_len) for t in ids[r][s : s + m]],
-                cfg.targets: [t for r, s, m in zip(p_rows, p_start, p_len) for t in tgt[r][s : s + m]],
+                cfg.tokenize.targets: [t for r, s, m in zip(p_rows, p_start, p_len) for t in tgt[r][s : s + m]],
                 "seq_lens": p_len, "sample_index": p_rows, "sample_start": p_start,
             })
             seq_lens.extend(p_len)
@@ -101,10 +101,10 @@ def reference_build(cfg: BuildConfig, n: int) -> dict:
     offsets = np.concatenate([[0], np.cumsum(n_per_pack)]).astype(np.int64)
     target_tokens = 0
     for p in packs:
-        is_t = np.asarray(p[cfg.targets]) if cfg.targets == "loss_mask" else np.asarray(p[cfg.targets]) != IGNORE
+        is_t = np.asarray(p[cfg.tokenize.targets]) if cfg.tokenize.targets == "loss_mask" else np.asarray(p[cfg.tokenize.targets]) != IGNORE
         firsts = np.cumsum([0] + p["seq_lens"][:-1])
         target_tokens += int(is_t.sum()) - int(is_t[firsts].sum())
-    stats = summarize(np.asarray(seq_lens), offsets, cfg.pack_size, cfg.align, input_lengths=lengths[usable])
+    stats = summarize(np.asarray(seq_lens), offsets, cfg.planning.pack_size, cfg.planning.align, input_lengths=lengths[usable])
     return {"packs": packs, "stats": stats, "usable": usable, "total": total, "skipped": skipped,
             "counts": counts, "target_tokens": target_tokens}
 
@@ -114,10 +114,10 @@ def check_equals_reference(ds, ref: dict, cfg: BuildConfig) -> None:
     assert len(ds) == len(ref["packs"]) == meta["num_packs"]
     for k, want in enumerate(ref["packs"]):
         got = ds[k]
-        for name in ("input_ids", cfg.targets, "seq_lens", "sample_index", "sample_start"):
+        for name in ("input_ids", cfg.tokenize.targets, "seq_lens", "sample_index", "sample_start"):
             np.testing.assert_array_equal(np.asarray(got[name]).astype(np.int64), np.asarray(want[name], dtype=np.int64),
                                           err_msg=f"pack {k} {name}")
-        assert int(np.sum(want["seq_lens"])) <= cfg.pack_size
+        assert int(np.sum(want["seq_lens"])) <= cfg.planning.pack_size
     for key, value in ref["stats"].items():  # same arrays in the same order: exactly equal
         assert meta["stats"][key] == value, key
     c = meta["counts"]
@@ -192,11 +192,11 @@ def test_slices_plus_merge_equal_the_single_build_with_slice_local_plans(c):
         # every slice needs a usable row (a slice of only bad rows is an error, tested below)
         for i in range(n):
             a, b = i * len(rows) // n, (i + 1) * len(rows) // n
-            assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.align * cfg.align)
+            assume(any(r is not None and (opts["overflow"] != "error" or len(r) <= opts["pack_size"] // cfg.planning.align * cfg.planning.align)
                        and (opts["without_targets"] == "keep" or len(r) > 1) for r in rows[a:b]))
         # overflow: drop of every row of the whole input stops the build (test_offline_hardening.py,
         # test_overflow_drop_of_every_row_stops); a slice whose rows are all dropped is written empty
-        assume(opts["overflow"] != "drop" or any(r is not None and len(r) <= opts["pack_size"] // cfg.align * cfg.align
+        assume(opts["overflow"] != "drop" or any(r is not None and len(r) <= opts["pack_size"] // cfg.planning.align * cfg.planning.align
                                                   for r in rows))
         parts = build_slices(cfg, d / "parts", n)
         merged = merge_slices(parts[::-1], d / "merged")  # any argument order
@@ -403,7 +403,7 @@ def test_merge_refuses_slices_that_do_not_belong_together(tmp_path, slice_set):
                               input_slice=InputSlice(1, 3)).path
     refused([parts[0], other_opts, parts[2]], r"slices 0 .* and 1 .* do not belong together: they were built with "
                                               r"different options \(pack_size\)")
-    rows = [json.loads(x)["input_ids"] for x in Path(cfg.input).read_text().splitlines()]
+    rows = [json.loads(x)["input_ids"] for x in Path(cfg.source.input).read_text().splitlines()]
     rows[-1] = rows[-1] + [1]
     other_input = build_packed(cfg.override(input=str(write_rows(tmp_path / "rows.jsonl", rows))), tmp_path / "inp",
                                progress=False, input_slice=InputSlice(2, 3)).path

@@ -1,7 +1,7 @@
 """The build configuration is resolved once into per-stage options (thdpack/offline/stages.py).
 
-- a whole build asks each question of the config once: the chat template is read once, and
-  ``BuildConfig.value_columns`` is called no more often than :meth:`BuildStages.from_config` alone calls it;
+- a whole build asks each question of the config once: the chat template is read once, and the config is
+  validated once (``BuildConfig.validate``, by :meth:`BuildStages.from_config`);
 - every stage's options object (and the whole :class:`BuildStages`) pickles and unpickles equal;
 - no module under thdpack/offline but config.py, stages.py (and the package's ``__init__``, which re-exports
   it) names ``BuildConfig`` or takes / reads a ``cfg``; in commands/build_packs.py only the entry points that
@@ -55,17 +55,17 @@ def _counting(monkeypatch, owner, name: str) -> list:
 def test_a_build_resolves_each_option_once(tmp_path, monkeypatch):
     cfg = _config(tmp_path)
     templates = _counting(monkeypatch, stages_module, "read_chat_template")
-    values = _counting(monkeypatch, BuildConfig, "value_columns")
+    checks = _counting(monkeypatch, BuildConfig, "validate")
     stages = BuildStages.from_config(cfg)
-    resolving = len(values)
+    assert len(checks) == 1
     assert len(templates) == 1 and stages.tokenize.chat_template_text == TEMPLATE.read_text(encoding="utf-8")
     assert stages.tokenize.value_columns == ("reward",)
     templates.clear()
-    values.clear()
+    checks.clear()
     res = build_packed(cfg, tmp_path / "out", progress=False)
     assert res.metadata["sample_values"] == {"reward": "float64"}
     assert len(templates) == 1, "the chat template is read once per build"
-    assert len(values) == resolving, "sample_values is resolved once, by BuildStages.from_config"
+    assert len(checks) == 1, "the config is validated once per build, by BuildStages.from_config"
 
 
 def test_stage_options_pickle_and_unpickle_equal(tmp_path):

@@ -75,7 +75,7 @@ def run(args) -> int:
             )
         cfg = build_config(args, input_override=str(path) if str(path) != "-" else None)
         summary = analyze(cfg, eval_multiple=eval_multiple, progress=show_progress(args))
-        title = f"{path}: raw dataset, planned (not written) with pack_size {cfg.pack_size}, {cfg.algorithm}"
+        title = f"{path}: raw dataset, planned (not written) with pack_size {cfg.planning.pack_size}, {cfg.planning.algorithm}"
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -12,7 +12,8 @@ Importing this package is cheap: ``datasets`` / ``transformers`` are imported on
 the build, ``pyarrow`` only when a dataset is opened.
 """
 
-from thdpack.offline.config import BuildConfig, RayOptions
+from thdpack.offline.config import BuildConfig
+from thdpack.offline.stage_options import RayOptions
 from thdpack.offline.store.dataset import PackedDataset, PackedRowCollator, load_packed, read_metadata, unpack_row
 from thdpack.offline.errors import ConfigError, InputError, NotPackedError, OfflineError, OutputExistsError
 

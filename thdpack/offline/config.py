@@ -1,17 +1,17 @@
-"""The build configuration: one dataclass, read from YAML and overridden by flags.
+"""The build configuration: one section per stage, read from YAML, flags and keywords, validated once.
 
-Every field is a YAML key and a ``thdpack build`` flag (``pack_size`` ->
-``--pack-size``); the field's ``help`` is the flag's help. Relative paths in a
-YAML file (``input``, ``tokenizer``) are relative to the file's directory;
-relative paths given as flags are relative to the working directory.
+:class:`BuildConfig` holds the sections of :mod:`thdpack.offline.stage_options` (``source``, ``mixture``,
+``tokenize``, ``planning``, ``store``, ``ray``, ``vision``) and two options of its own (``engine``,
+``model_config``). Every option has one flat name, a YAML key and a ``thdpack build`` flag (``pack_size`` ->
+``--pack-size``; a ``ray`` / ``mixture`` option's is ``ray_KEY`` / ``mixture_KEY``); YAML may also give a
+section whole (``planning: {pack_size: 4096}``), Python the flat names as keywords
+(``BuildConfig(input=..., pack_size=4096)``) or a section object. Read a value from its section
+(``cfg.planning.pack_size``). Relative paths in a YAML file (``input``, ``tokenizer``) are relative to the
+file's directory; relative paths given as flags are relative to the working directory.
 
-Each option is stated once, as a field: its type hint (``int``, ``bool``, ``float``, ``str``,
-``X | None``, ``Any``), default, choices and range (:func:`_opt`). :func:`options` reads them off the
-fields; :meth:`BuildConfig.validate` checks every option by that rule and ``thdpack.cli.config_flags``
-makes every flag from it.
-
-Hand-written, not pydantic (installed) nor HfArgumentParser: both keep none of the tested ConfigError
-messages and neither gives "flag not given = the YAML value stays"; each would add code, not remove it.
+:func:`options` reads each option's rule off its field; :meth:`BuildConfig.validate` checks every option by
+that rule and ``thdpack.cli.config_flags`` makes every flag from it. Hand-written, not pydantic nor
+HfArgumentParser: neither keeps the tested ConfigError messages nor "flag not given = the YAML value stays".
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN
 from thdpack.common.align import check_bool, check_int, check_number
 from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
-from thdpack.planning.mixture import STOPPING, WEIGHT_BY, WEIGHT_KEYS
-from thdpack.planning.packing import OVERFLOW_POLICIES
-from thdpack.planning.options import ALGORITHMS
+from thdpack.offline.stage_options import (MixtureOptions, PlanningOptions, RayOptions, SourceOptions, StoreOptions,
+                                     TokenizeOptions, VisionOptions, opt)
+from thdpack.planning.mixture import WEIGHT_KEYS
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -41,223 +40,83 @@ def is_uri(spec: str) -> bool:
     """Whether input ``spec`` is a filesystem URI (``PROTOCOL://...``, read with fsspec) rather than a path."""
     return bool(_URI.match(spec))
 
-# "auto", then the row formats, one class each in thdpack/offline/tokenizing/row_formats.py (register_format
-# refuses a class whose name is not here); docs/build.md, "Row formats"
-FORMATS: list[str] = ["auto", "chat", "sharegpt", "prompt_completion", "preference", "text", "tokenized"]
-LOSS_MODES = ("assistant", "last_assistant", "all")
-TARGETS = ("loss_mask", "labels")  # the target column a build writes; store/schema.py and store/dataset.py read it here
-OUTPUT_FORMATS = ("arrow", "parquet", "megatron-bridge")
-TOKENIZER_BACKENDS = ("auto", "tiktoken", "hf")
-WITHOUT_TARGETS = ("drop", "keep")  # samples left with no target token (docs/build.md, "Samples without targets")
+
 ENGINES = ("local", "ray")  # where a build tokenizes and writes (docs/distributed.md)
-RAY_KEYS = ("address", "num_cpus", "cpus_per_actor", "concurrency", "object_store_mb", "spill_dir",
-            "max_retries")  # RayOptions' fields (YAML ray: section)
-MIXTURE_KEYS = ("weight_by", "stopping", "size", "packing", "step_packs")  # MixtureOptions' (mixture:; docs/build.md)
-_SECTIONS = ("mixture", "ray")  # BuildConfig's section fields
-_SECTION_OPTIONS = tuple(f"{n}_{k}" for n, keys in (("mixture", MIXTURE_KEYS), ("ray", RAY_KEYS)) for k in keys)
-MIXTURE_PACKING = ("bfd", "stratified")
+# BuildConfig's sections: the field, and the prefix of its options' flat names ("": the key alone)
+SECTIONS = {"source": "", "mixture": "mixture_", "tokenize": "", "planning": "", "store": "", "ray": "ray_",
+            "vision": ""}
 # a mixture source's own options (input: a list of sources); the other options are the build's, one for all
 SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_field", "append_eos", "split", "max_rows")
 SOURCE_KEYS = ("path", "demo", "name", *WEIGHT_KEYS, *SOURCE_OPTIONS)
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
-                  *(f"ray_{k}" for k in RAY_KEYS))  # options that never change the output
+                  *(f"ray_{f.name}" for f in dataclasses.fields(RayOptions)))  # options that never change the output
 # recorded in metadata.json only when given (None / false: older builds stay byte-identical)
 RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len",
-                   *(f"mixture_{k}" for k in MIXTURE_KEYS))
+                   *(f"mixture_{f.name}" for f in dataclasses.fields(MixtureOptions)))
+# metadata.json's "config": the options in the order builds have always written them (byte-identical builds)
+RECORD_ORDER = ("input", *(f"mixture_{f.name}" for f in dataclasses.fields(MixtureOptions)), "split", "max_rows",
+                "format", "text_field", "messages_field", "loss", "append_eos", "tokenizer", "chat_template",
+                "tokenizer_backend", "targets", "pack_size", "algorithm", "overflow", "without_targets",
+                "max_samples_per_pack", "sample_values", "group_column", "share_prefix", "min_prefix_len", "seed",
+                "shuffle_packs", "cp_size", "tp_size", "sequence_parallel", "pad_multiple", "output_format",
+                "file_size_mb", "num_proc", "map_batch_size", "engine",
+                *(f"ray_{f.name}" for f in dataclasses.fields(RayOptions)), "skip_bad_rows", "save_tokenizer",
+                "model_config", "image_processor", "images_field", "image_placeholder", "image_dir", "vision_budget",
+                "videos_field", "video_placeholder", "video")
 
 
-def _opt(default, help: str, choices=None, *, minimum: int = 1, accepts: tuple | None = None, flag_type=None,
-         many: bool = False):
-    """A :class:`BuildConfig` field. Its type hint says what it holds (``bool``, ``int``, ``float``,
-    ``str``, ``X | None``: may be null, ``Any``: see ``accepts``); ``minimum`` is an ``int`` field's
-    least value, ``accepts`` an ``Any`` field's ``((types...), "what it must be")``, ``flag_type``
-    what an ``Any`` field's flag parses as, ``many`` a flag that takes several values."""
-    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum,
-                                            "accepts": accepts, "flag_type": flag_type, "many": many})
+def _section(cls):
+    """A :class:`BuildConfig` field holding a section of :mod:`thdpack.offline.stage_options`."""
+    return field(default_factory=cls, metadata={"section": cls})
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    """The ``ray:`` section: where an ``engine: ray`` build runs (:mod:`thdpack.offline.cluster.ray_session`).
-    From Python: ``build_packed(cfg, out, engine="ray", ray=RayOptions(address="auto"))``; a flag or old flat
-    YAML key ``ray_KEY`` sets ``KEY``."""
-
-    address: str | None = _opt(None, "engine ray: the cluster to join (auto, HOST:PORT or ray://HOST:PORT; default "
-                               "RAY_ADDRESS, else a local Ray instance started and stopped by the build); in YAML "
-                               "also ray: {address: ...}")
-    num_cpus: int | None = _opt(None, "engine ray, local instance: its CPUs (default: every CPU of this machine)")
-    cpus_per_actor: float = _opt(1.0, "engine ray: CPUs each tokenizing actor and each pack-writing task reserves")
-    concurrency: int | None = _opt(None, "engine ray: tokenizing actors (default: the cluster's CPUs / "
-                                   "ray_cpus_per_actor)")
-    object_store_mb: int | None = _opt(None, "engine ray, local instance: object store size in MB (default: Ray's)")
-    spill_dir: str | None = _opt(None, "engine ray, local instance: directory objects spill to when the object "
-                                 "store is full (default: Ray's session directory)")
-    max_retries: int = _opt(2, "engine ray: times a piece of work (a part of the rows tokenized, a data file "
-                            "written, ...) is run again when its worker dies; once more stops the build with a "
-                            "line naming the input rows or file it was working on", minimum=0)
-
-
-@dataclass(frozen=True)
-class MixtureOptions:
-    """The ``mixture:`` section: how the sources of ``input`` (a list of sources) are blended and planned
-    (:mod:`thdpack.offline.commands.mixture_build`); None: not given (the default in brackets). A flag or old
-    flat YAML key ``mixture_KEY`` sets ``KEY``."""
-
-    weight_by: str | None = _opt(None, "mixture (input: a list of sources): what a source's weight is a share "
-                                 "of: samples (default) or tokens; in YAML also mixture: {weight_by: ...}",
-                                 WEIGHT_BY)
-    stopping: str | None = _opt(None, "mixture without mixture_size: first_exhausted (default: the weighted "
-                                "source that runs out first is used once) or all_exhausted (the last one)",
-                                STOPPING)
-    size: int | None = _opt(None, "mixture: the weighted sources' part of the blend, in samples (or tokens "
-                            "with weight_by tokens); default from mixture_stopping")
-    packing: str | None = _opt(None, "mixture: bfd (default: one best-fit plan over the blend) or stratified "
-                               "(every step of mixture_step_packs packs close to the blend)", MIXTURE_PACKING)
-    step_packs: int | None = _opt(None, "mixture_packing stratified: packs per step (default 1)")
-
-
-def _section(cls, help: str):
-    """A :class:`BuildConfig` field holding a section (``ray:``, ``mixture:``): a frozen dataclass of
-    :func:`_opt` fields, named ``NAME_KEY`` as options and flags."""
-    return field(default_factory=cls, metadata={"help": help, "section": cls})
-
-
-@dataclass
+@dataclass(init=False)
 class BuildConfig:
-    """What ``thdpack build`` reads, how it tokenizes, plans and writes."""
+    """What ``thdpack build`` reads, how it tokenizes, plans and writes: one section per stage.
+    ``BuildConfig(**options)`` takes flat option names (``input=``, ``pack_size=``, ``ray_address=``) and
+    sections whole (``ray=RayOptions(...)``)."""
 
-    # ---- input
-    input: Any = _opt(
-        None,
-        "input file(s): .jsonl/.jsonl.gz/.json, .parquet, .arrow, a directory saved with "
-        "datasets' save_to_disk, a directory or glob of such files; in YAML also a list, "
-        "or {demo: {num_samples, seed, kind}} for the bundled synthetic rows, or a list of sources (a mixture: "
-        "each a mapping of path or demo, name, one of weight / epochs / max_samples, and its own format, loss, "
-        "chat_template, ...; docs/build.md, Mixtures)",
-        flag_type=str, many=True,
-    )
-    mixture: MixtureOptions = _section(MixtureOptions, "input as a list of sources: the blend (docs/build.md, Mixtures)")
-    split: str | None = _opt(None, "split to read from a saved DatasetDict (default: 'train' if present)")
-    max_rows: int | None = _opt(None, "read only the first N rows (quick trials)")
-    format: str = _opt("auto", "row format: chat (messages), sharegpt (conversations of from/value turns), "
-                       "prompt_completion (prompt + completion, TRL's; the completion is trained), preference (prompt + chosen "
-                       "+ rejected, TRL's DPO rows: two sequences kept in one pack), text, tokenized "
-                       "(input_ids [+labels|loss_mask]); auto picks from the fields present (docs/build.md, Row formats)",
-                       FORMATS)
-    text_field: str = _opt("text", "field holding the text of a text row")
-    messages_field: str = _opt("messages", "field holding the messages of a chat row")
-    loss: str = _opt("assistant", "chat and sharegpt rows: which tokens are trained on; prompt_completion rows: "
-                     "the completion's, or every token with all", LOSS_MODES)
-    append_eos: bool = _opt(True, "text rows and string prompt_completion rows: append the tokenizer's EOS token "
-                            "(to every row / completion)")
-    # ---- tokenizer
-    tokenizer: str | None = _opt(
-        None, "tokenizer: a local directory or a name in the local Hugging Face cache (never downloaded)"
-    )
-    chat_template: str | None = _opt(
-        None, "chat rows: a Jinja chat template file used instead of the tokenizer's (e.g. one with "
-        "{% generation %} markers around the assistant turns); recorded in the tokenizer fingerprint and saved copy"
-    )
-    tokenizer_backend: str = _opt(
-        "auto", "how text is encoded: tiktoken (byte-level BPE tokenizers whose merges it runs exactly, several "
-        "times faster; every process checks rows against the tokenizer and falls back on any difference), hf "
-        "(the tokenizer itself), auto (tiktoken when the tokenizer converts, else hf). Never changes the output",
-        TOKENIZER_BACKENDS,
-    )
-    targets: str = _opt("loss_mask", "what the packs store besides token ids: loss_mask (1 bit/token; labels "
-                        "are the ids) or labels (int32, for labels that are not the ids)", TARGETS)
-    # ---- planning
-    pack_size: int = _opt(4096, "token budget of a pack (after per-sample alignment padding)")
-    algorithm: str = _opt("bfd", "packing algorithm", ALGORITHMS)
-    overflow: str = _opt("error", "samples longer than a pack: error, truncate, split or drop", OVERFLOW_POLICIES)
-    without_targets: str = _opt(
-        "drop", "samples with no target token in what overflow keeps of them (e.g. a conversation whose answers "
-        "truncation cuts off): drop them before planning and count them, or keep them (their packs train "
-        "nothing; a mean loss over such a pack is NaN)", WITHOUT_TARGETS,
-    )
-    max_samples_per_pack: int | None = _opt(None, "cap on samples per pack")
-    sample_values: Any = _opt(
-        None, "columns holding a number per row (a reward, a domain id, ...) written with each sample of the packs "
-        "and returned as batch.sample_values[name] (docs/build.md, Preference pairs and per-sample values); "
-        "as a flag, comma-separated", flag_type=str,
-    )
-    group_column: str | None = _opt(
-        None, "column holding a group id per row (e.g. a GRPO prompt id): the rows of a group are planned into one "
-        "pack (a group over pack_size is a row error); overflow must be error"
-    )
-    share_prefix: bool = _opt(
-        False, "preference rows or group_column: lay each group's common token prefix (a pair's or a group's prompt) "
-        "out once; the plan counts it once against pack_size, and the loaded packs are shared-prefix batches "
-        "(docs/build.md, Shared prefixes)"
-    )
-    min_prefix_len: int | None = _opt(
-        None, f"share_prefix: the shortest prefix shared, in tokens (default {DEFAULT_MIN_PREFIX_LEN})")
-    seed: int = _opt(0, "seed of first_fit_shuffle and of the pack order", minimum=0)
-    shuffle_packs: bool = _opt(True, "write packs in a seeded random order (else in plan order, longest first)")
-    cp_size: int = _opt(1, "plan for context parallelism of this size (samples padded to 2*cp)")
-    tp_size: int = _opt(1, "tensor parallel size (matters with sequence_parallel)")
-    sequence_parallel: bool = _opt(False, "sequence parallelism: pad samples to a multiple of tp*cp too")
-    pad_multiple: int | None = _opt(None, "extra per-sample multiple, e.g. 16 for FP8 (lcm with the above)")
-    # ---- output and execution
-    output_format: str = _opt(
-        "arrow", "data file format: arrow (memory-mapped, zero-copy loading), parquet, or megatron-bridge (arrow files "
-        "plus Megatron-Bridge's packed Parquet files *.idx.parquet and bridge_metadata.json, pre-padded for "
-        "pad_seq_to_mult = the alignment multiple; docs/megatron.md)", OUTPUT_FORMATS)
-    file_size_mb: float = _opt(512, "approximate size of an output data file in MB")
-    num_proc: int = _opt(1, "processes for parsing and tokenization (datasets.map)")
-    map_batch_size: int = _opt(1000, "rows per tokenization batch")
-    engine: str = _opt("local", "where the build tokenizes and writes: local (this machine, num_proc processes) or ray "
-                       "(a Ray cluster, or a local Ray instance; the same output byte for byte; docs/distributed.md)",
-                       ENGINES)
-    ray: RayOptions = _section(RayOptions, "engine ray: the cluster (docs/distributed.md)")
-    skip_bad_rows: bool = _opt(False, "skip rows that fail (bad JSON, missing field, too long under "
-                               "overflow=error, ...) and report them, instead of stopping")
-    save_tokenizer: bool = _opt(True, "save a copy of the tokenizer in the output (for inspect and training)")
-    # ---- model: FLOPs report, VLM rows (thdpack/offline/commands/model_record.py, thdpack/offline/vision/vlm_setup.py)
-    model_config: Any = _opt(
+    source: SourceOptions = _section(SourceOptions)
+    mixture: MixtureOptions = _section(MixtureOptions)
+    tokenize: TokenizeOptions = _section(TokenizeOptions)
+    planning: PlanningOptions = _section(PlanningOptions)
+    store: StoreOptions = _section(StoreOptions)
+    engine: str = opt("local", "where the build tokenizes and writes: local (this machine, num_proc processes) or ray "
+                      "(a Ray cluster, or a local Ray instance; the same output byte for byte; docs/distributed.md)",
+                      ENGINES)
+    ray: RayOptions = _section(RayOptions)
+    model_config: Any = opt(
         None, "model config: a config.json or a directory holding one (in YAML also a mapping). Adds the "
         "whole-model FLOPs over-count to the stats; a Qwen-VL family config also builds rows with images",
         accepts=((str, dict), "a path or a mapping"), flag_type=str,
     )
-    image_processor: Any = _opt(
-        None, "VLM rows: a local image processor directory (preprocessor_config.json); in YAML also a mapping of "
-        "keyword arguments for the family's image processor (patch/merge sizes default to model_config's)",
-        accepts=((str, dict), "a path or a mapping"), flag_type=str,
-    )
-    images_field: str = _opt("images", "VLM rows: field holding each row's list of image paths")
-    image_placeholder: str = _opt("<image>", "VLM rows: marker in the text where each image goes, in order")
-    image_dir: str | None = _opt(None, "VLM rows: directory relative image paths are resolved against "
-                                 "(default: the directory of the row's input file)")
-    vision_budget: int | None = _opt(None, "VLM rows: most vision patches in a pack (a second planning budget)")
-    videos_field: str = _opt("videos", "VLM rows: field holding each row's list of video paths")
-    video_placeholder: str = _opt("<video>", "VLM rows: marker in the text where each video goes, in order")
-    video: Any = _opt(
-        None, "VLM rows with videos (YAML mapping): frame sampling and size as qwen-vl-utils does it: fps (2.0), "
-        "min_frames (4), max_frames (768), min_pixels / max_pixels per frame and total_pixels per video "
-        "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels); on the command line as YAML: '{fps: 1}'",
-        accepts=((dict, str), "a mapping of frame options (fps, min_frames, ...)"), flag_type=str,
-    )
-
+    vision: VisionOptions = _section(VisionOptions)
     # where relative paths in the YAML file are resolved (not a config key)
     base_dir: Path = field(default_factory=Path.cwd, repr=False, compare=False, metadata={"internal": True})
+
+    def __init__(self, **options):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        changed = self._with(options, "BuildConfig")
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(changed, f.name))
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def keys(cls) -> list[str]:
-        """The option names (YAML keys and flags; a section's as ``NAME_KEY``)."""
+        """The option names (YAML keys and flags)."""
         return [o.name for o in options()]
 
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: Path | None = None, origin: str = "config") -> "BuildConfig":
-        """The config of the YAML mapping ``data``: options, ``ray:`` / ``mixture:`` sections, or their options
-        as flat ``NAME_KEY`` keys (one of the two per key)."""
+        """The config of the YAML mapping ``data``: options by flat name, or sections as mappings (one of the two
+        per key)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: expected a mapping of options, got {type(data).__name__}")
         cfg = cls()._with(data, origin, sections_given=True)
         if base_dir is not None:
             cfg.base_dir = Path(base_dir)
         return cfg
-
     @classmethod
     def from_yaml(cls, path: str | Path) -> "BuildConfig":
         try:
@@ -277,11 +136,10 @@ class BuildConfig:
         return cls.from_dict(data, base_dir=path.resolve().parent, origin=str(path))
 
     def override(self, **changes) -> "BuildConfig":
-        """A copy with ``changes`` applied (``None`` values are ignored): options by name (a section's as
-        ``NAME_KEY``), or a section whole (``ray=RayOptions(...)``, or a mapping of some of its keys). Paths given
+        """A copy with ``changes`` applied (``None`` values are ignored): options by flat name, or a section whole (``ray=RayOptions(...)``, or a mapping of some of its keys). Paths given
         here are relative to the working directory."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        unknown = [k for k in changes if k not in self.keys() and k not in _SECTIONS]
+        unknown = [k for k in changes if k not in self.keys() and k not in SECTIONS]
         if unknown:
             raise ConfigError(f"unknown option(s) {unknown}")
         # paths given here are cwd-relative: make them absolute so that base_dir does not apply
@@ -298,49 +156,62 @@ class BuildConfig:
         return self._with(changes, "override")
 
     def _with(self, changes: dict, origin: str, *, sections_given: bool = False) -> "BuildConfig":
-        """A copy with ``changes`` (option names; sections whole or as ``NAME_KEY`` options) applied: the one
-        place a key finds its field. ``sections_given``: a YAML mapping (a key given both ways is refused)."""
-        top, parts = {}, {}
+        """A copy with ``changes`` (flat option names; sections whole, as an object or a mapping of some of its
+        keys) applied: the one place a key finds its field. ``sections_given``: a YAML mapping (a key given
+        both ways is refused)."""
+        by_name = {o.name: o for o in options()}
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        flat: dict[str, dict] = {}
         for key, value in changes.items():
-            if key in _SECTIONS:
-                parts[key] = _section_of(key, getattr(self, key), value, origin)
-            elif key in _SECTION_OPTIONS:
-                continue
-            elif key not in self.keys():
+            if key in SECTIONS:
+                setattr(new, key, _section_of(key, getattr(self, key), value, origin))
+            elif key == "base_dir":
+                new.base_dir = Path(value)
+            elif key not in by_name:
                 raise ConfigError(f"{origin}: unknown option '{key}'{_close_hint(key, self.keys())}; options: "
                                   f"{', '.join(self.keys())}")
+            elif by_name[key].section is None:
+                setattr(new, key, value)
             else:
-                top[key] = value
-        for name in _SECTIONS:
-            flat = {o.key: changes[o.name] for o in options() if o.section == name and o.name in changes}
-            both = [k for k in flat if name in changes and isinstance(changes[name], dict) and k in changes[name]]
+                flat.setdefault(by_name[key].section, {})[by_name[key].key] = value
+        for name, given in flat.items():
+            both = [k for k in given if isinstance(changes.get(name), dict) and k in changes[name]]
             if both and sections_given:
-                raise ConfigError(f"{origin}: {name}.{both[0]} and {name}_{both[0]} both given; keep one")
-            if flat:
-                parts[name] = dataclasses.replace(parts.get(name, getattr(self, name)), **flat)
-        return dataclasses.replace(self, **top, **parts)
+                raise ConfigError(f"{origin}: {name}.{both[0]} and {SECTIONS[name]}{both[0]} both given; keep one")
+            setattr(new, name, dataclasses.replace(getattr(new, name), **given))
+        return new
 
     # ------------------------------------------------------------------ checks
     def validate(self, *, need_tokenizer: bool | None = None) -> "BuildConfig":
         """Raise :class:`ConfigError` on the first invalid option; returns ``self``."""
-        check_input(self.input)
+        check_input(self.source.input)
         for option in options():
             option.check(self.value(option))
             if option.kind == "flag":  # a numpy bool read as the bool it is (metadata.json records it)
-                setattr(self, option.name, bool(getattr(self, option.name)))
-        self.value_columns()
+                self._set(option, bool(self.value(option)))
+        self.tokenize.value_columns
         self._check_mixture()
-        if need_tokenizer and not self.tokenizer:
-            raise ConfigError(f"format '{self.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' in the config")
-        if self.pack_size < self.align:
-            raise ConfigError(f"pack_size ({self.pack_size}) is smaller than the alignment multiple ({self.align})")
+        if need_tokenizer and not self.tokenize.tokenizer:
+            raise ConfigError(f"format '{self.tokenize.format}' needs a tokenizer: give --tokenizer or 'tokenizer:' "
+                              "in the config")
+        if self.planning.pack_size < self.planning.align:
+            raise ConfigError(f"pack_size ({self.planning.pack_size}) is smaller than the alignment multiple "
+                              f"({self.planning.align})")
         self._check_share_prefix()
         return self
+
+    def _set(self, option: "Option", value) -> None:
+        """Set ``option`` to ``value`` in place."""
+        if option.section is None:
+            setattr(self, option.name, value)
+        else:
+            setattr(self, option.section, dataclasses.replace(getattr(self, option.section), **{option.key: value}))
 
     def _check_mixture(self) -> None:
         """ConfigError for ``mixture_*`` options without a mixture, and for what a mixture does not take."""
         given = [f"mixture_{k}" for k, v in vars(self.mixture).items() if v is not None]
-        if not is_mixture(self.input):
+        if not is_mixture(self.source.input):
             if given:
                 raise ConfigError(f"{given[0]} needs input as a list of sources (a mixture; docs/build.md, Mixtures)")
             return
@@ -350,28 +221,21 @@ class BuildConfig:
 
     def _check_share_prefix(self) -> None:
         """ConfigError for ``share_prefix`` where a build cannot share prefixes (``min_prefix_len`` without it:
-        :meth:`thdpack.offline.stages.PlanningOptions.from_config`)."""
-        if not self.share_prefix:
+        :meth:`thdpack.offline.stages.BuildStages.from_config`)."""
+        plan = self.planning
+        if not plan.share_prefix:
             return
-        if self.group_column is None and self.format not in ("auto", "preference") and not is_mixture(self.input):
+        if (self.tokenize.group_column is None and self.tokenize.format not in ("auto", "preference")
+                and not is_mixture(self.source.input)):
             raise ConfigError(f"share_prefix needs groups to share within: preference rows (prompt / chosen / "
-                              f"rejected) or group_column, not format {self.format!r} rows without group_column")
-        refused = {"cp_size": self.cp_size > 1, "output_format": self.output_format == "megatron-bridge"}
+                              f"rejected) or group_column, not format {self.tokenize.format!r} rows without group_column")
+        refused = {"cp_size": plan.cp_size > 1, "output_format": self.store.output_format == "megatron-bridge"}
         for name, bad in refused.items():
             if bad:
-                raise ConfigError(f"share_prefix cannot be used with {name} {getattr(self, name)!r}: context-parallel "
+                value = plan.cp_size if name == "cp_size" else self.store.output_format
+                raise ConfigError(f"share_prefix cannot be used with {name} {value!r}: context-parallel "
                                   "attention and Megatron-Bridge's THD kernels cannot express a shared-prefix tree; "
                                   "remove share_prefix")
-
-    @property
-    def align(self) -> int:
-        """The per-sample alignment multiple the plan and the loader use."""
-        from thdpack.common.align import resolve_pad_multiple
-
-        try:
-            return resolve_pad_multiple(self.cp_size, self.tp_size, self.sequence_parallel, self.pad_multiple)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------ paths
     def resolve_path(self, value: str) -> Path:
@@ -380,29 +244,17 @@ class BuildConfig:
         return p if p.is_absolute() else self.base_dir / p
 
     def as_dict(self, *, recorded: bool = False) -> dict:
-        """The options, as written (paths unresolved). ``recorded=True`` leaves out the
-        options that cannot change the output (``num_proc``, ``map_batch_size``, ``tokenizer_backend``): what
-        metadata.json records, so a build is byte-identical however it was parallelised."""
-        values = {o.name: self.value(o) for o in options()}
+        """The options by flat name, as written (paths unresolved), in :data:`RECORD_ORDER`. ``recorded=True``
+        leaves out the options that cannot change the output (``num_proc``, ...): what metadata.json records,
+        so a build is byte-identical however it was parallelised."""
+        by_name = {o.name: o for o in options()}
+        values = {k: self.value(by_name[k]) for k in RECORD_ORDER}
         return {k: v for k, v in values.items()
                 if not (recorded and (k in EXECUTION_ONLY or (k in RECORDED_IF_SET and v in (None, False))))}
 
     def value(self, option: "Option"):
         """The value of ``option`` (a section's: its field's)."""
         return getattr(getattr(self, option.section), option.key) if option.section else getattr(self, option.name)
-
-    def value_columns(self) -> list[str]:
-        """``sample_values`` as a list of column names (a flag's comma-separated string split);
-        [] when not set. ConfigError for anything but distinct non-empty names."""
-        value = self.sample_values
-        if value is None:
-            return []
-        names = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
-        if not isinstance(names, list) or not names or not all(isinstance(v, str) and v for v in names):
-            raise ConfigError(f"sample_values must be a list of column names (e.g. [reward, domain]), got {value!r}")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"sample_values names a column twice: {names}")
-        return names
 
     # ------------------------------------------------------------------ mixtures
     def sources(self) -> list[SourceConfig]:
@@ -411,14 +263,14 @@ class BuildConfig:
         or of the same files. ConfigError when ``input`` is not a mixture."""
         from thdpack.planning.mixture import check_mixture
 
-        if not is_mixture(self.input):
+        if not is_mixture(self.source.input):
             raise ConfigError("input is not a mixture (a list of sources, each a mapping)")
-        check_input(self.input)
+        check_input(self.source.input)
         by_option = {o.name: o for o in options()}
         out: list[SourceConfig] = []
         names: dict[str, int] = {}
         data: dict[str, str] = {}
-        for i, entry in enumerate(self.input):
+        for i, entry in enumerate(self.source.input):
             name = _source_name(entry, i)
             own = {k: entry[k] for k in SOURCE_OPTIONS if k in entry}
             for key, value in own.items():
@@ -427,7 +279,7 @@ class BuildConfig:
                 except ConfigError as exc:
                     raise ConfigError(f"input source {name!r}: {exc}") from None
             spec = {"demo": entry["demo"]} if "demo" in entry else entry["path"]
-            cfg = dataclasses.replace(self, input=spec, **own, mixture=MixtureOptions())
+            cfg = self._with({"input": spec, **own, "mixture": MixtureOptions()}, f"input source {name!r}")
             if name in names:
                 raise ConfigError(f"input sources {names[name]} and {i} are both named {name!r}: give each source "
                                   "its own name")
@@ -449,7 +301,8 @@ class BuildConfig:
     def single_source_form(self) -> "BuildConfig":
         """A mixture of one source without a weight or ``mixture_*`` option as the plain build of that source
         (the same bytes as ``input: PATH``); any other config as it is."""
-        if not is_mixture(self.input) or len(self.input) != 1 or any(k in self.input[0] for k in WEIGHT_KEYS):
+        spec = self.source.input
+        if not is_mixture(spec) or len(spec) != 1 or any(k in spec[0] for k in WEIGHT_KEYS):
             return self
         if any(v is not None for v in vars(self.mixture).values()):
             return self
@@ -509,7 +362,7 @@ class Option:
     accepts: tuple | None
     flag_type: type | None
     many: bool
-    section: str | None = None  # the section field holding it (ray, mixture), else None
+    section: str | None = None  # the BuildConfig section holding it, else None (engine, model_config)
     key: str | None = None  # its field in that section
 
     def check(self, value) -> None:
@@ -540,13 +393,13 @@ _KINDS = {bool: "flag", int: "int", float: "number", str: "text"}
 
 @functools.cache
 def options() -> tuple[Option, ...]:
-    """The options of :class:`BuildConfig`, in field order (a section's in its place, named ``NAME_KEY``), each
-    read off its type hint and ``_opt``."""
+    """The options of :class:`BuildConfig`, section by section in field order, each read off its type hint and
+    :func:`~thdpack.offline.stage_options.opt` (a section's named ``PREFIX + KEY``, :data:`SECTIONS`)."""
     out = []
     for f in dataclasses.fields(BuildConfig):
         section = f.metadata.get("section")
         if section is not None:
-            out += [dataclasses.replace(o, name=f"{f.name}_{o.name}", section=f.name, key=o.name)
+            out += [dataclasses.replace(o, name=SECTIONS[f.name] + o.name, section=f.name, key=o.name)
                     for o in _options_of(section)]
         elif not f.metadata.get("internal"):
             out.append(_options_of(BuildConfig, f.name)[0])
@@ -554,11 +407,11 @@ def options() -> tuple[Option, ...]:
 
 
 def _options_of(cls, only: str | None = None) -> list[Option]:
-    """The :class:`Option` of each :func:`_opt` field of ``cls`` (``only``: of that field)."""
+    """The :class:`Option` of each option field of ``cls`` (``only``: of that field; derived fields left out)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        if only is not None and f.name != only:
+        if (only is not None and f.name != only) or "help" not in f.metadata:
             continue
         hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -664,7 +517,7 @@ def _source_name(entry: dict, i: int) -> str:
 
 def _source_identity(cfg: "BuildConfig") -> str:
     """What makes two sources the same data: the demo options, or the resolved paths."""
-    spec = cfg.input
+    spec = cfg.source.input
     if isinstance(spec, dict):
         return repr(sorted((spec["demo"] or {}).items()))
     paths = spec if isinstance(spec, list) else [spec]

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from thdpack.offline.errors import ConfigError
-from thdpack.offline.config import RayOptions
+from thdpack.offline.stage_options import RayOptions
 
 logger = logging.getLogger(__name__)
 

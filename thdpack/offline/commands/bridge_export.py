@@ -387,7 +387,7 @@ def check_text_only(vlm) -> None:
 def write_build(out_dir: Path, planning, files: list[dict], tokenizer_info: dict | None, run=None) -> dict:
     """Bridge's files next to the data files ``files`` a build just wrote into ``out_dir``, pre-padded
     for ``pad_seq_to_mult`` = the build's alignment multiple (``2·cp`` etc.); ``planning``: the build's
-    :class:`~thdpack.offline.stages.PlanningOptions`; ``run``: as :func:`write_bridge` takes it."""
+    :class:`~thdpack.offline.stage_options.PlanningOptions`; ``run``: as :func:`write_bridge` takes it."""
     plan = planning.plan
     return write_bridge(out_dir, [out_dir / f["path"] for f in files], targets=planning.targets,
                         pack_size=plan.pack_size, multiple=plan.align, align=plan.align,

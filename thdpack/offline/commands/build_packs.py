@@ -18,7 +18,6 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,8 @@ import numpy as np
 from thdpack.common.align import check_bool
 from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
-from thdpack.offline.config import RayOptions
-from thdpack.offline.stages import BuildStages, PlanningOptions, StoreOptions
+from thdpack.offline.stage_options import PlanningOptions, StoreOptions
+from thdpack.offline.stages import BuildStages
 from thdpack.offline.errors import require_hf
 from thdpack.offline.store.schema import (FORMAT_NAME, FORMAT_VERSION, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,
                                           PREFIX_COLUMNS, SOURCE_COLUMN, PackedMetadata, SourceInfo)
@@ -60,30 +59,19 @@ class BuildResult:
     summary: dict
 
 
-def build_packed(
-    cfg: BuildConfig,
-    output: str | Path,
-    *,
-    overwrite: bool = False,
-    progress: bool = True,
-    input_slice=None,
-    engine: str | None = None,
-    ray: RayOptions | Mapping | None = None,
-) -> BuildResult:
+def build_packed(cfg: BuildConfig, output: str | Path, *, overwrite: bool = False, progress: bool = True,
+                 input_slice=None) -> BuildResult:
     """Build the packed dataset of ``cfg`` at ``output`` (see the module docstring); with
     ``input_slice`` (a :class:`thdpack.offline.inputs.input_slice.InputSlice`) only that slice of the input rows.
+    Where it runs is the config's (``engine``, ``ray``)::
 
-    ``engine``: ``"local"`` or ``"ray"`` (else ``cfg.engine``); ``ray``: the Ray options of an ``engine="ray"``
-    build (else ``cfg.ray``): a :class:`~thdpack.offline.config.RayOptions` (all of them; a field left out takes
-    its default) or a mapping of some of them, as the YAML ``ray:`` section takes them::
-
-        build_packed(cfg, "out/packs", engine="ray", ray=RayOptions(address="auto"))   # a running cluster
-        build_packed(cfg, "out/packs", engine="ray", ray={"num_cpus": 8})            # a local Ray instance
+        build_packed(cfg.override(engine="ray", ray=RayOptions(address="auto")), "out/packs")  # a running cluster
+        build_packed(cfg.override(engine="ray", ray={"num_cpus": 8}), "out/packs")            # a local Ray instance
 
     Stage lines go to ``logging.getLogger("thdpack.offline.commands.build_packs")`` (and the stages' own loggers under
     ``"thdpack"``): configure logging to see them."""
     overwrite, progress = check_bool(overwrite, "overwrite"), check_bool(progress, "progress")
-    return _build(cfg.override(engine=engine, ray=ray), Path(output), overwrite, progress, input_slice)
+    return _build(cfg, Path(output), overwrite, progress, input_slice)
 
 
 def _build(cfg: BuildConfig, output: Path, overwrite: bool, progress: bool, input_slice) -> BuildResult:
@@ -268,7 +256,7 @@ def _metadata(stages: BuildStages, prep: Prepared, summary: dict, written: dict,
         meta["sample_values"] = {name: str(v.dtype) for name, v in values.items()}
         meta["columns"] += [SAMPLE_VALUE_PREFIX + name for name in values]
     if prep.shared_prefix is not None:  # share_prefix: the group and prefix columns the loader reads
-        meta["share_prefix"] = _prefix_counts(prep, planning.min_prefix_len)
+        meta["share_prefix"] = _prefix_counts(prep, planning.min_prefix)
         meta["columns"] += list(PREFIX_COLUMNS)
         meta["counts"]["tokens"] = int(prep.plan.length.sum())  # stored: each sample whole (the stream's: stats)
     if prep.mixture is not None:  # per source: read, kept, blended, dropped, packed; the source_index column

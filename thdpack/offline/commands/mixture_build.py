@@ -144,7 +144,7 @@ def blend_and_plan(rows: list[SourceRows], stages: BuildStages, ray_session=None
     :class:`~thdpack.offline.commands.sample_plan.Prepared` whose ``sample_rows`` index the sources' tokenized rows
     side by side (a repeated row once per repeat) and whose ``mixture`` is the :class:`MixtureRecord`."""
     mixture, planning = stages.mixture, stages.planning
-    blend = _blend(rows, mixture, planning.plan.seed)
+    blend = _blend(rows, stages.sources, mixture, planning.plan.seed)
     logger.info(str(blend))
     tokenized = _side_by_side(rows, planning.targets, stages.tokenize.value_columns)
     seq_offset = np.cumsum([0] + [r.tokenized.lengths.size for r in rows])[:-1]
@@ -165,7 +165,7 @@ def blend_and_plan(rows: list[SourceRows], stages: BuildStages, ray_session=None
     row_source = np.repeat(np.arange(len(rows), dtype=np.int64), [r.tokenized.lengths.size for r in rows])
     row_ids = np.arange(row_source.size, dtype=np.int64) - seq_offset[row_source]
     packed_items = np.unique(blend_item[vrows[np.unique(plan.sample_index)]])
-    report = _report(rows, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
+    report = _report(rows, stages.sources, blend, mixture, plan, item_source[blend_item[vrows]], piece_targets, without,
                      item_source[blend_item], item_source[packed_items])
     _refuse_unpacked(report["sources"], planning)
     return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, {},
@@ -203,11 +203,11 @@ def _row_units(rows: list[SourceRows]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _blend(rows: list[SourceRows], mixture, seed: int):
+def _blend(rows: list[SourceRows], specs, mixture, seed: int):
     """The :class:`~thdpack.planning.mixture.MixturePlan` over each source's kept units (:attr:`SourceRows.units`;
-    its ``row``: a unit's index)."""
+    its ``row``: a unit's index); ``specs``: each source's :class:`~thdpack.offline.stages.SourceStages`."""
     sources = []
-    for r, spec in zip(rows, mixture.sources):
+    for r, spec in zip(rows, specs):
         seqs, offsets = r.units
         tokens = np.add.reduceat(r.sequences.lengths[seqs], offsets[:-1]) if seqs.size else np.zeros(0, np.int64)
         try:
@@ -301,7 +301,7 @@ class _BlendPlanner:
                                max_samples_per_pack=opts.max_samples_per_pack)
 
 
-def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, seq_source, packed_item_source) -> dict:
+def _report(rows, specs, blend, mixture, plan, sample_source, piece_targets, without, seq_source, packed_item_source) -> dict:
     """``metadata.json``'s ``mixture`` entry: the blend's options and per source what was read, kept, blended,
     dropped (by cause) and packed."""
     n = len(rows)
@@ -317,7 +317,7 @@ def _report(rows, blend, mixture, plan, sample_source, piece_targets, without, s
     report = blend.report()
     sources = []
     for k, (r, b) in enumerate(zip(rows, report)):
-        spec = mixture.sources[k]
+        spec = specs[k]
         sources.append({
             "name": r.name, "source_index": k, "format": r.tokenized.fmt,
             "given": {key: value for key, value in spec.weights.items()} or {"weight": 1.0},

@@ -16,7 +16,7 @@ from thdpack.offline.commands.pack_stats import BUILD_COUNTS, summarize
 from thdpack.offline.commands.shared_prefixes import common_prefixes, common_prefixes_of_dataset
 from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED
 from thdpack.offline.inputs.sources import Source
-from thdpack.offline.stages import PlanningOptions
+from thdpack.offline.stage_options import PlanningOptions
 from thdpack.offline.store.schema import GROUP_COLUMN
 from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.tokenizing.row_tokenizer import TAIL_TARGETS_COLUMN
@@ -121,7 +121,7 @@ def select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized,
     usable[[r for r, _ in skipped]] = False
     prefix = None
     if planning.share_prefix:  # found on the rows that did not fail; too long groups go whole, the rest keep theirs
-        args = (sequences.lengths, sequences.group, usable[sequences.row], planning.plan.align, planning.min_prefix_len)
+        args = (sequences.lengths, sequences.group, usable[sequences.row], planning.plan.align, planning.min_prefix)
         if ray_session is None:
             prefix = common_prefixes(tokenized.dataset.data.table, planning.targets, *args)
         else:

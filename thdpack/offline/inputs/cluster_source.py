@@ -35,7 +35,7 @@ from thdpack.offline.inputs.file_parts import (MAX_PART_BYTES, MIN_PART_BYTES, F
 from thdpack.offline.inputs.sources import (JSON_COLUMN, Source, SourceFile, concat_rows, files_fingerprint,
                                             input_kind, input_paths, json_columns, load_saved, read_source,
                                             saved_sha256)
-from thdpack.offline.stages import InputOptions
+from thdpack.offline.stage_options import SourceOptions
 from thdpack.offline.store.schema import file_sha256
 
 HEAD_ROWS = 1000  # rows of the input the driver holds: what format detection (100) and the VLM set-up (1000) read
@@ -57,7 +57,7 @@ class ClusterSource(Source):
         return parts, _head(self.session, parts, self.files)
 
 
-def read_on_cluster(session: RaySession, opts: InputOptions, *, progress: bool = True,
+def read_on_cluster(session: RaySession, opts: SourceOptions, *, progress: bool = True,
                     fetch_dir: Path | None = None) -> Source:
     """The :class:`~thdpack.offline.inputs.sources.Source` of ``opts.input`` on the cluster of ``session`` (see
     the module docstring): the local reader's files, rows and errors, its rows read by Ray tasks."""
@@ -288,7 +288,7 @@ def _head_rows(parts: FileParts, n: int):
     return parts.head(n)
 
 
-def _read_saved(session: RaySession, given: str, path: Path, opts: InputOptions, fetched) -> Source:
+def _read_saved(session: RaySession, given: str, path: Path, opts: SourceOptions, fetched) -> Source:
     """A ``save_to_disk`` dataset: memory-mapped here (its rows are read by the map's workers), its Arrow files
     hashed by a Ray task."""
     ds, files_dir = load_saved(given, path, opts)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.offline.config import check_input
-from thdpack.offline.stages import InputOptions
+from thdpack.offline.stage_options import SourceOptions
 from thdpack.offline.errors import ConfigError, InputError
 from thdpack.offline.store.schema import bytes_sha256, file_sha256
 from thdpack.offline.inputs.jsonl import json_lines
@@ -104,7 +104,7 @@ class Source:
         return f"{f.path} row {local}"
 
 
-def read_source(opts: InputOptions, *, progress: bool = True, fetch_dir: Path | None = None) -> Source:
+def read_source(opts: SourceOptions, *, progress: bool = True, fetch_dir: Path | None = None) -> Source:
     """Read ``opts.input`` into a :class:`Source` (rows not yet parsed or tokenized). Inputs named by a
     URI are fetched into ``fetch_dir`` (a build's work directory), else into a temporary directory that
     lives as long as the Source."""
@@ -162,7 +162,7 @@ def concat_rows(tables: list):
 # ---------------------------------------------------------------------------- paths
 
 
-def input_paths(opts: InputOptions, fetch_dir: Path | None = None) -> tuple[list[tuple[str, Path]], object]:
+def input_paths(opts: SourceOptions, fetch_dir: Path | None = None) -> tuple[list[tuple[str, Path]], object]:
     """``(paths, fetched)``: the input files of ``opts.input`` (not a demo) in order, each as ``(name as given,
     path)``, and the temporary directory URI inputs were fetched into (None when ``fetch_dir`` is given or none
     was fetched). ConfigError for inputs that cannot be built together."""
@@ -189,7 +189,7 @@ def input_paths(opts: InputOptions, fetch_dir: Path | None = None) -> tuple[list
     return paths, fetched
 
 
-def _expand_uri(spec: str, opts: InputOptions, into: Path) -> list[tuple[str, Path]]:
+def _expand_uri(spec: str, opts: SourceOptions, into: Path) -> list[tuple[str, Path]]:
     """:func:`_expand` of a URI: ``file://`` read in place, any other protocol fetched under ``into``."""
     fs, path = filesystem(spec)
     if is_local(fs):
@@ -198,7 +198,7 @@ def _expand_uri(spec: str, opts: InputOptions, into: Path) -> list[tuple[str, Pa
     return fetch(spec, into, lambda name: _supported(Path(name)))
 
 
-def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
+def _expand(spec: str, opts: SourceOptions) -> list[tuple[str, Path]]:
     path = opts.resolve_path(spec)
     if any(ch in spec for ch in "*?["):  # a pattern, under the config's directory taken as named
         given = Path(spec).expanduser()
@@ -225,7 +225,7 @@ def _expand(spec: str, opts: InputOptions) -> list[tuple[str, Path]]:
     return [(spec, path)]
 
 
-def _glob_root(given: Path, opts: InputOptions) -> Path:
+def _glob_root(given: Path, opts: SourceOptions) -> Path:
     """The directory a pattern's matches are under: its leading components without ``*?[``."""
     parts = []
     for part in given.parts[:-1]:
@@ -235,7 +235,7 @@ def _glob_root(given: Path, opts: InputOptions) -> Path:
     return opts.resolve_path(str(Path(*parts))) if parts else opts.base_dir
 
 
-def _refuse_packed(spec: str, found: list[Path], root: Path, opts: InputOptions, pattern: bool = False) -> None:
+def _refuse_packed(spec: str, found: list[Path], root: Path, opts: SourceOptions, pattern: bool = False) -> None:
     """InputError when a file of ``found`` (under directory ``root``) lies in a packed dataset (a
     directory with a thdpack ``metadata.json``, e.g. an earlier build's output inside the input
     directory): its data files, tokenizer and metadata are not rows."""
@@ -259,7 +259,7 @@ def _refuse_packed(spec: str, found: list[Path], root: Path, opts: InputOptions,
                 break
 
 
-def _packed_found(spec: str, d: Path, root: Path, rows: list[Path], opts: InputOptions, pattern: bool):
+def _packed_found(spec: str, d: Path, root: Path, rows: list[Path], opts: SourceOptions, pattern: bool):
     """Raise the InputError of :func:`_refuse_packed` for packed dataset ``d`` (``rows``: the files found outside it)."""
     name = _display(spec, d, opts)
     example = f" (e.g. {str(Path(spec) / ('*' + _suffix(rows[0])))!r})" if rows and not pattern else ""
@@ -279,7 +279,7 @@ def _suffix(p: Path) -> str:
     return next(s for s in sorted(JSON_SUFFIXES + TABLE_SUFFIXES, key=len, reverse=True) if name.endswith(s))
 
 
-def _display(spec: str, p: Path, opts: InputOptions) -> str:
+def _display(spec: str, p: Path, opts: SourceOptions) -> str:
     """How a file found through a directory or glob is named in messages and metadata."""
     return str(p) if Path(spec).is_absolute() else os.path.relpath(p, opts.base_dir)
 
@@ -413,12 +413,12 @@ def open_arrow(given: str, path: Path):
             raise InputError(f"{given}: not an Arrow IPC stream or file ({exc})") from None
 
 
-def _read_saved(given: str, path: Path, opts: InputOptions) -> Source:
+def _read_saved(given: str, path: Path, opts: SourceOptions) -> Source:
     ds, files_dir = load_saved(given, path, opts)
     return Source(ds, [SourceFile(given, "saved", len(ds), saved_sha256(files_dir))], list(ds.column_names))
 
 
-def load_saved(given: str, path: Path, opts: InputOptions):
+def load_saved(given: str, path: Path, opts: SourceOptions):
     """``(dataset, files_dir)``: the ``save_to_disk`` dataset at ``path`` (its split ``opts.split``; memory-mapped,
     its first ``opts.max_rows`` rows) and the directory of its Arrow files."""
     import datasets
@@ -447,7 +447,7 @@ def saved_sha256(files_dir: Path) -> str:
     return bytes_sha256("".join(file_sha256(p) for p in sorted(Path(files_dir).glob("*.arrow"))))
 
 
-def _read_demo(demo: dict, opts: InputOptions) -> Source:
+def _read_demo(demo: dict, opts: SourceOptions) -> Source:
     import datasets
 
     from thdpack.demo import generate_rows

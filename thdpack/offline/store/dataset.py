@@ -30,7 +30,7 @@ from thdpack.common.align import check_bool, check_int, resolve_pad_multiple
 from thdpack.batching.batch import ThdBatch, warn_if_no_targets
 from thdpack.loaders.collate import ThdCollator
 from thdpack.batching.layout import layout_of
-from thdpack.offline.config import TARGETS
+from thdpack.offline.stage_options import TARGETS
 from thdpack.offline.errors import NotPackedError, read_error, require_pyarrow
 from thdpack.offline.store.row_batch import rows_batch, rows_shared_batch
 from thdpack.offline.store.schema import (METADATA_FILE, PREFIX_COLUMNS, SAMPLE_COLUMNS, SOURCE_COLUMN, SAMPLE_VALUE_PREFIX, TOKENIZER_DIR,

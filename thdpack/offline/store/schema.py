@@ -41,7 +41,7 @@ from typing import Annotated, TypedDict, get_origin, get_type_hints
 import numpy as np
 
 from thdpack.common.align import check_int, is_int
-from thdpack.offline.config import TARGETS  # the target columns a build writes: one of them
+from thdpack.offline.stage_options import TARGETS  # the target columns a build writes: one of them
 from thdpack.offline.errors import NotPackedError
 
 FORMAT_NAME = "thdpack.packed"

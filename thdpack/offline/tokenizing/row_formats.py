@@ -1,5 +1,5 @@
 """Row formats as registered classes: adding a row format is adding a class that calls :func:`register_format`
-and its name to :data:`thdpack.offline.config.FORMATS`.
+and its name to :data:`thdpack.offline.stage_options.FORMATS`.
 
 Each class says what a row of its format has and what the build does with it; the row tokenizer
 (:class:`~thdpack.offline.tokenizing.row_tokenizer.RowTokenizer`) and the tokenizing step ask the
@@ -18,7 +18,7 @@ tokenized            ``input_ids``               1           no     no          
 ===================  ==========================  ==========  =====  =============  ===========================
 
 Each class's name is one of ``BuildConfig.format``'s choices after ``auto``
-(:data:`thdpack.offline.config.FORMATS`, hence ``--format``'s; a test keeps the two in step); ``format: auto`` takes the
+(:data:`thdpack.offline.stage_options.FORMATS`, hence ``--format``'s; a test keeps the two in step); ``format: auto`` takes the
 first format of :data:`DETECTION_ORDER` whose fields a row has (:func:`detect_format`). The row-level
 conversions the classes call (ShareGPT turns, prompt/completion pairs) are in
 :mod:`thdpack.offline.tokenizing.row_conversions`.
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from thdpack.offline.config import FORMATS
-from thdpack.offline.stages import TokenizeOptions
+from thdpack.offline.stage_options import FORMATS
+from thdpack.offline.stage_options import TokenizeOptions
 from thdpack.offline.tokenizing.row_conversions import (CHOSEN_FIELD, COMPLETION_FIELD, PROMPT_FIELD, REJECTED_FIELD,
                                                     SHAREGPT_FIELD, SYSTEM_FIELD, check_messages, preference_row,
                                                     prompt_completion, sharegpt_row)
@@ -47,10 +47,10 @@ Messages = Callable[[list], list]  # the row tokenizer's preparation of a list o
 
 def register_format(cls: type) -> type:
     """Class decorator: register one ``cls()`` under ``cls.name``, which must be one of ``BuildConfig.format``'s
-    choices (:data:`thdpack.offline.config.FORMATS`, where a new format's name is added); ValueError otherwise."""
+    choices (:data:`thdpack.offline.stage_options.FORMATS`, where a new format's name is added); ValueError otherwise."""
     if cls.name not in FORMATS[1:]:
         raise ValueError(f"row format {cls.name!r} is not a choice of 'format': add its name to FORMATS in "
-                         "thdpack/offline/config.py")
+                         "thdpack/offline/stage_options.py")
     ROW_FORMATS[cls.name] = cls()
     return cls
 

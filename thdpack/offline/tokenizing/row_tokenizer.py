@@ -30,7 +30,7 @@ from thdpack.offline.tokenizing.chat_content import flatten_content
 from thdpack.offline.tokenizing.chat_spans import (TemplateNotSupported, assistant_spans, template_failed, turn_marks,
                                         with_sentinels)
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.stages import TokenizeOptions
+from thdpack.offline.stage_options import TokenizeOptions
 from thdpack.offline.tokenizing.chat_render import normalize_chats, render_chats, role_renders
 from thdpack.offline.tokenizing.fastenc import encode_chat, encode_texts, encode_with_spans
 from thdpack.offline.tokenizing.row_formats import row_format
@@ -53,7 +53,7 @@ class RowTokenizer:
 
     ``fmt`` names the row format (:mod:`thdpack.offline.tokenizing.row_formats`); what differs between
     formats (fields, the value encoded, its encoder, tools, sequences per row) is asked of it; ``opts``
-    (:class:`~thdpack.offline.stages.TokenizeOptions`) holds the build's tokenizing options."""
+    (:class:`~thdpack.offline.stage_options.TokenizeOptions`) holds the build's tokenizing options."""
 
     def __init__(self, fmt: str, opts: TokenizeOptions, tokenizer, columns: list[str], bpe=None):
         self.fmt = fmt

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.stages import TokenizeOptions
+from thdpack.offline.stage_options import TokenizeOptions
 from thdpack.offline.store.schema import GROUP_COLUMN, VALUE_COLUMN, VALUE_IS_INT_COLUMN, bytes_sha256
 from thdpack.offline.inputs.mmap_input import memory_mapped
 from thdpack.offline.procs import map_in_processes

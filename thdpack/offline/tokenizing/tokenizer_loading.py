@@ -3,7 +3,7 @@ about it, and whether its tiktoken form (:mod:`thdpack.offline.tokenizing.tiktok
 
 - :func:`load_tokenizer`: ``AutoTokenizer`` from a local directory or the local Hugging Face
   cache only (thdpack never downloads), with ``chat_template`` from a file when the config
-  gives one (read once, and checked to be Jinja, by :class:`~thdpack.offline.stages.TokenizeOptions`);
+  gives one (read once, and checked to be Jinja, by :class:`~thdpack.offline.stage_options.TokenizeOptions`);
 - :func:`tokenizer_info`: a content fingerprint of the vocabulary and template, the special
   token ids and :func:`has_generation_markers` (``{% generation %}`` spans in the template);
 - :func:`fast_bpe`: the tiktoken fast path, chosen by ``tokenizer_backend``.
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from thdpack.offline.errors import ConfigError, InputError
-from thdpack.offline.stages import TokenizeOptions
+from thdpack.offline.stage_options import TokenizeOptions
 from thdpack.offline.store.schema import bytes_sha256
 from thdpack.offline.tokenizing.row_formats import row_format
 from thdpack.offline.tokenizing.tiktoken_bpe import TiktokenBPE

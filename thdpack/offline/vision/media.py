@@ -24,7 +24,7 @@ _PROCESSOR_CLASS = "Qwen2VLImageProcessor"  # what every supported family's proc
 
 
 def load_image_processor(opts, model_config: dict, family):
-    """The image processor of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`):
+    """The image processor of the vision options ``opts`` (:class:`~thdpack.offline.stage_options.VisionOptions`):
     a local directory (``AutoImageProcessor``, offline), or the family's processor class built from
     ``image_processor`` keyword arguments, with ``patch_size`` / ``temporal_patch_size`` / ``merge_size``
     from the model config."""

@@ -71,7 +71,7 @@ class VlmBuild:
         return min(requested, VISION_MAP_BATCH_SIZE)
 
     def row_tokenizer(self, fmt: str, opts, tokenizer, columns, source, bpe=None) -> VlmRowTokenizer:
-        """The row tokenizer of this build (``opts``: the :class:`~thdpack.offline.stages.TokenizeOptions`)."""
+        """The row tokenizer of this build (``opts``: the :class:`~thdpack.offline.stage_options.TokenizeOptions`)."""
         return VlmRowTokenizer(fmt, opts, tokenizer, columns, self, source, bpe)
 
     def features(self) -> dict:
@@ -124,7 +124,7 @@ class VlmBuild:
         meta["vision"] = vision_metadata(self, token_table, piece_rows, plan)
 
 def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
-    """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stages.VisionOptions`)
+    """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stage_options.VisionOptions`)
     and the build's ``model_config``, or None for a text build."""
     from thdpack.vlm import get_family, supported_model_types
     from thdpack.common.model_config import config_first
@@ -177,7 +177,7 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
         pixel_dim=pixel_dim,
         image_placeholder=opts.image_placeholder,
         images_field=opts.images_field,
-        image_dir=opts.image_dir,
+        image_dir=opts.image_dir_path,
         vision_budget=opts.vision_budget,
         vision_end_token_id=int(end),
         row_dirs=row_dirs,
