@@ -30,7 +30,7 @@ from thdpack.common.align import check_bool, check_int, check_number
 from thdpack.demo import generate_rows
 from thdpack.offline.errors import ConfigError
 from thdpack.offline.stage_options import (MixtureOptions, PlanningOptions, RayOptions, SourceOptions, StoreOptions,
-                                     TokenizeOptions, VisionOptions, opt)
+                                     TokenizeOptions, VisionOptions, opt, resolve_path)
 from thdpack.planning.mixture import WEIGHT_KEYS
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -240,8 +240,7 @@ class BuildConfig:
     # ------------------------------------------------------------------ paths
     def resolve_path(self, value: str) -> Path:
         """``value`` as a path: absolute, or relative to ``base_dir``."""
-        p = Path(value).expanduser()
-        return p if p.is_absolute() else self.base_dir / p
+        return resolve_path(self.base_dir, value)
 
     def as_dict(self, *, recorded: bool = False) -> dict:
         """The options by flat name, as written (paths unresolved), in :data:`RECORD_ORDER`. ``recorded=True``
