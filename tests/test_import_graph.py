@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("offline tokenizing", ("thdpack.offline.tokenizing",)),
     ("offline vision", ("thdpack.offline.vision",)),
     ("offline commands", ("thdpack.offline.commands", "thdpack.offline.__init__")),
+    ("check", ("thdpack.check",)),
     ("cli", ("thdpack.cli",)),
     ("package", ("thdpack.__init__", "thdpack.__main__")),
 ]

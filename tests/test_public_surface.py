@@ -32,7 +32,7 @@ def page_rows() -> dict[str, list[str]]:
 
 def test_docstring_documents_the_groups_in_order():
     groups = documented_groups()
-    assert list(groups) == ["plan", "build", "collate", "rebalance", "shard", "offline"]
+    assert list(groups) == ["check", "plan", "build", "collate", "rebalance", "shard", "offline"]
     assert all(groups.values())
 
 
@@ -51,7 +51,8 @@ def test_every_public_name_resolves():
 
 def test_the_top_level_names_are_the_readmes():
     groups = documented_groups()
-    assert groups["plan"][0] == "plan_packs" and groups["collate"][-1] == "IndexedDataset"
+    assert groups["check"] == ["check_packing"] and groups["plan"][0] == "plan_packs"
+    assert groups["collate"][-1] == "IndexedDataset"
     assert thdpack.IndexedDataset.__module__ == "thdpack.loaders.collate"
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     unused = [name for name in thdpack.__all__ if not re.search(rf"\b{name}\b", readme)]

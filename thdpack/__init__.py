@@ -7,6 +7,7 @@ Data flows one way::
 
 The names the README uses, group by group in the order a user meets them (``__all__`` keeps it):
 
+- check: ``check_packing`` -- packing proven exact on your own model and data, layer by layer, before training (lazy import; ``thdpack check``).
 - plan: ``plan_packs``, ``plan_balanced``, ``CostModel``, ``plan_hybrid_cp`` -- which samples share a pack, from lengths alone; packs dealt evenly over data-parallel ranks (under hybrid CP, samples over blocks of ranks).
 - build: ``build_thd_batch``, ``ThdBatch``, ``SampleError`` -- one pack's THD stream.
 - collate: ``ThdCollator``, ``TokenBudgetBatchSampler``, ``StreamingPacker``, ``IndexedDataset`` -- in a DataLoader.
@@ -39,6 +40,8 @@ from thdpack.loaders.stream import StreamingPacker
 
 
 __all__ = [
+    # check
+    "check_packing",
     # plan
     "plan_packs", "plan_balanced", "CostModel", "plan_hybrid_cp",
     # build
@@ -55,7 +58,7 @@ __all__ = [
 
 
 # Offline packed datasets, imported on first use: `import thdpack` stays free of pyarrow/datasets.
-_LAZY = {"load_packed": "thdpack.offline"}
+_LAZY = {"load_packed": "thdpack.offline", "check_packing": "thdpack.check"}
 
 
 def __getattr__(name: str):

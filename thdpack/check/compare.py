@@ -1,0 +1,256 @@
+"""``check_packing``: run a model on a pack and on each of its samples alone, and compare them layer by layer.
+
+The packed call is the one thdpack's README gives (``packed_model(model)(**to_hf_kwargs(batch))``), or the
+keyword arguments another collator made for the same samples (``batch=``: the model is run as given). The
+reference never uses thdpack: each sample alone through the model (batch axis 1, the model's own positions).
+Every decoder layer, sequence mixer and mixer step is compared on each sample's tokens
+(:mod:`thdpack.check.probes`), then the logits, the loss (token mean and sample mean) and, with ``grad``,
+every parameter's gradient. One pack at a time; hooks keep only the outputs they compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from thdpack.check.probes import Probes, Watched
+from thdpack.check.report import TOLERANCES, CheckReport, ModuleDiff, PackCheck, SampleCheck, ValueCheck
+from thdpack.check.step_flops import step_flops
+from thdpack.common.samples import IGNORE_INDEX
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def check_packing(model, samples: Sequence[Mapping], *, batch: Mapping | None = None, spans=None, grad: bool = False,
+                  flops: bool = True, attn_implementation: str | None = None, vlm=None, tolerance: float | None = None,
+                  pack: int = 0, **layout) -> CheckReport:
+    """Check that ``model`` gives on the pack of ``samples`` what it gives on each sample alone.
+
+    Args:
+        model: a transformers causal LM (or Qwen-VL model), in the dtype and on the device to check.
+        samples: the pack's samples, each a mapping of ``input_ids`` and ``labels`` or ``loss_mask`` (and a VLM
+            sample's ``pixel_values`` / ``image_grid_thw`` / ... as the family's processor gives them).
+        batch: another collator's keyword arguments for the same samples, end to end (judged as given; the model
+            is not prepared); None: thdpack's batch (``build_thd_batch(samples, **layout)``) through
+            ``packed_model``. ``spans``: where each sample's tokens lie in ``batch`` (``(start, end)`` each);
+            default: the samples one after another.
+        grad: compare every parameter's gradient of the token-mean loss too.
+        flops: count the packed forward's FLOPs (thdpack, torch's ``FlopCounterMode``, a pack-length count).
+        attn_implementation, vlm, layout: what ``to_hf_kwargs`` / ``build_thd_batch`` take.
+        tolerance: max ``|packed - alone| / max |alone|`` per tensor (default by dtype: :data:`TOLERANCES`).
+
+    Returns:
+        a :class:`~thdpack.check.report.CheckReport` of one pack (``.ok``, ``.table()``, ``.to_dict()``).
+    """
+    dtype = next(model.parameters()).dtype
+    tol = TOLERANCES[str(dtype).removeprefix("torch.")] if tolerance is None else float(tolerance)
+    attention = attn_implementation or getattr(model.config, "_attn_implementation", None) or "default"
+    report = CheckReport(type(model).__name__, str(dtype).removeprefix("torch."), str(next(model.parameters()).device),
+                         attention, tol)
+    report.packs.append(check_pack(model, samples, batch=batch, spans=spans, grad=grad, flops=flops,
+                                   attn_implementation=attn_implementation, vlm=vlm, tolerance=tol, pack=pack,
+                                   **layout))
+    return report
+
+
+def check_pack(model, samples, *, batch, spans, grad, flops, attn_implementation, vlm, tolerance, pack,
+               **layout) -> PackCheck:
+    """One pack's :class:`PackCheck` (:func:`check_packing` without the report around it)."""
+    device = next(model.parameters()).device
+    kwargs, spans = _packed_call(model, samples, batch, spans, attn_implementation, vlm, layout)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    result = PackCheck(pack, problems=boundary_problems(kwargs, spans, model))
+    probes = Probes(model)
+    params = [p for p in model.parameters() if p.requires_grad] if grad else []
+    try:
+        with probes.watch(), torch.set_grad_enabled(grad):
+            out = model(**kwargs)
+    except Exception as exc:  # the model's own refusal (transformers, packed_model): the report says it
+        result.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        return result
+    packed = {name: probes.stream(name) for name in probes.outputs}
+    watched = dict(probes.watched)
+    logits = out.logits[0].detach().float()
+    packed_loss = None if getattr(out, "loss", None) is None else float(out.loss.detach())
+    packed_grads = _grads(out.loss, params) if grad and packed_loss is not None else None
+    del out
+    sums, counts, alone_grads = [], [], None
+    for i, sample in enumerate(samples):
+        check, token_sum, count, grads = _alone(model, probes, i, sample, spans[i], packed, watched, logits,
+                                                tolerance, params, device)
+        result.samples.append(check)
+        sums.append(token_sum)
+        counts.append(count)
+        alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+    result.values = _loss_checks(kwargs, logits, spans, sums, counts, tolerance, packed_loss)
+    if packed_grads is not None and alone_grads is not None:
+        total = max(sum(counts), 1)
+        result.values.append(_grad_check(model, params, packed_grads, [g / total for g in alone_grads], tolerance))
+    if flops:
+        result.flops = step_flops(model, kwargs, spans, int(logits.shape[0]))
+    return result
+
+
+def _packed_call(model, samples, batch, spans, attn_implementation, vlm, layout):
+    """The packed call's keyword arguments and each sample's ``(start, end)`` span in its stream."""
+    lengths = [len(_ids(s)) for s in samples]
+    if batch is not None:
+        if layout or vlm is not None:
+            raise TypeError("check_packing(batch=...) judges the batch as given: pass no layout keywords or vlm")
+        if spans is None:
+            ends = np.cumsum([0] + lengths)
+            spans = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
+        return dict(batch), [tuple(int(v) for v in span) for span in spans]
+    from thdpack.batching.builder import build_thd_batch
+    from thdpack.integrations import packed_model, to_hf_kwargs
+
+    built = build_thd_batch(list(samples), vlm=vlm, **layout)
+    packed_model(model)
+    starts = built.cu_seqlens_padded[:-1].tolist()
+    return to_hf_kwargs(built, attn_implementation=attn_implementation), [(a, a + n) for a, n in zip(starts, lengths)]
+
+
+def boundary_problems(kwargs: Mapping, spans, model=None) -> list[str]:
+    """What a packed call lacks to keep its samples apart, in words: a boundary input absent that the model's
+    layers read (``seq_idx`` for hybrid layers, ``cu_seq_lens_q`` for Gated DeltaNet scans and varlen
+    attention, a mask where the call has a cache), ``position_ids`` that do not restart at each sample,
+    labels scored across a boundary."""
+    out = []
+    kinds = {kind for _, kind, _ in Probes(model).targets} if model is not None else set()
+    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    if len(spans) > 1:
+        if kwargs.get("seq_idx") is None and kinds & {"linear attention", "SSM", "convolution"}:
+            out.append("has no seq_idx")
+        if kwargs.get("cu_seq_lens_q") is None and ("linear attention" in kinds or "flash" in attention
+                                                    or "varlen" in attention):
+            out.append("has no cu_seq_lens_q")
+        cache = kwargs.get("use_cache", getattr(getattr(model, "config", None), "use_cache", False))
+        if (kwargs.get("attention_mask") is None and kwargs.get("cu_seq_lens_q") is None and cache
+                and attention in ("sdpa", "eager")):
+            out.append(f"has no attention mask nor cu_seq_lens_q, and use_cache is on: transformers then gives "
+                       f"{attention} one causal mask over the whole row")
+    positions = kwargs.get("position_ids")
+    row = _text_positions(positions)
+    if positions is None:
+        out.append("has no position_ids (positions run on across the samples)")
+    elif row is not None:
+        bad = [i for i, (a, b) in enumerate(spans) if not torch.equal(row[a:b], torch.arange(b - a))]
+        if bad:
+            out.append(f"has position_ids that do not count 0, 1, ... over sample(s) {bad[:5]}")
+    labels = kwargs.get("labels")
+    if labels is not None:
+        row = torch.as_tensor(labels).reshape(-1).cpu()
+        crossing = [i for i, (a, _) in enumerate(spans) if i and a < row.numel() and int(row[a]) != IGNORE_INDEX]
+        if crossing:
+            out.append(f"scores labels across a boundary (the first token of sample(s) {crossing[:5]} is the "
+                       "previous sample's target)")
+    return out
+
+
+def _text_positions(positions) -> torch.Tensor | None:
+    """The text position row of ``position_ids`` (``[1, T]``, or mRoPE's ``[4, 1, T]`` whose first row is
+    text), on the CPU; None for 3-row mRoPE (no text row to read)."""
+    if positions is None:
+        return None
+    p = torch.as_tensor(positions).cpu()
+    if p.dim() == 2:
+        return p[0].long()
+    return p[0, 0].long() if p.dim() == 3 and p.shape[0] == 4 else None
+
+
+def _alone(model, probes: Probes, i: int, sample, span, packed: dict, watched: dict[str, Watched], logits,
+           tolerance: float, params, device):
+    """Sample ``i`` run alone: its :class:`SampleCheck`, the sum and count of its token losses, and (with
+    ``params``) the gradients of the summed loss."""
+    ids = torch.as_tensor(_ids(sample), dtype=torch.long, device=device)[None]
+    extra = {k: torch.as_tensor(sample[k]).to(device) for k in VISION_KEYS if k in sample}
+    if "pixel_values" in extra or "pixel_values_videos" in extra:
+        dtype = next(model.parameters()).dtype
+        extra = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extra.items()}
+    with probes.watch(), torch.set_grad_enabled(bool(params)):
+        out = model(input_ids=ids, **extra)
+    a, b = span
+    diffs = []
+    for name, info in sorted(watched.items(), key=lambda item: item[1].order):
+        if name not in probes.outputs:
+            continue
+        mine, theirs = probes.stream(name), packed[name]
+        if theirs.shape[0] < b or mine.shape[0] != b - a or mine.shape[1:] != theirs.shape[1:]:
+            continue  # not one row per token in both runs: not comparable
+        diffs.append(_diff(name, info.kind, info.reads, theirs[a:b], mine, tolerance, info.order))
+    diffs.append(_diff("logits", "logits", "everything before it", logits[a:b], out.logits[0].detach().float(),
+                       tolerance, len(watched)))
+    first = next((d for d in diffs if not d.ok), None)
+    worst = max(diffs, key=lambda d: d.rel)
+    labels = torch.as_tensor(_labels(sample), dtype=torch.long, device=device)
+    losses = F.cross_entropy(out.logits[0, :-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="sum")
+    count = int((labels[1:] != IGNORE_INDEX).sum())
+    grads = _grads(losses, params) if params else None
+    return SampleCheck(i, b - a, len(diffs), first, worst), float(losses.detach()), count, grads
+
+
+def _diff(name, kind, reads, packed: torch.Tensor, alone: torch.Tensor, tolerance: float, order: int) -> ModuleDiff:
+    delta = float((packed - alone).abs().max()) if alone.numel() else 0.0
+    scale = float(alone.abs().max()) if alone.numel() else 0.0
+    return ModuleDiff(name, kind, reads, delta, scale, delta / scale if scale > 0 else delta, tolerance, order)
+
+
+def _loss_checks(kwargs, logits, spans, sums, counts, tolerance, packed_loss) -> list[ValueCheck]:
+    """The token-mean loss (the model's own on the packed call when it was given labels, else from the packed
+    logits) and the sample-mean loss (from the packed logits and the call's labels), packed vs alone."""
+    total = sum(counts)
+    alone_token = sum(sums) / total if total else 0.0
+    per_sample = [s / c for s, c in zip(sums, counts) if c]
+    alone_sample = sum(per_sample) / len(per_sample) if per_sample else 0.0
+    out = []
+    if packed_loss is not None:
+        out.append(_value("loss (token mean)", packed_loss, alone_token, tolerance))
+    labels = kwargs.get("labels")
+    if labels is not None:
+        row = torch.as_tensor(labels).reshape(-1).to(logits.device)
+        means = []
+        for a, b in spans:
+            targets = row[a + 1:b + 1] if b < row.numel() else torch.cat([row[a + 1:b], row.new_full((1,), IGNORE_INDEX)])
+            scored = targets != IGNORE_INDEX
+            if bool(scored.any()):
+                means.append(float(F.cross_entropy(logits[a:b], targets, ignore_index=IGNORE_INDEX)))
+        out.append(_value("loss (sample mean)", sum(means) / len(means) if means else 0.0, alone_sample, tolerance))
+    return out
+
+
+def _value(name: str, packed: float, alone: float, tolerance: float) -> ValueCheck:
+    return ValueCheck(name, float(packed), float(alone), abs(packed - alone) / max(abs(alone), 1e-12), tolerance)
+
+
+def _grad_check(model, params, packed, alone, tolerance: float) -> ValueCheck:
+    names = {id(p): n for n, p in model.named_parameters()}
+    worst = ("", 0.0, 0.0, 0.0)
+    for p, gp, ga in zip(params, packed, alone):
+        scale = float(ga.abs().max())
+        rel = float((gp - ga).abs().max()) / scale if scale > 0 else float(gp.abs().max())
+        if rel >= worst[3]:
+            worst = (names[id(p)], float(gp.abs().max()), scale, rel)
+    return ValueCheck("gradients", worst[1], worst[2], worst[3], tolerance, where=worst[0])
+
+
+def _grads(loss, params) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach().float() for p, g in zip(params, grads)]
+
+
+def _ids(sample) -> list[int]:
+    return [int(v) for v in np.asarray(sample["input_ids"]).reshape(-1)]
+
+
+def _labels(sample) -> list[int]:
+    """A sample's labels in transformers' convention (the loss shifts them): ``labels``, else the ids where
+    ``loss_mask`` is set, else every id."""
+    ids = np.asarray(sample["input_ids"]).reshape(-1)
+    if sample.get("labels") is not None:
+        return [int(v) for v in np.asarray(sample["labels"]).reshape(-1)]
+    if sample.get("loss_mask") is not None:
+        return np.where(np.asarray(sample["loss_mask"]).reshape(-1).astype(bool), ids, IGNORE_INDEX).tolist()
+    return ids.tolist()
