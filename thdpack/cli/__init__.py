@@ -9,6 +9,7 @@
     thdpack inspect out/demo --pack 0                                        # cli/inspect.py
     thdpack merge out/full out/parts/*                                       # cli/merge.py: combine the slices
     thdpack export out/demo --to megatron-bridge out/bridge                  # cli/export.py: Megatron-Bridge's Parquet
+    thdpack check out/demo --model DIR                                       # cli/check_command.py: packing exact on a model
 
 Every build option is a YAML key of ``--config`` and a flag that overrides it
 (``pack_size`` / ``--pack-size``; cli/config_flags.py derives the flags from
@@ -25,13 +26,13 @@ import os
 import signal
 import sys
 
-from thdpack.cli import build, export, inspect, merge, stats
+from thdpack.cli import build, check_command, export, inspect, merge, stats
 from thdpack.cli.config_flags import ThdpackParser
 from thdpack.cli.output import cli_logging
 from thdpack.offline.errors import OfflineError, read_error
 from thdpack.offline.procs import Interrupted, signals_interrupt, signals_raise
 
-COMMANDS = (build, stats, inspect, merge, export)  # in the order --help lists them
+COMMANDS = (build, stats, inspect, merge, export, check_command)  # in the order --help lists them
 
 
 def _version() -> str:
@@ -42,19 +43,21 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ThdpackParser(
-        prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets."
+        prog="thdpack", description="Compact THD packed training data: build, inspect and measure packed datasets, and "
+        "check that packing is exact on a model."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"thdpack {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,inspect,merge,export,check}")
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command ``argv`` (default: the process's arguments); the exit status: 0, 2 for an
-    error (one line), 130 / 143 after SIGINT / SIGTERM (one line saying what became of the output)."""
+    """Run the command ``argv`` (default: the process's arguments); the exit status: 0, 1 where ``thdpack check``
+    finds packing inexact, 2 for an error (one line), 130 / 143 after SIGINT / SIGTERM (one line saying what
+    became of the output)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return _quiet_broken_pipe()
     except KeyboardInterrupt as exc:  # Interrupted (a signal), or Ctrl-C where signals_interrupt cannot listen
         outcome = (getattr(exc, "outcome", None) or getattr(listener, "outcome", None)
-                   or "nothing was written at the output path")
+                   or getattr(args, "interrupted", None) or "nothing was written at the output path")
         # a plain KeyboardInterrupt is Python's own SIGINT handler's (a Ctrl-C before the listener was set)
         print(f"thdpack {args.command}: {exc if isinstance(exc, Interrupted) else 'interrupted by SIGINT'}; {outcome}",
               file=sys.stderr)
