@@ -80,12 +80,15 @@ def check_pack(model, samples, *, batch, spans, grad, flops, attn_implementation
     del out
     sums, counts, alone_grads = [], [], None
     for i, sample in enumerate(samples):
-        check, token_sum, count, grads = _alone(model, probes, i, sample, spans[i], packed, watched, logits,
-                                                tolerance, params, device)
+        check, compared, token_sum, count, grads = _alone(model, probes, i, sample, spans[i], packed, watched,
+                                                          logits, tolerance, params, device)
         result.samples.append(check)
+        result.compared.update(compared)
         sums.append(token_sum)
         counts.append(count)
         alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+    result.compared = {n: result.compared[n] for n in sorted(result.compared, key=lambda n: watched[n].order)}
+    result.skipped = [n for n in sorted(watched, key=lambda n: watched[n].order) if n not in result.compared]
     result.values = _loss_checks(kwargs, logits, spans, sums, counts, tolerance, packed_loss)
     if packed_grads is not None and alone_grads is not None:
         total = max(sum(counts), 1)
@@ -116,24 +119,12 @@ def _packed_call(model, samples, batch, spans, attn_implementation, vlm, layout)
 
 def _alone(model, probes: Probes, i: int, sample, span, packed: dict, watched: dict[str, Watched], logits,
            tolerance: float, params, device):
-    """Sample ``i`` run alone: its :class:`SampleCheck`, the sum and count of its token losses, and (with
-    ``params``) the gradients of the summed loss."""
-    ids = torch.as_tensor(_ids(sample), dtype=torch.long, device=device)[None]
-    extra = {k: torch.as_tensor(sample[k]).to(device) for k in VISION_KEYS if k in sample}
-    if "pixel_values" in extra or "pixel_values_videos" in extra:
-        dtype = next(model.parameters()).dtype
-        extra = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extra.items()}
+    """Sample ``i`` run alone: its :class:`SampleCheck`, the outputs compared (``{name: kind}``), the sum and
+    count of its token losses, and (with ``params``) the gradients of the summed loss."""
     with probes.watch(), torch.set_grad_enabled(bool(params)):
-        out = model(input_ids=ids, **extra)
+        out = model(**_alone_inputs(model, sample, device))
     a, b = span
-    diffs = []
-    for name, info in sorted(watched.items(), key=lambda item: item[1].order):
-        if name not in probes.outputs:
-            continue
-        mine, theirs = probes.stream(name), packed[name]
-        if theirs.shape[0] < b or mine.shape[0] != b - a or mine.shape[1:] != theirs.shape[1:]:
-            continue  # not one row per token in both runs: not comparable
-        diffs.append(_diff(name, info.kind, info.reads, theirs[a:b], mine, tolerance, info.order))
+    diffs = _module_diffs(probes, span, packed, watched, tolerance)
     diffs.append(_diff("logits", "logits", "everything before it", logits[a:b], out.logits[0].detach().float(),
                        tolerance, len(watched)))
     first = next((d for d in diffs if not d.ok), None)
@@ -142,7 +133,42 @@ def _alone(model, probes: Probes, i: int, sample, span, packed: dict, watched: d
     losses = F.cross_entropy(out.logits[0, :-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="sum")
     count = int((labels[1:] != IGNORE_INDEX).sum())
     grads = _grads(losses, params) if params else None
-    return SampleCheck(i, b - a, len(diffs), first, worst), float(losses.detach()), count, grads
+    compared = {d.name: d.kind for d in diffs[:-1]}
+    return SampleCheck(i, b - a, len(diffs), first, worst), compared, float(losses.detach()), count, grads
+
+
+def _alone_inputs(model, sample, device) -> dict:
+    """The keyword arguments of ``sample`` alone, as its processor gives them: ``input_ids`` ``[1, s]`` and a VLM
+    sample's vision inputs, with ``mm_token_type_ids`` (the sample's own, else 1 at the config's image token
+    and 2 at its video token), from which the model computes its own mRoPE."""
+    ids = torch.as_tensor(_ids(sample), dtype=torch.long, device=device)[None]
+    extra = {k: torch.as_tensor(sample[k]).to(device) for k in VISION_KEYS if k in sample}
+    if not extra:
+        return {"input_ids": ids}
+    dtype = next(model.parameters()).dtype
+    extra = {k: v.to(dtype) if v.is_floating_point() and k.startswith("pixel") else v for k, v in extra.items()}
+    if sample.get("mm_token_type_ids") is not None:
+        types = torch.as_tensor(np.asarray(sample["mm_token_type_ids"]).reshape(1, -1), device=device)
+    else:
+        config = model.config
+        image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+        types = (ids == image).int() + 2 * (ids == video).int()
+    return dict(extra, input_ids=ids, mm_token_type_ids=types)
+
+
+def _module_diffs(probes: Probes, span, packed: dict, watched: dict[str, Watched], tolerance: float) -> list:
+    """A :class:`ModuleDiff` per watched output, in execution order, on the sample's tokens ``span`` of the
+    pack; an output that is not one row per token in both runs is not comparable and left out."""
+    a, b = span
+    diffs = []
+    for name, info in sorted(watched.items(), key=lambda item: item[1].order):
+        if name not in probes.outputs:
+            continue
+        mine, theirs = probes.stream(name), packed[name]
+        if theirs.shape[0] < b or mine.shape[0] != b - a or mine.shape[1:] != theirs.shape[1:]:
+            continue
+        diffs.append(_diff(name, info.kind, info.reads, theirs[a:b], mine, tolerance, info.order))
+    return diffs
 
 
 def _diff(name, kind, reads, packed: torch.Tensor, alone: torch.Tensor, tolerance: float, order: int) -> ModuleDiff:

@@ -1,6 +1,8 @@
-"""What a check watches inside a model: each decoder layer, each sequence mixer in it (attention, linear
+"""What a check watches inside a model: the embeddings the language model is given where it is given them
+(a VLM's text and merged vision embeddings), each decoder layer, each sequence mixer in it (attention, linear
 attention, SSM) and the token-mixing steps inside a mixer that transformers runs as functions (the short
-convolution, the linear-attention / SSM scan), with the boundary inputs each reads.
+convolution, the linear-attention / SSM scan), with the boundary inputs each reads. A vision tower's own
+modules are not watched: its output reaches the language model in the embeddings.
 
 :class:`Probes` hooks them for one forward: every output is kept as float32 ``[tokens, features]`` along
 the stream (several calls of one module in a forward, as a per-sample path makes, are joined in order), so a
@@ -20,6 +22,8 @@ from thdpack.integrations.hybrid.mixers import MIXER_FAMILIES
 
 # what each kind of module reads to keep packed samples apart (the report names it beside a failure)
 READS = {
+    "embeddings": "the vision inputs (pixel_values, image_grid_thw / video_grid_thw, their order) and the "
+                  "placeholder tokens they fill",
     "decoder layer": "every boundary input of its mixers",
     "attention": "the attention mask (cu_seq_lens_q / cu_seq_lens_k on a varlen backend) and position_ids (RoPE)",
     "linear attention": "seq_idx (its convolution) and cu_seq_lens_q (its scan)",
@@ -30,10 +34,13 @@ READS = {
 }
 MIXER_KINDS = {"gdn": "linear attention", "mamba2": "SSM", "mamba1": "SSM", "shortconv": "convolution"}
 # functions transformers' hybrid layers call on the sequence (not modules, so no module hook sees them):
-# name pattern -> (step, the kind it is reported as, the axis its sequence lies on)
+# name pattern -> (step, the kind it is reported as, the axis its sequence lies on): Mamba-1's scan gives
+# [batch, channels, tokens], Gated DeltaNet's and Mamba-2's [batch, tokens, heads, dim]
 _STEP_FUNCTIONS = ((re.compile(r"^causal_conv1d_(forward|fn)$"), "conv", "convolution", -1),
-                   (re.compile(r"^(torch_)?chunk_gated_delta_rule$|^mamba2?_(chunk_)?scan(_forward)?$|"
-                               r"^mamba2?_selective_scan$|^mamba2_split_conv1d_scan_combined$|"
+                   (re.compile(r"^mamba_scan_forward$|^mamba_selective_scan$|^selective_scan_fn$"), "scan", "scan",
+                    -1),
+                   (re.compile(r"^(torch_)?chunk_gated_delta_rule$|^mamba2_(chunk_)?scan(_forward)?$|"
+                               r"^mamba2_selective_scan$|^mamba2?_split_conv1d_scan_combined$|"
                                r"^mamba_chunk_scan_combined$"), "scan", "scan", 1))
 
 
@@ -53,6 +60,19 @@ class Watched:
 def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of the language model's decoder layers: the longest ``ModuleList`` outside a vision
     tower (``ValueError`` when the model has none)."""
+    name, layers = _layer_list(model)
+    return [(f"{name}.{i}", layer) for i, layer in enumerate(layers)]
+
+
+def language_model(model) -> tuple[str, torch.nn.Module]:
+    """``(name, module)`` of the module that holds the decoder layers (``model.model``,
+    ``model.model.language_model``, ...); ``("", model)`` when the model holds them itself."""
+    name, _ = _layer_list(model)
+    parent = name.rpartition(".")[0]
+    return parent, model.get_submodule(parent)
+
+
+def _layer_list(model) -> tuple[str, torch.nn.ModuleList]:
     best: tuple[str, torch.nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and not re.search(r"visual|vision", name):
@@ -60,7 +80,7 @@ def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
                 best = (name, module)
     if best is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (a ModuleList of layers)")
-    return [(f"{best[0]}.{i}", layer) for i, layer in enumerate(best[1])]
+    return best
 
 
 def module_kind(module: torch.nn.Module) -> str | None:
@@ -74,12 +94,13 @@ def module_kind(module: torch.nn.Module) -> str | None:
 
 
 class Probes:
-    """Forward hooks on a model's decoder layers, its mixers and their step functions, for one forward at a
-    time (:meth:`watch`); after it, :attr:`outputs` maps each name to a float32 ``[tokens, features]`` tensor
-    and :attr:`watched` lists what was seen, in execution order."""
+    """Forward hooks on the embeddings a model's language model is given, its decoder layers, its mixers and
+    their step functions, for one forward at a time (:meth:`watch`); after it, :attr:`outputs` maps each name
+    to a float32 ``[tokens, features]`` tensor and :attr:`watched` lists what was seen, in execution order."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.embeddings = language_model(model)
         self.targets: list[tuple[str, str, torch.nn.Module]] = []
         for layer_name, layer in decoder_layers(model):
             self.targets.append((layer_name, "decoder layer", layer))
@@ -97,7 +118,9 @@ class Probes:
         """Record the outputs of one forward (earlier records are dropped)."""
         self.outputs = {}
         self.watched = {}
-        handles = []
+        lm_name, lm = self.embeddings
+        handles = [lm.register_forward_pre_hook(self._given(f"{lm_name or 'model'}.inputs_embeds"),
+                                                with_kwargs=True)]
         for name, kind, module in self.targets:
             handles.append(module.register_forward_pre_hook(self._enter(name, kind)))
             handles.append(module.register_forward_hook(self._leave(name, kind)))
@@ -109,6 +132,11 @@ class Probes:
                 handle.remove()
             undo()
             self._active_mixer = []
+
+    def _given(self, name: str):
+        def hook(module, args, kwargs):
+            self._record(name, "embeddings", kwargs.get("inputs_embeds"), 1)  # None where it is given ids
+        return hook
 
     def _enter(self, name: str, kind: str):
         def hook(module, args):

@@ -64,23 +64,28 @@ class ValueCheck:
 class FlopsCheck:
     """Forward FLOPs of the packed step: thdpack's count from the real sample lengths (all of it, and its
     weight GEMMs), torch's ``FlopCounterMode`` on the same step (its GEMM ops, the rest), and thdpack's count of
-    the pack as one sequence of its length (what a pack-length count claims)."""
+    the pack as one sequence of its length (what a pack-length count claims); ``note``: why thdpack's counts
+    are 0 (a config it cannot count)."""
 
     thdpack: int
     thdpack_gemm: int
     torch_gemm: int
     torch_other: int
     pack_length: int
+    note: str = ""
 
 
 @dataclass
 class PackCheck:
-    """One pack checked: its samples, losses, gradients and FLOPs; ``problems``: what the packed call lacks to
-    keep its samples apart (an absent boundary input, positions that do not restart); ``error``: the model's
-    error where it refused the packed call."""
+    """One pack checked: its samples, losses, gradients and FLOPs; ``compared``: the outputs compared, ``{name:
+    kind}`` in execution order; ``skipped``: those watched but not one row per token (not comparable);
+    ``problems``: what the packed call lacks to keep its samples apart (an absent boundary input, positions
+    that do not restart); ``error``: the model's error where it refused the packed call."""
 
     pack: int
     samples: list[SampleCheck] = field(default_factory=list)
+    compared: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
     values: list[ValueCheck] = field(default_factory=list)
     flops: FlopsCheck | None = None
     problems: list[str] = field(default_factory=list)
@@ -148,15 +153,21 @@ class CheckReport:
             lines.append(f"{p.pack:>4} {len(p.samples):>7} {sum(s.length for s in p.samples):>7} "
                          f"{sum(s.compared for s in p.samples):>8} {_rel(worst):>10}  "
                          f"{(worst.name if worst else '-')[:40]:<40} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {status}")
-        flops = [p.flops for p in self.packs if p.flops is not None]
-        if flops:
-            f = flops[0]
-            lines.append(f"FLOPs of pack {self.packs[0].pack}'s forward: GEMMs thdpack {f.thdpack_gemm:.4g}, torch "
-                         f"FlopCounterMode {f.torch_gemm:.4g}; all: thdpack {f.thdpack:.4g} (torch's other ops "
-                         f"{f.torch_other:.4g}); a pack-length count would claim {f.pack_length:.4g}")
+        flops = next((p for p in self.packs if p.flops is not None), None)
+        if flops is not None:
+            lines.append(_flops_line(flops.pack, flops.flops))
         failure = self.first_failure()
         lines.append(f"FAIL: {failure}" if failure else f"OK: {len(self.packs)} pack(s), every check holds")
         return "\n".join(lines)
+
+
+def _flops_line(pack: int, f: FlopsCheck) -> str:
+    if f.note:
+        return (f"FLOPs of pack {pack}'s forward: torch FlopCounterMode GEMMs {f.torch_gemm:.4g}, other ops "
+                f"{f.torch_other:.4g}; {f.note}")
+    return (f"FLOPs of pack {pack}'s forward: GEMMs thdpack {f.thdpack_gemm:.4g}, torch FlopCounterMode "
+            f"{f.torch_gemm:.4g}; all: thdpack {f.thdpack:.4g} (torch's other ops {f.torch_other:.4g}); a "
+            f"pack-length count would claim {f.pack_length:.4g}")
 
 
 def _rel(check) -> str:
