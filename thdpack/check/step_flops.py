@@ -9,13 +9,15 @@ import torch
 from thdpack.check.report import FlopsCheck
 
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
-NOT_GEMM_TERMS = ("core_attention", "mamba_scan")  # thdpack's terms that are no matrix multiply of weights
+# thdpack's terms that are no matrix multiply of weights (torch counts a ViT's patch embedding as a convolution)
+NOT_GEMM_TERMS = ("core_attention", "mamba_scan", "vision_attention", "vision_window_attention", "vision_patch_embed")
 
 
 def step_flops(model, kwargs, spans, tokens: int) -> FlopsCheck:
     """Forward FLOPs of ``model(**kwargs)`` (the packed call; its samples at ``spans`` of a ``tokens``-long
     stream): thdpack's (:func:`thdpack.flops.model_flops_breakdown` / 3, forward of forward + backward), torch's
-    ``FlopCounterMode`` (its GEMM ops and the rest), and thdpack's count of one ``tokens``-long sequence."""
+    ``FlopCounterMode`` (its GEMM ops and the rest), and thdpack's count of one ``tokens``-long sequence; a
+    VLM's vision tower counted from the call's ``image_grid_thw`` / ``video_grid_thw``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from thdpack.flops import model_flops_breakdown
@@ -26,12 +28,15 @@ def step_flops(model, kwargs, spans, tokens: int) -> FlopsCheck:
     gemm = sum(int(v) for op, v in counts.items() if str(op).split(".")[1] in GEMM_OPS)
     total = sum(int(v) for v in counts.values())
     lengths = [b - a for a, b in spans]
+    grids = [torch.as_tensor(kwargs[k]).reshape(-1, 3).cpu() for k in ("image_grid_thw", "video_grid_thw")
+             if kwargs.get(k) is not None]
+    vision = {"vision_grid_thw": torch.cat(grids).numpy()} if grids else {}
     try:
         terms = model_flops_breakdown(model.config, sum(lengths), sum(n * n for n in lengths),
-                                      seq_lens=np.array(lengths, dtype=np.int64))
-        whole = model_flops_breakdown(model.config, tokens, tokens * tokens, seq_lens=np.array([tokens]))
-    except (ValueError, TypeError, NotImplementedError):  # a config thdpack cannot count: torch's numbers alone
-        return FlopsCheck(0, 0, gemm, total - gemm, 0)
+                                      seq_lens=np.array(lengths, dtype=np.int64), **vision)
+        whole = model_flops_breakdown(model.config, tokens, tokens * tokens, seq_lens=np.array([tokens]), **vision)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # a config thdpack cannot count: torch's alone
+        return FlopsCheck(0, 0, gemm, total - gemm, 0, note=f"thdpack cannot count it: {exc}")
     mine = sum(terms.values()) // 3
     mine_gemm = sum(v for k, v in terms.items() if k not in NOT_GEMM_TERMS) // 3
     return FlopsCheck(int(mine), int(mine_gemm), gemm, total - gemm, int(sum(whole.values()) // 3))
