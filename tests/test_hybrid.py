@@ -399,3 +399,30 @@ def test_sliding_window_layers_keep_their_window(family, attn):
     assert worst() > 1e-2  # the document mask attends beyond the window
     packed_model(model)
     assert worst() < REL
+
+
+@pytest.mark.parametrize("given", ["cu_seq_lens_q", "seq_idx"])
+@pytest.mark.parametrize("family", [f for f in ("bamba", "qwen3_5_text") if f in FAMILIES])
+def test_a_mixer_gets_both_boundaries_when_the_call_gives_one(family, given, monkeypatch):
+    """Where the kernels run natively (CUDA, packages present) packed_model leaves the mixer to them, and each
+    kernel reads its own boundary (Mamba-2 and the convolutions seq_idx, the Gated DeltaNet scan cu_seq_lens_q):
+    a call carrying one gets the other too, as to_hf_kwargs gives it, so no kernel scans across the samples."""
+    import importlib
+
+    pm = importlib.import_module("thdpack.integrations.hybrid.packed_model")  # the module, not the function
+    monkeypatch.setattr(pm, "_native", lambda family, device: True)  # the kernels' path, as on CUDA
+    model = packed_model(fresh_model(family, "sdpa"))
+    seen = []
+    mixer = next(m for m in model.modules() if type(m).__name__ in MIXER_FAMILIES)
+    mixer.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    full = to_hf_kwargs(build_thd_batch(samples_of([5, 9, 3])), include_labels=False)
+    keep = {"input_ids", "position_ids", given} | ({"cu_seq_lens_k", "max_length_q", "max_length_k"}
+                                                   if given == "cu_seq_lens_q" else set())
+    with torch.no_grad():
+        try:
+            model(**{k: v for k, v in full.items() if k in keep})
+        except ValueError:  # the CPU has no kernel: transformers refuses after the mixer was entered
+            pass
+    assert seen, "the mixer was not called"
+    assert torch.equal(seen[0]["seq_idx"].reshape(-1).long(), full["seq_idx"].reshape(-1).long())
+    assert torch.equal(seen[0]["cu_seq_lens_q"].long(), full["cu_seq_lens_q"].long())

@@ -111,26 +111,46 @@ def _before_forward(module, args, kwargs):
     if cu is None and seq_idx is None:
         return _without_boundaries(module, state, args, kwargs)
     spans = spans_of(cu, seq_idx)
+    given = kwargs
     if state.has_mixers:
         row = _text_row(positions) if positions is not None else None
         if row is not None:
             check_positions_restart(row, spans)
         state.spans = spans
+        kwargs = _with_both_boundaries(kwargs, spans)
     mask = kwargs.get("attention_mask")
     if state.windowed:
         if mask is None or _is_whole_stream_mask(kwargs):
             # transformers derives each layer type's mask (windows included) from the restarting position_ids
             return args, dict({k: v for k, v in kwargs.items() if k != "attention_mask"}, use_cache=False)
-        return None
+        return None if kwargs is given else (args, kwargs)
     if mask is None:
         mask = _document_mask(module, kwargs, spans)
         if mask is None:
-            return None
+            return None if kwargs is given else (args, kwargs)
     if state.has_mixers and not isinstance(mask, (torch.Tensor, dict)):
         # a BlockMask: transformers 5.25's recurrent-layer mask reads attention_mask.ndim, which it lacks;
         # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
         mask = _per_layer_type(mask, state.layer_types)
     return args, dict(kwargs, attention_mask=mask)
+
+
+def _with_both_boundaries(kwargs: dict, spans: list[tuple[int, int]]) -> dict:
+    """``kwargs`` with ``seq_idx`` and ``cu_seq_lens_q/k`` both present (as :func:`to_hf_kwargs` gives them)
+    when the call gave one: where the kernels run natively, each reads its own (a Mamba-2 scan or a convolution
+    ``seq_idx``, a Gated DeltaNet scan ``cu_seq_lens_q``), and one left out would scan across the samples."""
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("seq_idx") is not None:
+        return kwargs
+    device = next(v.device for v in kwargs.values() if isinstance(v, torch.Tensor))
+    ends = [0] + [b for _, b in spans]
+    extra = {}
+    if kwargs.get("seq_idx") is None:
+        extra["seq_idx"] = document_ids_from_offsets(ends, device=device).to(torch.int32)[None]
+    if kwargs.get("cu_seq_lens_q") is None:
+        cu = torch.tensor(ends, dtype=torch.int32, device=device)
+        longest = max((b - a for a, b in spans), default=0)
+        extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return dict(kwargs, **extra)
 
 
 # --------------------------------------------------------------------------- a pack without boundaries
