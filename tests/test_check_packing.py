@@ -321,3 +321,13 @@ def test_one_samples_mrope_rows_shifted_are_caught_at_the_first_attention_layer(
     first = first_failure(report)
     assert (first.name, first.kind) == ("model.language_model.layers.0.self_attn", "attention")
     assert report.table().splitlines()[-1].startswith("FAIL: pack 0, sample 1")
+
+
+def test_a_batch_that_is_not_one_packed_row_is_refused_naming_what_it_takes():
+    model, samples = tiny_qwen3(), samples_of([5, 9, 3])
+    padded = {"input_ids": torch.zeros(3, 9, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"judges a packed batch, one row .* got input_ids \(3, 9\)"):
+        thdpack.check_packing(model, samples, batch=padded)
+    short = to_hf_kwargs(thdpack.build_thd_batch(samples[:2]))
+    with pytest.raises(ValueError, match=r"3 span\(s\) ending at 17 for 3 sample\(s\) in a row of 14 tokens"):
+        thdpack.check_packing(model, samples, batch=short)

@@ -104,10 +104,20 @@ def _packed_call(model, samples, batch, spans, attn_implementation, vlm, layout)
     if batch is not None:
         if layout or vlm is not None:
             raise TypeError("check_packing(batch=...) judges the batch as given: pass no layout keywords or vlm")
+        rows = torch.as_tensor(batch["input_ids"]).reshape(-1, torch.as_tensor(batch["input_ids"]).shape[-1])
+        if rows.shape[0] != 1:
+            raise ValueError(f"check_packing(batch=...) judges a packed batch, one row of samples end to end "
+                             f"(input_ids [1, T]); got input_ids {tuple(rows.shape)}: a padded batch keeps its "
+                             "samples apart by rows, so there is no packing to check (check one row of it)")
         if spans is None:
             ends = np.cumsum([0] + lengths)
             spans = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
-        return dict(batch), [tuple(int(v) for v in span) for span in spans]
+        spans = [tuple(int(v) for v in span) for span in spans]
+        if len(spans) != len(samples) or (spans and spans[-1][1] > rows.shape[1]):
+            raise ValueError(f"check_packing(batch=...): {len(spans)} span(s) ending at {spans[-1][1] if spans else 0} "
+                             f"for {len(samples)} sample(s) in a row of {rows.shape[1]} tokens; pass spans= where "
+                             "each sample lies in the batch")
+        return dict(batch), spans
     from thdpack.batching.builder import build_thd_batch
     from thdpack.integrations import packed_model, to_hf_kwargs
 
