@@ -23,6 +23,11 @@ Checks, each on packs of random lengths with alignment padding, against every sa
   each vs per sample, and ``megatron_gdn_check()`` of ``benchmarks/gpu_megatron_gdn.py`` if that file
   exists. Every sub-result names the layer that would leak across samples if it were off.
 
+- ``check``: ``thdpack.check_packing`` (issue 45) on the device: the small Qwen3.5 and Bamba hybrids (the
+  native kernel path where every package imports) and Qwen3 (sdpa), float32 and bfloat16, with gradients:
+  each layer, mixer and mixer step of every sample, the losses and gradients vs each sample alone; the
+  first failing module, if any, is the check's error.
+
 - ``ceiling``, ``varlen``, ``mfu``, ``paths``: the headline's proof (issue 31; ``benchmarks/gpu_proof.py``): the
   matmul ceiling, PyTorch's varlen kernel as an attention backend vs each sample alone, the MFU table (TFLOP/s by
   ``Σ sᵢ²``, by pack length², by FlopCounterMode), and packed vs flattening-collator vs padded tokens/s with the
@@ -482,9 +487,28 @@ def check_hybrid(args, dev) -> dict:
     return out
 
 
+def check_packing_on_device(args, dev) -> dict:
+    """``thdpack.check_packing`` of small models on ``dev`` (see the module docstring): ``{case: verdict}``."""
+    out, failed = {}, []
+    for family in ("qwen3_5", "bamba"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = _hybrid_model(family, dev, dtype, args.quick).eval()
+            samples = [{"input_ids": torch.randint(1, HYBRID_VOCAB, (n,)).tolist()} for n in (300, 77, 1, 512)]
+            report = thdpack.check_packing(model, samples, grad=True, flops=False)
+            case = f"{family}-{str(dtype)[6:]}"
+            worst = max((s.worst.rel for s in report.packs[0].samples if s.worst), default=0.0)
+            out[case] = {"ok": report.ok, "worst_rel": worst, "failure": report.first_failure()}
+            if not report.ok:
+                failed.append(case)
+    if failed:
+        out["error"] = f"not exact: {', '.join(failed)}"
+    return out
+
+
 CHECKS = {"ceiling": gpu_proof.check_ceiling, "varlen": gpu_proof.check_varlen, "mfu": gpu_proof.check_mfu,
           "paths": gpu_proof.check_paths, "flash_varlen": check_flash_varlen, "te_thd": check_te_thd,
-          "flex": check_flex, "gdn": check_gdn, "step": check_step, "hybrid": check_hybrid}
+          "flex": check_flex, "gdn": check_gdn, "step": check_step, "hybrid": check_hybrid,
+          "check": check_packing_on_device}
 
 
 def _version(package: str) -> str | None:

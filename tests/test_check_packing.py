@@ -295,11 +295,11 @@ def test_labels_crossing_a_boundary_are_caught_at_the_loss():
     labels = kwargs["labels"].clone()
     for start in (5, 14):
         labels[0, start] = kwargs["input_ids"][0, start]
-    report = thdpack.check_packing(model, samples, batch=dict(kwargs, labels=labels), flops=False)
+    report = thdpack.check_packing(model, samples, batch=dict(kwargs, labels=labels), flops=False, grad=True)
     pack = report.packs[0]
     assert all(s.first_failure is None for s in pack.samples)
     failing = [v.name for v in pack.values if not v.ok]
-    assert failing[0] == "loss (token mean)"
+    assert failing[0] == "loss (token mean)" and failing[-1] == "gradients"  # the extra targets move the gradients
     line = report.table().splitlines()[-1]
     assert line.startswith("FAIL: pack 0: loss (token mean) differs") and "scores labels across a boundary" in line
 

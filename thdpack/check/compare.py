@@ -214,14 +214,21 @@ def _value(name: str, packed: float, alone: float, tolerance: float) -> ValueChe
     return ValueCheck(name, float(packed), float(alone), abs(packed - alone) / max(abs(alone), 1e-12), tolerance)
 
 
+GRAD_FLOOR = 1e-2  # a parameter's gradient is judged against at least this share of the largest gradient's scale
+
+
 def _grad_check(model, params, packed, alone, tolerance: float) -> ValueCheck:
+    """The worst parameter: ``max |packed - alone|`` over ``max |alone|``, that scale at least
+    :data:`GRAD_FLOOR` of the largest parameter's (a gradient that nearly cancels, such as a Gated DeltaNet
+    ``A_log``'s, is float rounding relative to its terms, not to its sum)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    largest = max((float(g.abs().max()) for g in alone if g.numel()), default=0.0)
     worst = ("", 0.0, 0.0, 0.0)
     for p, gp, ga in zip(params, packed, alone):
-        scale = float(ga.abs().max())
+        scale = max(float(ga.abs().max()) if ga.numel() else 0.0, GRAD_FLOOR * largest)
         rel = float((gp - ga).abs().max()) / scale if scale > 0 else float(gp.abs().max())
         if rel >= worst[3]:
-            worst = (names[id(p)], float(gp.abs().max()), scale, rel)
+            worst = (names[id(p)], float(gp.abs().max()), float(ga.abs().max()), rel)
     return ValueCheck("gradients", worst[1], worst[2], worst[3], tolerance, where=worst[0])
 
 
