@@ -32,7 +32,7 @@ from thdpack.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("build", "stats", "inspect", "merge")
+SUBCOMMANDS = ("build", "stats", "inspect", "merge", "check")  # check: on configs/models/tiny-qwen3 (no weights)
 DEMO_ROWS = 300  # instead of the bundled config's 4000 conversations (configs/demo.yaml)
 
 # Blocks / spans that need what a test machine does not have; a block or span containing the key is

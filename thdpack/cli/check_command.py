@@ -108,5 +108,5 @@ def _data(args):
 
 def _log_pack(pack) -> None:
     tokens = sum(s.length for s in pack.samples)
-    logger.info(f"pack {pack.pack:<5} {len(pack.samples)} samples, {tokens} tokens: "
+    logger.info(f"pack {pack.pack:<5} {len(pack.samples)} sample{'s' if len(pack.samples) != 1 else ''}, {tokens} tokens: "
                 f"{'ok' if pack.ok else 'FAIL'}")
