@@ -36,7 +36,7 @@ def check_packing(model, samples: Sequence[Mapping], *, batch: Mapping | None = 
             sample's ``pixel_values`` / ``image_grid_thw`` / ... as the family's processor gives them).
         batch: another collator's keyword arguments for the same samples, end to end (judged as given; the model
             is not prepared); None: thdpack's batch (``build_thd_batch(samples, **layout)``) through
-            ``packed_model``. ``spans``: where each sample's tokens lie in ``batch`` (``(start, end)`` each);
+            ``packed_model``, which prepares ``model`` in place as the README does. ``spans``: where each sample's tokens lie in ``batch`` (``(start, end)`` each);
             default: the samples one after another.
         grad: compare every parameter's gradient of the token-mean loss too.
         flops: count the packed forward's FLOPs (thdpack, torch's ``FlopCounterMode``, a pack-length count).
@@ -86,7 +86,7 @@ def check_pack(model, samples, *, batch, spans, grad, flops, attn_implementation
         result.compared.update(compared)
         sums.append(token_sum)
         counts.append(count)
-        alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+        alone_grads = grads if alone_grads is None else [a.add_(g) for a, g in zip(alone_grads, grads)]
     result.compared = {n: result.compared[n] for n in sorted(result.compared, key=lambda n: watched[n].order)}
     result.skipped = [n for n in sorted(watched, key=lambda n: watched[n].order) if n not in result.compared]
     result.values = _loss_checks(kwargs, logits, spans, sums, counts, tolerance, packed_loss)
