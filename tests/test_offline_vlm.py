@@ -435,3 +435,15 @@ def test_preference_rows_with_images_are_refused_by_name(tmp_path, assets):
     preference rows is a configuration error naming the format, not a crash mid-build."""
     with pytest.raises(ConfigError, match="rows with images must be chat .* not preference"):
         build_packed(cfg(assets, format="preference"), tmp_path / "out", progress=False)
+
+
+def test_thdpack_check_on_a_vlm_build(tmp_path, assets, capsys):
+    """``thdpack check`` on a build of rows with images: each pack as its loader collates it (vision inputs,
+    mRoPE rows), on the family's model with random weights, layer by layer against each sample alone."""
+    from thdpack.cli import main
+
+    res = build_packed(cfg(assets, "qwen2_5_vl"), tmp_path / "out", progress=False)
+    code = main(["check", str(res.path), "--model", str(assets / "qwen2_5_vl"), "--packs", "2", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Qwen2_5_VLForConditionalGeneration" in out and out.strip().splitlines()[-1] == "OK: 2 pack(s), every check holds"
