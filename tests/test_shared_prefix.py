@@ -96,8 +96,16 @@ def assert_tree_matches_samples(batch, samples) -> None:
     assert batch.num_targets == len(want)
 
 
+def ancestors_of(parents: list, d: int) -> list[int]:
+    out = []
+    while parents[d] >= 0:
+        d = parents[d]
+        out.append(d)
+    return out
+
+
 def reference_mask(batch) -> torch.Tensor:
-    """bool ``[T, T]`` from the segments by the rule (own segment causally, the parent's real tokens)."""
+    """bool ``[T, T]`` from the segments by the rule (own segment causally, every ancestor's real tokens)."""
     cu, lens = batch.cu_seqlens_padded.tolist(), batch.seq_lens.tolist()
     parents = document_parents(batch).tolist()
     T = batch.num_padded_tokens
@@ -106,9 +114,26 @@ def reference_mask(batch) -> torch.Tensor:
         end = cu[d + 1] if d + 1 < len(lens) else T
         for q in range(cu[d], end):
             out[q, cu[d] : q + 1] = True
-            if parents[d] >= 0:
-                out[q, cu[parents[d]] : cu[parents[d]] + lens[parents[d]]] = True
+            for a in ancestors_of(parents, d):
+                out[q, cu[a] : cu[a] + lens[a]] = True
     return out
+
+
+def is_one_level(batch) -> bool:
+    """No tree, or every shared segment a root (today's one-level layout)."""
+    tree = batch.prefix_tree
+    return tree is None or bool((tree.parents[tree.segment_sample < 0] < 0).all())
+
+
+def shared_counts(batch) -> list[tuple[int, int]]:
+    """``(length, samples below it)`` of every shared segment of a tree (a trie of any depth)."""
+    tree = batch.prefix_tree
+    parents = tree.parents.tolist()
+    below = {}
+    for own in tree.sample_segment.tolist():
+        for a in ancestors_of(parents, own):
+            below[a] = below.get(a, 0) + 1
+    return [(int(batch.seq_lens[a]), k) for a, k in sorted(below.items())]
 
 
 def assert_block_mask_is_torchs(batch, block_size) -> None:
@@ -226,14 +251,14 @@ def test_tree_layouts_against_the_samples(case):
     tree = batch.prefix_tree
     p, lens = tree.prefix_lens, tree.sample_lens
     assert bool(((p == 0) | (p >= case["min_prefix_len"])).all())
-    prefixes = [(int(batch.seq_lens[d]), int((tree.parents == d).sum()))  # (p, members) of every shared prefix
-                for d in torch.nonzero(tree.segment_sample < 0)[:, 0].tolist()]
+    prefixes = shared_counts(batch)  # (p, samples below) of every shared segment, any depth
     assert batch.num_tokens == int(lens.sum()) - sum((k - 1) * q for q, k in prefixes)  # every prefix once
     # FLOPs: the tree's Σ convention is twice the real pairs less the real tokens, Σ L² − Σ (k − 1)·p²
     real = real_slots(batch)
     pairs = int(attention_mask_4d(batch)[0, 0][real][:, real].sum())
     assert seqlen_squared_sum(batch) == 2 * pairs - batch.num_tokens
-    assert seqlen_squared_sum(batch) == int((lens * lens).sum()) - sum((k - 1) * q * q for q, k in prefixes)
+    if is_one_level(batch):
+        assert seqlen_squared_sum(batch) == int((lens * lens).sum()) - sum((k - 1) * q * q for q, k in prefixes)
 
 
 # --------------------------------------------------------------------------- bad input and refused dialects
@@ -343,10 +368,11 @@ def test_collator_plans_each_prefix_once(case):
         assert batch.num_padded_tokens <= pack_size
         index = batch.sample_index.numpy()
         assert set(groups[index]).isdisjoint(groups[np.setdiff1d(np.arange(len(samples)), index)])
-        if batch.prefix_tree is not None:
-            assert batch.prefix_tree.prefix_lens.tolist() == prefix[index].tolist()
+        if batch.prefix_tree is not None:  # a trie shares at least the planned prefix (more where it saves slots)
+            assert (batch.prefix_tree.prefix_lens.numpy() >= prefix[index]).all()
             assert_tree_matches_samples(batch, [samples[i] for i in index])
-    assert out.stats.real_tokens == sum(b.num_tokens for b in out)  # the stream's tokens, prefixes once
+    # the stream's tokens, prefixes once; the plan counts one level, a trie lays out no more (issue 46)
+    assert out.stats.real_tokens >= sum(b.num_tokens for b in out)
 
 
 def test_a_group_fits_when_its_prefix_counts_once():
@@ -385,7 +411,11 @@ def test_balanced_costs_are_the_built_batches():
     for k in range(len(balanced.plan)):
         batch = build_thd_batch([samples[i] for i in balanced.plan.pack(k)], share_prefix="group", min_prefix_len=1)
         assert batch.num_padded_tokens <= 200
-        assert balanced.costs[k] == pytest.approx(cost[0] * batch.num_tokens + cost[1] * seqlen_squared_sum(batch))
+        built = cost[0] * batch.num_tokens + cost[1] * seqlen_squared_sum(batch)
+        if is_one_level(batch):
+            assert balanced.costs[k] == pytest.approx(built)
+        else:  # the plan costs one level; a deeper trie (issue 46) costs less
+            assert balanced.costs[k] > built
     sampler = TokenBudgetBatchSampler(lens, 200, groups=groups, shared_prefix=prefix, balance="compute",
                                       micro_batches=3, num_replicas=1, rank=0, shuffle=False)
     collate = ThdCollator(share_prefix="group", min_prefix_len=1)

@@ -22,6 +22,7 @@ import torch
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.layout import BatchLayout, padded_lengths
 from thdpack.batching.prefix_tree import PrefixTree
+from thdpack.batching.trie import trie_prefix_tree, trie_segments
 from thdpack.common.align import check_int, round_up
 from thdpack.common.samples import SampleError, get_field
 from thdpack.planning.plan import number_groups
@@ -58,11 +59,18 @@ def build_shared_batch(flat: ThdBatch, samples: Sequence, layout: BatchLayout, s
     :func:`flat_layout`; None when no group shares a prefix (then build the unshared batch). ``limit``:
     as in :func:`group_prefixes`."""
     prefix = group_prefixes(flat, samples, share_prefix, min_prefix_len, layout.multiple, limit)
+    group_of = number_groups(read_groups(samples, share_prefix))
+    cu = flat.cu_seqlens.numpy().astype(np.int64)
+    if limit is None:  # text: a group's trie where it lays out fewer slots (VLM groups keep one level)
+        declared = np.asarray([_sample_int(s, PREFIX_FIELD, i, required=False) is not None
+                               for i, s in enumerate(samples)], bool)
+        segs = trie_segments(flat.input_ids.numpy(), flat.labels.numpy(), cu, group_of, prefix, declared,
+                             min_prefix_len, layout.multiple)
+        if segs is not None:
+            return _gather_tree(flat, layout, prefix, segs, trie_prefix_tree)
     if not prefix.any():
         return None
-    groups = read_groups(samples, share_prefix)
-    segs = _segments(prefix, number_groups(groups), flat.cu_seqlens.numpy().astype(np.int64))
-    return _gather_tree(flat, layout, prefix, segs)
+    return _gather_tree(flat, layout, prefix, _segments(prefix, group_of, cu))
 
 
 def read_groups(samples: Sequence, field: str) -> np.ndarray:
@@ -184,8 +192,9 @@ def _segments(prefix: np.ndarray, group_of: np.ndarray, cu: np.ndarray) -> dict:
     return {**{k: np.asarray(v, np.int64) for k, v in arrays.items()}, "own": own, "pref": pref}
 
 
-def _gather_tree(flat: ThdBatch, layout: BatchLayout, prefix: np.ndarray, segs: dict) -> ThdBatch:
-    """The tree's stream gathered from the unshared ``flat`` by the segments ``segs`` (:func:`_segments`)."""
+def _gather_tree(flat: ThdBatch, layout: BatchLayout, prefix: np.ndarray, segs: dict, tree_of=None) -> ThdBatch:
+    """The tree's stream gathered from the unshared ``flat`` by the segments ``segs`` (:func:`_segments`, or a
+    trie's: :func:`thdpack.batching.trie.trie_segments` with ``tree_of=trie_prefix_tree``)."""
     length = segs["length"]
     padded = padded_lengths(length, layout)
     cu_padded = np.zeros(length.size + 1, np.int64)
@@ -202,7 +211,7 @@ def _gather_tree(flat: ThdBatch, layout: BatchLayout, prefix: np.ndarray, segs: 
     labels[cu_padded[roots] + length[roots] - 1] = ignore  # a prefix's last row: one target per member (the table)
     cu = np.zeros(length.size + 1, np.int64)
     np.cumsum(length, out=cu[1:])
-    tree = _prefix_tree(flat, prefix, segs, cu_padded, ignore)
+    tree = (tree_of or _prefix_tree)(flat, prefix, segs, cu_padded, ignore)
     return ThdBatch(
         input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels),
         loss_mask=torch.from_numpy(labels != ignore), position_ids=torch.from_numpy(segs["pos0"][seg] + offset),

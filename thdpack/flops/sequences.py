@@ -174,7 +174,8 @@ def tree_seqlen_squared_sum(seq_lens, parents) -> int:
     sequence; a member of ``c`` own tokens after a prefix of ``p`` sees all ``p`` and itself causally,
     ``c·p + c·(c + 1)/2`` pairs, counted ``c·(2p + c)`` (the convention charges ``s²`` for the
     ``s·(s + 1)/2`` pairs of a sequence: twice the pairs less the tokens). So a group of ``k`` members
-    of lengths ``Lⱼ = p + cⱼ`` costs ``p² + Σ cⱼ·(2p + cⱼ) = Σ Lⱼ² − (k − 1)·p²``.
+    of lengths ``Lⱼ = p + cⱼ`` costs ``p² + Σ cⱼ·(2p + cⱼ) = Σ Lⱼ² − (k − 1)·p²``. In a trie of any depth ``p``
+    is the real length of all of a segment's ancestors.
 
     Args:
         seq_lens: int ``[S]`` real lengths of the segments (``ThdBatch.seq_lens``).
@@ -188,14 +189,21 @@ def tree_seqlen_squared_sum(seq_lens, parents) -> int:
 
 
 def _tree_ends(seq_lens, parents) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[S]`` each segment's own length and the length of the prefix above it (0 for a root), checked:
+    """int64 ``[S]`` each segment's own length and the length of the prefixes above it (its ancestors' real
+    tokens; 0 for a root), checked:
     ``ValueError`` unless ``parents`` holds one segment index (or -1) per segment."""
     lens = _as_int64_tensor(seq_lens, "seq_lens").cpu().reshape(-1)
     par = _as_int64_tensor(parents, "parents").cpu().reshape(-1)
     if par.shape != lens.shape or bool(((par < -1) | (par >= lens.numel())).any()):
         raise ValueError(f"parents must hold one segment index (or -1) per segment ({lens.numel()}), got shape "
                          f"{tuple(par.shape)}")
-    above = torch.where(par >= 0, lens[par.clamp_min(0)], 0)
+    above = torch.zeros_like(lens)  # the real tokens of every ancestor (a trie of any depth), level by level
+    up = par
+    for _ in range(lens.numel()):
+        if not bool((up >= 0).any()):
+            break
+        above += torch.where(up >= 0, lens[up.clamp_min(0)], 0)
+        up = torch.where(up >= 0, par[up.clamp_min(0)], -1)
     return lens, above
 
 
