@@ -122,7 +122,6 @@ CASES = [
     ("qwen3_eager", "flattening", NO_CACHE, False, OK),
     ("qwen3_eager", "trl_padding_free", NO_CACHE, False, OK),
     ("qwen3_flex", "flattening", {}, False, ("model.layers.0.self_attn", [mask("flex_attention")])),
-    ("qwen3_flex", "flattening", NO_CACHE, False, OK),
     ("qwen3_flex", "trl_padding_free", NO_CACHE, False, OK),
     # thdpack's varlen backend reads cu_seq_lens_q only: the flattening defaults attend across, cache or not
     ("qwen3_varlen", "flattening", {}, False, ("model.layers.0.self_attn", [NO_CU_VARLEN])),
