@@ -114,3 +114,33 @@ def test_fixed_tries_on_every_mask(spec, cuts, depth, attn):
     assert_close_rel(sequence_logps(got, tree)[0], sequence_logps(want, flat)[0], "sequence_logps")
     if not flex:
         assert_loss_and_grads_equal(model, flat, tree, attn)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_rl_losses_read_a_trie_as_the_unshared_batch(attn):
+    """Issue 46 point 4: the sample-mean loss and the GRPO policy-gradient loss (group-normalised
+    advantages carried as a per-sample value, token and sample reductions) and their gradients are the
+    same on a depth-4 trie as on the unshared batch."""
+    from thdpack.losses import group_advantages, policy_gradient_loss
+
+    samples = trie_samples(DEEP, seed=7, vocab=te.VOCAB, cuts=[3])
+    rewards = torch.linspace(-1.0, 2.0, len(samples))
+    advantages = group_advantages(rewards, [0] * (len(samples) // 2) + [1] * (len(samples) - len(samples) // 2))
+    samples = [dict(s, advantage=float(a)) for s, a in zip(samples, advantages)]
+    flat = build_thd_batch(samples, sample_values=["advantage"])
+    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=1, sample_values=["advantage"])
+    assert trie_depth(tree) == 4
+    model = te.tiny_model("qwen3", attn)
+    params = list(model.parameters())
+    losses = {}
+    for name, batch in (("flat", flat), ("tree", tree)):
+        logits = logits_of(model, batch, attn, grad=True)
+        values = [packed_loss(logits, batch, "sample")]
+        values += [policy_gradient_loss(logits, batch, batch.token_values("advantage"), reduction)
+                   for reduction in ("token", "sample")]
+        losses[name] = [(v.detach(), torch.autograd.grad(v, params, retain_graph=True)) for v in values]
+    for what, (want, want_g), (got, got_g) in zip(("sample-mean loss", "GRPO token", "GRPO sample"),
+                                                  losses["flat"], losses["tree"]):
+        assert_close_rel(got, want, what)
+        assert_close_rel(torch.cat([g.reshape(-1) for g in got_g]), torch.cat([w.reshape(-1) for w in want_g]),
+                         f"{what} gradient")
