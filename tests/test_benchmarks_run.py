@@ -44,6 +44,8 @@ CASES = {
     "distributed": (["--sizes", "20000", "--slices", "2"], "global plan vs slice-local"),
     # stored packs to batches: the collator against the split-and-rejoin route, on a small tokenized build
     "load_packed": (["--source", "tokenized", "--num-samples", "2000", "--repeats", "1"], "same output"),
+    # multi-turn rollouts: unshared, one shared prompt, a trie (issue 46); the three losses must agree
+    "rollout_tries": (["--quick"], "losses agree"),
 }
 
 

@@ -1,0 +1,130 @@
+"""Benchmark: multi-turn rollouts packed as tries vs one shared prompt vs unshared (issue 46).
+
+    python benchmarks/rollout_tries.py            # 8 groups of 8 rollouts, lengths / 4, CPU step timing
+    python benchmarks/rollout_tries.py --scale 1  # the lengths below (a step of minutes on a CPU)
+    python benchmarks/rollout_tries.py --quick    # 4 groups, lengths / 8, one repeat (CI)
+
+Synthetic agent rollouts, seeded: a group of ``--rollouts`` (8) shares a task prompt (lognormal, mean 400
+tokens), then runs 2-6 turns (agent turn + tool answer, lognormal, mean 120 tokens, σ 0.9: long-tailed);
+after each turn the group's live branches split in two with probability ``--branch`` (0.5), and rollouts on
+one branch share the turn's tokens. Every rollout trains on its turns (not on the prompt).
+
+Layouts of the same samples, one pack per group: ``unshared`` (every rollout whole), ``one level`` (the task
+prompt once: ``share_prefix`` with the declared ``prefix_len``), ``trie`` (every shared turn once:
+``share_prefix`` without it). Columns: real stream tokens (what the MLP and projections see), the ratio to
+unshared, and the ceiling (each group's distinct tokens / all its tokens, what a perfect trie lays out).
+Step time: a small Qwen3 (4 layers, hidden 256, sdpa, one thread) forward + backward of the token-mean
+``packed_loss`` over every group's pack, best of ``--repeats``; the three losses must agree (exit 1 otherwise).
+Hybrid models (Qwen3.5) cannot run a shared layout yet: their layers must fork their state (issue 46 point 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from thdpack import build_thd_batch
+from thdpack.integrations import to_hf_kwargs
+from thdpack.losses import packed_loss
+
+VOCAB = 4096
+
+
+def _length(rng, mean: float, sigma: float, low: int, high: int) -> int:
+    return int(np.clip(rng.lognormal(np.log(mean) - sigma ** 2 / 2, sigma), low, high))
+
+
+def rollout_group(rng, group: int, rollouts: int, branch: float, scale: float) -> tuple[list[dict], int]:
+    """One group's rollouts (samples with ``group`` / ``prefix_len`` fields) and its distinct token count."""
+    prompt = rng.integers(1, VOCAB, _length(rng, 400 / scale, 0.5, 8, 4096)).tolist()
+    paths = [[list(range(rollouts)), list(prompt), [-100] * len(prompt)]]  # [members, ids, labels]
+    distinct = len(prompt)
+    for _ in range(int(rng.integers(2, 7))):
+        grown = []
+        for members, ids, labels in paths:
+            split = len(members) > 1 and rng.random() < branch
+            parts = np.array_split(rng.permutation(members), 2) if split else [np.array(members)]
+            for part in parts:
+                turn = rng.integers(1, VOCAB, _length(rng, 120 / scale, 0.9, 1, 2048)).tolist()
+                distinct += len(turn)
+                grown.append([part.tolist(), ids + turn, labels + turn])
+        paths = grown
+    samples = [None] * rollouts
+    for members, ids, labels in paths:
+        for m in members:
+            samples[m] = {"input_ids": ids, "labels": labels, "group": group, "prefix_len": len(prompt)}
+    return samples, distinct
+
+
+def layouts(samples: list[dict]) -> dict:
+    """The three batches of one group's samples."""
+    plain = [{k: s[k] for k in ("input_ids", "labels")} for s in samples]
+    return {"unshared": build_thd_batch(plain),
+            "one level": build_thd_batch(samples, share_prefix="group", min_prefix_len=1),
+            "trie": build_thd_batch([{k: v for k, v in s.items() if k != "prefix_len"} for s in samples],
+                                    share_prefix="group", min_prefix_len=1)}
+
+
+def small_qwen3():
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=32768, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def step(model, batches) -> tuple[float, float]:
+    """Forward + backward of the token-mean loss over ``batches``: (seconds, summed loss)."""
+    start, total = time.perf_counter(), 0.0
+    items = sum(b.num_targets for b in batches)
+    for batch in batches:
+        logits = model(**to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False), use_cache=False).logits[0]
+        loss = packed_loss(logits, batch, "token", num_items=items)
+        loss.backward()
+        total += float(loss.detach())
+    return time.perf_counter() - start, total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--scale", type=float, default=4.0, help="divide every length by this (a CPU step)")
+    ap.add_argument("--rollouts", type=int, default=8)
+    ap.add_argument("--branch", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="4 groups, lengths / 8, one repeat (CI)")
+    args = ap.parse_args(argv)
+    scale = 8.0 if args.quick else args.scale
+    groups = 4 if args.quick else args.groups
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(args.seed)
+    made = [rollout_group(rng, g, args.rollouts, args.branch, scale) for g in range(groups)]
+    per_layout = {name: [] for name in ("unshared", "one level", "trie")}
+    for samples, _ in made:
+        for name, batch in layouts(samples).items():
+            per_layout[name].append(batch)
+    tokens = {name: sum(b.num_tokens for b in bs) for name, bs in per_layout.items()}
+    ceiling = sum(d for _, d in made) / tokens["unshared"]
+    model = small_qwen3()
+    print(f"{groups} groups of {args.rollouts} rollouts; ceiling (distinct / all tokens) {ceiling:.3f}")
+    print(f"{'layout':<10} {'tokens':>9} {'/unshared':>9} {'step s':>8} {'speed-up':>8}")
+    times, losses = {}, {}
+    for name, batches in per_layout.items():
+        runs = [step(model, batches) for _ in range(1 if args.quick else args.repeats)]
+        times[name], losses[name] = min(t for t, _ in runs), runs[0][1]
+        print(f"{name:<10} {tokens[name]:>9,} {tokens[name] / tokens['unshared']:>9.3f} {times[name]:>8.2f} "
+              f"{times['unshared'] / times[name]:>8.2f}")
+    worst = max(abs(losses[n] - losses["unshared"]) / abs(losses["unshared"]) for n in losses)
+    print(f"losses agree to {worst:.1e} (relative)")
+    return 0 if worst < 1e-4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
