@@ -18,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 # build options that say where and how a build writes, not which packs it plans: no flags here
 NOT_PLANNING = ("input", "seed", "shuffle_packs", "output_format", "file_size_mb", "save_tokenizer", "engine",
-                "ray_address", "ray_num_cpus", "ray_cpus_per_actor", "ray_concurrency", "ray_object_store_mb",
-                "ray_spill_dir", "ray_max_retries")
+                *(o.name for o in options() if o.section == "ray"))
 
 
 def add_parser(sub) -> None:

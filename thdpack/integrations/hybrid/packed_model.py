@@ -113,7 +113,7 @@ def _before_forward(module, args, kwargs):
     spans = spans_of(cu, seq_idx)
     given = kwargs
     if state.has_mixers:
-        row = _text_row(positions) if positions is not None else None
+        row = text_row(positions) if positions is not None else None
         if row is not None:
             check_positions_restart(row, spans)
         state.spans = spans
@@ -293,7 +293,7 @@ def _text_rows(positions) -> torch.Tensor | None:
     return positions if positions.dim() == 2 else None
 
 
-def _text_row(positions: torch.Tensor) -> torch.Tensor | None:
+def text_row(positions: torch.Tensor) -> torch.Tensor | None:
     """int ``[T]``: the text positions of a one-row ``position_ids`` (:func:`_text_rows`); None otherwise."""
     rows = _text_rows(positions)
     return rows[0] if rows is not None and rows.shape[0] == 1 else None
