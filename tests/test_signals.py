@@ -699,3 +699,21 @@ def test_export_stops_cleanly_whenever_a_signal_comes(zygote, sweeps):
 def test_build_stops_cleanly_whenever_a_signal_comes(zygote, sweeps):
     """With two tokenizing workers (--num-proc 2): none outlives the build, whatever the moment."""
     sweeps["build"].sweep(zygote, 6)
+
+
+def test_a_row_range_hashes_nothing_a_signal_could_interrupt(monkeypatch):
+    """``select(range(...))`` would hash its arguments inside ``datasets``' bare ``except``: a signal landing there
+    is swallowed into a second line ("couldn't be hashed properly"). Our row ranges name their own fingerprint."""
+    import datasets
+    import datasets.fingerprint
+
+    from thdpack.offline.inputs.sources import row_range
+
+    ds = datasets.Dataset.from_dict({"x": list(range(10))})
+    hashed = []
+    monkeypatch.setattr(datasets.fingerprint.Hasher, "hash", classmethod(lambda cls, value: hashed.append(value)))
+    part = row_range(ds, 2, 7)
+    assert hashed == []
+    assert part["x"] == [2, 3, 4, 5, 6]
+    assert part._fingerprint != ds._fingerprint
+    assert row_range(ds, 2, 7)._fingerprint == part._fingerprint != row_range(ds, 2, 8)._fingerprint

@@ -29,6 +29,7 @@ import numpy as np
 
 from thdpack.common.align import check_int
 from thdpack.offline.errors import ConfigError, InputError
+from thdpack.offline.inputs.sources import row_range
 from thdpack.offline.store.schema import bytes_sha256
 from thdpack.offline.store.staging import fsync_file
 
@@ -185,7 +186,7 @@ class SliceSource:
             self.parts, self.dataset = whole.rows_between(self.row_start, self.row_stop)
         else:
             self.parts = None
-            self.dataset = whole.dataset.select(range(self.row_start, self.row_stop))  # contiguous: a zero-copy slice
+            self.dataset = row_range(whole.dataset, self.row_start, self.row_stop)
 
     @property
     def is_json(self) -> bool:
