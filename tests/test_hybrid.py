@@ -226,8 +226,10 @@ def test_packed_model_refuses_what_it_cannot_scan():
              for i in range(3)]
     tree = build_thd_batch(group, share_prefix="group")
     assert tree.prefix_tree is not None and tree.num_tokens < 3 * 40
+    tree_kw = to_hf_kwargs(tree, attn_implementation="sdpa", include_labels=False)
+    without_segments = {k: v for k, v in tree_kw.items() if k not in ("segment_lens", "segment_parents")}
     with torch.no_grad(), pytest.raises(ValueError, match="shared-prefix tree cannot be scanned"):
-        model(**to_hf_kwargs(tree, attn_implementation="sdpa", include_labels=False))
+        model(**without_segments)  # with them, the mixers fork their states (tests/test_rollout_tries_hybrid.py)
     kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
     bare = {k: kw[k] for k in ("input_ids", "position_ids")}
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids restart inside the row .* carries no seq_idx"):

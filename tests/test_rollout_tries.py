@@ -208,7 +208,9 @@ def test_depth_limit():
         dense_tree_mask([0, 1, 2], [1, 1], [-1, 1])
 
 
-def test_cp_and_hybrids_refuse_a_trie():
+def test_cp_refuses_a_trie_and_hybrids_need_its_segments():
+    """CP cannot split a trie; a hybrid runs one only with its segments (``segment_lens`` / ``segment_parents``:
+    its layers fork their states, tests/test_rollout_tries_hybrid.py); without them its positions are refused."""
     samples = chain_samples(3)
     with pytest.raises(ValueError, match="cp_size=2: context-parallel attention"):
         build_thd_batch(samples, share_prefix="group", min_prefix_len=1, cp_size=2, cp_rank=0)
@@ -221,5 +223,7 @@ def test_cp_and_hybrids_refuse_a_trie():
     batch = build_thd_batch(samples, share_prefix="group", min_prefix_len=1)
     assert trie_depth(batch) == 3
     model = packed_model(tiny_hybrid(family, "sdpa"))
+    kw = to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False)
+    assert kw["segment_parents"].tolist() == batch.prefix_tree.parents.tolist()
     with torch.no_grad(), pytest.raises(ValueError, match="shared-prefix tree cannot be scanned"):
-        model(**to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False))
+        model(**{k: v for k, v in kw.items() if k not in ("segment_lens", "segment_parents")})

@@ -50,7 +50,9 @@ def token_mean(logits, batch):
     return packed_loss(logits, batch, "token")
 
 
-def assert_loss_and_grads_equal(model, flat, tree, attn) -> None:
+def assert_loss_and_grads_equal(model, flat, tree, attn, floor_fraction: float = 0.01) -> None:
+    """Loss, log-probs and gradients of ``tree`` equal ``flat``'s; each parameter's gradient judged against at
+    least ``floor_fraction`` of the model's largest."""
     params = list(model.parameters())
     out = []
     for batch in (flat, tree):
@@ -61,7 +63,7 @@ def assert_loss_and_grads_equal(model, flat, tree, attn) -> None:
     assert_close_rel(got_loss, want_loss, "token-mean loss")
     assert_close_rel(got_logps, want_logps, "sequence_logps")
     assert_close_rel(torch.cat([g.reshape(-1) for g in got]), torch.cat([w.reshape(-1) for w in want]), "gradient")
-    floor = 0.01 * max(float(w.abs().max()) for w in want)  # a parameter whose gradient (nearly) vanishes: its noise
+    floor = floor_fraction * max(float(w.abs().max()) for w in want)  # a parameter whose gradient (nearly) vanishes: its noise
     for p, g, w in zip(model.named_parameters(), got, want):
         assert_close_rel(g, w, f"gradient of {p[0]}", floor)
 

@@ -76,6 +76,9 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
         "max_length_k": max_len,
         "seq_idx": seq_idx,
     }
+    if batch.prefix_tree is not None:  # a trie: what hybrid layers fork their states by (packed_model)
+        kw["segment_lens"] = batch.seq_lens.to(torch.int64)
+        kw["segment_parents"] = batch.prefix_tree.parents.to(torch.int64)
     if kind == "flex":
         kw["attention_mask"] = block_mask(batch)
     elif kind == "dense":

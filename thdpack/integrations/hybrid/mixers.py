@@ -39,6 +39,13 @@ class HybridFamily:
         return KERNELS[self.kind]
 
     @property
+    def continues_state(self) -> bool:
+        """Whether the layers' own code continues a sequence from a cache's conv window and recurrent state
+        (chunked prefill). transformers' Mamba-1 scan (Jamba) ignores a cache's state over several tokens,
+        so a trie replays each segment's whole path there (:mod:`thdpack.integrations.hybrid.state_forks`)."""
+        return self.kind != "mamba1"
+
+    @property
     def reads(self) -> str:
         """What the layers read, in words (docs, error messages)."""
         return READS[self.kind]

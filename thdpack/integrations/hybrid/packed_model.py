@@ -36,6 +36,9 @@ from thdpack.attention.backends import attention_kind, dense_mask_dtype
 from thdpack.attention.block_mask import document_block_mask
 from thdpack.attention.dense_mask import dense_document_mask
 from thdpack.attention.documents import document_ids_from_offsets
+from thdpack.attention.tree_mask import dense_tree_mask, tree_block_mask
+from thdpack.batching.prefix_tree import SHARED_LAYOUT_HINT
+from thdpack.integrations.hybrid.state_forks import TrieCall, check_trie_positions, run_trie
 from thdpack.integrations.hybrid.mixers import (
     ATTENTION_LAYER_TYPES,
     MIXER_FAMILIES,
@@ -43,7 +46,8 @@ from thdpack.integrations.hybrid.mixers import (
     config_layer_types,
 )
 
-BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+TRIE_KEYS = ("segment_lens", "segment_parents")  # a trie call's segments (to_hf_kwargs of a shared-prefix batch)
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx") + TRIE_KEYS
 CACHE_KEYS = ("cache", "cache_params", "past_key_values", "past_key_value")
 NATIVE_SINCE = (5, 25)  # transformers versions checked to hand the kernels seq_idx / cu_seqlens (docs/hybrid.md)
 
@@ -55,6 +59,7 @@ class _PackedState:
 
     def __init__(self, has_mixers: bool, windowed: bool, layer_types: set):
         self.spans: list[tuple[int, int]] | None = None
+        self.trie: TrieCall | None = None
         self.has_mixers, self.windowed, self.layer_types = has_mixers, windowed, layer_types
 
 
@@ -107,7 +112,9 @@ def _before_forward(module, args, kwargs):
     """Check a packed call, give it the mask its attention reads, and hand the mixers its spans."""
     state: _PackedState = module._thdpack_state
     cu, seq_idx, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
-    state.spans = None
+    state.spans, state.trie = None, None
+    if any(kwargs.get(key) is not None for key in TRIE_KEYS):
+        return _trie_call(module, state, args, kwargs)
     if cu is None and seq_idx is None:
         return _without_boundaries(module, state, args, kwargs)
     spans = spans_of(cu, seq_idx)
@@ -133,6 +140,60 @@ def _before_forward(module, args, kwargs):
         # hybrid models take their masks per layer type, the recurrent layers' None (they read seq_idx)
         mask = _per_layer_type(mask, state.layer_types)
     return args, dict(kwargs, attention_mask=mask)
+
+
+def _trie_call(model, state: _PackedState, args, kwargs):
+    """A trie call (``segment_lens`` / ``segment_parents`` with ``cu_seq_lens_q``): checked, its keys taken off
+    (the model never sees them), the tree mask given where the call has none, and the segments handed to the
+    mixers, which fork their states (:mod:`thdpack.integrations.hybrid.state_forks`)."""
+    name = type(model).__name__
+    lens, parents, cu = kwargs.get("segment_lens"), kwargs.get("segment_parents"), kwargs.get("cu_seq_lens_q")
+    if lens is None or parents is None or cu is None:
+        raise ValueError(f"{name}: a trie call needs cu_seq_lens_q, segment_lens and segment_parents together; pass "
+                         "to_hf_kwargs(batch) of a shared-prefix batch")
+    if state.windowed:
+        raise ValueError(f"{name} has sliding-window / chunked attention layers, whose masks transformers derives "
+                         f"from the positions, which a trie's branches share: {SHARED_LAYOUT_HINT}")
+    kwargs = {k: v for k, v in kwargs.items() if k not in TRIE_KEYS}
+    total = _stream_length(kwargs)
+    trie = TrieCall.from_kwargs(cu, lens, parents, total)
+    row = text_row(kwargs["position_ids"]) if kwargs.get("position_ids") is not None else None
+    if row is not None:
+        check_trie_positions(row, trie)
+    state.trie = trie if state.has_mixers else None
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = _tree_mask(model, trie, kwargs)
+    if state.has_mixers and mask is not None and not isinstance(mask, (torch.Tensor, dict)):
+        mask = _per_layer_type(mask, state.layer_types)
+    return args, dict(kwargs, attention_mask=mask)
+
+
+def _tree_mask(model, trie: TrieCall, kwargs):
+    """The trie's mask for the model's attention backend: a tree ``BlockMask`` (flex) or ``[1, 1, T, T]`` (sdpa /
+    eager); ``ValueError`` for varlen backends, which cannot read ancestors."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    kind = attention_kind(implementation)
+    if kind == "flash":
+        raise ValueError(f"{type(model).__name__}: attn_implementation={implementation!r} (varlen) cannot attend to a "
+                         f"trie's ancestors: use 'flex_attention', 'sdpa' or 'eager', {SHARED_LAYOUT_HINT}")
+    device = _stream_device(kwargs)
+    cu = torch.tensor(trie.offsets, dtype=torch.int64, device=device)
+    lens = torch.tensor(trie.lens, dtype=torch.int64, device=device)
+    parents = torch.tensor(trie.parents, dtype=torch.int64, device=device)
+    if kind == "flex":
+        return tree_block_mask(cu, lens, parents, trie.total, device=device)
+    return dense_tree_mask(cu, lens, parents, trie.total, dtype=dense_mask_dtype(implementation), device=device)
+
+
+def _stream_device(kwargs) -> torch.device:
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    return ids.device if ids is not None else embeds.device
+
+
+def _stream_length(kwargs) -> int:
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    return int(ids.shape[-1] if ids is not None else embeds.shape[1])
 
 
 def _with_both_boundaries(kwargs: dict, spans: list[tuple[int, int]]) -> dict:
@@ -349,7 +410,8 @@ def check_positions_restart(row: torch.Tensor, spans: list[tuple[int, int]]) -> 
         raise ValueError(
             f"position_ids do not restart at 0 at every sample boundary (slot {bad}): a CP / Ulysses shard's "
             "chunks or a shared-prefix tree cannot be scanned by linear-attention / SSM / convolution layers "
-            "sample by sample; run hybrid models on whole, unshared batches")
+            "sample by sample; run hybrid models on whole, unshared batches, or pass a shared-prefix batch with its "
+            "segment_lens and segment_parents (to_hf_kwargs(batch) gives them)")
 
 
 # --------------------------------------------------------------------------- the mixers
@@ -360,6 +422,8 @@ def _per_sample_forward(self, *args, **kwargs):
     keep the samples apart themselves (:func:`_native`). Bound to the mixer instance (``types.MethodType``)."""
     run = self._thdpack_inner_forward or functools.partial(type(self).forward, self)
     hidden = args[0] if args else kwargs.get("hidden_states")
+    if self._thdpack_state.trie is not None and hidden is not None:
+        return _trie_forward(self, run, hidden, args, kwargs)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
         spans = spans_of(kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
     else:
@@ -383,6 +447,21 @@ def _per_sample_forward(self, *args, **kwargs):
     if isinstance(outputs[0], tuple):  # (hidden, None, ...) where a mixer returns more
         return (torch.cat([o[0] for o in outputs], dim=1),) + outputs[0][1:]
     return torch.cat(outputs, dim=1)
+
+
+def _trie_forward(self, run, hidden, args, kwargs):
+    """A mixer's forward on a trie call: every segment from its parent's final state, on every device (native
+    kernels given the segments as sequences would start each from zero)."""
+    trie = self._thdpack_state.trie
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] != trie.total:
+        raise ValueError(f"{self._thdpack_name} ({type(self).__name__}): a trie call has a batch axis of 1 and one "
+                         f"stream of {trie.total} tokens, got hidden states {tuple(hidden.shape)}")
+    if len(args) > 1:
+        raise ValueError(f"{self._thdpack_name} ({type(self).__name__}) was called with {len(args)} positional "
+                         "arguments; thdpack forks its state only where the cache is passed by keyword")
+    rest = {k: v for k, v in kwargs.items()
+            if k not in BOUNDARY_KEYS and k not in CACHE_KEYS and k not in ("hidden_states", "attention_mask")}
+    return run_trie(run, hidden, trie, rest, continues_state=MIXER_FAMILIES[type(self).__name__].continues_state)
 
 
 def _native(family, device: torch.device) -> bool:
