@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from test_shared_prefix import (IGNORE, assert_block_mask_is_torchs, assert_tree_matches_samples, group_samples,
                                 real_slots, shared_counts)
-from thdpack import build_thd_batch
+from thdpack import build_thd_batch, plan_packs
+from thdpack.batching.shared_prefix import group_shares
 from thdpack.attention.tree_mask import MAX_TRIE_DEPTH, dense_tree_mask, tree_block_mask
 from thdpack.batching import attention_mask_4d, document_parents, shared_prefix, trie
 from thdpack.flops import seqlen_squared_sum
@@ -123,6 +124,12 @@ def test_tries_against_the_samples(case):
     assert batch.num_tokens == int(batch.prefix_tree.sample_lens.sum()) - sum((k - 1) * q for q, k in counts)
     real = real_slots(batch)  # FLOPs: twice the real pairs less the real tokens, at any depth
     assert seqlen_squared_sum(batch) == 2 * int(attention_mask_4d(batch)[0, 0][real][:, real].sum()) - batch.num_tokens
+    # the planner's budget: every member's share of its group's layout sums to the stream the build lays out
+    shared, slots = group_shares(build_thd_batch(samples), samples, "group", case["min_prefix_len"], m)
+    lens = batch.prefix_tree.sample_lens.numpy()
+    assert int((lens - shared).sum()) == batch.num_tokens
+    segments = batch.seq_lens.numpy().astype(np.int64)
+    assert int(slots.sum()) == int((-(-segments // m) * m).sum())  # each segment padded to the multiple
 
 
 def one_level_samples(spec, seed, prompt_loss, declare):
@@ -227,3 +234,30 @@ def test_cp_refuses_a_trie_and_hybrids_need_its_segments():
     assert kw["segment_parents"].tolist() == batch.prefix_tree.parents.tolist()
     with torch.no_grad(), pytest.raises(ValueError, match="shared-prefix tree cannot be scanned"):
         model(**{k: v for k, v in kw.items() if k not in ("segment_lens", "segment_parents")})
+
+
+def test_the_collator_counts_a_trie_against_the_pack_budget():
+    """A group whose trie fits the pack but whose one-level layout does not lands in one pack, and the plan's
+    tokens are the built stream's (the trie's segments, each once)."""
+    from thdpack import ThdCollator
+
+    samples = chain_samples(3)
+    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=1)
+    assert trie_depth(tree) == 3
+    one_level = build_thd_batch([dict(s, prefix_len=1) for s in samples], share_prefix="group", min_prefix_len=1)
+    assert tree.num_tokens < one_level.num_tokens
+    collate = ThdCollator(share_prefix="group", min_prefix_len=1, pack_size=tree.num_tokens)
+    out = collate(samples + [dict(s, group=1) for s in samples])
+    assert len(out) == 2 and [b.num_tokens for b in out] == [tree.num_tokens] * 2
+    assert out.stats.real_tokens == 2 * tree.num_tokens
+    with pytest.raises(ValueError, match=f"has {tree.num_tokens} tokens .* more than pack_size={tree.num_tokens - 1}"):
+        ThdCollator(share_prefix="group", min_prefix_len=1, pack_size=tree.num_tokens - 1)(samples)
+    from thdpack import plan_balanced
+    from thdpack.planning.prefix_budget import SharedLayout
+
+    layout = SharedLayout(*group_shares(build_thd_batch(samples), samples, "group", 1))
+    lengths = [len(s["input_ids"]) for s in samples]
+    with pytest.raises(TypeError, match=r"a SharedLayout \(tries\) is for plan_packs"):
+        plan_balanced(lengths, tree.num_tokens, num_replicas=1, groups=[0] * len(samples), shared_prefix=layout)
+    with pytest.raises(ValueError, match=r"SharedLayout: sample 0 \(length 2\) has shared=3"):
+        plan_packs(lengths, 64, groups=[0] * len(samples), shared_prefix=SharedLayout([3, 0, 0, 0], [2, 2, 2, 2]))

@@ -371,8 +371,8 @@ def test_collator_plans_each_prefix_once(case):
         if batch.prefix_tree is not None:  # a trie shares at least the planned prefix (more where it saves slots)
             assert (batch.prefix_tree.prefix_lens.numpy() >= prefix[index]).all()
             assert_tree_matches_samples(batch, [samples[i] for i in index])
-    # the stream's tokens, prefixes once; the plan counts one level, a trie lays out no more (issue 46)
-    assert out.stats.real_tokens >= sum(b.num_tokens for b in out)
+    # the stream's tokens, every shared segment once: the plan counts each group as its build lays it out
+    assert out.stats.real_tokens == sum(b.num_tokens for b in out)
 
 
 def test_a_group_fits_when_its_prefix_counts_once():

@@ -22,7 +22,7 @@ import torch
 from thdpack.batching.batch import ThdBatch
 from thdpack.batching.layout import BatchLayout, padded_lengths
 from thdpack.batching.prefix_tree import PrefixTree
-from thdpack.batching.trie import trie_prefix_tree, trie_segments
+from thdpack.batching.trie import member_layout, trie_prefix_tree, trie_segments
 from thdpack.common.align import check_int, round_up
 from thdpack.common.samples import SampleError, get_field
 from thdpack.planning.plan import number_groups
@@ -62,8 +62,7 @@ def build_shared_batch(flat: ThdBatch, samples: Sequence, layout: BatchLayout, s
     group_of = number_groups(read_groups(samples, share_prefix))
     cu = flat.cu_seqlens.numpy().astype(np.int64)
     if limit is None:  # text: a group's trie where it lays out fewer slots (VLM groups keep one level)
-        declared = np.asarray([_sample_int(s, PREFIX_FIELD, i, required=False) is not None
-                               for i, s in enumerate(samples)], bool)
+        declared = _declared(samples)
         segs = trie_segments(flat.input_ids.numpy(), flat.labels.numpy(), cu, group_of, prefix, declared,
                              min_prefix_len, layout.multiple)
         if segs is not None:
@@ -71,6 +70,23 @@ def build_shared_batch(flat: ThdBatch, samples: Sequence, layout: BatchLayout, s
     if not prefix.any():
         return None
     return _gather_tree(flat, layout, prefix, _segments(prefix, group_of, cu))
+
+
+def group_shares(flat: ThdBatch, samples: Sequence, share_prefix: str, min_prefix_len: int,
+                 multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``(shared, slots)`` int64 ``[n]`` of text samples as :func:`build_shared_batch` lays their groups out (a
+    trie where it lays out fewer slots than one level): each sample's tokens laid out by earlier members of its
+    group, and the padded slots it adds (:func:`thdpack.batching.trie.member_layout`), for a planner's budget."""
+    prefix = group_prefixes(flat, samples, share_prefix, min_prefix_len, multiple)
+    group_of = number_groups(read_groups(samples, share_prefix))
+    return member_layout(flat.input_ids.numpy(), flat.labels.numpy(), flat.cu_seqlens.numpy().astype(np.int64),
+                         group_of, prefix, _declared(samples), min_prefix_len, multiple)
+
+
+def _declared(samples: Sequence) -> np.ndarray:
+    """bool ``[n]``: the samples that declare their prefix (:data:`PREFIX_FIELD`): their group keeps one level."""
+    return np.asarray([_sample_int(s, PREFIX_FIELD, i, required=False) is not None for i, s in enumerate(samples)],
+                      bool)
 
 
 def read_groups(samples: Sequence, field: str) -> np.ndarray:

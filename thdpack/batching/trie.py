@@ -38,15 +38,7 @@ def trie_segments(ids, labels, cu, group_of: np.ndarray, prefix: np.ndarray, kee
     ``[n+1]`` its offsets; ``group_of`` int64 ``[n]`` numbered groups; ``prefix`` ``[n]`` the one-level
     prefixes (``group_prefixes``); ``keep_one_level`` bool ``[n]`` (a declared prefix). ``always``: the
     segments even when no group goes deeper (tests: equal to the one-level ones)."""
-    layouts, deeper = {}, False
-    for members in _groups_in_order(group_of):
-        trie = _one_level(cu, members, int(prefix[members[0]]))
-        if members.size > 1 and not keep_one_level[members[0]]:
-            found = []
-            _emit(ids, labels, cu, members.tolist(), 0, -1, min_prefix_len, found, 0)
-            if _slots(found, multiple) < _slots(trie, multiple):
-                trie, deeper = found, True
-        layouts[int(group_of[members[0]])] = trie
+    layouts, deeper = group_layouts(ids, labels, cu, group_of, prefix, keep_one_level, min_prefix_len, multiple)
     if not (deeper or always):
         return None
     nodes, placed = [], set()
@@ -62,6 +54,41 @@ def trie_segments(ids, labels, cu, group_of: np.ndarray, prefix: np.ndarray, kee
         nodes += [(i, start, length, parent if parent < 0 else parent + base, sample)
                   for i, start, length, parent, sample in trie]
     return _segment_arrays(nodes, cu, group_of.size)
+
+
+def group_layouts(ids, labels, cu, group_of: np.ndarray, prefix: np.ndarray, keep_one_level: np.ndarray,
+                  min_prefix_len: int, multiple: int) -> tuple[dict, bool]:
+    """``({group number: nodes}, deeper)``: each group's layout as :func:`trie_segments` picks it (its trie where
+    that lays out fewer padded slots than one level), nodes ``(src sample, start, length, parent, sample)``;
+    ``deeper``: some group's trie was picked. Arguments as :func:`trie_segments`."""
+    layouts, deeper = {}, False
+    for members in _groups_in_order(group_of):
+        trie = _one_level(cu, members, int(prefix[members[0]]))
+        if members.size > 1 and not keep_one_level[members[0]]:
+            found = []
+            _emit(ids, labels, cu, members.tolist(), 0, -1, min_prefix_len, found, 0)
+            if _slots(found, multiple) < _slots(trie, multiple):
+                trie, deeper = found, True
+        layouts[int(group_of[members[0]])] = trie
+    return layouts, deeper
+
+
+def member_layout(ids, labels, cu, group_of: np.ndarray, prefix: np.ndarray, keep_one_level: np.ndarray,
+                  min_prefix_len: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(shared, slots)``, int64 ``[n]``: for every sample, its tokens that earlier members of its group lay out
+    (its group's layout as :func:`group_layouts` picks it, members in the order given), and the padded slots it
+    adds: the segments it is the first member under, each ``round_up(length, multiple)``. A group's slots sum to
+    its layout's; with one level a member after the first shares the prefix, the first adds it. The planner's
+    budget (:class:`thdpack.planning.prefix_budget.SharedLayout`). Arguments as :func:`trie_segments`."""
+    lens = (cu[1:] - cu[:-1]).astype(np.int64)
+    added = np.zeros(lens.size, np.int64)
+    slots = np.zeros(lens.size, np.int64)
+    layouts, _ = group_layouts(ids, labels, cu, group_of, prefix, keep_one_level, min_prefix_len, multiple)
+    for nodes in layouts.values():
+        for src, _, length, _, _ in nodes:  # a node's src is the first member below it: the one that adds it
+            added[src] += length
+            slots[src] += round_up(length, multiple)
+    return lens - added, slots
 
 
 def _groups_in_order(group_of: np.ndarray) -> list[np.ndarray]:

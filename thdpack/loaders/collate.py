@@ -15,7 +15,9 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.batching.builder import build_batch
 from thdpack.common.align import INT64_MAX, check_int
 from thdpack.batching.layout import BatchLayout, layout_of
-from thdpack.batching.shared_prefix import DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes
+from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes,
+                                            group_shares)
+from thdpack.planning.prefix_budget import SharedLayout
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import _shard_for_ulysses, check_ulysses_args, pad_for_ulysses, ulysses_pad_multiple
@@ -166,10 +168,13 @@ class ThdCollator:
             per_sample["vision_lengths"] = self.build_kwargs["vlm"].vision_lengths(samples)
         if self.group_field is not None:
             per_sample["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
-        if "share_prefix" in self.build_kwargs:  # each group's prefix, as every pack's build will find it
+        if "share_prefix" in self.build_kwargs:  # each group's layout, as every pack's build will find it
             flat = build_batch(samples, flat_layout(self.layout), stacklevel=3)
-            per_sample["shared_prefix"] = group_prefixes(flat, samples, self.group_field,
-                                                         self.build_kwargs["min_prefix_len"], self.layout.multiple)
+            share = (self.group_field, self.build_kwargs["min_prefix_len"], self.layout.multiple)
+            if self.build_kwargs.get("vlm") is None:  # text: a group's trie counts its segments' slots
+                per_sample["shared_prefix"] = SharedLayout(*group_shares(flat, samples, *share))
+            else:  # VLM groups keep one level
+                per_sample["shared_prefix"] = group_prefixes(flat, samples, *share)
         plan = plan_packs(lengths, **self.options.keywords(), **per_sample)
         batches = [self._build_pack(plan, samples, source, k) for k in range(len(plan))]
         return PackedBatches(batches, plan.stats)

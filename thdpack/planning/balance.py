@@ -25,7 +25,7 @@ from thdpack.common.jit import njit
 from thdpack.planning.options import PlanOptions, plan_options
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
-from thdpack.planning.prefix_budget import check_shared_prefix, shared_lengths, shared_sizes
+from thdpack.planning.prefix_budget import SharedLayout, check_shared_prefix, shared_lengths, shared_sizes
 from thdpack.planning.rank_fill import (rank_floor, refill_around_bundles, refill_last_step, relabel, straggler,
                                         straggler_bound)
 from thdpack.planning.spread import Items, group_items, piece_items, recut, spread_slack
@@ -224,6 +224,9 @@ def plan_balanced(
     options = plan_options("plan_balanced", {"pack_size": pack_size, **plan_keywords})
     shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
                  shuffle_steps=check_bool(shuffle_steps, "shuffle_steps"), fillers=check_bool(fillers, "fillers"))
+    if isinstance(shared_prefix, SharedLayout):
+        raise TypeError("plan_balanced takes shared_prefix as int [n] one-level prefixes (a group over one pack lays "
+                        "its prefix out in each); a SharedLayout (tries) is for plan_packs")
     split = None if groups is None else _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
     if split is not None and split.big.any():  # some group needs several packs
         return _plan_bundles(split, options, **shape)

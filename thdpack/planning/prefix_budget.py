@@ -6,13 +6,50 @@ out once as ``[prefix][member 1][member 2]...`` (``build_thd_batch(share_prefix=
 sample shares with its group, the same for every member of a group, 0 for a group laid out unshared.
 It is what the builder will share (``thdpack.batching.shared_prefix.group_prefixes`` computes it from
 the samples; an offline build would store it per row). A group of one sample shares nothing.
+
+A group laid out as a trie (shared segments at several levels: ``thdpack.batching.trie``) takes the slots of
+its segments; :class:`SharedLayout` gives ``plan_packs`` each member's share of them (the collator's
+``share_prefix`` plans so), for groups planned whole into one pack.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from thdpack.common.align import integer_array, round_up
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """What each sample adds to its group's layout when shared segments are laid out once (one level or a trie),
+    for ``plan_packs(..., groups=..., shared_prefix=SharedLayout(...))``
+    (:func:`thdpack.batching.trie.member_layout` computes it as the builder will lay the group out).
+
+    Attributes:
+        shared: int ``[n]`` tokens of each sample that earlier members of its group (in input order) lay out.
+        slots: int ``[n]`` padded slots each sample adds (its new segments, each aligned); a group's sum is
+            its layout's size.
+    """
+
+    shared: np.ndarray
+    slots: np.ndarray
+
+    def checked(self, lengths: np.ndarray) -> "SharedLayout":
+        """Int64 copies; ``ValueError`` naming the sample unless ``0 <= shared <= length`` and
+        ``slots >= length - shared``."""
+        shared = np.asarray(integer_array(self.shared, "SharedLayout.shared"), np.int64)
+        slots = np.asarray(integer_array(self.slots, "SharedLayout.slots"), np.int64)
+        if shared.shape != lengths.shape or slots.shape != lengths.shape:
+            raise ValueError(f"SharedLayout needs one entry per sample ({lengths.size}) in shared and slots, got "
+                             f"{shared.shape} and {slots.shape}")
+        bad = np.flatnonzero((shared < 0) | (shared > lengths) | (slots < lengths - shared))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"SharedLayout: sample {i} (length {int(lengths[i])}) has shared={int(shared[i])} and "
+                             f"slots={int(slots[i])}; need 0 <= shared <= length and slots >= length - shared")
+        return SharedLayout(shared, slots)
 
 
 def check_shared_prefix(shared_prefix, lengths: np.ndarray, gid: np.ndarray, group_of: np.ndarray) -> np.ndarray:
