@@ -117,6 +117,16 @@ def test_flex_attention_on_a_hybrid_trie():
     assert_close_rel(got[tree.prefix_tree.unshared_rows], want[flat_rows(flat)], "logits vs the unshared batch")
 
 
+@pytest.mark.parametrize("family", [f for f in ("qwen3_5_text", "bamba") if f in FAMILIES])
+def test_training_mode_with_gradient_checkpointing(family, exact_scans):
+    """``model.train()`` and gradient checkpointing: each layer's forward runs again in the backward, its segments
+    forking their states again."""
+    samples, tree, flat = deep_batches()
+    model = hybrid(family, dtype=torch.float64).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_loss_and_grads_equal(model, flat, tree, "sdpa", floor_fraction=0.01)
+
+
 def test_a_wide_trie_with_declared_cuts(exact_scans):
     samples = trie_samples(WIDE, seed=7, vocab=VOCAB, cuts=[0, 4, 9])
     tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=1)
