@@ -28,6 +28,7 @@ psutil = pytest.importorskip("psutil")
 
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.offline.cluster.ray_session import LOCAL_SYSTEM_CONFIG  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # with the other Ray tests: one Ray at a time on the machine
 
@@ -65,13 +66,16 @@ def _alive(proc) -> bool:
 def ray_head():
     """A Ray head node, 2 CPUs, started as its own process (``ray start --head --block``); yields
     ``(address, process)``; ended by its process id (SIGTERM, then SIGKILL of what is left) at the end.
-    Its session directory is a short one of its own (Ray's socket paths must stay under 108 bytes)."""
+    Its session directory is a short one of its own (Ray's socket paths must stay under 108 bytes). Its workers
+    run at the driver's priority (``worker_niceness`` 0, as a build's own local instance's do): at Ray's default
+    (+15) they would wait on every process of the other test worker sharing the cores."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     temp = tempfile.mkdtemp(prefix="thdpack-ray-")
     head = subprocess.Popen(
         [_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-         "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
+         "--disable-usage-stats", f"--temp-dir={temp}", f"--system-config={json.dumps(LOCAL_SYSTEM_CONFIG)}",
+         "--block"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     address = f"127.0.0.1:{port}"
     seen: set = set()

@@ -36,6 +36,7 @@ psutil = pytest.importorskip("psutil")
 from thdpack.cli import main  # noqa: E402
 from thdpack.demo import TOKENIZER_DIR  # noqa: E402
 from thdpack.offline import BuildConfig, RayOptions, build_packed  # noqa: E402
+from thdpack.offline.cluster.ray_session import LOCAL_SYSTEM_CONFIG  # noqa: E402
 from thdpack.offline.cluster.ray_wait import RayWorkerLost  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them all: one Ray instance
@@ -57,9 +58,12 @@ def _fingerprint_script():
 def ray_instance():
     """One local Ray instance of 2 CPUs for the module; builds find it initialised and use it. Ray's
     ``init`` installs a SIGTERM handler that exits the process (and keeps it after ``shutdown``): the
-    handlers are put back, or a later test that signals this process would end the pytest worker."""
+    handlers are put back, or a later test that signals this process would end the pytest worker. Its workers
+    run at the driver's priority, as those of a build's own local instance do (``LOCAL_SYSTEM_CONFIG``): at Ray's
+    default niceness (+15) they would wait on every process of the other test worker sharing the cores."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config=LOCAL_SYSTEM_CONFIG)
     for s, handler in saved.items():
         signal.signal(s, handler)
     yield ray.get_runtime_context().gcs_address
@@ -77,14 +81,15 @@ def inputs(tmp_path_factory) -> dict:
 
 
 def mixture_yaml(d: Path, made: dict) -> Path:
-    """A mixture of three sources read in parts by Ray tasks (a JSON Lines file of byte ranges, a Parquet file of
-    row groups, preference rows), each with its own format / loss, one repeated 1.5 times."""
+    """A mixture of four sources read in parts by Ray tasks (a JSON Lines file of byte ranges, a Parquet file of
+    row groups, preference rows, tokenized rows), each with its own format / loss, one repeated 1.5 times."""
     import yaml
 
     config = {"input": [{"name": "chat", "path": str(made["json_dir"] / "a.jsonl"), "format": "chat", "weight": 0.6},
                         {"name": "table", "path": str(made["tables_dir"] / "t1.parquet"), "format": "chat",
                          "loss": "last_assistant", "weight": 0.4},
-                        {"name": "pairs", "path": str(made["pref"]), "format": "preference", "epochs": 1.5}],
+                        {"name": "pairs", "path": str(made["pref"]), "format": "preference", "epochs": 1.5},
+                        {"name": "ids", "path": str(made["tokenized"]), "format": "tokenized", "weight": 0.3}],
               "mixture": {"stopping": "all_exhausted"}, "tokenizer": TOK, "pack_size": 8192, "overflow": "error",
               "skip_bad_rows": True, "seed": 4}
     path = d / "mixture.yaml"
@@ -143,29 +148,32 @@ def build_both(tmp_path: Path, flags: list[str], *ray_flags: str) -> tuple[Path,
     return local, on_ray
 
 
+# Each build costs seconds of fixed cost (actors and workers started, a local reference), so a case checks
+# several options at once, and a case another test's build already covers is not built again:
+# - the demo config as it is (Arrow, bfd, truncate): test_a_killed_worker_is_retried_and_the_output_is_identical
+# - the demo with split overflow, ffd and label targets (``demo_split_labels``) and the Megatron-Bridge output
+#   (``demo_bridge``): test_target_counts_are_read_by_ray_tasks
+# - text rows, pack 1024, overflow drop (``text_drop``): the --skip-bad-rows build of
+#   test_bad_rows_give_the_local_message_and_skip_the_same_rows
+# - tokenized rows, first_fit_shuffle, rows without targets kept (``tokenized_keep``): mixture_shared
+# - Parquet output, CP 2, several files (``demo_parquet_cp2_files``): tables_groups_values_cp2_files
 BUILDS = {
-    "demo": ["--config", DEMO, "--max-rows", "1500"],
-    "demo_parquet_cp2_files": ["--config", DEMO, "--max-rows", "1500", "--output-format", "parquet", "--cp-size", "2",
-                               "--file-size-mb", "0.5"],
-    "demo_split_labels": ["--config", DEMO, "--max-rows", "800", "--overflow", "split", "--algorithm", "ffd",
-                          "--targets", "labels"],
-    "demo_bridge": ["--config", DEMO, "--output-format", "megatron-bridge", "--max-rows", "500"],
-    "text_drop": ["--input", "{text}", "--tokenizer", TOK, "--format", "text", "--pack-size", "1024", "--overflow",
-                  "drop"],
-    "tokenized_keep": ["--input", "{tokenized}", "--format", "tokenized", "--pack-size", "2048", "--algorithm",
-                       "first_fit_shuffle", "--without-targets", "keep"],
-    "preference_values": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size", "4096",
-                          "--sample-values", "score"],
-    "preference_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference", "--pack-size",
-                                 "2048", "--share-prefix", "--min-prefix-len", "4"],
+    # sample values and shared prompts (group_id / prefix_len columns) of preference pairs, in one build
+    "preference_values_shared_prefix": ["--input", "{pref}", "--tokenizer", TOK, "--format", "preference",
+                                        "--pack-size", "2048", "--sample-values", "score", "--share-prefix",
+                                        "--min-prefix-len", "4"],
     "vlm_images_video": ["--config", "{vlm_yaml}"],
-    # three sources, each read and tokenized on the cluster; the pairs' prompts shared (found by Ray tasks)
-    "mixture_shared": ["--config", "{mixture_yaml}", "--share-prefix", "--min-prefix-len", "4"],
+    # four sources, each read and tokenized on the cluster; the pairs' prompts shared (found by Ray tasks);
+    # tokenized rows among them, first_fit_shuffle, samples without targets kept (the case tokenized_keep)
+    "mixture_shared": ["--config", "{mixture_yaml}", "--share-prefix", "--min-prefix-len", "4", "--algorithm",
+                       "first_fit_shuffle", "--without-targets", "keep"],
     # read in parts by Ray tasks: Parquet row groups and an Arrow stream (columns unified), groups and their
-    # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py)
-    "tables_groups_values": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat", "--pack-size", "8192",
-                             "--group-column", "gid", "--sample-values", "score", "--max-rows", "230",
-                             "--output-format", "parquet", "--skip-bad-rows"],
+    # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py),
+    # written as Parquet for CP 2 in several files (one Ray task per file: the case demo_parquet_cp2_files)
+    "tables_groups_values_cp2_files": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat",
+                                       "--pack-size", "8192", "--group-column", "gid", "--sample-values", "score",
+                                       "--max-rows", "230", "--output-format", "parquet", "--skip-bad-rows",
+                                       "--cp-size", "2", "--file-size-mb", "0.02"],
 }
 
 
@@ -174,17 +182,22 @@ def test_ray_build_is_byte_identical_to_the_local_build(name, inputs, ray_instan
     flags = [f.format(**inputs) for f in BUILDS[name]]
     local, on_ray = build_both(tmp_path, flags)
     digest = tree_digest(local)
-    assert len(digest) >= 2  # data file(s) and metadata.json at least
-    assert tree_digest(on_ray) == digest
-    if name == "demo_parquet_cp2_files":
-        assert len(json.loads((local / "metadata.json").read_text())["files"]) > 1  # one Ray task per file
-    if name == "preference_shared_prefix":  # the pairs' prompts are shared: group_id / prefix_len columns written
-        assert json.loads((local / "metadata.json").read_text())["share_prefix"]["tokens_saved"] > 0
+    assert len(digest) >= 2, name  # data file(s) and metadata.json at least
+    assert tree_digest(on_ray) == digest, name
+    meta = json.loads((local / "metadata.json").read_text())
+    if name == "tables_groups_values_cp2_files":
+        assert len(meta["files"]) > 1, name  # one Ray task per file
+    if name == "preference_values_shared_prefix":  # the pairs' prompts are shared: group_id / prefix_len columns
+        assert meta["share_prefix"]["tokens_saved"] > 0, name
+    if name == "mixture_shared":  # tokenized_keep: samples without targets kept
+        assert meta["counts"]["without_targets"]["pieces"] > 0, "tokenized_keep"
 
 
 def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, monkeypatch):
     """The planned pieces' target tokens are counted by Ray tasks over runs of pieces (the driver reads no
-    targets): several tasks here, and the output (counts in metadata.json included) is the local one's."""
+    targets): several tasks here, and the output (counts in metadata.json included) is the local one's.
+    The build is also the byte-identical cases ``demo_split_labels`` (split overflow, ffd, label targets) and
+    ``demo_bridge`` (Megatron-Bridge output: its conversion on Ray)."""
     import thdpack.offline.cluster.ray_tasks as ray_tasks
     from thdpack.offline.commands import sample_plan
 
@@ -198,28 +211,13 @@ def test_target_counts_are_read_by_ray_tasks(inputs, ray_instance, tmp_path, mon
 
     monkeypatch.setattr(ray_tasks, "run_tasks", spy)
     flags = ["--config", DEMO, "--max-rows", "800", "--overflow", "split", "--pack-size", "512", "--targets", "labels",
-             "--without-targets", "drop"]
+             "--without-targets", "drop", "--algorithm", "ffd", "--output-format", "megatron-bridge"]
     local, on_ray = build_both(tmp_path, flags)
-    assert tree_digest(on_ray) == tree_digest(local)
+    digest = tree_digest(local)
+    assert (local / "bridge_metadata.json").is_file(), "demo_bridge"
+    assert tree_digest(on_ray) == digest, "demo_split_labels / demo_bridge"
     counted = [n for name, n in calls if name == "count_targets_of_dataset"]
     assert counted and counted[0] > 1, calls
-
-
-def test_a_uri_input_on_ray_is_byte_identical(inputs, ray_instance, tmp_path):
-    """Rows named by a filesystem URI (fsspec's memory:// standing for s3:// / gs://) are fetched into the
-    build's work directory, where the Ray actors read them: the local build's bytes."""
-    import fsspec
-
-    remote = f"/thdpack-ray-{tmp_path.name}/text.jsonl"
-    fsspec.filesystem("memory").pipe(remote, Path(inputs["text"]).read_bytes())
-    try:
-        flags = ["--input", f"memory://{remote}", "--tokenizer", TOK, "--format", "text", "--pack-size", "1024",
-                 "--overflow", "split"]
-        local, on_ray = build_both(tmp_path, flags)
-    finally:
-        fsspec.filesystem("memory").rm(remote)
-    assert tree_digest(on_ray) == tree_digest(local)
-    assert json.loads((on_ray / "metadata.json").read_text())["source"]["files"][0]["path"] == f"memory://{remote}"
 
 
 def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_path):
@@ -238,14 +236,25 @@ def test_real_chat_template_build_is_byte_identical(inputs, ray_instance, tmp_pa
     assert [f["kind"] for f in meta["source"]["files"]] == ["jsonl", "jsonl", "json"]
 
 
-def test_ray_options_from_yaml_and_a_small_actor_pool(inputs, ray_instance, tmp_path):
-    """The YAML ray: section reaches the build (one actor), and the output is still the local one's."""
+def test_ray_options_from_yaml_a_small_actor_pool_and_a_uri_input(inputs, ray_instance, tmp_path):
+    """The YAML ray: section reaches the build (one actor), and the output is still the local one's. Its rows
+    are named by a filesystem URI (fsspec's memory:// standing for s3:// / gs://), fetched into the build's work
+    directory, where the Ray actors read them (the case test_a_uri_input_on_ray_is_byte_identical)."""
+    import fsspec
+
+    remote = f"/thdpack-ray-{tmp_path.name}/text.jsonl"
+    fsspec.filesystem("memory").pipe(remote, Path(inputs["text"]).read_bytes())
     cfg = tmp_path / "ray.yaml"
-    cfg.write_text(f"input: {inputs['text']}\ntokenizer: {TOK}\nformat: text\npack_size: 1024\noverflow: drop\n"
+    cfg.write_text(f"input: memory://{remote}\ntokenizer: {TOK}\nformat: text\npack_size: 1024\noverflow: split\n"
                    "map_batch_size: 20\nray:\n  concurrency: 1\n  cpus_per_actor: 1\n")
-    local, on_ray = build_both(tmp_path, ["--config", str(cfg)])
+    try:
+        local, on_ray = build_both(tmp_path, ["--config", str(cfg)])
+    finally:
+        fsspec.filesystem("memory").rm(remote)
     assert tree_digest(on_ray) == tree_digest(local)
     assert BuildConfig.from_yaml(cfg).ray.concurrency == 1
+    assert json.loads((on_ray / "metadata.json").read_text())["source"]["files"][0]["path"] == f"memory://{remote}", \
+        "a uri input"
 
 
 def test_bad_rows_give_the_local_message_and_skip_the_same_rows(inputs, ray_instance, tmp_path, capsys):
@@ -260,8 +269,8 @@ def test_bad_rows_give_the_local_message_and_skip_the_same_rows(inputs, ray_inst
         assert main(["build", *flags, "--output", str(tmp_path / engine), "-q", "--engine", engine]) == 2
         messages.append(capsys.readouterr().err.strip().splitlines()[-1])
     assert messages[0] == messages[1] and "bad.jsonl:8" in messages[0] and "bad.jsonl:41" in messages[0]
-    local, on_ray = build_both(tmp_path / "skip", [*flags, "--skip-bad-rows"])
-    assert tree_digest(on_ray) == tree_digest(local)
+    local, on_ray = build_both(tmp_path / "skip", [*flags, "--skip-bad-rows"])  # also the case text_drop
+    assert tree_digest(on_ray) == tree_digest(local), "text_drop"
 
 
 def test_an_unreachable_address_is_one_line(tmp_path):
@@ -281,26 +290,24 @@ def test_an_address_other_than_the_connected_instance_is_refused(ray_instance, t
     assert "already connected to the Ray instance at" in capsys.readouterr().err
 
 
-def test_a_build_on_ray_leaves_the_signal_handlers_as_they_were(tmp_path):
-    """build_packed (library use, no command-line handlers) starting its own local instance leaves
-    SIGTERM's handler as it was: Ray's init installs one that exits the process, and keeps it."""
-    code = ("import signal; from thdpack.offline import BuildConfig, build_packed; "
+def test_the_local_engine_imports_no_ray_and_a_build_on_ray_leaves_the_signal_handlers_as_they_were(tmp_path):
+    """One fresh process: a local build by the command imports no module of Ray; then build_packed (library
+    use, no command-line handlers) starting its own local instance leaves SIGTERM's handler as it was: Ray's
+    init installs one that exits the process, and keeps it."""
+    code = ("import signal, sys; from thdpack.cli import main; "
+            f"rc = main(['build', '--config', {DEMO!r}, '--max-rows', '100', '--output', {str(tmp_path / 'l')!r}, '-q']); "
+            "assert rc == 0; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))); "
+            "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL); "
+            "from thdpack.offline import BuildConfig, build_packed; "
             f"cfg = BuildConfig.from_yaml({DEMO!r}).override(max_rows=60, engine='ray', ray_num_cpus=1); "
             f"build_packed(cfg, {str(tmp_path / 'o')!r}, progress=False); "
             "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "True"
-
-
-def test_the_local_engine_imports_no_ray(tmp_path):
-    code = ("import sys; from thdpack.cli import main; "
-            f"rc = main(['build', '--config', {DEMO!r}, '--max-rows', '100', '--output', {str(tmp_path / 'o')!r}, '-q']); "
-            "assert rc == 0; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    imported, before, after = proc.stdout.strip().splitlines()[-3:]
+    assert imported == "[]", "the local engine imports no ray"
+    assert before == "True" and after == "True", "a build on ray leaves the signal handlers as they were"
 
 
 def test_a_ray_section_with_an_unknown_key_is_refused(tmp_path):
@@ -344,24 +351,30 @@ def _kill_workers(title: str, stop: threading.Event, killed: list, *, every: boo
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("title, overrides", [
-    ("ray::_PartMapper.map_part", {"map_batch_size": 25}),
-    ("ray::_write_file", {"file_size_mb": 0.2}),
-])
-def test_a_killed_worker_is_retried_and_the_output_is_identical(title, overrides, ray_instance, tmp_path):
-    """build_packed(cfg.override(engine="ray", ray=RayOptions(...))) from Python; one worker killed (kill -9) is run again."""
+KILLED = {"ray::_PartMapper.map_part": {"map_batch_size": 25}, "ray::_write_file": {"file_size_mb": 0.2}}
+
+
+def test_a_killed_worker_is_retried_and_the_output_is_identical(ray_instance, tmp_path):
+    """build_packed(cfg.override(engine="ray", ray=RayOptions(...))) from Python; one worker killed (kill -9) while
+    tokenizing and one while writing (both in one build, each title's overrides applied) are run again. The demo
+    config as it is otherwise (Arrow, bfd, truncate): also the byte-identical case ``demo``."""
+    overrides = {k: v for o in KILLED.values() for k, v in o.items()}
     cfg = BuildConfig.from_yaml(DEMO).override(max_rows=2000, **overrides)
     local = build_packed(cfg, tmp_path / "local", progress=False)
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_workers, args=(title, stop, killed), daemon=True)
-    killer.start()
+    stop, killed = threading.Event(), {title: [] for title in KILLED}
+    killers = [threading.Thread(target=_kill_workers, args=(title, stop, killed[title]), daemon=True)
+               for title in KILLED]
+    for killer in killers:
+        killer.start()
     try:
         on_ray = build_packed(cfg.override(engine="ray", ray=RayOptions(max_retries=1)), tmp_path / "ray", progress=False)
     finally:
         stop.set()
-        killer.join()
-    assert killed, f"no {title} process was seen to kill"
-    assert tree_digest(on_ray.path) == tree_digest(local.path)
+        for killer in killers:
+            killer.join()
+    for title, pids in killed.items():
+        assert pids, f"no {title} process was seen to kill"
+    assert tree_digest(on_ray.path) == tree_digest(local.path), "demo"
 
 
 def test_a_part_whose_worker_dies_every_time_stops_the_build_naming_its_rows(inputs, ray_instance, tmp_path):
