@@ -28,6 +28,14 @@ Checks, each on packs of random lengths with alignment padding, against every sa
   each layer, mixer and mixer step of every sample, the losses and gradients vs each sample alone; the
   first failing module, if any, is the check's error.
 
+- ``trie``: a rollout trie (issue 46: prefixes shared at four levels, a one-token leaf) through a small float32
+  Qwen3.5 wrapped in ``thdpack.integrations.packed_model`` (each Gated DeltaNet layer runs a segment from its
+  parent's final state): every sample's logits at its rows vs the sample alone, relative error < 1e-5. Twice
+  where flash-linear-attention (``fla``) imports on CUDA: transformers' torch scan and convolution forced, then
+  fla's kernels (what transformers picks when fla is installed), with fla alone vs torch alone for scale; each
+  result names the implementation every function ran. On a CPU (``--device cpu``) only the torch path runs
+  (a dry run of the same code) and the fla path says it was skipped for want of CUDA.
+
 - ``ceiling``, ``varlen``, ``mfu``, ``paths``: the headline's proof (issue 31; ``benchmarks/gpu_proof.py``): the
   matmul ceiling, PyTorch's varlen kernel as an attention backend vs each sample alone, the MFU table (TFLOP/s by
   ``Σ sᵢ²``, by pack length², by FlopCounterMode), and packed vs flattening-collator vs padded tokens/s with the
@@ -505,10 +513,145 @@ def check_packing_on_device(args, dev) -> dict:
     return out
 
 
+# ---- rollout tries (issue 46) on a hybrid model: state forks through packed_model --------------------------
+
+TRIE_SHAPE = [(24, [(16, [(12, [(8, [(1, []), (6, [])]), (10, [])]), (14, [])]), (20, [(0, []), (9, [])])]),
+              (10, [(7, []), (5, [])])]  # group 0: four shared levels, a one-token leaf, a leaf equal to its prefix
+GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update")
+
+
+def _trie_samples(scale: int, seed: int = 11) -> list[dict]:
+    """One sample per leaf of :data:`TRIE_SHAPE` (node lengths times ``scale``; a group per root), every
+    token a target."""
+    rng = np.random.default_rng(seed)
+    samples = []
+
+    def walk(node, tokens, group):
+        length, children = node
+        tokens = tokens + rng.integers(3, HYBRID_VOCAB, length * scale).tolist()
+        if not children:
+            samples.append({"input_ids": tokens, "labels": tokens, "group": group})
+        for child in children:
+            walk(child, tokens, group)
+
+    for g, root in enumerate(TRIE_SHAPE):
+        walk(root, [], g)
+    return samples
+
+
+def _shared_depth(batch) -> int:
+    """Shared levels on the trie's longest path."""
+    tree = batch.prefix_tree
+    depth = []
+    for d, p in enumerate(tree.parents.tolist()):
+        depth.append((0 if p < 0 else depth[p]) + int(tree.segment_sample[d] < 0))
+    return max(depth, default=0)
+
+
+def _closure_of(fn, name: str):
+    """The variable ``name`` of the closure inside a transformers kernel-or-fallback function: through the
+    ``kernels`` package's function module (``Func``, whose ``forward`` closes over ``func``) and
+    ``functools.wraps`` layers; None where there is none."""
+    f, seen = fn, 0
+    while f is not None and seen < 8:
+        seen += 1
+        target = type(f).forward if isinstance(f, torch.nn.Module) else f
+        try:
+            found = inspect.getclosurevars(target).nonlocals
+        except (TypeError, ValueError):
+            found = {}
+        if name in found:
+            return found[name]
+        f = found.get("func", getattr(f, "__wrapped__", None))
+    return None
+
+
+def _implementation(fn) -> str:
+    """What a transformers kernel-or-fallback function runs on CUDA inputs: ``torch`` (its reference code) or the
+    package function it found (``fla.ops...``); ``unknown`` where that cannot be read."""
+    impl, ref = _closure_of(fn, "implementation"), _closure_of(fn, "torch_function")
+    if impl is None:
+        return "unknown"
+    return "torch" if impl is ref else f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', impl)}"
+
+
+def _torch_function(fn):
+    """The reference torch code under a kernel-or-fallback function (``fn`` itself where none is found)."""
+    return _closure_of(fn, "torch_function") or fn
+
+
+def _trie_run(model, batch, samples, gdn, force_torch: bool) -> tuple[dict, list]:
+    """``(result, logits alone)``: the trie call's worst relative error over the samples vs each alone, with
+    the implementation each Gated DeltaNet function ran (transformers' torch code when ``force_torch``)."""
+    functions = {n: getattr(gdn, n) for n in GDN_FUNCTIONS if hasattr(gdn, n)}
+    patches = [mock.patch.object(gdn, n, _torch_function(f)) for n, f in functions.items()] if force_torch else []
+    for p in patches:
+        p.start()
+    try:
+        dev = batch.input_ids.device
+        path = {n: "torch" if force_torch else _implementation(f) for n, f in functions.items()}
+        if dev.type != "cuda":  # transformers runs the torch code for inputs on a device the package lacks
+            path = {n: "torch (inputs on the CPU)" for n in functions}
+        with torch.no_grad():
+            logits = model(**to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False),
+                           use_cache=False).logits[0].float()
+            rows = torch.split(batch.prefix_tree.unshared_rows.to(dev), batch.prefix_tree.sample_lens.tolist())
+            alone, errs = [], []
+            for s, r in zip(samples, rows):
+                want = model(input_ids=torch.tensor(s["input_ids"], device=dev)[None], use_cache=False).logits[0].float()
+                alone.append(want)
+                errs.append(float((logits[r] - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+    finally:
+        for p in patches:
+            p.stop()
+    worst = int(np.argmax(errs))
+    return {"path": path, "max_rel_err": errs[worst], "worst_sample": worst, "tolerance": 1e-5}, alone
+
+
+def check_trie(args, dev) -> dict:
+    """A depth-4 trie through ``packed_model`` on a small float32 Qwen3.5 vs each sample alone (the module
+    docstring)."""
+    from thdpack.integrations import packed_model
+
+    try:
+        import transformers.models.qwen3_5.modeling_qwen3_5 as gdn
+    except ImportError as exc:
+        return {"skipped": f"transformers has no Qwen3.5 ({exc})"}
+    samples = _trie_samples(1 if args.quick else 8)
+    batch = thdpack.build_thd_batch(samples, share_prefix="group", min_prefix_len=1, pad_multiple=8).to(dev)
+    if batch.prefix_tree is None or _shared_depth(batch) < 3:
+        return {"error": "the samples did not build a trie of depth 3 or more"}
+    model = packed_model(_hybrid_model("qwen3_5", dev, torch.float32, args.quick).eval())
+    fla = _kernel_packages()["fla"]
+    out = {"dtype": "float32", "samples": len(samples), "segments": int(batch.seq_lens.numel()),
+           "shared_depth": _shared_depth(batch), "tokens": int(batch.seq_lens.sum()),
+           "unshared_tokens": int(batch.prefix_tree.sample_lens.sum()), "fla_importable": fla is True,
+           "cuda": "present" if dev.type == "cuda" else
+           "absent: a CPU dry run of the torch path; the fla path needs CUDA and is skipped"}
+    out["torch_path"], torch_alone = _trie_run(model, batch, samples, gdn, force_torch=True)
+    if dev.type != "cuda":
+        out["fla_path"] = {"skipped": "no CUDA device: fla's Triton kernels run on CUDA only"}
+    elif fla is not True:
+        out["fla_path"] = {"skipped": f"flash-linear-attention (fla) not importable ({fla})"}
+    else:
+        out["fla_path"], fla_alone = _trie_run(model, batch, samples, gdn, force_torch=False)
+        out["fla_path"]["fla_alone_vs_torch_alone_rel"] = max(
+            float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(fla_alone, torch_alone))
+        if all(v == "torch" for v in out["fla_path"]["path"].values()):
+            out["fla_path"]["note"] = "fla imports but transformers did not pick it: the torch code ran twice"
+    ran = [name for name in ("torch_path", "fla_path") if "max_rel_err" in out[name]]
+    out["paths_run"] = ran
+    failed = [name for name in ran if not out[name]["max_rel_err"] < out[name]["tolerance"]]
+    if failed:
+        out["error"] = f"a sample's logits on the trie differ from the sample alone: {', '.join(failed)}"
+    return out
+
+
 CHECKS = {"ceiling": gpu_proof.check_ceiling, "varlen": gpu_proof.check_varlen, "mfu": gpu_proof.check_mfu,
           "paths": gpu_proof.check_paths, "flash_varlen": check_flash_varlen, "te_thd": check_te_thd,
           "flex": check_flex, "gdn": check_gdn, "step": check_step, "hybrid": check_hybrid,
-          "check": check_packing_on_device}
+          "check": check_packing_on_device, "trie": check_trie}
 
 
 def _version(package: str) -> str | None:

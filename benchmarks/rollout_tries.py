@@ -13,9 +13,19 @@ Layouts of the same samples, one pack per group: ``unshared`` (every rollout who
 prompt once: ``share_prefix`` with the declared ``prefix_len``), ``trie`` (every shared turn once:
 ``share_prefix`` without it). Columns: real stream tokens (what the MLP and projections see), the ratio to
 unshared, and the ceiling (each group's distinct tokens / all its tokens, what a perfect trie lays out).
-Step time: a small Qwen3 (4 layers, hidden 256, sdpa, one thread) forward + backward of the token-mean
-``packed_loss`` over every group's pack, best of ``--repeats``; the three losses must agree (exit 1 otherwise).
-Hybrid models (Qwen3.5) cannot run a shared layout yet: their layers must fork their state (issue 46 point 3).
+Step time, per model of ``--models`` (default both): forward + backward of the token-mean ``packed_loss`` over
+every group's pack, best of ``--repeats``, one thread; the three losses must agree (exit 1 otherwise):
+
+- ``qwen3``: a small Qwen3 (4 layers, hidden 256, sdpa);
+- ``qwen3_5``: a small Qwen3.5 of the same size (three Gated DeltaNet layers, one attention layer, sdpa) through
+  ``thdpack.integrations.packed_model``: on a trie each Gated DeltaNet layer runs every segment from its parent's
+  final state (issue 46 point 3); on a CPU transformers' torch scan (flash-linear-attention's kernels on a GPU).
+
+``--quick`` makes the Qwen3.5 smaller (2 layers, hidden 128) so the smoke test stays fast.
+
+Then the FLOPs the unshared count over-states (``thdpack.flops.overcount.trie_overcount``, summed over the groups):
+tokens laid out, the tree's attention ``Σ`` (every segment against its ancestors) and each model's FLOPs, each
+layout against the samples counted unshared.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ import numpy as np
 import torch
 
 from thdpack import build_thd_batch
-from thdpack.integrations import to_hf_kwargs
+from thdpack.flops import lengths_squared_sum, model_flops
+from thdpack.flops.overcount import trie_overcount
+from thdpack.integrations import packed_model, to_hf_kwargs
 from thdpack.losses import packed_loss
 
 VOCAB = 4096
@@ -69,7 +81,7 @@ def layouts(samples: list[dict]) -> dict:
                                     share_prefix="group", min_prefix_len=1)}
 
 
-def small_qwen3():
+def small_qwen3(quick: bool = False):
     import transformers
 
     cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -77,6 +89,45 @@ def small_qwen3():
                                    max_position_embeddings=32768, attn_implementation="sdpa")
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(cfg)
+
+
+def small_qwen3_5(quick: bool = False):
+    """A small Qwen3.5 (Gated DeltaNet + attention) through ``packed_model``: 4 layers of hidden 256 (one of
+    them attention), as the Qwen3; with ``quick`` 2 layers of hidden 128."""
+    import transformers
+
+    h, d, layers = (128, 32, ["linear_attention", "full_attention"]) if quick else (
+        256, 64, ["linear_attention"] * 3 + ["full_attention"])
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=len(layers), layer_types=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=d, linear_conv_kernel_dim=4, linear_key_head_dim=d,
+        linear_value_head_dim=d, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=32768,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return packed_model(transformers.Qwen3_5ForCausalLM(cfg))
+
+
+MODELS = {"qwen3": small_qwen3, "qwen3_5": small_qwen3_5}
+
+
+def flops_over(batches, config) -> dict:
+    """``trie_overcount`` of every group's batch summed (the unshared layout: its own counts, nothing over):
+    ``{"tokens", "unshared_tokens", "attention", "unshared_attention", "model", "unshared_model"}``."""
+    out = dict.fromkeys(("tokens", "unshared_tokens", "attention", "unshared_attention", "model", "unshared_model"), 0)
+    for batch in batches:
+        if batch.prefix_tree is None:
+            tokens, sq = batch.num_tokens, lengths_squared_sum(batch.seq_lens)
+            counts = dict(tokens=tokens, unshared_tokens=tokens, attention=sq, unshared_attention=sq,
+                          model=model_flops(config, tokens, sq), unshared_model=model_flops(config, tokens, sq))
+        else:
+            r = trie_overcount(batch, config)
+            counts = dict(tokens=r.tokens, unshared_tokens=r.unshared_tokens, attention=r.attention,
+                          unshared_attention=r.unshared_attention, model=r.model_flops,
+                          unshared_model=r.unshared_model_flops)
+        for key, value in counts.items():
+            out[key] += value
+    return out
 
 
 def step(model, batches) -> tuple[float, float]:
@@ -99,8 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--branch", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="4 groups, lengths / 8, one repeat (CI)")
+    ap.add_argument("--models", default="qwen3,qwen3_5", help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--quick", action="store_true", help="4 groups, lengths / 8, one repeat, a smaller Qwen3.5 (CI)")
     args = ap.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        ap.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
     scale = 8.0 if args.quick else args.scale
     groups = 4 if args.quick else args.groups
     torch.set_num_threads(1)
@@ -112,18 +168,37 @@ def main(argv=None) -> int:
             per_layout[name].append(batch)
     tokens = {name: sum(b.num_tokens for b in bs) for name, bs in per_layout.items()}
     ceiling = sum(d for _, d in made) / tokens["unshared"]
-    model = small_qwen3()
+    models = {name: MODELS[name](args.quick) for name in names}
+    times = {m: {} for m in names}
+    worst = {}
+    for m, model in models.items():
+        losses = {}
+        for name, batches in per_layout.items():
+            runs = [step(model, batches) for _ in range(1 if args.quick else args.repeats)]
+            times[m][name], losses[name] = min(t for t, _ in runs), runs[0][1]
+        worst[m] = max(abs(losses[n] - losses["unshared"]) / abs(losses["unshared"]) for n in losses)
+
     print(f"{groups} groups of {args.rollouts} rollouts; ceiling (distinct / all tokens) {ceiling:.3f}")
-    print(f"{'layout':<10} {'tokens':>9} {'/unshared':>9} {'step s':>8} {'speed-up':>8}")
-    times, losses = {}, {}
+    print(f"{'layout':<10} {'tokens':>9} {'/unshared':>9}" + "".join(f" {m + ' s':>10} {'speed-up':>8}" for m in names))
+    for name in per_layout:
+        print(f"{name:<10} {tokens[name]:>9,} {tokens[name] / tokens['unshared']:>9.3f}"
+              + "".join(f" {times[m][name]:>10.2f} {times[m]['unshared'] / times[m][name]:>8.2f}" for m in names))
+    for m in names:
+        print(f"{m}: losses agree to {worst[m]:.1e} (relative)")
+
+    print("\nWhat counting the samples unshared over-states (trie_overcount, summed over the groups):")
+    print(f"{'layout':<10} {'tokens':>9} {'Σ attention':>12} {'tokens x':>9} {'attention x':>11}"
+          + "".join(f" {m + ' FLOPs x':>14}" for m in names))
     for name, batches in per_layout.items():
-        runs = [step(model, batches) for _ in range(1 if args.quick else args.repeats)]
-        times[name], losses[name] = min(t for t, _ in runs), runs[0][1]
-        print(f"{name:<10} {tokens[name]:>9,} {tokens[name] / tokens['unshared']:>9.3f} {times[name]:>8.2f} "
-              f"{times['unshared'] / times[name]:>8.2f}")
-    worst = max(abs(losses[n] - losses["unshared"]) / abs(losses["unshared"]) for n in losses)
-    print(f"losses agree to {worst:.1e} (relative)")
-    return 0 if worst < 1e-4 else 1
+        over = {m: flops_over(batches, model.config) for m, model in models.items()}
+        f = next(iter(over.values()))
+        print(f"{name:<10} {f['tokens']:>9,} {f['attention']:>12,} {f['unshared_tokens'] / f['tokens']:>9.3f} "
+              f"{f['unshared_attention'] / f['attention']:>11.3f}"
+              + "".join(f" {over[m]['unshared_model'] / over[m]['model']:>14.3f}" for m in names))
+    print("group 0's trie, trie_overcount(batch, config) with the first model's config:")
+    for line in trie_overcount(per_layout["trie"][0], next(iter(models.values())).config).lines():
+        print("  " + line)
+    return 0 if max(worst.values()) < 1e-4 else 1
 
 
 if __name__ == "__main__":

@@ -5,17 +5,26 @@ Charging every pack as one ``pack_len``-token sequence counts attention as
 or top-k layer is charged ``n_packs · G(pack_len)`` for ``Σ G(sᵢ)`` (:func:`length_count`).
 The factors here are the one definition of that over-count: the offline build's statistics
 (:mod:`thdpack.offline.commands.pack_stats`, :mod:`thdpack.offline.commands.model_record`) and the examples use them.
+
+A shared-prefix batch (a one-level prefix or a rollout trie, issue 46) has the other over-count: counting its
+samples as the unshared batch charges every shared segment once per sample below it. :func:`trie_overcount`
+compares the two (tokens, attention, and with a config the whole model).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from thdpack.common.align import check_int, integer_array
 from thdpack.flops.model import model_flops, needed_length_counts
-from thdpack.flops.sequences import check_count, length_count, lengths_squared_sum
+from thdpack.flops.sequences import (check_count, length_count, lengths_squared_sum, tree_length_count,
+                                      tree_seqlen_squared_sum)
 
-__all__ = ["attention_overcount_factor", "model_overcount_factor", "overcount_report"]
+__all__ = ["TrieOvercount", "attention_overcount_factor", "model_overcount_factor", "overcount_report",
+           "trie_overcount"]
 
 
 def _check_overcount_args(n_packs, pack_len, real_tokens, seqlen_squared_sum) -> None:
@@ -117,3 +126,117 @@ def overcount_report(plan=None, *, pack_lengths=None, pack_len: int | None = Non
 
 def _length_overcount(real: int, claimed: int) -> dict:
     return {"real": real, "pack_len_count": claimed, "overcount": claimed / real if real else None}
+
+
+# --------------------------------------------------------------------------- shared prefixes and tries
+
+
+@dataclass(frozen=True)
+class TrieOvercount:
+    """What counting a shared-prefix batch (one level or a trie) as its unshared batch over-states
+    (:func:`trie_overcount`). Counts are exact Python ints.
+
+    Attributes:
+        samples: samples in the batch; ``segments``: segments laid out (``batch.seq_lens``), of which
+            ``shared_segments`` hold a shared prefix; ``depth``: segments on the longest root-to-leaf path.
+        tokens: real tokens laid out (``Σ seq_lens``: what the MLP and projections see).
+        unshared_tokens: the samples' tokens, every prefix repeated (``Σ sample_lens``).
+        attention: the tree's ``Σ sᵢ²`` (:func:`~thdpack.flops.sequences.tree_seqlen_squared_sum`: every
+            segment against all its ancestors and itself, causally).
+        unshared_attention: the unshared batch's ``Σ Lⱼ²`` over the sample lengths.
+        length_counts: with a config whose model has sliding windows or top-k attention:
+            ``{name: (tree count, unshared count)}``.
+        model_flops, unshared_model_flops: with a config, :func:`~thdpack.flops.model.model_flops` of each.
+    """
+
+    samples: int
+    segments: int
+    shared_segments: int
+    depth: int
+    tokens: int
+    unshared_tokens: int
+    attention: int
+    unshared_attention: int
+    length_counts: dict | None = None
+    model_flops: int | None = None
+    unshared_model_flops: int | None = None
+
+    @property
+    def token_overcount(self) -> float:
+        """``unshared_tokens / tokens`` (>= 1): the over-count of a per-token (MLP, projections) count."""
+        return self.unshared_tokens / self.tokens
+
+    @property
+    def attention_overcount(self) -> float:
+        """``unshared_attention / attention`` (>= 1): the over-count of the unshared ``Σ Lⱼ²``."""
+        return self.unshared_attention / self.attention
+
+    @property
+    def model_overcount(self) -> float | None:
+        """``unshared_model_flops / model_flops`` with a config, else None."""
+        return None if self.model_flops is None else self.unshared_model_flops / self.model_flops
+
+    def lines(self) -> list[str]:
+        """The report as text lines (the benchmarks print them)."""
+        out = [f"{self.samples} samples in {self.segments} segments ({self.shared_segments} shared prefixes, "
+               f"depth {self.depth})",
+               f"tokens: {self.tokens:,} laid out, {self.unshared_tokens:,} unshared (over-count "
+               f"{self.token_overcount:.3f}x)",
+               f"attention: Σ {self.attention:,} on the tree, Σ Lⱼ² {self.unshared_attention:,} unshared (over-count "
+               f"{self.attention_overcount:.3f}x)"]
+        for name, (tree, flat) in (self.length_counts or {}).items():
+            factor = f"{flat / tree:.3f}x" if tree else "undefined"
+            out.append(f"{name}: {tree:,} on the tree, {flat:,} unshared (over-count {factor})")
+        if self.model_flops is not None:
+            out.append(f"model FLOPs: {self.model_flops:.4g} on the tree, {self.unshared_model_flops:.4g} unshared "
+                       f"(over-count {self.model_overcount:.3f}x)")
+        return out
+
+
+def trie_overcount(batch, config=None, **options) -> TrieOvercount:
+    """The over-count of counting a shared-prefix batch's samples unshared (issue 46): real tokens laid out vs
+    ``Σ sample_lens``, the tree's attention work (each segment against its ancestors,
+    :func:`~thdpack.flops.sequences.tree_seqlen_squared_sum`; each sample's share of it added up gives the same
+    total) vs the unshared ``Σ Lⱼ²``; with ``config`` (and :func:`~thdpack.flops.model.model_flops`'s
+    ``options``) the whole model's FLOPs of each, window / top-k layers counted on the tree
+    (:func:`~thdpack.flops.sequences.tree_length_count`).
+
+    Args:
+        batch: a :class:`thdpack.ThdBatch` built with ``share_prefix`` (``batch.prefix_tree`` set; any device).
+
+    Raises:
+        ValueError: ``batch`` has no prefix tree (built without ``share_prefix``, or no group shared a prefix:
+            its unshared count is already exact), is one CP rank's shard, or holds no real tokens.
+    """
+    tree = getattr(batch, "prefix_tree", None)
+    if tree is None:
+        raise ValueError("trie_overcount needs a shared-prefix batch (build_thd_batch(..., share_prefix=...) whose "
+                         "groups share a prefix: batch.prefix_tree is None); a batch without one has no over-count: "
+                         "its seqlen_squared_sum(batch) is already the work")
+    if getattr(batch, "is_shard", False):
+        raise ValueError("trie_overcount takes the whole batch, not one CP rank's shard")
+    lens = batch.seq_lens.detach().cpu().to(torch.int64)
+    parents = tree.parents.detach().cpu()
+    sample_lens = tree.sample_lens.detach().cpu()
+    tokens, unshared_tokens = int(lens.sum()), int(sample_lens.sum())
+    attention = tree_seqlen_squared_sum(lens, parents)
+    unshared_attention = lengths_squared_sum(sample_lens)
+    if not tokens or not attention:
+        raise ValueError("the batch holds no real tokens: the over-count is undefined")
+    depth = [0] * len(parents)
+    for d, p in enumerate(parents.tolist()):  # a parent precedes its children
+        depth[d] = 1 if p < 0 else depth[p] + 1
+    extra = {}
+    if config is not None:
+        names = needed_length_counts(config, **options)
+        counts = {name: (tree_length_count(lens, parents, name), length_count(sample_lens, name)) for name in names}
+        extra = dict(
+            length_counts=counts or None,
+            model_flops=model_flops(config, tokens, attention, counts={k: v[0] for k, v in counts.items()} or None,
+                                    **options),
+            unshared_model_flops=model_flops(config, unshared_tokens, unshared_attention,
+                                             counts={k: v[1] for k, v in counts.items()} or None, **options))
+    return TrieOvercount(samples=int(sample_lens.numel()), segments=int(lens.numel()),
+                         shared_segments=int(tree.num_shared_groups), depth=max(depth, default=0), tokens=tokens,
+                         unshared_tokens=unshared_tokens, attention=attention, unshared_attention=unshared_attention,
+                         **extra)
