@@ -125,7 +125,8 @@ def test_tries_against_the_samples(case):
     real = real_slots(batch)  # FLOPs: twice the real pairs less the real tokens, at any depth
     assert seqlen_squared_sum(batch) == 2 * int(attention_mask_4d(batch)[0, 0][real][:, real].sum()) - batch.num_tokens
     # the planner's budget: every member's share of its group's layout sums to the stream the build lays out
-    shared, slots = group_shares(build_thd_batch(samples), samples, "group", case["min_prefix_len"], m)
+    layout = group_shares(build_thd_batch(samples), samples, "group", case["min_prefix_len"], m)
+    shared, slots = layout.shared, layout.slots
     lens = batch.prefix_tree.sample_lens.numpy()
     assert int((lens - shared).sum()) == batch.num_tokens
     segments = batch.seq_lens.numpy().astype(np.int64)
@@ -255,9 +256,43 @@ def test_the_collator_counts_a_trie_against_the_pack_budget():
     from thdpack import plan_balanced
     from thdpack.planning.prefix_budget import SharedLayout
 
-    layout = SharedLayout(*group_shares(build_thd_batch(samples), samples, "group", 1))
+    layout = group_shares(build_thd_batch(samples), samples, "group", 1)
     lengths = [len(s["input_ids"]) for s in samples]
-    with pytest.raises(TypeError, match=r"a SharedLayout \(tries\) is for plan_packs"):
-        plan_balanced(lengths, tree.num_tokens, num_replicas=1, groups=[0] * len(samples), shared_prefix=layout)
+    balanced = plan_balanced(lengths, tree.num_tokens, num_replicas=1, groups=[0] * len(samples), shared_prefix=layout)
+    assert len(balanced.plan) == 1 and balanced.plan.stats.real_tokens == tree.num_tokens
+    # a group over two packs counts its one-level prefix in each (the members there may share less)
+    split = plan_balanced(lengths, tree.num_tokens - 1, num_replicas=1, micro_batches=3, groups=[0] * len(samples),
+                          shared_prefix=layout)
+    firsts = split.plan.pack_offsets[:-1]
+    assert len(split.plan) > 1 and split.plan.shared_length[firsts].tolist() == [0] * len(split.plan)
+    assert set(split.plan.shared_length.tolist()) <= {0, int(layout.prefix[0])} and layout.prefix[0] == 1
     with pytest.raises(ValueError, match=r"SharedLayout: sample 0 \(length 2\) has shared=3"):
         plan_packs(lengths, 64, groups=[0] * len(samples), shared_prefix=SharedLayout([3, 0, 0, 0], [2, 2, 2, 2]))
+
+
+def test_rebalance_counts_a_trie_against_the_pack_budget():
+    """``rebalance(share_prefix=...)`` plans each text group as its build lays it out: groups whose tries fit a
+    pack (their one-level layouts do not) run in one pack each, built as that pack's samples alone build."""
+    from thdpack import rebalance
+
+    samples = [dict(s, group=g, uid=10 * g + i) for g in range(3)
+               for i, s in enumerate(trie_samples([DEEP_GROUP], seed=g, vocab=50, cuts=[2]))]
+    trees = [build_thd_batch([s for s in samples if s["group"] == g], share_prefix="group", min_prefix_len=1)
+             for g in range(3)]
+    flat = [build_thd_batch([dict(s, prefix_len=1) for s in samples if s["group"] == g], share_prefix="group",
+                            min_prefix_len=1) for g in range(3)]
+    pack_size = max(t.num_tokens for t in trees)
+    assert all(trie_depth(t) >= 3 for t in trees) and min(f.num_tokens for f in flat) > pack_size
+    batches, handle = rebalance(samples, pack_size, share_prefix="group", min_prefix_len=1, sample_values=["uid"])
+    real = [b for b, f in zip(batches, handle.filler) if not f]
+    assert len(real) == 3 and sorted(u for b in real for u in b.sample_values["uid"].tolist()) == \
+        sorted(s["uid"] for s in samples)
+    for batch in real:
+        ids = batch.sample_index.tolist()
+        alone = build_thd_batch([samples[g] for g in ids], share_prefix="group", min_prefix_len=1)
+        assert batch.num_padded_tokens <= pack_size and trie_depth(batch) >= 3
+        assert torch.equal(batch.input_ids, alone.input_ids) and torch.equal(batch.prefix_tree.parents,
+                                                                             alone.prefix_tree.parents)
+
+
+DEEP_GROUP = (6, [(4, [(3, [(2, []), (3, [])]), (5, [])]), (4, [(2, []), (6, [])])])

@@ -23,6 +23,7 @@ from thdpack.batching.batch import ThdBatch
 from thdpack.batching.layout import BatchLayout, padded_lengths
 from thdpack.batching.prefix_tree import PrefixTree
 from thdpack.batching.trie import member_layout, trie_prefix_tree, trie_segments
+from thdpack.planning.prefix_budget import SharedLayout
 from thdpack.common.align import check_int, round_up
 from thdpack.common.samples import SampleError, get_field
 from thdpack.planning.plan import number_groups
@@ -73,14 +74,16 @@ def build_shared_batch(flat: ThdBatch, samples: Sequence, layout: BatchLayout, s
 
 
 def group_shares(flat: ThdBatch, samples: Sequence, share_prefix: str, min_prefix_len: int,
-                 multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """``(shared, slots)`` int64 ``[n]`` of text samples as :func:`build_shared_batch` lays their groups out (a
+                 multiple: int = 1) -> SharedLayout:
+    """The planner's budget for text samples laid out as :func:`build_shared_batch` lays their groups out (a
     trie where it lays out fewer slots than one level): each sample's tokens laid out by earlier members of its
-    group, and the padded slots it adds (:func:`thdpack.batching.trie.member_layout`), for a planner's budget."""
+    group and the padded slots it adds (:func:`thdpack.batching.trie.member_layout`), and its group's one-level
+    prefix (:func:`group_prefixes`, for a group a planner spreads over several packs)."""
     prefix = group_prefixes(flat, samples, share_prefix, min_prefix_len, multiple)
     group_of = number_groups(read_groups(samples, share_prefix))
-    return member_layout(flat.input_ids.numpy(), flat.labels.numpy(), flat.cu_seqlens.numpy().astype(np.int64),
-                         group_of, prefix, _declared(samples), min_prefix_len, multiple)
+    shared, slots = member_layout(flat.input_ids.numpy(), flat.labels.numpy(), flat.cu_seqlens.numpy().astype(np.int64),
+                                  group_of, prefix, _declared(samples), min_prefix_len, multiple)
+    return SharedLayout(shared, slots, prefix)
 
 
 def _declared(samples: Sequence) -> np.ndarray:

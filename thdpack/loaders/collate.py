@@ -17,7 +17,6 @@ from thdpack.common.align import INT64_MAX, check_int
 from thdpack.batching.layout import BatchLayout, layout_of
 from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, check_share_args, flat_layout, group_prefixes,
                                             group_shares)
-from thdpack.planning.prefix_budget import SharedLayout
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import _shard_for_ulysses, check_ulysses_args, pad_for_ulysses, ulysses_pad_multiple
@@ -172,7 +171,7 @@ class ThdCollator:
             flat = build_batch(samples, flat_layout(self.layout), stacklevel=3)
             share = (self.group_field, self.build_kwargs["min_prefix_len"], self.layout.multiple)
             if self.build_kwargs.get("vlm") is None:  # text: a group's trie counts its segments' slots
-                per_sample["shared_prefix"] = SharedLayout(*group_shares(flat, samples, *share))
+                per_sample["shared_prefix"] = group_shares(flat, samples, *share)
             else:  # VLM groups keep one level
                 per_sample["shared_prefix"] = group_prefixes(flat, samples, *share)
         plan = plan_packs(lengths, **self.options.keywords(), **per_sample)

@@ -27,7 +27,8 @@ from thdpack.batching.builder import build_thd_batch
 from thdpack.batching.layout import LAYOUT_FIELDS, BatchLayout, layout_of, refuse_layout_object
 from thdpack.batching.vision_family import check_vlm
 from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, PREFIX_FIELD, check_share_args, flat_layout,
-                                            group_prefixes, read_groups)
+                                            group_prefixes, group_shares, read_groups)
+from thdpack.planning.prefix_budget import SharedLayout
 from thdpack.common.align import check_positive_int
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
@@ -183,10 +184,12 @@ def _local_prefixes(samples: list, gid: np.ndarray | None, share: tuple, layout:
             raise ValueError(f"groups= and the share_prefix field {field!r} group the samples differently (local "
                              f"sample {i}: groups {int(gid[i])}, {field} {int(own[i])}); give one of them, or both alike")
     if not samples:
-        return own, np.zeros(0, np.int64)
+        empty = np.zeros(0, np.int64)
+        return own, empty if vlm is not None else SharedLayout(empty, empty, empty)
     flat = build_thd_batch(samples, **flat_layout(layout).keywords(), vlm=vlm)
-    limit = None if vlm is None else vlm.prefix_limit(flat)
-    return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple, limit)
+    if vlm is None:  # text: each group as the build lays it out, a trie's segments once (a SharedLayout)
+        return own, group_shares(flat, samples, field, min_prefix_len, layout.multiple)
+    return own, group_prefixes(flat, samples, field, min_prefix_len, layout.multiple, vlm.prefix_limit(flat))
 
 
 def _local_groups(groups, n: int) -> np.ndarray:
@@ -242,10 +245,18 @@ def _build_batches(route: Route, rank: int, held: dict, layout: BatchLayout, bui
 
 def _as_planned(samples: list, part: np.ndarray, route: Route, field: str) -> list[dict]:
     """``samples`` (global ids ``part``) with ``field`` their global group number (two ranks' group 3 are
-    two groups) and :data:`PREFIX_FIELD` the prefix the plan counted, so that the build lays out what was
-    planned (a group's part in one of its packs could have a longer common prefix of another size)."""
-    gid, prefix = route.groups[part].tolist(), route.prefix[part].tolist()
-    return [{**s, field: g, PREFIX_FIELD: p} for s, g, p in zip(samples, gid, prefix)]
+    two groups) and, where the plan counted a one-level prefix, :data:`PREFIX_FIELD` that prefix, so that the
+    build lays out what was planned (a group's part in one of its packs could have a longer common prefix of
+    another size). A text group whole in this pack was planned as its build lays it out (a trie where that is
+    fewer slots: :func:`thdpack.batching.shared_prefix.group_shares`): nothing is declared, the build finds it."""
+    gid = route.groups[part]
+    if not isinstance(route.prefix, SharedLayout):  # VLM: one level, declared
+        return [{**s, field: g, PREFIX_FIELD: p} for s, g, p in zip(samples, gid.tolist(), route.prefix[part].tolist())]
+    here = np.unique(gid, return_counts=True)
+    whole = dict(zip(here[0].tolist(), (here[1] == np.bincount(route.groups)[here[0]]).tolist()))
+    prefix = route.prefix.prefix[part].tolist()
+    return [{**s, field: g} if whole[g] else {**s, field: g, PREFIX_FIELD: p}
+            for s, g, p in zip(samples, gid.tolist(), prefix)]
 
 
 def _without_targets(sample: Mapping, ignore_index: int) -> dict:

@@ -16,7 +16,7 @@ from thdpack.common.align import round_up
 from thdpack.planning.balance import BalancedPlan, CostModel, filler_samples, plan_balanced
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
-from thdpack.planning.prefix_budget import shared_sizes
+from thdpack.planning.prefix_budget import SharedLayout, as_layout, group_slots
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,15 @@ class RankRecord:
         sizes: int64 ``[n]`` bytes of each encoded sample (what the all-to-all moves).
         error: None, or why this rank's input is refused (every rank raises it).
         prefix: int64 ``[n]`` the prefix each sample shares with its group (``share_prefix``; 0: laid
-            out alone), or None without shared prefixes.
+            out alone; VLM samples), or a :class:`thdpack.planning.prefix_budget.SharedLayout` (text: each
+            group as its build lays it out, a trie's segments once), or None without shared prefixes.
     """
 
     lengths: np.ndarray
     groups: np.ndarray | None
     sizes: np.ndarray
     error: str | None = None
-    prefix: np.ndarray | None = None
+    prefix: np.ndarray | SharedLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class Route:
         runner: int64 ``[N]`` the rank whose non-filler micro-batch holds each sample (each exactly once).
         lengths, sizes: int64 ``[N]`` every sample's planned length and encoded bytes.
         held: per rank, int64 sorted unique global ids of the samples its micro-batches hold.
-        groups, prefix: int64 ``[N]`` every sample's global group number and the prefix it shares
-            with its group, with shared prefixes; else None.
+        groups, prefix: int64 ``[N]`` every sample's global group number, and the prefix it shares
+            with its group (or the text samples' ``SharedLayout``: :class:`RankRecord`), with shared
+            prefixes; else None.
         credit: per rank, int64 ``[m_r]`` (aligned with ``batch_ids``) tokens of each slot laid out
             by an earlier member of its pack (its group's prefix; 0 for the first and for fillers).
     """
@@ -71,7 +73,7 @@ class Route:
     sizes: np.ndarray
     held: list
     groups: np.ndarray | None = None
-    prefix: np.ndarray | None = None
+    prefix: np.ndarray | SharedLayout | None = None
     credit: list | None = None
 
     @property
@@ -122,7 +124,7 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     lengths = np.concatenate([r.lengths for r in records]).astype(np.int64)
     groups = _global_groups(records)
-    prefix = None if records[0].prefix is None else np.concatenate([r.prefix for r in records]).astype(np.int64)
+    prefix = _gathered_prefix([r.prefix for r in records])
     try:
         plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
                              shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True,
@@ -165,7 +167,7 @@ def _check_group_sizes(rank: int, rec: RankRecord, align: int, budget: int, micr
     gid = rec.groups
     group_of = number_groups(gid)
     prefix = np.zeros(gid.size, np.int64) if rec.prefix is None else rec.prefix
-    totals = shared_sizes(rec.lengths, prefix, group_of, align)
+    totals = group_slots(as_layout(prefix, rec.lengths, gid, group_of, align), group_of)  # a layout: as given
     over = np.flatnonzero(totals > budget)
     if over.size:
         g = int(over[0])
@@ -184,6 +186,18 @@ def _global_groups(records: list[RankRecord]) -> np.ndarray | None:
         out.append(local + base)
         base += int(local.max()) + 1 if local.size else 0
     return np.concatenate(out).astype(np.int64)
+
+
+def _gathered_prefix(prefixes: list):
+    """Every rank's shared prefixes in rank order: None, int64 ``[N]`` one-level prefixes, or one
+    :class:`thdpack.planning.prefix_budget.SharedLayout` (text: tries; groups are per rank, so each keeps its
+    members' shares)."""
+    if prefixes[0] is None:
+        return None
+    if isinstance(prefixes[0], SharedLayout):
+        return SharedLayout(*(np.concatenate([getattr(p, name) for p in prefixes]).astype(np.int64)
+                              for name in ("shared", "slots", "prefix")))
+    return np.concatenate(prefixes).astype(np.int64)
 
 
 def _with_credit(route: Route, groups: np.ndarray, prefix: np.ndarray) -> Route:

@@ -25,7 +25,7 @@ from thdpack.common.jit import njit
 from thdpack.planning.options import PlanOptions, plan_options
 from thdpack.planning.packing import PackStats, pack_sums
 from thdpack.planning.plan import PackPlan, check_groups, number_groups, plan_packs, validate_lengths, vision_overflow
-from thdpack.planning.prefix_budget import SharedLayout, check_shared_prefix, shared_lengths, shared_sizes
+from thdpack.planning.prefix_budget import SharedLayout, as_layout, group_slots, piece_shared
 from thdpack.planning.rank_fill import (rank_floor, refill_around_bundles, refill_last_step, relabel, straggler,
                                         straggler_bound)
 from thdpack.planning.spread import Items, group_items, piece_items, recut, spread_slack
@@ -224,9 +224,6 @@ def plan_balanced(
     options = plan_options("plan_balanced", {"pack_size": pack_size, **plan_keywords})
     shape = dict(num_replicas=num_replicas, micro_batches=micro_batches, cost=cost,
                  shuffle_steps=check_bool(shuffle_steps, "shuffle_steps"), fillers=check_bool(fillers, "fillers"))
-    if isinstance(shared_prefix, SharedLayout):
-        raise TypeError("plan_balanced takes shared_prefix as int [n] one-level prefixes (a group over one pack lays "
-                        "its prefix out in each); a SharedLayout (tries) is for plan_packs")
     split = None if groups is None else _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
     if split is not None and split.big.any():  # some group needs several packs
         return _plan_bundles(split, options, **shape)
@@ -240,7 +237,7 @@ def _plan_whole_groups(plan: PackPlan, split: _GroupSplit | None, options: PlanO
     """Steps 2–5 of :func:`plan_balanced` for ``plan`` (:func:`thdpack.plan_packs`'s), whose pieces (or groups,
     ``split``) each fit one pack."""
     items_of = (lambda p: piece_items(p, cost)) if split is None else \
-        (lambda p: group_items(p, split.group_of, cost, split.prefix))
+        (lambda p: group_items(p, split.group_of, cost, split.layout))
     planned, fresh = len(plan), 0
     if split is None or fillers:  # a grouped plan without fillers keeps plan_packs' packs
         plan, fresh = spread_slack(plan, items_of(plan), cost.pack_costs(plan), num_replicas * micro_batches,
@@ -371,10 +368,10 @@ def _floor(plan: PackPlan, items: Items, cost: CostModel, options: PlanOptions, 
         fits &= items.vision <= options.vision_budget
     piece_min = float(piece_items(plan, cost).cost.min()) if plan.length.size else 0.0
     item_cost = items.cost
-    if items.prefix is not None and not fits.all():  # a group over one pack lays its prefix out in each of its
-        first = np.unique(items.of_piece, return_index=True)[1]  # packs: at least size / pack_size of them
-        p = np.zeros(items.size.size)
-        p[items.of_piece[first]] = items.prefix[plan.sample_index[first]]
+    if items.layout is not None and items.layout.prefix is not None and not fits.all():  # a group over one pack
+        first = np.unique(items.of_piece, return_index=True)[1]  # lays its prefix out in each of its packs: at
+        p = np.zeros(items.size.size)  # least size / pack_size of them
+        p[items.of_piece[first]] = items.layout.prefix[plan.sample_index[first]]
         extra = np.maximum(0, -(-items.size // options.pack_size) - 1)
         item_cost = item_cost + extra * (cost.linear * p + cost.quadratic * p * p)
     return rank_floor(item_cost, np.where(fits, 1, np.minimum(micro_batches, items.pieces)).astype(np.int64),
@@ -499,8 +496,8 @@ class _GroupSplit:
     """Checked inputs of a grouped plan whose groups do not all fit one pack.
 
     ``lengths`` / ``sizes`` (aligned) / ``gid`` / ``group_of`` (groups numbered 0.. by first
-    appearance): int64 ``[n]``; ``vision``: int64 ``[n]`` or None; ``big``: bool ``[G]``; ``prefix``:
-    int64 ``[n]`` shared prefixes, or None.
+    appearance): int64 ``[n]``; ``vision``: int64 ``[n]`` or None; ``big``: bool ``[G]``; ``layout``:
+    the shared segments (:class:`thdpack.planning.prefix_budget.SharedLayout`), or None.
     """
 
     lengths: np.ndarray
@@ -509,7 +506,7 @@ class _GroupSplit:
     gid: np.ndarray
     group_of: np.ndarray
     big: np.ndarray
-    prefix: np.ndarray | None = None
+    layout: SharedLayout | None = None
 
 
 def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> _GroupSplit:
@@ -521,16 +518,16 @@ def _split_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_
     group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
     sizes = round_up(lengths, options.align)
-    prefix = None if shared_prefix is None else check_shared_prefix(shared_prefix, lengths, gid, group_of)
-    if prefix is None:
+    layout = as_layout(shared_prefix, lengths, gid, group_of, options.align)
+    if layout is None:
         big = np.bincount(group_of, weights=sizes, minlength=num_groups) > pack_size
     else:
-        big = shared_sizes(lengths, prefix, group_of, options.align) > pack_size
+        big = group_slots(layout, group_of) > pack_size
     vision = None
     if vision_lengths is not None or vision_budget is not None:
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         big |= np.bincount(group_of, weights=vision, minlength=num_groups) > vision_budget
-    return _GroupSplit(lengths, sizes, vision, gid, group_of, big, prefix)
+    return _GroupSplit(lengths, sizes, vision, gid, group_of, big, layout)
 
 
 def _name_group(split: _GroupSplit, members: np.ndarray) -> str:
@@ -597,7 +594,7 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
     small = np.flatnonzero(~split.big[split.group_of])
     small_plan = plan_packs(split.lengths[small], groups=split.gid[small], **options.keywords(),
                             vision_lengths=None if split.vision is None else split.vision[small],
-                            shared_prefix=None if split.prefix is None else split.prefix[small])
+                            shared_prefix=None if split.layout is None else split.layout.subset(small))
     big = _pack_big_groups(split, options, micro_batches)
     plan, bundles = _with_bundles(split, small, small_plan, big, options)
     costs = cost.pack_costs(plan)
@@ -605,8 +602,8 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
     small_groups = number_groups(split.gid[small])
     free = min(slots - int(big[1].size), int(small_groups.max()) + 1 if small.size else 0)
     if free > len(small_plan):  # spread the single packs over every slot the bundles leave
-        small_prefix = None if split.prefix is None else split.prefix[small]
-        spread = recut(small_plan, group_items(small_plan, small_groups, cost, small_prefix), free)
+        small_layout = None if split.layout is None else split.layout.subset(small)
+        spread = recut(small_plan, group_items(small_plan, small_groups, cost, small_layout), free)
         if spread is not None:
             plan, bundles = _with_bundles(split, small, spread, big, options)
             costs = cost.pack_costs(plan)
@@ -615,9 +612,9 @@ def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int
     steps, repeated, filler = _bundle_steps(singles, bundles, costs, num_replicas, micro_batches, filler_costs)
     dealt = _Dealt(plan, steps, costs, repeated, filler, filler_costs)
     if fillers:
-        dealt = _bundle_repair(dealt, bundles, lambda p: group_items(p, split.group_of, cost, split.prefix), cost,
+        dealt = _bundle_repair(dealt, bundles, lambda p: group_items(p, split.group_of, cost, split.layout), cost,
                                options, micro_batches)
-    return _balanced(dealt, group_items(dealt.plan, split.group_of, cost, split.prefix), options,
+    return _balanced(dealt, group_items(dealt.plan, split.group_of, cost, split.layout), options,
                      num_replicas=num_replicas, micro_batches=micro_batches, cost=cost, shuffle_steps=shuffle_steps,
                      fillers=fillers)
 
@@ -654,7 +651,7 @@ def _with_bundles(split: _GroupSplit, small: np.ndarray, small_plan: PackPlan, b
     pack_offsets = np.concatenate([small_plan.pack_offsets, small_plan.pack_offsets[-1] + np.cumsum(big_counts)])
     length = split.lengths[sample_index]
     vision_length = None if split.vision is None else split.vision[sample_index]
-    shared = None if split.prefix is None else shared_lengths(sample_index, pack_offsets, split.group_of, split.prefix)
+    shared = None if split.layout is None else piece_shared(sample_index, pack_offsets, split.group_of, split.layout)
     stats = PackStats.from_packs(length if shared is None else length - shared, pack_offsets, int(options.pack_size),
                                  align=options.align, num_samples=int(split.lengths.size), vision_length=vision_length,
                                  vision_budget=None if split.vision is None else int(options.vision_budget))

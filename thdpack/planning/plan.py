@@ -18,7 +18,7 @@ from thdpack.planning import binpack
 from thdpack.common.align import INT64_MAX, check_int, first_non_int64, round_up
 from thdpack.planning.options import PlanOptions, plan_options
 from thdpack.planning.packing import PackStats, cut_overflow
-from thdpack.planning.prefix_budget import SharedLayout, check_shared_prefix, shared_lengths, shared_sizes
+from thdpack.planning.prefix_budget import as_layout, group_slots, piece_shared
 from thdpack.common.samples import SampleError
 
 
@@ -266,14 +266,11 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_p
     gid = check_groups(groups, lengths.size)
     group_of = number_groups(gid)
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
-    layout = shared_prefix.checked(lengths) if isinstance(shared_prefix, SharedLayout) else None
-    prefix = None if shared_prefix is None or layout else check_shared_prefix(shared_prefix, lengths, gid, group_of)
-    if layout is not None:
-        group_sizes = np.bincount(group_of, weights=layout.slots, minlength=num_groups).astype(np.int64)
-    elif prefix is None:
+    layout = as_layout(shared_prefix, lengths, gid, group_of, align)
+    if layout is None:
         group_sizes = np.bincount(group_of, weights=round_up(lengths, align), minlength=num_groups).astype(np.int64)
     else:
-        group_sizes = shared_sizes(lengths, prefix, group_of, align)
+        group_sizes = group_slots(layout, group_of)
     _check_group_fits(group_sizes, group_of, gid, pack_size, "tokens (aligned)", "pack_size")
     vision, group_vision = None, None
     if vision_lengths is not None or vision_budget is not None:
@@ -294,9 +291,7 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_p
     length = lengths[sample_index]
     vision_length = None if vision is None else vision[sample_index]
     budget = None if vision is None else int(vision_budget)
-    shared = None if prefix is None else shared_lengths(sample_index, pack_offsets, group_of, prefix)
-    if layout is not None:  # every group is whole in its pack, its members in input order
-        shared = layout.shared[sample_index]
+    shared = None if layout is None else piece_shared(sample_index, pack_offsets, group_of, layout)
     stats = PackStats.from_packs(length if shared is None else length - shared, pack_offsets, int(pack_size),
                                  align=int(align), num_samples=int(lengths.size), vision_length=vision_length,
                                  vision_budget=budget)

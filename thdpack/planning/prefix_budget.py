@@ -8,8 +8,11 @@ It is what the builder will share (``thdpack.batching.shared_prefix.group_prefix
 the samples; an offline build would store it per row). A group of one sample shares nothing.
 
 A group laid out as a trie (shared segments at several levels: ``thdpack.batching.trie``) takes the slots of
-its segments; :class:`SharedLayout` gives ``plan_packs`` each member's share of them (the collator's
-``share_prefix`` plans so), for groups planned whole into one pack.
+its segments; :class:`SharedLayout` gives the planners each member's share of them (the collator's
+``share_prefix`` plans so). Internally every shared prefix is a layout (:func:`as_layout`: one level is the
+trie of one shared segment), counted exactly for a group whole in a pack (:func:`piece_shared`); a group over
+several packs counts its one-level prefix once in each of them (an upper bound on what a trie of its members
+there lays out).
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ class SharedLayout:
         shared: int ``[n]`` tokens of each sample that earlier members of its group (in input order) lay out.
         slots: int ``[n]`` padded slots each sample adds (its new segments, each aligned); a group's sum is
             its layout's size.
+        prefix: int ``[n]`` the group's one-level prefix (:func:`thdpack.batching.shared_prefix.group_prefixes`),
+            counted once in each pack of a group over several packs; None: 0 (nothing shared there).
     """
 
     shared: np.ndarray
     slots: np.ndarray
+    prefix: np.ndarray | None = None
+
+    def subset(self, rows: np.ndarray) -> "SharedLayout":
+        """The layout of the samples ``rows`` (whole groups, in input order)."""
+        return SharedLayout(self.shared[rows], self.slots[rows], None if self.prefix is None else self.prefix[rows])
 
     def checked(self, lengths: np.ndarray) -> "SharedLayout":
         """Int64 copies; ``ValueError`` naming the sample unless ``0 <= shared <= length`` and
@@ -44,12 +54,18 @@ class SharedLayout:
         if shared.shape != lengths.shape or slots.shape != lengths.shape:
             raise ValueError(f"SharedLayout needs one entry per sample ({lengths.size}) in shared and slots, got "
                              f"{shared.shape} and {slots.shape}")
-        bad = np.flatnonzero((shared < 0) | (shared > lengths) | (slots < lengths - shared))
+        prefix = np.zeros_like(shared) if self.prefix is None else \
+            np.asarray(integer_array(self.prefix, "SharedLayout.prefix"), np.int64)
+        if prefix.shape != lengths.shape:
+            raise ValueError(f"SharedLayout.prefix needs one entry per sample ({lengths.size}), got {prefix.shape}")
+        bad = np.flatnonzero((shared < 0) | (shared > lengths) | (slots < lengths - shared) | (prefix < 0)
+                             | (prefix > lengths))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"SharedLayout: sample {i} (length {int(lengths[i])}) has shared={int(shared[i])} and "
-                             f"slots={int(slots[i])}; need 0 <= shared <= length and slots >= length - shared")
-        return SharedLayout(shared, slots)
+            raise ValueError(f"SharedLayout: sample {i} (length {int(lengths[i])}) has shared={int(shared[i])}, "
+                             f"slots={int(slots[i])} and prefix={int(prefix[i])}; need 0 <= shared <= length, "
+                             "slots >= length - shared and 0 <= prefix <= length")
+        return SharedLayout(shared, slots, prefix)
 
 
 def check_shared_prefix(shared_prefix, lengths: np.ndarray, gid: np.ndarray, group_of: np.ndarray) -> np.ndarray:
@@ -79,23 +95,39 @@ def check_shared_prefix(shared_prefix, lengths: np.ndarray, gid: np.ndarray, gro
     return np.where(size[group_of] > 1, prefix, 0)
 
 
-def shared_sizes(lengths: np.ndarray, prefix: np.ndarray, group_of: np.ndarray, align: int) -> np.ndarray:
-    """int64 ``[G]`` slots of every group laid out with its prefix once: ``round_up(p) + Σ round_up(Lⱼ − p)``
-    (``Σ round_up(Lⱼ)`` where ``p`` is 0)."""
+def as_layout(shared_prefix, lengths: np.ndarray, gid: np.ndarray, group_of: np.ndarray,
+              align: int) -> SharedLayout | None:
+    """The checked :class:`SharedLayout` of a planner's ``shared_prefix`` argument: None, a layout, or int
+    ``[n]`` one-level prefixes (:func:`check_shared_prefix`), laid out as ``[prefix][member 1][member 2]...``:
+    the group's first member (input order) adds ``round_up(p) + round_up(L - p)`` slots, each other member
+    ``round_up(L - p)`` and shares ``p`` tokens."""
+    if shared_prefix is None:
+        return None
+    if isinstance(shared_prefix, SharedLayout):
+        return shared_prefix.checked(lengths)
+    prefix = check_shared_prefix(shared_prefix, lengths, gid, group_of)
+    first = np.zeros(lengths.size, bool)
+    first[np.unique(group_of, return_index=True)[1]] = True
+    slots = round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)
+    return SharedLayout(np.where(first, 0, prefix), slots.astype(np.int64), prefix)
+
+
+def group_slots(layout: SharedLayout, group_of: np.ndarray) -> np.ndarray:
+    """int64 ``[G]`` slots of every group laid out with its shared segments once."""
     num_groups = int(group_of.max()) + 1 if group_of.size else 0
-    own = round_up(lengths - prefix, align)
-    sizes = np.bincount(group_of, weights=own, minlength=num_groups).astype(np.int64)
-    first = np.unique(group_of, return_index=True)[1]
-    sizes[group_of[first]] += round_up(prefix[first], align)
-    return sizes
+    return np.bincount(group_of, weights=layout.slots, minlength=num_groups).astype(np.int64)
 
 
-def shared_lengths(sample_index: np.ndarray, pack_offsets: np.ndarray, group_of: np.ndarray,
-                   prefix: np.ndarray) -> np.ndarray:
-    """int64 ``[m]`` tokens of each piece laid out by an earlier piece of its pack: its group's prefix for
-    every member but the first of the group in that pack, 0 otherwise (``PackPlan.shared_length``)."""
+def piece_shared(sample_index: np.ndarray, pack_offsets: np.ndarray, group_of: np.ndarray,
+                 layout: SharedLayout) -> np.ndarray:
+    """int64 ``[m]`` tokens of each piece laid out by an earlier piece of its pack (``PackPlan.shared_length``):
+    for a group whole in the pack, its layout's ``shared``; for a group over several packs, its one-level prefix
+    for every member but the first of the group in that pack (0 for that one)."""
     pack_of = np.repeat(np.arange(len(pack_offsets) - 1), np.diff(pack_offsets))
-    key = pack_of * (int(group_of.max()) + 1 if group_of.size else 1) + group_of[sample_index]
-    out = prefix[sample_index].copy()
-    out[np.unique(key, return_index=True)[1]] = 0
-    return out
+    num_groups = int(group_of.max()) + 1 if group_of.size else 1
+    key = pack_of * num_groups + group_of[sample_index]
+    prefix = np.zeros(sample_index.size, np.int64) if layout.prefix is None else layout.prefix[sample_index].copy()
+    prefix[np.unique(key, return_index=True)[1]] = 0
+    in_pack = np.bincount(key, minlength=int(key.max()) + 1 if key.size else 0)[key]
+    whole = in_pack == np.bincount(group_of, minlength=num_groups)[group_of[sample_index]]
+    return np.where(whole, layout.shared[sample_index], prefix)

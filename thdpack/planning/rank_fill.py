@@ -428,7 +428,7 @@ def _with_parts(plan: PackPlan, items: Items, parts: np.ndarray, pack_costs: np.
     pieces = np.bincount(part[in_part], minlength=parts.size).astype(np.int64)
     return Items(of_piece, np.concatenate([items.size, size]), np.concatenate([items.vision, vision]),
                  np.concatenate([items.pieces, pieces]), np.concatenate([items.cost, pack_costs[parts]]),
-                 items.group_of, items.prefix)
+                 items.group_of, items.layout)
 
 
 def _bundle_layout(part_slot: np.ndarray, part_cell: np.ndarray, ids: np.ndarray, loads: np.ndarray,

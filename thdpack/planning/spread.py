@@ -34,7 +34,7 @@ from thdpack.common.align import round_up
 from thdpack.common.jit import njit
 from thdpack.planning.packing import PackStats
 from thdpack.planning.plan import PackPlan
-from thdpack.planning.prefix_budget import shared_lengths
+from thdpack.planning.prefix_budget import SharedLayout, piece_shared
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class Items:
         vision: int64 ``[I]`` vision patches of every item (zeros without a vision budget).
         pieces: int64 ``[I]`` pieces in every item (what ``max_samples_per_pack`` counts).
         cost: float64 ``[I]`` cost of every item laid out in one pack (:meth:`CostModel.pack_costs`'s rule).
-        group_of, prefix: int64 ``[n]`` every input sample's group number and shared prefix (to recount
-            ``shared_length`` in fresh packs), or None for a plan without shared prefixes.
+        group_of: int64 ``[n]`` every input sample's group number, or None; layout: their shared segments'
+            :class:`thdpack.planning.prefix_budget.SharedLayout` (to recount ``shared_length`` in fresh packs),
+            or None for a plan without shared prefixes.
     """
 
     of_piece: np.ndarray
@@ -57,7 +58,7 @@ class Items:
     pieces: np.ndarray
     cost: np.ndarray
     group_of: np.ndarray | None = None
-    prefix: np.ndarray | None = None
+    layout: SharedLayout | None = None
 
 
 def piece_items(plan: PackPlan, cost) -> Items:
@@ -72,31 +73,31 @@ def piece_items(plan: PackPlan, cost) -> Items:
                  np.ones(plan.length.size, np.int64), item_cost)
 
 
-def group_items(plan: PackPlan, group_of: np.ndarray, cost, prefix: np.ndarray | None = None) -> Items:
+def group_items(plan: PackPlan, group_of: np.ndarray, cost, layout: SharedLayout | None = None) -> Items:
     """Every group of ``plan`` one item (``group_of``: int64 ``[n]`` group number of every input sample,
-    ``0..G-1``; ``prefix``: int64 ``[n]`` the prefix each shares with its group, or None). The plan's
-    pieces are whole samples, a group's all in one pack."""
+    ``0..G-1``; ``layout``: their shared segments, or None). The plan's pieces are whole samples, a group's all
+    in one pack: an item's size is its members' slots, its cost :meth:`CostModel.pack_costs`'s over the tokens
+    each member adds."""
     of_piece = group_of[plan.sample_index]
     num = int(group_of.max()) + 1 if group_of.size else 0
     length = plan.length.astype(np.int64)
-    shared = np.zeros(length.size, np.int64) if prefix is None else prefix[plan.sample_index]
     members = np.bincount(of_piece, minlength=num)
-    first = np.unique(of_piece, return_index=True)[1]
-    p = np.zeros(num, np.int64)
-    p[of_piece[first]] = shared[first]
-    size = np.bincount(of_piece, weights=round_up(length - shared, plan.align), minlength=num).astype(np.int64)
-    size += np.where(members > 0, round_up(p, plan.align), 0)
+    if layout is None:
+        shared = np.zeros(length.size, np.int64)
+        slots = round_up(length, plan.align)
+    else:
+        shared, slots = layout.shared[plan.sample_index], layout.slots[plan.sample_index]
+    size = np.bincount(of_piece, weights=slots, minlength=num).astype(np.int64)
     size[members == 0] = 0
     vision = np.zeros(num, np.int64)
     if plan.vision_length is not None:
         vision = np.bincount(of_piece, weights=plan.vision_length, minlength=num).astype(np.int64)
-    lf, pf, extra = length.astype(np.float64), p.astype(np.float64), np.maximum(members - 1, 0)
-    item_cost = (cost.linear * (np.bincount(of_piece, weights=lf, minlength=num) - extra * pf)
-                 + cost.quadratic * (np.bincount(of_piece, weights=lf * lf, minlength=num) - extra * pf * pf))
+    lf, sf = length.astype(np.float64), shared.astype(np.float64)
+    item_cost = (cost.linear * np.bincount(of_piece, weights=lf - sf, minlength=num)
+                 + cost.quadratic * np.bincount(of_piece, weights=lf * lf - sf * sf, minlength=num))
     if plan.vision_length is not None:
         item_cost = item_cost + cost.vision * vision
-    return Items(of_piece, size, vision, members.astype(np.int64), item_cost, group_of,
-                 None if prefix is None else prefix)
+    return Items(of_piece, size, vision, members.astype(np.int64), item_cost, group_of, layout)
 
 
 @njit
@@ -233,7 +234,7 @@ def rebuilt(plan: PackPlan, items: Items, emptied: np.ndarray, target: np.ndarra
     vision = None if plan.vision_length is None else plan.vision_length[order]
     shared = None
     if plan.shared_length is not None:
-        shared = shared_lengths(sample_index, offsets, items.group_of, items.prefix)
+        shared = piece_shared(sample_index, offsets, items.group_of, items.layout)
     stats = PackStats.from_packs(length if shared is None else length - shared, offsets, plan.pack_size,
                                  align=plan.align, num_samples=plan.stats.num_samples, cuts=plan.stats.cuts,
                                  vision_length=vision, vision_budget=plan.vision_budget)
