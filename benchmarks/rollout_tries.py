@@ -3,6 +3,7 @@
     python benchmarks/rollout_tries.py            # 8 groups of 8 rollouts, lengths / 4, CPU step timing
     python benchmarks/rollout_tries.py --scale 1  # the lengths below (a step of minutes on a CPU)
     python benchmarks/rollout_tries.py --quick    # 4 groups, lengths / 8, one repeat (CI)
+    python benchmarks/rollout_tries.py --models qwen3_5 --timer cpu   # one model, CPU time (a loaded machine)
 
 Synthetic agent rollouts, seeded: a group of ``--rollouts`` (8) shares a task prompt (lognormal, mean 400
 tokens), then runs 2-6 turns (agent turn + tool answer, lognormal, mean 120 tokens, σ 0.9: long-tailed);
@@ -14,7 +15,8 @@ prompt once: ``share_prefix`` with the declared ``prefix_len``), ``trie`` (every
 ``share_prefix`` without it). Columns: real stream tokens (what the MLP and projections see), the ratio to
 unshared, and the ceiling (each group's distinct tokens / all its tokens, what a perfect trie lays out).
 Step time, per model of ``--models`` (default both): forward + backward of the token-mean ``packed_loss`` over
-every group's pack, best of ``--repeats``, one thread; the three losses must agree (exit 1 otherwise):
+every group's pack, best of ``--repeats``, one thread (wall clock, or with ``--timer cpu`` the process's CPU
+time: steadier on a shared machine); the three losses must agree (exit 1 otherwise):
 
 - ``qwen3``: a small Qwen3 (4 layers, hidden 256, sdpa);
 - ``qwen3_5``: a small Qwen3.5 of the same size (three Gated DeltaNet layers, one attention layer, sdpa) through
@@ -130,16 +132,16 @@ def flops_over(batches, config) -> dict:
     return out
 
 
-def step(model, batches) -> tuple[float, float]:
-    """Forward + backward of the token-mean loss over ``batches``: (seconds, summed loss)."""
-    start, total = time.perf_counter(), 0.0
+def step(model, batches, timer=time.perf_counter) -> tuple[float, float]:
+    """Forward + backward of the token-mean loss over ``batches``: (seconds of ``timer``, summed loss)."""
+    start, total = timer(), 0.0
     items = sum(b.num_targets for b in batches)
     for batch in batches:
         logits = model(**to_hf_kwargs(batch, attn_implementation="sdpa", include_labels=False), use_cache=False).logits[0]
         loss = packed_loss(logits, batch, "token", num_items=items)
         loss.backward()
         total += float(loss.detach())
-    return time.perf_counter() - start, total
+    return timer() - start, total
 
 
 def main(argv=None) -> int:
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="qwen3,qwen3_5", help="comma-separated: " + ", ".join(MODELS))
     ap.add_argument("--quick", action="store_true", help="4 groups, lengths / 8, one repeat, a smaller Qwen3.5 (CI)")
+    ap.add_argument("--timer", choices=("wall", "cpu"), default="wall",
+                    help="wall clock (default) or the process's CPU time (a shared, loaded machine)")
     args = ap.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(names) - set(MODELS))
@@ -169,16 +173,18 @@ def main(argv=None) -> int:
     tokens = {name: sum(b.num_tokens for b in bs) for name, bs in per_layout.items()}
     ceiling = sum(d for _, d in made) / tokens["unshared"]
     models = {name: MODELS[name](args.quick) for name in names}
+    timer = time.process_time if args.timer == "cpu" else time.perf_counter
     times = {m: {} for m in names}
     worst = {}
     for m, model in models.items():
         losses = {}
         for name, batches in per_layout.items():
-            runs = [step(model, batches) for _ in range(1 if args.quick else args.repeats)]
+            runs = [step(model, batches, timer) for _ in range(1 if args.quick else args.repeats)]
             times[m][name], losses[name] = min(t for t, _ in runs), runs[0][1]
         worst[m] = max(abs(losses[n] - losses["unshared"]) / abs(losses["unshared"]) for n in losses)
 
-    print(f"{groups} groups of {args.rollouts} rollouts; ceiling (distinct / all tokens) {ceiling:.3f}")
+    print(f"{groups} groups of {args.rollouts} rollouts; ceiling (distinct / all tokens) {ceiling:.3f}; "
+          f"step seconds: {'CPU time' if args.timer == 'cpu' else 'wall clock'}, one thread")
     print(f"{'layout':<10} {'tokens':>9} {'/unshared':>9}" + "".join(f" {m + ' s':>10} {'speed-up':>8}" for m in names))
     for name in per_layout:
         print(f"{name:<10} {tokens[name]:>9,} {tokens[name] / tokens['unshared']:>9.3f}"
