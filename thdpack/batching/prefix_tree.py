@@ -83,4 +83,6 @@ def refuse_tree(what: str, batch) -> None:
     """``ValueError`` when ``batch`` is a shared-prefix batch, which ``what`` cannot express."""
     if getattr(batch, "prefix_tree", None) is not None:
         raise ValueError(f"{what} cannot express a shared-prefix batch (prefixes laid out once, members attending to "
-                         f"them): use attn_implementation='flex_attention', 'sdpa' or 'eager', {SHARED_LAYOUT_HINT}")
+                         f"them): use attn_implementation='flex_attention', 'sdpa', 'eager' or 'thdpack_varlen' "
+                         f"(thdpack.integrations.register_varlen_attention(): a varlen kernel given each segment's "
+                         f"ancestors), {SHARED_LAYOUT_HINT}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from thdpack.attention.backends import attention_kind, dense_mask_dtype
+from thdpack.attention.backends import VARLEN_ATTENTION, attention_kind, dense_mask_dtype
 from thdpack.attention.seq_idx import seq_idx_from_cu_seqlens
 from thdpack.attention.static import pad_cu_seqlens
 from thdpack.batching.batch import ThdBatch
@@ -58,7 +58,7 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
     """
     include_labels = check_bool(include_labels, "include_labels")
     kind = attention_kind(attn_implementation)
-    if kind == "flash":
+    if kind == "flash" and attn_implementation != VARLEN_ATTENTION:  # thdpack's own reads the segments' ancestors
         refuse_tree(f"attn_implementation={attn_implementation!r} (varlen cu_seqlens: flash-attn, TE THD)", batch)
     if kind != "flash" and batch.is_shard:
         whole_stream_offsets(batch, "to_hf_kwargs() for flex_attention / sdpa / eager", None)
@@ -76,7 +76,8 @@ def to_hf_kwargs(batch: ThdBatch, *, include_labels: bool = True, attn_implement
         "max_length_k": max_len,
         "seq_idx": seq_idx,
     }
-    if batch.prefix_tree is not None:  # a trie: what hybrid layers fork their states by (packed_model)
+    if batch.prefix_tree is not None:  # a trie: what hybrid layers fork their states by (packed_model), and what
+        # thdpack_varlen gathers each segment's ancestors by
         kw["segment_lens"] = batch.seq_lens.to(torch.int64)
         kw["segment_parents"] = batch.prefix_tree.parents.to(torch.int64)
     if kind == "flex":

@@ -12,9 +12,14 @@ nothing to compile and no ``flash-attn`` build.
 - elsewhere (the CPU, float32) runs an exact reference: SDPA on each sample alone, so the same model runs in CI.
 
 Called without offsets (a vision tower's per-image calls, a plain unpacked batch) each batch row is one sequence.
+A rollout trie / shared-prefix tree (``to_hf_kwargs(tree, attn_implementation=name)``: ``segment_lens`` and
+``segment_parents`` beside the segments' offsets) runs as one varlen call over gathered keys: each segment's
+queries against its ancestors' real keys and values, then its own, causal bottom-right
+(:mod:`thdpack.attention.trie_varlen`; the index built once per call, the CPU reference SDPA per segment), so
+the shared tokens' projections and MLPs still run once.
+
 What neither path can do is refused by name: attention dropout (the kernel has none), a padding
-``attention_mask`` (pack the batch instead), a shared-prefix tree (``to_hf_kwargs`` refuses it as it does for
-every varlen kernel).
+``attention_mask`` (pack the batch instead), a trie on a sliding-window or non-causal layer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from thdpack.attention.backends import VARLEN_ATTENTION
+from thdpack.attention.trie_varlen import cached_varlen_trie, gather_keys, trie_reference
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -68,6 +74,8 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     b, h, s, d = query.shape
+    if kwargs.get("segment_lens") is not None or kwargs.get("segment_parents") is not None:
+        return _trie_attention(query, key, value, scaling, causal, sliding_window, kwargs), None
     if cu_q is None:  # no offsets: each row of the batch is one sequence
         cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         max_q = s
@@ -92,6 +100,37 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     return out, None
 
 
+def _trie_attention(query, key, value, scaling, causal: bool, sliding_window, kwargs) -> torch.Tensor:
+    """A rollout trie's call (``segment_lens`` / ``segment_parents`` with ``cu_seq_lens_q``): each segment's queries
+    against its ancestors' real keys and its own, causal bottom-right (:mod:`thdpack.attention.trie_varlen`; the
+    gather index is built once per call). ``[1, T, h, d]``."""
+    lens, parents, cu = kwargs.get("segment_lens"), kwargs.get("segment_parents"), kwargs.get("cu_seq_lens_q")
+    if lens is None or parents is None or cu is None:
+        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r}: a trie call needs cu_seq_lens_q, segment_lens "
+                         "and segment_parents together; pass to_hf_kwargs(batch) of a shared-prefix batch")
+    b, h, s, d = query.shape
+    if b != 1:
+        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r}: a trie call takes one packed stream (batch "
+                         f"size 1), got batch size {b}")
+    if not causal or sliding_window is not None:
+        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r}: a trie's segments attend to their ancestors "
+                         f"causally and whole; a {'sliding-window' if causal else 'non-causal'} layer cannot read "
+                         "them: build the batch with share_prefix=None (the unshared layout)")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and not torch.equal(cu_k, cu):
+        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r}: cu_seq_lens_k must equal cu_seq_lens_q "
+                         "(the trie's segments)")
+    trie = cached_varlen_trie(cu, lens, parents, s, query.device)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]
+    k, v = gather_keys(k, v, trie)  # [K, heads_kv, d]: every segment's ancestors, then itself
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    if q.is_cuda and q.dtype in _KERNEL_DTYPES and _kernel_takes(None):
+        out = _varlen_kernel(q, k, v, trie.cu_q, trie.max_q, scale, True, None, cu_k=trie.cu_k, max_k=trie.max_k)
+    else:
+        out = trie_reference(q, k, v, trie, scale)
+    return out.unsqueeze(0)
+
+
 def _kernel_signature() -> set[str]:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -108,8 +147,10 @@ def _kernel_takes(window: int | None) -> bool:
     return window is None or "window_size" in params
 
 
-def _varlen_kernel(q, k, v, cu, max_len: int, scale: float, causal: bool, window: int | None) -> torch.Tensor:
-    """``varlen_attn`` on ``[T, heads, d]`` tensors, in either signature."""
+def _varlen_kernel(q, k, v, cu, max_len: int, scale: float, causal: bool, window: int | None, *, cu_k=None,
+                   max_k: int | None = None) -> torch.Tensor:
+    """``varlen_attn`` on ``[T, heads, d]`` tensors, in either signature; ``cu_k`` / ``max_k`` the key sequences
+    where they differ from the queries' (a trie's gathered keys: causal is then bottom-right aligned)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _kernel_signature()
@@ -122,7 +163,8 @@ def _varlen_kernel(q, k, v, cu, max_len: int, scale: float, causal: bool, window
             options["enable_gqa"] = True
     else:
         options["is_causal"] = causal
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **options)
+    cu_k, max_k = (cu, max_len) if cu_k is None else (cu_k, max_k)
+    return varlen_attn(q, k, v, cu, cu_k, max_len, max_k, **options)
 
 
 def _reference(q, k, v, cu, scale: float, causal: bool, window: int | None) -> torch.Tensor:

@@ -32,7 +32,7 @@ import types
 
 import torch
 
-from thdpack.attention.backends import attention_kind, dense_mask_dtype
+from thdpack.attention.backends import VARLEN_ATTENTION, attention_kind, dense_mask_dtype
 from thdpack.attention.block_mask import document_block_mask
 from thdpack.attention.dense_mask import dense_document_mask
 from thdpack.attention.documents import document_ids_from_offsets
@@ -143,9 +143,11 @@ def _before_forward(module, args, kwargs):
 
 
 def _trie_call(model, state: _PackedState, args, kwargs):
-    """A trie call (``segment_lens`` / ``segment_parents`` with ``cu_seq_lens_q``): checked, its keys taken off
-    (the model never sees them), the tree mask given where the call has none, and the segments handed to the
-    mixers, which fork their states (:mod:`thdpack.integrations.hybrid.state_forks`)."""
+    """A trie call (``segment_lens`` / ``segment_parents`` with ``cu_seq_lens_q``): checked, its keys taken off (the
+    model never sees them) unless the attention backend is ``thdpack_varlen``, which gathers each segment's
+    ancestors by them (the mixers drop them), the tree mask given where the call has none and the backend reads
+    one, and the segments handed to the mixers, which fork their states
+    (:mod:`thdpack.integrations.hybrid.state_forks`)."""
     name = type(model).__name__
     lens, parents, cu = kwargs.get("segment_lens"), kwargs.get("segment_parents"), kwargs.get("cu_seq_lens_q")
     if lens is None or parents is None or cu is None:
@@ -154,7 +156,9 @@ def _trie_call(model, state: _PackedState, args, kwargs):
     if state.windowed:
         raise ValueError(f"{name} has sliding-window / chunked attention layers, whose masks transformers derives "
                          f"from the positions, which a trie's branches share: {SHARED_LAYOUT_HINT}")
-    kwargs = {k: v for k, v in kwargs.items() if k not in TRIE_KEYS}
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation != VARLEN_ATTENTION:
+        kwargs = {k: v for k, v in kwargs.items() if k not in TRIE_KEYS}
     total = _stream_length(kwargs)
     trie = TrieCall.from_kwargs(cu, lens, parents, total)
     row = text_row(kwargs["position_ids"]) if kwargs.get("position_ids") is not None else None
@@ -171,8 +175,11 @@ def _trie_call(model, state: _PackedState, args, kwargs):
 
 def _tree_mask(model, trie: TrieCall, kwargs):
     """The trie's mask for the model's attention backend: a tree ``BlockMask`` (flex) or ``[1, 1, T, T]`` (sdpa /
-    eager); ``ValueError`` for varlen backends, which cannot read ancestors."""
+    eager); None for ``thdpack_varlen`` (it reads the segments from the call); ``ValueError`` for other varlen
+    backends, which cannot read ancestors."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == VARLEN_ATTENTION:
+        return None
     kind = attention_kind(implementation)
     if kind == "flash":
         raise ValueError(f"{type(model).__name__}: attn_implementation={implementation!r} (varlen) cannot attend to a "
