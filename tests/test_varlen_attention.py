@@ -241,8 +241,10 @@ def test_what_neither_path_can_do_is_refused_by_name():
         va.varlen_attention_forward(module, q.expand(2, -1, -1, -1), q, q, None, cu_seq_lens_q=cu)
     tree = build_thd_batch([{"input_ids": [5, 6, 7, 8], "g": 0}, {"input_ids": [5, 6, 7, 9], "g": 0}],
                            share_prefix="g", min_prefix_len=2)
-    with pytest.raises(ValueError, match="thdpack_varlen"):
-        to_hf_kwargs(tree, attn_implementation=NAME)
+    with pytest.raises(ValueError, match="thdpack_varlen"):  # other varlen kernels cannot read the ancestors
+        to_hf_kwargs(tree, attn_implementation="flash_attention_2", include_labels=False)
+    kw = to_hf_kwargs(tree, attn_implementation=NAME, include_labels=False)  # thdpack_varlen gathers them (tests/test_varlen_tries.py)
+    assert kw["segment_parents"].tolist() == tree.prefix_tree.parents.tolist() and "attention_mask" not in kw
 
 
 def test_the_name_is_known_without_transformers_registration():
