@@ -25,6 +25,7 @@ from test_rollout_tries import trie_depth, trie_samples  # noqa: E402
 from test_rollout_tries_models import (  # noqa: E402
     DEEP, WIDE, assert_close_rel, assert_loss_and_grads_equal, assert_rows_equal_alone, model_tries,
 )
+from test_rollout_tries_hybrid import exact_scans  # noqa: E402,F401 (a fixture)
 from test_shared_prefix_models import flat_rows, logits_of  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
 from thdpack.attention import trie_varlen  # noqa: E402
@@ -184,6 +185,19 @@ def test_a_hybrid_on_the_varlen_backend():
     model = packed_model(tiny_hybrid.__wrapped__("qwen3_5_text", NAME))
     assert "full_attention" in model.config.layer_types
     assert_rows_equal_alone(model, tree, logits_of(model, tree, NAME), samples)
+
+
+def test_a_hybrids_gradients_on_the_varlen_backend(exact_scans):
+    """Qwen3.5's loss, log-probs and every parameter's gradient on the trie equal the unshared batch's, both on
+    the varlen backend: float64 weights with the Gated DeltaNet scan's float32 casts made float64 (its rounding
+    otherwise: tests/test_rollout_tries_hybrid.py)."""
+    from hybrid_models import VOCAB, available_families, tiny_hybrid
+
+    if "qwen3_5_text" not in available_families():
+        pytest.skip("this transformers has no Qwen3.5")
+    samples, tree = tree_of(DEEP, [3], vocab=VOCAB)
+    model = packed_model(tiny_hybrid.__wrapped__("qwen3_5_text", NAME).to(torch.float64))
+    assert_loss_and_grads_equal(model, build_thd_batch(samples), tree, NAME, floor_fraction=0.01)
 
 
 def test_a_gather_without_an_ancestor_is_caught(monkeypatch):

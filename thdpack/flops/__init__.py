@@ -29,7 +29,8 @@ from thdpack.flops.accumulator import FlopsAccumulator
 from thdpack.flops.coefficients import UnsupportedLayerError, flops_coefficients
 from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
 from thdpack.flops.model import model_flops, model_flops_breakdown, needed_length_counts
-from thdpack.flops.overcount import attention_overcount_factor, model_overcount_factor, overcount_report
+from thdpack.flops.overcount import (TrieOvercount, attention_overcount_factor, model_overcount_factor,
+                                     overcount_report, trie_overcount)
 from thdpack.flops.rank_work import hybrid_cp_rank_flops
 from thdpack.flops.sequences import (count_name, cp_length_count_share, cp_seqlen_squared_share, length_count,
                                       lengths_squared_sum, seqlen_squared_sum, tree_length_count,
@@ -40,6 +41,7 @@ __all__ = [
     "GPU_PEAK_TFLOPS",
     "FlopsAccumulator",
     "FlopsMeter",
+    "TrieOvercount",
     "UnsupportedLayerError",
     "VisionStats",
     "attention_overcount_factor",
@@ -60,5 +62,6 @@ __all__ = [
     "throughput",
     "tree_length_count",
     "tree_seqlen_squared_sum",
+    "trie_overcount",
     "vision_seqlen_stats",
 ]
