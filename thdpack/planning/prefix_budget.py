@@ -127,7 +127,7 @@ def piece_shared(sample_index: np.ndarray, pack_offsets: np.ndarray, group_of: n
     num_groups = int(group_of.max()) + 1 if group_of.size else 1
     key = pack_of * num_groups + group_of[sample_index]
     prefix = np.zeros(sample_index.size, np.int64) if layout.prefix is None else layout.prefix[sample_index].copy()
-    prefix[np.unique(key, return_index=True)[1]] = 0
-    in_pack = np.bincount(key, minlength=int(key.max()) + 1 if key.size else 0)[key]
-    whole = in_pack == np.bincount(group_of, minlength=num_groups)[group_of[sample_index]]
+    _, first, inverse, count = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+    prefix[first] = 0  # (a sort: key reaches packs x groups, far too many for a bincount)
+    whole = count[inverse.reshape(-1)] == np.bincount(group_of, minlength=num_groups)[group_of[sample_index]]
     return np.where(whole, layout.shared[sample_index], prefix)
