@@ -208,3 +208,51 @@ def test_stats_of_a_shared_build_count_each_prefix_once(outputs, kind, capsys):
     assert summary["real_tokens"] == meta["real_tokens"]
     assert summary["efficiency"] == pytest.approx(meta["efficiency"])
     assert summary["efficiency"] <= 1.0
+
+
+def trie_group_rows() -> list[dict]:
+    """Multi-turn-like groups of 4 completions of one prompt whose answers share their first words at two levels
+    (three begin alike, two of them further): the loader lays each group out as a trie."""
+    rng = np.random.default_rng(9)
+    words = ["sun", "rain", "cat", "dog", "tree", "blue", "42"]
+    rows = []
+    for g in range(5):
+        prompt = " ".join(rng.choice(words, 10))
+        turn, deeper = " ".join(rng.choice(words, 6)), " ".join(rng.choice(words, 5))
+        for completion in (f"{turn} {deeper} sun", f"{turn} {deeper} rain rain", f"{turn} cat blue", "dog"):
+            rows.append({"prompt": prompt, "completion": " " + completion, "prompt_id": f"t{g}"})
+    return rows
+
+
+def test_groups_the_loader_lays_out_as_tries(tmp_path):
+    """Issue 46: a ``group_column`` build plans each group as its loader's build lays it out, a trie's segments
+    once (``prefix_len``: what earlier members lay out; nothing declared, the build finds the trie), so every
+    loaded pack is the trie ``build_thd_batch`` makes of its samples, within ``pack_size``, and the plan's tokens
+    are the loaded streams'."""
+    from test_rollout_tries import trie_depth
+
+    rows = trie_group_rows()
+    out = build(tmp_path, rows, "tries", pack_size=PACK, group_column="prompt_id", share_prefix=True,
+                min_prefix_len=MIN_PREFIX)
+    ds = load_packed(out)
+    collate, tokens, depths = ds.collator(), 0, []
+    for k in range(len(ds)):
+        row = ds[k]
+        batch = collate(row)
+        samples = [{**s, "group": int(g)} for s, g in zip(unpack_row(row), row["group_id"].tolist())]
+        want = build_thd_batch(samples, share_prefix="group", min_prefix_len=MIN_PREFIX)
+        assert torch.equal(batch.input_ids, want.input_ids), f"pack {k}"
+        assert torch.equal(batch.prefix_tree.parents, want.prefix_tree.parents), f"pack {k}"
+        assert batch.num_padded_tokens <= ds.pack_size, f"pack {k}"
+        tokens += batch.num_tokens
+        depths.append(trie_depth(batch))
+        for g in set(row["group_id"].tolist()):
+            stored = [p for p, h in zip(row["prefix_len"].tolist(), row["group_id"].tolist()) if h == g]
+            assert stored[0] == 0 and len(set(stored)) > 1, f"pack {k}, group {g}: a trie's stored shares"
+    assert max(depths) >= 3 and sorted(s for k in range(len(ds)) for s in ds[k]["sample_index"].tolist()) == \
+        list(range(len(rows)))
+    assert ds.metadata["stats"]["real_tokens"] == tokens  # the plan counted each trie as loaded
+    assert ds.metadata["stats"]["real_tokens"] == ds.metadata["counts"]["tokens"] - \
+        ds.metadata["share_prefix"]["tokens_saved"]
+    lens, _ = ds.all_seq_lens(stream=True)
+    assert int(lens.sum()) == tokens  # the read-back rule counts the trie too

@@ -75,8 +75,12 @@ def inputs(tmp_path_factory) -> dict:
     """The fixture inputs of scripts/fingerprint_builds.py: text, tokenized, preference rows with a score,
     chat rows, Qwen2-VL rows with images and a video (``vlm_yaml``); and the files the Ray tasks read in parts
     (:func:`grouped_files`: ``json_dir``, ``tables_dir``)."""
+    from thdpack.demo import write_jsonl
+    from test_offline_shared_prefix import trie_group_rows
+
     d = tmp_path_factory.mktemp("ray-inputs")
-    made = {**_fingerprint_script().make_inputs(d), **grouped_files(d)}
+    made = {**_fingerprint_script().make_inputs(d), **grouped_files(d),
+            "trie_rows": write_jsonl(trie_group_rows(), d / "trie_rows.jsonl")}
     return {**made, "mixture_yaml": mixture_yaml(d, made)}
 
 
@@ -170,6 +174,9 @@ BUILDS = {
     # read in parts by Ray tasks: Parquet row groups and an Arrow stream (columns unified), groups and their
     # sample values, max_rows cutting the second file (JSON files: the Qwen3 test; a slice: tests/test_ray_cluster.py),
     # written as Parquet for CP 2 in several files (one Ray task per file: the case demo_parquet_cp2_files)
+    # group_column groups laid out as tries: each group's layout found by a Ray task (issue 46)
+    "group_tries": ["--input", "{trie_rows}", "--tokenizer", TOK, "--pack-size", "160", "--group-column",
+                    "prompt_id", "--share-prefix", "--min-prefix-len", "4"],
     "tables_groups_values_cp2_files": ["--input", "{tables_dir}", "--tokenizer", TOK, "--format", "chat",
                                        "--pack-size", "8192", "--group-column", "gid", "--sample-values", "score",
                                        "--max-rows", "230", "--output-format", "parquet", "--skip-bad-rows",
@@ -189,6 +196,11 @@ def test_ray_build_is_byte_identical_to_the_local_build(name, inputs, ray_instan
         assert len(meta["files"]) > 1, name  # one Ray task per file
     if name == "preference_values_shared_prefix":  # the pairs' prompts are shared: group_id / prefix_len columns
         assert meta["share_prefix"]["tokens_saved"] > 0, name
+    if name == "group_tries":  # a trie group's members store what earlier members lay out: they differ
+        from thdpack.offline import load_packed
+
+        first = load_packed(local)[0]
+        assert len(set(first["prefix_len"].tolist())) > 1 and meta["share_prefix"]["tokens_saved"] > 0, name
     if name == "mixture_shared":  # tokenized_keep: samples without targets kept
         assert meta["counts"]["without_targets"]["pieces"] > 0, "tokenized_keep"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.common.align import check_bool
+from thdpack.offline.commands.shared_prefixes import TrieShares
 from thdpack.offline.commands import bridge_export
 from thdpack.offline.config import BuildConfig
 from thdpack.offline.stage_options import PlanningOptions, StoreOptions
@@ -181,18 +182,20 @@ def _write_pack_files(store: StoreOptions, planning: PlanningOptions, tmp: Path,
 def _prefix_columns(prep: Prepared) -> dict:
     """``{column: [sequences]}`` the per-sample columns of a ``share_prefix`` build (:data:`PREFIX_COLUMNS`):
     each sequence's group number and its group's prefix, which the loader declares to ``build_thd_batch``."""
-    return dict(zip(PREFIX_COLUMNS, (prep.groups.astype(np.int64), prep.shared_prefix.astype(np.int32))))
+    stored = prep.shared_prefix.stored if isinstance(prep.shared_prefix, TrieShares) else prep.shared_prefix
+    return dict(zip(PREFIX_COLUMNS, (prep.groups.astype(np.int64), stored.astype(np.int32))))
 
 
 def _prefix_counts(prep: Prepared, min_prefix_len: int) -> dict:
     """metadata.json's ``share_prefix`` entry: the minimum, the groups and samples that share a prefix, their
     prefixes' tokens (once each) and the tokens the packs' streams save (``plan.shared_length``)."""
     plan = prep.plan
+    prefix = prep.shared_prefix.one_level if isinstance(prep.shared_prefix, TrieShares) else prep.shared_prefix
     planned = prep.sample_rows[plan.sample_index]
-    shared = planned[prep.shared_prefix[planned] > 0]
+    shared = planned[prefix[planned] > 0]
     groups, first = np.unique(prep.groups[shared], return_index=True)
     return {"min_prefix_len": int(min_prefix_len), "groups": int(groups.size), "samples": int(shared.size),
-            "prefix_tokens": int(prep.shared_prefix[shared[first]].sum()),
+            "prefix_tokens": int(prefix[shared[first]].sum()),
             "tokens_saved": int(plan.shared_length.sum())}
 
 

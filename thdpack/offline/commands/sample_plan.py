@@ -13,7 +13,8 @@ import numpy as np
 
 from thdpack.common.align import round_up
 from thdpack.offline.commands.pack_stats import BUILD_COUNTS, summarize
-from thdpack.offline.commands.shared_prefixes import common_prefixes, common_prefixes_of_dataset
+from thdpack.offline.commands.shared_prefixes import (TrieShares, common_prefixes, common_prefixes_of_dataset,
+                                                      trie_shares, trie_shares_of_dataset)
 from thdpack.offline.errors import ConfigError, InputError, MAX_ERRORS_INLINE, MAX_ERRORS_RECORDED
 from thdpack.offline.inputs.sources import Source
 from thdpack.offline.stage_options import PlanningOptions
@@ -41,7 +42,7 @@ class Prepared:
     timings: dict = field(default_factory=dict)
     model_config: dict | None = None  # the build's model config, loaded (BuildStages.model_config)
     vlm: object = None  # a thdpack.offline.vision.vlm_setup.VlmBuild for rows with images, else None
-    shared_prefix: np.ndarray | None = None  # share_prefix builds: int64 [sequences] each one's group prefix
+    shared_prefix: object = None  # share_prefix builds: int64 [sequences] each one's group prefix, or TrieShares
     groups: np.ndarray | None = None  # int64 [sequences]: group of each sequence (pairs, group_column), else None
     mixture: object = None  # a mixture build's commands.mixture_build.MixtureRecord, else None
 
@@ -108,12 +109,13 @@ def sequences_of(tokenized: Tokenized, planning: PlanningOptions, pairs: bool) -
 
 
 def select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized, sequences: Sequences, vlm,
-                 ray_session=None):
+                ray_session=None, *, tries: bool = True):
     """``(sample_rows, skipped, patches, prefix)``: the tokenized sequences to plan (int64, ascending), the
     ``(input row, reason)`` of the rows left out (failed, too long, over the vision budget), sorted,
     the VLM builds' per-sequence patches (None without ``vlm``) and, with ``share_prefix``, int64
     ``[sequences]`` each sequence's group prefix (else None; on the ``ray_session``'s cluster, by a Ray task
-    that reads the tokens where they are). Raises InputError listing the bad rows unless
+    that reads the tokens where they are), a :class:`TrieShares` where ``tries`` and some ``group_column`` group is
+    laid out as a trie. Raises InputError listing the bad rows unless
     ``planning.skip_bad_rows``, and when no row is left."""
     grouped = sequences.group is not None
     skipped = _row_errors(tokenized.errors, sequences.row, sequences.pairs)  # from here on, per input row
@@ -129,6 +131,13 @@ def select_rows(planning: PlanningOptions, source: Source, tokenized: Tokenized,
 
             prefix = run_tasks(ray_session, common_prefixes_of_dataset, (tokenized.rows, planning.targets), [args],
                                describe=lambda k: "finding the groups' shared prefixes")[0]
+        if tries and sequences.group is not None and not sequences.pairs and vlm is None:  # groups laid out as tries
+            if ray_session is None:
+                shares = trie_shares(tokenized.dataset.data.table, planning.targets, *args, prefix)
+            else:
+                shares = run_tasks(ray_session, trie_shares_of_dataset, (tokenized.rows, planning.targets),
+                                   [(*args, prefix)], describe=lambda k: "finding the groups' tries")[0]
+            prefix = prefix if shares is None else shares
     row_tokens = (_row_tokens(sequences.lengths, sequences.row, sequences.group, planning.plan.align, prefix)
                   if grouped else sequences.lengths)
     too_long = _too_long_rows(planning, source, row_tokens, usable, grouped, sequences.pairs)
@@ -201,8 +210,14 @@ class Planner:
             seed=opts.seed,
             **(self.vlm.plan_kwargs(self.patches, rows) if self.vlm is not None else {}),
             **({"groups": group[rows]} if group is not None else {}),  # a pair's / group's sequences in one pack
-            **({"shared_prefix": self.prefix[rows]} if self.prefix is not None else {}),  # counted once
+            **({"shared_prefix": _planned_prefix(self.prefix, rows)} if self.prefix is not None else {}),  # once
         )
+
+
+def _planned_prefix(prefix, rows: np.ndarray):
+    """The ``shared_prefix`` of the sequences ``rows`` (whole groups): their one-level prefixes, or their groups'
+    layouts where some group is a trie (:class:`TrieShares`)."""
+    return prefix.layout.subset(rows) if isinstance(prefix, TrieShares) else prefix[rows]
 
 
 def plan_samples(planner: Planner, count, source: Source, sample_rows: np.ndarray, *, whole_input: bool = True):
@@ -310,7 +325,9 @@ def _row_tokens(lengths: np.ndarray, seq_row: np.ndarray, seq_group: np.ndarray,
                 prefix: np.ndarray | None = None) -> np.ndarray:
     """int64 ``[rows]`` the aligned tokens of each input row's group together (what the group takes in a pack;
     with ``prefix``, int64 ``[sequences]`` each sequence's group prefix, that prefix once)."""
-    if prefix is None:
+    if isinstance(prefix, TrieShares):
+        group_tokens = np.bincount(seq_group, weights=prefix.layout.slots).astype(np.int64)
+    elif prefix is None:
         group_tokens = np.bincount(seq_group, weights=round_up(lengths, align)).astype(np.int64)
     else:
         group_tokens = np.bincount(seq_group, weights=round_up(np.maximum(lengths - prefix, 0), align))

@@ -14,10 +14,35 @@ checks them against the tokens and arrives at the same layout, so every pack fit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from thdpack.batching.builder import build_thd_batch
+from thdpack.batching.shared_prefix import group_shares
 from thdpack.common.align import round_up
 from thdpack.offline.store.gather import CHUNK_TOKENS, RowPieces, group_boundaries
+from thdpack.planning.prefix_budget import SharedLayout
+
+TRIE_MIN_MEMBERS = 3  # a pair's trie is its one-level prefix: only larger groups can share deeper
+
+
+@dataclass(frozen=True)
+class TrieShares:
+    """A ``share_prefix`` build some of whose groups the loader lays out as tries (shared segments at several
+    levels): ``layout`` the planner's budget per sequence (:class:`thdpack.planning.prefix_budget.SharedLayout`,
+    its ``prefix`` the one-level prefixes), ``stored`` int64 ``[sequences]`` the ``prefix_len`` column: the
+    one-level prefix on every member of a one-level group (declared to the loader's build, as before), and on a
+    trie group's members the tokens earlier members lay out (0 on the first; the loader declares nothing there and
+    its build finds the trie: the same rule on the same samples)."""
+
+    layout: SharedLayout
+    stored: np.ndarray
+
+    @property
+    def one_level(self) -> np.ndarray:
+        """int64 ``[sequences]`` each sequence's group's one-level prefix."""
+        return self.layout.prefix
 
 
 def common_prefixes(table, targets: str, lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
@@ -65,6 +90,43 @@ def common_prefixes_of_dataset(shared: tuple, *args) -> np.ndarray:
     where it runs); ``args``: the other arguments, from ``lengths`` on."""
     dataset, targets = shared
     return common_prefixes(dataset.data.table, targets, *args)
+
+
+def trie_shares(table, targets: str, lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
+                min_prefix_len: int, prefix: np.ndarray) -> TrieShares | None:
+    """The :class:`TrieShares` of a build whose groups of :data:`TRIE_MIN_MEMBERS` or more usable sequences the
+    loader's build lays out deeper than their one-level prefixes (``prefix``, :func:`common_prefixes`); None when
+    no group is (the one-level build, byte for byte). Each such group's layout is found as the loader finds it:
+    ``thdpack.batching.shared_prefix.group_shares`` on its members as samples (tokens and ``targets``), in order.
+    Arguments as :func:`common_prefixes`."""
+    seqs = np.flatnonzero(usable & (lengths > 0))
+    order = seqs[np.argsort(group[seqs], kind="stable")]
+    members_of = np.split(order, np.flatnonzero(np.diff(group[order])) + 1) if order.size else []
+    first = np.zeros(lengths.size, bool)
+    first[[m[0] for m in members_of]] = True
+    shared = np.where(first, 0, prefix).astype(np.int64)
+    slots = (round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)).astype(np.int64)
+    stored = prefix.astype(np.int64).copy()
+    ids, tgt = table.column("input_ids"), table.column(targets)
+    deeper = False
+    for members in members_of:
+        if members.size < TRIE_MIN_MEMBERS:
+            continue
+        samples = [{"input_ids": np.asarray(ids[int(j)].values), targets: np.asarray(tgt[int(j)].values), "g": 0}
+                   for j in members]
+        layout = group_shares(build_thd_batch(samples), samples, "g", min_prefix_len, align)
+        if int(layout.slots.sum()) < int(slots[members].sum()):  # the loader's build picks the trie
+            shared[members], slots[members], stored[members] = layout.shared, layout.slots, layout.shared
+            deeper = True
+    if not deeper:
+        return None
+    return TrieShares(SharedLayout(shared, slots, prefix.astype(np.int64)), stored)
+
+
+def trie_shares_of_dataset(shared: tuple, *args) -> TrieShares | None:
+    """:func:`trie_shares` with ``shared = (dataset, targets)`` (as :func:`common_prefixes_of_dataset`)."""
+    dataset, targets = shared
+    return trie_shares(dataset.data.table, targets, *args)
 
 
 def _prefix_with(table, targets: str, seqs: np.ndarray, ref: np.ndarray, span: np.ndarray) -> np.ndarray:

@@ -189,7 +189,13 @@ def _with_prefixes(samples: list[dict], row, i: int) -> list[dict]:
         raise KeyError(f"packed row {i} has no '{missing[0]}' column; the dataset was built without share_prefix: "
                        "true (rebuild with it, or collate with share_prefix=False)")
     group, prefix = (row_list(row[c], c).astype(np.int64) for c in PREFIX_COLUMNS)
-    return [{**s, _GROUP_FIELD: int(g), PREFIX_FIELD: int(p)} for s, g, p in zip(samples, group, prefix)]
+    # a group stored with one prefix is declared (one level); a trie's members hold what earlier members lay out
+    # (they differ), and the build finds the trie itself (thdpack/offline/commands/shared_prefixes.py: TrieShares)
+    low, high = {}, {}
+    for g, p in zip(group.tolist(), prefix.tolist()):
+        low[g], high[g] = min(low.get(g, p), p), max(high.get(g, p), p)
+    return [{**s, _GROUP_FIELD: g, PREFIX_FIELD: p} if low[g] == high[g] else {**s, _GROUP_FIELD: g}
+            for s, g, p in zip(samples, group.tolist(), prefix.tolist())]
 
 
 def _own_pixels(batch: ThdBatch, samples: list[dict]) -> ThdBatch:

@@ -19,7 +19,7 @@ NAME``             double>            column NAME of each sample's input row (it
 ``group_id``       list<int64>        with ``share_prefix: true`` only: each sample's group (its pair's,
                                       its ``group_column`` value's), numbered within the build
 ``prefix_len``     list<int32>        with ``share_prefix: true`` only: the tokens the sample shares
-                                      with its group (0: laid out alone); samples are stored whole
+                                      with its group (0: alone; a trie: docs/build.md); stored whole
 ``source_index``   list<int64>        mixture builds only (``input``: a list of sources): each sample's
                                       source, its position in ``input``; ``sample_index`` is then its
                                       row within that source
