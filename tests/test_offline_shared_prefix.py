@@ -256,3 +256,29 @@ def test_groups_the_loader_lays_out_as_tries(tmp_path):
         ds.metadata["share_prefix"]["tokens_saved"]
     lens, _ = ds.all_seq_lens(stream=True)
     assert int(lens.sum()) == tokens  # the read-back rule counts the trie too
+
+
+def test_a_mixture_lays_its_groups_out_as_tries(tmp_path):
+    """A mixture of a ``group_column`` source whose groups are tries and a preference source (one level, its
+    shares joined to the tries'): every loaded pack is the batch ``build_thd_batch`` makes of its samples, within
+    ``pack_size``, and the plan's tokens are the loaded streams'. (A unit a mixture takes twice keeps one group id,
+    so two copies in one pack share more than planned, with one level as with tries: fewer tokens, never more.)"""
+    from thdpack.demo import TOKENIZER_DIR, write_jsonl
+    from thdpack.offline import build_packed
+
+    tries = write_jsonl(trie_group_rows(), tmp_path / "tries.jsonl")
+    pairs = write_jsonl([dict(r, prompt_id=f"pair{i}") for i, r in enumerate(dpo_rows())], tmp_path / "pairs.jsonl")
+    cfg = BuildConfig(input=[{"path": str(tries)}, {"path": str(pairs), "format": "preference"}],
+                      tokenizer=str(TOKENIZER_DIR), pack_size=PACK, group_column="prompt_id", share_prefix=True,
+                      min_prefix_len=MIN_PREFIX, save_tokenizer=False)
+    ds = load_packed(build_packed(cfg, tmp_path / "mix", progress=False).path)
+    collate, tokens, deep = ds.collator(), 0, 0
+    for k in range(len(ds)):
+        row = ds[k]
+        batch = collate(row)
+        samples = [{**s, "group": int(g)} for s, g in zip(unpack_row(row), row["group_id"].tolist())]
+        want = build_thd_batch(samples, share_prefix="group", min_prefix_len=MIN_PREFIX)
+        assert torch.equal(batch.input_ids, want.input_ids) and batch.num_padded_tokens <= ds.pack_size, f"pack {k}"
+        tokens += batch.num_tokens
+        deep += batch.prefix_tree is not None and int(batch.prefix_tree.parents.max()) > 0
+    assert deep and ds.metadata["stats"]["real_tokens"] == tokens

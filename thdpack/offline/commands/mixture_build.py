@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from thdpack.offline.commands import sample_plan as sp
+from thdpack.offline.commands.shared_prefixes import TrieShares, one_level_shares
 from thdpack.offline.errors import InputError
 from thdpack.offline.inputs.sources import Source
 from thdpack.offline.stages import BuildStages
@@ -152,8 +153,10 @@ def blend_and_plan(rows: list[SourceRows], stages: BuildStages, ray_session=None
     grouped = any(r.unit != "row" for r in rows)
     sequences = sp.Sequences(tokenized.lengths[blend_seq], blend_item, blend_item if grouped else None, False)
     item_source = blend.source
-    prefix = None if not planning.share_prefix else np.concatenate([r.prefix for r in rows])  # [tokenized rows]
-    planner = _BlendPlanner(planning, sequences, item_source, mixture, None if prefix is None else prefix[blend_seq])
+    prefix = None if not planning.share_prefix else _joined_prefixes(rows, planning.plan.align)  # [tokenized rows]
+    blend_prefix = None if prefix is None else prefix.take(blend_seq) if isinstance(prefix, TrieShares) else \
+        prefix[blend_seq]
+    planner = _BlendPlanner(planning, sequences, item_source, mixture, blend_prefix)
     count_tables = sp.target_counter(planning.targets, tokenized, ray_session)
     count = (lambda r, s, n: count_tables(blend_seq[r], s, n))
     where = _ItemWhere(rows, blend)
@@ -171,6 +174,29 @@ def blend_and_plan(rows: list[SourceRows], stages: BuildStages, ray_session=None
     return sp.Prepared(blended, tokenized, plan, sample_rows, skipped, piece_targets, without, {},
                        stages.model_config, shared_prefix=prefix, groups=_row_units(rows) if grouped else None,
                        mixture=MixtureRecord(row_source, row_ids, report))
+
+
+def _joined_prefixes(rows: list, align: int):
+    """Every source's shared prefixes one after another ([tokenized rows]): int64 one-level prefixes, or
+    :class:`TrieShares` where some source lays a group out as a trie (the others' one level as shares)."""
+    if not any(isinstance(r.prefix, TrieShares) for r in rows):
+        return np.concatenate([r.prefix for r in rows])
+    return TrieShares.joined([r.prefix if isinstance(r.prefix, TrieShares) else
+                              one_level_shares(r.tokenized.lengths, _groups_of(r), _selected(r), align, r.prefix)
+                              for r in rows])
+
+
+def _selected(r) -> np.ndarray:
+    """bool [tokenized rows] of source ``r``: the sequences its selection kept (the others are never planned)."""
+    kept = np.zeros(r.tokenized.lengths.size, bool)
+    kept[r.sample_rows] = True
+    return kept
+
+
+def _groups_of(r) -> np.ndarray:
+    """int64 [tokenized rows] of source ``r``: each sequence's group (its own where it has none)."""
+    group = r.sequences.group
+    return np.arange(r.tokenized.lengths.size, dtype=np.int64) if group is None else group
 
 
 def _refuse_unpacked(report: list[dict], planning) -> None:
@@ -289,7 +315,7 @@ class _BlendPlanner:
     sequences: object
     item_source: np.ndarray  # int64 [blend samples]
     mixture: object
-    prefix: np.ndarray | None = None  # share_prefix: int64 [blend sequences] each one's group prefix
+    prefix: object = None  # share_prefix: int64 [blend sequences] each one's group prefix, or TrieShares
 
     def plan(self, rows: np.ndarray):
         if self.mixture.packing != "stratified":

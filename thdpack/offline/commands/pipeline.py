@@ -168,7 +168,7 @@ def _tokenize(read: _SourceRead, stages: BuildStages, progress: bool, ray_sessio
         if planning.share_prefix and not (read.pairs or planning.group_column):  # a mixture's source without groups
             planning = dataclasses.replace(planning, share_prefix=False)
         sample_rows, skipped, patches, prefix = sp.select_rows(planning, source, tokenized, sequences, read.vlm,
-                                                               ray_session, tries=not mixed)  # mixtures: one level
+                                                               ray_session)
     failed = np.unique(sequences.row[[s for s, _ in tokenized.errors]]).size if tokenized.errors else 0
     if mixed:
         logger.info(f"source {spec.name!r}: {source.num_rows:,} rows ({tokenized.fmt}), {len(skipped):,} skipped")

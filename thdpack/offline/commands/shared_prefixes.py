@@ -44,6 +44,32 @@ class TrieShares:
         """int64 ``[sequences]`` each sequence's group's one-level prefix."""
         return self.layout.prefix
 
+    def take(self, index: np.ndarray) -> "TrieShares":
+        """The shares of the sequences ``index`` (whole groups, in order; a group may come twice: a mixture's
+        repeated unit)."""
+        return TrieShares(self.layout.subset(index), self.stored[index])
+
+    @classmethod
+    def joined(cls, parts: list) -> "TrieShares":
+        """Sources' shares one after another (their groups apart)."""
+        layouts = [p.layout for p in parts]
+        return cls(SharedLayout(*(np.concatenate([getattr(x, name) for x in layouts])
+                                  for name in ("shared", "slots", "prefix"))),
+                   np.concatenate([p.stored for p in parts]))
+
+
+def one_level_shares(lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
+                     prefix: np.ndarray) -> TrieShares:
+    """The :class:`TrieShares` of one-level prefixes (``prefix``, :func:`common_prefixes`): a group's first usable
+    member adds the prefix, every other shares it."""
+    seqs = np.flatnonzero(usable & (lengths > 0))
+    first = np.zeros(lengths.size, bool)
+    if seqs.size:
+        first[seqs[np.unique(group[seqs], return_index=True)[1]]] = True
+    shared = np.where(first, 0, prefix).astype(np.int64)
+    slots = (round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)).astype(np.int64)
+    return TrieShares(SharedLayout(shared, slots, prefix.astype(np.int64)), prefix.astype(np.int64).copy())
+
 
 def common_prefixes(table, targets: str, lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
                     min_prefix_len: int) -> np.ndarray:
@@ -102,11 +128,8 @@ def trie_shares(table, targets: str, lengths: np.ndarray, group: np.ndarray, usa
     seqs = np.flatnonzero(usable & (lengths > 0))
     order = seqs[np.argsort(group[seqs], kind="stable")]
     members_of = np.split(order, np.flatnonzero(np.diff(group[order])) + 1) if order.size else []
-    first = np.zeros(lengths.size, bool)
-    first[[m[0] for m in members_of]] = True
-    shared = np.where(first, 0, prefix).astype(np.int64)
-    slots = (round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)).astype(np.int64)
-    stored = prefix.astype(np.int64).copy()
+    base = one_level_shares(lengths, group, usable, align, prefix)
+    shared, slots, stored = base.layout.shared.copy(), base.layout.slots.copy(), base.stored.copy()
     ids, tgt = table.column("input_ids"), table.column(targets)
     deeper = False
     for members in members_of:
