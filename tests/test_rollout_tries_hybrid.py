@@ -20,12 +20,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from hybrid_models import VOCAB, available_families, tiny_hybrid  # noqa: E402
 from test_rollout_tries import trie_depth, trie_samples  # noqa: E402
 from test_rollout_tries_models import (  # noqa: E402
-    DEEP, FLEX_PAD_TO, WIDE, assert_close_rel, assert_loss_and_grads_equal, assert_rows_equal_alone, model_tries,
+    DEEP, FLEX_PAD_TO, WIDE, assert_case_exact, assert_close_rel, assert_loss_and_grads_equal, assert_rows_equal_alone,
+    model_tries,
 )
 from test_shared_prefix_models import flat_rows, logits_of  # noqa: E402
 from thdpack import build_thd_batch  # noqa: E402
@@ -85,14 +86,7 @@ def test_every_family_forks_its_state_on_a_deep_trie(family):
 @given(case=model_tries())
 def test_hybrid_tries_equal_each_sample_alone(family, case, exact_scans):
     """Tries of depth 1-4 (branching 2-3, segments down to one token, prompts cut anywhere, alignment pads)."""
-    vocab = min(case["vocab"], VOCAB)
-    samples = trie_samples(case["tries"], seed=case["seed"], vocab=vocab, cuts=case["cuts"])
-    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=case["min_prefix_len"],
-                           pad_multiple=case["pad_multiple"])
-    event(f"depth {trie_depth(tree)}")
-    if tree.prefix_tree is None:
-        return
-    assert_trie_exact(hybrid(family, dtype=torch.float64), samples, tree, build_thd_batch(samples), floor_fraction=0.01)
+    assert_case_exact(lambda: hybrid(family, dtype=torch.float64), "sdpa", case, vocab=min(case["vocab"], VOCAB))
 
 
 @pytest.mark.parametrize("family", MAIN)

@@ -68,6 +68,24 @@ def assert_loss_and_grads_equal(model, flat, tree, attn, floor_fraction: float =
         assert_close_rel(g, w, f"gradient of {p[0]}", floor)
 
 
+def assert_case_exact(model_of, attn: str, case: dict, *, vocab: int | None = None,
+                      floor_fraction: float = 0.01) -> None:
+    """A :func:`model_tries` case (tokens below ``vocab`` where given): where it makes a trie, every sample's
+    logits on ``model_of()`` equal the sample alone, and its loss, log-probs and gradients the unshared batch's."""
+    samples = trie_samples(case["tries"], seed=case["seed"], vocab=case["vocab"] if vocab is None else vocab,
+                           cuts=case["cuts"])
+    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=case["min_prefix_len"],
+                           pad_multiple=case["pad_multiple"])
+    event(f"depth {trie_depth(tree)}")
+    if tree.prefix_tree is None:
+        return
+    flat = build_thd_batch(samples)
+    model = model_of()
+    assert_rows_equal_alone(model, tree, logits_of(model, tree, attn), samples)
+    if flat.num_targets:
+        assert_loss_and_grads_equal(model, flat, tree, attn, floor_fraction)
+
+
 @st.composite
 def model_tries(draw):
     root = st.tuples(st.integers(1, 6), st.lists(trie_nodes(3), min_size=2, max_size=3))
@@ -82,17 +100,7 @@ def model_tries(draw):
 @settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_tries())
 def test_tries_equal_each_sample_alone(attn, case):
-    samples = trie_samples(case["tries"], seed=case["seed"], vocab=case["vocab"], cuts=case["cuts"])
-    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=case["min_prefix_len"],
-                           pad_multiple=case["pad_multiple"])
-    event(f"depth {trie_depth(tree)}")
-    if tree.prefix_tree is None:
-        return
-    flat = build_thd_batch(samples)
-    model = te.tiny_model("qwen3", attn)
-    assert_rows_equal_alone(model, tree, logits_of(model, tree, attn), samples)
-    if flat.num_targets:
-        assert_loss_and_grads_equal(model, flat, tree, attn)
+    assert_case_exact(lambda: te.tiny_model("qwen3", attn), attn, case)
 
 
 @pytest.mark.parametrize("attn, spec, cuts, depth", [

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 import test_equivalence as te  # noqa: E402
 from test_rollout_tries import trie_depth, trie_samples  # noqa: E402
 from test_rollout_tries_models import (  # noqa: E402
-    DEEP, WIDE, assert_close_rel, assert_loss_and_grads_equal, assert_rows_equal_alone, model_tries,
+    DEEP, WIDE, assert_case_exact, assert_close_rel, assert_loss_and_grads_equal, assert_rows_equal_alone,
+    model_tries,
 )
 from test_rollout_tries_hybrid import exact_scans  # noqa: E402,F401 (a fixture)
 from test_shared_prefix_models import flat_rows, logits_of  # noqa: E402
@@ -145,17 +146,7 @@ def test_the_kernel_call_on_a_trie(monkeypatch, signature):
 @settings(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_tries())
 def test_tries_equal_each_sample_alone(case):
-    samples = trie_samples(case["tries"], seed=case["seed"], vocab=case["vocab"], cuts=case["cuts"])
-    tree = build_thd_batch(samples, share_prefix="group", min_prefix_len=case["min_prefix_len"],
-                           pad_multiple=case["pad_multiple"])
-    event(f"depth {trie_depth(tree)}")
-    if tree.prefix_tree is None:
-        return
-    flat = build_thd_batch(samples)
-    model = te.tiny_model("qwen3", NAME)
-    assert_rows_equal_alone(model, tree, logits_of(model, tree, NAME), samples)
-    if flat.num_targets:
-        assert_loss_and_grads_equal(model, flat, tree, NAME)
+    assert_case_exact(lambda: te.tiny_model("qwen3", NAME), NAME, case)
 
 
 @pytest.mark.parametrize("name, spec, cuts, depth, layout", [
