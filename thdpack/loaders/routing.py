@@ -195,8 +195,7 @@ def _gathered_prefix(prefixes: list):
     if prefixes[0] is None:
         return None
     if isinstance(prefixes[0], SharedLayout):
-        return SharedLayout(*(np.concatenate([getattr(p, name) for p in prefixes]).astype(np.int64)
-                              for name in ("shared", "slots", "prefix")))
+        return SharedLayout.joined(prefixes)
     return np.concatenate(prefixes).astype(np.int64)
 
 

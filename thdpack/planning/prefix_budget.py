@@ -42,6 +42,12 @@ class SharedLayout:
     slots: np.ndarray
     prefix: np.ndarray | None = None
 
+    @classmethod
+    def joined(cls, parts: list) -> "SharedLayout":
+        """Layouts of disjoint sets of groups one after another (each keeps its members' shares)."""
+        return cls(*(np.concatenate([np.zeros_like(p.shared) if getattr(p, name) is None else getattr(p, name)
+                                     for p in parts]).astype(np.int64) for name in ("shared", "slots", "prefix")))
+
     def subset(self, rows: np.ndarray) -> "SharedLayout":
         """The layout of the samples ``rows`` (whole groups, in input order)."""
         return SharedLayout(self.shared[rows], self.slots[rows], None if self.prefix is None else self.prefix[rows])
@@ -108,8 +114,16 @@ def as_layout(shared_prefix, lengths: np.ndarray, gid: np.ndarray, group_of: np.
     prefix = check_shared_prefix(shared_prefix, lengths, gid, group_of)
     first = np.zeros(lengths.size, bool)
     first[np.unique(group_of, return_index=True)[1]] = True
+    return one_level_layout(lengths, prefix, first, align)
+
+
+def one_level_layout(lengths: np.ndarray, prefix: np.ndarray, first: np.ndarray, align: int) -> SharedLayout:
+    """One-level prefixes (int ``[n]``) as a :class:`SharedLayout`: ``first`` (bool ``[n]``) marks each group's
+    first member, which adds ``round_up(p) + round_up(L - p)`` slots; every other member adds ``round_up(L - p)``
+    and shares ``p`` tokens."""
     slots = round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)
-    return SharedLayout(np.where(first, 0, prefix), slots.astype(np.int64), prefix)
+    return SharedLayout(np.where(first, 0, prefix).astype(np.int64), slots.astype(np.int64),
+                        np.asarray(prefix, np.int64))
 
 
 def group_slots(layout: SharedLayout, group_of: np.ndarray) -> np.ndarray:

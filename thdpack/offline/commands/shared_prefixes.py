@@ -22,7 +22,7 @@ from thdpack.batching.builder import build_thd_batch
 from thdpack.batching.shared_prefix import group_shares
 from thdpack.common.align import round_up
 from thdpack.offline.store.gather import CHUNK_TOKENS, RowPieces, group_boundaries
-from thdpack.planning.prefix_budget import SharedLayout
+from thdpack.planning.prefix_budget import SharedLayout, one_level_layout
 
 TRIE_MIN_MEMBERS = 3  # a pair's trie is its one-level prefix: only larger groups can share deeper
 
@@ -52,10 +52,7 @@ class TrieShares:
     @classmethod
     def joined(cls, parts: list) -> "TrieShares":
         """Sources' shares one after another (their groups apart)."""
-        layouts = [p.layout for p in parts]
-        return cls(SharedLayout(*(np.concatenate([getattr(x, name) for x in layouts])
-                                  for name in ("shared", "slots", "prefix"))),
-                   np.concatenate([p.stored for p in parts]))
+        return cls(SharedLayout.joined([p.layout for p in parts]), np.concatenate([p.stored for p in parts]))
 
 
 def one_level_shares(lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
@@ -66,9 +63,7 @@ def one_level_shares(lengths: np.ndarray, group: np.ndarray, usable: np.ndarray,
     first = np.zeros(lengths.size, bool)
     if seqs.size:
         first[seqs[np.unique(group[seqs], return_index=True)[1]]] = True
-    shared = np.where(first, 0, prefix).astype(np.int64)
-    slots = (round_up(lengths - prefix, align) + np.where(first, round_up(prefix, align), 0)).astype(np.int64)
-    return TrieShares(SharedLayout(shared, slots, prefix.astype(np.int64)), prefix.astype(np.int64).copy())
+    return TrieShares(one_level_layout(lengths, prefix, first, align), prefix.astype(np.int64))
 
 
 def common_prefixes(table, targets: str, lengths: np.ndarray, group: np.ndarray, usable: np.ndarray, align: int,
