@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thdpack.attention.tree_mask import check_tree
+from thdpack.attention.tree_mask import check_tree, slot_segments
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,8 @@ class TrieCall:
 
     def pad_slots(self) -> torch.Tensor:
         """int64 ``[P]``: the slots no segment's real tokens hold, in order."""
-        real = torch.zeros(self.total, dtype=torch.bool)
-        for a, n in zip(self.offsets, self.lens):
-            real[a:a + n] = True
+        cu, lens = torch.tensor(self.offsets, dtype=torch.int64), torch.tensor(self.lens, dtype=torch.int64)
+        _, _, real = slot_segments(cu, lens, torch.arange(self.total), self.total)
         return torch.nonzero(~real).reshape(-1)
 
 
