@@ -401,14 +401,19 @@ def _filler_costs(plan: PackPlan, cost: CostModel) -> np.ndarray:
     return np.minimum.reduceat(piece_items(plan, cost).cost, plan.pack_offsets[:-1])
 
 
-def filler_samples(plan: PackPlan, cost: CostModel) -> np.ndarray:
-    """int64 ``[num_packs]`` the input sample a filler of every pack runs: its cheapest piece (the first
-    such), the one :func:`_filler_costs` counts."""
+def filler_pieces(plan: PackPlan, cost: CostModel) -> np.ndarray:
+    """int64 ``[num_packs]`` the piece (position in ``plan.sample_index``) a filler of every pack runs: its
+    cheapest (the first such), the one :func:`_filler_costs` counts."""
     if len(plan) == 0:
         return np.zeros(0, np.int64)
     pack_of = np.repeat(np.arange(len(plan)), np.diff(plan.pack_offsets))
     order = np.lexsort((np.arange(pack_of.size), piece_items(plan, cost).cost, pack_of))
-    return plan.sample_index[order[plan.pack_offsets[:-1]]]
+    return order[plan.pack_offsets[:-1]].astype(np.int64)
+
+
+def filler_samples(plan: PackPlan, cost: CostModel) -> np.ndarray:
+    """int64 ``[num_packs]`` the input sample a filler of every pack runs (:func:`filler_pieces`)."""
+    return plan.sample_index[filler_pieces(plan, cost)]
 
 
 def _cost_sorted_steps(costs: np.ndarray, num_replicas: int, micro_batches: int,
@@ -535,12 +540,13 @@ def _name_group(split: _GroupSplit, members: np.ndarray) -> str:
     return f"group {int(split.gid[members[0]])} (samples {shown})"
 
 
-def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: int):
+def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: int | None):
     """First-fit decreasing packs of every multi-pack group, its samples whole (``options``: the
     pack size, alignment and vision budget of the plan).
 
     Returns ``(sample_index, pack_counts, bundle_sizes)``: int64 sample ids in pack order, int64
-    ``[P]`` samples per pack, int64 ``[num_big_groups]`` packs per group (at most ``micro_batches``).
+    ``[P]`` samples per pack, int64 ``[num_big_groups]`` packs per group (at most ``micro_batches``;
+    None: any number, as :func:`group_pack_counts` asks).
     """
     by_group = np.argsort(split.group_of, kind="stable")
     bounds = np.cumsum(np.bincount(split.group_of, minlength=split.big.size))[:-1]
@@ -565,7 +571,7 @@ def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: in
             split.lengths[members], pack_size, algorithm="ffd", align=options.align,
             vision_lengths=None if split.vision is None else split.vision[members], vision_budget=vision_budget,
         )
-        if len(sub) > micro_batches:
+        if micro_batches is not None and len(sub) > micro_batches:
             over.append((g, len(sub)))
         sample_index.append(members[sub.sample_index])
         pack_counts.append(np.diff(sub.pack_offsets))
@@ -579,6 +585,16 @@ def _pack_big_groups(split: _GroupSplit, options: PlanOptions, micro_batches: in
             f"one step: raise micro_batches or pack_size ({len(over)} group(s) too large)"
         )
     return np.concatenate(sample_index), np.concatenate(pack_counts), np.asarray(bundle_sizes, np.int64)
+
+
+def most_group_packs(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> int:
+    """The most packs of ``options.pack_size`` one group needs (1 when each fits one pack; 0 without samples):
+    the first-fit decreasing count :func:`plan_balanced` packs a multi-pack group with, so ``micro_batches`` at
+    least this is never refused for a group's size."""
+    split = _split_groups(lengths, groups, vision_lengths, options, shared_prefix)
+    if not split.big.any():
+        return int(split.lengths.size > 0)
+    return int(_pack_big_groups(split, options, None)[2].max())
 
 
 def _plan_bundles(split: _GroupSplit, options: PlanOptions, *, num_replicas: int, micro_batches: int,

@@ -21,6 +21,7 @@ model): its forward on one chunk of one stage takes ``c / ((1 + r)·P·V)`` and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -131,15 +132,15 @@ class PipelineTimeline:
 def simulate_pipeline(costs, shape: PipelineShape = PipelineShape(), *, backward_ratio: float = 2.0) -> PipelineTimeline:
     """Simulate one rank's step: float ``[m]`` ``costs`` of its micro-batches, in run order (module docstring)."""
     durations, ops = _prepare(costs, shape, backward_ratio)
-    start, end = _run(np.stack(ops), durations, len(costs), shape.pp_size, shape.vpp_size)
+    start, end = _run(ops, durations, durations.shape[1], shape.pp_size, shape.vpp_size)
     busy = (end - start).sum(axis=1)
-    return PipelineTimeline(ops=ops, start=list(start), end=list(end), step_time=float(end.max()), busy=busy)
+    return PipelineTimeline(ops=list(ops), start=list(start), end=list(end), step_time=float(end.max()), busy=busy)
 
 
 def step_time(costs, shape: PipelineShape = PipelineShape(), *, backward_ratio: float = 2.0) -> float:
     """:attr:`PipelineTimeline.step_time` of :func:`simulate_pipeline` (the same simulation)."""
     durations, ops = _prepare(costs, shape, backward_ratio)
-    _, end = _run(np.stack(ops), durations, len(durations[0]), shape.pp_size, shape.vpp_size)
+    _, end = _run(ops, durations, durations.shape[1], shape.pp_size, shape.vpp_size)
     return float(end.max())
 
 
@@ -159,7 +160,16 @@ def _prepare(costs, shape: PipelineShape, backward_ratio: float):
     if c.ndim != 1 or c.size == 0 or not np.isfinite(c).all() or (c < 0).any():
         raise ValueError(f"costs must be a non-empty 1-d array of finite costs >= 0, one per micro-batch; got {c!r}")
     forward = c / ((1.0 + float(backward_ratio)) * shape.pp_size * shape.vpp_size)
-    return np.stack([forward, forward * float(backward_ratio)]), stage_ops(shape, c.size)
+    return np.stack([forward, forward * float(backward_ratio)]), _stacked_ops(shape, c.size)
+
+
+@lru_cache(maxsize=64)
+def _stacked_ops(shape: PipelineShape, m: int) -> np.ndarray:
+    """int64 ``[P, 2·m·V, 3]`` :func:`stage_ops`, stacked (read-only, cached: the order search simulates one
+    shape and count many times)."""
+    ops = np.stack(stage_ops(shape, m))
+    ops.flags.writeable = False
+    return ops
 
 
 @njit
