@@ -12,10 +12,12 @@ imports none of them.
 - :mod:`thdpack.integrations.hf_kwargs`: :func:`to_hf_kwargs`, a batch as a transformers model's keywords.
 - :mod:`thdpack.integrations.megatron_core`: :func:`to_packed_seq_params` (and ``packed_seq_params_dict``),
   a batch as megatron-core's ``PackedSeqParams``.
+- :mod:`thdpack.integrations.megatron_steps`: :class:`MegatronSteps`, a pipeline-parallel step's micro-batches as
+  megatron-core's ``forward_backward_func`` reads them (the middle stages: boundaries without tokens).
 """
 
 __all__ = ["FlopsCallback", "hf_collator", "packed_model", "register_varlen_attention", "to_hf_kwargs",
-           "to_packed_seq_params", "packed_seq_params_dict"]
+           "to_packed_seq_params", "packed_seq_params_dict", "MegatronSteps"]
 
 
 def __getattr__(name):
@@ -31,6 +33,10 @@ def __getattr__(name):
         from thdpack.integrations import megatron_core
 
         return getattr(megatron_core, name)
+    if name == "MegatronSteps":
+        from thdpack.integrations.megatron_steps import MegatronSteps
+
+        return MegatronSteps
     if name == "packed_model":
         from thdpack.integrations.hybrid import packed_model
 

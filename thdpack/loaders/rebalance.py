@@ -32,11 +32,13 @@ from thdpack.planning.prefix_budget import SharedLayout
 from thdpack.common.align import check_positive_int
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 from thdpack.loaders.exchange import Comm, decode_sample, encode_sample, exchange_blobs, exchange_objects, exchange_rows
-from thdpack.loaders.routing import RankRecord, Route, plan_route
+from thdpack.loaders.routing import RankRecord, Route, StepsRequest, plan_route
 from thdpack.planning.balance import CostModel
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
+from thdpack.planning.pipeline_sim import PipelineShape
 from thdpack.planning.rank_fill import straggler_bound
+from thdpack.planning.steps import DEFAULT_ORDER_BUDGET, check_order_budget
 
 # build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. With
 # "share_prefix" each rank finds its groups' prefixes (_local_prefixes), and plan_route counts each once.
@@ -90,19 +92,57 @@ def rebalance(local_samples: Sequence, pack_size: int, *, group=None, micro_batc
     refuse_layout_object("rebalance", layout)
     if hybrid_cp is not None and hybrid_cp is not False:
         return _rebalance_hybrid(local_samples, pack_size, hybrid_cp, micro_batches, group, cost, groups, layout)
+    return _rebalance(local_samples, int(pack_size), group, cost, groups, layout, micro_batches=int(micro_batches))
+
+
+def rebalance_steps(local_samples: Sequence, max_tokens_per_micro_batch: int, *, group=None, pp_size: int = 1,
+                    vpp_size: int = 1, vpp_group: int | None = None, cost=None, groups=None, min_micro_batches: int = 1,
+                    order_budget: int = DEFAULT_ORDER_BUDGET, **layout) -> tuple[list[ThdBatch], "StepsHandle"]:
+    """:func:`rebalance` for one pipeline-parallel step: the micro-batch count and order of
+    :func:`thdpack.plan_steps`, planned on the lengths gathered from every rank of ``group``.
+
+    A collective, like :func:`rebalance` (one all-gather, one all-to-all). Every rank computes the same
+    :func:`thdpack.plan_steps` of the gathered lengths (rank ``r``'s local sample ``i`` is global sample
+    ``handle.offsets[r] + i``), so the plan equals the offline plan of the same global batch, and gets the same
+    ``num_micro_batches``.
+
+    Args:
+        local_samples, group, cost, groups, **layout: as in :func:`rebalance` (``**layout``'s ``multiple`` / CP
+            alignment is the plan's ``align``).
+        max_tokens_per_micro_batch, pp_size, vpp_size, vpp_group, min_micro_batches, order_budget: as in
+            :func:`thdpack.plan_steps`.
+
+    Returns:
+        ``(batches, handle)``: this rank's ``handle.num_micro_batches`` micro-batches in run order (a filler where
+        the samples cannot fill every slot, as in :func:`rebalance`) and a :class:`StepsHandle` (``restore``,
+        ``steps``, ``seqlen_sums`` for the FLOPs meter).
+    """
+    check_positive_int(max_tokens_per_micro_batch, "max_tokens_per_micro_batch")
+    refuse_layout_object("rebalance_steps", layout)
+    check_positive_int(min_micro_batches, "min_micro_batches")
+    request = StepsRequest(PipelineShape(pp_size, vpp_size, vpp_group), int(min_micro_batches),
+                           check_order_budget(order_budget))
+    return _rebalance(local_samples, int(max_tokens_per_micro_batch), group, cost, groups, layout, pipeline=request)
+
+
+def _rebalance(local_samples, pack_size: int, group, cost, groups, layout: dict, *, micro_batches: int | None = None,
+               pipeline: StepsRequest | None = None):
+    """:func:`rebalance` (``micro_batches``) or :func:`rebalance_steps` (``pipeline``) after their checks."""
     cost = CostModel() if cost is None else CostModel.of(cost)
     batch_layout, build_kwargs = _split_layout(layout)
     share = _share_of(build_kwargs, batch_layout)
-    options = _plan_options(int(pack_size), batch_layout)
+    options = _plan_options(pack_size, batch_layout)
     comm = Comm.of(group)
     samples, blobs, record, local_error = _read_local(local_samples, groups, batch_layout, comm.world_size > 1, share)
     try:
-        route = plan_route(comm.all_gather_object(record), options, micro_batches=int(micro_batches), cost=cost)
+        route = plan_route(comm.all_gather_object(record), options, micro_batches=micro_batches, cost=cost,
+                           pipeline=pipeline)
     except ValueError as exc:
         raise exc from local_error
     held = _fetch_samples(comm, route, samples, blobs)
     batches = _build_batches(route, comm.rank, held, batch_layout, build_kwargs, share)
-    return batches, RebalanceHandle(comm, route, options, cost)
+    handle = RebalanceHandle if pipeline is None else StepsHandle
+    return batches, handle(comm, route, options, cost)
 
 
 def _split_layout(layout: dict) -> tuple[BatchLayout, dict]:
@@ -363,3 +403,29 @@ class RebalanceHandle:
         return (f"RebalanceHandle(rank={self.rank}, world_size={self.world_size}, micro_batches={self.filler.size}, "
                 f"samples={self.sample_ids.size}, fillers={int(self.filler.sum())}, straggler={self.straggler:.4f}, "
                 f"straggler_bound={self.straggler_bound:.4f})")
+
+
+class StepsHandle(RebalanceHandle):
+    """:class:`RebalanceHandle` of :func:`rebalance_steps`, with the step's plan and FLOPs statistics.
+
+    Attributes (besides :class:`RebalanceHandle`'s):
+        steps: the :class:`thdpack.planning.steps.StepPlan` every rank computed (global sample ids;
+            ``steps.micro_batches[rank]`` are the sample ids of that rank's batches).
+        num_micro_batches: ``m``, the same on every rank: megatron-core's ``num_microbatches`` for the step.
+        seqlen_sums: ``(Σ sᵢ, Σ sᵢ²)`` (Python ints) of the real lengths this rank runs (fillers included):
+            what :mod:`thdpack.flops` turns into this rank's model FLOPs.
+        global_seqlen_sums: the same over every rank of the group (the step's global batch).
+    """
+
+    def __init__(self, comm: Comm, route: Route, options: PlanOptions, cost: CostModel):
+        super().__init__(comm, route, options, cost)
+        self.steps = route.steps
+        self.num_micro_batches = route.steps.num_micro_batches
+        tokens, squares = route.steps.seqlen_sums
+        self.seqlen_sums = (int(tokens[comm.rank]), int(squares[comm.rank]))
+        self.global_seqlen_sums = (int(tokens.sum()), int(squares.sum()))
+
+    def __repr__(self) -> str:
+        return (f"StepsHandle(rank={self.rank}, world_size={self.world_size}, num_micro_batches="
+                f"{self.num_micro_batches}, samples={self.sample_ids.size}, fillers={int(self.filler.sum())}, "
+                f"step_time={self.steps.step_time:.4g}, step_time_bound={self.steps.step_time_bound:.4g})")

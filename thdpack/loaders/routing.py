@@ -17,6 +17,18 @@ from thdpack.planning.balance import BalancedPlan, CostModel, filler_samples, pl
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
 from thdpack.planning.prefix_budget import SharedLayout, as_layout, group_slots
+from thdpack.planning.pipeline_sim import PipelineShape
+from thdpack.planning.steps import StepPlan, plan_steps
+
+
+@dataclass(frozen=True)
+class StepsRequest:
+    """What :func:`thdpack.loaders.rebalance.rebalance_steps` asks :func:`plan_route` for: the pipeline's
+    ``shape``, the fewest micro-batches per rank it takes and the simulations per rank its order search may spend."""
+
+    shape: PipelineShape
+    min_micro_batches: int
+    order_budget: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,8 @@ class Route:
             prefixes; else None.
         credit: per rank, int64 ``[m_r]`` (aligned with ``batch_ids``) tokens of each slot laid out
             by an earlier member of its pack (its group's prefix; 0 for the first and for fillers).
+        steps: the :class:`thdpack.planning.steps.StepPlan` of a pipeline-parallel step (its ``balanced`` is
+            ``plan``), or None.
     """
 
     offsets: np.ndarray
@@ -75,6 +89,7 @@ class Route:
     groups: np.ndarray | None = None
     prefix: np.ndarray | SharedLayout | None = None
     credit: list | None = None
+    steps: StepPlan | None = None
 
     @property
     def world_size(self) -> int:
@@ -106,7 +121,8 @@ class Route:
         return out
 
 
-def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches: int, cost: CostModel) -> Route:
+def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches: int | None, cost: CostModel,
+               pipeline: StepsRequest | None = None) -> Route:
     """The :class:`Route` of every rank's ``records`` (one per rank, in rank order), planned by
     :func:`thdpack.plan_balanced` with ``options`` (pack size, the layout's ``align``), ``R`` =
     ``len(records)`` replicas, ``micro_batches`` and ``cost``, steps unshuffled.
@@ -118,6 +134,10 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     micro-batches. ``ValueError`` (the same on every rank)
     for a record's error, groups given on some ranks only, a sample longer than a pack, or a
     group longer than ``micro_batches`` packs, naming the rank and its local sample or group.
+
+    With ``pipeline`` (``micro_batches`` None) the plan is :func:`thdpack.planning.steps.plan_steps`'s of the
+    gathered lengths instead: one step, ``m`` its own, each rank's micro-batches in the order it simulated
+    (:attr:`Route.steps`).
     """
     check_records(records, options, micro_batches)
     counts = np.array([r.lengths.size for r in records], np.int64)
@@ -125,19 +145,29 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     lengths = np.concatenate([r.lengths for r in records]).astype(np.int64)
     groups = _global_groups(records)
     prefix = _gathered_prefix([r.prefix for r in records])
+    steps = None
     try:
-        plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
-                             shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True,
-                             **options.keywords())
+        if pipeline is None:
+            plan = plan_balanced(lengths, num_replicas=len(records), micro_batches=micro_batches, cost=cost,
+                                 shuffle_steps=False, groups=groups, shared_prefix=prefix, fillers=True,
+                                 **options.keywords())
+        else:
+            steps = plan_steps(lengths, dp_size=len(records), max_tokens_per_micro_batch=options.pack_size,
+                               pp_size=pipeline.shape.pp_size, vpp_size=pipeline.shape.vpp_size,
+                               vpp_group=pipeline.shape.vpp_group, min_micro_batches=pipeline.min_micro_batches,
+                               order_budget=pipeline.order_budget, cost=cost,
+                               groups=groups, shared_prefix=prefix,
+                               **{k: v for k, v in options.keywords().items() if k != "pack_size"})
+            plan = steps.balanced
     except ValueError as exc:
         raise ValueError(f"rebalance: {exc} (samples are numbered rank by rank: rank r's first local sample is "
                          f"global sample offsets[r], offsets {offsets[:-1].tolist()[:16]})") from None
     sizes = np.concatenate([r.sizes for r in records]).astype(np.int64)
-    route = _route_of(plan, offsets, lengths, sizes, cost)
+    route = replace(_route_of(plan, offsets, lengths, sizes, cost), steps=steps)
     return route if prefix is None else _with_credit(route, groups, prefix)
 
 
-def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int) -> None:
+def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int | None) -> None:
     """``ValueError`` naming the rank (and its local sample or group) for what no plan can take."""
     failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error is not None]
     if failed:
@@ -158,7 +188,7 @@ def check_records(records: list[RankRecord], options: PlanOptions, micro_batches
             raise ValueError(f"rebalance: sample {i} of rank {r} has {int(rec.lengths[i])} tokens ({int(sizes[i])} "
                              f"aligned to {align}), more than pack_size={pack_size}; a rollout is never cut here: "
                              f"raise pack_size or drop it ({over.size} such sample(s) on rank {r})")
-        if rec.groups is not None and rec.groups.size:
+        if rec.groups is not None and rec.groups.size and micro_batches is not None:  # plan_steps sizes m to them
             _check_group_sizes(r, rec, align, pack_size * micro_batches, micro_batches)
 
 

@@ -53,7 +53,7 @@ class StepPlan:
         cost: the :class:`thdpack.CostModel` the packs were dealt and ordered by.
         micro_batch_floor: no plan holds these lengths in fewer micro-batches per rank than this (their aligned
             tokens over ``dp_size`` ranks of ``m`` caps, rounded up to the VPP multiple, and the packs the
-            largest group needs); ``num_micro_batches`` is at least it.
+            largest group needs); ``num_micro_batches`` is at least it (and at least ``min_micro_batches``).
         order_rules: per rank, which rule of :data:`ORDER_RULES` the order started from (module docstring).
     """
 
@@ -161,7 +161,7 @@ class StepPlan:
 
 def plan_steps(lengths, *, dp_size: int, max_tokens_per_micro_batch: int, pp_size: int = 1, vpp_size: int = 1,
                vpp_group: int | None = None, cost=None, groups=None, shared_prefix=None, vision_lengths=None,
-               order_budget: int = DEFAULT_ORDER_BUDGET, **plan_keywords) -> StepPlan:
+               min_micro_batches: int = 1, order_budget: int = DEFAULT_ORDER_BUDGET, **plan_keywords) -> StepPlan:
     """Plan one step of a global batch for ``dp_size`` pipelines of ``pp_size`` stages (module docstring).
 
     Args:
@@ -174,6 +174,8 @@ def plan_steps(lengths, *, dp_size: int, max_tokens_per_micro_batch: int, pp_siz
         cost: a :class:`thdpack.CostModel` or ``(linear, quadratic)`` (None: tokens).
         groups, shared_prefix, vision_lengths: as in :func:`thdpack.plan_balanced` (a group runs whole on one
             rank; a group over one micro-batch is packed into the fewest that hold it).
+        min_micro_batches: at least this many micro-batches per rank (e.g. ``pp_size``: fewer leave stages idle
+            for most of the step); the fewest that hold the batch otherwise.
         order_budget: simulations per rank spent improving its order (0: the best rule, no swaps).
         **plan_keywords: ``align`` (CP alignment, as :func:`thdpack.cp_pad_multiple` gives it), ``algorithm``,
             ``overflow``, ``max_samples_per_pack``, ``seed``, ``vision_budget``, as in :func:`thdpack.plan_packs`.
@@ -186,8 +188,10 @@ def plan_steps(lengths, *, dp_size: int, max_tokens_per_micro_batch: int, pp_siz
     """
     check_positive_int(dp_size, "dp_size")
     check_positive_int(max_tokens_per_micro_batch, "max_tokens_per_micro_batch")
-    if not isinstance(order_budget, (int, np.integer)) or isinstance(order_budget, bool) or order_budget < 0:
-        raise ValueError(f"order_budget must be an integer >= 0 (simulations per rank), got {order_budget!r}")
+    order_budget = check_order_budget(order_budget)
+    check_positive_int(min_micro_batches, "min_micro_batches")
+    if "pack_size" in plan_keywords:
+        raise TypeError("plan_steps takes the micro-batch's token cap as max_tokens_per_micro_batch, not pack_size")
     shape = PipelineShape(int(pp_size), int(vpp_size), vpp_group)
     cost = CostModel() if cost is None else CostModel.of(cost)
     options = plan_options("plan_steps", {"pack_size": int(max_tokens_per_micro_batch), **plan_keywords})
@@ -196,17 +200,25 @@ def plan_steps(lengths, *, dp_size: int, max_tokens_per_micro_batch: int, pp_siz
         raise ValueError("plan_steps: the global batch has no samples; a step needs at least one")
     dp, multiple = int(dp_size), shape.micro_batch_multiple()
     floor = _micro_batch_floor(arr, groups, shared_prefix, vision_lengths, options, dp, multiple)
+    start = -(-max(floor, int(min_micro_batches)) // multiple) * multiple
     planned = dict(pack_size=options.pack_size, num_replicas=dp, cost=cost, shuffle_steps=False, groups=groups,
                    shared_prefix=shared_prefix, vision_lengths=vision_lengths, fillers=True,
                    **{k: v for k, v in options.keywords().items() if k != "pack_size"})
-    m = floor
+    m = start
     while True:
         balanced = plan_balanced(arr, micro_batches=m, **planned)
         if balanced.num_steps <= 1:
             break
         m += multiple  # the packs need more slots than dp·m: the next count megatron-core takes
-    balanced, rules = _ordered(balanced, shape, int(order_budget))
+    balanced, rules = _ordered(balanced, shape, order_budget)
     return StepPlan(balanced=balanced, shape=shape, cost=cost, micro_batch_floor=floor, order_rules=rules)
+
+
+def check_order_budget(order_budget) -> int:
+    """``order_budget`` as an int; ``ValueError`` unless it is an integer >= 0."""
+    if not isinstance(order_budget, (int, np.integer)) or isinstance(order_budget, bool) or order_budget < 0:
+        raise ValueError(f"order_budget must be an integer >= 0 (simulations per rank), got {order_budget!r}")
+    return int(order_budget)
 
 
 def _micro_batch_floor(lengths, groups, shared_prefix, vision_lengths, options, dp: int, multiple: int) -> int:
