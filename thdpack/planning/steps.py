@@ -121,13 +121,22 @@ class StepPlan:
 
     @property
     def step_time_bound(self) -> float:
-        """A step time no plan of these samples on these ranks and stages beats: the cost floor of the
-        costliest rank (``balanced.rank_floor``) over ``P`` stages, plus the warm-up and cool-down of the
-        cheapest micro-batch any plan could have (the cheapest sample alone):
-        :func:`thdpack.planning.pipeline_sim.step_time_bound`. Never above :attr:`step_time`."""
+        """A step time no plan of these samples on these ranks and stages with ``m`` micro-batches per rank
+        beats: the costliest rank costs at least ``balanced.rank_floor`` (``F``), which its last stage computes
+        ``F / P`` of, plus the warm-up and cool-down of its cheapest micro-batch
+        (:func:`thdpack.planning.pipeline_sim.step_time_bound`). That micro-batch costs at least the cheapest
+        sample alone, and at least ``F − (m − 1)·c_cap`` (the other ``m − 1`` hold at most ``c_cap``, the cost of
+        ``cap`` tokens as one sample: ``Σ sᵢ² ≤ (Σ sᵢ)²``). Never above :attr:`step_time`."""
         plan = self.balanced.plan
-        cheapest = float(piece_items(plan, self.cost).cost.min()) if len(plan) else 0.0
-        return step_time_bound(self.balanced.rank_floor, cheapest, self.shape)
+        if not len(plan):
+            return 0.0
+        cheapest = float(piece_items(plan, self.cost).cost.min())
+        floor = float(self.balanced.rank_floor)
+        if not (self.cost.vision and plan.vision_length is not None):  # a micro-batch's vision cost is unbounded
+            cap = float(plan.pack_size)
+            full = self.cost.linear * cap + self.cost.quadratic * cap * cap
+            cheapest = max(cheapest, floor - (self.num_micro_batches - 1) * full)
+        return step_time_bound(floor, cheapest, self.shape)
 
     @property
     def bubble_fraction(self) -> float:
