@@ -139,7 +139,8 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     gathered lengths instead: one step, ``m`` its own, each rank's micro-batches in the order it simulated
     (:attr:`Route.steps`).
     """
-    check_records(records, options, micro_batches)
+    check_records(records, options, micro_batches, cap_name="pack_size" if pipeline is None else
+                  "max_tokens_per_micro_batch")
     counts = np.array([r.lengths.size for r in records], np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     lengths = np.concatenate([r.lengths for r in records]).astype(np.int64)
@@ -167,8 +168,10 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     return route if prefix is None else _with_credit(route, groups, prefix)
 
 
-def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int | None) -> None:
-    """``ValueError`` naming the rank (and its local sample or group) for what no plan can take."""
+def check_records(records: list[RankRecord], options: PlanOptions, micro_batches: int | None, *,
+                  cap_name: str = "pack_size") -> None:
+    """``ValueError`` naming the rank (and its local sample or group) for what no plan can take (``cap_name``: what
+    the caller called the pack's token budget)."""
     failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error is not None]
     if failed:
         r, message = failed[0]
@@ -186,8 +189,8 @@ def check_records(records: list[RankRecord], options: PlanOptions, micro_batches
         if over.size:
             i = int(over[0])
             raise ValueError(f"rebalance: sample {i} of rank {r} has {int(rec.lengths[i])} tokens ({int(sizes[i])} "
-                             f"aligned to {align}), more than pack_size={pack_size}; a rollout is never cut here: "
-                             f"raise pack_size or drop it ({over.size} such sample(s) on rank {r})")
+                             f"aligned to {align}), more than {cap_name}={pack_size}; a rollout is never cut here: "
+                             f"raise {cap_name} or drop it ({over.size} such sample(s) on rank {r})")
         if rec.groups is not None and rec.groups.size and micro_batches is not None:  # plan_steps sizes m to them
             _check_group_sizes(r, rec, align, pack_size * micro_batches, micro_batches)
 
