@@ -8,7 +8,7 @@
 Every configuration draws one global batch (seeded) and plans it for ``DP`` pipelines of ``PP`` stages
 (``VPP`` model chunks per stage, ``vpp_group = PP``) under one token cap per micro-batch
 (``--cap``, 16384 tokens). Each rank's micro-batch costs, in run order, are simulated op by op with
-:func:`thdpack.planning.pipeline_sim.step_time` (megatron-core's 1F1B / interleaved 1F1B, dataflow model).
+:func:`thdpack.planning.pipeline_parallel.simulate.step_time` (megatron-core's 1F1B / interleaved 1F1B, dataflow model).
 
 Lengths (seeded, numpy ``default_rng``):
 
@@ -99,8 +99,8 @@ import time
 import numpy as np
 
 from thdpack import CostModel
-from thdpack.planning.pipeline_sim import PipelineShape, step_time
-from thdpack.planning.steps import order_micro_batches, plan_steps
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape, step_time
+from thdpack.planning.pipeline_parallel.steps import order_micro_batches, plan_steps
 
 LINEAR, QUADRATIC = 1.0, 6 * 32 * 4096 / (6 * 8e9)  # ~1.64e-5: a ~8B dense model (module docstring)
 COST = CostModel(LINEAR, QUADRATIC)
@@ -336,7 +336,7 @@ def run_config(data, pp, dp, vpp, args, rng):
 def order_demo(lengths, shape, plan, cap):
     """One rank's micro-batches in three run orders: thdpack's slowest rank (its packs are balanced, so order
     matters little), then the ``fixed`` strategy's slowest rank (uneven packs) ordered by
-    :func:`thdpack.planning.steps.order_micro_batches` (what plan_steps runs on a rank's costs)."""
+    :func:`thdpack.planning.pipeline_parallel.steps.order_micro_batches` (what plan_steps runs on a rank's costs)."""
     r = int(np.argmax(plan.rank_step_times))
     cases = [(f"thdpack's rank {r}", plan.micro_batches[r], plan.micro_batch_costs[r], None)]
     ranks, _ = plan_fixed(lengths, plan.dp_size, cap, shape.micro_batch_multiple())

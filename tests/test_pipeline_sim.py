@@ -1,4 +1,4 @@
-"""thdpack.planning.pipeline_sim: megatron-core's 1F1B and interleaved 1F1B schedules simulated op by op.
+"""thdpack.planning.pipeline_parallel.simulate: megatron-core's 1F1B and interleaved 1F1B schedules simulated op by op.
 
 1. Hand-worked timelines: every stage's ops with their start and end, worked out on paper (in the comments),
    never by the code under test.
@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megatron_env  # tests/megatron_env.py
-from thdpack.planning.pipeline_sim import (
+from thdpack.planning.pipeline_parallel.simulate import (
     BACKWARD,
     FORWARD,
     PipelineShape,

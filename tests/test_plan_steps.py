@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack import CostModel, SampleError, plan_balanced, plan_packs
-from thdpack.planning.pipeline_sim import PipelineShape, step_time
-from thdpack.planning.steps import StepPlan, order_micro_batches, plan_steps
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape, step_time
+from thdpack.planning.pipeline_parallel.steps import StepPlan, order_micro_batches, plan_steps
 
 SETTINGS = settings(max_examples=80, deadline=None)
 

@@ -34,7 +34,7 @@ from thdpack.loaders.rebalance import rebalance, rebalance_steps
 from thdpack.parallel.cp import local_seq_lens, thd_partition_indices
 from thdpack.parallel.torch_cp import TorchCPLoadBalancer, torch_cp_indices
 from thdpack.planning.plan import plan_packs
-from thdpack.planning.steps import plan_steps
+from thdpack.planning.pipeline_parallel.steps import plan_steps
 from thdpack.loaders.sampler import TokenBudgetBatchSampler
 from thdpack.common.samples import SampleError
 from thdpack.loaders.stream import StreamingPacker

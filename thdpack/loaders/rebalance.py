@@ -36,9 +36,9 @@ from thdpack.loaders.routing import RankRecord, Route, StepsRequest, plan_route
 from thdpack.planning.balance import CostModel
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
-from thdpack.planning.pipeline_sim import PipelineShape
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape
 from thdpack.planning.rank_fill import straggler_bound
-from thdpack.planning.steps import DEFAULT_ORDER_BUDGET, check_order_budget
+from thdpack.planning.pipeline_parallel.steps import DEFAULT_ORDER_BUDGET, check_order_budget
 
 # build_thd_batch keywords besides the layout's that rebalance passes on to every micro-batch. With
 # "share_prefix" each rank finds its groups' prefixes (_local_prefixes), and plan_route counts each once.
@@ -409,7 +409,7 @@ class StepsHandle(RebalanceHandle):
     """:class:`RebalanceHandle` of :func:`rebalance_steps`, with the step's plan and FLOPs statistics.
 
     Attributes (besides :class:`RebalanceHandle`'s):
-        steps: the :class:`thdpack.planning.steps.StepPlan` every rank computed (global sample ids;
+        steps: the :class:`thdpack.planning.pipeline_parallel.steps.StepPlan` every rank computed (global sample ids;
             ``steps.micro_batches[rank]`` are the sample ids of that rank's batches).
         num_micro_batches: ``m``, the same on every rank: megatron-core's ``num_microbatches`` for the step.
         seqlen_sums: ``(Σ sᵢ, Σ sᵢ²)`` (Python ints) of the real lengths this rank runs (fillers included):

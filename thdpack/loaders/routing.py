@@ -17,8 +17,8 @@ from thdpack.planning.balance import BalancedPlan, CostModel, filler_samples, pl
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.plan import number_groups
 from thdpack.planning.prefix_budget import SharedLayout, as_layout, group_slots
-from thdpack.planning.pipeline_sim import PipelineShape
-from thdpack.planning.steps import StepPlan, plan_steps
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape
+from thdpack.planning.pipeline_parallel.steps import StepPlan, plan_steps
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Route:
             prefixes; else None.
         credit: per rank, int64 ``[m_r]`` (aligned with ``batch_ids``) tokens of each slot laid out
             by an earlier member of its pack (its group's prefix; 0 for the first and for fillers).
-        steps: the :class:`thdpack.planning.steps.StepPlan` of a pipeline-parallel step (its ``balanced`` is
+        steps: the :class:`thdpack.planning.pipeline_parallel.steps.StepPlan` of a pipeline-parallel step (its ``balanced`` is
             ``plan``), or None.
     """
 
@@ -135,7 +135,7 @@ def plan_route(records: list[RankRecord], options: PlanOptions, *, micro_batches
     for a record's error, groups given on some ranks only, a sample longer than a pack, or a
     group longer than ``micro_batches`` packs, naming the rank and its local sample or group.
 
-    With ``pipeline`` (``micro_batches`` None) the plan is :func:`thdpack.planning.steps.plan_steps`'s of the
+    With ``pipeline`` (``micro_batches`` None) the plan is :func:`thdpack.planning.pipeline_parallel.steps.plan_steps`'s of the
     gathered lengths instead: one step, ``m`` its own, each rank's micro-batches in the order it simulated
     (:attr:`Route.steps`).
     """

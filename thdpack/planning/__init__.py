@@ -6,9 +6,9 @@ from thdpack.planning.hybrid_cp import HybridCPPlan
 from thdpack.planning.mixture import MixturePlan, plan_mixture, plan_stratified
 from thdpack.planning.options import PlanOptions
 from thdpack.planning.packing import PackStats
-from thdpack.planning.pipeline_sim import PipelineShape
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape
 from thdpack.planning.plan import PackPlan
-from thdpack.planning.steps import StepPlan
+from thdpack.planning.pipeline_parallel.steps import StepPlan
 
 __all__ = ["PlanOptions", "PackPlan", "PackStats", "BalancedPlan", "StepPlan", "PipelineShape", "HybridCPPlan", "plan_mixture", "MixturePlan",
            "plan_stratified"]

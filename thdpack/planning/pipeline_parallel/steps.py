@@ -11,7 +11,7 @@ at most a token cap, and the order of a rank's micro-batches sets its pipeline b
                                   the samples cannot fill every slot) ─▶ each rank's order, simulated
 
 The order: each rank's micro-batches are ordered by simulating megatron-core's schedule on their costs
-(:mod:`thdpack.planning.pipeline_sim`): the best of a few rules, then pairwise swaps that shorten the
+(:mod:`thdpack.planning.pipeline_parallel.simulate`): the best of a few rules, then pairwise swaps that shorten the
 simulated step (at most ``order_budget`` simulations per rank). The first rule, the *hump* (cheapest first,
 next cheapest last, the costliest in the middle), is why: warm-up runs the first micro-batch's forward
 through ``P − 1`` stages before the last stage has work, and cool-down runs the last one's backward through
@@ -33,7 +33,7 @@ from thdpack.planning.balance import (BalancedPlan, CostModel, filler_pieces, fi
                                       plan_balanced)
 from thdpack.planning.options import plan_options
 from thdpack.planning.packing import pack_sums
-from thdpack.planning.pipeline_sim import PipelineShape, step_time, step_time_bound
+from thdpack.planning.pipeline_parallel.simulate import PipelineShape, step_time, step_time_bound
 from thdpack.planning.plan import check_groups, number_groups, validate_lengths
 from thdpack.planning.prefix_budget import as_layout, group_slots
 from thdpack.planning.spread import piece_items
@@ -49,7 +49,7 @@ class StepPlan:
     Attributes:
         balanced: the :class:`thdpack.planning.BalancedPlan` of the step (one step: ``steps`` int64
             ``[1, dp_size, m]`` pack ids in run order, ``filler`` bool ``[1, dp_size, m]``).
-        shape: the :class:`thdpack.planning.pipeline_sim.PipelineShape` (``pp_size``, ``vpp_size``, ``vpp_group``).
+        shape: the :class:`thdpack.planning.pipeline_parallel.simulate.PipelineShape` (``pp_size``, ``vpp_size``, ``vpp_group``).
         cost: the :class:`thdpack.CostModel` the packs were dealt and ordered by.
         micro_batch_floor: no plan holds these lengths in fewer micro-batches per rank than this (their aligned
             tokens over ``dp_size`` ranks of ``m`` caps, rounded up to the VPP multiple, and the packs the
@@ -124,7 +124,7 @@ class StepPlan:
         """A step time no plan of these samples on these ranks and stages with ``m`` micro-batches per rank
         beats: the costliest rank costs at least ``balanced.rank_floor`` (``F``), which its last stage computes
         ``F / P`` of, plus the warm-up and cool-down of its cheapest micro-batch
-        (:func:`thdpack.planning.pipeline_sim.step_time_bound`). That micro-batch costs at least the cheapest
+        (:func:`thdpack.planning.pipeline_parallel.simulate.step_time_bound`). That micro-batch costs at least the cheapest
         sample alone, and at least ``F − (m − 1)·c_cap`` (the other ``m − 1`` hold at most ``c_cap``, the cost of
         ``cap`` tokens as one sample: ``Σ sᵢ² ≤ (Σ sᵢ)²``). Never above :attr:`step_time`."""
         plan = self.balanced.plan
