@@ -46,6 +46,8 @@ CASES = {
     "load_packed": (["--source", "tokenized", "--num-samples", "2000", "--repeats", "1"], "same output"),
     # multi-turn rollouts: unshared, one shared prompt, a trie (issue 46); the three losses must agree
     "rollout_tries": (["--quick"], "losses agree"),
+    # one pipeline-parallel step planned five ways, every plan checked (each sample once, the cap) before it is timed
+    "pipeline_steps": (["--quick"], "order effect"),
 }
 
 
