@@ -51,9 +51,10 @@ class StepPlan:
             ``[1, dp_size, m]`` pack ids in run order, ``filler`` bool ``[1, dp_size, m]``).
         shape: the :class:`thdpack.planning.pipeline_parallel.simulate.PipelineShape` (``pp_size``, ``vpp_size``, ``vpp_group``).
         cost: the :class:`thdpack.CostModel` the packs were dealt and ordered by.
-        micro_batch_floor: no plan holds these lengths in fewer micro-batches per rank than this (their aligned
-            tokens over ``dp_size`` ranks of ``m`` caps, rounded up to the VPP multiple, and the packs the
-            largest group needs); ``num_micro_batches`` is at least it (and at least ``min_micro_batches``).
+        micro_batch_floor: the count ``m`` starts from: the aligned tokens over ``dp_size`` ranks of caps (no plan
+            holds them in fewer), the packs the largest group takes (first-fit decreasing, as ``plan_balanced``
+            packs it), rounded up to the VPP multiple; ``num_micro_batches`` is at least it (and at least
+            ``min_micro_batches``).
         order_rules: per rank, which rule of :data:`ORDER_RULES` the order started from (module docstring).
     """
 
