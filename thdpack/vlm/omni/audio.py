@@ -7,6 +7,13 @@ length only from ``feature_attention_mask`` (``audio_feature_lengths`` alone doe
 so :func:`pack_clips` re-pads every clip of the pack to the pack's widest clip and gives the mask with it.
 The audio tower cuts each clip into chunks of ``2 * n_window`` frames by those lengths, so clips of
 different samples never attend to each other.
+
+Exactness (tests/test_omni_audio.py, float32): Qwen2.5-Omni's tower gives every packed clip what it gives
+the clip alone, forward and gradients. Qwen3-Omni's does only for clips whose widest chunk alone
+(``min(L, 2 * n_window)``) is the call's widest chunk (every clip of ``>= 2 * n_window`` frames, for one): it
+pads all chunks to the widest and runs three stride-2 convs with no mask between them, so a shorter clip
+beside a longer one reads gelu(bias) columns past its end (74 of the lengths 1..99 beside a 100-frame clip;
+transformers' own batched call does the same).
 """
 
 from __future__ import annotations
@@ -133,8 +140,8 @@ def pack_clips(clips: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Te
         ``input_features``: ``[k, mel, W]``, ``W = max L_k``, clip ``k`` in ``[k, :, :L_k]`` and zeros after
         it; dtype and device of the clips.
         ``feature_attention_mask``: int64 ``[k, W]``, ones on the ``L_k`` real frames of each row.
-    ``get_audio_features(input_features, feature_attention_mask)`` then runs every clip as it runs alone
-    (each cut into its own chunks). No clips: ``(None, None)``, what the thinker takes as "no audio"
+    ``get_audio_features(input_features, feature_attention_mask)`` then cuts every clip into its own chunks
+    (Qwen2.5-Omni: exactly as alone; Qwen3-Omni: see the module docstring for short clips). No clips: ``(None, None)``, what the thinker takes as "no audio"
     (a ``[0, mel, 0]`` tensor has no mel count to give).
 
     Raises ``ValueError`` when the clips differ in mel count, dtype or device.
