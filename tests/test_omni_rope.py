@@ -233,7 +233,7 @@ def test_several_clips_and_videos(variant):
 # ---- random samples --------------------------------------------------------------------------------
 def _lengths(variant):
     if variant == "qwen2_5_omni":
-        return st.integers(1, 220)
+        return st.integers(3, 220)  # 1 or 2 frames give no token: get_rope_index fails (tested below)
     return st.one_of(st.integers(1, 350),
                      st.builds(lambda k, d: max(1, 100 * k + d), st.integers(0, 4), st.integers(-1, 1)))
 
@@ -299,3 +299,13 @@ def test_audio_in_video_needs_the_flag(variant):
         images, videos, seconds, lengths = case.inputs()
         omni_positions(case.cfg, case.ids, video_grid_thw=videos, second_per_grid=seconds,
                        audio_feature_lengths=lengths, use_audio_in_video=False, sample=3)
+
+
+def test_a_clip_without_tokens_is_refused():
+    case = Case("qwen2_5_omni").image([1, 2, 2]).text(1)
+    ids = case.ids + [case.cfg.audio_start_token_id, AUDIO_END]
+    with pytest.raises(SampleError, match="sample 0: "):
+        omni_positions(case.cfg, ids, image_grid_thw=[[1, 2, 2]], audio_feature_lengths=[2])
+    ids = case.ids + [case.cfg.audio_start_token_id, case.cfg.audio_token_id, AUDIO_END]
+    with pytest.raises(SampleError, match="audio clip 0 gives no LLM token"):
+        omni_positions(case.cfg, ids, image_grid_thw=[[1, 2, 2]], audio_feature_lengths=[2])

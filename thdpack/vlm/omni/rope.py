@@ -171,6 +171,8 @@ class _Sample:
         if self.audio is None or k >= len(self.audio):
             have = 0 if self.audio is None else len(self.audio)
             raise self.fail(f"more audio placeholder runs than audio_feature_lengths ({have})", "audio_feature_lengths")
+        if self.audio[k] < 1:  # Qwen2.5-Omni: clips under 3 frames (get_rope_index fails on them)
+            raise self.fail(f"audio clip {k} gives no LLM token (too few feature frames)", "audio_feature_lengths")
         self.used["audio"] += 1
         return int(self.audio[k])
 
