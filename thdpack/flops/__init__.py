@@ -14,6 +14,7 @@ the formulas and worked numbers. What lives where (import from here):
 - :mod:`~thdpack.flops.sequences`: segment lengths, ``Σ sᵢ²``, a CP rank's share of it, a prefix tree's work,
   and the length counts of windows and top-k (:func:`length_count`: ``Σ min(t, w)`` per sample in closed form);
 - :mod:`~thdpack.flops.vision_stats`: vision-tower counts from ``grid_thw`` (:class:`VisionStats`);
+- :mod:`~thdpack.flops.audio_stats`: Qwen-Omni audio-encoder counts from the clips' feature frames (:class:`AudioStats`);
 - :mod:`~thdpack.flops.coefficients`: a config's FLOPs per count (:func:`flops_coefficients`);
 - :mod:`~thdpack.flops.layer_kinds`, :mod:`~thdpack.flops.megatron_layers`: a transformers or Megatron-style
   config read layer by layer (which mixer, which feed-forward); :mod:`~thdpack.flops.layer_costs`: what each
@@ -26,6 +27,7 @@ the formulas and worked numbers. What lives where (import from here):
 """
 
 from thdpack.flops.accumulator import FlopsAccumulator
+from thdpack.flops.audio_stats import AudioStats, audio_seqlen_stats
 from thdpack.flops.coefficients import UnsupportedLayerError, flops_coefficients
 from thdpack.flops.meters import GPU_PEAK_TFLOPS, FlopsMeter, peak_tflops_for, throughput
 from thdpack.flops.model import model_flops, model_flops_breakdown, needed_length_counts
@@ -39,12 +41,14 @@ from thdpack.flops.vision_stats import VisionStats, vision_seqlen_stats
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
+    "AudioStats",
     "FlopsAccumulator",
     "FlopsMeter",
     "TrieOvercount",
     "UnsupportedLayerError",
     "VisionStats",
     "attention_overcount_factor",
+    "audio_seqlen_stats",
     "count_name",
     "cp_length_count_share",
     "cp_seqlen_squared_share",

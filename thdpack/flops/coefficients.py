@@ -3,7 +3,8 @@
 A config (``transformers`` object or dict, read with
 :func:`thdpack.common.model_config.config_get`) becomes a linear form in the counts of a
 batch (:class:`FlopsCoefficients`): FLOPs per token, per unit of ``Σ sᵢ²``, per vision
-patch and per unit of the vision attention sums, per unit of the window and top-k counts
+patch and per unit of the vision attention sums, per audio-encoder count (Qwen-Omni,
+:mod:`thdpack.flops.audio_stats`), per unit of the window and top-k counts
 (:mod:`thdpack.flops.sequences`) and of the cross-attention counts. The text stack is read
 layer by layer (:mod:`thdpack.flops.layer_kinds`, :mod:`thdpack.flops.megatron_layers`) and
 costed by kind (:mod:`thdpack.flops.layer_costs`); :mod:`thdpack.flops.model` applies it.
@@ -19,6 +20,7 @@ from thdpack.common.model_config import check_config, config_get, config_int, co
 from thdpack.flops.layer_costs import UnsupportedLayerError, structure_terms
 from thdpack.flops.layer_kinds import GATED_ATTENTION_MODEL_TYPES, NON_GATED_MLP_MODEL_TYPES, hf_structure, model_root
 from thdpack.flops.megatron_layers import is_megatron_config, megatron_structure
+from thdpack.flops.audio_stats import audio_family
 from thdpack.flops.vision_stats import as_pair, window_patches
 
 __all__ = ["GATED_ATTENTION_MODEL_TYPES", "NON_GATED_MLP_MODEL_TYPES", "FlopsCoefficients", "UnsupportedLayerError",
@@ -33,8 +35,10 @@ class FlopsCoefficients:
     ``"tokens"``, ``"seqlen_squared_sum"``, a length count of :mod:`thdpack.flops.sequences`
     (``"window_square_sum[w]"``, ``"causal_pairs[k]"``, ``"causal_pairs"``), ``"cross_tokens"``,
     ``"cross_seqlen_product_sum"``, ``"vision_patches"``, ``"vision_seqlen_squared_sum"``,
-    ``"vision_window_seqlen_squared_sum"``; the term's FLOPs are ``coefficient × count``. All
-    coefficients are integers.
+    ``"vision_window_seqlen_squared_sum"``, the audio encoder's counts
+    ``"audio_padded_frames"``, ``"audio_padded_frames_2"`` (``_4``, ``_8``), ``"audio_tokens"``,
+    ``"audio_seqlen_squared_sum"``, ``"audio_output_tokens"`` (:class:`thdpack.flops.audio_stats.AudioStats`);
+    the term's FLOPs are ``coefficient × count``. All coefficients are integers.
     """
 
     terms: dict
@@ -111,6 +115,35 @@ def _vision_terms(vision, config, vision_gated_mlp, vision_backward) -> dict:
     return terms
 
 
+def _audio_terms(audio, audio_backward) -> dict:
+    """The audio encoder's terms (``audio_*``) of :func:`flops_coefficients`: Qwen2.5-Omni's two Conv1d or
+    Qwen3-Omni's Conv2d stack (on the padded chunks), the encoder layers, their chunked attention and the
+    output projection; ``f = 6`` (2 with ``audio_backward=False``) per multiply-accumulate."""
+    at = "audio_config."
+    d = config_int(audio, "d_model", where=at)
+    mel = config_int(audio, "num_mel_bins", where=at)
+    layers = config_int(audio, "encoder_layers", where=at)
+    ffn = config_int(audio, "encoder_ffn_dim", where=at)
+    out = config_int(audio, "output_dim", where=at)
+    f = 6 if audio_backward else 2
+    terms = {}
+    if audio_family(audio) == "qwen3_omni":
+        c = config_int(audio, "downsample_hidden_size", where=at)
+        terms["audio_conv1"] = ("audio_padded_frames_2", f * 9 * c * -(-mel // 2))  # Conv2d(1, c, 3, s2) per output
+        terms["audio_conv2"] = ("audio_padded_frames_4", f * 9 * c * c * -(-mel // 4))
+        terms["audio_conv3"] = ("audio_padded_frames_8", f * 9 * c * c * -(-mel // 8))
+        terms["audio_conv_out"] = ("audio_padded_frames_8", f * c * -(-mel // 8) * d)  # Linear(c·⌈mel/8⌉, d)
+        projection = d * (d + out)  # proj1 (d → d), proj2 (d → out)
+    else:
+        terms["audio_conv1"] = ("audio_padded_frames", f * 3 * mel * d)  # Conv1d(mel, d, 3, s1)
+        terms["audio_conv2"] = ("audio_padded_frames_2", f * 3 * d * d)  # Conv1d(d, d, 3, s2)
+        projection = d * out  # proj after the average pool
+    terms["audio_blocks"] = ("audio_tokens", f * d * (4 * d + 2 * ffn) * layers)  # q, k, v, out; fc1, fc2
+    terms["audio_attention"] = ("audio_seqlen_squared_sum", 2 * f * d * layers)  # bidirectional, per chunk
+    terms["audio_projection"] = ("audio_output_tokens", f * projection)
+    return terms
+
+
 def flops_coefficients(
     config,
     *,
@@ -120,6 +153,8 @@ def flops_coefficients(
     vision_gated_mlp: bool | None = None,
     vision_backward: bool = True,
     include_vision: bool = True,
+    audio_backward: bool = True,
+    include_audio: bool = True,
     mtp_layers: int | None = None,
 ) -> FlopsCoefficients:
     """The per-count coefficients of :func:`model_flops` for ``config``.
@@ -148,7 +183,7 @@ def flops_coefficients(
     Other layer kinds, and ``mtp_layers``: docs/flops.md, "flops_coefficients: other layer kinds, multi-token
     prediction".
 
-    Vision tower terms (``vision_*``): docs/flops.md, "flops_coefficients: the vision tower's terms".
+    Vision, audio terms (``vision_*``, ``audio_*``): docs/flops.md, "The vision tower", "The audio encoder".
     """
     check_config(config)
     terms = _text_terms(config, gated_mlp, attention_output_gate, layer_types, mtp_layers)
@@ -156,5 +191,8 @@ def flops_coefficients(
     vision = config_get(root, "vision_config", None)
     if include_vision and vision is not None:
         terms.update(_vision_terms(vision, root, vision_gated_mlp, vision_backward))
+    audio = config_get(root, "audio_config", None)
+    if include_audio and audio_family(audio) is not None:
+        terms.update(_audio_terms(audio, audio_backward))
     return FlopsCoefficients(terms)
 

@@ -1,14 +1,18 @@
 """Model FLOPs of packed training: the coefficients of a config
 (:mod:`thdpack.flops.coefficients`) times the counts of the batches
-(:mod:`thdpack.flops.sequences`, :mod:`thdpack.flops.vision_stats`), per term or in total.
+(:mod:`thdpack.flops.sequences`, :mod:`thdpack.flops.vision_stats`, :mod:`thdpack.flops.audio_stats`),
+per term or in total.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 
 from thdpack.common.model_config import config_get
+from thdpack.flops.audio_stats import AudioStats, audio_config_of, audio_family, audio_seqlen_stats
 from thdpack.flops.coefficients import flops_coefficients
 from thdpack.flops.layer_kinds import model_root
 from thdpack.flops.sequences import check_count, length_count, parse_count_name
@@ -41,7 +45,7 @@ def _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_
 
 _OTHER_COUNTS = ("cross_tokens", "cross_seqlen_product_sum")
 _COEFFICIENT_OPTIONS = ("gated_mlp", "attention_output_gate", "layer_types", "vision_gated_mlp", "vision_backward",
-                        "mtp_layers")
+                        "audio_backward", "mtp_layers")
 
 
 def needed_length_counts(config, **options) -> tuple[str, ...]:
@@ -49,7 +53,7 @@ def needed_length_counts(config, **options) -> tuple[str, ...]:
     ``"causal_pairs[2048]"``, ...; :attr:`FlopsCoefficients.length_counts`); ``options`` as
     :func:`model_flops`'s (only those of :func:`flops_coefficients` matter)."""
     picked = {k: v for k, v in options.items() if k in _COEFFICIENT_OPTIONS}
-    return flops_coefficients(config, include_vision=False, **picked).length_counts
+    return flops_coefficients(config, include_vision=False, include_audio=False, **picked).length_counts
 
 
 def _extra_counts(counts, seq_lens) -> dict:
@@ -64,6 +68,28 @@ def _extra_counts(counts, seq_lens) -> dict:
     return out
 
 
+def _audio_counts(config, audio_stats, audio_feature_lengths) -> dict:
+    """The audio encoder's counts (``audio_*``) of :func:`model_flops_breakdown`, from ``audio_stats`` (an
+    :class:`AudioStats`) or ``audio_feature_lengths`` (one encoder call's clips); {} without audio."""
+    if audio_feature_lengths is not None:
+        if audio_stats is not None:
+            raise ValueError("pass audio_feature_lengths or audio_stats, not both")
+        audio_stats = audio_seqlen_stats(audio_feature_lengths, config)
+    if audio_stats is None:
+        return {}
+    if not isinstance(audio_stats, AudioStats):
+        raise TypeError(f"audio_stats must be an AudioStats (audio_seqlen_stats), got {type(audio_stats).__name__}")
+    counts = {f"audio_{k}": v for k, v in dataclasses.asdict(audio_stats).items()}
+    for name, value in counts.items():
+        check_count(value, name, square_sum=name == "audio_seqlen_squared_sum")
+    if audio_stats.frames == 0 and audio_stats.tokens == 0:
+        return {}
+    if audio_family(audio_config_of(config)) is None:
+        raise ValueError("audio counts given but the config has no Qwen-Omni audio encoder (audio_config with "
+                         "n_window)")
+    return counts
+
+
 def model_flops_breakdown(
     config,
     num_tokens,
@@ -75,6 +101,8 @@ def model_flops_breakdown(
     vision_seqlen_squared_sum=None,
     vision_window_seqlen_squared_sum=None,
     vision_grid_thw=None,
+    audio_stats=None,
+    audio_feature_lengths=None,
     **options,
 ) -> dict:
     """Training FLOPs per term (see :func:`flops_coefficients`), as a dict ``{term: FLOPs}``;
@@ -83,7 +111,9 @@ def model_flops_breakdown(
     tower's counts, or ``vision_grid_thw`` computes them; ``counts`` the window, top-k and
     cross-attention counts (``{"window_square_sum[4096]": ..., "causal_pairs[2048]": ...}``,
     :meth:`FlopsAccumulator.counts` gives them), or ``seq_lens`` (the real sample lengths, one
-    array) computes the length counts; ``options`` go to :func:`flops_coefficients`. Every count
+    array) computes the length counts; ``audio_stats`` (:class:`AudioStats`) the audio encoder's
+    counts, or ``audio_feature_lengths`` (one encoder call's clips, mel frames each) computes them;
+    ``options`` go to :func:`flops_coefficients`. Every count
     must be an integer >= 0 (``ValueError`` naming it otherwise; :func:`thdpack.flops.sequences.check_count`).
     """
     _check_counts(num_tokens, seqlen_squared_sum, vision_patches, vision_seqlen_squared_sum,
@@ -96,7 +126,8 @@ def model_flops_breakdown(
         vision_seqlen_squared_sum = stats.seqlen_squared_sum
         vision_window_seqlen_squared_sum = stats.window_seqlen_squared_sum
     has_vision = vision_patches is not None and not (isinstance(vision_patches, int) and vision_patches == 0)
-    coefficients = flops_coefficients(config, include_vision=has_vision, **options)
+    audio = _audio_counts(config, audio_stats, audio_feature_lengths)
+    coefficients = flops_coefficients(config, include_vision=has_vision, include_audio=bool(audio), **options)
     if has_vision and config_get(model_root(config), "vision_config", None) is None:
         raise ValueError("vision counts given but the config has no vision_config")
     values = {
@@ -105,6 +136,7 @@ def model_flops_breakdown(
         "vision_patches": vision_patches,
         "vision_seqlen_squared_sum": vision_seqlen_squared_sum,
         "vision_window_seqlen_squared_sum": vision_window_seqlen_squared_sum,
+        **audio,
         **_extra_counts(counts, seq_lens),
     }
     out = {}
@@ -119,6 +151,9 @@ def model_flops_breakdown(
 
 
 def _missing_count_message(term: str, count: str) -> str:
+    if count.startswith("audio"):
+        return (f"{term} needs {count}: pass audio_stats= (thdpack.flops.audio_seqlen_stats) "
+                "or audio_feature_lengths=")
     if count.startswith("vision"):
         return (f"{term} needs {count}: pass it (thdpack.flops.vision_seqlen_stats computes the vision sums) "
                 "or vision_grid_thw")
@@ -148,9 +183,11 @@ def model_flops(config, num_tokens, seqlen_squared_sum, **vision_counts_and_opti
             ``vision_patches``, ``vision_seqlen_squared_sum``,
             ``vision_window_seqlen_squared_sum``, the vision tower's counts
             (:class:`VisionStats`), or ``vision_grid_thw`` (image and video grids
-            concatenated) to compute them; and the options ``gated_mlp``,
+            concatenated) to compute them; ``audio_stats`` (:class:`AudioStats`) or
+            ``audio_feature_lengths`` (the clips' mel frames) for a Qwen-Omni audio
+            encoder; and the options ``gated_mlp``,
             ``attention_output_gate``, ``layer_types``, ``vision_gated_mlp``,
-            ``vision_backward``, ``mtp_layers`` (see :func:`flops_coefficients`).
+            ``vision_backward``, ``audio_backward``, ``mtp_layers`` (see :func:`flops_coefficients`).
 
     Returns:
         A Python int when the counts are ints; a float64 tensor (on the counts'
