@@ -309,3 +309,19 @@ def test_a_clip_without_tokens_is_refused():
     ids = case.ids + [case.cfg.audio_start_token_id, case.cfg.audio_token_id, AUDIO_END]
     with pytest.raises(SampleError, match="audio clip 0 gives no LLM token"):
         omni_positions(case.cfg, ids, image_grid_thw=[[1, 2, 2]], audio_feature_lengths=[2])
+
+
+@pytest.mark.parametrize("variant,kw", [
+    ("qwen2_5_omni", {"position_id_per_seconds": 13, "seconds_per_chunk": 3,
+                      "vision_config": {"spatial_merge_size": 1}}),
+    ("qwen2_5_omni", {"position_id_per_seconds": 7, "seconds_per_chunk": 1}),
+    ("qwen3_omni_moe", {"position_id_per_seconds": 13, "audio_config": {"n_window": 8},
+                        "vision_config": {"spatial_merge_size": 1}}),
+])
+def test_other_constants(variant, kw):
+    config = _thinker_config(variant, **kw)
+    for seconds in (0.5, 1 / 3, 2.0):
+        case = Case(variant, config=config).text(2).image([1, 4, 2])
+        case.audio_in_video([3, 2, 4], seconds, 97).audio(41).check(True)
+        Case(variant, config=config).text(1).audio_in_video([4, 2, 2], seconds, 130).audio(17).check(True)
+        Case(variant, config=config).video([3, 2, 2], seconds).audio(50).image([1, 2, 2]).check(False)
