@@ -223,6 +223,22 @@ def test_audio_in_video(variant, seconds):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seconds", [0.04, 0.12, 0.44, 0.7, 0.36, 2 / 30])
+def test_float32_time_arithmetic(variant, seconds):
+    """Seconds where torch's float32 ``i · s · pps`` (truncated, or kept) differs from float64's."""
+    Case(variant).text(1).video([8, 2, 2], seconds).text(1).check()
+    Case(variant).audio_in_video([8, 2, 2], seconds, 190).check(True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_audio_tail_after_a_wide_frame(variant):
+    """The audio outlasts the video, whose width is larger than the audio's last position: the model
+    starts the eos one past the last piece (the audio), not past the block's largest value."""
+    Case(variant).audio_in_video([1, 8, 8], 1.0, 20).text(2).check(True)
+    Case(variant).text(3).audio_in_video([1, 12, 12], 0.5, 25).image([1, 2, 2]).check(True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_several_clips_and_videos(variant):
     case = Case(variant).text(2)
     for k in range(3):
@@ -239,7 +255,7 @@ def _lengths(variant):
 
 
 _GRIDS = st.tuples(st.integers(1, 4), st.sampled_from([2, 4, 6]), st.sampled_from([2, 4, 6]))
-_SECONDS = st.sampled_from([0.5, 1.0, 2.0, 4.0, 1 / 3, 0.7, 0.08333333, 1.5])
+_SECONDS = st.sampled_from([0.5, 1.0, 2.0, 4.0, 1 / 3, 0.7, 0.08333333, 1.5, 0.04, 0.12, 0.44])
 
 
 def _items(variant):
