@@ -166,6 +166,10 @@ def test_config_from_object_and_dict(variant):
     config = _thinker_config(variant)
     cfg = OmniRopeConfig.from_config(config)
     assert cfg == OmniRopeConfig.from_config(config.to_dict())
+    whole = {"model_type": variant, "thinker_config": config.to_dict()}  # the whole omni model's config
+    assert cfg == OmniRopeConfig.from_config(whole)
+    with pytest.raises(ValueError, match="not an omni thinker"):
+        OmniRopeConfig.from_config({"model_type": "qwen2_vl"})
     assert cfg.variant == variant
     assert (cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id) == (
         config.image_token_id, config.video_token_id, config.audio_token_id)
