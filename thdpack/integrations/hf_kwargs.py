@@ -15,6 +15,8 @@ from thdpack.common.align import check_bool
 
 # keys of ThdBatch.extras that to_hf_kwargs() passes to a transformers VLM
 HF_VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+# ... and to an omni thinker (thdpack.vlm.omni): its audio clips, re-padded to one width, and their frames
+HF_AUDIO_KEYS = ("input_features", "feature_attention_mask")
 
 
 def hf_labels(batch: ThdBatch) -> torch.Tensor:
@@ -92,8 +94,9 @@ def _vision_and_labels(batch: ThdBatch, kw: dict, include_labels: bool) -> dict:
     mrope = batch.token_extras.get("mrope_position_ids")
     if mrope is not None:  # VLM batch (thdpack.vlm)
         kw["position_ids"] = torch.cat([batch.position_ids.unsqueeze(0), mrope], 0).unsqueeze(1)
-        kw["mm_token_type_ids"] = batch.token_extras["mm_token_type_ids"].unsqueeze(0)
-        kw.update({k: batch.extras[k] for k in HF_VISION_KEYS if batch.extras.get(k) is not None})
+        if batch.extras.get("hf_token_types", True):  # an omni thinker takes no token types
+            kw["mm_token_type_ids"] = batch.token_extras["mm_token_type_ids"].unsqueeze(0)
+        kw.update({k: batch.extras[k] for k in HF_VISION_KEYS + HF_AUDIO_KEYS if batch.extras.get(k) is not None})
     if include_labels:
         if batch.is_shard:
             kw["labels"] = batch.labels.unsqueeze(0)

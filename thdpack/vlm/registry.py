@@ -25,7 +25,7 @@ def get_family(model_config, mrope_convention: str | None = None):
     convention unless one is given. Pass the result as ``vlm=`` to ``build_thd_batch`` /
     ``ThdCollator`` / ``rebalance`` (it implements :class:`thdpack.batching.vision_family.VisionFamily`).
     """
-    if hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions"):
+    if hasattr(model_config, "attach") and hasattr(model_config, "vision_lengths"):
         if mrope_convention is None:
             return model_config  # already a family
         chosen = resolve_mrope_convention(mrope_convention)
@@ -48,3 +48,4 @@ def get_family(model_config, mrope_convention: str | None = None):
 def _load_builtin() -> None:
     # importing the family modules registers them
     from thdpack.vlm import qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl  # noqa: F401
+    from thdpack.vlm.omni import family  # noqa: F401

@@ -1,0 +1,194 @@
+"""Omni thinkers on a pack (issue 48): text, image, video, audio and audio-in-video samples packed with
+``build_thd_batch(samples, vlm=get_family(thinker.config))`` give, through ``model(**to_hf_kwargs(batch))``, every
+sample's logits, the loss and every parameter's gradient (the audio and vision towers' included) that the thinker
+gives on each sample alone, called the way its processor's output is (``attention_mask``, the thinker computing
+its own TMRoPE); the positions equal its ``get_rope_index`` sample by sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from thdpack import SampleError, build_thd_batch  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
+from test_omni_rope import _Processor  # noqa: E402  (the processor's own audio-in-video layout)
+
+IGNORE = -100
+MEL = 16
+AUDIO, IMAGE, VIDEO, VSTART, VEND, ASTART, AEND = 300, 301, 302, 303, 304, 305, 306
+LOGIT_ATOL = 1e-4
+GRAD_RTOL = 1e-5
+
+
+def tiny_thinker(attn: str = "sdpa"):
+    cfg = transformers.Qwen2_5OmniThinkerConfig(
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=MEL,
+                          n_window=4, output_dim=64, max_source_positions=200),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=16,
+                           in_channels=3),
+        text_config=dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART,
+        vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND, position_id_per_seconds=25,
+        seconds_per_chunk=2,
+    )
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg).float().eval()
+
+
+def audio_tokens(frames: int) -> int:
+    """Qwen2.5-Omni's rule (its audio tower's _get_feat_extract_output_lengths, then the pooling)."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def text(rng, n: int) -> list[int]:
+    return rng.integers(1, 290, n).tolist()
+
+
+def make_sample(rng, parts: list) -> dict:
+    """A processor-style sample of ``parts``: ("text", n), ("audio", frames), ("image", (h, w)), ("video", (t, h, w),
+    seconds per grid)."""
+    ids, clips, images, videos, spg = [], [], [], [], []
+    for part in parts:
+        kind = part[0]
+        if kind == "text":
+            ids += text(rng, part[1])
+        elif kind == "audio":
+            clips.append(torch.randn(MEL, part[1]))
+            ids += [ASTART] + [AUDIO] * audio_tokens(part[1]) + [AEND]
+        elif kind == "image":
+            h, w = part[1]
+            images.append((1, h, w))
+            ids += [VSTART] + [IMAGE] * (h * w // 4) + [VEND]
+        elif kind == "video":
+            t, h, w = part[1]
+            videos.append((t, h, w))
+            spg.append(part[2])
+            ids += [VSTART] + [VIDEO] * (t * h * w // 4) + [VEND]
+        elif kind == "audio_in_video":  # the video's audio interleaved with its frames, as the processor lays it out
+            (t, h, w), seconds, frames = part[1], part[2], part[3]
+            videos.append((t, h, w))
+            spg.append(seconds)
+            clips.append(torch.randn(MEL, frames))
+            layout = _Processor(2, transformers.Qwen2_5OmniProcessor).audio_in_video(
+                (t, h, w), seconds, audio_tokens(frames), position_id_per_seconds=25, seconds_per_chunk=2)
+            chars = {"B": ASTART, "E": AEND, "v": VIDEO, "a": AUDIO}
+            ids += [VSTART] + [chars[c] for c in layout] + [VEND]
+    sample = {"input_ids": torch.tensor(ids)}
+    if any(p[0] == "audio_in_video" for p in parts):
+        sample["use_audio_in_video"] = True
+    labels = sample["input_ids"].clone()
+    labels[(labels >= AUDIO)] = IGNORE
+    sample["labels"] = labels
+    if clips:
+        width = max(c.shape[1] for c in clips)
+        feats = torch.zeros(len(clips), MEL, width)
+        mask = torch.zeros(len(clips), width, dtype=torch.long)
+        for k, c in enumerate(clips):
+            feats[k, :, : c.shape[1]] = c
+            mask[k, : c.shape[1]] = 1
+        sample["input_features"], sample["feature_attention_mask"] = feats, mask
+    if images:
+        grid = torch.tensor(images)
+        sample["image_grid_thw"] = grid
+        sample["pixel_values"] = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 4 * 4)
+    if videos:
+        grid = torch.tensor(videos)
+        sample["video_grid_thw"] = grid
+        sample["pixel_values_videos"] = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 4 * 4)
+        sample["video_second_per_grid"] = torch.tensor(spg, dtype=torch.float32)
+    return sample
+
+
+MIXED = [
+    [("text", 9)],
+    [("text", 3), ("audio", 37), ("text", 5)],
+    [("text", 2), ("image", (4, 4)), ("text", 3), ("audio", 8), ("text", 2)],
+    [("audio", 9), ("audio", 23), ("text", 4)],
+    [("text", 4), ("video", (2, 4, 4), 0.5), ("text", 3)],
+    [("text", 2), ("audio", 16), ("video", (3, 2, 4), 2.0), ("image", (2, 2)), ("text", 2)],
+    [("text", 3), ("audio_in_video", (4, 2, 4), 1.5, 90), ("text", 2)],
+    [("text", 2), ("image", (2, 4)), ("audio_in_video", (2, 4, 4), 0.5, 21), ("text", 3)],
+]
+
+ALONE_KEYS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+              "video_grid_thw", "video_second_per_grid")
+
+
+def run_alone(model, sample):
+    """The thinker on one sample, as its processor's output is passed: ``attention_mask`` given, so it computes its
+    own TMRoPE; returns (logits [s, V], the sample's summed token CE, scored tokens)."""
+    ids = sample["input_ids"].reshape(1, -1)
+    kw = {k: sample[k] for k in ALONE_KEYS if k in sample}
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                use_audio_in_video=sample.get("use_audio_in_video", False), **kw)
+    logits = out.logits[0]
+    targets = sample["labels"][1:]
+    ce = F.cross_entropy(logits[:-1], targets, ignore_index=IGNORE, reduction="sum")
+    return logits, ce, int((targets != IGNORE).sum())
+
+
+def reference_positions(model, sample) -> torch.Tensor:
+    ids = sample["input_ids"].reshape(1, -1)
+    lengths = sample["feature_attention_mask"].sum(-1) if "feature_attention_mask" in sample else None
+    pos, _ = model.model.get_rope_index(ids, sample.get("image_grid_thw"), sample.get("video_grid_thw"),
+                                        torch.ones_like(ids), sample.get("use_audio_in_video", False), lengths,
+                                        sample.get("video_second_per_grid"))
+    return pos[:, 0]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_thinker_equals_each_sample_alone(attn):
+    model = tiny_thinker(attn)
+    rng = np.random.default_rng(0)
+    samples = [make_sample(rng, parts) for parts in MIXED]
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=4)
+    rows = batch.token_extras["mrope_position_ids"]
+    for i, sample in enumerate(samples):
+        a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        assert torch.equal(rows[:, a: a + s], reference_positions(model, sample)), f"sample {i}"
+    params = list(model.parameters())
+    kw = to_hf_kwargs(batch, attn_implementation=attn)
+    assert kw["input_features"].shape[0] == 7 and kw["feature_attention_mask"].shape == kw["input_features"].shape[::2]
+    out = model(**kw, use_cache=False)
+    got = torch.autograd.grad(out.loss, params, allow_unused=True)
+    ce_sum, n_sum = 0.0, 0
+    for i, sample in enumerate(samples):
+        logits, ce, n = run_alone(model, sample)
+        a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+        diff = (out.logits[0, a: a + s].detach() - logits.detach()).abs().max().item()
+        assert diff < LOGIT_ATOL, f"sample {i}: max abs logit diff {diff}"
+        ce_sum, n_sum = ce_sum + ce, n_sum + n
+    want_loss = ce_sum / n_sum
+    torch.testing.assert_close(out.loss.detach(), want_loss.detach(), rtol=0, atol=1e-5)
+    want = torch.autograd.grad(want_loss, params, allow_unused=True)
+    names = [n for n, _ in model.named_parameters()]
+    unused = [n for n, g, w in zip(names, got, want) if w is None]
+    assert [n for n, g in zip(names, got) if g is None] == unused  # the same parameters take part, packed or alone
+    assert unused == ["model.audio_tower.audio_bos_eos_token.weight"], unused  # the thinker never reads it
+    pairs = [(g, w) for g, w in zip(got, want) if w is not None]
+    used = [n for n, w in zip(names, want) if w is not None]
+    assert any(n.startswith("model.audio_tower") for n in used) and any(n.startswith("model.visual") for n in used)
+    got_all = torch.cat([g.reshape(-1) for g, _ in pairs])
+    want_all = torch.cat([w.reshape(-1) for _, w in pairs])
+    assert float((got_all - want_all).abs().max() / want_all.abs().max()) < GRAD_RTOL
+
+
+def test_wrong_audio_placeholder_count_names_the_sample():
+    model = tiny_thinker()
+    rng = np.random.default_rng(1)
+    good = make_sample(rng, [("text", 3), ("audio", 20), ("text", 2)])
+    bad = make_sample(rng, [("text", 3), ("audio", 20), ("text", 2)])
+    ids = bad["input_ids"].tolist()
+    ids.remove(AUDIO)  # one placeholder short
+    bad = {**bad, "input_ids": torch.tensor(ids), "labels": torch.tensor(ids)}
+    with pytest.raises(SampleError, match=r"sample 1: has 4 audio placeholder tokens .* make 5"):
+        build_thd_batch([good, bad], vlm=get_family(model.config))
