@@ -257,3 +257,26 @@ def test_qwen3_unequal_short_clips_are_refused():
         logits, _, _ = run_alone(model, sample)
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         assert (out.logits[0, a: a + s] - logits).abs().max().item() < LOGIT_ATOL
+
+
+def test_flops_accumulator_counts_the_audio_encoder_of_a_pack():
+    """FlopsAccumulator(thinker config).add(batch) counts the audio tower once per batch (one encoder call, its
+    chunks padded to the call's widest) beside the text and vision work: what model_flops gives for the batch's
+    clips and grids, and more than the same batch without audio counts."""
+    from thdpack.flops import FlopsAccumulator, model_flops
+
+    model = tiny_thinker()
+    rng = np.random.default_rng(0)
+    batch = build_thd_batch([make_sample(rng, parts) for parts in MIXED], vlm=get_family(model.config))
+    acc = FlopsAccumulator(model.config).add(batch)
+    counts = acc.counts()
+    assert counts["audio_clips"] == 7 and counts["audio_frames"] == int(batch.extras["audio_feature_lengths"].sum())
+    grids = torch.cat([batch.extras["image_grid_thw"], batch.extras["video_grid_thw"]])
+    lens = batch.seq_lens
+    want = model_flops(model.config, int(lens.sum()), int((lens * lens).sum()), vision_grid_thw=grids,
+                       audio_feature_lengths=batch.extras["audio_feature_lengths"])
+    assert acc.model_flops(model.config) == want
+    without = model_flops(model.config, int(lens.sum()), int((lens * lens).sum()), vision_grid_thw=grids)
+    assert want > without
+    with pytest.raises(ValueError, match="omni model"):
+        FlopsAccumulator().add_audio([10])

@@ -7,6 +7,8 @@ inputs, a tensor of token ids), and turns the totals into :func:`model_flops`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +29,7 @@ from thdpack.flops.sequences import (
     shows_no_tokens,
     tree_length_count,
 )
+from thdpack.flops.audio_stats import AudioStats, audio_config_of, audio_family, audio_seqlen_stats
 from thdpack.flops.vision_stats import vision_config_of, vision_seqlen_stats, window_patches
 from thdpack.common.model_config import check_config, config_get
 from thdpack.parallel.shard import WHOLE, Shard
@@ -45,6 +48,8 @@ _COUNTS = (
 
 
 _CROSS_COUNTS = ("cross_tokens", "cross_seqlen_product_sum")
+# an omni thinker's audio encoder: the AudioStats fields, counted per encoder call (one per batch)
+_AUDIO_COUNTS = tuple(f"audio_{f.name}" for f in dataclasses.fields(AudioStats))
 
 
 def _model_counts(config) -> tuple[str, ...]:
@@ -53,11 +58,12 @@ def _model_counts(config) -> tuple[str, ...]:
     :func:`model_flops` asks for them, naming each."""
     if config is None:
         return ()
+    audio = _AUDIO_COUNTS if audio_family(audio_config_of(config)) is not None else ()
     try:
         coefficients = flops_coefficients(config, include_vision=False)
     except (KeyError, TypeError, ValueError, NotImplementedError, AttributeError):
-        return ()
-    return coefficients.length_counts + tuple(c for c in _CROSS_COUNTS if c in coefficients.counts)
+        return audio
+    return coefficients.length_counts + tuple(c for c in _CROSS_COUNTS if c in coefficients.counts) + audio
 
 
 def _total(x):
@@ -92,7 +98,8 @@ class FlopsAccumulator:
         self._config_given = vision_config is not None
         self.vision_config = vision_config_of(vision_config)
         self.extra_counts = _model_counts(vision_config)
-        self.length_counts = tuple(c for c in self.extra_counts if c not in _CROSS_COUNTS)
+        self.audio_config = audio_config_of(vision_config) if vision_config is not None else None
+        self.length_counts = tuple(c for c in self.extra_counts if c not in _CROSS_COUNTS + _AUDIO_COUNTS)
         self.reset()
 
     @property
@@ -286,11 +293,24 @@ class FlopsAccumulator:
         )
         return self
 
+    def add_audio(self, feature_lengths) -> "FlopsAccumulator":
+        """Add one audio-encoder call over clips of ``feature_lengths`` (int ``[clips]`` mel frames;
+        :func:`thdpack.flops.audio_stats.audio_seqlen_stats`); needs the omni model config."""
+        if _AUDIO_COUNTS[0] not in self._extra:
+            raise ValueError("add_audio needs FlopsAccumulator(model_config) of an omni model (Qwen2.5-Omni, Qwen3-Omni):"
+                             " its audio encoder's chunking sets the counts")
+        stats = audio_seqlen_stats(feature_lengths, self.audio_config)
+        self._add(**{name: value for name, value in zip(_AUDIO_COUNTS, dataclasses.astuple(stats))})
+        return self
+
     def _add_vision_from(self, mapping) -> None:
         for key in ("image_grid_thw", "video_grid_thw"):
             grid = mapping.get(key) if mapping is not None else None
             if grid is not None and len(grid):
                 self.add_vision(grid)
+        audio = mapping.get("audio_feature_lengths") if mapping is not None else None
+        if audio is not None and len(audio) and _AUDIO_COUNTS[0] in self._extra:
+            self.add_audio(audio)
 
     def _add_inputs(self, inputs: Mapping) -> None:
         ids = inputs.get("input_ids")
@@ -370,9 +390,16 @@ class FlopsAccumulator:
             vision_patches=patches if not (isinstance(patches, int) and patches == 0) else None,
             vision_seqlen_squared_sum=self.vision_seqlen_squared_sum,
             vision_window_seqlen_squared_sum=window,
-            counts={name: self._extra[name] for name in self.extra_counts} or None,
+            counts={name: self._extra[name] for name in self.extra_counts if name not in _AUDIO_COUNTS} or None,
+            audio_stats=self._audio_stats(),
             **options,
         )
+
+    def _audio_stats(self) -> AudioStats | None:
+        """The audio-encoder counts so far as one :class:`AudioStats`, or None without audio."""
+        if _AUDIO_COUNTS[0] not in self._extra or not int(self._extra["audio_clips"]):
+            return None
+        return AudioStats(*(int(self._extra[name]) for name in _AUDIO_COUNTS))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={self._get(n)}" for n in self.count_names)
