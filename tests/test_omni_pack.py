@@ -280,3 +280,10 @@ def test_flops_accumulator_counts_the_audio_encoder_of_a_pack():
     assert want > without
     with pytest.raises(ValueError, match="omni model"):
         FlopsAccumulator().add_audio([10])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_audio", "voxtral", "cosmos3_omni", "whisper"])
+def test_other_audio_models_are_refused_by_name(model_type):
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}' has audio inputs, which thdpack packs only for "
+                                         r"the Qwen-Omni thinkers \(qwen2_5_omni"):
+        get_family({"model_type": model_type})

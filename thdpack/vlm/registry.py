@@ -9,6 +9,10 @@ from thdpack.vlm.convention import resolve_mrope_convention
 from thdpack.vlm.families import FAMILIES as _FAMILIES
 
 
+# model types with audio inputs (refused by name unless a family is registered for them)
+_AUDIO_WORDS = ("audio", "omni", "whisper", "voxtral", "speech", "granite_speech", "kyutai", "phi4_multimodal")
+
+
 def supported_model_types() -> tuple[str, ...]:
     _load_builtin()
     return tuple(sorted(_FAMILIES))
@@ -38,6 +42,11 @@ def get_family(model_config, mrope_convention: str | None = None):
     model_type = model_type_of(model_config)
     _load_builtin()
     cls = _FAMILIES.get(model_type)
+    if cls is None and any(word in model_type for word in _AUDIO_WORDS):
+        omni = ", ".join(t for t in sorted(_FAMILIES) if "omni" in t)
+        raise ValueError(f"model_type {model_type!r} has audio inputs, which thdpack packs only for the Qwen-Omni "
+                         f"thinkers ({omni}): its audio tower's lengths and positions are not known here, so its "
+                         "packs could not be proven exact")
     if cls is None:
         raise ValueError(
             f"unknown VLM model_type {model_type!r}; thdpack.vlm supports {', '.join(sorted(_FAMILIES))}"
