@@ -6,10 +6,14 @@ its own TMRoPE); the positions equal its ``get_rope_index`` sample by sample."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -189,7 +193,7 @@ def reference_positions(model, sample) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family,attn", [("qwen2_5_omni", "sdpa"), ("qwen2_5_omni", "eager"),
-                                         ("qwen3_omni_moe", "sdpa")])
+                                         ("qwen3_omni_moe", "sdpa"), ("qwen3_omni_moe", "eager")])
 def test_packed_thinker_equals_each_sample_alone(family, attn):
     model = tiny_thinker(attn, family)
     rng = np.random.default_rng(0)
@@ -211,6 +215,7 @@ def test_packed_thinker_equals_each_sample_alone(family, attn):
         a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
         diff = (out.logits[0, a: a + s].detach() - logits.detach()).abs().max().item()
         assert diff < LOGIT_ATOL, f"sample {i}: max abs logit diff {diff}"
+        assert diff / logits.abs().max().item() < 1e-5, f"sample {i}: relative logit diff"
         ce_sum, n_sum = ce_sum + ce, n_sum + n
     want_loss = ce_sum / n_sum
     torch.testing.assert_close(out.loss.detach(), want_loss.detach(), rtol=0, atol=1e-5)
@@ -287,3 +292,28 @@ def test_other_audio_models_are_refused_by_name(model_type):
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' has audio inputs, which thdpack packs only for "
                                          r"the Qwen-Omni thinkers \(qwen2_5_omni"):
         get_family({"model_type": model_type})
+
+
+@settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.sampled_from([3, 7, 8, 9, 15, 16, 17, 23, 24, 25, 40]), min_size=0, max_size=3),
+                min_size=1, max_size=4), st.integers(0, 2**16))
+def test_clip_lengths_around_the_chunk_size(clip_lengths, seed):
+    """Qwen2.5-Omni (chunks of 8 frames): samples of 0-3 clips whose lengths sit on, below and above multiples of
+    the chunk, packed together: every sample's logits and TMRoPE rows equal it alone."""
+    model = _qwen2_5_sdpa()
+    rng = np.random.default_rng(seed)
+    samples = [make_sample(rng, [("text", 2)] + [("audio", n) for n in lengths] + [("text", 2)])
+               for lengths in clip_lengths]
+    batch = build_thd_batch(samples, vlm=get_family(model.config), pad_multiple=4)
+    with torch.no_grad():
+        out = model(**to_hf_kwargs(batch), use_cache=False)
+        for i, sample in enumerate(samples):
+            logits, _, _ = run_alone(model, sample)
+            a, s = int(batch.cu_seqlens_padded[i]), int(batch.seq_lens[i])
+            assert (out.logits[0, a: a + s] - logits).abs().max().item() < LOGIT_ATOL, f"sample {i}"
+            assert torch.equal(batch.token_extras["mrope_position_ids"][:, a: a + s], reference_positions(model, sample))
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen2_5_sdpa():
+    return tiny_thinker()
