@@ -462,3 +462,211 @@ def next_fit_2d(sizes, vsizes, capacity, vcapacity, max_items):
         cnt += 1
         bin_of[j] = b
     return bin_of, b + 1
+
+
+# d budgets (tokens, then any others: vision patches, audio frames). An item is a row of
+# ``sizes`` (int64 ``[m, d]``, every entry >= 0, tokens >= 1); ``capacities`` is int64 ``[d]``.
+# A bin holds an item iff it has room for it in every budget. Used by plan_packs with an audio
+# budget; the one- and two-budget kernels above are unchanged.
+
+
+@njit
+def _leaf_holding_all(trees, leaves, start, item):
+    """Smallest leaf index >= ``start`` whose value in every max tree ``trees[k]`` is >= ``item[k]``,
+    else -1. Each tree's internal nodes are the max of their children, so a node below ``item`` in
+    any budget cannot hold it; one that passes every budget may still not (the maxima can come from
+    different leaves), hence the search backtracks: exact, depth first, left to right."""
+    d = trees.shape[0]
+    i = start + leaves
+    while True:
+        holds = True
+        for k in range(d):
+            if trees[k, i] < item[k]:
+                holds = False
+                break
+        if holds:
+            if i >= leaves:
+                return i - leaves
+            i = 2 * i
+            continue
+        while i & 1:  # climb while we are a right child
+            i >>= 1
+        if i == 0:
+            return -1
+        i += 1  # the next subtree to the right
+
+
+@njit
+def _max_trees_set(trees, leaves, leaf, values):
+    for k in range(trees.shape[0]):
+        _max_tree_set(trees[k], leaves, leaf, values[k])
+
+
+@njit
+def _best_in_bucket(first, nxt, rooms, item):
+    """The bin of the bucket that starts at ``first`` holding ``item`` in every budget but the first,
+    with the least room in the second budget (then the third, ...); -1 when none does."""
+    d = rooms.shape[1]
+    b = -1
+    k = first
+    while k >= 0:
+        fits = True
+        for q in range(1, d):
+            if rooms[k, q] < item[q]:
+                fits = False
+                break
+        if fits:
+            better = b < 0
+            if not better:
+                for q in range(1, d):
+                    if rooms[k, q] != rooms[b, q]:
+                        better = rooms[k, q] < rooms[b, q]
+                        break
+            if better:
+                b = k
+        k = nxt[k]
+    return b
+
+
+@njit
+def _unlink(trees, leaves, head, nxt, prv, rooms, top, b, room):
+    """Take bin ``b`` out of the bucket of token room ``room`` and refresh the bucket's maxima."""
+    if prv[b] >= 0:
+        nxt[prv[b]] = nxt[b]
+    else:
+        head[room] = nxt[b]
+    if nxt[b] >= 0:
+        prv[nxt[b]] = prv[b]
+    top[:] = -1
+    k = head[room]
+    while k >= 0:
+        for q in range(1, rooms.shape[1]):
+            if rooms[k, q] > top[q - 1]:
+                top[q - 1] = rooms[k, q]
+        k = nxt[k]
+    _max_trees_set(trees, leaves, room, top)
+
+
+@njit
+def best_fit_nd(sizes, capacities, max_items):
+    """Best fit on d budgets: each item goes to the open bin with the least token room that holds
+    it in every budget (ties: the least room in the second budget, then the third, ...).
+
+    As :func:`best_fit_2d`: open bins sit in buckets by remaining token room, and one max tree
+    per other budget keeps, per token room, the largest remaining room of the bucket's bins; the
+    least token room whose maxima can take the item is found in O(log capacity) and its bucket
+    scanned (when no bin of it holds the item in every budget at once, the search goes on right
+    of it).
+    """
+    n = sizes.shape[0]
+    d = sizes.shape[1]
+    capacity = capacities[0]
+    leaves = 1
+    while leaves < capacity + 1:
+        leaves *= 2
+    trees = np.full((d - 1, 2 * leaves), -1, np.int64)  # per token room: max room of each other budget
+    head = np.full(capacity + 1, -1, np.int64)  # doubly linked bucket per token room
+    nxt = np.full(max(n, 1), -1, np.int64)
+    prv = np.full(max(n, 1), -1, np.int64)
+    rooms = np.zeros((max(n, 1), d), np.int64)
+    count = np.zeros(max(n, 1), np.int64)
+    top = np.empty(d - 1, np.int64)
+    bin_of = np.empty(n, np.int64)
+    nbins = 0
+    for j in range(n):
+        item = sizes[j]
+        s = item[0]
+        b = -1
+        room = -1
+        start = s
+        while start <= capacity:
+            room = _leaf_holding_all(trees, leaves, start, item[1:])
+            if room < 0:
+                break
+            b = _best_in_bucket(head[room], nxt, rooms, item)
+            if b >= 0:
+                break
+            start = room + 1
+        if b < 0:
+            b = nbins
+            nbins += 1
+            for q in range(d):
+                rooms[b, q] = capacities[q] - item[q]
+        else:
+            _unlink(trees, leaves, head, nxt, prv, rooms, top, b, room)
+            for q in range(d):
+                rooms[b, q] -= item[q]
+        bin_of[j] = b
+        count[b] += 1
+        rem = rooms[b, 0]
+        if rem > 0 and (max_items <= 0 or count[b] < max_items):
+            prv[b] = -1
+            nxt[b] = head[rem]
+            if head[rem] >= 0:
+                prv[head[rem]] = b
+            head[rem] = b
+            for q in range(1, d):
+                if rooms[b, q] > trees[q - 1, rem + leaves]:
+                    _max_tree_set(trees[q - 1], leaves, rem, rooms[b, q])
+    return bin_of, nbins
+
+
+@njit
+def first_fit_nd(sizes, capacities, max_items):
+    """First fit on d budgets: each item goes to the lowest-numbered bin that holds it in every
+    budget. Bins are leaves of one max tree of remaining room per budget (unopened bins have full
+    rooms); the search prunes a subtree whose maximum in some budget is too small. Exact; worst
+    case O(bins) per item when many bins pass every maximum but hold it in no budget pair (the
+    two-budget :func:`first_fit_2d` prunes those with balanced-room trees; this scan does not)."""
+    n = sizes.shape[0]
+    d = sizes.shape[1]
+    leaves = 1
+    while leaves < max(n, 1):
+        leaves *= 2
+    trees = np.empty((d, 2 * leaves), np.int64)
+    for q in range(d):
+        trees[q, :] = capacities[q]
+    count = np.zeros(max(n, 1), np.int64)
+    left = np.empty(d, np.int64)
+    bin_of = np.empty(n, np.int64)
+    nbins = 0
+    for j in range(n):
+        item = sizes[j]
+        b = _leaf_holding_all(trees, leaves, 0, item)
+        count[b] += 1
+        for q in range(d):
+            left[q] = trees[q, b + leaves] - item[q]
+        if max_items > 0 and count[b] >= max_items:
+            left[:] = -1
+        _max_trees_set(trees, leaves, b, left)
+        bin_of[j] = b
+        if b >= nbins:
+            nbins = b + 1
+    return bin_of, nbins
+
+
+@njit
+def next_fit_nd(sizes, capacities, max_items):
+    """Next fit on d budgets: open a new bin when an item does not fit some budget."""
+    n = sizes.shape[0]
+    d = sizes.shape[1]
+    bin_of = np.empty(n, np.int64)
+    rooms = np.full(d, -1, np.int64)
+    b = -1
+    cnt = 0
+    for j in range(n):
+        fits = not (max_items > 0 and cnt >= max_items) and b >= 0
+        if fits:
+            for q in range(d):
+                if sizes[j, q] > rooms[q]:
+                    fits = False
+                    break
+        if not fits:
+            b += 1
+            rooms[:] = capacities
+            cnt = 0
+        for q in range(d):
+            rooms[q] -= sizes[j, q]
+        cnt += 1
+        bin_of[j] = b
+    return bin_of, b + 1

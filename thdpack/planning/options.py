@@ -4,7 +4,12 @@
 :func:`thdpack.plan_balanced`, :class:`thdpack.TokenBudgetBatchSampler`,
 :class:`thdpack.StreamingPacker` and :class:`thdpack.ThdCollator` take its fields as keywords
 (:func:`plan_options` builds it) and hold the one they built (``.options``). Per-sample data
-(``lengths``, ``vision_lengths``, ``groups``) is not an option: it is passed beside them.
+(``lengths``, ``vision_lengths``, ``audio_lengths``, ``groups``) is not an option: it is passed beside them.
+
+``audio_budget`` is planned by :func:`thdpack.plan_packs` alone for now: every other owner
+(:data:`AUDIO_PLANNERS` lists those that take it) refuses it with a one-line ``ValueError``. It is
+not among :data:`PLAN_FIELDS` (the keywords every planner takes), and :meth:`PlanOptions.keywords`
+holds it only when set, so options without audio are what they were.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from thdpack.common.align import check_int
 from thdpack.planning.packing import check_overflow, usable_length
 
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
+AUDIO_PLANNERS = ("plan_packs",)  # the owners that plan with an audio_budget
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class PlanOptions:
             epoch e with ``seed + e``). Plans are deterministic.
         vision_budget: None, or the most vision patches a pack holds (an integer >= 1,
             ``pack_size · vision_budget < 2**56``), planned with per-sample ``vision_lengths``.
+        audio_budget: None, or the most audio frames (the omni audio encoder's input) a pack holds
+            (an integer >= 1), planned with per-sample ``audio_lengths``; a third budget beside
+            tokens and vision patches. Only :func:`thdpack.plan_packs` takes it so far
+            (:data:`AUDIO_PLANNERS`; the others refuse it).
         usable_length: (derived) the longest real length a pack takes whole: ``pack_size``
             rounded down to ``align`` (:func:`thdpack.planning.packing.usable_length`).
     """
@@ -50,6 +60,7 @@ class PlanOptions:
     max_samples_per_pack: int | None = None
     seed: int = 0
     vision_budget: int | None = None
+    audio_budget: int | None = None
     usable_length: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -68,10 +79,15 @@ class PlanOptions:
                 raise ValueError(
                     f"pack_size · vision_budget must be < 2**56, got {self.pack_size} · {self.vision_budget}"
                 )
+        if self.audio_budget is not None:
+            check_int(self.audio_budget, "audio_budget", 1)
 
     def keywords(self) -> dict:
         """The fields as the keywords of :func:`thdpack.plan_packs` (what built these options)."""
-        return {name: getattr(self, name) for name in PLAN_FIELDS}
+        keywords = {name: getattr(self, name) for name in PLAN_FIELDS}
+        if self.audio_budget is not None:  # only when set: the keywords without audio are those of before
+            keywords["audio_budget"] = self.audio_budget
+        return keywords
 
     def check_unused(self, owner: str, names: tuple[str, ...], why: str) -> None:
         """``ValueError`` naming the fields of ``names`` that differ from their defaults:
@@ -85,14 +101,21 @@ class PlanOptions:
             )
 
 
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanOptions) if f.init)
+AUDIO_FIELDS = ("audio_budget",)  # taken by AUDIO_PLANNERS only
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanOptions) if f.init and f.name not in AUDIO_FIELDS)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions) if f.init}
 
 
 def plan_options(owner: str, keywords: dict, *, fields: tuple[str, ...] = PLAN_FIELDS) -> PlanOptions:
     """The :class:`PlanOptions` of ``keywords``: the fields among ``fields`` that a caller of ``owner``
-    passed. ``TypeError`` naming ``owner`` for any other keyword."""
-    unknown = sorted(set(keywords) - set(fields))
+    passed (and ``audio_budget`` for the owners of :data:`AUDIO_PLANNERS`). ``TypeError`` naming ``owner``
+    for any other keyword; ``ValueError`` for an ``audio_budget`` given to any other owner."""
+    if owner in AUDIO_PLANNERS:
+        fields = fields + AUDIO_FIELDS
+    elif keywords.get("audio_budget") is not None:
+        raise ValueError(f"{owner} does not take audio_budget yet (only {', '.join(AUDIO_PLANNERS)} plans with an "
+                         f"audio budget); drop audio_budget={keywords['audio_budget']!r}")
+    unknown = sorted(set(keywords) - set(fields) - set(AUDIO_FIELDS))  # audio_budget=None: as not given
     if unknown:
         raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
     return PlanOptions(**keywords)

@@ -37,6 +37,9 @@ class PackPlan:
         shared_length: ``[m]`` tokens of each piece laid out by an earlier piece of its pack (its
             group's shared prefix, counted once: ``plan_packs(..., shared_prefix=...)``), or None
             when planned without shared prefixes. ``length - shared_length`` are the stream's tokens.
+        audio_length: ``[m]`` audio frames of each piece, or None when planned without an audio
+            budget (``plan_packs(audio_lengths=..., audio_budget=...)``); ``audio_budget`` its budget.
+            ``stats`` counts tokens and vision patches only.
     """
 
     sample_index: np.ndarray
@@ -53,6 +56,8 @@ class PackPlan:
     vision_length: np.ndarray | None = field(default=None, repr=False)
     vision_budget: int | None = None
     shared_length: np.ndarray | None = field(default=None, repr=False)
+    audio_length: np.ndarray | None = field(default=None, repr=False)
+    audio_budget: int | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.pack_offsets) - 1
@@ -88,6 +93,13 @@ class PackPlan:
         if self.vision_length is None:
             return np.zeros(sl.stop - sl.start, np.int64)
         return self.vision_length[sl]
+
+    def pack_audio(self, k: int) -> np.ndarray:
+        """Audio frames of the pieces in pack ``k`` (int64 ``[n_k]``; zeros without an audio budget)."""
+        sl = self.pack_slice(k)
+        if self.audio_length is None:
+            return np.zeros(sl.stop - sl.start, np.int64)
+        return self.audio_length[sl]
 
     def pack_lengths(self, k: int) -> np.ndarray:
         """Real lengths of the pieces in pack ``k`` (int64 ``[n_k]``)."""
@@ -143,6 +155,7 @@ def plan_packs(
     vision_lengths: Sequence[int] | np.ndarray | None = None,
     groups: Sequence[int] | np.ndarray | None = None,
     shared_prefix: Sequence[int] | np.ndarray | None = None,
+    audio_lengths: Sequence[int] | np.ndarray | None = None,
     **plan_keywords,
 ) -> PackPlan:
     """Plan packs of at most ``pack_size`` tokens from sample lengths:
@@ -153,9 +166,12 @@ def plan_packs(
         pack_size, **plan_keywords: the fields of :class:`thdpack.planning.options.PlanOptions`
             (``pack_size``; ``algorithm="bfd"`` / ``"ffd"`` / ``"first_fit_shuffle"`` / ``"sequential"``,
             ``align=1``, ``overflow="error"`` / ``"truncate"`` / ``"split"`` / ``"drop"``,
-            ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``).
+            ``max_samples_per_pack=None``, ``seed=0``, ``vision_budget=None``, ``audio_budget=None``).
         vision_lengths: with ``vision_budget``, ``[n]`` vision patches per sample (>= 0), a second
             budget; a sample with patches is never truncated or split.
+        audio_lengths: with ``audio_budget``, ``[n]`` audio frames per sample (>= 0), a third budget
+            kept as ``vision_lengths`` is (never cut); the algorithms then run on every budget at once
+            (docs/loaders.md, "plan_packs: arguments"). Plans without it are unchanged.
         groups: ``[n]`` integer group id per sample: a group's samples land in one pack (never cut).
         shared_prefix: with ``groups``, ``[n]`` the prefix each sample shares with its group, counted
             once per pack; or a :class:`thdpack.planning.prefix_budget.SharedLayout` (a group laid out as a
@@ -174,12 +190,12 @@ def plan_packs(
     if shared_prefix is not None and groups is None:
         raise ValueError("shared_prefix needs groups=: a prefix is shared by the samples of one group (one pack)")
     if groups is not None:
-        return _plan_groups(lengths, groups, vision_lengths, options, shared_prefix)
+        return _plan_groups(lengths, groups, vision_lengths, options, shared_prefix, audio_lengths)
     check_kernel_limits(options)
-    return _plan_pieces(validate_lengths(lengths), vision_lengths, options)
+    return _plan_pieces(validate_lengths(lengths), vision_lengths, options, audio_lengths)
 
 
-def _plan_pieces(lengths: np.ndarray, vision_lengths, options: PlanOptions) -> PackPlan:
+def _plan_pieces(lengths: np.ndarray, vision_lengths, options: PlanOptions, audio_lengths=None) -> PackPlan:
     """:func:`plan_packs` without groups: int64 ``[n]`` checked ``lengths`` cut by the overflow
     policy into pieces, which the kernel of ``options.algorithm`` places."""
     pack_size, align, overflow, vision_budget = options.pack_size, options.align, options.overflow, options.vision_budget
@@ -187,27 +203,33 @@ def _plan_pieces(lengths: np.ndarray, vision_lengths, options: PlanOptions) -> P
     vision = vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size)
     if vision is not None and overflow == "drop":
         over = over | (vision > vision_budget)
+    audio = audio_overflow(lengths, over, audio_lengths, options.audio_budget, overflow, pack_size)
+    if audio is not None and overflow == "drop":
+        over = over | (audio > options.audio_budget)
     pieces = cut_overflow(lengths, overflow, pack_size, align, over=over)
     vsizes = None if vision is None else vision[pieces.sample_index]  # pieces of cut samples have none
-    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, options)
+    asizes = None if audio is None else audio[pieces.sample_index]
+    pack_of, num_packs = _place(round_up(pieces.length, align), vsizes, options, asizes)
     by_pack, pack_offsets = _csr(pack_of, num_packs)
     length = pieces.length[by_pack]
     vision_length = None if vision is None else vsizes[by_pack]
+    audio_length = None if audio is None else asizes[by_pack]
     budget = None if vision is None else int(vision_budget)
     stats = PackStats.from_packs(length, pack_offsets, int(pack_size), align=int(align), num_samples=int(lengths.size),
                                  cuts=pieces.cuts, vision_length=vision_length, vision_budget=budget)
     return _plan_of(options, pieces.sample_index[by_pack], pieces.start[by_pack], length, pack_offsets,
-                    pieces.dropped, stats, vision_length, budget)
+                    pieces.dropped, stats, vision_length, budget, audio_length)
 
 
 def _plan_of(options: PlanOptions, sample_index, start, length, pack_offsets, dropped, stats: PackStats,
-             vision_length, vision_budget) -> PackPlan:
+             vision_length, vision_budget, audio_length=None) -> PackPlan:
     """The :class:`PackPlan` of placed pieces (int64 arrays as its attributes), planned with ``options``."""
     return PackPlan(
         sample_index=sample_index, start=start, length=length, pack_offsets=pack_offsets, dropped=dropped,
         pack_size=int(options.pack_size), align=int(options.align), algorithm=options.algorithm,
         overflow=options.overflow, seed=int(options.seed), stats=stats, vision_length=vision_length,
-        vision_budget=vision_budget,
+        vision_budget=vision_budget, audio_length=audio_length,
+        audio_budget=None if audio_length is None else int(options.audio_budget),
     )
 
 
@@ -229,10 +251,22 @@ _KERNELS = {  # algorithm -> (one budget, two budgets: tokens and vision patches
 }
 
 
-def _place(sizes: np.ndarray, vsizes: np.ndarray | None, options: PlanOptions) -> tuple[np.ndarray, int]:
+_KERNELS_ND = {  # algorithm -> kernel on d budgets (tokens, vision patches if budgeted, audio frames)
+    "bfd": binpack.best_fit_nd,
+    "ffd": binpack.first_fit_nd,
+    "first_fit_shuffle": binpack.first_fit_nd,
+    "sequential": binpack.next_fit_nd,
+}
+
+
+def _place(sizes: np.ndarray, vsizes: np.ndarray | None, options: PlanOptions,
+           asizes: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Run the kernel of ``options.algorithm`` over int64 ``[m]`` aligned sizes (and ``[m]`` vision
-    patches, or None). Returns (int64 ``[m]`` pack of each piece, number of packs)."""
+    patches, or None; and ``[m]`` audio frames, or None). Returns (int64 ``[m]`` pack of each piece,
+    number of packs)."""
     algorithm, seed, pack_size = options.algorithm, options.seed, options.pack_size
+    if asizes is not None:
+        return _place_nd(sizes, vsizes, asizes, options)
     if vsizes is None:
         order = _placement_order(sizes, algorithm, seed, pack_size)
         budgets = (np.ascontiguousarray(sizes[order]), int(pack_size))
@@ -247,6 +281,29 @@ def _place(sizes: np.ndarray, vsizes: np.ndarray | None, options: PlanOptions) -
     return pack_of, num_packs
 
 
+def _place_nd(sizes, vsizes, asizes, options: PlanOptions) -> tuple[np.ndarray, int]:
+    """:func:`_place` with an audio budget: the d-budget kernel of ``options.algorithm`` (d = 2 or 3);
+    ``"bfd"`` / ``"ffd"`` place by decreasing largest share of any budget, ties in input order."""
+    columns, capacities = [sizes], [options.pack_size]
+    if vsizes is not None:
+        columns.append(vsizes)
+        capacities.append(options.vision_budget)
+    columns.append(asizes)
+    capacities.append(options.audio_budget)
+    matrix = np.stack(columns, axis=1).astype(np.int64)
+    capacities = np.asarray(capacities, np.int64)
+    if options.algorithm in ("bfd", "ffd"):
+        order = np.argsort(-(matrix / capacities).max(axis=1), kind="stable")
+    else:
+        order = _placement_order(sizes, options.algorithm, options.seed, options.pack_size)
+    kernel = _KERNELS_ND[options.algorithm]
+    bin_sorted, num_packs = kernel(np.ascontiguousarray(matrix[order]), capacities,
+                                   int(options.max_samples_per_pack or 0))
+    pack_of = np.empty_like(bin_sorted)
+    pack_of[order] = bin_sorted
+    return pack_of, num_packs
+
+
 def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR layout of a placement: (int64 ``[m]`` piece order, pack after pack, int64
     ``[num_packs + 1]`` pack offsets). Stable: pieces keep their (sample, start) order within a pack."""
@@ -256,9 +313,11 @@ def _csr(pack_of: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     return by_pack, pack_offsets
 
 
-def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None) -> PackPlan:
+def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_prefix=None,
+                 audio_lengths=None) -> PackPlan:
     """:func:`plan_packs` with ``groups``: each group planned as one item of its members'
-    summed aligned length (its shared prefix once; and vision patches), then expanded in the same pack order."""
+    summed aligned length (its shared prefix once; and vision patches, audio frames), then expanded
+    in the same pack order."""
     lengths = validate_lengths(lengths)
     pack_size, align, vision_budget = options.pack_size, options.align, options.vision_budget
     if options.max_samples_per_pack is not None:
@@ -277,7 +336,14 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_p
         vision = vision_overflow(lengths, np.zeros(lengths.size, bool), vision_lengths, vision_budget, "drop", pack_size)
         group_vision = np.bincount(group_of, weights=vision, minlength=num_groups).astype(np.int64)
         _check_group_fits(group_vision, group_of, gid, vision_budget, "vision patches", "vision_budget")
-    outer = plan_packs(group_sizes, vision_lengths=group_vision, **replace(options, align=1).keywords())
+    audio, group_audio = None, None
+    if audio_lengths is not None or options.audio_budget is not None:
+        audio = audio_overflow(lengths, np.zeros(lengths.size, bool), audio_lengths, options.audio_budget, "drop",
+                               pack_size)
+        group_audio = np.bincount(group_of, weights=audio, minlength=num_groups).astype(np.int64)
+        _check_group_fits(group_audio, group_of, gid, options.audio_budget, "audio frames", "audio_budget")
+    outer = plan_packs(group_sizes, vision_lengths=group_vision, audio_lengths=group_audio,
+                       **replace(options, align=1).keywords())
     members = np.argsort(group_of, kind="stable")  # members of group g, by input index, are contiguous
     member_counts = np.bincount(group_of, minlength=num_groups)
     member_start = np.cumsum(member_counts) - member_counts
@@ -296,7 +362,8 @@ def _plan_groups(lengths, groups, vision_lengths, options: PlanOptions, shared_p
                                  align=int(align), num_samples=int(lengths.size), vision_length=vision_length,
                                  vision_budget=budget)
     plan = _plan_of(options, sample_index, np.zeros(sample_index.size, np.int64), length,
-                    pack_offsets.astype(np.int64), np.zeros(0, np.int64), stats, vision_length, budget)
+                    pack_offsets.astype(np.int64), np.zeros(0, np.int64), stats, vision_length, budget,
+                    None if audio is None else audio[sample_index])
     return plan if shared is None else replace(plan, shared_length=shared)
 
 
@@ -384,6 +451,44 @@ def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack
             "Use overflow='drop' or raise pack_size."
         )
     return vision
+
+
+def audio_overflow(lengths, over, audio_lengths, audio_budget, overflow, pack_size) -> np.ndarray | None:
+    """Checked ``[n]`` int64 audio frames (None without an audio budget), as :func:`vision_overflow`
+    checks vision patches: raises for a sample over ``audio_budget`` (unless ``overflow="drop"``) or
+    with audio that would have to be truncated or split (audio frames cannot be cut)."""
+    if (audio_lengths is None) != (audio_budget is None):
+        raise ValueError("audio_lengths and audio_budget go together: pass both or neither")
+    if audio_lengths is None:
+        return None
+    audio = np.asarray(audio_lengths)
+    if audio.ndim != 1 or audio.size != lengths.size:
+        raise ValueError(f"audio_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {audio.shape}")
+    if audio.size and audio.dtype.kind not in "iu":
+        raise ValueError(f"audio_lengths must be integers, got dtype {audio.dtype}")
+    audio = audio.astype(np.int64, copy=False)
+    bad = np.flatnonzero(audio < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise SampleError.at(i, f" has negative audio length {int(audio[i])}")
+    if overflow == "drop":
+        return audio
+    too_many = np.flatnonzero(audio > audio_budget)
+    if too_many.size:
+        i = int(too_many[0])
+        raise SampleError.at(
+            i, f" has {int(audio[i])} audio frames, more than audio_budget={audio_budget}; "
+            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise audio_budget."
+        )
+    cut = np.flatnonzero(over & (audio > 0))
+    if cut.size and overflow in ("truncate", "split"):
+        i = int(cut[0])
+        raise SampleError.at(
+            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(audio[i])} "
+            f"audio frames: a sample with audio cannot be {overflow} (its audio placeholders must match its "
+            "frames). Use overflow='drop' or raise pack_size."
+        )
+    return audio
 
 
 def _placement_order_2d(sizes, vsizes, algorithm: str, seed: int, pack_size: int, vision_budget: int) -> np.ndarray:
