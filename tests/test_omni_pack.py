@@ -317,3 +317,28 @@ def test_clip_lengths_around_the_chunk_size(clip_lengths, seed):
 @functools.lru_cache(maxsize=1)
 def _qwen2_5_sdpa():
     return tiny_thinker()
+
+
+def test_a_cp_shard_of_an_omni_pack_names_its_audio_rows():
+    """A CP rank's shard keeps the towers' inputs whole (their embeddings are scattered into the global stream
+    before the split, as for Qwen-VL) and says, for each of its audio tokens, which row of the audio tower's
+    output it takes: the audio rows of the whole pack's embeddings at the shard's positions."""
+    from thdpack import shard
+
+    model = tiny_thinker()
+    rng = np.random.default_rng(3)
+    samples = [make_sample(rng, parts) for parts in MIXED]
+    batch = build_thd_batch(samples, vlm=get_family(model.config), cp_size=2)
+    with torch.no_grad():
+        embeds = model.model.get_audio_features(batch.extras["input_features"],
+                                                batch.extras["feature_attention_mask"]).last_hidden_state
+    audio = batch.input_ids == AUDIO
+    assert int(audio.sum()) == embeds.shape[0]  # the tower gives one row per audio token of the pack
+    whole = torch.zeros(batch.input_ids.numel(), embeds.shape[1])
+    whole[audio] = embeds
+    for rank in range(2):
+        part = shard(batch, cp_size=2, cp_rank=rank)
+        local = part.input_ids == AUDIO
+        rows = part.extras["audio_embed_index"]
+        assert rows.numel() == int(local.sum())
+        torch.testing.assert_close(embeds[rows], whole[part.shard.partition_indices][local], rtol=0, atol=0)

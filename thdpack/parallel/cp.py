@@ -179,19 +179,23 @@ def vision_shard_extras(mm_token_type_ids: torch.Tensor, index: torch.Tensor) ->
     """Per-rank vision positions for a shard that keeps stream positions ``index``.
 
     Args:
-        mm_token_type_ids: int ``[T]`` of the whole batch (0 text, 1 image, 2 video).
+        mm_token_type_ids: int ``[T]`` of the whole batch (0 text, 1 image, 2 video; 3 audio in an omni batch).
         index: int64 ``[T / cp]`` the rank's stream positions (``partition_indices``).
 
     Returns:
         ``vision_token_positions``: int64, global stream positions of the rank's image
-        and video tokens, in local order; ``image_embed_index`` / ``video_embed_index``:
-        int64, for each local image / video token (local order), its row in the
-        concatenated image / video embeddings.
+        and video tokens (and audio tokens), in local order; ``image_embed_index`` / ``video_embed_index``
+        (and ``audio_embed_index`` when the batch has audio tokens):
+        int64, for each local image / video / audio token (local order), its row in the
+        concatenated image / video / audio embeddings.
     """
     types = mm_token_type_ids.to(index.device)
     local = types[index]
     out = {"vision_token_positions": index[local != 0]}
-    for kind, key in ((1, "image_embed_index"), (2, "video_embed_index")):
+    kinds = [(1, "image_embed_index"), (2, "video_embed_index")]
+    if bool((types == 3).any()):  # an omni batch (thdpack.vlm.omni): its audio tokens too
+        kinds.append((3, "audio_embed_index"))
+    for kind, key in kinds:
         ordinal = torch.cumsum((types == kind).to(torch.int64), 0) - 1  # row of each token of this kind
         out[key] = ordinal[index][local == kind]
     return out
