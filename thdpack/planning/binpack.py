@@ -505,7 +505,7 @@ def _max_trees_set(trees, leaves, leaf, values):
 @njit
 def _best_in_bucket(first, nxt, rooms, item):
     """The bin of the bucket that starts at ``first`` holding ``item`` in every budget but the first,
-    with the least room in the second budget (then the third, ...); -1 when none does."""
+    with the least room in the second budget (then the third, ...; then the lowest-numbered); -1 when none does."""
     d = rooms.shape[1]
     b = -1
     k = first
@@ -516,8 +516,8 @@ def _best_in_bucket(first, nxt, rooms, item):
                 fits = False
                 break
         if fits:
-            better = b < 0
-            if not better:
+            better = b < 0 or k < b  # equal rooms: the lowest-numbered bin
+            if b >= 0:
                 for q in range(1, d):
                     if rooms[k, q] != rooms[b, q]:
                         better = rooms[k, q] < rooms[b, q]
@@ -550,7 +550,8 @@ def _unlink(trees, leaves, head, nxt, prv, rooms, top, b, room):
 @njit
 def best_fit_nd(sizes, capacities, max_items):
     """Best fit on d budgets: each item goes to the open bin with the least token room that holds
-    it in every budget (ties: the least room in the second budget, then the third, ...).
+    it in every budget (ties: the least room in the second budget, then the third, ..., then the
+    lowest-numbered bin).
 
     As :func:`best_fit_2d`: open bins sit in buckets by remaining token room, and one max tree
     per other budget keeps, per token room, the largest remaining room of the bucket's bins; the
