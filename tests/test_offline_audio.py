@@ -118,3 +118,158 @@ def test_options(tmp_path, fe):
         max_seconds(fe, 31)
     with pytest.raises(ConfigError, match="no such directory"):
         load_feature_extractor(tmp_path / "none", "none")
+
+
+# --------------------------------------------------------------------------- the build: omni thinker rows with audio
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from thdpack import build_thd_batch  # noqa: E402
+from thdpack.demo import TOKENIZER_DIR  # noqa: E402
+from thdpack.integrations import to_hf_kwargs  # noqa: E402
+from thdpack.offline import BuildConfig, InputError, build_packed, load_packed  # noqa: E402
+from thdpack.vlm import get_family  # noqa: E402
+
+IGNORE = -100
+OMNI_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+               "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+VS, VE, IMG, VID, ABOS, AUD, AEOS = range(3072, 3079)  # their ids after the demo tokenizer's 3072
+ROWS = [
+    {"messages": [{"role": "user", "content": "<audio>What is this sound?"},
+                  {"role": "assistant", "content": "A tone."}], "audios": ["wav/0.wav"]},
+    {"messages": [{"role": "user", "content": "No audio."}, {"role": "assistant", "content": "Fine."}]},
+    {"messages": [{"role": "user", "content": "Compare <audio> and <audio>."},
+                  {"role": "assistant", "content": "The second is lower."}], "audios": ["wav/1.wav", "wav/2.flac"]},
+    {"messages": [{"role": "user", "content": "Hear <audio>"}, {"role": "assistant", "content": "Low."}],
+     "audios": ["wav/lo.wav"]},
+]
+
+
+def omni_config() -> dict:
+    cfg = transformers.Qwen2_5OmniThinkerConfig(
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=MEL,
+                          n_window=4, output_dim=64, max_source_positions=1500),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=16,
+                           in_channels=3),
+        text_config=dict(vocab_size=3080, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        audio_token_id=AUD, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
+        audio_start_token_id=ABOS, audio_end_token_id=AEOS, position_id_per_seconds=25, seconds_per_chunk=2)
+    return cfg.to_dict()
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    d = tmp_path_factory.mktemp("omni")
+    tok = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    tok.add_tokens(OMNI_TOKENS, special_tokens=True)
+    assert tok.convert_tokens_to_ids(OMNI_TOKENS) == list(range(3072, 3079))
+    tok.save_pretrained(str(d / "tok"))
+    transformers.WhisperFeatureExtractor(feature_size=MEL).save_pretrained(str(d / "proc"))
+    (d / "model").mkdir()
+    (d / "model" / "config.json").write_text(json.dumps(omni_config()))
+    (d / "wav").mkdir()
+    write_wav(d / "wav" / "0.wav", 16000, 0.7)
+    write_wav(d / "wav" / "1.wav", 16000, 1.1, freq=660)
+    write_flac(d / "wav" / "2.flac", 16000, 0.4, freq=220)
+    write_wav(d / "wav" / "lo.wav", 8000, 0.9, channels=2)
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return d
+
+
+def omni_cfg(d, **kw) -> BuildConfig:
+    base = dict(input=str(d / "data.jsonl"), tokenizer=str(d / "tok"), model_config=str(d / "model"),
+                audio_processor=str(d / "proc"), pack_size=160, overflow="error")
+    return BuildConfig(**{**base, **kw})
+
+
+def reference(d, rows) -> list[dict]:
+    """Samples built without thdpack.offline: the extractor as the processor calls it, markers expanded
+    by the model's rule, transformers' chat template."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(d / "tok"), local_files_only=True)
+    fe = transformers.WhisperFeatureExtractor.from_pretrained(str(d / "proc"), local_files_only=True)
+    out = []
+    for row in rows:
+        clips = []
+        for p in row.get("audios", []):
+            samples, _ = load_clip(p, d, 16000)  # PyAV decoding, checked against `wave` above
+            enc = fe(samples, sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="pt")
+            clips.append(enc["input_features"][0, :, : int(enc["attention_mask"].sum())])
+        runs = iter("<|audio_bos|>" + "<|AUDIO|>" * (((c.shape[1] - 1) // 2 + 1 - 2) // 2 + 1) + "<|audio_eos|>"
+                    for c in clips)
+
+        def sub(text):
+            parts = text.split("<audio>")
+            return parts[0] + "".join(next(runs) + p for p in parts[1:])
+
+        msgs = [dict(m, content=sub(m["content"])) for m in row["messages"]]
+        enc = tok.apply_chat_template([msgs], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = np.asarray(enc["input_ids"][0]), np.asarray(enc["assistant_masks"][0], bool)
+        mask &= ~np.isin(ids, [ABOS, AUD, AEOS])
+        sample = {"input_ids": torch.as_tensor(ids), "labels": torch.as_tensor(np.where(mask, ids, IGNORE))}
+        if clips:
+            sample["input_features"] = clips
+        out.append(sample)
+    return out
+
+
+def same_kwargs(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_omni_build_packs_equal_build_thd_batch(tmp_path, omni):
+    res = build_packed(omni_cfg(omni), tmp_path / "out", progress=False)
+    meta = res.metadata
+    assert meta["audio"]["clips"] == 4 and meta["vision"]["model_type"] == "qwen2_5_omni_thinker"
+    assert {"input_features", "audio_frames", "audio_counts"} <= set(meta["columns"])
+    assert (res.path / "feature_extractor" / "preprocessor_config.json").is_file()
+    ds = load_packed(res.path)
+    refs = reference(omni, ROWS)
+    family = get_family(omni_config())
+    collate = ds.collator()
+    seen = []
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        rows = batch.sample_index.tolist()
+        seen += rows
+        want = build_thd_batch([refs[r] for r in rows], vlm=family)
+        same_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
+        assert torch.equal(batch.token_extras["mrope_position_ids"], want.token_extras["mrope_position_ids"])
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
+def test_omni_build_faults_counted(tmp_path, omni):
+    write_wav(tmp_path / "long.wav", 16000, 2.5)
+    (tmp_path / "cut.wav").write_bytes((omni / "wav" / "0.wav").read_bytes()[:5000])
+    (tmp_path / "empty.wav").write_bytes(b"")
+    write_wav(tmp_path / "zero.wav", 16000, 0.0)
+    ok = ROWS[0] | {"audios": [str(omni / "wav" / "0.wav")]}
+    bad = [ok,
+           ok | {"audios": [str(tmp_path / "cut.wav")]},
+           ok | {"audios": [str(tmp_path / "empty.wav")]},
+           ok | {"audios": [str(tmp_path / "zero.wav")]},
+           ok | {"audios": [str(tmp_path / "long.wav")]},
+           ok | {"audios": []},
+           ok | {"audios": [str(omni / "wav" / "0.wav")] * 2}]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    with pytest.raises(InputError) as exc:
+        build_packed(omni_cfg(omni, input=str(path), max_audio_seconds=2.0), tmp_path / "x", progress=False)
+    msg = str(exc.value)
+    assert "6 bad row(s)" in msg
+    for line, text in [(2, "is truncated"), (3, "cannot be decoded"), (4, "no samples"),
+                       (5, "more than max_audio_seconds=2"), (6, "1 '<audio>' marker(s) but 0 audio clip(s)")]:
+        assert f"bad.jsonl:{line}: " in msg and text in msg, (line, text, msg)
+    assert "(and 1 more)" in msg  # row 7: 1 marker, 2 clips
+    res = build_packed(omni_cfg(omni, input=str(path), max_audio_seconds=2.0, skip_bad_rows=True), tmp_path / "y",
+                       progress=False)
+    assert res.metadata["counts"]["skipped_rows"] == 6 and res.metadata["audio"]["clips"] == 1

@@ -50,8 +50,9 @@ SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_fie
 SOURCE_KEYS = ("path", "demo", "name", *WEIGHT_KEYS, *SOURCE_OPTIONS)
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
                   *(f"ray_{f.name}" for f in dataclasses.fields(RayOptions)))  # options that never change the output
+AUDIO_OPTIONS = ("audio_processor", "audios_field", "audio_placeholder", "max_audio_seconds")  # omni rows with audio
 # recorded in metadata.json only when given (None / false: older builds stay byte-identical)
-RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len",
+RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len", *AUDIO_OPTIONS,
                    *(f"mixture_{f.name}" for f in dataclasses.fields(MixtureOptions)))
 # metadata.json's "config": the options in the order builds have always written them (byte-identical builds)
 RECORD_ORDER = ("input", *(f"mixture_{f.name}" for f in dataclasses.fields(MixtureOptions)), "split", "max_rows",
@@ -62,7 +63,7 @@ RECORD_ORDER = ("input", *(f"mixture_{f.name}" for f in dataclasses.fields(Mixtu
                 "file_size_mb", "num_proc", "map_batch_size", "engine",
                 *(f"ray_{f.name}" for f in dataclasses.fields(RayOptions)), "skip_bad_rows", "save_tokenizer",
                 "model_config", "image_processor", "images_field", "image_placeholder", "image_dir", "vision_budget",
-                "videos_field", "video_placeholder", "video")
+                "videos_field", "video_placeholder", "video", *AUDIO_OPTIONS)
 
 
 def _section(cls):

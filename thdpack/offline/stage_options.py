@@ -229,6 +229,13 @@ class VisionOptions:
         "(default 128 / 768 / 115200 tokens of (patch*merge)^2 pixels); on the command line as YAML: '{fps: 1}'",
         accepts=((dict, str), "a mapping of frame options (fps, min_frames, ...)"), flag_type=str,
     )
+    audio_processor: str | None = opt(None, "omni rows with audio: a local processor directory whose "
+                                      "preprocessor_config.json is the model's WhisperFeatureExtractor")
+    audios_field: str | None = opt(None, "omni rows: field holding each row's list of audio paths (default audios)")
+    audio_placeholder: str | None = opt(None, "omni rows: marker in the text where each audio clip goes, in order "
+                                        "(default <audio>)")
+    max_audio_seconds: float | None = opt(None, "omni rows: longest audio clip (seconds; default and at most the "
+                                          "feature extractor's chunk_length, 30); a longer one fails its row")
 
     image_processor_path: Path | None = derived("a directory image_processor resolved against the config's directory")
     image_dir_path: Path | None = derived("image_dir resolved against the config's directory")

@@ -39,6 +39,10 @@ def add_vision(samples: list[dict], row, *, copy: bool = True) -> list[dict]:
         for i, s in enumerate(samples):
             if counts[i]:
                 s["second_per_grid_ts"] = torch.from_numpy(spg[first[i]: first[i + 1]].copy())
+    if "audio_counts" in row:  # an omni build's audio clips (store/audio_columns.py)
+        from thdpack.offline.store.audio_columns import add_audio
+
+        add_audio(samples, row, copy=copy)
     return samples
 
 

@@ -63,6 +63,7 @@ class VlmBuild:
     video_placeholder: str = "<video>"
     video_options: object = None  # thdpack.offline.vision.video.VideoOptions
     overflow: str = "error"  # the build's overflow: "truncate" cuts videos over vision_budget to their first frames
+    audio: object = None  # an omni build's thdpack.offline.vision.omni_audio.AudioBuild, or None
 
     # ---- tokenization
     def map_batch_size(self, requested: int) -> int:
@@ -72,13 +73,17 @@ class VlmBuild:
 
     def row_tokenizer(self, fmt: str, opts, tokenizer, columns, source, bpe=None) -> VlmRowTokenizer:
         """The row tokenizer of this build (``opts``: the :class:`~thdpack.offline.stage_options.TokenizeOptions`)."""
+        if self.audio is not None:
+            from thdpack.offline.vision.omni_audio import OmniRowTokenizer
+
+            return OmniRowTokenizer(fmt, opts, tokenizer, columns, self, source, bpe)
         return VlmRowTokenizer(fmt, opts, tokenizer, columns, self, source, bpe)
 
     def features(self) -> dict:
-        return row_features()
+        return row_features() if self.audio is None else {**row_features(), **self.audio.features()}
 
     def input_columns(self) -> list[str]:
-        return [self.images_field, self.videos_field]
+        return [self.images_field, self.videos_field] + ([self.audio.field] if self.audio is not None else [])
 
     # ---- planning
     def plan_checks(self, plan, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
@@ -101,6 +106,10 @@ class VlmBuild:
                 bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={plan.pack_size} allows, "
                                f"with {int(stats.row_images[r])} image(s): a VLM row cannot be {plan.overflow} "
                                "(its placeholders must match its grids); use overflow: drop or a larger pack_size"))
+        if self.audio is not None:
+            from thdpack.offline.vision.omni_audio import audio_plan_checks
+
+            bad = audio_plan_checks(plan, tokenized, usable, bad)
         return patches, bad
 
     def plan_kwargs(self, patches: np.ndarray, sample_rows: np.ndarray) -> dict:
@@ -110,6 +119,10 @@ class VlmBuild:
 
     # ---- writing
     def writer(self, token_table) -> VisionColumns:
+        if self.audio is not None:
+            from thdpack.offline.store.audio_columns import AudioColumns
+
+            return AudioColumns(self.pixel_dim, token_table, self.audio.mel)
         return VisionColumns(self.pixel_dim, token_table)
 
     def packed_grids(self, token_table, rows: np.ndarray) -> np.ndarray:
@@ -122,6 +135,12 @@ class VlmBuild:
         meta["format_version"] = VLM_FORMAT_VERSION
         meta["columns"] = list(meta["columns"]) + list(VISION_COLUMNS)
         meta["vision"] = vision_metadata(self, token_table, piece_rows, plan)
+        if self.audio is not None:
+            from thdpack.offline.store.audio_columns import AUDIO_COLUMNS, FEATURE_EXTRACTOR_DIR, audio_metadata
+
+            self.audio.fe.save_pretrained(str(out_dir / FEATURE_EXTRACTOR_DIR))
+            meta["columns"] = list(meta["columns"]) + list(AUDIO_COLUMNS)
+            meta["audio"] = audio_metadata(self.audio, token_table, piece_rows)
 
 def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
     """The :class:`VlmBuild` of the vision options ``opts`` (:class:`~thdpack.offline.stage_options.VisionOptions`)
@@ -137,7 +156,7 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
                               f"{', '.join(types)}), got {got}")
         return None
     if (opts.images_field not in source.columns and opts.videos_field not in source.columns
-            and not _rows_have_images(source, opts)
+            and not _rows_have_images(source, opts) and opts.audio_processor is None
             and opts.vision_budget is None and opts.image_processor is None):
         return None  # a VL model's config, text rows: a text build
     try:
@@ -162,6 +181,10 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
             raise ConfigError(f"image processor {k}={got[k]} but model_config's vision_config.{k}={v}")
     end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
                        _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
+    from thdpack.offline.vision.omni_audio import OMNI_TYPES, OmniFamilyView, audio_build
+
+    audio = audio_build(opts, model_config, family)
+    family = OmniFamilyView(family) if family.model_type in OMNI_TYPES else family
     row_dirs = [_file_dir(opts, f) for f in source.files]
     from thdpack.offline.vision.video import VideoOptions
     from thdpack.offline.vision.video_processor import resolve_backend
@@ -185,6 +208,7 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
         video_placeholder=opts.video_placeholder,
         video_options=video_options,
         overflow=opts.overflow,
+        audio=audio,
     )
 
 
