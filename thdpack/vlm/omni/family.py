@@ -87,6 +87,10 @@ class OmniThinker:
         return self.rope.video_token_id
 
     @property
+    def vision_start_token_id(self) -> int:
+        return self.rope.vision_start_token_id
+
+    @property
     def supports_video(self) -> bool:
         return True
 
