@@ -273,3 +273,36 @@ def test_omni_build_faults_counted(tmp_path, omni):
     res = build_packed(omni_cfg(omni, input=str(path), max_audio_seconds=2.0, skip_bad_rows=True), tmp_path / "y",
                        progress=False)
     assert res.metadata["counts"]["skipped_rows"] == 6 and res.metadata["audio"]["clips"] == 1
+
+
+def test_omni_build_audio_budget(tmp_path, omni):
+    """``audio_budget``: no pack holds more audio feature frames (read back from the stored columns), every row
+    is kept, the batches still equal build_thd_batch; a row over the budget is a bad row, dropped by overflow: drop."""
+    rows = ROWS * 3
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r | {"audios": [str(omni / a) for a in r.get("audios", [])]}) + "\n"
+                            for r in rows))
+    res = build_packed(omni_cfg(omni, input=str(path), pack_size=1024, audio_budget=200), tmp_path / "out",
+                       progress=False)
+    assert res.metadata["audio"]["audio_budget"] == 200 and res.metadata["config"]["audio_budget"] == 200
+    ds = load_packed(res.path)
+    refs = reference(omni, ROWS)
+    family, collate, seen, frames, counts = get_family(omni_config()), ds.collator(), [], [], []
+    for k in range(len(ds)):
+        row = ds[k]
+        frames.append(int(np.asarray(row["audio_frames"]).sum()))
+        counts.append(int(np.asarray(row["audio_counts"]).sum()))
+        batch = collate(row)
+        seen += batch.sample_index.tolist()
+        want = build_thd_batch([refs[r % len(ROWS)] for r in batch.sample_index.tolist()], vlm=family)
+        same_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
+    assert sorted(seen) == list(range(len(rows)))
+    assert max(frames) <= 200 and sum(frames) == 3 * (70 + 110 + 40 + 90)
+    assert sum(counts) == 12 and len(frames) > 2  # the budget, not pack_size, split the packs
+    plain = build_packed(omni_cfg(omni, input=str(path), pack_size=1024), tmp_path / "plain", progress=False)
+    assert "audio_budget" not in plain.metadata["audio"] and "audio_budget" not in plain.metadata["config"]
+    with pytest.raises(InputError, match="more than audio_budget=100"):
+        build_packed(omni_cfg(omni, input=str(path), pack_size=1024, audio_budget=100), tmp_path / "x", progress=False)
+    dropped = build_packed(omni_cfg(omni, input=str(path), pack_size=1024, audio_budget=100, overflow="drop"),
+                           tmp_path / "d", progress=False)
+    assert dropped.metadata["audio"]["clips"] == 6  # the rows of 150 frames (two clips) dropped

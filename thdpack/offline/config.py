@@ -50,7 +50,7 @@ SOURCE_OPTIONS = ("format", "loss", "chat_template", "text_field", "messages_fie
 SOURCE_KEYS = ("path", "demo", "name", *WEIGHT_KEYS, *SOURCE_OPTIONS)
 EXECUTION_ONLY = ("num_proc", "map_batch_size", "tokenizer_backend", "engine",
                   *(f"ray_{f.name}" for f in dataclasses.fields(RayOptions)))  # options that never change the output
-AUDIO_OPTIONS = ("audio_processor", "audios_field", "audio_placeholder", "max_audio_seconds")  # omni rows with audio
+AUDIO_OPTIONS = ("audio_processor", "audios_field", "audio_placeholder", "max_audio_seconds", "audio_budget")  # omni rows with audio
 # recorded in metadata.json only when given (None / false: older builds stay byte-identical)
 RECORDED_IF_SET = ("sample_values", "group_column", "share_prefix", "min_prefix_len", *AUDIO_OPTIONS,
                    *(f"mixture_{f.name}" for f in dataclasses.fields(MixtureOptions)))

@@ -236,6 +236,8 @@ class VisionOptions:
                                         "(default <audio>)")
     max_audio_seconds: float | None = opt(None, "omni rows: longest audio clip (seconds; default and at most the "
                                           "feature extractor's chunk_length, 30); a longer one fails its row")
+    audio_budget: int | None = opt(None, "omni rows: most audio feature frames in a pack (a third planning budget; "
+                                   "default unbounded)", minimum=1)
 
     image_processor_path: Path | None = derived("a directory image_processor resolved against the config's directory")
     image_dir_path: Path | None = derived("image_dir resolved against the config's directory")

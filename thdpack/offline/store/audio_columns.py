@@ -23,15 +23,21 @@ FEATURE_EXTRACTOR_DIR = "feature_extractor"  # the feature extractor saved with 
 
 
 def row_audio_frames(table) -> tuple[np.ndarray, np.ndarray]:
-    """``(frames of each row int64 [rows], clips of each row int64 [rows])`` of the tokenized rows."""
-    col = table.column("audio_frames")
+    """``(frames of each row int64 [rows], clips of each row int64 [rows])`` of the tokenized rows
+    (a row without audio: 0, 0)."""
+    import pyarrow.compute as pc
+
     frames = np.zeros(table.num_rows, np.int64)
     clips = np.zeros(table.num_rows, np.int64)
     at = 0
-    for chunk in col.chunks:
-        for value in chunk.to_pylist():
-            frames[at], clips[at] = sum(value or ()), len(value or ())
-            at += 1
+    for chunk in table.column("audio_frames").chunks:
+        n = len(chunk)
+        clips[at: at + n] = pc.fill_null(pc.list_value_length(chunk), 0).to_numpy(zero_copy_only=False)
+        values = pc.list_flatten(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+        if values.size:
+            parents = pc.list_parent_indices(chunk).to_numpy(zero_copy_only=False)
+            np.add.at(frames, parents.astype(np.int64) + at, values)
+        at += n
     return frames, clips
 
 
@@ -90,6 +96,7 @@ def audio_metadata(audio, token_table, piece_rows: np.ndarray) -> dict:
     :class:`thdpack.offline.vision.omni_audio.AudioBuild`)."""
     frames, clips = row_audio_frames(token_table)
     rows = np.asarray(piece_rows, np.int64)
+    budget = {} if audio.budget is None else {"audio_budget": int(audio.budget)}  # only when set
     return {
         "audio_token_id": audio.audio_token_id,
         "audio_start_token_id": audio.audio_start_token_id,
@@ -104,6 +111,7 @@ def audio_metadata(audio, token_table, piece_rows: np.ndarray) -> dict:
         "feature_dtype": "float32",
         "feature_extractor": json.loads(audio.fe.to_json_string()),
         "saved_feature_extractor": FEATURE_EXTRACTOR_DIR,
+        **budget,
     }
 
 

@@ -43,6 +43,7 @@ class AudioBuild:
     audio_start_token_id: int
     audio_end_token_id: int
     mel: int
+    budget: int | None = None  # audio_budget: most audio feature frames in a pack (None: unbounded)
 
     def features(self) -> dict:
         import datasets
@@ -78,11 +79,13 @@ def audio_build(opts, model_config: dict, family) -> AudioBuild | None:
     """The :class:`AudioBuild` of the vision options ``opts`` for an omni ``model_config``; None for another
     family, or an omni one without ``audio_processor`` (rows with an audios field then fail the set-up)."""
     if family.model_type not in OMNI_TYPES:
-        if opts.audio_processor is not None:
-            raise ConfigError(f"audio_processor needs an omni model_config (model_type one of {', '.join(OMNI_TYPES)})"
+        if opts.audio_processor is not None or opts.audio_budget is not None:
+            raise ConfigError(f"audio_processor / audio_budget need an omni model_config (model_type one of {', '.join(OMNI_TYPES)})"
                               f", got {family.model_type!r}")
         return None
     if opts.audio_processor is None:
+        if opts.audio_budget is not None:
+            raise ConfigError("audio_budget needs audio_processor (an omni build of rows with audio)")
         return None
     from thdpack.common.model_config import config_get
 
@@ -97,24 +100,32 @@ def audio_build(opts, model_config: dict, family) -> AudioBuild | None:
                       limit_seconds=max_seconds(fe, opts.max_audio_seconds), rope=rope,
                       audio_token_id=rope.audio_token_id, audio_start_token_id=rope.audio_start_token_id,
                       audio_end_token_id=int(config_get(cfg, "audio_end_token_id", rope.audio_start_token_id + 1)),
-                      mel=int(fe.feature_size))
+                      mel=int(fe.feature_size), budget=opts.audio_budget)
 
 
-def audio_plan_checks(plan, tokenized, usable: np.ndarray, bad: list) -> list:
-    """``bad`` and the usable rows with audio too long for a pack under ``overflow: truncate / split``
-    (a row with audio is never cut: its markers must match its clips)."""
+def audio_plan_checks(plan, tokenized, usable: np.ndarray, bad: list, budget: int | None = None):
+    """``(bad, frames)``: ``bad`` and the usable rows with audio that break a rule of planning (a row with
+    audio is never cut: its markers must match its clips): more feature frames than ``budget``
+    (``audio_budget``; not under ``overflow: drop``, which drops them), or too long for a pack under
+    ``overflow: truncate / split``; ``frames``: int64 ``[rows]`` audio feature frames of every row."""
     from thdpack.offline.store.audio_columns import row_audio_frames
 
-    if plan.overflow not in ("truncate", "split"):
-        return bad
-    _, clips = row_audio_frames(tokenized.dataset.data.table)
+    frames, clips = row_audio_frames(tokenized.dataset.data.table)
     seen = {r for r, _ in bad}
+    if budget is not None and plan.overflow != "drop":
+        for r in np.flatnonzero(usable & (frames > budget)).tolist():
+            if r not in seen:
+                seen.add(r)
+                bad.append((r, f"{int(frames[r])} audio frames, more than audio_budget={budget} allows "
+                               f"(overflow={plan.overflow}; use overflow: drop or a larger audio_budget)"))
+    if plan.overflow not in ("truncate", "split"):
+        return bad, frames
     for r in np.flatnonzero(usable & (clips > 0) & (np.asarray(tokenized.lengths) > plan.usable_length)).tolist():
         if r not in seen:
             bad.append((r, f"{int(tokenized.lengths[r])} tokens, more than pack_size={plan.pack_size} allows, with "
                            f"{int(clips[r])} audio clip(s): a row with audio cannot be {plan.overflow}; use overflow: "
                            "drop or a larger pack_size"))
-    return bad
+    return bad, frames
 
 
 class OmniRowTokenizer(VlmRowTokenizer):

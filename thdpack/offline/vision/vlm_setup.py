@@ -45,6 +45,15 @@ _DEFAULT_VISION_END_ID = 151653
 # ---------------------------------------------------------------------------- set-up
 
 
+@dataclass(frozen=True)
+class RowMedia:
+    """What :meth:`VlmBuild.plan_checks` gives an omni build with ``audio_budget``: int64 ``[rows]`` vision
+    patches and audio feature frames of every row."""
+
+    patches: np.ndarray
+    audio_frames: np.ndarray
+
+
 @dataclass
 class VlmBuild:
     """What a VLM build needs besides the text pipeline (made by :func:`vlm_build`)."""
@@ -87,10 +96,10 @@ class VlmBuild:
 
     # ---- planning
     def plan_checks(self, plan, tokenized, usable: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
-        """Vision patches of every row, and the usable rows that break a rule of VLM
-        planning (``(row, reason)``): more patches than ``vision_budget``, or too long
-        with images under ``overflow: truncate / split`` (``plan``: the build's
-        :class:`~thdpack.planning.options.PlanOptions`)."""
+        """Vision patches of every row (with ``audio_budget``, :class:`RowMedia`: also its audio frames), and
+        the usable rows that break a rule of VLM planning (``(row, reason)``): more patches than
+        ``vision_budget`` (more audio frames than ``audio_budget``), or too long with images (audio) under
+        ``overflow: truncate / split`` (``plan``: the build's :class:`~thdpack.planning.options.PlanOptions`)."""
         stats = image_stats(tokenized.dataset.data.table)
         patches = row_vision_patches(tokenized.dataset.data.table)
         bad = []
@@ -109,13 +118,21 @@ class VlmBuild:
         if self.audio is not None:
             from thdpack.offline.vision.omni_audio import audio_plan_checks
 
-            bad = audio_plan_checks(plan, tokenized, usable, bad)
+            bad, frames = audio_plan_checks(plan, tokenized, usable, bad, self.audio.budget)
+            if self.audio.budget is not None:
+                return RowMedia(patches, frames), bad
         return patches, bad
 
-    def plan_kwargs(self, patches: np.ndarray, sample_rows: np.ndarray) -> dict:
-        if self.vision_budget is None:
-            return {}
-        return {"vision_lengths": patches[sample_rows], "vision_budget": self.vision_budget}
+    def plan_kwargs(self, patches, sample_rows: np.ndarray) -> dict:
+        """``plan_packs``' vision (and audio) budget keywords for ``sample_rows`` (``patches``: what
+        :meth:`plan_checks` returned)."""
+        out = {}
+        if isinstance(patches, RowMedia):
+            out = {"audio_lengths": patches.audio_frames[sample_rows], "audio_budget": self.audio.budget}
+            patches = patches.patches
+        if self.vision_budget is not None:
+            out.update(vision_lengths=patches[sample_rows], vision_budget=self.vision_budget)
+        return out
 
     # ---- writing
     def writer(self, token_table) -> VisionColumns:
@@ -150,6 +167,8 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
 
     types = supported_model_types()
     if model_config is None or model_config.get("model_type") not in types:
+        if opts.audio_budget is not None:
+            raise ConfigError("audio_budget needs an omni thinker model_config and audio_processor")
         if opts.vision_budget is not None or opts.image_processor is not None:
             got = "none" if model_config is None else repr(model_config.get("model_type"))
             raise ConfigError(f"vision_budget / image_processor need a VLM model_config (model_type one of "
@@ -157,7 +176,7 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
         return None
     if (opts.images_field not in source.columns and opts.videos_field not in source.columns
             and not _rows_have_images(source, opts) and opts.audio_processor is None
-            and opts.vision_budget is None and opts.image_processor is None):
+            and opts.vision_budget is None and opts.image_processor is None and opts.audio_budget is None):
         return None  # a VL model's config, text rows: a text build
     try:
         family = get_family(model_config)
