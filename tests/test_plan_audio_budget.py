@@ -2,7 +2,8 @@
 
 Every sample lands once (or is dropped, as documented), no pack goes over any budget, each algorithm is
 exactly its plain-Python definition on d budgets (written here), bfd / ffd stay within ⌈3/2·OPT⌉ packs of
-the brute-force optimum on tiny inputs, errors name the sample, and other planners refuse ``audio_budget``.
+the brute-force optimum on tiny inputs, errors name the sample, and other planners refuse ``audio_budget`` (``ThdCollator`` takes it with an
+omni family).
 """
 
 from __future__ import annotations
@@ -218,6 +219,49 @@ def test_other_planners_refuse_audio_budget(make):
         make()
 
 
-def test_the_collator_refuses_audio_budget():
-    with pytest.raises(TypeError, match=r"^ThdCollator\(\) got unexpected keyword argument\(s\) 'audio_budget'$"):
+def test_the_collator_needs_an_omni_family_for_audio_budget():
+    with pytest.raises(ValueError, match=r"^audio_budget needs vlm=, an omni thinker's family .*got no vlm=$"):
         ThdCollator(pack_size=8, audio_budget=4)
+    from thdpack.vlm import get_family
+
+    qwen2_vl = {"model_type": "qwen2_vl", "vision_config": {"spatial_merge_size": 2}, "image_token_id": 5,
+                "video_token_id": 6, "vision_start_token_id": 7}
+    with pytest.raises(ValueError, match=r"got vlm= of model_type 'qwen2_vl'$"):
+        ThdCollator(pack_size=8, audio_budget=4, vlm=get_family(qwen2_vl))
+    with pytest.raises(TypeError, match=r"without pack_size"):
+        ThdCollator(audio_budget=4)
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "sequential"])
+def test_the_collator_plans_the_audio_budget(algorithm):
+    """``ThdCollator(vlm=omni family, pack_size=, audio_budget=)``: no pack over the budget, every sample once, each
+    batch what build_thd_batch makes of its samples."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from test_omni_pack import make_sample, tiny_thinker
+    from thdpack import build_thd_batch
+    from thdpack.integrations import to_hf_kwargs
+    from thdpack.vlm import get_family
+
+    family = get_family(tiny_thinker().config)
+    rng = np.random.default_rng(0)
+    frames = [20, 35, 0, 50, 12, 0, 44, 28]
+    samples = [make_sample(rng, [("text", 3)] + ([("audio", f)] if f else []) + [("text", 2)]) for f in frames]
+    samples = [dict(s, sample_index=i) for i, s in enumerate(samples)]
+    assert family.audio_lengths(samples).tolist() == frames
+    collate = ThdCollator(vlm=family, pack_size=256, audio_budget=60, algorithm=algorithm)
+    batches = collate(samples)
+    seen = []
+    for batch in batches:
+        rows = batch.sample_index.tolist()
+        seen += rows
+        assert sum(frames[r] for r in rows) <= 60
+        want = build_thd_batch([samples[r] for r in rows], vlm=family)
+        got, ref = to_hf_kwargs(batch), to_hf_kwargs(want)
+        assert got.keys() == ref.keys()
+        for k in got:
+            assert torch.equal(got[k], ref[k]) if isinstance(got[k], torch.Tensor) else got[k] == ref[k], k
+    assert sorted(seen) == list(range(len(samples))) and len(batches) >= 4  # 239 frames, budget 60
+    unbounded = ThdCollator(vlm=family, pack_size=256, algorithm=algorithm)(samples)
+    assert len(unbounded) < len(batches)

@@ -20,7 +20,7 @@ from thdpack.batching.shared_prefix import (DEFAULT_MIN_PREFIX_LEN, check_share_
 from thdpack.batching.vision_family import check_vlm
 from thdpack.parallel.groups import check_process_group
 from thdpack.parallel.ulysses import _shard_for_ulysses, check_ulysses_args, pad_for_ulysses, ulysses_pad_multiple
-from thdpack.planning.options import PLAN_FIELDS, PlanOptions, plan_options
+from thdpack.planning.options import AUDIO_FIELDS, PLAN_FIELDS, PlanOptions, plan_options
 from thdpack.planning.plan import PackStats, check_kernel_limits, plan_packs
 from thdpack.common.samples import SampleError, get_field, sample_list, to_int_array
 
@@ -98,7 +98,8 @@ class ThdCollator:
             or without an SP rank the whole batch padded to the Ulysses multiple.
         **plan_keywords: with ``pack_size``, plan each call into packs (:func:`thdpack.plan_packs` keywords,
             ``align`` the layout's multiple) and return a :class:`PackedBatches` list, one batch per pack.
-        vlm: the model's family (``thdpack.vlm.get_family(model_config)``); needed by ``vision_budget``.
+        vlm: the model's family (``thdpack.vlm.get_family(model_config)``); needed by ``vision_budget``, and
+            an omni thinker's by ``audio_budget`` (each pack's audio feature frames, ``vlm.audio_lengths``).
         sample_values: per-sample fields carried into ``batch.sample_values``.
         group_field: with ``pack_size``, the sample field of an integer group id: a group lands in one pack.
         share_prefix, min_prefix_len: the group-id field whose common prefix is laid out once, and the
@@ -134,6 +135,7 @@ class ThdCollator:
             check_kernel_limits(self.options)
             if self.options.vision_budget is not None and vlm is None:  # its vision counts need the family
                 raise ValueError("vision_budget needs vlm=, the VLM family: thdpack.vlm.get_family(model_config)")
+            _check_audio_family(self.options.audio_budget, vlm)
         self.build_kwargs = dict(vlm=vlm, sample_values=sample_values)
         self.group_field = _share_fields(share_prefix, min_prefix_len, group_field, self.layout, ulysses_sp_size)
         if share_prefix is not None:
@@ -165,6 +167,8 @@ class ThdCollator:
         per_sample = {}
         if self.options.vision_budget is not None:
             per_sample["vision_lengths"] = self.build_kwargs["vlm"].vision_lengths(samples)
+        if self.options.audio_budget is not None:
+            per_sample["audio_lengths"] = self.build_kwargs["vlm"].audio_lengths(samples)
         if self.group_field is not None:
             per_sample["groups"] = [get_field(s, self.group_field, i, required=True) for i, s in enumerate(samples)]
         if "share_prefix" in self.build_kwargs:  # each group's layout, as every pack's build will find it
@@ -203,7 +207,17 @@ class ThdCollator:
                                   **sizes)
 
 
-_PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align")  # align: the layout's pad multiple
+# align: the layout's pad multiple; audio_budget: with an omni family (vlm=)
+_PLAN_KEYWORDS = tuple(name for name in PLAN_FIELDS if name != "align") + AUDIO_FIELDS
+
+
+def _check_audio_family(audio_budget, vlm) -> None:
+    """``ValueError`` for an ``audio_budget`` without an omni family (one with ``audio_lengths``) as ``vlm``."""
+    if audio_budget is None or callable(getattr(vlm, "audio_lengths", None)):
+        return
+    got = "no vlm=" if vlm is None else f"vlm= of model_type {getattr(vlm, 'model_type', type(vlm).__name__)!r}"
+    raise ValueError(f"audio_budget needs vlm=, an omni thinker's family (thdpack.vlm.get_family(thinker_config): "
+                     f"qwen2_5_omni_thinker, qwen3_omni_moe_thinker) to count each sample's audio frames; got {got}")
 
 
 def _share_fields(share_prefix, min_prefix_len, group_field, layout: BatchLayout, sp_size) -> str | None:

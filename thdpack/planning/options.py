@@ -6,7 +6,7 @@
 (:func:`plan_options` builds it) and hold the one they built (``.options``). Per-sample data
 (``lengths``, ``vision_lengths``, ``audio_lengths``, ``groups``) is not an option: it is passed beside them.
 
-``audio_budget`` is planned by :func:`thdpack.plan_packs` alone for now: every other owner
+``audio_budget`` is planned by :func:`thdpack.plan_packs` and :class:`thdpack.ThdCollator` alone for now: every other owner
 (:data:`AUDIO_PLANNERS` lists those that take it) refuses it with a one-line ``ValueError``. It is
 not among :data:`PLAN_FIELDS` (the keywords every planner takes), and :meth:`PlanOptions.keywords`
 holds it only when set, so options without audio are what they were.
@@ -21,7 +21,7 @@ from thdpack.common.align import check_int
 from thdpack.planning.packing import check_overflow, usable_length
 
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
-AUDIO_PLANNERS = ("plan_packs",)  # the owners that plan with an audio_budget
+AUDIO_PLANNERS = ("plan_packs", "ThdCollator")  # the owners that plan with an audio_budget
 
 
 @dataclass(frozen=True)
