@@ -58,23 +58,6 @@ class AudioBuild:
         return audio_tokens(self.rope, np.asarray(frames, np.int64))
 
 
-class OmniFamilyView:
-    """An omni family as the VLM build reads a family: its attributes, and ``vision_start_token_id`` from its
-    TMRoPE constants (the shared VLM row tokenizer and metadata read it there)."""
-
-    VIDEO_FRAMES_ARE_ITEMS = False  # Qwen2.5-Omni's processor: one run per video
-
-    def __init__(self, family):
-        self._family = family
-
-    def __getattr__(self, name):
-        return getattr(self._family, name)
-
-    @property
-    def vision_start_token_id(self) -> int:
-        return self._family.rope.vision_start_token_id
-
-
 def audio_build(opts, model_config: dict, family) -> AudioBuild | None:
     """The :class:`AudioBuild` of the vision options ``opts`` for an omni ``model_config``; None for another
     family, or an omni one without ``audio_processor`` (rows with an audios field then fail the set-up)."""

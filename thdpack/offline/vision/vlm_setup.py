@@ -200,10 +200,9 @@ def vlm_build(opts, model_config: dict | None, source) -> VlmBuild | None:
             raise ConfigError(f"image processor {k}={got[k]} but model_config's vision_config.{k}={v}")
     end = config_first(model_config, ("vision_end_token_id", "text_config.vision_end_token_id"),
                        _DEFAULT_VISION_END.get(family.model_type, _DEFAULT_VISION_END_ID))
-    from thdpack.offline.vision.omni_audio import OMNI_TYPES, OmniFamilyView, audio_build
+    from thdpack.offline.vision.omni_audio import audio_build
 
     audio = audio_build(opts, model_config, family)
-    family = OmniFamilyView(family) if family.model_type in OMNI_TYPES else family
     row_dirs = [_file_dir(opts, f) for f in source.files]
     from thdpack.offline.vision.video import VideoOptions
     from thdpack.offline.vision.video_processor import resolve_backend

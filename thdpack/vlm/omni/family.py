@@ -50,6 +50,7 @@ class OmniThinker:
 
     MODEL_TYPES = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "qwen2_5_omni", "qwen3_omni_moe")
     USES_SECOND_PER_GRID_TS = False  # the thinker's name for it is video_second_per_grid, read here
+    VIDEO_FRAMES_ARE_ITEMS = False  # Qwen-Omni's processors: one vision run per video
 
     model_type: str
     rope: OmniRopeConfig
