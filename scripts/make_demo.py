@@ -2,10 +2,14 @@
 
     python scripts/make_demo.py data --output demo/chat.jsonl [--num-samples 4000] [--seed 0] [--kind chat|text]
     python scripts/make_demo.py tokenizer [--output thdpack/demo/tokenizer] [--vocab-size 3072]
+    python scripts/make_demo.py omni --output demo/omni [--num-samples 24] [--seed 0]
 
 ``data`` writes seeded synthetic rows (see ``thdpack/demo/synthetic.py``) as JSON Lines;
 ``configs/demo.yaml`` does not need the file (it generates the same rows in memory),
 but other tools and tests can read it.
+
+``omni`` writes the omni demo (``thdpack/demo/omni_demo.py``: generated tones, rows with ``<audio>`` markers, a
+tokenizer with the thinker's tokens, a feature extractor, a tiny thinker config and ``build.yaml``).
 
 ``tokenizer`` trains a byte-level BPE tokenizer with the ``tokenizers`` library on
 generated chat and text rows and writes ``tokenizer.json`` and
@@ -94,8 +98,17 @@ def main(argv=None) -> None:
     t = sub.add_parser("tokenizer", help="train the demo tokenizer")
     t.add_argument("--output", type=Path, default=ROOT / "thdpack" / "demo" / "tokenizer")
     t.add_argument("--vocab-size", type=int, default=3072)
+    o = sub.add_parser("omni", help="write the omni demo (audio rows, its build.yaml)")
+    o.add_argument("--output", required=True, type=Path)
+    o.add_argument("--num-samples", type=int, default=24)
+    o.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.cmd == "data":
+    if args.cmd == "omni":
+        from thdpack.demo.omni_demo import write_omni_demo
+
+        config = write_omni_demo(args.output, args.num_samples, args.seed)
+        print(f"wrote the omni demo; build it with thdpack build --config {config}")
+    elif args.cmd == "data":
         path = write_jsonl(generate_rows(args.num_samples, args.seed, args.kind), args.output)
         print(f"wrote {args.num_samples} {args.kind} rows to {path}")
     else:

@@ -187,11 +187,11 @@ def omni_cfg(d, **kw) -> BuildConfig:
     return BuildConfig(**{**base, **kw})
 
 
-def reference(d, rows) -> list[dict]:
+def reference(d, rows, tok: str = "tok", proc: str = "proc") -> list[dict]:
     """Samples built without thdpack.offline: the extractor as the processor calls it, markers expanded
     by the model's rule, transformers' chat template."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(d / "tok"), local_files_only=True)
-    fe = transformers.WhisperFeatureExtractor.from_pretrained(str(d / "proc"), local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d / tok), local_files_only=True)
+    fe = transformers.WhisperFeatureExtractor.from_pretrained(str(d / proc), local_files_only=True)
     out = []
     for row in rows:
         clips = []
@@ -306,3 +306,30 @@ def test_omni_build_audio_budget(tmp_path, omni):
     dropped = build_packed(omni_cfg(omni, input=str(path), pack_size=1024, audio_budget=100, overflow="drop"),
                            tmp_path / "d", progress=False)
     assert dropped.metadata["audio"]["clips"] == 6  # the rows of 150 frames (two clips) dropped
+
+
+def test_the_omni_demo_builds_and_loads_as_built_online(tmp_path):
+    """``scripts/make_demo.py omni`` (thdpack/demo/omni_demo.py): generated tones, a local feature extractor and a tiny
+    thinker config; ``thdpack build --config build.yaml`` packs under its audio_budget, and every loaded pack
+    collates to what build_thd_batch(vlm=get_family(cfg)) makes of the same rows built online."""
+    from thdpack.cli import main
+    from thdpack.demo.omni_demo import AUDIO_BUDGET, write_omni_demo
+
+    config = write_omni_demo(tmp_path / "demo", num_samples=12, seed=1)
+    demo = config.parent
+    assert main(["build", "--config", str(config), "--output", str(tmp_path / "out")]) == 0
+    rows = [json.loads(line) for line in (demo / "data.jsonl").read_text().splitlines()]
+    assert any(r.get("audios") for r in rows) and any(not r.get("audios") for r in rows)
+    cfg = json.loads((demo / "model" / "config.json").read_text())
+    ds = load_packed(tmp_path / "out")
+    assert ds.metadata["audio"]["audio_budget"] == AUDIO_BUDGET
+    refs, family, collate, seen = reference(demo, rows, "tokenizer", "feature_extractor"), get_family(cfg), ds.collator(), []
+    for k in range(len(ds)):
+        row = ds[k]
+        assert int(np.asarray(row["audio_frames"]).sum()) <= AUDIO_BUDGET
+        batch = collate(row)
+        seen += batch.sample_index.tolist()
+        want = build_thd_batch([refs[r] for r in batch.sample_index.tolist()], vlm=family)
+        same_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
+        assert torch.equal(batch.token_extras["mrope_position_ids"], want.token_extras["mrope_position_ids"])
+    assert sorted(seen) == list(range(len(rows)))
