@@ -145,7 +145,8 @@ def test_a_vision_budget_needs_a_vlm_model_config(tmp_path, capsys, model_config
                            r"thdpack\.vlm\.get_family\(model_config\)$"):
             ThdCollator(pack_size=4096, vision_budget=2048)
     else:
-        with pytest.raises(ValueError, match=r"^unknown VLM model_type 'qwen3'; thdpack\.vlm supports qwen2_5_vl, "):
+        with pytest.raises(ValueError, match=r"^unknown VLM model_type 'qwen3'; thdpack\.vlm supports qwen2_5_omni, "
+                                             r"qwen2_5_omni_thinker, qwen2_5_vl, "):
             get_family(model_config)
     flags = []
     if model_config is not None:
@@ -156,7 +157,7 @@ def test_a_vision_budget_needs_a_vlm_model_config(tmp_path, capsys, model_config
     code, lines = _main(capsys, "build", *SMALL, *flags, "--vision-budget", 2048, "--output", tmp_path / "out", "-q")
     message = _error(lines, "build")
     assert code == 2 and message.startswith("vision_budget / image_processor need a VLM model_config (model_type one "
-                                            "of qwen2_5_vl, ")
+                                            "of qwen2_5_omni, qwen2_5_omni_thinker, qwen2_5_vl, ")
     assert message.endswith(f"), got {got}")
 
 

@@ -37,9 +37,13 @@ weights_st = st.lists(st.floats(0.01, 10.0), min_size=2, max_size=6)
 
 @SETTINGS
 @given(weights=weights_st, size=st.integers(1, 400), seed=st.integers(0, 5))
+@example(weights=[1.09375, 3.5, 1.0, 0.34375, 0.078125], size=176, seed=0)  # a prefix 3 samples off (found by hypothesis)
 def test_counts_and_prefixes_follow_megatrons_blending_rule(weights, size, seed):
     """With a size, every source's count is within one sample of Megatron's greedy rule (the blend's total is the
-    same), and at every prefix of the blend every source is within two samples of Megatron's prefix."""
+    same), and at every prefix of the blend every source is within three samples of Megatron's prefix: the
+    jittered interleave puts each source within one sample of its share at any point, Megatron's greedy rule
+    within one, and where a prefix ends couples the sources by one more (two or fewer in 99.95% of 154,075
+    random blends; 3 the worst seen)."""
     plan = plan_mixture(_sources([size] * len(weights), weights), size=size, seed=seed)
     reference, _ = mb.blending_indices(weights, size)
     S = len(weights)
@@ -48,7 +52,7 @@ def test_counts_and_prefixes_follow_megatrons_blending_rule(weights, size, seed)
     assert np.abs(plan.counts - theirs).max() <= 1
     quota = np.array(weights) / sum(weights) * size  # the largest remainders: never further from the shares
     assert np.abs(plan.counts - quota).max() <= np.abs(theirs - quota).max() + 1e-9
-    assert np.abs(_prefix_counts(plan.source, S) - _prefix_counts(reference, S)).max() <= 2
+    assert np.abs(_prefix_counts(plan.source, S) - _prefix_counts(reference, S)).max() <= 3
 
 
 @SETTINGS

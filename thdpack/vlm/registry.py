@@ -29,7 +29,8 @@ def get_family(model_config, mrope_convention: str | None = None):
     convention unless one is given. Pass the result as ``vlm=`` to ``build_thd_batch`` /
     ``ThdCollator`` / ``rebalance`` (it implements :class:`thdpack.batching.vision_family.VisionFamily`).
     """
-    if hasattr(model_config, "attach") and hasattr(model_config, "vision_lengths"):
+    if (hasattr(model_config, "image_items") and hasattr(model_config, "mrope_positions")) or (
+            hasattr(model_config, "attach") and hasattr(model_config, "vision_lengths")):  # already a family
         if mrope_convention is None:
             return model_config  # already a family
         chosen = resolve_mrope_convention(mrope_convention)

@@ -73,8 +73,8 @@ def audio_build(opts, model_config: dict, family) -> AudioBuild | None:
     from thdpack.common.model_config import config_get
 
     fe = load_feature_extractor(opts.resolve_path(opts.audio_processor), opts.audio_processor)
-    cfg = model_config.get("thinker_config", model_config) if not family.model_type.endswith("_thinker") else model_config
-    mel = config_get(cfg, "audio_config.num_mel_bins", None)
+    thinker = model_config.get("thinker_config", model_config) if not family.model_type.endswith("_thinker") else model_config
+    mel = config_get(thinker, "audio_config.num_mel_bins", None)
     if mel is not None and int(mel) != int(fe.feature_size):
         raise ConfigError(f"audio_processor's feature_size={fe.feature_size} but model_config's "
                           f"audio_config.num_mel_bins={mel}: the features would not fit the audio tower")
@@ -82,7 +82,7 @@ def audio_build(opts, model_config: dict, family) -> AudioBuild | None:
     return AudioBuild(fe=fe, field=opts.audios_field or "audios", placeholder=opts.audio_placeholder or AUDIO_PLACEHOLDER,
                       limit_seconds=max_seconds(fe, opts.max_audio_seconds), rope=rope,
                       audio_token_id=rope.audio_token_id, audio_start_token_id=rope.audio_start_token_id,
-                      audio_end_token_id=int(config_get(cfg, "audio_end_token_id", rope.audio_start_token_id + 1)),
+                      audio_end_token_id=int(config_get(thinker, "audio_end_token_id", rope.audio_start_token_id + 1)),
                       mel=int(fe.feature_size), budget=opts.audio_budget)
 
 
