@@ -333,3 +333,18 @@ def test_the_omni_demo_builds_and_loads_as_built_online(tmp_path):
         same_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
         assert torch.equal(batch.token_extras["mrope_position_ids"], want.token_extras["mrope_position_ids"])
     assert sorted(seen) == list(range(len(rows)))
+
+
+def test_a_video_in_an_omni_build_is_a_named_bad_row(tmp_path, omni):
+    """Videos are not stored with their video_second_per_grid (nor their audio) in omni builds yet: a row with one
+    is a bad row that says so, never a pack whose TMRoPE positions would be silently wrong."""
+    from thdpack.demo.videos import write_video
+
+    write_video(tmp_path / "clip.mp4", frames=4, fps=2, h=32, w=32)
+    ok = ROWS[0] | {"audios": [str(omni / "wav" / "0.wav")]}
+    video = {"messages": [{"role": "user", "content": "<video>What happens?"},
+                          {"role": "assistant", "content": "Nothing."}], "videos": [str(tmp_path / "clip.mp4")]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [ok, video]))
+    with pytest.raises(InputError, match=r"rows.jsonl:2: .*a video in an omni build: not supported yet"):
+        build_packed(omni_cfg(omni, input=str(path)), tmp_path / "x", progress=False)

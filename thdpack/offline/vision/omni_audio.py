@@ -133,6 +133,10 @@ class OmniRowTokenizer(VlmRowTokenizer):
         rows = table.column("__thdpack_row__").to_numpy()
         vision.audio = [None] * table.num_rows
         for i in range(table.num_rows):
+            if errors[i] is None and vision.videos[i] is not None:  # not silently: their positions need both
+                errors[i] = ("a video in an omni build: not supported yet (its video_second_per_grid and audio in "
+                             "video are not stored, so its TMRoPE positions would be wrong); build its rows "
+                             "without videos, or pack them online with build_thd_batch(vlm=get_family(...))")
             if errors[i] is not None:
                 continue
             try:
