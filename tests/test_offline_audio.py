@@ -187,9 +187,13 @@ def omni_cfg(d, **kw) -> BuildConfig:
     return BuildConfig(**{**base, **kw})
 
 
-def reference(d, rows, tok: str = "tok", proc: str = "proc") -> list[dict]:
+def _qwen2_5_tokens(frames: int) -> int:
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def reference(d, rows, tok: str = "tok", proc: str = "proc", audio_tokens=_qwen2_5_tokens) -> list[dict]:
     """Samples built without thdpack.offline: the extractor as the processor calls it, markers expanded
-    by the model's rule, transformers' chat template."""
+    by the model's rule (``audio_tokens``: Qwen2.5-Omni's by default), transformers' chat template."""
     tok = transformers.AutoTokenizer.from_pretrained(str(d / tok), local_files_only=True)
     fe = transformers.WhisperFeatureExtractor.from_pretrained(str(d / proc), local_files_only=True)
     out = []
@@ -199,8 +203,7 @@ def reference(d, rows, tok: str = "tok", proc: str = "proc") -> list[dict]:
             samples, _ = load_clip(p, d, 16000)  # PyAV decoding, checked against `wave` above
             enc = fe(samples, sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="pt")
             clips.append(enc["input_features"][0, :, : int(enc["attention_mask"].sum())])
-        runs = iter("<|audio_bos|>" + "<|AUDIO|>" * (((c.shape[1] - 1) // 2 + 1 - 2) // 2 + 1) + "<|audio_eos|>"
-                    for c in clips)
+        runs = iter("<|audio_bos|>" + "<|AUDIO|>" * audio_tokens(c.shape[1]) + "<|audio_eos|>" for c in clips)
 
         def sub(text):
             parts = text.split("<audio>")
@@ -348,3 +351,43 @@ def test_a_video_in_an_omni_build_is_a_named_bad_row(tmp_path, omni):
     path.write_text("".join(json.dumps(r) + "\n" for r in [ok, video]))
     with pytest.raises(InputError, match=r"rows.jsonl:2: .*a video in an omni build: not supported yet"):
         build_packed(omni_cfg(omni, input=str(path)), tmp_path / "x", progress=False)
+
+
+def test_a_qwen3_omni_build_packs_equal_build_thd_batch(tmp_path, omni):
+    """A Qwen3-Omni-MoE thinker's build: markers expanded by its own length rule (13 tokens per 100-frame chunk),
+    clips of 100 frames or more (its tower is exact on them in any pack: docs/omni.md); the loaded packs equal
+    build_thd_batch of the same samples built online, TMRoPE rows included."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    cfg = transformers.Qwen3OmniMoeThinkerConfig(
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=MEL,
+                          output_dim=64, max_source_positions=64, n_window=50, n_window_infer=800,
+                          downsample_hidden_size=8, conv_chunksize=500),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           in_channels=3),
+        text_config=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=3080, head_dim=16),
+        audio_token_id=AUD, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
+        audio_start_token_id=ABOS, audio_end_token_id=AEOS, position_id_per_seconds=25).to_dict()
+    (tmp_path / "model3").mkdir()
+    (tmp_path / "model3" / "config.json").write_text(json.dumps(cfg))
+    write_wav(tmp_path / "long.wav", 16000, 1.5, freq=330)
+    rows = [ROWS[0] | {"audios": [str(omni / "wav" / "1.wav")]}, ROWS[1],
+            ROWS[2] | {"audios": [str(omni / "wav" / "1.wav"), str(tmp_path / "long.wav")]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = build_packed(omni_cfg(omni, input=str(path), model_config=str(tmp_path / "model3"), pack_size=256),
+                       tmp_path / "out", progress=False)
+    assert res.metadata["vision"]["model_type"] == "qwen3_omni_moe_thinker" and res.metadata["audio"]["clips"] == 3
+    refs = reference(omni, rows, audio_tokens=lambda n: int(_get_feat_extract_output_lengths(torch.tensor([n]), 50)))
+    family, ds, seen = get_family(cfg), load_packed(res.path), []
+    collate = ds.collator()
+    for k in range(len(ds)):
+        batch = collate(ds[k])
+        seen += batch.sample_index.tolist()
+        want = build_thd_batch([refs[r] for r in batch.sample_index.tolist()], vlm=family)
+        same_kwargs(to_hf_kwargs(batch), to_hf_kwargs(want))
+        assert torch.equal(batch.token_extras["mrope_position_ids"], want.token_extras["mrope_position_ids"])
+    assert sorted(seen) == [0, 1, 2]
