@@ -419,76 +419,55 @@ def vision_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack
     """Checked ``[n]`` int64 vision patches (None without a vision budget); raises for
     samples that break the vision budget, or that would have to be cut, unless dropped.
     ``vision_budget``, ``overflow``, ``pack_size``: as in a valid :class:`PlanOptions`."""
-    if (vision_lengths is None) != (vision_budget is None):
-        raise ValueError("vision_lengths and vision_budget go together: pass both or neither")
-    if vision_lengths is None:
-        return None
-    vision = np.asarray(vision_lengths)
-    if vision.ndim != 1 or vision.size != lengths.size:
-        raise ValueError(f"vision_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {vision.shape}")
-    if vision.size and vision.dtype.kind not in "iu":
-        raise ValueError(f"vision_lengths must be integers, got dtype {vision.dtype}")
-    vision = vision.astype(np.int64, copy=False)
-    bad = np.flatnonzero(vision < 0)
-    if bad.size:
-        i = int(bad[0])
-        raise SampleError.at(i, f" has negative vision length {int(vision[i])}")
-    if overflow == "drop":
-        return vision
-    too_many = np.flatnonzero(vision > vision_budget)
-    if too_many.size:
-        i = int(too_many[0])
-        raise SampleError.at(
-            i, f" has {int(vision[i])} vision patches, more than vision_budget={vision_budget}; "
-            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise vision_budget."
-        )
-    cut = np.flatnonzero(over & (vision > 0))
-    if cut.size and overflow in ("truncate", "split"):
-        i = int(cut[0])
-        raise SampleError.at(
-            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(vision[i])} "
-            f"vision patches: a VLM sample cannot be {overflow} (its placeholders must match its grids). "
-            "Use overflow='drop' or raise pack_size."
-        )
-    return vision
+    return _budget_overflow(lengths, over, vision_lengths, vision_budget, overflow, pack_size, name="vision",
+                            unit="vision patches", whole="a VLM sample", why="its placeholders must match its grids")
 
 
 def audio_overflow(lengths, over, audio_lengths, audio_budget, overflow, pack_size) -> np.ndarray | None:
     """Checked ``[n]`` int64 audio frames (None without an audio budget), as :func:`vision_overflow`
     checks vision patches: raises for a sample over ``audio_budget`` (unless ``overflow="drop"``) or
     with audio that would have to be truncated or split (audio frames cannot be cut)."""
-    if (audio_lengths is None) != (audio_budget is None):
-        raise ValueError("audio_lengths and audio_budget go together: pass both or neither")
-    if audio_lengths is None:
+    return _budget_overflow(lengths, over, audio_lengths, audio_budget, overflow, pack_size, name="audio",
+                            unit="audio frames", whole="a sample with audio",
+                            why="its audio placeholders must match its frames")
+
+
+def _budget_overflow(lengths, over, values, budget, overflow, pack_size, *, name: str, unit: str, whole: str,
+                     why: str) -> np.ndarray | None:
+    """The one rule of a second or third budget (``name``: ``vision`` or ``audio``): ``values`` ``[n]`` checked
+    integers >= 0, or None without ``budget``; a sample over ``budget`` raises unless ``overflow="drop"``, and one
+    with ``values`` > 0 that ``truncate`` / ``split`` would cut raises (``whole`` is never cut: ``why``)."""
+    if (values is None) != (budget is None):
+        raise ValueError(f"{name}_lengths and {name}_budget go together: pass both or neither")
+    if values is None:
         return None
-    audio = np.asarray(audio_lengths)
-    if audio.ndim != 1 or audio.size != lengths.size:
-        raise ValueError(f"audio_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {audio.shape}")
-    if audio.size and audio.dtype.kind not in "iu":
-        raise ValueError(f"audio_lengths must be integers, got dtype {audio.dtype}")
-    audio = audio.astype(np.int64, copy=False)
-    bad = np.flatnonzero(audio < 0)
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.size != lengths.size:
+        raise ValueError(f"{name}_lengths must be 1-D with one entry per sample ({lengths.size}), got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}_lengths must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 0)
     if bad.size:
         i = int(bad[0])
-        raise SampleError.at(i, f" has negative audio length {int(audio[i])}")
+        raise SampleError.at(i, f" has negative {name} length {int(arr[i])}")
     if overflow == "drop":
-        return audio
-    too_many = np.flatnonzero(audio > audio_budget)
+        return arr
+    too_many = np.flatnonzero(arr > budget)
     if too_many.size:
         i = int(too_many[0])
         raise SampleError.at(
-            i, f" has {int(audio[i])} audio frames, more than audio_budget={audio_budget}; "
-            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise audio_budget."
+            i, f" has {int(arr[i])} {unit}, more than {name}_budget={budget}; "
+            f"{too_many.size} sample(s) are over. Use overflow='drop' or raise {name}_budget."
         )
-    cut = np.flatnonzero(over & (audio > 0))
+    cut = np.flatnonzero(over & (arr > 0))
     if cut.size and overflow in ("truncate", "split"):
         i = int(cut[0])
         raise SampleError.at(
-            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(audio[i])} "
-            f"audio frames: a sample with audio cannot be {overflow} (its audio placeholders must match its "
-            "frames). Use overflow='drop' or raise pack_size."
+            i, f" has {int(lengths[i])} tokens, more than pack_size={pack_size}, and {int(arr[i])} "
+            f"{unit}: {whole} cannot be {overflow} ({why}). Use overflow='drop' or raise pack_size."
         )
-    return audio
+    return arr
 
 
 def _placement_order_2d(sizes, vsizes, algorithm: str, seed: int, pack_size: int, vision_budget: int) -> np.ndarray:
