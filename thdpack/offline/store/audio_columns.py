@@ -16,7 +16,7 @@ import json
 import numpy as np
 
 from thdpack.offline.store.schema import row_list
-from thdpack.offline.store.vision_columns import VisionColumns
+from thdpack.offline.store.vision_columns import VisionColumns, whole_rows_column
 
 AUDIO_COLUMNS = ("input_features", "audio_frames", "audio_counts")
 FEATURE_EXTRACTOR_DIR = "feature_extractor"  # the feature extractor saved with the dataset
@@ -77,15 +77,8 @@ class AudioColumns(VisionColumns):
         rows = np.asarray(rows, dtype=np.int64)
         first = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=first[1:])
-        for name, reader, large in self.audio_readers:
-            lengths = reader.lengths[rows]  # rows with audio are never cut: whole rows
-            values = reader.gather(rows, np.zeros(rows.size, np.int64), lengths)
-            off = np.zeros(rows.size + 1, np.int64)
-            np.cumsum(lengths, out=off[1:])
-            if large:
-                columns.append(pa.LargeListArray.from_arrays(pa.array(off[first]), pa.array(values)))
-            else:
-                columns.append(pa.ListArray.from_arrays(pa.array(off[first].astype(np.int32)), pa.array(values)))
+        for _, reader, large in self.audio_readers:
+            columns.append(whole_rows_column(reader, rows, first, large)[0])
         columns.append(pa.ListArray.from_arrays(pa.array(first.astype(np.int32)),
                                                 pa.array(self.audio_readers[1][1].lengths[rows].astype(np.int32))))
         return columns

@@ -133,14 +133,8 @@ class VisionColumns:
         np.cumsum(counts, out=first[1:])  # first piece of each pack
         columns = []
         for name, reader, large, per in self.readers:
-            lengths = reader.lengths[rows]  # VLM rows are never cut: whole rows
-            values = reader.gather(rows, np.zeros(rows.size, np.int64), lengths)
-            off = np.zeros(rows.size + 1, np.int64)
-            np.cumsum(lengths, out=off[1:])
-            if large:
-                columns.append(pa.LargeListArray.from_arrays(pa.array(off[first]), pa.array(values)))
-            else:
-                columns.append(pa.ListArray.from_arrays(pa.array(off[first].astype(np.int32)), pa.array(values)))
+            column, lengths = whole_rows_column(reader, rows, first, large)
+            columns.append(column)
             if name.endswith("grid_thw"):  # image_counts / video_counts: images / videos of each piece
                 columns.append(pa.ListArray.from_arrays(pa.array(first.astype(np.int32)),
                                                         pa.array((lengths // per).astype(np.int32))))
@@ -179,3 +173,18 @@ def vision_metadata(vlm, token_table, piece_rows: np.ndarray, plan) -> dict:
         "image_processor": json.loads(vlm.processor.to_json_string()),
         "saved_processor": PROCESSOR_DIR,
     }
+
+
+def whole_rows_column(reader, rows: np.ndarray, first: np.ndarray, large: bool):
+    """``(column, lengths)``: the pack column of a row-list ``reader`` for input ``rows`` taken whole (rows with
+    vision or audio are never cut), one list per pack (``first``: int64 ``[packs + 1]`` each pack's first piece),
+    a ``LargeListArray`` where ``large``; and int64 ``[rows]`` each row's values."""
+    import pyarrow as pa
+
+    lengths = reader.lengths[rows]
+    values = reader.gather(rows, np.zeros(rows.size, np.int64), lengths)
+    off = np.zeros(rows.size + 1, np.int64)
+    np.cumsum(lengths, out=off[1:])
+    if large:
+        return pa.LargeListArray.from_arrays(pa.array(off[first]), pa.array(values)), lengths
+    return pa.ListArray.from_arrays(pa.array(off[first].astype(np.int32)), pa.array(values)), lengths
